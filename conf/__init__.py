@@ -1,0 +1,1 @@
+"""pcpflow's Hydra configs (installed as the package data ``pcpflow.conf``)."""

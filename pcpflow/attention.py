@@ -1,0 +1,195 @@
+"""Paged attention and the exact merge of partial attention results, in plain torch.
+
+``paged_attention`` is the reference kernel every forward stage calls: each query row
+reads its request's block table up to its context length, so causality (``position+1``)
+and DCP sharding (the rank-local count) are both just a context length here. Under DCP
+each rank returns a partial result with its log-sum-exp, and ``merge_attention_partials``
+combines the shards exactly.
+
+Rows are processed in *segments*: a run of consecutive rows of one request (a prefill
+chunk) is cut into segments of ``_SEGMENT_ROWS`` rows that share one gather of the
+request's keys; every other row (decodes, short runs) is a segment of its own. Segments
+are sorted by context length and processed in tiles sized from a memory budget, so there
+is no Python loop per token or per request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pcpflow.models.base import AttentionSpec
+
+_SEGMENT_ROWS = 32
+"""Rows of one request that share a key gather (runs shorter than this go row by row)."""
+
+_TILE_ELEMENTS = 1 << 20
+"""Rough bound on the elements a tile materializes (gathered entries + scores)."""
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    spec: AttentionSpec,
+    block_tables: torch.Tensor,
+    row_req_indices: torch.Tensor,
+    row_context_lens: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query row over its request's paged context.
+
+    Row ``n`` attends over entries ``j < row_context_lens[n]`` of block-table row
+    ``r = row_req_indices[n]``; entry ``j`` lives at slot
+    ``block_tables[r, j // block_size] * block_size + j % block_size`` of ``cache``
+    (``[num_slots, entry_dim]``). Returns ``out [N, H, v_dim]`` and ``lse [N, H]``, the
+    natural-log log-sum-exp of the scaled scores; rows with no context get ``out = 0``
+    and ``lse = -inf``.
+    """
+    num_rows, num_heads, qk_dim = q.shape
+    if (num_heads, qk_dim) != (spec.num_heads, spec.qk_dim):
+        raise ValueError(
+            f"q is [N, {num_heads}, {qk_dim}] but the spec wants "
+            f"[N, {spec.num_heads}, {spec.qk_dim}]"
+        )
+    if cache.dim() != 2 or cache.shape[1] != spec.entry_dim or cache.shape[0] % block_size:
+        raise ValueError(
+            f"cache is {list(cache.shape)}, want [num_blocks * {block_size}, {spec.entry_dim}]"
+        )
+    out = q.new_zeros(num_rows, num_heads, spec.v_dim)
+    lse = q.new_full((num_rows, num_heads), float("-inf"))
+    if num_rows == 0 or cache.shape[0] == 0 or block_tables.shape[-1] == 0:
+        return out, lse
+
+    row_req_indices = row_req_indices.to(device=q.device, dtype=torch.long)
+    row_context_lens = row_context_lens.to(device=q.device, dtype=torch.long)
+    block_tables = block_tables.to(device=q.device, dtype=torch.long)
+    blocked_cache = cache.reshape(-1, block_size, spec.entry_dim)
+    for seg_rows in _segments(row_req_indices, row_context_lens):
+        seg_block_tables = block_tables[row_req_indices[seg_rows.amax(1)]]
+        row_ctx = torch.where(seg_rows >= 0, row_context_lens[seg_rows.clamp(min=0)], 0)
+        _attend_segments(q, blocked_cache, spec, seg_block_tables, seg_rows, row_ctx, out, lse)
+    return out, lse
+
+
+def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Group rows into ``[num_segments, g]`` index matrices (``-1`` pads, at least one row
+    per segment): rows in runs of at least ``_SEGMENT_ROWS`` consecutive rows of one request
+    in segments of that many, every other row alone. Rows without context are left out
+    (their result is already final)."""
+    n = row_req_indices.shape[0]
+    device = row_req_indices.device
+    arange = torch.arange(n, device=device)
+    is_start = torch.ones(n, dtype=torch.bool, device=device)
+    is_start[1:] = row_req_indices[1:] != row_req_indices[:-1]
+    run_id = torch.cumsum(is_start.long(), 0) - 1
+    run_start = arange[is_start]
+    run_len = torch.diff(run_start, append=torch.tensor([n], device=device))
+    pos_in_run = arange - run_start[run_id]
+    has_context = row_context_lens > 0
+    in_long_run = (run_len[run_id] >= _SEGMENT_ROWS) & has_context
+
+    groups = []
+    singles = arange[has_context & ~in_long_run]
+    if singles.numel():
+        groups.append(singles[:, None])
+    long_rows = arange[in_long_run]
+    if long_rows.numel():
+        # NOTE: a segment per (run, block of _SEGMENT_ROWS positions); rows without
+        # context inside a long run leave a pad in their segment.
+        g = _SEGMENT_ROWS
+        key = run_id[long_rows] * (n // g + 1) + pos_in_run[long_rows] // g
+        seg_keys, seg_of_row = torch.unique(key, return_inverse=True)
+        seg_rows = torch.full((seg_keys.numel(), g), -1, dtype=torch.long, device=device)
+        seg_rows[seg_of_row, pos_in_run[long_rows] % g] = long_rows
+        groups.append(seg_rows)
+    return groups
+
+
+def _attend_segments(
+    q: torch.Tensor,
+    blocked_cache: torch.Tensor,
+    spec: AttentionSpec,
+    seg_block_tables: torch.Tensor,
+    seg_rows: torch.Tensor,
+    row_ctx: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Attend every segment (``seg_rows [S, g]``, ``-1`` pads; a segment's rows share one
+    request, whose block table is ``seg_block_tables[s]``; ``row_ctx [S, g]`` is each row's
+    context, 0 on pads) over ``blocked_cache [num_blocks, block_size, entry_dim]`` and write
+    the rows' results into ``out`` / ``lse``."""
+    num_kv_heads, num_heads = spec.num_kv_heads, spec.num_heads
+    group = num_heads // num_kv_heads
+    num_blocks, block_size, _ = blocked_cache.shape
+    g = seg_rows.shape[1]
+    valid_row = seg_rows >= 0
+    safe_rows = seg_rows.clamp(min=0)
+    seg_ctx, order = torch.sort(row_ctx.amax(1), descending=True)
+    # Sorted by context, each tile is padded to its first segment's context (in blocks).
+    ctx_list = seg_ctx.tolist()
+    per_key = g * num_heads * 2 + spec.entry_dim  # scores + probs + gathered entry
+    start = 0
+    while start < len(ctx_list):
+        ctx_blocks = min(-(-ctx_list[start] // block_size), seg_block_tables.shape[1])
+        ctx = ctx_blocks * block_size
+        tile = max(1, _TILE_ELEMENTS // (ctx * per_key))
+        idx = order[start : start + tile]
+        start += tile
+        t = idx.numel()
+
+        # NOTE: whole blocks are gathered (contiguous copies), slots past a row's context
+        # are masked; unused block-table entries (e.g. -1) are clamped, never read.
+        blocks = seg_block_tables[idx, :ctx_blocks].clamp(0, num_blocks - 1)
+        entries = blocked_cache[blocks].view(t, ctx, spec.entry_dim)
+        j = torch.arange(ctx, device=q.device)
+        # NOTE: slots past a segment's context were never written for it (they may hold
+        # NaN, another request's stale KV, anything): zero them, since a masked score
+        # still multiplies its value (0 * NaN = NaN).
+        written = j < row_ctx[idx].amax(1)[:, None]
+        entries = torch.where(written[:, :, None], entries, entries.new_zeros(()))
+        keys = spec.keys(entries).permute(0, 2, 3, 1)  # [t, kvh, qk_dim, ctx]
+        values = spec.values(entries).permute(0, 2, 1, 3)  # [t, kvh, ctx, v_dim]
+
+        qt = q[safe_rows[idx]].view(t, g, num_kv_heads, group, spec.qk_dim)
+        qt = qt.permute(0, 2, 1, 3, 4).reshape(t, num_kv_heads, g * group, spec.qk_dim)
+        scores = torch.matmul(qt, keys) * spec.scale  # [t, kvh, g*group, ctx]
+        mask = j < row_ctx[idx][:, :, None]  # [t, g, ctx]
+        mask = mask[:, None, :, None, :].expand(t, 1, g, group, ctx).reshape(t, 1, g * group, ctx)
+        scores = scores.masked_fill(~mask, float("-inf"))
+
+        m = scores.amax(-1, keepdim=True)
+        m = torch.where(m == float("-inf"), 0.0, m)  # rows without context: exp(-inf) = 0
+        p = torch.exp(scores - m)
+        s = p.sum(-1, keepdim=True)
+        # NOTE: s >= 1 whenever a row has context (its max term is exp(0)), so the clamp
+        # only turns 0/0 into 0 for rows without context.
+        o = torch.matmul(p, values) / s.clamp_min(torch.finfo(s.dtype).tiny)
+        row_lse = (m + torch.log(s)).squeeze(-1)  # [t, kvh, g*group]
+
+        o = o.view(t, num_kv_heads, g, group, spec.v_dim).permute(0, 2, 1, 3, 4)
+        row_lse = row_lse.view(t, num_kv_heads, g, group).permute(0, 2, 1, 3)
+        keep = valid_row[idx]
+        dest = seg_rows[idx][keep]
+        out[dest] = o.reshape(t, g, num_heads, spec.v_dim)[keep]
+        lse[dest] = row_lse.reshape(t, g, num_heads)[keep]
+
+
+def merge_attention_partials(
+    outs: torch.Tensor, lses: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over ``P`` disjoint key shards.
+
+    ``outs [P, N, H, Dv]`` and ``lses [P, N, H]`` -> ``out [N, H, Dv]``, ``lse [N, H]``.
+    Max-shifted, so any magnitude of lse is safe; shards with ``lse = -inf`` (no keys)
+    weigh nothing, and a row that no shard covers gets ``out = 0``, ``lse = -inf``.
+    """
+    if outs.shape[:-1] != lses.shape:
+        raise ValueError(f"outs {list(outs.shape)} does not match lses {list(lses.shape)}")
+    m = lses.amax(0)
+    m = torch.where(m == float("-inf"), 0.0, m)
+    w = torch.exp(lses - m)  # [P, N, H]; 0 for empty shards
+    s = w.sum(0)
+    # NOTE: where() rather than w * out, so that an empty shard's out never leaks a NaN.
+    weighted = torch.where(w[..., None] > 0, w[..., None] * outs, 0.0).sum(0)
+    out = weighted / s.clamp_min(torch.finfo(s.dtype).tiny)[..., None]
+    return out, m + torch.log(s)

@@ -1,0 +1,79 @@
+"""The global scheduled batch: what the (global, deterministic) scheduler emits each step.
+
+Every rank builds the identical ``GlobalBatch``; stages derive their rank-local views
+from it. Arrays are numpy (int64 / bool) so that planning stays free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One scheduler step, in batch order (R requests, T tokens).
+
+    Request ``i`` contributes tokens ``query_start_loc[i]:query_start_loc[i+1]`` at
+    positions ``num_computed_tokens[i] + arange(num_scheduled_tokens[i])``. A request may
+    be listed with 0 scheduled tokens (it is running but got no budget this step).
+    """
+
+    step: int
+    req_ids: np.ndarray  # int64 [R]: workload request id of each batch row
+    num_scheduled_tokens: np.ndarray  # int64 [R]: q
+    num_computed_tokens: np.ndarray  # int64 [R]: c (tokens already in the KV cache)
+    is_prefilling: np.ndarray  # bool [R]: the scheduled tokens are (still) prompt tokens
+    prompt_lens: np.ndarray  # int64 [R]: prompt length (incl. recomputed outputs)
+    input_ids: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int64 [R, max_blocks]; unused entries are 0
+    logits_indices: np.ndarray  # int64 [S]: global token rows whose logits are sampled
+    num_draft_tokens: np.ndarray  # int64 [R]: speculative tokens in this row (0 if none)
+    query_start_loc: np.ndarray = field(init=False)  # int64 [R+1]
+    positions: np.ndarray = field(init=False)  # int64 [T]
+    req_indices: np.ndarray = field(init=False)  # int64 [T]: batch row of each token
+
+    def __post_init__(self) -> None:
+        q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
+        qsl = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        req_indices = np.repeat(np.arange(len(q), dtype=np.int64), q)
+        offsets = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[req_indices]
+        positions = np.asarray(self.num_computed_tokens, dtype=np.int64)[req_indices] + offsets
+        object.__setattr__(self, "query_start_loc", qsl)
+        object.__setattr__(self, "req_indices", req_indices)
+        object.__setattr__(self, "positions", positions)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Context length of each request once this step's tokens are written."""
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+    @property
+    def logits_req_indices(self) -> np.ndarray:
+        """Batch row of each sampled logit."""
+        return self.req_indices[self.logits_indices]
+
+    def with_block_tables(self, block_tables: np.ndarray) -> GlobalBatch:
+        """The same batch over another KV layout (the single-rank reference's blocks)."""
+        return GlobalBatch(
+            step=self.step,
+            req_ids=self.req_ids,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            is_prefilling=self.is_prefilling,
+            prompt_lens=self.prompt_lens,
+            input_ids=self.input_ids,
+            block_tables=block_tables,
+            logits_indices=self.logits_indices,
+            num_draft_tokens=self.num_draft_tokens,
+        )

@@ -1,0 +1,297 @@
+"""``python -m pcpflow [overrides]``: the driver.
+
+1. Every job's config is composed and validated *before* Hydra starts anything (for a
+   multirun, every combination), so a bad value is one clear report and exit code 2,
+   with no rank started and no traceback.
+2. Hydra then runs the job(s): each composes, writes its frozen config and starts its
+   own ranks (``pcpflow.job``); a callback writes the sweep report.
+3. Under torchrun / srun (RANK and WORLD_SIZE set) this process *is* a rank: rank 0
+   composes and validates, broadcasts the config, and every rank runs the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
+
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
+                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version",
+                 "--shell-completion", "-sc", "--resolve"}
+
+
+def conf_dir() -> str:
+    """The installed ``pcpflow.conf`` package data, or ``conf/`` of a source checkout."""
+    try:
+        import pcpflow.conf as conf  # type: ignore[import-not-found]
+
+        return str(Path(conf.__file__).resolve().parent)
+    except ImportError:
+        return str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return torchrun_main(argv)
+    overrides, multirun, no_run = split_args(argv)
+    if not no_run:
+        try:
+            precheck(overrides, multirun)
+        except ConfigError as exc:
+            print(exc.report(), file=sys.stderr)
+            return EXIT_INVALID_CONFIG
+    return run_hydra(argv)
+
+
+def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(config overrides, is multirun, is a Hydra info command that runs no job)."""
+    overrides, skip = [], False
+    multirun = no_run = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            no_run |= flag in _NO_RUN_FLAGS
+            skip = flag in _FLAGS_WITH_VALUE and "=" not in arg
+        else:
+            overrides.append(arg)
+    return overrides, multirun, no_run
+
+
+# ---------------------------------------------------------------------------- precheck
+def precheck(overrides: list[str], multirun: bool) -> None:
+    """Compose and validate every job the command line describes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(
+            [o for o in overrides if not _is_hydra_override(o)]
+        )
+    except OverrideParseException as exc:
+        raise ConfigError([Problem("<command line>", " ".join(overrides), str(exc).strip())]) from None
+    choices: list[list[str]] = []
+    for o in parsed:
+        if o.is_sweep_override():
+            if not multirun:
+                raise ConfigError(
+                    [Problem(o.get_key_element(), o.get_value_element_as_str(), "a sweep of values needs -m / --multirun")]
+                )
+            choices.append([_override_line(o, v) for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    jobs = list(itertools.product(*choices)) or [()]
+    problems: list[Problem] = []
+    for job in jobs:
+        try:
+            validate_overrides(list(job))
+        except ConfigError as exc:
+            label = " ".join(job)
+            for p in exc.problems:
+                problems.append(Problem(f"[{label}] {p.field}" if len(jobs) > 1 else p.field, p.given, p.allowed))
+    if problems:
+        raise ConfigError(_dedupe(problems))
+
+
+def _override_line(o: Any, value: str) -> str:
+    prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
+    key = o.get_key_element()
+    return f"{prefix}{key}={value}"
+
+
+def _is_hydra_override(o: str) -> bool:
+    key = o.lstrip("+~").split("=", 1)[0]
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen, out = set(), []
+    for p in problems:
+        key = str(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def compose_raw(overrides: list[str], *, with_hydra: bool = False) -> dict[str, Any]:
+    """Compose conf/config.yaml with overrides into a plain dict (ConfigError on failure)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    _check_groups(overrides)
+    try:
+        with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
+            raw = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # Hydra/OmegaConf raise many types; all mean a bad override
+        raise ConfigError([_compose_problem(exc, overrides)]) from None
+    assert isinstance(raw, dict)
+    if not with_hydra:
+        raw.pop("hydra", None)
+    return raw
+
+
+def validate_overrides(overrides: list[str]) -> None:
+    from pcpflow.job import prepare_job
+
+    prepare_job(compose_raw(overrides))
+
+
+def _config_groups() -> dict[str, list[str]]:
+    root = Path(conf_dir())
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(root.iterdir())
+        if d.is_dir() and not d.name.startswith(("_", "."))
+    }
+
+
+def _check_groups(overrides: list[str]) -> None:
+    groups, problems = _config_groups(), []
+    for o in overrides:
+        key, sep, value = o.lstrip("+~").partition("=")
+        if sep and key in groups and value not in groups[key]:
+            problems.append(Problem(key, value, f"one of: {', '.join(groups[key])}"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _compose_problem(exc: Exception, overrides: list[str]) -> Problem:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    import re
+
+    m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
+    if m:
+        key = m.group(1)
+        given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), None)
+        from pcpflow.config import RunConfig
+
+        top = ", ".join(RunConfig.model_fields)
+        return Problem(
+            key,
+            given,
+            f"not a pcpflow setting (top-level settings: {top}; config groups: "
+            f"{', '.join(_config_groups())}); stage settings live under pipeline.<slot>",
+        )
+    return Problem("<command line>", " ".join(overrides), first)
+
+
+# ---------------------------------------------------------------------------- hydra run
+_EXIT_CODES: list[int] = []
+
+
+def run_hydra(argv: list[str]) -> int:
+    import hydra
+
+    _EXIT_CODES.clear()
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pcpflow", *argv]
+    try:
+        hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task)()
+    finally:
+        sys.argv = saved
+    return max(_EXIT_CODES, default=EXIT_OK)
+
+
+def _task(cfg: Any) -> int:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from pcpflow.job import run_job
+
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)
+    raw.pop("hydra", None)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    code = run_job(raw, run_dir)
+    _EXIT_CODES.append(code)
+    return code
+
+
+# ---------------------------------------------------------------------------- torchrun
+def torchrun_main(argv: list[str]) -> int:
+    """This process is one rank of an externally launched job."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from pcpflow.engine import run_rank
+    from pcpflow.job import prepare_job, write_result
+    from pcpflow.launch import write_frozen_config
+    from pcpflow.stage import load_stage_sources
+
+    overrides, multirun, _ = split_args(argv)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            if multirun:
+                raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
+            raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
+            cfg = prepare_job(raw)
+            if cfg.world_size != world:
+                raise ConfigError(
+                    [Problem("pcp", cfg.pcp, f"tp*pcp = {cfg.world_size} must equal the {world} ranks torchrun started")]
+                )
+            run_dir = _torchrun_run_dir(overrides)
+            write_frozen_config(cfg, run_dir)
+            payload = [{"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}]
+        except ConfigError as exc:
+            payload = [{"error": exc.report()}]
+    dist.broadcast_object_list(payload, src=0)
+    job = payload[0]
+    if "error" in job:
+        if rank == 0:
+            print(job["error"], file=sys.stderr)
+        dist.destroy_process_group()
+        return EXIT_INVALID_CONFIG
+    from pcpflow.config import parse_run_config
+
+    cfg = parse_run_config(job["config"])
+    load_stage_sources(cfg.plugins)
+    run_dir = Path(job["run_dir"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        sections = run_rank(cfg, run_dir)
+    except Exception as exc:
+        if rank == 0:
+            write_result(run_dir, {"status": "failed", "error": f"rank 0 failed: {type(exc).__name__}: {exc}",
+                                   "config": job["config"], "exit_code": 1})
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return EXIT_OK
+    from pcpflow.report import print_summary
+
+    verify = sections.get("verify") if sections else None
+    ok = verify is None or verify["passed"]
+    result = {"status": "ok" if ok else "failed", "exit_code": 0 if ok else 1, "config": job["config"],
+              **(sections or {}), "run_dir": str(run_dir), "launcher": "external (torchrun)"}
+    write_result(run_dir, result)
+    print_summary(result)
+    return result["exit_code"]
+
+
+def _torchrun_run_dir(overrides: list[str]) -> Path:
+    for o in overrides:
+        if o.startswith("hydra.run.dir="):
+            return Path(o.split("=", 1)[1])
+    raw = compose_raw([o for o in overrides if not _is_hydra_override(o)], with_hydra=True)
+    return Path(raw["hydra"]["run"]["dir"])

@@ -1,0 +1,120 @@
+"""Collectives with accounting.
+
+``Comm`` wraps one torch.distributed process group (or none: a group of one, where
+every collective is the identity, so the single-rank path is the same code). Every
+call names its *purpose* (``kv_gather``, ``restore``, ``dcp_query_gather`` ...) and
+adds to ``CommStats``: number of calls and bytes moved.
+
+Bytes moved are counted as the bytes each rank receives from *other* ranks, summed over
+the group (the traffic of an ideal point-to-point network):
+
+- all_gather of an ``n``-byte shard per rank: ``size * (size - 1) * n``
+- all_to_all of an ``n``-byte tensor per rank: ``(size - 1) * n``
+- broadcast of ``n`` bytes: ``(size - 1) * n``
+- all_reduce of ``n`` bytes (ring): ``2 * (size - 1) * n``
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Per-purpose call counts and bytes, for the current step and for the run."""
+
+    step_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    step_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    total_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    total_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    log: list[tuple[str, str, tuple[int, ...]]] | None = None  # (op, purpose, shape) if tracing
+
+    def add(self, op: str, purpose: str, nbytes: int, shape: tuple[int, ...]) -> None:
+        self.step_calls[purpose] += 1
+        self.step_bytes[purpose] += nbytes
+        if self.log is not None:
+            self.log.append((op, purpose, shape))
+
+    def end_step(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Close the step: return its (calls, bytes) and fold them into the totals."""
+        calls, nbytes = dict(self.step_calls), dict(self.step_bytes)
+        for k, v in calls.items():
+            self.total_calls[k] += v
+        for k, v in nbytes.items():
+            self.total_bytes[k] += v
+        self.step_calls.clear()
+        self.step_bytes.clear()
+        return calls, nbytes
+
+
+class Comm:
+    """One process group. ``group=None`` with ``size == 1`` is the single-rank group."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        size: int,
+        stats: CommStats | None = None,
+    ) -> None:
+        if group is None and size != 1:
+            raise ValueError(f"a Comm of size {size} needs a process group")
+        self.group = group
+        self.rank = rank
+        self.size = size
+        self.stats = stats
+
+    @classmethod
+    def solo(cls, stats: CommStats | None = None) -> Comm:
+        return cls(None, 0, 1, stats)
+
+    def _account(self, op: str, purpose: str, t: torch.Tensor, factor: int) -> None:
+        if self.stats is not None and self.size > 1:
+            nbytes = t.numel() * t.element_size() * factor
+            self.stats.add(op, purpose, nbytes, tuple(t.shape))
+
+    def all_gather(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along dim 0, in rank order."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        self._account("all_gather", purpose, t, self.size * (self.size - 1))
+        return out
+
+    def all_to_all(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Split ``t`` into ``size`` equal chunks along dim 0; chunk ``j`` goes to rank
+        ``j``; the result holds the chunks received, in source-rank order."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=self.group)
+        self._account("all_to_all", purpose, t, self.size - 1)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int, purpose: str) -> torch.Tensor:
+        """``src`` is a rank within this group."""
+        if self.size == 1:
+            return t
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast(t, src=global_src, group=self.group)
+        self._account("broadcast", purpose, t, self.size - 1)
+        return t
+
+    def all_reduce(self, t: torch.Tensor, purpose: str, op: str = "sum") -> torch.Tensor:
+        if self.size == 1:
+            return t
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(t, op=red, group=self.group)
+        self._account("all_reduce", purpose, t, 2 * (self.size - 1))
+        return t
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)

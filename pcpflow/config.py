@@ -1,0 +1,238 @@
+"""The run configuration: pydantic models, cross-field rules, one report of every problem.
+
+Hydra composes the YAML in the driver; everything after that sees a validated,
+frozen ``RunConfig`` built from plain containers (strict pydantic rejects OmegaConf
+nodes, so callers convert with ``OmegaConf.to_container(resolve=True)`` first).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pcpflow.errors import ConfigError, Problem
+from pcpflow.models import ModelConfig
+from pcpflow.workload import WorkloadConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DecodeConfig(_Strict):
+    mode: Literal["replicated", "sharded"] = Field(
+        "replicated",
+        description="replicated: every PCP rank holds every decode; sharded: each decode "
+        "lives on one rank",
+    )
+    assignment: Literal["round_robin", "balanced"] = Field(
+        "round_robin",
+        description="which rank owns each sharded decode: k-th decode on rank k mod P "
+        "(vLLM), or balanced by the context each decode reads",
+    )
+
+
+class SchedulerConfig(_Strict):
+    max_num_batched_tokens: int = Field(128, ge=1, description="token budget of one step")
+    max_num_seqs: int = Field(8, ge=1, description="most requests running at once")
+
+
+class KVConfig(_Strict):
+    block_size: int = Field(16, ge=1, description="KV slots per physical block")
+    num_blocks: int = Field(256, ge=1, description="physical blocks per rank and layer")
+    interleave: int = Field(
+        1, ge=1, description="DCP interleave: position p lives on DCP rank (p // I) % dcp"
+    )
+
+
+class VerifyConfig(_Strict):
+    logits_atol: float | None = Field(
+        None,
+        gt=0,
+        description="largest allowed |logit - reference logit| (and KV difference); "
+        "None: 1e-9 in float64, 1e-4 in float32",
+    )
+
+
+class OutputConfig(_Strict):
+    plots: bool = Field(True, description="write PNG plots next to result.json")
+    progress: bool = Field(True, description="show a progress bar on the console")
+
+
+class RunConfig(_Strict):
+    """Everything one pcpflow run needs; see conf/config.yaml for the defaults."""
+
+    pcp: int = Field(2, ge=1, description="prefill context parallel size (PCP ranks)")
+    dcp: int = Field(1, ge=1, description="decode context parallel size (KV shards)")
+    tp: int = Field(1, ge=1, description="tensor parallel size (only 1 is implemented)")
+    seed: int = Field(0, description="seed of model weights and synthetic workloads")
+    dtype: Literal["float32", "float64"] = Field("float64", description="model dtype")
+    verify: bool = Field(True, description="compare against the single-rank reference")
+    plugins: list[str] = Field(default_factory=list, description="modules with user stages")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if present")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="collective backend; auto: nccl on cuda, else gloo"
+    )
+    collective_timeout_s: float = Field(
+        60.0, gt=0, description="a collective waiting longer fails the job"
+    )
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    kv: KVConfig = Field(default_factory=KVConfig)
+    model: ModelConfig
+    workload: WorkloadConfig
+    draft: dict[str, Any] = Field(
+        default_factory=lambda: {"kind": "none"},
+        description="the draft stage's settings (draft=none|mtp|dspark|self)",
+    )
+    pipeline: dict[str, Any] = Field(
+        default_factory=dict,
+        description="stage of each slot ({kind: ...}) and `extra` user stages",
+    )
+    verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pcp
+
+    @property
+    def shard_decodes(self) -> bool:
+        return self.decode.mode == "sharded"
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int(self.draft.get("num_speculative_tokens", 0)) if self.draft_enabled else 0
+
+    @property
+    def draft_enabled(self) -> bool:
+        return self.draft_stage_config().get("kind", "none") != "none"
+
+    def draft_stage_config(self) -> dict[str, Any]:
+        """The draft slot's config: the ``draft`` group, with ``pipeline.draft`` on top."""
+        merged = dict(self.draft)
+        merged.update({k: v for k, v in (self.pipeline.get("draft") or {}).items() if v is not None})
+        return merged
+
+    @property
+    def logits_atol(self) -> float:
+        if self.verify_options.logits_atol is not None:
+            return self.verify_options.logits_atol
+        return 1e-9 if self.dtype == "float64" else 1e-4
+
+
+def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> list[Problem]:
+    """Turn pydantic errors into Problems named by dotted field path."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+        field = ".".join(filter(None, [prefix.rstrip("."), *loc])) or prefix or "<config>"
+        given = err.get("input")
+        if err["type"] == "extra_forbidden":
+            allowed = "not a setting here" + _known_keys_hint(model, loc)
+        elif err["type"] == "missing":
+            allowed = "this setting is required"
+            given = "<missing>"
+        else:
+            allowed = err["msg"]
+        problems.append(Problem(field, given, allowed))
+    return problems
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic puts the discriminator's value (e.g. 'tiny_mla') into the location of
+    # errors inside a tagged union; the user never typed it, so drop it.
+    return isinstance(part, str) and part in _UNION_TAGS
+
+
+_UNION_TAGS = {"tiny_mla", "tiny_gqa", "hf", "synthetic", "explicit", "trace"}
+
+
+def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
+    if model is None or not loc:
+        return ""
+    node: Any = model
+    for part in loc[:-1]:
+        fields = getattr(node, "model_fields", None)
+        if not fields or part not in fields:
+            return ""
+        node = fields[part].annotation
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return ""
+    keys = sorted(getattr(node, "model_fields", {}))
+    if not keys:
+        return ""
+    close = difflib.get_close_matches(loc[-1], keys, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; allowed keys: {', '.join(keys)}"
+
+
+def cross_field_problems(cfg: RunConfig) -> list[Problem]:
+    """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
+    pcpflow's own)."""
+    p: list[Problem] = []
+    if cfg.tp != 1:
+        p.append(Problem("tp", cfg.tp, "only tp=1 is implemented (tensor parallelism is future work)"))
+    if cfg.pcp > 1:
+        allowed = sorted({1, cfg.pcp, cfg.tp * cfg.pcp})
+        if cfg.dcp not in allowed:
+            p.append(Problem("dcp", cfg.dcp, f"with pcp={cfg.pcp}, tp={cfg.tp} dcp must be one of {allowed}"))
+    elif cfg.tp % cfg.dcp:
+        p.append(Problem("dcp", cfg.dcp, f"with pcp=1 dcp must divide tp={cfg.tp}"))
+    if cfg.kv.block_size % cfg.kv.interleave:
+        p.append(
+            Problem(
+                "kv.interleave",
+                cfg.kv.interleave,
+                f"must divide kv.block_size={cfg.kv.block_size}",
+            )
+        )
+    if cfg.decode.assignment == "balanced" and cfg.decode.mode != "sharded":
+        p.append(
+            Problem(
+                "decode.assignment",
+                "balanced",
+                "'balanced' places sharded decodes; use decode=sharded, or round_robin",
+            )
+        )
+    if cfg.backend == "nccl" and cfg.device == "cpu":
+        p.append(Problem("backend", "nccl", "nccl needs device=cuda (or auto on a GPU machine); use gloo"))
+    if cfg.device == "cuda" or cfg.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            field, given = ("device", "cuda") if cfg.device == "cuda" else ("backend", "nccl")
+            p.append(Problem(field, given, "no CUDA device is visible here; use device=cpu / backend=gloo"))
+        elif torch.cuda.device_count() < cfg.world_size and cfg.device != "cpu":
+            p.append(
+                Problem(
+                    "pcp",
+                    cfg.pcp,
+                    f"needs {cfg.world_size} GPUs (tp*pcp), {torch.cuda.device_count()} visible",
+                )
+            )
+    k = cfg.num_speculative_tokens
+    if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
+        p.append(
+            Problem(
+                "scheduler.max_num_batched_tokens",
+                cfg.scheduler.max_num_batched_tokens,
+                f"must hold a verify row of 1 + {k} speculative tokens",
+            )
+        )
+    return p
+
+
+def parse_run_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict; raise ConfigError listing every problem."""
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(pydantic_problems(exc, model=RunConfig)) from None
+    problems = cross_field_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

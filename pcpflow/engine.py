@@ -1,0 +1,190 @@
+"""One rank's run: schedule -> pipeline -> update, step after step, until the workload
+is done. Every rank runs this same loop on the same global batches; rank 0 also keeps
+the single-rank reference in lockstep (``verify``) and writes the metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pcpflow.comm import Comm, CommStats
+from pcpflow.config import RunConfig
+from pcpflow.context import DTYPES, RankContext, allocate_kv_caches, build_groups, pick_device
+from pcpflow.cp_attention import attention_work
+from pcpflow.kv_cache import KVCacheManager
+from pcpflow.metrics import MetricsRecorder
+from pcpflow.models import build_model
+from pcpflow.pipeline import Pipeline, resolve_pipeline
+from pcpflow.scheduler import Scheduler
+from pcpflow.state import StepState
+from pcpflow.verify import Verifier
+from pcpflow.workload import build_requests
+
+
+def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
+    """Run the workload on this rank; rank 0 returns the result sections
+    (``verify``, ``outputs``, ``requests``, ``metrics``), other ranks None.
+
+    torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1.
+    """
+    stats = CommStats()
+    if dist.is_initialized():
+        if dist.get_world_size() != cfg.world_size:
+            raise RuntimeError(
+                f"world size {dist.get_world_size()} != tp*pcp = {cfg.tp}*{cfg.pcp}"
+            )
+        world, pcp, dcp = build_groups(cfg, stats)
+    elif cfg.world_size == 1:
+        world, pcp, dcp = Comm.solo(stats), Comm.solo(stats), Comm.solo(stats)
+    else:
+        raise RuntimeError(f"pcp={cfg.pcp} needs torch.distributed with {cfg.world_size} ranks")
+    device, dtype = pick_device(cfg), DTYPES[cfg.dtype]
+    model = build_model(cfg.model, dtype=dtype, seed=cfg.seed, device=device)
+    requests = build_requests(cfg.workload, vocab_size=model.vocab_size, seed=cfg.seed)
+    scheduler = Scheduler(
+        requests,
+        max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp),
+        num_speculative_tokens=cfg.num_speculative_tokens,
+    )
+    ctx = RankContext(
+        config=cfg,
+        pcp=pcp,
+        dcp=dcp,
+        world=world,
+        device=device,
+        dtype=dtype,
+        model=model,
+        kv_caches=allocate_kv_caches(model, cfg.kv.num_blocks, cfg.kv.block_size, dtype, device),
+        stats=stats,
+    )
+    specs = resolve_pipeline(cfg)
+    pipeline = Pipeline(specs, ctx)
+    unaccounted_world = Comm(world.group, world.rank, world.size, None)
+    verifier = Verifier(cfg, ctx, specs, unaccounted_world) if cfg.verify else None
+    is_root = world.rank == 0
+    recorder = MetricsRecorder(
+        run_dir / "metrics.jsonl" if (is_root and run_dir is not None) else None,
+        pcp_size=pcp.size,
+        num_to_generate=sum(r.max_output_tokens for r in requests),
+    )
+    loop = _Loop(cfg, ctx, scheduler, pipeline, verifier, recorder)
+    t0 = time.perf_counter()
+    try:
+        loop.run()
+    finally:
+        recorder.close()
+    wall_s = time.perf_counter() - t0
+    if not is_root:
+        return None
+    req_rows = loop.request_rows(requests)
+    result: dict[str, Any] = {
+        "outputs": [scheduler.outputs().get(r.req_id, []) for r in requests],
+        "requests": req_rows,
+        "metrics": recorder.summary(req_rows, wall_s),
+    }
+    if verifier is not None:
+        result["verify"] = verifier.summary()
+    return result
+
+
+class _Loop:
+    def __init__(self, cfg, ctx, scheduler, pipeline, verifier, recorder) -> None:
+        self.cfg, self.ctx, self.scheduler = cfg, ctx, scheduler
+        self.pipeline, self.verifier, self.recorder = pipeline, verifier, recorder
+        self.clock = 0.0  # run clock: pipeline + scheduler time only (see metrics.py)
+        self.step_start: dict[int, float] = {}
+        self.step_end: dict[int, float] = {}
+        self.generated = 0
+
+    def run(self) -> None:
+        cfg, sched = self.cfg, self.scheduler
+        executed = 0
+        while not sched.done:
+            if cfg.max_steps is not None and executed >= cfg.max_steps:
+                break
+            step = sched.step
+            self.step_start[step] = self.clock
+            t0 = time.perf_counter()
+            batch = sched.schedule()
+            if batch is None:  # waiting for arrivals: an idle step
+                self.step_end[step] = self.clock
+                continue
+            state = self.pipeline(StepState(batch))
+            outcome = sched.update(batch, state.sampled_token_ids)
+            if state.draft_token_ids is not None:
+                sched.set_draft_tokens(batch, state.draft_token_ids)
+            step_s = time.perf_counter() - t0
+            self.clock += step_s
+            self.step_end[step] = self.clock
+            calls, nbytes = self.ctx.stats.end_step()
+            logit_diff = None
+            if self.verifier is not None:
+                logit_diff = self.verifier.step(state, outcome.finished_req_ids, outcome.freed_blocks)
+            self.generated += outcome.num_new_tokens
+            self.recorder.step(self._record(state, outcome, calls, nbytes, step_s, logit_diff))
+            executed += 1
+
+    def _record(self, state: StepState, outcome, calls, nbytes, step_s, logit_diff) -> dict[str, Any]:
+        b, layout, kv = state.batch, state.layout, self.cfg.kv
+        record = {
+            "step": b.step,
+            "num_reqs": b.num_reqs,
+            "num_tokens": b.num_tokens,
+            "num_prefill_tokens": int(b.num_scheduled_tokens[b.is_prefilling].sum()),
+            "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
+            "padded_num_tokens": layout.padded_num_tokens,
+            "per_rank_attention_work": attention_work(
+                layout, b.positions, dcp_size=self.ctx.dcp_size, interleave=kv.interleave
+            ).tolist(),
+            "collective_calls": calls,
+            "collective_bytes": nbytes,
+            "stage_s": state.timings,
+            "step_s": step_s,
+            "num_generated": self.generated,
+            "num_to_generate": self.recorder.num_to_generate,
+        }
+        proposed = int(np.sum(outcome.num_proposed))
+        if proposed:
+            record["draft_proposed"] = proposed
+            record["draft_accepted"] = int(np.sum(outcome.num_accepted))
+        if logit_diff is not None:
+            record["max_abs_logit_diff"] = logit_diff
+        return record
+
+    def request_rows(self, requests) -> list[dict[str, Any]]:
+        rows = []
+        timing = self.scheduler.request_timing()
+        for r in requests:
+            t = timing.get(r.req_id, {})
+            arrival, first, finish = t.get("arrival_step"), t.get("first_token_step"), t.get("finish_step")
+            n_out = len(self.scheduler.outputs().get(r.req_id, []))
+            ttft_s = ttft_steps = tpot_s = tpot_steps = None
+            if first is not None and arrival is not None:
+                ttft_steps = first - arrival + 1
+                ttft_s = self.step_end[first] - self.step_start[arrival]
+            if finish is not None and first is not None and n_out > 1:
+                tpot_steps = (finish - first) / (n_out - 1)
+                tpot_s = (self.step_end[finish] - self.step_end[first]) / (n_out - 1)
+            rows.append(
+                {
+                    "req_id": r.req_id,
+                    "prompt_len": len(r.prompt_token_ids),
+                    "output_len": n_out,
+                    "arrival_step": arrival,
+                    "first_token_step": first,
+                    "finish_step": finish,
+                    "ttft_steps": ttft_steps,
+                    "ttft_s": ttft_s,
+                    "tpot_steps": tpot_steps,
+                    "tpot_s": tpot_s,
+                }
+            )
+        return rows

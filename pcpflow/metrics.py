@@ -1,0 +1,129 @@
+"""Per-step metrics (``metrics.jsonl``) and the run summary (``result.json`` ``metrics``).
+
+Times come from a *run clock* that advances only by the pipeline and the scheduler, not
+by verification, so TTFT/TPOT and tokens/s describe the layout under test even with
+``verify=true``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+FRAMEWORK_STAGES = ("validate", "plan", "buffers", "slots")
+"""Stages that are pure bookkeeping (no model math, no collectives)."""
+
+
+class MetricsRecorder:
+    def __init__(self, path: Path | None, *, pcp_size: int, num_to_generate: int) -> None:
+        self.file: IO[str] | None = open(path, "w") if path is not None else None  # noqa: SIM115
+        self.pcp_size = pcp_size
+        self.num_to_generate = num_to_generate
+        self.num_steps = 0
+        self.num_tokens = 0
+        self.num_prefill_tokens = 0
+        self.per_rank_tokens = np.zeros(pcp_size, dtype=np.int64)
+        self.per_rank_padded_tokens = 0
+        self.per_rank_attention_work = np.zeros(pcp_size, dtype=np.int64)
+        self.step_token_imbalance: list[float] = []
+        self.stage_s: dict[str, float] = defaultdict(float)
+        self.collective_calls: dict[str, int] = defaultdict(int)
+        self.collective_bytes: dict[str, int] = defaultdict(int)
+        self.run_s = 0.0
+        self.draft_proposed = 0
+        self.draft_accepted = 0
+        self.draft_steps = 0
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Fold one step's record in and append it to metrics.jsonl."""
+        self.num_steps += 1
+        self.num_tokens += record["num_tokens"]
+        self.num_prefill_tokens += record["num_prefill_tokens"]
+        tokens = np.asarray(record["per_rank_tokens"])
+        self.per_rank_tokens += tokens
+        self.per_rank_padded_tokens += record["padded_num_tokens"]
+        self.per_rank_attention_work += np.asarray(record["per_rank_attention_work"])
+        if tokens.sum():
+            self.step_token_imbalance.append(float(tokens.max() / tokens.mean()))
+        for k, v in record["stage_s"].items():
+            self.stage_s[k] += v
+        for k, v in record["collective_calls"].items():
+            self.collective_calls[k] += v
+        for k, v in record["collective_bytes"].items():
+            self.collective_bytes[k] += v
+        self.run_s += record["step_s"]
+        self.draft_proposed += record.get("draft_proposed", 0)
+        self.draft_accepted += record.get("draft_accepted", 0)
+        self.draft_steps += 1 if record.get("draft_proposed", 0) else 0
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def summary(self, requests: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+        generated = sum(r["output_len"] for r in requests)
+        stage_total = sum(self.stage_s.values())
+        framework = sum(v for k, v in self.stage_s.items() if k in FRAMEWORK_STAGES)
+        out: dict[str, Any] = {
+            "num_steps": self.num_steps,
+            "num_tokens": self.num_tokens,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_generated_tokens": generated,
+            "per_rank_tokens": self.per_rank_tokens.tolist(),
+            "per_rank_attention_work": self.per_rank_attention_work.tolist(),
+            "balance": {
+                "tokens_max_over_mean": _max_over_mean(self.per_rank_tokens),
+                "attention_work_max_over_mean": _max_over_mean(self.per_rank_attention_work),
+                "mean_step_tokens_max_over_mean": float(np.mean(self.step_token_imbalance))
+                if self.step_token_imbalance
+                else 1.0,
+                "padding_fraction": 1.0
+                - self.per_rank_tokens.sum() / max(1, self.per_rank_padded_tokens * self.pcp_size),
+            },
+            "collective_bytes": dict(sorted(self.collective_bytes.items())),
+            "collective_calls": dict(sorted(self.collective_calls.items())),
+            "ttft": _latency([r["ttft_s"] for r in requests], [r["ttft_steps"] for r in requests]),
+            "tpot": _latency(
+                [r["tpot_s"] for r in requests if r["tpot_s"] is not None],
+                [r["tpot_steps"] for r in requests if r["tpot_steps"] is not None],
+            ),
+            "run_s": self.run_s,
+            "wall_s": wall_s,
+            "tokens_per_s": self.num_tokens / self.run_s if self.run_s else 0.0,
+            "generated_tokens_per_s": generated / self.run_s if self.run_s else 0.0,
+            "stage_s": dict(self.stage_s),
+            "framework_overhead_s": framework,
+            "framework_overhead_fraction": framework / stage_total if stage_total else 0.0,
+        }
+        if self.draft_proposed:
+            out["acceptance_rate"] = self.draft_accepted / self.draft_proposed
+            out["draft_proposed"] = self.draft_proposed
+            out["draft_accepted"] = self.draft_accepted
+            out["mean_accepted_per_step"] = self.draft_accepted / max(1, self.draft_steps)
+            out["draft_time_fraction"] = self.stage_s.get("draft", 0.0) / stage_total if stage_total else 0.0
+        return out
+
+
+def _max_over_mean(x: np.ndarray) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    return float(x.max() / x.mean()) if len(x) and x.mean() > 0 else 1.0
+
+
+def _latency(seconds: list[float], steps: list[float]) -> dict[str, float | None]:
+    if not seconds:
+        return {"mean_s": None, "p50_s": None, "p90_s": None, "mean_steps": None}
+    s = np.asarray(seconds)
+    return {
+        "mean_s": float(s.mean()),
+        "p50_s": float(np.percentile(s, 50)),
+        "p90_s": float(np.percentile(s, 90)),
+        "mean_steps": float(np.mean(steps)),
+    }

@@ -1,0 +1,90 @@
+"""What the engine needs from a model, and what a model gets from the engine.
+
+A model owns its weights and per-layer math. It never sees ranks, caches or slot
+mappings: each attention layer hands the engine its new cache entries and queries
+through an ``AttentionBackend`` and gets the attention output back. The backend does
+the PCP gather, the paged cache write, and the (possibly DCP-sharded) attention.
+
+Cache entries are one flat row per token per layer (``AttentionSpec.entry_dim`` wide):
+keys are ``entry[:, :num_kv_heads * qk_dim]`` viewed as ``[num_kv_heads, qk_dim]`` and
+values ``entry[:, v_offset : v_offset + num_kv_heads * v_dim]``. MLA stores the
+normalized latent plus the rope key (one "kv head", values = the latent, queries
+absorbed into latent space); GQA stores roped K then V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (1 for MLA's latent cache)
+    qk_dim: int  # per-head dim of queries and keys as the kernel sees them
+    v_dim: int  # per-head value dim
+    v_offset: int  # where values start inside a cache entry
+    entry_dim: int  # width of one cache entry
+    scale: float  # softmax scale applied to q.k
+
+    def keys(self, entries: torch.Tensor) -> torch.Tensor:
+        """``[..., entry_dim] -> [..., num_kv_heads, qk_dim]``."""
+        k = entries[..., : self.num_kv_heads * self.qk_dim]
+        return k.unflatten(-1, (self.num_kv_heads, self.qk_dim))
+
+    def values(self, entries: torch.Tensor) -> torch.Tensor:
+        """``[..., entry_dim] -> [..., num_kv_heads, v_dim]``."""
+        v = entries[..., self.v_offset : self.v_offset + self.num_kv_heads * self.v_dim]
+        return v.unflatten(-1, (self.num_kv_heads, self.v_dim))
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Write ``kv`` (``[N, entry_dim]``, this rank's rows) to layer ``layer``'s cache
+        and return the attention of ``q`` (``[N, num_heads, qk_dim]``) over each row's
+        context: ``[N, num_heads, v_dim]``."""
+        ...
+
+
+class CausalLM(nn.Module):
+    """Base of pcpflow models (tiny_mla, tiny_gqa, hf)."""
+
+    attn_spec: AttentionSpec
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(
+        cls, config, *, dtype: torch.dtype, seed: int, device: torch.device | str = "cpu"
+    ) -> CausalLM:  # pragma: no cover
+        """Build the model of ``config`` (its nested pydantic ``Config``); random weights
+        come from ``seed`` alone, so every dtype and device gets the same model."""
+        raise NotImplementedError
+
+    @classmethod
+    def vocab_size_of(cls, config) -> int:
+        """The vocabulary size of ``config``, without building the model."""
+        return int(config.vocab_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # pragma: no cover
+        """Returns the final *normed* hidden states ``[N, hidden]`` and the residual-stream
+        hidden states after each layer listed in ``aux_layers``."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        """``[S, hidden] -> [S, vocab]`` (the LM head on normed hidden states)."""
+        raise NotImplementedError

@@ -1,0 +1,122 @@
+"""Assemble a pipeline from the run config: one stage per slot, plus user extras.
+
+``pipeline.<slot>`` names each slot's stage (``{kind: ..., <its settings>}``); the draft
+slot takes the ``draft`` group with ``pipeline.draft`` on top. ``pipeline.extra`` adds
+user stages at a position: ``[{kind: my_pkg.probes:Probe, after: forward}, ...]``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from pcpflow.errors import MISSING, ConfigError, Problem
+from pcpflow.stage import (
+    SLOTS,
+    Stage,
+    StageConfig,
+    UnknownStageError,
+    build_config,
+    load_stage_sources,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from pcpflow.config import RunConfig
+    from pcpflow.context import RankContext
+    from pcpflow.state import StepState
+
+TARGET_SLOTS = tuple(s for s in SLOTS if s != "draft")
+"""The slots that compute the target model's step (the reference runs only these)."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # the slot, or "extra[i]:<kind>" for an inserted stage
+    cls: type[Stage]
+    config: StageConfig
+
+
+def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
+    """Every stage, in run order; raises ConfigError naming each bad field."""
+    problems: list[Problem] = []
+    try:
+        load_stage_sources(cfg.plugins)
+    except ImportError as exc:
+        name = getattr(exc, "name", None) or str(exc)
+        problems.append(Problem("plugins", cfg.plugins, f"cannot import {name!r}: {exc}"))
+        raise ConfigError(problems) from None
+
+    raw = cfg.pipeline
+    for key in raw:
+        if key not in (*SLOTS, "extra"):
+            problems.append(Problem(f"pipeline.{key}", raw[key], f"unknown slot; slots: {', '.join(SLOTS)}, extra"))
+    specs: list[StageSpec] = []
+    for slot in SLOTS:
+        if slot == "draft":
+            spec = _stage(slot, cfg.draft_stage_config(), "draft", cfg, problems)
+        else:
+            spec = _stage(slot, raw.get(slot), f"pipeline.{slot}", cfg, problems)
+        if spec is not None:
+            specs.append(spec)
+
+    for i, item in enumerate(raw.get("extra") or []):
+        where = f"pipeline.extra[{i}]"
+        if not isinstance(item, dict):
+            problems.append(Problem(where, item, "a mapping {kind: ..., after|before: <slot>}"))
+            continue
+        item = dict(item)
+        anchors = {k: item.pop(k) for k in ("after", "before") if k in item}
+        if len(anchors) != 1 or next(iter(anchors.values())) not in SLOTS:
+            problems.append(Problem(where, anchors or MISSING, f"exactly one of after/before: one of {', '.join(SLOTS)}"))
+            continue
+        spec = _stage(None, item, where, cfg, problems)
+        if spec is None:
+            continue
+        (side, anchor), = anchors.items()
+        spec = StageSpec(f"extra[{i}]:{spec.cls.kind}", spec.cls, spec.config)
+        pos = next(j for j, s in enumerate(specs) if s.name == anchor)
+        specs.insert(pos + (side == "after"), spec)
+    if problems:
+        raise ConfigError(problems)
+    return specs
+
+
+def _stage(slot: str | None, raw: Any, where: str, cfg: RunConfig, problems: list[Problem]) -> StageSpec | None:
+    if not isinstance(raw, dict) or not raw.get("kind"):
+        problems.append(Problem(f"{where}.kind", raw.get("kind", MISSING) if isinstance(raw, dict) else raw, "a stage kind is required"))
+        return None
+    try:
+        cls = resolve(str(raw["kind"]), slot)
+    except UnknownStageError as exc:
+        problems.append(Problem(f"{where}.kind", raw["kind"], str(exc)))
+        return None
+    try:
+        config = build_config(cls, raw)
+    except ValidationError as exc:
+        from pcpflow.config import pydantic_problems
+
+        problems.extend(pydantic_problems(exc, prefix=where, model=cls.Config))
+        return None
+    problems.extend(cls.check_run(config, cfg))
+    return StageSpec(slot or where, cls, config)
+
+
+class Pipeline:
+    """The instantiated stages of one rank; calling it runs one step."""
+
+    def __init__(self, specs: list[StageSpec], ctx: RankContext) -> None:
+        self.stages = [(spec.name, spec.cls(spec.config, ctx)) for spec in specs]
+
+    def __call__(self, state: StepState) -> StepState:
+        for name, stage in self.stages:
+            t0 = time.perf_counter()
+            state = stage(state)
+            state.timings[name] = time.perf_counter() - t0
+        return state
+
+    def stage(self, name: str) -> Stage:
+        return dict(self.stages)[name]

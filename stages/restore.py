@@ -1,0 +1,75 @@
+"""restore: back to the global batch, then greedy sampling on it.
+
+``all_rows`` all-gathers every rank's hidden states and indexes them with
+``hidden_restore_idx`` (vLLM's behaviour): the whole global batch is restored, which is
+what drafters that read every token's hidden state need. ``sampled_rows`` gathers only
+the rows that are sampled (the last token of each finishing prefill, every row of a
+decode): each rank sends the sampled rows it canonically holds, padded to the largest
+rank's count, so the restore moves ``P * max_rank_samples`` rows instead of ``P * N``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+from pcpflow.stage import Stage, StageConfig, register
+from pcpflow.state import StepState
+
+
+def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor) -> StepState:
+    """Logits of the sampled rows, and their argmax (ties go to the lowest token id)."""
+    state.sample_hidden = sample_hidden
+    with torch.no_grad():
+        state.logits = model.compute_logits(sample_hidden)
+    state.sampled_token_ids = state.logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
+    return state
+
+
+@register
+class AllRowsRestore(Stage):
+    kind = "all_rows"
+    slots = ("restore",)
+
+    class Config(StageConfig):
+        kind: Literal["all_rows"] = "all_rows"
+
+    def __call__(self, state: StepState) -> StepState:
+        layout, ctx = state.layout, self.ctx
+        assert layout is not None and state.hidden is not None
+        gathered = ctx.pcp.all_gather(state.hidden, "restore")
+        restore_idx = torch.from_numpy(layout.hidden_restore_idx).to(gathered.device)
+        state.restored_hidden = gathered.index_select(0, restore_idx)
+        logits_idx = torch.from_numpy(state.batch.logits_indices).to(gathered.device)
+        return sample_greedy(state, ctx.model, state.restored_hidden.index_select(0, logits_idx))
+
+
+@register
+class SampledRowsRestore(Stage):
+    kind = "sampled_rows"
+    slots = ("restore",)
+
+    class Config(StageConfig):
+        kind: Literal["sampled_rows"] = "sampled_rows"
+
+    def __call__(self, state: StepState) -> StepState:
+        layout, ctx, hidden = state.layout, self.ctx, state.hidden
+        assert layout is not None and hidden is not None
+        n, p = layout.padded_num_tokens, layout.pcp_size
+        holder = layout.hidden_restore_idx[state.batch.logits_indices]  # gathered row
+        holder_rank, holder_row = np.divmod(holder, n)
+        counts = np.bincount(holder_rank, minlength=p)
+        m = int(counts.max()) if len(holder) else 0
+        send = hidden.new_zeros((m, hidden.shape[1]))
+        mine = holder_row[holder_rank == ctx.pcp_rank]
+        send[: len(mine)] = hidden[torch.from_numpy(mine).to(hidden.device)]
+        gathered = ctx.pcp.all_gather(send, "restore")
+        # Sample i sits at its rank's block, after the earlier samples of that rank.
+        order = np.argsort(holder_rank, kind="stable")
+        within = np.empty_like(order)
+        within[order] = np.arange(len(order)) - np.searchsorted(holder_rank[order], holder_rank[order])
+        pick = torch.from_numpy(holder_rank * m + within).to(hidden.device)
+        state.restored_hidden = None
+        return sample_greedy(state, ctx.model, gathered.index_select(0, pick))
