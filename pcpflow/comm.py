@@ -51,6 +51,10 @@ class CommStats:
         return calls, nbytes
 
 
+# torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Comm:
     """One process group. ``group=None`` with ``size == 1`` is the single-rank group."""
 
@@ -83,7 +87,7 @@ class Comm:
             return t
         t = t.contiguous()
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t, group=self.group)
+        _all_gather_single(out, t, group=self.group)
         self._account("all_gather", purpose, t, self.size * (self.size - 1))
         return out
 

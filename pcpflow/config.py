@@ -59,6 +59,11 @@ class VerifyConfig(_Strict):
 class OutputConfig(_Strict):
     plots: bool = Field(True, description="write PNG plots next to result.json")
     progress: bool = Field(True, description="show a progress bar on the console")
+    save_logits: bool = Field(
+        False,
+        description="record every sampled logit row per request in result.json 'logits' "
+        "(for parity checks; large for big vocabularies)",
+    )
 
 
 class RunConfig(_Strict):

@@ -92,6 +92,8 @@ def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | No
     }
     if verifier is not None:
         result["verify"] = verifier.summary()
+    if cfg.output.save_logits:
+        result["logits"] = [loop.logits.get(r.req_id, []) for r in requests]
     return result
 
 
@@ -103,6 +105,7 @@ class _Loop:
         self.step_start: dict[int, float] = {}
         self.step_end: dict[int, float] = {}
         self.generated = 0
+        self.logits: dict[int, list[list[float]]] = {}  # req_id -> sampled rows (save_logits)
 
     def run(self) -> None:
         cfg, sched = self.cfg, self.scheduler
@@ -129,8 +132,16 @@ class _Loop:
             if self.verifier is not None:
                 logit_diff = self.verifier.step(state, outcome.finished_req_ids, outcome.freed_blocks)
             self.generated += outcome.num_new_tokens
+            if cfg.output.save_logits:
+                self._save_logits(state)
             self.recorder.step(self._record(state, outcome, calls, nbytes, step_s, logit_diff))
             executed += 1
+
+    def _save_logits(self, state: StepState) -> None:
+        rows = state.logits.to(torch.float64).cpu().tolist()
+        req_ids = state.batch.req_ids[state.batch.logits_req_indices].tolist()
+        for req_id, row in zip(req_ids, rows):
+            self.logits.setdefault(req_id, []).append(row)
 
     def _record(self, state: StepState, outcome, calls, nbytes, step_s, logit_diff) -> dict[str, Any]:
         b, layout, kv = state.batch, state.layout, self.cfg.kv

@@ -1,0 +1,120 @@
+"""Run pcpflow jobs from Python, for tests (pcpflow's own, and a plugin author's).
+
+``run(configs)`` runs each config's engine exactly as a job would — same stages, same
+collectives, same verification — but starts each world size's ranks only once and runs
+every config of that size inside them, so a matrix of dozens of configs costs a few
+process starts instead of dozens::
+
+    from pcpflow.testing import compose, run
+
+    cfgs = [compose(["pcp=2", f"decode={d}"]) for d in ("replicated", "sharded")]
+    for result in run(cfgs):
+        assert result["verify"]["passed"]
+
+Each result is rank 0's result sections (``verify``, ``outputs``, ``requests``,
+``metrics``). A rank that raises makes ``run`` raise with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pcpflow.config import RunConfig, parse_run_config
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The validated config of ``python -m pcpflow <overrides>`` (ConfigError if invalid)."""
+    from pcpflow.cli import compose_raw
+    from pcpflow.job import prepare_job
+
+    return prepare_job(compose_raw(list(overrides)))
+
+
+def run(configs: list[RunConfig], *, timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Rank 0's result of each config, in order (ranks started once per world size)."""
+    by_world: dict[int, list[int]] = defaultdict(list)
+    for i, cfg in enumerate(configs):
+        by_world[cfg.world_size].append(i)
+    results: list[dict[str, Any] | None] = [None] * len(configs)
+    for world_size, idx in by_world.items():
+        batch = [configs[i] for i in idx]
+        outs = _run_in_process(batch) if world_size == 1 else _run_spawned(batch, world_size, timeout_s)
+        for i, out in zip(idx, outs):
+            results[i] = out
+    return results  # type: ignore[return-value]
+
+
+def _run_in_process(configs: list[RunConfig]) -> list[dict[str, Any]]:
+    from pcpflow.engine import run_rank
+    from pcpflow.stage import load_stage_sources
+
+    outs = []
+    for cfg in configs:
+        load_stage_sources(cfg.plugins)
+        out = run_rank(cfg, None)
+        assert out is not None
+        outs.append(out)
+    return outs
+
+
+def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="pcpflow-test-") as tmp:
+        payload = [cfg.model_dump(mode="json") for cfg in configs]
+        out_path = Path(tmp) / "results.pkl"
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            mp.spawn(
+                _worker,
+                args=(world_size, _free_port(), payload, str(out_path), timeout_s),
+                nprocs=world_size,
+                join=True,
+            )
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        return pickle.loads(out_path.read_bytes())
+
+
+def _worker(rank: int, world_size: int, port: int, payload: list[dict], out_path: str, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from pcpflow.engine import run_rank
+    from pcpflow.stage import load_stage_sources
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        outs = []
+        for raw in payload:
+            cfg = parse_run_config(raw)
+            load_stage_sources(cfg.plugins)
+            outs.append(run_rank(cfg, None))
+        if rank == 0:
+            Path(out_path).write_bytes(pickle.dumps(outs))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
