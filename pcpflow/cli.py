@@ -81,11 +81,13 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     except OverrideParseException as exc:
         raise ConfigError([Problem("<command line>", " ".join(overrides), str(exc).strip())]) from None
     choices: list[list[str]] = []
+    swept: list[bool] = []
     for o in parsed:
+        swept.append(o.is_sweep_override())
         if o.is_sweep_override():
             if not multirun:
                 raise ConfigError(
-                    [Problem(o.get_key_element(), o.get_value_element_as_str(), "a sweep of values needs -m / --multirun")]
+                    [Problem(o.get_key_element(), o.input_line.split("=", 1)[-1], "a sweep of values needs -m / --multirun")]
                 )
             choices.append([_override_line(o, v) for v in o.sweep_string_iterator()])
         else:
@@ -96,7 +98,8 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         try:
             validate_overrides(list(job))
         except ConfigError as exc:
-            label = " ".join(job)
+            # A job is named by its swept values only: what tells it apart from the others.
+            label = " ".join(o for o, is_swept in zip(job, swept) if is_swept)
             for p in exc.problems:
                 problems.append(Problem(f"[{label}] {p.field}" if len(jobs) > 1 else p.field, p.given, p.allowed))
     if problems:

@@ -188,6 +188,7 @@ class _Loop:
                 {
                     "req_id": r.req_id,
                     "prompt_len": len(r.prompt_token_ids),
+                    "prompt_token_ids": r.prompt_token_ids.tolist(),
                     "output_len": n_out,
                     "arrival_step": arrival,
                     "first_token_step": first,

@@ -116,12 +116,22 @@ def load_stage_sources(plugins: list[str] | tuple[str, ...] = ()) -> None:
     global _SOURCES_LOADED
     if not _SOURCES_LOADED:
         importlib.import_module("stages")
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            loaded = ep.load()
-            if inspect.isclass(loaded) and issubclass(loaded, Stage):
-                register(loaded)
+        load_entry_points()
         _SOURCES_LOADED = True
     import_plugins(plugins)
+
+
+def load_entry_points() -> list[str]:
+    """Load the ``pcpflow.stages`` entry points of installed distributions: each names a
+    Stage class (registered here) or a module (whose ``@register`` calls run on import).
+    Returns the entry point names loaded."""
+    names = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        loaded = ep.load()
+        if inspect.isclass(loaded) and issubclass(loaded, Stage):
+            register(loaded)
+        names.append(ep.name)
+    return names
 
 
 def known_kinds(slot: str | None = None) -> list[str]:

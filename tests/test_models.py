@@ -15,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.attention import paged_attention
 from pcpflow.models import MODEL_CLASSES, ModelConfig, TinyGQA, TinyMLA, build_model
+from reference import reference_forward
 
 torch.set_num_threads(2)
 
@@ -82,72 +83,6 @@ def run_steps(model, cache, tokens, steps):
         for row, lg in enumerate(model.compute_logits(hidden)):
             logits[(int(req[row]), int(pos[row]))] = lg
     return logits
-
-
-def rms(x, w, eps):
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x, positions, theta):
-    """Rotate-half rotary embedding of x [N, heads, d], from the definition."""
-    d = x.shape[-1]
-    freqs = torch.tensor([theta ** (-2.0 * i / d) for i in range(d // 2)], dtype=torch.float64)
-    ang = positions.double()[:, None, None] * freqs
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
-
-
-def causal_attention(q, k, v, scale):
-    """q, k [N, H, d], v [N, H, dv] -> [N, H, dv], standard causal softmax attention."""
-    n = q.shape[0]
-    s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
-
-
-def reference_forward(model, ids):
-    """Dense, single-sequence forward written from the weights (MLA not absorbed).
-    Returns logits and the residual stream after each layer."""
-    c = model.config
-    pos = torch.arange(len(ids))
-    x = model.embed_tokens.weight[ids]
-    residuals = []
-    for layer in model.layers:
-        a = layer.self_attn
-        h = rms(x, layer.input_norm.weight, c.rms_norm_eps)
-        if c.name == "tiny_mla":
-            nope, rdim, vdim, nh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.num_heads
-            if c.q_lora_rank is None:
-                q = h @ a.q_proj.weight.T
-            else:
-                q = (
-                    rms(h @ a.q_a_proj.weight.T, a.q_a_norm.weight, c.rms_norm_eps)
-                    @ a.q_b_proj.weight.T
-                )
-            q = q.view(-1, nh, nope + rdim)
-            ckv = h @ a.kv_a_proj.weight.T
-            latent = rms(ckv[:, : c.kv_lora_rank], a.kv_a_norm.weight, c.rms_norm_eps)
-            k_pe = rope(ckv[:, None, c.kv_lora_rank :], pos, c.rope_theta).expand(-1, nh, -1)
-            kv = (latent @ a.kv_b_proj.weight.T).view(-1, nh, nope + vdim)
-            k = torch.cat([kv[..., :nope], k_pe], -1)
-            q = torch.cat([q[..., :nope], rope(q[..., nope:], pos, c.rope_theta)], -1)
-            o = causal_attention(q, k, kv[..., nope:], 1 / math.sqrt(nope + rdim))
-        else:
-            hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-            q = rope((h @ a.q_proj.weight.T).view(-1, nh, hd), pos, c.rope_theta)
-            k = rope((h @ a.k_proj.weight.T).view(-1, nkv, hd), pos, c.rope_theta)
-            v = (h @ a.v_proj.weight.T).view(-1, nkv, hd)
-            rep = nh // nkv
-            o = causal_attention(
-                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 1 / math.sqrt(hd)
-            )
-        x = x + o.flatten(1) @ a.o_proj.weight.T
-        h = rms(x, layer.post_attention_norm.weight, c.rms_norm_eps)
-        gate, up = (h @ layer.mlp.gate_up_proj.weight.T).chunk(2, -1)
-        x = x + (gate * torch.sigmoid(gate) * up) @ layer.mlp.down_proj.weight.T
-        residuals.append(x)
-    head = model.embed_tokens.weight if c.tie_word_embeddings else model.lm_head.weight
-    return rms(x, model.norm.weight, c.rms_norm_eps) @ head.T, residuals
 
 
 def random_tokens(seed, lens, vocab=256):

@@ -1,0 +1,90 @@
+"""Deliberate faults, to prove that verification and failure handling can fail a run.
+
+Each fault fires on one rank at one step; inserted with
+``+pipeline.extra=[{kind: pcpflow_test_plugins.faults:<Class>, after: <slot>, rank: R, step: S}]``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from pcpflow.stage import Stage, StageConfig, register
+from pcpflow.state import StepState
+
+
+class _FaultConfig(StageConfig):
+    rank: int = Field(0, ge=0, description="PCP rank the fault fires on")
+    step: int = Field(0, ge=0, description="scheduler step it fires at (first batch at or after it)")
+
+
+class _Fault(Stage):
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        self.fired = False
+
+    def _due(self, state: StepState) -> bool:
+        if self.fired or self.ctx.is_reference or self.ctx.pcp_rank != self.config.rank:
+            return False
+        if state.batch.step < self.config.step:
+            return False
+        self.fired = True
+        return True
+
+
+@register
+class MisplacedKVWrite(_Fault):
+    """After ``slots``: one token this rank writes lands one slot further on."""
+
+    kind = "test_misplaced_kv_write"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_misplaced_kv_write"] = "test_misplaced_kv_write"
+
+    def _due(self, state: StepState) -> bool:
+        return bool((state.attn.gathered_slot_mapping >= 0).any()) and super()._due(state)
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            sm = state.attn.gathered_slot_mapping
+            i = int(torch.nonzero(sm >= 0)[0])
+            sm[i] += 1
+        return state
+
+
+@register
+class PerturbedHidden(_Fault):
+    """After ``forward``: a sampled row that this rank canonically holds is off by 1e-3
+    (rows of replicated requests that another rank writes are never read, so
+    perturbing those must change nothing)."""
+
+    kind = "test_perturbed_hidden"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_perturbed_hidden"] = "test_perturbed_hidden"
+
+    def __call__(self, state: StepState) -> StepState:
+        layout, n = state.layout, state.layout.padded_num_tokens
+        held = layout.hidden_restore_idx[state.batch.logits_indices]
+        mine = held[held // n == self.ctx.pcp_rank] % n
+        if len(mine) and self._due(state):
+            state.hidden = state.hidden.clone()
+            state.hidden[int(mine[0])] += 1e-3
+        return state
+
+
+@register
+class Crash(_Fault):
+    """Anywhere: raises on one rank."""
+
+    kind = "test_crash"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_crash"] = "test_crash"
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            raise RuntimeError(f"injected failure on rank {self.ctx.pcp_rank} at step {state.batch.step}")
+        return state

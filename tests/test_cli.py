@@ -1,0 +1,296 @@
+"""The framework end to end, through the real command line: every shipped YAML composes
+and validates, bad input is one report with exit code 2 and nothing started, stages come
+from built-ins, entry points and plugins, a crashing rank ends the job, torchrun works,
+and a plain (non-editable) install finds its configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pcpflow.cli import _config_groups, compose_raw
+from pcpflow.errors import ConfigError
+from pcpflow.job import prepare_job
+from pcpflow.stage import known_kinds, load_entry_points, load_stage_sources, register, resolve
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+SMALL = ["workload.num_requests=3", "workload.output_len=[2,4]", "output.progress=false", "output.plots=false"]
+
+
+def pcpflow(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 240):
+    full_env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "pcpflow", *args],
+        cwd=cwd or REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_trace(path: Path, n: int = 4) -> Path:
+    lines = [
+        json.dumps({"timestamp": 100 * i, "input_length": 900 + 300 * i, "output_length": 300, "hash_ids": [i]})
+        for i in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------- configs
+def test_every_shipped_yaml_composes_and_validates(tmp_path):
+    needs = {("workload", "trace"): [f"workload.path={write_trace(tmp_path / 't.jsonl')}"]}
+    groups = _config_groups()
+    assert {"decode", "model", "workload", "draft", "pipeline"} <= set(groups)
+    checked = 0
+    for group, options in groups.items():
+        for option in options:
+            if (group, option) == ("model", "hf"):
+                continue  # needs a checkpoint directory: tests/test_hf_*.py build one
+            overrides = [f"{group}={option}", *needs.get((group, option), [])]
+            cfg = prepare_job(compose_raw(overrides))
+            checked += 1
+            if group in ("decode", "model", "workload"):
+                node = getattr(cfg, group)
+                assert getattr(node, "name", None) == option or getattr(node, "kind", None) == option or getattr(
+                    node, "mode", None
+                ) == option
+    assert checked >= 9
+
+
+def test_defaults_are_the_documented_embedded_default():
+    cfg = prepare_job(compose_raw([]))
+    assert (cfg.pcp, cfg.dcp, cfg.tp, cfg.model.name, cfg.verify) == (2, 1, 1, "tiny_mla", True)
+    assert cfg.decode.mode == "replicated" and cfg.workload.kind == "synthetic"
+
+
+def test_field_errors_are_one_report_naming_field_value_and_allowed(tmp_path):
+    run_dir = tmp_path / "run"
+    r = pcpflow(
+        "pcp=0", "decode.assignment=diagonal", "dtype=float16", "+typo_key=1", "scheduler.max_num_seqs=-1",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert r.returncode == 2, r.stderr
+    err = r.stderr
+    assert "Traceback" not in err and "Traceback" not in r.stdout
+    assert "invalid configuration (5 problem(s))" in err
+    assert "pcp: got 0; Input should be greater than or equal to 1" in err
+    assert "decode.assignment: got 'diagonal'" in err and "'round_robin' or 'balanced'" in err
+    assert "dtype: got 'float16'" in err and "'float32' or 'float64'" in err
+    assert "typo_key: got 1; not a setting here" in err and "allowed keys:" in err
+    assert "scheduler.max_num_seqs: got -1" in err
+    assert not run_dir.exists(), "nothing may start for an invalid config"
+
+
+def test_cross_field_rules(tmp_path):
+    bad = {
+        ("pcp=2", "dcp=3"): "dcp: got 3; with pcp=2, tp=1 dcp must be one of [1, 2]",
+        ("pcp=1", "dcp=2"): "dcp: got 2; with pcp=1 dcp must divide tp=1",
+        ("kv.block_size=16", "kv.interleave=5"): "kv.interleave: got 5; must divide kv.block_size=16",
+        ("decode.assignment=balanced",): "'balanced' places sharded decodes",
+        ("tp=2",): "only tp=1 is implemented",
+        ("kv.num_blocks=2",): "kv.num_blocks: got 2",
+        ("backend=nccl", "device=cpu"): "nccl needs device=cuda",
+    }
+    for overrides, message in bad.items():
+        with pytest.raises(ConfigError) as exc:
+            prepare_job(compose_raw(list(overrides)))
+        assert message in exc.value.report(), (overrides, exc.value.report())
+
+
+def test_unknown_group_option_and_key_and_sweep_without_multirun():
+    r = pcpflow("decode=shardd")
+    assert r.returncode == 2 and "decode: got 'shardd'; one of: replicated, sharded" in r.stderr
+    r = pcpflow("typo_key=1")
+    assert r.returncode == 2 and "typo_key: got '1'; not a pcpflow setting" in r.stderr
+    r = pcpflow("pcp=1,2")
+    assert r.returncode == 2 and "a sweep of values needs -m / --multirun" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_multirun_validates_every_job_before_starting_any(tmp_path):
+    r = pcpflow("-m", "pcp=2,3", "dcp=2", f"hydra.sweep.dir={tmp_path / 'sweep'}", *SMALL)
+    assert r.returncode == 2
+    assert "[pcp=3] dcp: got 2" in r.stderr and "[pcp=2]" not in r.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_missing_or_malformed_trace_names_file_and_line(tmp_path):
+    r = pcpflow("workload=trace", f"workload.path={tmp_path / 'nope.jsonl'}")
+    assert r.returncode == 2 and "workload.path" in r.stderr and "nope.jsonl" in r.stderr
+    bad = write_trace(tmp_path / "bad.jsonl")
+    bad.write_text(bad.read_text() + "{not json\n")
+    r = pcpflow("workload=trace", f"workload.path={bad}", "workload.max_requests=10")
+    assert r.returncode == 2 and "bad.jsonl:5" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------- stages
+def test_registry_builtins_plugins_module_class_and_idempotence():
+    load_stage_sources(["pcpflow_test_plugins.probes"])
+    load_stage_sources(["pcpflow_test_plugins.probes"])  # every rank imports plugins: no-op
+    assert {"dual_chunk_swap", "persistent", "paged", "model", "all_rows", "sampled_rows", "none"} <= set(known_kinds())
+    assert "sampled_rows" in known_kinds("restore") and "dual_chunk_swap" not in known_kinds("restore")
+    probe = resolve("test_call_counter")
+    assert resolve("pcpflow_test_plugins.probes:CallCounter") is probe
+    register(probe)  # the same class again: fine
+
+    class Impostor(probe):  # another class under a taken kind: refused
+        kind = "test_call_counter"
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register(Impostor)
+
+
+def test_unknown_kind_and_plugin_exit_2_with_known_kinds():
+    r = pcpflow("pipeline.restore.kind=sampled_row")
+    assert r.returncode == 2
+    assert "pipeline.restore.kind: got 'sampled_row'" in r.stderr and "did you mean 'sampled_rows'?" in r.stderr
+    assert "all_rows" in r.stderr
+    r = pcpflow("plugins=[no_such_pkg.stages]")
+    assert r.returncode == 2 and "no_such_pkg" in r.stderr and "Traceback" not in r.stderr
+    r = pcpflow("pipeline.plan.pad_to_multiple=0")
+    assert r.returncode == 2 and "pipeline.plan.pad_to_multiple: got 0" in r.stderr
+
+
+def test_entry_point_group_registers_stages(tmp_path, monkeypatch):
+    dist = tmp_path / "pcpflow_demo_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pcpflow-demo-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pcpflow.stages]\ncounter = pcpflow_test_plugins.probes:CallCounter\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "counter" in load_entry_points()
+    assert resolve("test_call_counter").__name__ == "CallCounter"
+
+
+@pytest.mark.dist
+def test_user_stage_runs_after_its_slot_on_every_rank(tmp_path):
+    out = tmp_path / "probe"
+    out.mkdir()
+    run_dir = tmp_path / "run"
+    r = pcpflow(
+        "pcp=2",
+        "plugins=[pcpflow_test_plugins.probes]",
+        f"+pipeline.extra=[{{kind: test_call_counter, after: forward, out_dir: '{out}'}}]",
+        f"hydra.run.dir={run_dir}",
+        *SMALL,
+    )
+    assert r.returncode == 0, r.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    steps = result["metrics"]["num_steps"]
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert len(lines) == steps  # once per step, never in the reference pipeline
+        assert all(x["has_layout"] and x["has_hidden"] and not x["has_logits"] for x in lines)
+
+
+# ------------------------------------------------------------------------- running
+@pytest.mark.dist
+def test_default_run_writes_results_and_frozen_config(tmp_path):
+    run_dir = tmp_path / "run"
+    r = pcpflow(f"hydra.run.dir={run_dir}", *SMALL)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "ok" and result["error"] is None and result["verify"]["passed"]
+    frozen = json.loads((run_dir / "config.json").read_text())
+    assert frozen == result["config"] and frozen["pcp"] == 2
+    assert len(result["outputs"]) == 3 and (run_dir / "metrics.jsonl").exists()
+    assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
+
+
+def _alive_with_marker(marker: str) -> list[int]:
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                alive.append(int(proc.name))
+        except OSError:
+            continue
+    return alive
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pcp", [1, 3])
+def test_a_crashing_rank_ends_the_job_promptly_with_its_error(tmp_path, pcp):
+    marker = f"PCPFLOW_TEST_MARK_{uuid.uuid4().hex}"
+    rank = pcp - 1
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    r = pcpflow(
+        f"pcp={pcp}",
+        "plugins=[pcpflow_test_plugins.faults]",
+        f"+pipeline.extra=[{{kind: 'pcpflow_test_plugins.faults:Crash', after: forward, rank: {rank}, step: 2}}]",
+        f"hydra.run.dir={run_dir}",
+        *SMALL,
+        env={marker: "1"},
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert r.returncode == 1, r.stderr
+    assert f"rank {rank} failed" in r.stderr and "injected failure on rank" in r.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and "injected failure" in result["error"]
+    assert elapsed < 120  # NOTE: a hang would hit the subprocess timeout instead
+    time.sleep(0.5)
+    assert _alive_with_marker(marker) == [], "no rank process may outlive the job"
+
+
+@pytest.mark.dist
+def test_torchrun_launch_runs_the_same_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pcpflow"]
+    r = subprocess.run(
+        [*cmd, "pcp=2", f"hydra.run.dir={run_dir}", *SMALL], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "ok" and result["verify"]["passed"] and result["launcher"].startswith("external")
+    r = subprocess.run([*cmd, "pcp=3", *SMALL], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0 and "must equal the 2 ranks torchrun started" in r.stderr + r.stdout
+
+
+@pytest.mark.slow
+def test_non_editable_install_finds_its_configs(tmp_path):
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheel_dir), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    wheel = next(wheel_dir.glob("pcpflow-*.whl"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import pcpflow, pcpflow.cli as c; print(pcpflow.__file__); print(c.conf_dir())"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, check=True,
+    )
+    module_file, conf = probe.stdout.split()
+    assert module_file.startswith(str(target)) and conf.startswith(str(target))
+    r = subprocess.run(
+        [sys.executable, "-m", "pcpflow", "pcp=1", "hydra.run.dir=run", *SMALL],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads((elsewhere / "run" / "result.json").read_text())["status"] == "ok"
