@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pcpflow.accounting import traffic_factor
+
 
 @dataclass
 class CommStats:
@@ -76,9 +78,9 @@ class Comm:
     def solo(cls, stats: CommStats | None = None) -> Comm:
         return cls(None, 0, 1, stats)
 
-    def _account(self, op: str, purpose: str, t: torch.Tensor, factor: int) -> None:
+    def _account(self, op: str, purpose: str, t: torch.Tensor) -> None:
         if self.stats is not None and self.size > 1:
-            nbytes = t.numel() * t.element_size() * factor
+            nbytes = t.numel() * t.element_size() * traffic_factor(op, self.size)
             self.stats.add(op, purpose, nbytes, tuple(t.shape))
 
     def all_gather(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
@@ -88,7 +90,7 @@ class Comm:
         t = t.contiguous()
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
         _all_gather_single(out, t, group=self.group)
-        self._account("all_gather", purpose, t, self.size * (self.size - 1))
+        self._account("all_gather", purpose, t)
         return out
 
     def all_to_all(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
@@ -99,7 +101,7 @@ class Comm:
         t = t.contiguous()
         out = torch.empty_like(t)
         dist.all_to_all_single(out, t, group=self.group)
-        self._account("all_to_all", purpose, t, self.size - 1)
+        self._account("all_to_all", purpose, t)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int, purpose: str) -> torch.Tensor:
@@ -108,7 +110,7 @@ class Comm:
             return t
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         dist.broadcast(t, src=global_src, group=self.group)
-        self._account("broadcast", purpose, t, self.size - 1)
+        self._account("broadcast", purpose, t)
         return t
 
     def all_reduce(self, t: torch.Tensor, purpose: str, op: str = "sum") -> torch.Tensor:
@@ -116,7 +118,7 @@ class Comm:
             return t
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(t, op=red, group=self.group)
-        self._account("all_reduce", purpose, t, 2 * (self.size - 1))
+        self._account("all_reduce", purpose, t)
         return t
 
     def barrier(self) -> None:

@@ -110,7 +110,25 @@ class RunConfig(_Strict):
 
     @property
     def num_speculative_tokens(self) -> int:
-        return int(self.draft.get("num_speculative_tokens", 0)) if self.draft_enabled else 0
+        """Drafts per request and step: the draft stage's ``num_speculative_tokens`` (from
+        ``draft`` / ``pipeline.draft``, else its Config's default); 0 without drafting."""
+        if not self.draft_enabled:
+            return 0
+        merged = self.draft_stage_config()
+        if "num_speculative_tokens" in merged:
+            return int(merged["num_speculative_tokens"])
+        # NOTE: a plugin drafter named only by `pipeline.draft.kind=...` brings its own
+        # default; the scheduler must reserve for exactly what the stage will propose.
+        from pcpflow.stage import load_stage_sources, resolve
+
+        try:
+            load_stage_sources(self.plugins)
+            cls = resolve(str(merged.get("kind")), "draft")
+        except (ImportError, LookupError):
+            return 0  # resolve_pipeline reports the bad plugin or kind
+        field = cls.Config.model_fields.get("num_speculative_tokens")
+        default = None if field is None else field.default
+        return default if isinstance(default, int) and not isinstance(default, bool) else 0
 
     @property
     def draft_enabled(self) -> bool:

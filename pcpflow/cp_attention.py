@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pcpflow.accounting import attention_rows
 from pcpflow.attention import merge_attention_partials, paged_attention
 from pcpflow.comm import Comm
 from pcpflow.layout import BatchLayout
@@ -47,10 +48,11 @@ class CPAttention:
     ) -> None:
         self.caches, self.spec, self.block_size = caches, spec, block_size
         self.pcp, self.dcp, self.meta = pcp, dcp, meta
-        n, nd, p = layout.padded_num_tokens, layout.num_replicated_decode_tokens, layout.pcp_size
-        self.nd = nd
-        # Any real row past the replicated prefix on any rank: those rows must move.
-        self.has_rest = bool((layout.per_rank_num_tokens > nd).any())
+        n, p = layout.padded_num_tokens, layout.pcp_size
+        # Rows past the replicated-decode prefix move, if any rank has a real one there
+        # (pcpflow.accounting: the one definition of what each layer gathers).
+        nd, rest = attention_rows(layout)
+        self.nd, self.has_rest = nd, rest > 0
         slots = meta.gathered_slot_mapping.view(p, n)
         self.decode_write = _valid_writes(slots[0, :nd])
         self.rest_write = _valid_writes(slots[:, nd:].reshape(-1)) if self.has_rest else None
@@ -61,11 +63,20 @@ class CPAttention:
             self.rest_ctx = meta.gathered_row_context_lens.view(p, n)[:, nd:].reshape(-1)
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        cache = self.caches[layer]
-        nd = self.nd
+        self.write(layer, kv)
+        return self.attend(layer, q)
+
+    def write(self, layer: int, kv: torch.Tensor) -> None:
+        """Step 1 alone: write this rank's new entries ``kv`` to layer ``layer``'s cache
+        (a drafter that fills its cache from target features calls only this)."""
+        cache, nd = self.caches[layer], self.nd
         _write(cache, self.decode_write, kv[:nd])
         if self.rest_write is not None:
             _write(cache, self.rest_write, self.pcp.all_gather(kv[nd:], "kv_gather"))
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Step 2 alone: the attention of ``q`` over layer ``layer``'s cache."""
+        cache, nd = self.caches[layer], self.nd
         if self.dcp.size == 1:
             out, _ = self._attend(q, self.meta.local_row_req_indices, self.meta.local_row_context_lens, cache)
             return out
@@ -117,15 +128,20 @@ def attention_work(
     *,
     dcp_size: int,
     interleave: int,
+    token_mask: np.ndarray | None = None,
 ) -> np.ndarray:
     """(query, key) pairs each rank scores this step, from the layout alone.
 
     Without DCP a rank scores its own rows over their whole context (position + 1 keys).
     With DCP it scores the replicated decode rows and every gathered row over its shard.
+    ``token_mask`` (bool [T]) counts only the rows of those global tokens (e.g. decodes).
     """
     p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
     rows_ctx = positions[layout.padded_gather_idx] + 1
-    rows_ctx = np.where(layout.is_padding, 0, rows_ctx).reshape(p, n)
+    skip = layout.is_padding
+    if token_mask is not None:
+        skip = skip | ~np.asarray(token_mask, dtype=bool)[layout.padded_gather_idx]
+    rows_ctx = np.where(skip, 0, rows_ctx).reshape(p, n)
     if dcp_size == 1:
         return rows_ctx.sum(axis=1)
     decode_ctx, rest_ctx = rows_ctx[0, :nd], rows_ctx[:, nd:].ravel()

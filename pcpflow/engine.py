@@ -166,6 +166,7 @@ class _Loop:
         if proposed:
             record["draft_proposed"] = proposed
             record["draft_accepted"] = int(np.sum(outcome.num_accepted))
+            record["draft_rows"] = int(np.count_nonzero(outcome.num_proposed))  # verify rows
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
         return record

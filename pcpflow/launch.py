@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import uuid
 from datetime import timedelta
@@ -117,18 +118,36 @@ class RankFailure(RuntimeError):
 
     @classmethod
     def from_child_failed(cls, exc: ChildFailedError) -> RankFailure:
-        rank, failure = exc.get_first_failure()
-        message, details = failure.message, ""
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        msg = data.get("message")
-        if isinstance(msg, dict):
-            details = msg.get("extraInfo", {}).get("py_callstack", "")
-            message = msg.get("message", message)
-        elif isinstance(msg, str):
-            message = msg
-        if not message or message.startswith("To enable traceback"):
-            message = f"exited with code {failure.exitcode} (signal or crash; see {failure.error_file or 'logs'})"
+        """The root cause: the earliest rank that raised an error of its own. Ranks that
+        died *because* of it (a collective's peer vanished, or the agent's SIGTERM) are
+        consequences, even when their failure happens to be recorded first."""
+        failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        described = [(rank, *_describe(f)) for rank, f in failures]
+        causes = [d for d in described if not d[3]] or described
+        rank, message, details, _ = causes[0]
         return cls(rank, message, details)
+
+
+_CONSEQUENCE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|[Gg]loo.*(timed out|closed|reset)|"
+    r"NCCL (error|communicator was aborted)|Socket Timeout|terminated with signal|Signal \d+"
+)
+
+
+def _describe(failure: Any) -> tuple[str, str, bool]:
+    """(message, python traceback, is it a consequence of another rank's failure)."""
+    message, details = failure.message, ""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    msg = data.get("message")
+    if isinstance(msg, dict):
+        details = msg.get("extraInfo", {}).get("py_callstack", "")
+        message = msg.get("message", message)
+    elif isinstance(msg, str):
+        message = msg
+    killed = failure.exitcode < 0
+    if not message or message.startswith("To enable traceback"):
+        message = f"exited with code {failure.exitcode} (signal or crash; see {failure.error_file or 'logs'})"
+    return message, details, killed or bool(_CONSEQUENCE.search(message))
 
 
 def print_err(text: str) -> None:

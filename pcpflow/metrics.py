@@ -37,6 +37,7 @@ class MetricsRecorder:
         self.draft_proposed = 0
         self.draft_accepted = 0
         self.draft_steps = 0
+        self.draft_rows = 0
 
     def step(self, record: dict[str, Any]) -> None:
         """Fold one step's record in and append it to metrics.jsonl."""
@@ -59,6 +60,7 @@ class MetricsRecorder:
         self.draft_proposed += record.get("draft_proposed", 0)
         self.draft_accepted += record.get("draft_accepted", 0)
         self.draft_steps += 1 if record.get("draft_proposed", 0) else 0
+        self.draft_rows += record.get("draft_rows", 0)
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -90,7 +92,11 @@ class MetricsRecorder:
             },
             "collective_bytes": dict(sorted(self.collective_bytes.items())),
             "collective_calls": dict(sorted(self.collective_calls.items())),
-            "ttft": _latency([r["ttft_s"] for r in requests], [r["ttft_steps"] for r in requests]),
+            # NOTE: a run cut short (max_steps) leaves requests without a first token.
+            "ttft": _latency(
+                [r["ttft_s"] for r in requests if r["ttft_s"] is not None],
+                [r["ttft_steps"] for r in requests if r["ttft_steps"] is not None],
+            ),
             "tpot": _latency(
                 [r["tpot_s"] for r in requests if r["tpot_s"] is not None],
                 [r["tpot_steps"] for r in requests if r["tpot_steps"] is not None],
@@ -107,8 +113,14 @@ class MetricsRecorder:
             out["acceptance_rate"] = self.draft_accepted / self.draft_proposed
             out["draft_proposed"] = self.draft_proposed
             out["draft_accepted"] = self.draft_accepted
-            out["mean_accepted_per_step"] = self.draft_accepted / max(1, self.draft_steps)
-            out["draft_time_fraction"] = self.stage_s.get("draft", 0.0) / stage_total if stage_total else 0.0
+            # NOTE: per verify row (one request's step, 0..k), not summed over the batch:
+            # a batch total grows with the number of running requests.
+            out["mean_accepted_per_step"] = self.draft_accepted / max(1, self.draft_rows)
+            out["mean_acceptance_length"] = 1.0 + out["mean_accepted_per_step"]  # tokens per verify row
+            out["draft_steps"] = self.draft_steps
+            out["draft_verify_rows"] = self.draft_rows
+            # Share of step time (the run clock: pipeline + scheduler), as reported.
+            out["draft_time_fraction"] = self.stage_s.get("draft", 0.0) / self.run_s if self.run_s else 0.0
         return out
 
 

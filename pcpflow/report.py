@@ -124,7 +124,9 @@ def _human(n: float) -> str:
 
 
 def write_plots(run_dir: Path) -> None:
-    """``load.png``: tokens and attention work per rank over the steps."""
+    """``load.png``: tokens and attention work per rank over the steps, and how uneven
+    each step is (max/mean over ranks; ranks that overlap in the first two panels are
+    even)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return
@@ -138,16 +140,24 @@ def write_plots(run_dir: Path) -> None:
     import numpy as np
 
     steps = np.array([r["step"] for r in records])
-    tokens = np.array([r["per_rank_tokens"] for r in records])
-    work = np.array([r["per_rank_attention_work"] for r in records])
-    fig, axes = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    tokens = np.array([r["per_rank_tokens"] for r in records], dtype=float)
+    work = np.array([r["per_rank_attention_work"] for r in records], dtype=float)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True, height_ratios=(3, 3, 2))
     for ax, data, label in ((axes[0], tokens, "tokens"), (axes[1], work, "attention work (q·k pairs)")):
         for rank in range(data.shape[1]):
             ax.plot(steps, data[:, rank], lw=1.2, label=f"rank {rank}")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(ncol=min(8, tokens.shape[1]), fontsize=8)
-    axes[1].set_xlabel("step")
+    for data, label, color in ((tokens, "tokens", "tab:green"), (work, "attention work", "tab:orange")):
+        mean = data.mean(axis=1)
+        ratio = np.divide(data.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
+        axes[2].plot(steps, ratio, lw=1.2, color=color, label=label)
+    axes[2].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[2].set_ylabel("max/mean over ranks")
+    axes[2].legend(fontsize=8)
+    axes[2].grid(alpha=0.3)
+    axes[2].set_xlabel("step")
     fig.suptitle("per-rank load per step")
     fig.tight_layout()
     fig.savefig(run_dir / "load.png", dpi=110)

@@ -18,7 +18,9 @@ from hydra.experimental.callback import Callback
 BASE_COLUMNS = [
     "job",
     "overrides",
+    "config",
     "status",
+    "exact",
     "tokens_match",
     "kv_match",
     "max_abs_logit_diff",
@@ -26,13 +28,20 @@ BASE_COLUMNS = [
     "num_tokens",
     "tokens_per_s",
     "ttft_mean_ms",
+    "ttft_p90_ms",
+    "ttft_mean_steps",
     "tpot_mean_ms",
+    "tpot_mean_steps",
     "tokens_max_over_mean",
     "attention_work_max_over_mean",
+    "padding_fraction",
     "framework_overhead_fraction",
     "acceptance_rate",
+    "bytes_total",
     "wall_s",
 ]
+"""Columns every ``sweep.csv`` has, in order; then ``bytes_<purpose>`` and
+``calls_<purpose>`` for each collective purpose seen, then ``error``."""
 
 
 class SweepReport(Callback):
@@ -41,35 +50,50 @@ class SweepReport(Callback):
 
 
 def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
-    rows = []
+    """A row per job directory holding a ``result.json``, in job order. ``config`` is
+    the job's overrides that differ between jobs (what the sweep varies)."""
+    rows, overrides = [], []
     for result_path in sorted(sweep_dir.glob("*/result.json"), key=_job_order):
         result = json.loads(result_path.read_text())
         job_dir = result_path.parent
-        overrides = _overrides(job_dir)
         m, v = result.get("metrics") or {}, result.get("verify") or {}
+        ttft, tpot, balance = m.get("ttft") or {}, m.get("tpot") or {}, m.get("balance") or {}
+        overrides.append(_overrides(job_dir))
         row: dict[str, Any] = {
             "job": job_dir.name,
-            "overrides": " ".join(overrides),
+            "overrides": " ".join(overrides[-1]),
             "status": result.get("status"),
+            "exact": v.get("passed") if v else None,
             "tokens_match": v.get("tokens_match"),
             "kv_match": v.get("kv_match"),
             "max_abs_logit_diff": v.get("max_abs_logit_diff"),
             "num_steps": m.get("num_steps"),
             "num_tokens": m.get("num_tokens"),
             "tokens_per_s": _round(m.get("tokens_per_s"), 1),
-            "ttft_mean_ms": _ms((m.get("ttft") or {}).get("mean_s")),
-            "tpot_mean_ms": _ms((m.get("tpot") or {}).get("mean_s")),
-            "tokens_max_over_mean": _round((m.get("balance") or {}).get("tokens_max_over_mean"), 4),
-            "attention_work_max_over_mean": _round((m.get("balance") or {}).get("attention_work_max_over_mean"), 4),
+            "ttft_mean_ms": _ms(ttft.get("mean_s")),
+            "ttft_p90_ms": _ms(ttft.get("p90_s")),
+            "ttft_mean_steps": _round(ttft.get("mean_steps"), 2),
+            "tpot_mean_ms": _ms(tpot.get("mean_s")),
+            "tpot_mean_steps": _round(tpot.get("mean_steps"), 2),
+            "tokens_max_over_mean": _round(balance.get("tokens_max_over_mean"), 4),
+            "attention_work_max_over_mean": _round(balance.get("attention_work_max_over_mean"), 4),
+            "padding_fraction": _round(balance.get("padding_fraction"), 4),
             "framework_overhead_fraction": _round(m.get("framework_overhead_fraction"), 4),
             "acceptance_rate": _round(m.get("acceptance_rate"), 4),
+            "bytes_total": sum((m.get("collective_bytes") or {}).values()) if m else None,
             "wall_s": _round(m.get("wall_s"), 2),
         }
         for purpose, nbytes in (m.get("collective_bytes") or {}).items():
             row[f"bytes_{purpose}"] = nbytes
+        for purpose, calls in (m.get("collective_calls") or {}).items():
+            row[f"calls_{purpose}"] = calls
         if result.get("status") != "ok" and result.get("error"):
-            row["error"] = str(result["error"]).splitlines()[0][:200]
+            row["error"] = str(result["error"]).strip().splitlines()[0][:200]
         rows.append(row)
+    common = set.intersection(*map(set, overrides)) if len(rows) > 1 else set()
+    for row, job_overrides in zip(rows, overrides):
+        row["config"] = " ".join(o for o in job_overrides if o not in common) or row["job"]
+        row["common_overrides"] = [o for o in job_overrides if o in common]
     return rows
 
 
@@ -77,95 +101,208 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = collect_rows(sweep_dir)
     if not rows:
         return rows
-    extra = sorted({k for r in rows for k in r} - set(BASE_COLUMNS))
-    columns = BASE_COLUMNS + extra
+    purposes = sorted(
+        {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")} - {"total"}
+    )
+    columns = (
+        BASE_COLUMNS
+        + [f"bytes_{p}" for p in purposes]
+        + [f"calls_{p}" for p in purposes]
+        + ["error"]
+    )
     with open(sweep_dir / "sweep.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in columns})
-    (sweep_dir / "sweep.md").write_text(_markdown(rows, columns))
-    _plot(rows, sweep_dir / "sweep.png")
+    (sweep_dir / "sweep.md").write_text(_markdown(rows, purposes))
+    _plot(rows, purposes, sweep_dir / "sweep.png")
     print(f"pcpflow: sweep report of {len(rows)} job(s): {sweep_dir / 'sweep.md'}", file=sys.stderr)
     return rows
 
 
-def _markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    shown = [c for c in columns if c != "job" and any(r.get(c) is not None for r in rows)]
-    header = {
-        "overrides": "config",
-        "max_abs_logit_diff": "max |Δlogit|",
-        "tokens_per_s": "tokens/s",
-        "ttft_mean_ms": "TTFT ms",
-        "tpot_mean_ms": "TPOT ms",
-        "tokens_max_over_mean": "token balance",
-        "attention_work_max_over_mean": "attn balance",
-        "framework_overhead_fraction": "overhead",
-        "num_steps": "steps",
-        "num_tokens": "tokens",
-    }
-    lines = [
-        "# pcpflow sweep",
-        "",
-        "Balance is max/mean over ranks (1.0 = perfect); bytes are summed over ranks "
-        "(what each rank received from the others).",
-        "",
-        "| " + " | ".join(header.get(c, c.replace("bytes_", "bytes ")) for c in shown) + " |",
-        "|" + "---|" * len(shown),
+# ------------------------------------------------------------------------------ sweep.md
+_HEADERS = {  # column -> (header, cell formatter)
+    "config": ("config", str),
+    "status": ("status", lambda v: v if v == "ok" else f"**{v}**"),
+    "exact": ("exact", lambda v: "yes" if v else "**NO**"),
+    "max_abs_logit_diff": ("max \\|Δlogit\\|", lambda v: f"{v:.1e}"),
+    "num_steps": ("steps", str),
+    "num_tokens": ("tokens", str),
+    "tokens_per_s": ("tokens/s", lambda v: f"{v:.0f}"),
+    "ttft_mean_ms": ("TTFT ms", lambda v: f"{v:.1f}"),
+    "tpot_mean_ms": ("TPOT ms", lambda v: f"{v:.1f}"),
+    "tokens_max_over_mean": ("token balance", lambda v: f"{v:.3f}"),
+    "attention_work_max_over_mean": ("attn balance", lambda v: f"{v:.3f}"),
+    "padding_fraction": ("padding", lambda v: f"{v:.1%}"),
+    "framework_overhead_fraction": ("overhead", lambda v: f"{v:.1%}"),
+    "acceptance_rate": ("acceptance", lambda v: f"{v:.1%}"),
+}
+
+
+_NOTES = (
+    (
+        "- **exact**: tokens, logits and every rank's KV cache match the single-rank reference "
+        "(`verify=true`; blank when not checked)."
+    ),
+    (
+        "- **tokens/s, TTFT, TPOT**: on the run clock (pipeline + scheduler time, verification "
+        "excluded); means over requests."
+    ),
+    (
+        "- **balance**: max/mean over PCP ranks of the run's tokens and attention (query, key) "
+        "pairs; 1.000 is perfect. **padding**: padded rows / all rows."
+    ),
+    "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",
+    (
+        "- **bytes**: per collective purpose, what every rank received from the others, summed "
+        "over ranks (pcpflow.comm), and the number of calls."
+    ),
+)
+
+
+def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
+    shown = [c for c in _HEADERS if any(r.get(c) is not None for r in rows)]
+    header = [_HEADERS[c][0] for c in shown] + [f"{p} (calls)" for p in purposes]
+    if purposes:
+        header.append("bytes total")
+    lines = ["# pcpflow sweep", ""]
+    common = _common_overrides(rows)
+    if common:
+        lines += [f"Every job: `{' '.join(common)}`.", ""]
+    lines += [
+        "| " + " | ".join(header) + " |",
+        "|"
+        + "|".join("---" if c in ("config", "status", "exact") else "--:" for c in shown)
+        + "|--:" * (len(purposes) + bool(purposes))
+        + "|",
     ]
     for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(c)) for c in shown) + " |")
+        cells = ["" if r.get(c) is None else _HEADERS[c][1](r[c]) for c in shown]
+        cells += [
+            f"{_human(r[f'bytes_{p}'])} ({r.get(f'calls_{p}', '?')})"
+            if r.get(f"bytes_{p}") is not None
+            else "—"
+            for p in purposes
+        ]
+        if purposes:
+            cells.append(_human(r["bytes_total"]) if r.get("bytes_total") is not None else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *_NOTES]
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- `{r['config']}`: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
 
 
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bool):
-        return "yes" if v else "**NO**"
-    if isinstance(v, float):
-        return f"{v:.2e}" if (v and abs(v) < 1e-3) else f"{v:g}"
-    return str(v)
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+# ----------------------------------------------------------------------------- sweep.png
+def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    labels = [r["overrides"] or r["job"] for r in rows]
-    panels = [
-        ("tokens_per_s", "tokens/s (run clock)"),
-        ("attention_work_max_over_mean", "attention work max/mean"),
-        ("ttft_mean_ms", "mean TTFT (ms)"),
+    labels = [
+        ("✗ " if r.get("exact") is False or r["status"] != "ok" else "") + r["config"] for r in rows
     ]
-    purposes = sorted({k for r in rows for k in r if k.startswith("bytes_")})
-    fig, axes = plt.subplots(1, 4, figsize=(16, 0.45 * len(rows) + 2.2), sharey=True)
+    ok = np.array([r["status"] == "ok" for r in rows])
     y = np.arange(len(rows))
-    for ax, (key, title) in zip(axes, panels):
-        vals = [r.get(key) or 0 for r in rows]
-        colors = ["tab:blue" if r["status"] == "ok" else "tab:red" for r in rows]
-        ax.barh(y, vals, color=colors)
+
+    def val(key: str) -> np.ndarray:
+        return np.array(
+            [r.get(key) if r.get(key) is not None else np.nan for r in rows], dtype=float
+        )
+
+    fig, axes = plt.subplots(1, 4, figsize=(17, 0.42 * len(rows) + 2.4), sharey=True)
+
+    def bars(ax, series, title, unit_line=None):
+        h = 0.8 / len(series)
+        for i, (key, name, color) in enumerate(series):
+            v = val(key)
+            off = (i - (len(series) - 1) / 2) * h
+            ax.barh(
+                y + off,
+                np.nan_to_num(v),
+                height=h,
+                color=color,
+                label=name if len(series) > 1 else None,
+            )
+            ax.barh(
+                (y + off)[~ok],
+                np.nan_to_num(v)[~ok],
+                height=h,
+                color="none",
+                edgecolor="tab:red",
+                hatch="//",
+            )
+        if unit_line is not None:
+            ax.axvline(unit_line, color="grey", lw=0.8, ls="--")
         ax.set_title(title, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
+        if len(series) > 1:
+            _legend_below(ax, len(series))
+
+    bars(axes[0], [("tokens_per_s", "tokens/s", "tab:blue")], "tokens/s (run clock)")
+    bars(
+        axes[1],
+        [("ttft_mean_ms", "TTFT", "tab:purple"), ("tpot_mean_ms", "TPOT", "tab:olive")],
+        "mean TTFT / TPOT (ms)",
+    )
+    bars(
+        axes[2],
+        [
+            ("tokens_max_over_mean", "tokens", "tab:green"),
+            ("attention_work_max_over_mean", "attention work", "tab:orange"),
+        ],
+        "balance: max/mean over ranks (1 = even)",
+        unit_line=1.0,
+    )
+    lo = np.nanmin(np.r_[val("tokens_max_over_mean"), val("attention_work_max_over_mean"), 1.0])
+    axes[2].set_xlim(left=max(0.0, lo - 0.05))
     left = np.zeros(len(rows))
-    for purpose in purposes:
-        vals = np.array([(r.get(purpose) or 0) / 2**20 for r in rows], dtype=float)
-        axes[3].barh(y, vals, left=left, label=purpose.removeprefix("bytes_"))
-        left += vals
-    axes[3].set_title("MiB moved per collective purpose", fontsize=10)
+    cmap = plt.get_cmap("tab10")
+    for i, purpose in enumerate(purposes):
+        v = np.nan_to_num(val(f"bytes_{purpose}")) / 2**20
+        axes[3].barh(y, v, left=left, color=cmap(i), label=purpose)
+        left += v
+    axes[3].set_title("MiB moved, by collective purpose", fontsize=10)
+    axes[3].grid(axis="x", alpha=0.3)
+    for yi, total in zip(y, left):
+        if total:
+            axes[3].annotate(f" {total:.2f}", (total, yi), va="center", fontsize=7)
+    axes[3].set_xlim(right=max(left.max(initial=0.0) * 1.18, 1e-3))
     if purposes:
-        axes[3].legend(fontsize=7)
+        _legend_below(axes[3], len(purposes))
     axes[0].set_yticks(y, labels, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle("pcpflow sweep (red: failed run)")
+    common = _common_overrides(rows)
+    fig.suptitle(
+        "pcpflow sweep"
+        + (f"  ({' '.join(common)})" if common else "")
+        + "   ✗ / hatched: failed or not exact",
+        fontsize=11,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
+def _legend_below(ax, n: int) -> None:
+    ax.legend(
+        fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=min(n, 3), frameon=False
+    )
+
+
+# ------------------------------------------------------------------------------ helpers
 def _overrides(job_dir: Path) -> list[str]:
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
@@ -175,13 +312,17 @@ def _overrides(job_dir: Path) -> list[str]:
     return [str(o) for o in OmegaConf.load(path)]
 
 
+def _common_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    return rows[0]["common_overrides"] if rows else []
+
+
 def _job_order(path: Path) -> tuple[int, str]:
     name = path.parent.name
     return (int(name), name) if name.isdigit() else (1 << 30, name)
 
 
 def _round(v: Any, n: int) -> Any:
-    return round(v, n) if isinstance(v, (int, float)) else v
+    return round(v, n) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
 def _ms(v: Any) -> Any:

@@ -8,4 +8,4 @@ One file per stage, each with its ``Config`` beside it:
 - draft: ``none``, ``mtp``, ``dspark``, ``self``
 """
 
-from stages import buffers, draft_none, forward, plan, restore, slots, validate  # noqa: F401
+from stages import buffers, draft_none, dspark, forward, mtp, plan, restore, self_draft, slots, validate  # noqa: F401,E501

@@ -15,6 +15,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from pcpflow.accounting import sampled_row_holders
 from pcpflow.stage import Stage, StageConfig, register
 from pcpflow.state import StepState
 
@@ -57,11 +58,8 @@ class SampledRowsRestore(Stage):
     def __call__(self, state: StepState) -> StepState:
         layout, ctx, hidden = state.layout, self.ctx, state.hidden
         assert layout is not None and hidden is not None
-        n, p = layout.padded_num_tokens, layout.pcp_size
-        holder = layout.hidden_restore_idx[state.batch.logits_indices]  # gathered row
-        holder_rank, holder_row = np.divmod(holder, n)
-        counts = np.bincount(holder_rank, minlength=p)
-        m = int(counts.max()) if len(holder) else 0
+        # Each sample's canonical holder, and the most samples one rank holds (m).
+        holder_rank, holder_row, m = sampled_row_holders(layout, state.batch.logits_indices)
         send = hidden.new_zeros((m, hidden.shape[1]))
         mine = holder_row[holder_rank == ctx.pcp_rank]
         send[: len(mine)] = hidden[torch.from_numpy(mine).to(hidden.device)]

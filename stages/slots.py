@@ -46,7 +46,7 @@ class PagedSlots(Stage):
         if dcp.size > 1:
             row_ctx = dcp_local_seq_lens(row_ctx, dcp.size, dcp.rank, kv.interleave)
         rows = layout.rank_rows(ctx.pcp_rank)
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(ctx.device)  # noqa: E731
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(ctx.device)
         state.attn = AttentionMetadata(
             gathered_slot_mapping=to(gathered),
             block_tables=to(b.block_tables),

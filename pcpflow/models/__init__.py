@@ -14,12 +14,19 @@ import torch
 from pydantic import Field
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
+from pcpflow.models.hf import HFModel
 from pcpflow.models.tiny_gqa import TinyGQA
 from pcpflow.models.tiny_mla import TinyMLA
 
-ModelConfig = Annotated[TinyMLA.Config | TinyGQA.Config, Field(discriminator="name")]
+ModelConfig = Annotated[
+    TinyMLA.Config | TinyGQA.Config | HFModel.Config, Field(discriminator="name")
+]
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {"tiny_mla": TinyMLA, "tiny_gqa": TinyGQA}
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "tiny_mla": TinyMLA,
+    "tiny_gqa": TinyGQA,
+    "hf": HFModel,
+}
 
 
 def build_model(
@@ -42,6 +49,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionSpec",
     "CausalLM",
+    "HFModel",
     "ModelConfig",
     "TinyGQA",
     "TinyMLA",

@@ -1,10 +1,13 @@
-"""Building blocks shared by the tiny models: norm, rotary embedding, MLP, the decoder
-stack, and the seeded init that makes float32 and float64 builds the same model."""
+"""Building blocks shared by pcpflow's models: norm, rotary embedding (with Hugging Face's
+llama3 / YaRN scalings), MLP, the decoder stack, and the seeded init that makes float32
+and float64 builds of the tiny models the same model."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -23,43 +26,142 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
-    """float64 ``[rotary_dim // 2]`` inverse frequencies ``theta^(-2i/rotary_dim)``.
-
-    NOTE: llama3 scaling and YaRN only rescale these (YaRN also scales the softmax), so
-    they belong here as options when a model needs them."""
+    """float64 ``[rotary_dim // 2]`` inverse frequencies ``theta^(-2i/rotary_dim)``."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim
     return theta**-exponents
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding over the last dim of ``[N, heads, dim]``."""
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling, with Hugging Face's names and defaults (``rope_scaling`` /
+    ``rope_parameters`` of a config.json)."""
 
-    def __init__(self, rotary_dim: int, theta: float):
+    rope_type: Literal["linear", "llama3", "yarn"]
+    factor: float
+    original_max_position_embeddings: int | None = None  # llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn: cos/sin attention factor numerator
+    mscale_all_dim: float | None = None  # yarn: its denominator (DeepSeek: softmax mscale too)
+    attention_factor: float | None = None  # yarn: explicit cos/sin factor
+    truncate: bool = True  # yarn: round the correction range outwards
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def scaled_rope(
+    rotary_dim: int, theta: float, scaling: RopeScaling | None
+) -> tuple[torch.Tensor, float]:
+    """float64 inverse frequencies and the factor cos/sin are multiplied by, for ``scaling``
+    (None: plain RoPE, factor 1). The formulas are those of transformers'
+    ``modeling_rope_utils``, evaluated in float64."""
+    inv_freq = rope_inv_freq(rotary_dim, theta)
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if scaling.rope_type == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    return _yarn(inv_freq, rotary_dim, theta, scaling)
+
+
+def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth blend
+    in between."""
+    old_len = s.original_max_position_embeddings
+    assert old_len is not None, "llama3 scaling needs original_max_position_embeddings"
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(
+    inv_freq: torch.Tensor, rotary_dim: int, theta: float, s: RopeScaling
+) -> tuple[torch.Tensor, float]:
+    """YaRN (NTK-by-parts): dims that rotate more than ``beta_fast`` times over the original
+    length keep their frequency, those under ``beta_slow`` are interpolated (divided by
+    ``factor``), a linear ramp between; cos/sin get the attention factor."""
+    old_len = s.original_max_position_embeddings
+    assert old_len is not None, "yarn scaling needs original_max_position_embeddings"
+
+    def correction_dim(num_rotations: float) -> float:
+        return (
+            rotary_dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+        )
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # NOTE: as transformers does, to avoid a division by zero
+    dims = torch.arange(rotary_dim // 2, dtype=torch.float64, device="cpu")
+    interpolation = ((dims - low) / (high - low)).clamp(0, 1)
+    inv_freq = (inv_freq / s.factor) * interpolation + inv_freq * (1 - interpolation)
+    if s.attention_factor is not None:
+        factor = s.attention_factor
+    elif s.mscale and s.mscale_all_dim:
+        factor = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    else:
+        factor = yarn_mscale(s.factor)
+    return inv_freq, factor
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding over the last dim of ``[N, heads, dim]``: neox-style (rotate the
+    two halves) or, with ``interleaved``, GPT-J-style (rotate pairs ``(x0, x1), (x2, x3)``,
+    DeepSeek's layout; the output is de-interleaved, as transformers' DeepSeek-V3 does —
+    queries and keys get the same permutation, so their dot products are unchanged)."""
+
+    def __init__(
+        self,
+        rotary_dim: int,
+        theta: float,
+        *,
+        scaling: RopeScaling | None = None,
+        interleaved: bool = False,
+    ):
         super().__init__()
         # NOTE: a plain attribute, not a buffer: it stays float64 whatever the model dtype,
         # so cos/sin of a float32 model are the float64 ones rounded once.
-        self.inv_freq = rope_inv_freq(rotary_dim, theta)
+        self.inv_freq, self.attention_factor = scaled_rope(rotary_dim, theta, scaling)
+        self.interleaved = interleaved
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float64)[:, None] * inv_freq  # [N, dim/2]
-        return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``."""
+    """``down(silu(gate(x)) * up(x))``; gate and up are one fused projection."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -72,12 +174,19 @@ class DecoderLayer(nn.Module):
     ``self_attn(h, positions, layer, attn)`` is the model's attention: its projections
     around exactly one call to the engine's backend ``attn``."""
 
-    def __init__(self, self_attn: nn.Module, hidden_size: int, intermediate_size: int, eps: float):
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        hidden_size: int,
+        intermediate_size: int,
+        eps: float,
+        mlp_bias: bool = False,
+    ):
         super().__init__()
         self.input_norm = RMSNorm(hidden_size, eps)
         self.self_attn = self_attn
         self.post_attention_norm = RMSNorm(hidden_size, eps)
-        self.mlp = GatedMLP(hidden_size, intermediate_size)
+        self.mlp = GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend

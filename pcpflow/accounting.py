@@ -1,0 +1,169 @@
+"""What one step's collectives move, from the layout alone (numpy only, no torch).
+
+This is the one definition of *which* collectives a step does and *how big* they are:
+``CPAttention`` asks ``attention_rows`` which rows move, the ``sampled_rows`` restore asks
+``sampled_row_holders`` which rows it sends, ``Comm`` counts bytes with
+``traffic_factor``; planner-only tools (``scripts/compare_layouts.py``) price a layout
+with ``step_collectives`` without running a model. Per layer, on a batch of ``N`` padded
+rows per rank whose first ``nd`` rows are replicated decodes:
+
+====================  ==========  =====  =======================================
+purpose               op          group  rows sent by each rank x row width
+====================  ==========  =====  =======================================
+kv_gather             all_gather  PCP    ``N - nd`` x ``entry_dim`` (if any rank has
+                                         real rows past ``nd``)
+dcp_decode_partials   all_gather  DCP    ``nd`` x ``H*Dv + H`` (partial out + lse)
+dcp_query_gather      all_gather  DCP    ``N - nd`` x ``H`` x ``qk_dim``
+dcp_partials          all_to_all  DCP    ``D * (N - nd)`` x ``H*Dv + H``
+====================  ==========  =====  =======================================
+
+and once per step ``restore``, an all_gather over PCP of ``N`` (``all_rows``) or of the
+largest rank's count of sampled rows (``sampled_rows``) hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from pcpflow.layout import BatchLayout
+
+
+def traffic_factor(op: str, group_size: int) -> int:
+    """Bytes moved per byte of one rank's tensor: what every rank receives from the
+    others, summed over the group (``pcpflow.comm`` documents the model)."""
+    s = int(group_size)
+    if s <= 1:
+        return 0
+    factors = {
+        "all_gather": s * (s - 1),
+        "all_to_all": s - 1,
+        "broadcast": s - 1,
+        "all_reduce": 2 * (s - 1),
+    }
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(factors)}")
+    return factors[op]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set collective volumes (a model's ``AttentionSpec`` plus width)."""
+
+    hidden_size: int
+    num_layers: int
+    entry_dim: int  # KV cache entry per token and layer
+    num_heads: int  # query heads
+    qk_dim: int  # per-head query dim as the attention kernel sees it
+    v_dim: int  # per-head attention output dim
+    dtype_bytes: int
+
+    @property
+    def partials_width(self) -> int:
+        """One row of packed partial attention: per-head output and log-sum-exp."""
+        return self.num_heads * self.v_dim + self.num_heads
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # all_gather | all_to_all
+    purpose: str
+    group: Literal["pcp", "dcp"]
+    shape: tuple[int, ...]  # the tensor each rank passes in
+
+    def nbytes(self, group_size: int, dtype_bytes: int) -> int:
+        return math.prod(self.shape) * dtype_bytes * traffic_factor(self.op, group_size)
+
+
+def attention_rows(layout: BatchLayout) -> tuple[int, int]:
+    """(``nd``, ``rest``): each rank's leading replicated-decode rows, which never move,
+    and the rows after them that every layer all-gathers across PCP (0 when no rank has
+    a real row past ``nd``: a batch of replicated decodes only)."""
+    nd = layout.num_replicated_decode_tokens
+    moves = bool((layout.per_rank_num_tokens > nd).any())
+    return nd, (layout.padded_num_tokens - nd) if moves else 0
+
+
+def layer_collectives(layout: BatchLayout, *, dcp_size: int, shape: ModelShape) -> list[Collective]:
+    """One attention layer's collectives, in the order ``CPAttention`` issues them."""
+    nd, rest = attention_rows(layout)
+    out = []
+    if rest:
+        out.append(Collective("all_gather", "kv_gather", "pcp", (rest, shape.entry_dim)))
+    if dcp_size > 1:
+        if nd:
+            out.append(
+                Collective("all_gather", "dcp_decode_partials", "dcp", (nd, shape.partials_width))
+            )
+        if rest:
+            out.append(
+                Collective(
+                    "all_gather", "dcp_query_gather", "dcp", (rest, shape.num_heads, shape.qk_dim)
+                )
+            )
+            out.append(
+                Collective(
+                    "all_to_all", "dcp_partials", "dcp", (dcp_size * rest, shape.partials_width)
+                )
+            )
+    return out
+
+
+def sampled_row_holders(
+    layout: BatchLayout, logits_indices: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where each sampled token's hidden state is canonically held: (rank, local row) per
+    sample, and the largest number of samples one rank holds (the rows each rank sends
+    in a ``sampled_rows`` restore)."""
+    holder = layout.hidden_restore_idx[np.asarray(logits_indices, dtype=np.int64)]  # gathered row
+    if not len(holder):
+        return holder, holder, 0
+    rank, row = np.divmod(holder, layout.padded_num_tokens)
+    return rank, row, int(np.bincount(rank, minlength=layout.pcp_size).max())
+
+
+def restore_collective(
+    layout: BatchLayout, logits_indices: np.ndarray, *, kind: str, hidden_size: int
+) -> Collective:
+    """The restore's all_gather of hidden states: every row, or only the sampled ones."""
+    if kind == "all_rows":
+        rows = layout.padded_num_tokens
+    elif kind == "sampled_rows":
+        rows = sampled_row_holders(layout, logits_indices)[2]
+    else:
+        raise ValueError(f"unknown restore kind {kind!r}; known: all_rows, sampled_rows")
+    return Collective("all_gather", "restore", "pcp", (rows, hidden_size))
+
+
+def step_collectives(
+    layout: BatchLayout,
+    logits_indices: np.ndarray,
+    *,
+    dcp_size: int,
+    shape: ModelShape,
+    restore: str = "all_rows",
+) -> list[Collective]:
+    """Every collective of one target-model step (no drafter), in issue order."""
+    per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape)
+    return per_layer * shape.num_layers + [
+        restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
+    ]
+
+
+def step_traffic(
+    collectives: list[Collective], *, pcp_size: int, dcp_size: int, dtype_bytes: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(calls, bytes) by purpose, as ``CommStats`` records them (groups of one move
+    nothing and are not counted)."""
+    calls: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    for c, n in Counter(collectives).items():  # every layer repeats the same calls
+        size = pcp_size if c.group == "pcp" else dcp_size
+        if size > 1:
+            calls[c.purpose] += n
+            nbytes[c.purpose] += n * c.nbytes(size, dtype_bytes)
+    return dict(calls), dict(nbytes)

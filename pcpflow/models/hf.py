@@ -1,0 +1,138 @@
+"""Hugging Face checkpoints: ``model=hf model.path=DIR``.
+
+``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
+safetensors weights (one file, or shards with ``model.safetensors.index.json``).
+Supported: ``LlamaForCausalLM`` (``hf_llama``) and dense ``DeepseekV2ForCausalLM`` /
+``DeepseekV3ForCausalLM`` (``hf_deepseek``). The config is checked when the run config
+is validated — an unsupported architecture, MoE layers, a quantized checkpoint, a missing
+directory or weights are configuration errors (exit 2, no rank started). The weights are
+cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pcpflow.errors import ConfigError, Problem
+from pcpflow.models.common import DecoderLM
+from pcpflow.models.hf_checkpoint import CheckpointConfig
+from pcpflow.models.hf_deepseek import DeepseekCheckpoint
+from pcpflow.models.hf_llama import LlamaCheckpoint
+from pcpflow.models.hf_weights import checkpoint_files, load_checkpoint
+
+ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
+    "LlamaForCausalLM": LlamaCheckpoint,
+    "DeepseekV2ForCausalLM": DeepseekCheckpoint,
+    "DeepseekV3ForCausalLM": DeepseekCheckpoint,
+}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+
+
+def read_checkpoint(path: str | Path) -> CheckpointConfig:
+    """The checkpoint config of the directory ``path``; ValueError saying what is wrong
+    (no directory, no/invalid config.json, unsupported architecture or feature, no
+    safetensors weights)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint directory at {path}")
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{config_file} is missing (not a Hugging Face checkpoint?)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_file} is not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} is not a JSON object")
+    archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
+    arch = archs[0] if archs and archs[0] else f"model_type={raw.get('model_type')!r}"
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {arch} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    checkpoint = ARCHITECTURES[arch].parse(raw, arch)
+    checkpoint_files(path)  # raises if there are no weights
+    return checkpoint
+
+
+class HFModel(DecoderLM):
+    """A Llama or DeepSeek model with the weights of a Hugging Face checkpoint."""
+
+    class Config(BaseModel):
+        """A Hugging Face checkpoint directory (config.json + safetensors)."""
+
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        name: Literal["hf"] = "hf"
+        path: str | None = Field(
+            None,
+            validate_default=True,
+            description=(
+                "the checkpoint directory (required): config.json + *.safetensors, e.g. a "
+                "`huggingface-cli download` or `save_pretrained` directory; a relative path "
+                "resolves against the working directory when the config is validated"
+            ),
+        )
+
+        @field_validator("path")
+        @classmethod
+        def _readable_checkpoint(cls, path: str | None) -> str:
+            if path is None or not str(path).strip():
+                raise ValueError(
+                    "the checkpoint directory is required: give model.path=<dir> (config.json "
+                    "+ *.safetensors; scripts/make_tiny_hf_checkpoint.py builds a tiny one)"
+                )
+            # NOTE: resolved once, in the driver, so that ranks started elsewhere read the
+            # same directory.
+            path = os.path.abspath(os.path.expanduser(str(path)))
+            read_checkpoint(path)
+            return path
+
+    def __init__(self, checkpoint: CheckpointConfig):
+        c = checkpoint
+        super().__init__(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            layers=c.build_layers(),
+            attn_spec=c.attn_spec(),
+            eps=c.rms_norm_eps,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+        self.checkpoint = checkpoint
+
+    @classmethod
+    def from_config(
+        cls, config: HFModel.Config, *, dtype: torch.dtype, seed: int, device="cpu"
+    ) -> HFModel:
+        """The checkpoint's model with its weights cast to ``dtype`` (``seed`` is unused)."""
+        assert config.path is not None
+        checkpoint = read_checkpoint(config.path)
+        with torch.device("meta"):
+            model = cls(checkpoint)
+        model = model.to_empty(device=device).to(dtype)
+        load_checkpoint(
+            model,
+            Path(config.path),
+            checkpoint.renames,
+            num_layers=checkpoint.num_hidden_layers,
+            # NOTE: tied checkpoints may still carry a copy of the embedding as lm_head
+            skip=(r"lm_head\.weight",) if checkpoint.tie_word_embeddings else (),
+        )
+        return model
+
+    @classmethod
+    def vocab_size_of(cls, config: HFModel.Config) -> int:
+        try:
+            return read_checkpoint(config.path or "").vocab_size
+        except ValueError as exc:
+            raise ConfigError([Problem("model.path", config.path, str(exc))]) from None

@@ -1,0 +1,100 @@
+"""What pcpflow reads from a Hugging Face checkpoint's ``config.json``.
+
+Each supported family has a pydantic model of the config.json fields it uses (others are
+ignored) with transformers' defaults; ``CheckpointConfig.parse`` validates a config.json
+dict into it and reports problems as one ``ValueError`` message. RoPE settings come in two
+spellings — ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters``
+(transformers 5) — and are read into ``rope_theta`` and a ``RopeScaling``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pcpflow.models.base import AttentionSpec
+from pcpflow.models.common import DecoderLayer, RopeScaling
+from pcpflow.models.hf_weights import Rename
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class CheckpointConfig(BaseModel):
+    """The decoder fields shared by Llama and DeepSeek config.json files."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    architecture: str
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    max_position_embeddings: int = Field(2048, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    tie_word_embeddings: bool = False
+    hidden_act: Literal["silu"] = "silu"
+    attention_bias: bool = False
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+
+    renames: ClassVar[tuple[Rename, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_rope(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        params = dict(raw.pop("rope_parameters", None) or raw.pop("rope_scaling", None) or {})
+        raw.pop("rope_scaling", None)
+        theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+        raw["rope_theta"] = theta
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if rope_type != "default":
+            if params.get("factor") is None:
+                raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
+            known = set(RopeScaling.__dataclass_fields__)
+            kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+            kwargs["rope_type"] = rope_type
+            if rope_type in ("llama3", "yarn"):
+                # NOTE: as transformers: the original length defaults to the model's
+                kwargs.setdefault(
+                    "original_max_position_embeddings",
+                    raw.get("original_max_position_embeddings")
+                    or raw.get("max_position_embeddings", 2048),
+                )
+            raw["rope_scaling"] = RopeScaling(**kwargs)
+        if raw.get("quantization_config"):
+            method = raw["quantization_config"].get("quant_method", "?")
+            raise ValueError(
+                f"quantized checkpoints ({method}) are not supported; use an unquantized "
+                "(bf16/fp16/fp32) checkpoint"
+            )
+        return raw
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], architecture: str) -> CheckpointConfig:
+        """The checkpoint config of a config.json dict; ValueError naming every problem."""
+        try:
+            return cls.model_validate({**raw, "architecture": architecture})
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors(include_url=False):
+                where = ".".join(str(p) for p in err["loc"])
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{where}: {msg}" if where else msg)
+            raise ValueError(f"config.json of a {architecture}: " + "; ".join(problems)) from None
+
+    # what a family provides
+    def attn_spec(self) -> AttentionSpec:  # pragma: no cover
+        raise NotImplementedError
+
+    def build_layers(self) -> list[DecoderLayer]:  # pragma: no cover
+        raise NotImplementedError

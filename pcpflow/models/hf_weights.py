@@ -1,0 +1,189 @@
+"""Hugging Face checkpoint tensors -> pcpflow parameters, by a table of renames.
+
+A checkpoint directory holds ``model.safetensors``, or shards listed by
+``model.safetensors.index.json``. Each tensor name is matched against a family's
+``Rename`` table (first match wins); the table says which pcpflow parameter it fills and,
+for fused parameters (gate and up projections are one ``gate_up_proj``), which slice of
+it along dim 0. Every pcpflow parameter (every slice of a fused one) must be filled
+exactly once; anything the table does not know is an error rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Rename:
+    """The HF tensor ``hf`` fills pcpflow parameter ``ours``. Both are dotted names where
+    ``{i}`` stands for a layer index and ``{wb}`` for ``weight`` or ``bias``;
+    ``part=(k, n)``: the tensor is the k-th of n equal slices of a fused parameter along
+    dim 0."""
+
+    hf: str
+    ours: str
+    part: tuple[int, int] | None = None
+
+    def pattern(self) -> re.Pattern[str]:
+        return _compile(self.hf)
+
+    def target_pattern(self) -> re.Pattern[str]:
+        return _compile(self.ours)
+
+
+def _compile(template: str) -> re.Pattern[str]:
+    regex = re.escape(template)
+    regex = regex.replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{wb\}", r"(?P<wb>weight|bias)")
+    return re.compile(regex)
+
+
+DECODER_RENAMES = (
+    Rename("model.embed_tokens.weight", "embed_tokens.weight"),
+    Rename("model.norm.weight", "norm.weight"),
+    Rename("lm_head.weight", "lm_head.weight"),
+    Rename("model.layers.{i}.input_layernorm.weight", "layers.{i}.input_norm.weight"),
+    Rename(
+        "model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_norm.weight"
+    ),
+    Rename("model.layers.{i}.mlp.gate_proj.{wb}", "layers.{i}.mlp.gate_up_proj.{wb}", (0, 2)),
+    Rename("model.layers.{i}.mlp.up_proj.{wb}", "layers.{i}.mlp.gate_up_proj.{wb}", (1, 2)),
+    Rename("model.layers.{i}.mlp.down_proj.{wb}", "layers.{i}.mlp.down_proj.{wb}"),
+)
+"""Embedding, norms, MLP and LM head: the same names in Llama and DeepSeek checkpoints."""
+
+
+def attention_rename(hf: str, ours: str) -> Rename:
+    """A rename inside a layer's attention block: ``self_attn.<hf>`` -> ``self_attn.<ours>``."""
+    return Rename("model.layers.{i}.self_attn." + hf, "layers.{i}.self_attn." + ours)
+
+
+IGNORED = (
+    # rotary tables some older checkpoints saved; pcpflow computes its own
+    r".*\.rotary_emb\.inv_freq",
+)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of the checkpoint at ``path`` (ValueError if there are none or
+    the index names missing files)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index ({exc})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no safetensors weights in {path} (want {SINGLE_FILE} or {INDEX_FILE} with its "
+            "shards; .bin/.pt checkpoints are not supported: re-save with safetensors)"
+        )
+    return files
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: Path,
+    renames: tuple[Rename, ...],
+    *,
+    num_layers: int,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """Fill every parameter of ``model`` from the checkpoint at ``path``, cast to the
+    parameter's dtype. Tensors of layers ``>= num_layers`` (e.g. DeepSeek-V3's MTP layer)
+    and names matching ``skip`` or ``IGNORED`` are not loaded; any other unknown name, a
+    shape mismatch, or a parameter left unfilled raises ValueError."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    filled: dict[str, set[int]] = {name: set() for name in params}
+    compiled = [(r.pattern(), r) for r in renames]
+    ignored = [re.compile(p) for p in (*IGNORED, *skip)]
+    unknown: list[str] = []
+    twice: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+                if layer and int(layer.group(1)) >= num_layers:
+                    continue
+                if any(p.fullmatch(hf_name) for p in ignored):
+                    continue
+                target = _rename(hf_name, compiled)
+                if target is None or target[0] not in params:
+                    unknown.append(hf_name)
+                    continue
+                name, part = target
+                index = part[0] if part else 0
+                if index in filled[name]:
+                    twice.append(hf_name)
+                _copy(params[name], f.get_tensor(hf_name), part, hf_name, name)
+                filled[name].add(index)
+    if unknown:
+        raise ValueError(
+            f"{path}: {len(unknown)} checkpoint tensor(s) have no place in the model: "
+            + _some(unknown)
+        )
+    if twice:
+        raise ValueError(f"{path}: tensors stored more than once: {_some(twice)}")
+    expected = {name: set(range(_num_parts(name, renames))) for name in params}
+    unfilled = [name for name in params if filled[name] != expected[name]]
+    if unfilled:
+        raise ValueError(f"{path}: the checkpoint does not provide {_some(unfilled)}")
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _rename(hf_name: str, compiled) -> tuple[str, tuple[int, int] | None] | None:
+    for pattern, rule in compiled:
+        m = pattern.fullmatch(hf_name)
+        if m:
+            return rule.ours.format(**m.groupdict()), rule.part
+    return None
+
+
+def _num_parts(name: str, renames: tuple[Rename, ...]) -> int:
+    for rule in renames:
+        if rule.part is not None and rule.target_pattern().fullmatch(name):
+            return rule.part[1]
+    return 1
+
+
+def _copy(
+    param: torch.Tensor,
+    tensor: torch.Tensor,
+    part: tuple[int, int] | None,
+    hf_name: str,
+    name: str,
+) -> None:
+    target = param.data
+    if part is not None:
+        k, n = part
+        rows = param.shape[0] // n
+        target = target[k * rows : (k + 1) * rows]
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"checkpoint tensor {hf_name} is {list(tensor.shape)}, but {name}"
+            + (f" (part {part[0]} of {part[1]})" if part else "")
+            + f" wants {list(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(tensor.to(dtype=target.dtype))

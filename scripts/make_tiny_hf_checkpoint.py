@@ -1,0 +1,218 @@
+"""Build a tiny random-weight Hugging Face checkpoint with transformers' own classes, offline.
+
+The checkpoint is a normal ``save_pretrained`` directory (config.json + safetensors, sharded
+with an index when ``--max-shard-size`` is small), so it exercises exactly the loading
+path a real Llama / DeepSeek checkpoint takes::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch llama --out /tmp/tiny-llama
+    python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v3 --out /tmp/tiny-dsv3
+    python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v2 --q-lora-rank none \
+        --out /tmp/tiny-dsv2
+    python -m pcpflow model=hf model.path=/tmp/tiny-dsv3 pcp=2 dcp=2
+
+Weights are drawn from ``torch.Generator(seed)``: linear weights ``N(0, 1/fan_in)``, the LM
+head ``N(0, 4/hidden)`` (logits of standard deviation ~2), embeddings ``N(0, 1)`` (tied:
+``N(0, 4/hidden)``, as the head), biases ``N(0, 0.1^2)``, and every norm weight
+``1 + N(0, 0.2^2)`` — not transformers' ``std=0.02`` init, whose logits are nearly flat
+(greedy decoding would then hinge on rounding). Logits of a few units keep float32
+rounding near 1e-6 while top-2 gaps stay far above it. Norm weights that are not all one
+make a swapped or missing norm in a loader show up in the logits.
+
+The sizes and rope settings are chosen so that the rope scalings bite at test lengths:
+llama3 with ``original_max_position_embeddings=64`` puts rope frequencies on both sides of
+and inside its smoothing band; YaRN with ``original_max_position_embeddings=64``,
+``factor=4`` and ``mscale != mscale_all_dim`` has a fractional ramp, a cos/sin attention
+factor != 1 and a softmax mscale != 1. The checkpoints have no EOS token: pcpflow always
+generates a request's full output length, and so must the greedy reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "deepseek_v3", "deepseek_v2")
+
+ROPE_SCALINGS = {
+    "none": None,
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    },
+}
+
+DEFAULT_ROPE_SCALING = {"llama": "llama3", "deepseek_v3": "yarn", "deepseek_v2": "yarn"}
+
+
+def tiny_config(
+    arch: str,
+    *,
+    q_lora_rank: int | None = 48,
+    rope_scaling: str | None = None,
+    tie_word_embeddings: bool = False,
+    bias: bool = False,
+    rope_interleave: bool = True,
+    vocab_size: int = 384,
+    num_layers: int = 2,
+):
+    """The transformers config of a tiny ``arch`` model (``rope_scaling`` None: the arch's
+    default, see ``DEFAULT_ROPE_SCALING``)."""
+    import transformers
+
+    scaling = ROPE_SCALINGS[rope_scaling or DEFAULT_ROPE_SCALING[arch]]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=dict(scaling) if scaling else None,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=bias,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, num_key_value_heads=2, head_dim=16, mlp_bias=bias)
+    mla = dict(
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=24,  # != qk_nope_head_dim, so a loader that mixes them up fails
+        num_key_value_heads=4,
+        # every layer dense: MoE is not supported by pcpflow yet
+        first_k_dense_replace=num_layers,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+    )
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config(**common, **mla, rope_interleave=rope_interleave)
+    if arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(**common, **mla)
+    raise ValueError(f"unknown arch {arch!r}; allowed: {', '.join(ARCHS)}")
+
+
+LOGIT_GAIN = 2.0
+"""The LM head is ``N(0, LOGIT_GAIN^2 / hidden)``: logits of standard deviation ~2."""
+
+
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter from ``torch.Generator(seed)`` (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    tied = model.config.tie_word_embeddings
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
+                value = randn(param.shape) * std
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                value = 1 + 0.2 * randn(param.shape)
+            elif name.endswith(".bias"):
+                value = 0.1 * randn(param.shape)
+            elif param.dim() == 2:
+                gain = LOGIT_GAIN if name == "lm_head.weight" else 1.0
+                value = randn(param.shape) * (gain / math.sqrt(param.shape[1]))
+            else:
+                raise TypeError(f"no init rule for {name} {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+
+
+def build_checkpoint(
+    out: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **config_kwargs,
+) -> Path:
+    """Write a tiny random ``arch`` checkpoint to ``out`` (see ``tiny_config`` for the
+    options) and return its path."""
+    import transformers
+
+    config = tiny_config(arch, **config_kwargs)
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+        "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+    }[arch]
+    model = cls(config).to(torch.float32)
+    init_weights(model, seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", choices=ARCHS, required=True)
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument(
+        "--q-lora-rank",
+        default="48",
+        help="DeepSeek query compression rank, or 'none' for a full q_proj (V2-Lite style)",
+    )
+    p.add_argument(
+        "--rope-scaling",
+        choices=sorted(ROPE_SCALINGS),
+        default=None,
+        help="default: llama3 for llama, yarn for deepseek",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--bias", action="store_true", help="attention (and Llama MLP) biases")
+    p.add_argument(
+        "--no-rope-interleave",
+        action="store_true",
+        help="DeepSeek-V3: rope_interleave=false (rotate-half rope)",
+    )
+    p.add_argument("--max-shard-size", default=None, help="e.g. 200KB: a sharded checkpoint")
+    args = p.parse_args(argv)
+    q_lora = None if args.q_lora_rank.lower() == "none" else int(args.q_lora_rank)
+    out = build_checkpoint(
+        args.out,
+        args.arch,
+        seed=args.seed,
+        max_shard_size=args.max_shard_size,
+        q_lora_rank=q_lora,
+        rope_scaling=args.rope_scaling,
+        tie_word_embeddings=args.tie_word_embeddings,
+        bias=args.bias,
+        rope_interleave=not args.no_rope_interleave,
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    files = sorted(f.name for f in out.iterdir())
+    print(f"wrote {cfg['architectures'][0]} to {out}: {', '.join(files)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""draft: ``self`` — the target proposes its own greedy continuation.
+
+The draft model *is* the target (same weights) with its own paged KV cache: its prefill
+runs every token of the step on the PCP-local batch (``spec.prefill_attention``: the
+target's layout and slot mapping, the draft's caches), then k replicated steps each
+decode one token per request, starting from the newest token. So every proposal is what
+the target would sample, and verification accepts them all — the exactness tests'
+full-acceptance case.
+
+``error_rate`` replaces a seeded fraction of proposals with another token, drawn from
+``(seed + seed_offset, step)`` over the batch rows: identical on every rank and for any
+PCP/DCP layout, so partial acceptance and rollback run with real numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from pcpflow import spec
+from pcpflow.stage import Stage, register
+from pcpflow.state import StepState
+
+
+@register
+class SelfDraft(Stage):
+    kind = "self"
+    slots = ("draft",)
+
+    class Config(spec.DraftConfig):
+        kind: Literal["self"] = "self"
+        error_rate: float = Field(
+            0.0, ge=0.0, le=1.0, description="fraction of proposals replaced by a wrong token"
+        )
+        seed_offset: int = Field(2, description="the corruption draws from seed + seed_offset")
+
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        model = ctx.model
+        self.caches = spec.allocate_caches(ctx, model.attn_spec, model.num_layers)
+
+    @torch.no_grad()
+    def __call__(self, state: StepState) -> StepState:
+        ctx, model, b, local = self.ctx, self.ctx.model, state.batch, state.local
+        assert local is not None
+        model(
+            local.input_ids,
+            local.positions,
+            spec.prefill_attention(ctx, state, self.caches, model.attn_spec),
+        )
+
+        start = spec.draft_start(b, state.sampled_token_ids)
+        k = self.config.num_speculative_tokens
+        drafts = np.empty((len(start.rows), k), dtype=np.int64)
+        tokens, positions, dev = start.next_token_ids, start.next_positions, local.input_ids.device
+        for j in range(k if len(start.rows) else 0):
+            # One replicated decode step per draft: every rank, every drafting request.
+            attn = spec.replicated_attention(
+                ctx, b.block_tables, start.rows, positions, self.caches, model.attn_spec
+            )
+            hidden, _ = model(
+                torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev), attn
+            )
+            drafts[:, j] = spec.greedy(model, hidden)
+            tokens, positions = drafts[:, j], positions + 1
+        state.draft_token_ids = spec.scatter_proposals(
+            b.num_reqs, start.rows, self._corrupt(b, start.rows, drafts)
+        )
+        return state
+
+    def _corrupt(self, batch, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+        rate = self.config.error_rate
+        if rate == 0.0:
+            return drafts
+        seed = (self.ctx.config.seed + self.config.seed_offset) & (2**63 - 1)
+        rng = np.random.default_rng([seed, batch.step])
+        shape = (batch.num_reqs, self.config.num_speculative_tokens)
+        wrong = (rng.random(shape) < rate)[rows]
+        shift = rng.integers(1, self.ctx.model.vocab_size, size=shape)[rows]
+        return np.where(wrong, (drafts + shift) % self.ctx.model.vocab_size, drafts)

@@ -1,0 +1,308 @@
+"""Speculative decoding changes nothing but speed.
+
+For every drafter (``self`` exact and with corrupted proposals, ``mtp``, ``dspark``, and a
+user's plugin) at pcp 1..4, both decode modes, with and without DCP (a matrix that covers
+each drafter in every mode across the pcp sizes; each world size starts its ranks once):
+
+- the generated tokens equal those of the run without drafting (float64);
+- pcpflow's verification passes (the single-rank target in lockstep: logits, tokens and
+  every rank's KV cache, including the KV of rejected drafts);
+- every rank proposes the same tokens, and any layout proposes exactly what one rank
+  proposes (so the draft prefill, its restore and the replicated steps are exact too);
+- the self drafter's proposals are all accepted; with error_rate they are partly
+  accepted and the rest rolled back;
+- the MTP and DSpark proposals are what a dense, cache-free forward written from their
+  weights proposes (tests/reference.py's building blocks; no pcpflow attention, cache,
+  layout or scheduler).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pcpflow_test_plugins import draft_probe
+from reference import reference_forward, rms, rope
+
+from pcpflow.models import build_model
+from pcpflow.models.common import build_seeded
+from pcpflow.testing import compose, run
+from stages.dspark import DSparkDraft, DSparkModel
+from stages.mtp import MTPDraft, MTPHead
+
+OUTPUT_LEN = 7
+PROBE = "pcpflow_test_plugins.draft_probe:DraftProbe"
+TOY = "pcpflow_test_plugins.toy_drafter"
+
+# prompts of 1 token, shorter than 2P, a prompt longer than the budget (continued over
+# steps: its chunks' successors come from the prompt), staggered arrivals and more
+# requests than seats, so prefills, verify rows and idle decodes share batches.
+WORKLOAD = [
+    "workload=explicit",
+    "workload.prompt_lens=[1,5,8,13,33]",
+    f"workload.output_lens=[{OUTPUT_LEN}]",
+    "workload.arrival_steps=[0,0,1,2,3]",
+    "scheduler.max_num_batched_tokens=20",
+    "scheduler.max_num_seqs=4",
+    "kv.block_size=5",
+    "dtype=float64",
+    "output.progress=false",
+]
+
+DRAFTERS = {
+    "self": ["draft=self"],
+    "self_err": ["draft=self", "draft.error_rate=0.4"],
+    "mtp": ["draft=mtp"],
+    "dspark": ["draft=dspark"],
+    "toy": [f"plugins=[{TOY}]", "pipeline.draft.kind=toy_repeat"],
+}
+
+
+def modes(pcp: int) -> list[list[str]]:
+    """(decode, dcp): replicated/1, sharded/P, replicated/P, sharded/1."""
+    return [
+        ["decode=replicated", "dcp=1"],
+        ["decode=sharded", f"dcp={pcp}"],
+        ["decode=replicated", f"dcp={pcp}"],
+        ["decode=sharded", "dcp=1"],
+    ]
+
+
+# The mode of each run at each pcp: over pcp 2..4 every drafter runs with DCP under both
+# decode modes (1, 2) and once without DCP (pcp=1 adds the plain case).
+PLAN = {
+    1: {"none": 0, "self": 0, "self_err": 0, "mtp": 0, "dspark": 0},
+    2: {"none": 1, "self": 1, "self_err": 0, "mtp": 2, "dspark": 3, "toy": 0},
+    3: {"none": 3, "self": 0, "self_err": 2, "mtp": 3, "dspark": 1},
+    4: {"none": 2, "self": 2, "self_err": 1, "mtp": 1, "dspark": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    cases, cfgs = [], []
+    for pcp, plan in PLAN.items():
+        for name, mode in plan.items():
+            probe = tmp_path_factory.mktemp(f"p{pcp}_{name}")
+            extra = [f"+pipeline.extra=[{{kind: '{PROBE}', after: draft, path: '{probe}'}}]"]
+            overrides = (
+                WORKLOAD + [f"pcp={pcp}"] + modes(pcp)[mode] + DRAFTERS.get(name, []) + extra
+            )
+            if (pcp, name) == (2, "mtp"):
+                overrides.append("pipeline.restore.kind=sampled_rows")  # drafters need no all_rows
+            cases.append((pcp, name, probe))
+            cfgs.append(compose(overrides))
+    results = run(cfgs)
+    return {
+        (pcp, name): (cfg, res, draft_probe.read(probe))
+        for (pcp, name, probe), cfg, res in zip(cases, cfgs, results)
+    }
+
+
+def label(cfg) -> str:
+    return f"pcp={cfg.pcp} dcp={cfg.dcp} decode={cfg.decode.mode} draft={cfg.draft_stage_config()['kind']}"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_drafting_generates_exactly_the_tokens_of_no_drafting(matrix):
+    baseline = matrix[(1, "none")][1]["outputs"]
+    assert all(len(o) == OUTPUT_LEN for o in baseline)
+    for (pcp, name), (cfg, res, _) in matrix.items():
+        v = res["verify"]
+        assert v["passed"] and v["tokens_match"] and v["kv_match"], f"{label(cfg)}: {v}"
+        assert v["max_abs_logit_diff"] <= 1e-9 and v["max_abs_kv_diff"] <= 1e-9, label(cfg)
+        assert res["outputs"] == baseline, label(cfg)
+        if name == "self":  # accepted drafts: fewer steps for the same tokens
+            assert res["metrics"]["num_steps"] < matrix[(1, "none")][1]["metrics"]["num_steps"], (
+                label(cfg)
+            )
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_every_rank_proposes_what_one_rank_proposes(matrix):
+    for (pcp, name), (cfg, _, ranks) in matrix.items():
+        if name == "none":
+            assert all(line[2] is None for lines in ranks.values() for line in lines)
+            continue
+        assert sorted(ranks) == list(range(pcp)), label(cfg)
+        for r in range(1, pcp):
+            assert ranks[r] == ranks[0], f"{label(cfg)}: rank {r} proposed differently from rank 0"
+        if (1, name) in matrix:
+            assert ranks[0] == matrix[(1, name)][2][0], f"{label(cfg)}: proposals differ from pcp=1"
+        assert any(d >= 0 for line in ranks[0] for row in line[2] for d in row), label(cfg)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_acceptance_full_partial_and_rollback(matrix):
+    for (pcp, name), (cfg, res, ranks) in matrix.items():
+        if name == "none":
+            assert "acceptance_rate" not in res["metrics"]
+            continue
+        m = res["metrics"]
+        assert m["acceptance_rate"] == m["draft_accepted"] / m["draft_proposed"], label(cfg)
+        assert m["mean_accepted_per_step"] == m["draft_accepted"] / m["draft_verify_rows"], label(
+            cfg
+        )
+        assert m["mean_acceptance_length"] == 1 + m["mean_accepted_per_step"]
+        assert 0 < m["draft_time_fraction"] < 1
+        if name == "self":
+            # Proposals are the target's own argmax: in float64 every one is accepted.
+            assert m["acceptance_rate"] == 1.0, label(cfg)
+            k = cfg.num_speculative_tokens
+            assert m["mean_accepted_per_step"] > 0.5 * k, label(cfg)
+        if name == "self_err":
+            assert 0.2 < m["acceptance_rate"] < 0.9, label(cfg)
+        if pcp > 1 and name in ("mtp", "dspark", "self"):
+            # Draft traffic is accounted on its own, never as the target's.
+            assert any(p.startswith("draft_") for p in m["collective_bytes"]), label(cfg)
+    # The same proposals and verification under every layout: the same numbers.
+    for name in ("self", "self_err", "mtp", "dspark"):
+        rates = {
+            (p, n): r[1]["metrics"]["draft_accepted"] for (p, n), r in matrix.items() if n == name
+        }
+        assert len(set(rates.values())) == 1, rates
+
+
+# -- dense references of the drafters, from their weights ----------------------------------
+
+
+def mla_attention(attn, c, hq, pos_q, hkv, pos_kv, visible):
+    """Standard (not absorbed) MLA of query inputs ``hq`` over key inputs ``hkv``;
+    ``visible [nq, nkv]`` says which keys each query sees."""
+    nope, rdim, vdim, nh, r = (
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+        c.num_heads,
+        c.kv_lora_rank,
+    )
+    q = (hq @ attn.q_proj.weight.T).view(-1, nh, nope + rdim)
+    q = torch.cat([q[..., :nope], rope(q[..., nope:], pos_q, c.rope_theta)], -1)
+    ckv = hkv @ attn.kv_a_proj.weight.T
+    latent = rms(ckv[:, :r], attn.kv_a_norm.weight, c.rms_norm_eps)
+    kv = (latent @ attn.kv_b_proj.weight.T).view(-1, nh, nope + vdim)
+    k = torch.cat(
+        [kv[..., :nope], rope(ckv[:, None, r:], pos_kv, c.rope_theta).expand(-1, nh, -1)], -1
+    )
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(nope + rdim)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return torch.einsum("hqk,khd->qhd", probs, kv[..., nope:]).flatten(1) @ attn.o_proj.weight.T
+
+
+def decoder_layer(layer, c, x, pos, visible, ctx_h=None, ctx_pos=None):
+    """Pre-norm block; keys are ``[ctx_h (context inputs) | x]`` when ``ctx_h`` is given."""
+    h = rms(x, layer.input_norm.weight, c.rms_norm_eps)
+    hkv, pkv = h, pos
+    if ctx_h is not None:
+        hkv = torch.cat([rms(ctx_h, layer.input_norm.weight, c.rms_norm_eps), h])
+        pkv = torch.cat([ctx_pos, pos])
+    x = x + mla_attention(layer.self_attn, c, h, pos, hkv, pkv, visible)
+    gate, up = (
+        rms(x, layer.post_attention_norm.weight, c.rms_norm_eps) @ layer.mlp.gate_up_proj.weight.T
+    ).chunk(2, -1)
+    return x + (gate * torch.sigmoid(gate) * up) @ layer.mlp.down_proj.weight.T
+
+
+def greedy_token(target, hidden_normed) -> int:
+    return int((hidden_normed @ target.lm_head.weight.T).argmax())
+
+
+def mtp_reference(target, head, c, seq, p, k):
+    """The k MTP drafts after ``seq[p]`` (the newest token, at position p)."""
+    _, residuals = reference_forward(target, torch.tensor(seq[:p]))
+    h = rms(residuals[-1], target.norm.weight, target.config.rms_norm_eps)
+    emb, eps = target.embed_tokens.weight, c.rms_norm_eps
+
+    def mtp_input(tokens, hidden):
+        return (
+            torch.cat(
+                [rms(emb[tokens], head.enorm.weight, eps), rms(hidden, head.hnorm.weight, eps)], -1
+            )
+            @ head.eh_proj.weight.T
+        )
+
+    x = mtp_input(torch.tensor(seq[1 : p + 1]), h)  # row i: the target at i, the token at i + 1
+    drafts = []
+    for _ in range(k):
+        n = x.shape[0]
+        y = decoder_layer(
+            head.layer, c, x, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+        )
+        drafts.append(greedy_token(target, rms(y[-1], head.norm.weight, eps)))
+        x = torch.cat([x, mtp_input(torch.tensor([drafts[-1]]), y[-1:])])
+    return drafts
+
+
+def dspark_reference(target, drafter, c, layers, seq, p, k):
+    """The block of k DSpark drafts after ``seq[p]``: context = fused target layers at
+    positions < p; block = [seq[p], mask x (k-1)] at p..p+k-1, bidirectional."""
+    _, residuals = reference_forward(target, torch.tensor(seq[:p]))
+    fused = rms(
+        torch.cat([residuals[i] for i in layers], -1) @ drafter.fc.weight.T,
+        drafter.fc_norm.weight,
+        c.rms_norm_eps,
+    )
+    x = torch.cat(
+        [target.embed_tokens.weight[seq[p]][None], drafter.mask_embed.weight.expand(k - 1, -1)]
+    )
+    pos = p + torch.arange(k)
+    visible = torch.ones(k, p + k, dtype=torch.bool)
+    for layer in drafter.layers:
+        x = decoder_layer(layer, c, x, pos, visible, ctx_h=fused, ctx_pos=torch.arange(p))
+    hidden = rms(x, drafter.norm.weight, c.rms_norm_eps)
+    return [greedy_token(target, row) for row in hidden]
+
+
+def recorded_proposals(ranks):
+    """(req_id, newest position, drafts) of every drafting row rank 0 recorded."""
+    for _, req_ids, drafts, positions in ranks[0]:
+        for rid, row, pos in zip(req_ids, drafts, positions):
+            if pos >= 0:
+                yield rid, pos, row
+
+
+def drafter_weights(name, cfg, target):
+    """The drafter a run built (its stage Config, its weights, the target layers it reads)."""
+    stage_cfg = (MTPDraft if name == "mtp" else DSparkDraft).Config.model_validate(
+        cfg.draft_stage_config()
+    )
+    seed, d, n = cfg.seed + stage_cfg.seed_offset, target.hidden_size, target.num_layers
+    if name == "mtp":
+        return (
+            stage_cfg,
+            build_seeded(lambda: MTPHead(d, stage_cfg.layer), seed=seed, dtype=torch.float64),
+            None,
+        )
+    layers = sorted({i % n for i in (stage_cfg.target_layers or [0, n // 2, n - 1])})
+    model = build_seeded(
+        lambda: DSparkModel(d, len(layers), stage_cfg.num_layers, stage_cfg.layer),
+        seed=seed,
+        dtype=torch.float64,
+    )
+    return stage_cfg, model, layers
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mtp", "dspark"])
+def test_mtp_and_dspark_propose_what_a_dense_forward_of_their_weights_proposes(matrix, name):
+    cfg, res, ranks = matrix[(1, name)]
+    target = build_model(cfg.model, dtype=torch.float64, seed=cfg.seed)
+    stage_cfg, drafter, layers = drafter_weights(name, cfg, target)
+    seqs = {
+        r["req_id"]: r["prompt_token_ids"] + out for r, out in zip(res["requests"], res["outputs"])
+    }
+    k, checked = stage_cfg.num_speculative_tokens, 0
+    with torch.no_grad():
+        for rid, pos, drafts in recorded_proposals(ranks):
+            if name == "mtp":
+                want = mtp_reference(target, drafter, stage_cfg.layer, seqs[rid], pos, k)
+            else:
+                want = dspark_reference(target, drafter, stage_cfg.layer, layers, seqs[rid], pos, k)
+            assert drafts == want, f"{name} req {rid} at {pos}: {drafts} != dense {want}"
+            checked += 1
+    assert checked >= 20, checked
