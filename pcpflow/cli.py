@@ -268,7 +268,6 @@ def torchrun_main(argv: list[str]) -> int:
     cfg = parse_run_config(job["config"])
     load_stage_sources(cfg.plugins)
     run_dir = Path(job["run_dir"])
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         sections = run_rank(cfg, run_dir)
     except Exception as exc:

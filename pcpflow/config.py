@@ -80,6 +80,12 @@ class RunConfig(_Strict):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="collective backend; auto: nccl on cuda, else gloo"
     )
+    threads_per_rank: int = Field(
+        1,
+        ge=1,
+        description="torch threads of each rank (also of the in-process rank at pcp=1), so "
+        "that layouts are compared on equal terms",
+    )
     collective_timeout_s: float = Field(
         60.0, gt=0, description="a collective waiting longer fails the job"
     )

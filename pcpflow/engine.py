@@ -6,6 +6,7 @@ the single-rank reference in lockstep (``verify``) and writes the metrics.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,21 @@ def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | No
 
     torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1.
     """
+    with _torch_threads(cfg.threads_per_rank):
+        return _run_rank(cfg, run_dir)
+
+
+@contextmanager
+def _torch_threads(n: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     stats = CommStats()
     if dist.is_initialized():
         if dist.get_world_size() != cfg.world_size:

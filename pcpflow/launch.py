@@ -3,7 +3,7 @@
 The driver writes the frozen, resolved config to ``<run dir>/config.json`` and starts
 ``tp * pcp`` rank processes with torch's elastic launch API (c10d rendezvous on
 ``localhost:0`` so that concurrent or successive jobs never share a port, ``spawn``,
-``OMP_NUM_THREADS=1``, per-rank logs under ``<run dir>/logs``). Ranks never run Hydra:
+``OMP_NUM_THREADS=threads_per_rank``, per-rank logs under ``<run dir>/logs``). Ranks never run Hydra:
 ``rank_main`` loads the frozen config, initializes the process groups and runs the
 engine. A rank that raises ends the job: the elastic agent stops the others, and the
 driver reports the first failing rank's error.
@@ -58,7 +58,6 @@ def rank_main(run_dir: str) -> dict[str, Any] | None:
     from pcpflow.engine import run_rank
     from pcpflow.stage import load_stage_sources
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     path = Path(run_dir)
     cfg = load_frozen_config(path)
     load_stage_sources(cfg.plugins)
@@ -96,11 +95,11 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     env_threads = os.environ.get("OMP_NUM_THREADS")
     # NOTE: the elastic agent does not set OMP_NUM_THREADS; oversubscribed ranks on a
     # few cores slow each other down by orders of magnitude.
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
     try:
         results = elastic_launch(config, rank_main)(str(run_dir))
     except ChildFailedError as exc:
-        raise RankFailure.from_child_failed(exc) from None
+        raise RankFailure.root_cause(exc, log_dir.glob(f"{config.run_id}*/attempt_*/*/error.json")) from None
     finally:
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -117,14 +116,29 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank {rank} failed: {message}")
 
     @classmethod
-    def from_child_failed(cls, exc: ChildFailedError) -> RankFailure:
-        """The root cause: the earliest rank that raised an error of its own. Ranks that
-        died *because* of it (a collective's peer vanished, or the agent's SIGTERM) are
-        consequences, even when their failure happens to be recorded first."""
-        failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-        described = [(rank, *_describe(f)) for rank, f in failures]
-        causes = [d for d in described if not d[3]] or described
-        rank, message, details, _ = causes[0]
+    def root_cause(cls, exc: ChildFailedError, error_files) -> RankFailure:
+        """The earliest rank that raised an error of its own. Ranks that died *because* of
+        it (a collective's peer vanished, the agent's SIGTERM) are consequences, and the
+        agent reports only the first failed process it happens to notice, so every rank's
+        error file (written by ``@record``) is read. File times order the errors (their
+        own timestamps have one-second resolution)."""
+        found = []
+        for path in error_files:
+            try:
+                data = json.loads(path.read_text())
+                rank, mtime = int(path.parent.name), path.stat().st_mtime_ns
+            except (OSError, ValueError):
+                continue
+            message, details = _error_message(data)
+            found.append((mtime, rank, message, details))
+        with_files = {rank for _, rank, _, _ in found}
+        for rank, failure in exc.failures.items():
+            if rank not in with_files:  # died without Python unwinding (signal, crash)
+                message = f"exited with code {failure.exitcode} (no Python error; see the rank's log)"
+                found.append((failure.timestamp * 10**9, rank, message, ""))
+        found.sort()
+        causes = [f for f in found if not _CONSEQUENCE.search(f[2])] or found
+        _, rank, message, details = causes[0]
         return cls(rank, message, details)
 
 
@@ -134,20 +148,12 @@ _CONSEQUENCE = re.compile(
 )
 
 
-def _describe(failure: Any) -> tuple[str, str, bool]:
-    """(message, python traceback, is it a consequence of another rank's failure)."""
-    message, details = failure.message, ""
-    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-    msg = data.get("message")
+def _error_message(data: Any) -> tuple[str, str]:
+    """(message, python traceback) of an elastic error file's contents."""
+    msg = data.get("message") if isinstance(data, dict) else None
     if isinstance(msg, dict):
-        details = msg.get("extraInfo", {}).get("py_callstack", "")
-        message = msg.get("message", message)
-    elif isinstance(msg, str):
-        message = msg
-    killed = failure.exitcode < 0
-    if not message or message.startswith("To enable traceback"):
-        message = f"exited with code {failure.exitcode} (signal or crash; see {failure.error_file or 'logs'})"
-    return message, details, killed or bool(_CONSEQUENCE.search(message))
+        return str(msg.get("message", "")), str(msg.get("extraInfo", {}).get("py_callstack", ""))
+    return (str(msg) if msg and msg != "<NONE>" else ""), ""
 
 
 def print_err(text: str) -> None:

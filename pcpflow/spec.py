@@ -338,21 +338,22 @@ class MLALayerConfig(BaseModel):
 
 
 def mla_decoder_layer(cfg: MLALayerConfig, hidden_size: int) -> tuple[DecoderLayer, AttentionSpec]:
-    """A pre-norm decoder layer with MLA attention, and the ``AttentionSpec`` of its cache."""
-    from pcpflow.models.tiny_mla import MLAAttention, TinyMLA
+    """A pre-norm decoder layer with MLA attention, and the ``AttentionSpec`` of its cache
+    (the absorbed MLA cache of the target models: latent then rope key)."""
+    from pcpflow.models.common import RotaryEmbedding
+    from pcpflow.models.layers import MLAAttention, mla_spec
 
-    mla = TinyMLA.Config(hidden_size=hidden_size, num_layers=1, **cfg.model_dump())
-    layer = DecoderLayer(MLAAttention(mla), hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
-    # The absorbed MLA cache (as in TinyMLA): one entry per token, latent then rope key;
-    # queries are absorbed into latent space, values are the latent.
-    entry = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    spec = AttentionSpec(
+    attention = MLAAttention(
+        hidden_size=hidden_size,
         num_heads=cfg.num_heads,
-        num_kv_heads=1,
-        qk_dim=entry,
-        v_dim=cfg.kv_lora_rank,
-        v_offset=0,
-        entry_dim=entry,
-        scale=1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        nope_dim=cfg.qk_nope_head_dim,
+        rope_dim=cfg.qk_rope_head_dim,
+        v_dim=cfg.v_head_dim,
+        rotary=RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta),
+        latent_norm_eps=cfg.rms_norm_eps,
     )
-    return layer, spec
+    layer = DecoderLayer(attention, hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    return layer, mla_spec(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, scale)

@@ -71,7 +71,7 @@ def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) ->
         payload = [cfg.model_dump(mode="json") for cfg in configs]
         out_path = Path(tmp) / "results.pkl"
         saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["OMP_NUM_THREADS"] = str(max(cfg.threads_per_rank for cfg in configs))
         try:
             mp.spawn(
                 _worker,
@@ -88,13 +88,11 @@ def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) ->
 
 
 def _worker(rank: int, world_size: int, port: int, payload: list[dict], out_path: str, timeout_s: float) -> None:
-    import torch
     import torch.distributed as dist
 
     from pcpflow.engine import run_rank
     from pcpflow.stage import load_stage_sources
 
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

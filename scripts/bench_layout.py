@@ -34,7 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from pcpflow.layout import BatchLayout, plan_layout  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+BUNDLED_TRACE = REPO / "scripts" / "data" / "mooncake_conversation_head.jsonl"  # first 1,000 requests
+DEFAULT_TRACE = FULL_TRACE if FULL_TRACE.exists() else BUNDLED_TRACE
 MODES = {  # name -> (shard_decodes, decode_assignment)
     "replicated": (False, "round_robin"),
     "sharded": (True, "round_robin"),

@@ -46,7 +46,9 @@ from pcpflow.layout import plan_layout
 from pcpflow.scheduler import Scheduler
 from pcpflow.workload import TraceWorkload, build_requests
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+BUNDLED_TRACE = REPO / "scripts" / "data" / "mooncake_conversation_head.jsonl"  # first 1,000 requests
+DEFAULT_TRACE = FULL_TRACE if FULL_TRACE.exists() else BUNDLED_TRACE
 
 MODEL_SHAPES = {
     # MLA: the cache holds the 512-d latent + 64-d rope key; queries absorbed (128 heads x 576).

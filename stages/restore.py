@@ -10,6 +10,7 @@ rank's count, so the restore moves ``P * max_rank_samples`` rows instead of ``P 
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import numpy as np
@@ -41,10 +42,13 @@ class AllRowsRestore(Stage):
         layout, ctx = state.layout, self.ctx
         assert layout is not None and state.hidden is not None
         gathered = ctx.pcp.all_gather(state.hidden, "restore")
+        t0 = time.perf_counter()
         restore_idx = torch.from_numpy(layout.hidden_restore_idx).to(gathered.device)
         state.restored_hidden = gathered.index_select(0, restore_idx)
         logits_idx = torch.from_numpy(state.batch.logits_indices).to(gathered.device)
-        return sample_greedy(state, ctx.model, state.restored_hidden.index_select(0, logits_idx))
+        sample_hidden = state.restored_hidden.index_select(0, logits_idx)
+        state.timings["restore.indexing"] = time.perf_counter() - t0
+        return sample_greedy(state, ctx.model, sample_hidden)
 
 
 @register
@@ -58,16 +62,21 @@ class SampledRowsRestore(Stage):
     def __call__(self, state: StepState) -> StepState:
         layout, ctx, hidden = state.layout, self.ctx, state.hidden
         assert layout is not None and hidden is not None
+        t0 = time.perf_counter()
         # Each sample's canonical holder, and the most samples one rank holds (m).
         holder_rank, holder_row, m = sampled_row_holders(layout, state.batch.logits_indices)
         send = hidden.new_zeros((m, hidden.shape[1]))
         mine = holder_row[holder_rank == ctx.pcp_rank]
         send[: len(mine)] = hidden[torch.from_numpy(mine).to(hidden.device)]
-        gathered = ctx.pcp.all_gather(send, "restore")
         # Sample i sits at its rank's block, after the earlier samples of that rank.
         order = np.argsort(holder_rank, kind="stable")
         within = np.empty_like(order)
         within[order] = np.arange(len(order)) - np.searchsorted(holder_rank[order], holder_rank[order])
         pick = torch.from_numpy(holder_rank * m + within).to(hidden.device)
+        indexing = time.perf_counter() - t0
+        gathered = ctx.pcp.all_gather(send, "restore")
+        t0 = time.perf_counter()
+        sample_hidden = gathered.index_select(0, pick)
+        state.timings["restore.indexing"] = indexing + time.perf_counter() - t0
         state.restored_hidden = None
-        return sample_greedy(state, ctx.model, gathered.index_select(0, pick))
+        return sample_greedy(state, ctx.model, sample_hidden)

@@ -3,7 +3,7 @@ multi-head latent attention (MLA), dense MLP layers.
 
 The cache holds, per token, the normalized latent ``c_kv`` and the roped, head-shared
 ``k_pe``; queries are absorbed into latent space (``q_nope @ W_UK``) and the latent output
-goes through ``W_UV`` (see ``tiny_mla``). What transformers does and pcpflow follows:
+goes through ``W_UV`` (``pcpflow.models.layers.MLAAttention``). What transformers does and pcpflow follows:
 
 - RoPE pairs: V2 always rotates interleaved pairs; V3 does when ``rope_interleave`` (the
   default), else rotate-half.
@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-import torch
 from pydantic import Field, model_validator
-from torch import nn
 
-from pcpflow.models.base import AttentionBackend, AttentionSpec
-from pcpflow.models.common import DecoderLayer, RMSNorm, RotaryEmbedding, yarn_mscale
+from pcpflow.models.base import AttentionSpec
+from pcpflow.models.common import DecoderLayer, RotaryEmbedding, yarn_mscale
+from pcpflow.models.layers import MLAAttention, mla_spec
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 
@@ -100,74 +99,26 @@ class DeepseekCheckpoint(CheckpointConfig):
         return scale
 
     def attn_spec(self) -> AttentionSpec:
-        entry = self.kv_lora_rank + self.qk_rope_head_dim
-        return AttentionSpec(
-            num_heads=self.num_attention_heads,
-            num_kv_heads=1,
-            qk_dim=entry,
-            v_dim=self.kv_lora_rank,
-            v_offset=0,
-            entry_dim=entry,
-            scale=self.softmax_scale(),
-        )
+        return mla_spec(self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.softmax_scale())
 
     def build_layers(self) -> list[DecoderLayer]:
         return [
-            DecoderLayer(
-                DeepseekMLA(self), self.hidden_size, self.intermediate_size, self.rms_norm_eps
-            )
+            DecoderLayer(self._attention(), self.hidden_size, self.intermediate_size, self.rms_norm_eps)
             for _ in range(self.num_hidden_layers)
         ]
 
-
-class DeepseekMLA(nn.Module):
-    """Absorbed MLA with a checkpoint's biases and rope (same math as ``tiny_mla``)."""
-
-    def __init__(self, c: DeepseekCheckpoint):
-        super().__init__()
-        self.num_heads = c.num_attention_heads
-        self.q_lora_rank = c.q_lora_rank
-        self.kv_lora_rank = c.kv_lora_rank
-        self.nope_dim, self.rope_dim, self.v_dim = (
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
+    def _attention(self) -> MLAAttention:
+        return MLAAttention(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            nope_dim=self.qk_nope_head_dim,
+            rope_dim=self.qk_rope_head_dim,
+            v_dim=self.v_head_dim,
+            rotary=RotaryEmbedding(
+                self.qk_rope_head_dim, self.rope_theta, scaling=self.rope_scaling, interleaved=self.interleaved_rope
+            ),
+            latent_norm_eps=LATENT_NORM_EPS,
+            bias=self.attention_bias,
         )
-        bias = c.attention_bias
-        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
-        if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
-            self.q_a_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj = nn.Linear(c.hidden_size, c.kv_lora_rank + self.rope_dim, bias=bias)
-        self.kv_a_norm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(
-            c.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
-        )
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=bias)
-        self.rotary = RotaryEmbedding(
-            self.rope_dim, c.rope_theta, scaling=c.rope_scaling, interleaved=c.interleaved_rope
-        )
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
-    ) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q = self.q_proj(h)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(h)))
-        q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj(h).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        q_pe = self.rotary.apply(q_pe, cos, sin)
-        k_pe = self.rotary.apply(k_pe[:, None], cos, sin)[:, 0]
-        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope_dim + self.v_dim))
-        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
-        q_latent = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
-        kv = torch.cat([self.kv_a_norm(latent), k_pe], dim=-1)
-        out_latent = attn(layer, torch.cat([q_latent, q_pe], dim=-1), kv)
-        out = torch.einsum("nhl,hvl->nhv", out_latent, w_uv)
-        return self.o_proj(out.flatten(1))

@@ -7,15 +7,13 @@ attention and MLP projections are loaded when the config asks for them
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
-import torch
 from pydantic import Field, model_validator
-from torch import nn
 
-from pcpflow.models.base import AttentionBackend, AttentionSpec
+from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding
+from pcpflow.models.layers import GQAAttention, gqa_spec
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 
@@ -55,21 +53,19 @@ class LlamaCheckpoint(CheckpointConfig):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def attn_spec(self) -> AttentionSpec:
-        kv_width = self.kv_heads * self.dim
-        return AttentionSpec(
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.kv_heads,
-            qk_dim=self.dim,
-            v_dim=self.dim,
-            v_offset=kv_width,
-            entry_dim=2 * kv_width,
-            scale=1.0 / math.sqrt(self.dim),
-        )
+        return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
 
     def build_layers(self) -> list[DecoderLayer]:
         return [
             DecoderLayer(
-                LlamaAttention(self),
+                GQAAttention(
+                    hidden_size=self.hidden_size,
+                    num_heads=self.num_attention_heads,
+                    num_kv_heads=self.kv_heads,
+                    head_dim=self.dim,
+                    rotary=RotaryEmbedding(self.dim, self.rope_theta, scaling=self.rope_scaling),
+                    bias=self.attention_bias,
+                ),
                 self.hidden_size,
                 self.intermediate_size,
                 self.rms_norm_eps,
@@ -77,26 +73,3 @@ class LlamaCheckpoint(CheckpointConfig):
             )
             for _ in range(self.num_hidden_layers)
         ]
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, c: LlamaCheckpoint):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.kv_heads, c.dim
-        bias = c.attention_bias
-        self.q_proj = nn.Linear(c.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=bias)
-        self.rotary = RotaryEmbedding(self.head_dim, c.rope_theta, scaling=c.rope_scaling)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
-    ) -> torch.Tensor:
-        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        q = self.rotary.apply(q, cos, sin)
-        k = self.rotary.apply(k, cos, sin)
-        out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1))
-        return self.o_proj(out.flatten(1))

@@ -7,40 +7,12 @@ The cache holds one entry per token: roped K of every kv head, then V
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import nn
 
-from pcpflow.models.base import AttentionBackend, AttentionSpec
 from pcpflow.models.common import DecoderLayer, DecoderLM, RotaryEmbedding
-
-
-class GQAAttention(nn.Module):
-    def __init__(self, cfg: TinyGQA.Config):
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        kv_width = cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
-    ) -> torch.Tensor:
-        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        q = self.rotary.apply(q, cos, sin)
-        k = self.rotary.apply(k, cos, sin)
-        out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1))
-        return self.o_proj(out.flatten(1))
+from pcpflow.models.layers import GQAAttention, gqa_spec
 
 
 class TinyGQA(DecoderLM):
@@ -78,18 +50,20 @@ class TinyGQA(DecoderLM):
 
     def __init__(self, config: TinyGQA.Config):
         c = config
-        kv_width = c.num_kv_heads * c.head_dim
-        spec = AttentionSpec(
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
-            qk_dim=c.head_dim,
-            v_dim=c.head_dim,
-            v_offset=kv_width,
-            entry_dim=2 * kv_width,
-            scale=1.0 / math.sqrt(c.head_dim),
-        )
+        spec = gqa_spec(c.num_heads, c.num_kv_heads, c.head_dim)
         layers = [
-            DecoderLayer(GQAAttention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+            DecoderLayer(
+                GQAAttention(
+                    hidden_size=c.hidden_size,
+                    num_heads=c.num_heads,
+                    num_kv_heads=c.num_kv_heads,
+                    head_dim=c.head_dim,
+                    rotary=RotaryEmbedding(c.head_dim, c.rope_theta),
+                ),
+                c.hidden_size,
+                c.intermediate_size,
+                c.rms_norm_eps,
+            )
             for _ in range(c.num_layers)
         ]
         super().__init__(

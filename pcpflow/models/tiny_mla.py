@@ -1,76 +1,16 @@
-"""A tiny DeepSeek-style model with multi-head latent attention (MLA).
-
-The cache holds one entry per token: the normalized compressed latent ``c_kv`` and the
-roped, head-shared ``k_pe``. Queries are absorbed into latent space
-(``q_nope @ W_UK`` per head), so the backend sees one "kv head" whose keys are the whole
-entry and whose values are the latent; the latent output goes through ``W_UV`` per head.
-This equals standard MLA, where ``k_nope = W_UK c_kv`` and ``v = W_UV c_kv``.
-"""
+"""A tiny DeepSeek-style model with multi-head latent attention (MLA): the cache holds
+the normalized latent plus the roped key, queries absorbed into latent space
+(``pcpflow.models.layers.MLAAttention``)."""
 
 from __future__ import annotations
 
 import math
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import nn
 
-from pcpflow.models.base import AttentionBackend, AttentionSpec
-from pcpflow.models.common import DecoderLayer, DecoderLM, RMSNorm, RotaryEmbedding
-
-
-class MLAAttention(nn.Module):
-    def __init__(self, cfg: TinyMLA.Config):
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.q_lora_rank = cfg.q_lora_rank
-        self.kv_lora_rank = cfg.kv_lora_rank
-        self.nope_dim = cfg.qk_nope_head_dim
-        self.rope_dim = cfg.qk_rope_head_dim
-        self.v_dim = cfg.v_head_dim
-        q_out = cfg.num_heads * (self.nope_dim + self.rope_dim)
-        if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
-            cfg.kv_lora_rank, cfg.num_heads * (self.nope_dim + self.v_dim), bias=False
-        )
-        self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
-        self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope_theta)
-
-    def query(self, h: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, heads, nope + rope]`` (rope part not yet rotated)."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(h)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(h)))
-        return q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
-
-    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``W_UK [heads, nope, kv_lora_rank]`` and ``W_UV [heads, v_dim, kv_lora_rank]``."""
-        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope_dim + self.v_dim))
-        return w[:, : self.nope_dim], w[:, self.nope_dim :]
-
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
-    ) -> torch.Tensor:
-        q_nope, q_pe = self.query(h).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj(h).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        q_pe = self.rotary.apply(q_pe, cos, sin)
-        k_pe = self.rotary.apply(k_pe[:, None], cos, sin)[:, 0]
-        w_uk, w_uv = self.w_uk_uv()
-        q_latent = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
-        kv = torch.cat([self.kv_a_norm(latent), k_pe], dim=-1)
-        out_latent = attn(layer, torch.cat([q_latent, q_pe], dim=-1), kv)
-        out = torch.einsum("nhl,hvl->nhv", out_latent, w_uv)
-        return self.o_proj(out.flatten(1))
+from pcpflow.models.common import DecoderLayer, DecoderLM, RotaryEmbedding
+from pcpflow.models.layers import MLAAttention, mla_spec
 
 
 class TinyMLA(DecoderLM):
@@ -106,17 +46,10 @@ class TinyMLA(DecoderLM):
 
     def __init__(self, config: TinyMLA.Config):
         c = config
-        spec = AttentionSpec(
-            num_heads=c.num_heads,
-            num_kv_heads=1,
-            qk_dim=c.kv_lora_rank + c.qk_rope_head_dim,
-            v_dim=c.kv_lora_rank,
-            v_offset=0,
-            entry_dim=c.kv_lora_rank + c.qk_rope_head_dim,
-            scale=1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim),
-        )
+        scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        spec = mla_spec(c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, scale)
         layers = [
-            DecoderLayer(MLAAttention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+            DecoderLayer(mla_attention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
             for _ in range(c.num_layers)
         ]
         super().__init__(
@@ -128,3 +61,17 @@ class TinyMLA(DecoderLM):
             tie_word_embeddings=c.tie_word_embeddings,
         )
         self.config = config
+
+
+def mla_attention(c: TinyMLA.Config) -> MLAAttention:
+    return MLAAttention(
+        hidden_size=c.hidden_size,
+        num_heads=c.num_heads,
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        nope_dim=c.qk_nope_head_dim,
+        rope_dim=c.qk_rope_head_dim,
+        v_dim=c.v_head_dim,
+        rotary=RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta),
+        latent_norm_eps=c.rms_norm_eps,
+    )

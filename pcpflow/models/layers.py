@@ -1,0 +1,137 @@
+"""The two attention layers every pcpflow model is built from, with the cache layout
+(``AttentionSpec``) each one implies. The tiny models, the Hugging Face loaders and the
+drafters all use these, so one definition carries the math that is proven against
+transformers.
+
+- ``GQAAttention`` (Llama): cache entry = roped K of every kv head, then V.
+- ``MLAAttention`` (DeepSeek): cache entry = the normalized latent ``c_kv`` and the roped,
+  head-shared ``k_pe``. Queries are absorbed into latent space (``q_nope @ W_UK`` per
+  head) so the backend sees one "kv head" whose keys are the whole entry and whose values
+  are the latent; the latent output goes through ``W_UV`` per head. This equals standard
+  MLA, where ``k_nope = W_UK c_kv`` and ``v = W_UV c_kv``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pcpflow.models.base import AttentionBackend, AttentionSpec
+from pcpflow.models.common import RMSNorm, RotaryEmbedding
+
+
+def gqa_spec(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionSpec:
+    kv_width = num_kv_heads * head_dim
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        qk_dim=head_dim,
+        v_dim=head_dim,
+        v_offset=kv_width,
+        entry_dim=2 * kv_width,
+        scale=1.0 / math.sqrt(head_dim),
+    )
+
+
+def mla_spec(num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> AttentionSpec:
+    entry = kv_lora_rank + rope_dim
+    return AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=1,
+        qk_dim=entry,
+        v_dim=kv_lora_rank,
+        v_offset=0,
+        entry_dim=entry,
+        scale=scale,
+    )
+
+
+class GQAAttention(nn.Module):
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.rotary = rotary
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
+    ) -> torch.Tensor:
+        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        q = self.rotary.apply(q, cos, sin)
+        k = self.rotary.apply(k, cos, sin)
+        out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1))
+        return self.o_proj(out.flatten(1))
+
+
+class MLAAttention(nn.Module):
+    """Absorbed multi-head latent attention. ``bias`` applies where DeepSeek checkpoints
+    may carry one (q_a, kv_a and o projections); ``latent_norm_eps`` is the eps of the
+    q_a / kv_a norms."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        nope_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        rotary: RotaryEmbedding,
+        latent_norm_eps: float,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
+        q_out = num_heads * (nope_dim + rope_dim)
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_norm = RMSNorm(q_lora_rank, latent_norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        self.kv_a_proj = nn.Linear(hidden_size, kv_lora_rank + rope_dim, bias=bias)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, latent_norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (nope_dim + v_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_dim, hidden_size, bias=bias)
+        self.rotary = rotary
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
+    ) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(h)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(h)))
+        q = q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj(h).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        q_pe = self.rotary.apply(q_pe, cos, sin)
+        k_pe = self.rotary.apply(k_pe[:, None], cos, sin)[:, 0]
+        # W_UK [heads, nope, latent] and W_UV [heads, v_dim, latent], sliced from kv_b_proj.
+        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope_dim + self.v_dim))
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_latent = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
+        kv = torch.cat([self.kv_a_norm(latent), k_pe], dim=-1)
+        out_latent = attn(layer, torch.cat([q_latent, q_pe], dim=-1), kv)
+        out = torch.einsum("nhl,hvl->nhv", out_latent, w_uv)
+        return self.o_proj(out.flatten(1))
