@@ -27,6 +27,7 @@ class RankContext:
     model: CausalLM
     kv_caches: list[torch.Tensor]  # per layer [num_blocks * block_size, entry_dim]
     stats: CommStats
+    requests: list[Any] = field(default_factory=list)  # the workload (pcpflow.workload.Request)
     is_reference: bool = False
     aux_layers: set[int] = field(default_factory=set)  # layers whose hidden drafters need
     extras: dict[str, Any] = field(default_factory=dict)  # per-run space for user stages

@@ -80,6 +80,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         model=model,
         kv_caches=allocate_kv_caches(model, cfg.kv.num_blocks, cfg.kv.block_size, dtype, device),
         stats=stats,
+        requests=requests,
     )
     specs = resolve_pipeline(cfg)
     pipeline = Pipeline(specs, ctx)

@@ -123,17 +123,8 @@ def scatter_proposals(num_reqs: int, rows: np.ndarray, proposals: np.ndarray) ->
 
 
 def request_prompts(ctx: RankContext) -> dict[int, np.ndarray]:
-    """req_id -> prompt token ids of the run's workload (built once per rank, cached in
-    ``ctx.extras``; the workload is seeded, so every rank builds the same)."""
-    prompts = ctx.extras.get("spec.prompts")
-    if prompts is None:
-        from pcpflow.workload import build_requests
-
-        requests = build_requests(
-            ctx.config.workload, vocab_size=ctx.model.vocab_size, seed=ctx.config.seed
-        )
-        prompts = ctx.extras["spec.prompts"] = {r.req_id: r.prompt_token_ids for r in requests}
-    return prompts
+    """req_id -> prompt token ids of the run's workload (the same on every rank)."""
+    return {r.req_id: r.prompt_token_ids for r in ctx.requests}
 
 
 # -- the draft prefill on the PCP-local batch ---------------------------------------------

@@ -64,6 +64,7 @@ class Verifier:
                 stats=CommStats(),
                 is_reference=True,
                 aux_layers=ctx.aux_layers,
+                requests=ctx.requests,
             )
             self.ref_pipeline = Pipeline([s for s in specs if s.name in TARGET_SLOTS], self.ref_ctx)
 
