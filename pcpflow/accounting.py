@@ -1,11 +1,12 @@
 """What one step's collectives move, from the layout alone (numpy only, no torch).
 
 This is the one definition of *which* collectives a step does and *how big* they are:
-``CPAttention`` asks ``attention_rows`` which rows move, the ``sampled_rows`` restore asks
-``sampled_row_holders`` which rows it sends, ``Comm`` counts bytes with
-``traffic_factor``; planner-only tools (``scripts/compare_layouts.py``) price a layout
-with ``step_collectives`` without running a model. Per layer, on a batch of ``N`` padded
-rows per rank whose first ``nd`` rows are replicated decodes:
+``CPAttention`` asks ``attention_rows`` which rows move and ``plan_dcp_rest`` which DCP
+path the rest of them take, the ``sampled_rows`` restore asks ``sampled_row_holders``
+which rows it sends, ``Comm`` counts bytes with ``traffic_factor``; planner-only tools
+(``scripts/compare_layouts.py``) price a layout with ``step_collectives`` without running
+a model. Per layer, on a batch of ``N`` padded rows per rank whose first ``nd`` rows are
+replicated decodes:
 
 ====================  ==========  =====  =======================================
 purpose               op          group  rows sent by each rank x row width
@@ -13,11 +14,20 @@ purpose               op          group  rows sent by each rank x row width
 kv_gather             all_gather  PCP    ``N - nd`` x ``entry_dim`` (if any rank has
                                          real rows past ``nd``)
 dcp_decode_partials   all_gather  DCP    ``nd`` x ``H*Dv + H`` (partial out + lse)
+*rest rows, queries path:*
 dcp_query_gather      all_gather  DCP    ``N - nd`` x ``H`` x ``qk_dim``
 dcp_partials          all_to_all  DCP    ``D * (N - nd)`` x ``H*Dv + H``
+*rest rows, context path:*
+dcp_context_gather    all_gather  DCP    ``M`` x ``entry_dim``
 ====================  ==========  =====  =======================================
 
-and once per step ``restore``, an all_gather over PCP of ``N`` (``all_rows``) or of the
+where ``M`` (``context_rows``) is the most KV entries one DCP rank holds of the whole
+contexts ``[0, seq_len)`` of the requests with a rest row on any rank (every rank pads
+its part to it). The rest rows take one path per step (``plan_dcp_rest``): ``queries``
+(their queries go to every shard, partials come back and are merged), ``context`` (the
+shards of their requests' contexts are gathered and each rank attends its own rows over
+the whole context), or ``auto``: whichever moves fewer bytes, by the table above.
+Once per step ``restore``, an all_gather over PCP of ``N`` (``all_rows``) or of the
 largest rank's count of sampled rows (``sampled_rows``) hidden states.
 """
 
@@ -31,6 +41,10 @@ from typing import Literal
 import numpy as np
 
 from pcpflow.layout import BatchLayout
+from pcpflow.slots import dcp_local_seq_lens
+
+DCP_REST_POLICIES = ("auto", "queries", "context")
+"""How the rows past the replicated-decode prefix attend under DCP (``plan_dcp_rest``)."""
 
 
 def traffic_factor(op: str, group_size: int) -> int:
@@ -88,8 +102,78 @@ def attention_rows(layout: BatchLayout) -> tuple[int, int]:
     return nd, (layout.padded_num_tokens - nd) if moves else 0
 
 
-def layer_collectives(layout: BatchLayout, *, dcp_size: int, shape: ModelShape) -> list[Collective]:
-    """One attention layer's collectives, in the order ``CPAttention`` issues them."""
+@dataclass(frozen=True)
+class DCPRest:
+    """The DCP path of one step's rest rows (the rows past the replicated-decode prefix)."""
+
+    mode: Literal["queries", "context"]
+    context_rows: int = 0  # M: rows each DCP rank sends in the context gather (context)
+
+
+QUERIES = DCPRest("queries")
+
+
+def rest_requests(layout: BatchLayout) -> np.ndarray:
+    """The requests with a real rest row on any rank (sorted batch indices): the same on
+    every rank, since the layout is."""
+    nd = layout.num_replicated_decode_tokens
+    # NOTE: replicated decodes are whole segments filling the first nd rows of every rank.
+    return np.unique(
+        np.concatenate([seg.req_idx[seg.local_start >= nd] for seg in layout.segments])
+    )
+
+
+def context_rows(seq_lens, *, dcp_size: int, interleave: int) -> int:
+    """``M``: the most KV entries one DCP rank stores of the contexts ``[0, L)`` of
+    sequences of lengths ``seq_lens`` (each rank's part of the context gather is padded
+    to it)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    return max(
+        int(dcp_local_seq_lens(lens, dcp_size, r, interleave).sum()) for r in range(dcp_size)
+    )
+
+
+def plan_dcp_rest(
+    layout: BatchLayout,
+    seq_lens,
+    *,
+    policy: str,
+    dcp_size: int,
+    interleave: int,
+    shape: ModelShape,
+) -> DCPRest:
+    """The path of this step's rest rows under ``policy`` (one of ``DCP_REST_POLICIES``).
+
+    ``seq_lens`` (int [R]) is each request's context once this step's tokens are written
+    (``num_computed + num_scheduled``). ``auto`` takes the path whose DCP collectives
+    (``layer_collectives``) move fewer bytes, ``queries`` on a tie. A function of the
+    global batch only, so every rank takes the same path (it decides which collectives
+    run). Without DCP, or without rest rows, nothing moves either way: ``queries``.
+    """
+    if policy not in DCP_REST_POLICIES:
+        raise ValueError(
+            f"unknown dcp_rest policy {policy!r}; known: {', '.join(DCP_REST_POLICIES)}"
+        )
+    _, rest = attention_rows(layout)
+    if dcp_size == 1 or not rest or policy == "queries":
+        return QUERIES
+    lens = np.asarray(seq_lens, dtype=np.int64)[rest_requests(layout)]
+    context = DCPRest("context", context_rows(lens, dcp_size=dcp_size, interleave=interleave))
+    if policy == "context":
+        return context
+
+    def dcp_bytes(r: DCPRest) -> int:
+        colls = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=r)
+        return sum(c.nbytes(dcp_size, shape.dtype_bytes) for c in colls if c.group == "dcp")
+
+    return context if dcp_bytes(context) < dcp_bytes(QUERIES) else QUERIES
+
+
+def layer_collectives(
+    layout: BatchLayout, *, dcp_size: int, shape: ModelShape, dcp_rest: DCPRest
+) -> list[Collective]:
+    """One attention layer's collectives, in the order ``CPAttention`` issues them, with
+    the rest rows on the path ``dcp_rest`` (``plan_dcp_rest``)."""
     nd, rest = attention_rows(layout)
     out = []
     if rest:
@@ -99,7 +183,16 @@ def layer_collectives(layout: BatchLayout, *, dcp_size: int, shape: ModelShape) 
             out.append(
                 Collective("all_gather", "dcp_decode_partials", "dcp", (nd, shape.partials_width))
             )
-        if rest:
+        if rest and dcp_rest.mode == "context":
+            out.append(
+                Collective(
+                    "all_gather",
+                    "dcp_context_gather",
+                    "dcp",
+                    (dcp_rest.context_rows, shape.entry_dim),
+                )
+            )
+        elif rest:
             out.append(
                 Collective(
                     "all_gather", "dcp_query_gather", "dcp", (rest, shape.num_heads, shape.qk_dim)
@@ -145,10 +238,12 @@ def step_collectives(
     *,
     dcp_size: int,
     shape: ModelShape,
+    dcp_rest: DCPRest,
     restore: str = "all_rows",
 ) -> list[Collective]:
-    """Every collective of one target-model step (no drafter), in issue order."""
-    per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape)
+    """Every collective of one target-model step (no drafter), in issue order, with the
+    rest rows on the path ``dcp_rest`` (``plan_dcp_rest``)."""
+    per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest)
     return per_layer * shape.num_layers + [
         restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
     ]

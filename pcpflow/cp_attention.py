@@ -14,16 +14,26 @@ padded to N (``pcpflow.layout``). Per layer:
    merged exactly across the DCP group:
    - replicated decode rows: every rank has the query, so it attends over its own shard
      and the partials are all-gathered and merged (every rank gets the result);
-   - the rest: queries are all-gathered, each rank attends every gathered row over its
-     shard, and an all-to-all returns each row's partials to the rank that holds it.
+   - the rest (prefill chunks, sharded decodes, short replicated prefills) takes one of
+     two exact paths per step (``pcpflow.accounting.plan_dcp_rest``: ``auto`` picks the
+     one that moves fewer bytes):
+     *queries*: the queries are all-gathered, each rank attends every gathered row over
+     its shard, and an all-to-all returns each row's partials to the rank that holds it;
+     *context*: each rank sends its shard of the contexts of every request with a rest
+     row (``ContextGather``), one all-gather rebuilds those contexts whole on every rank,
+     and each rank attends its own rows over them: no partials, no merge. A query row
+     (``H x qk_dim``) can be ~100x a cache entry (MLA), so prefills gather the context.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from pcpflow.accounting import attention_rows
+from pcpflow.accounting import QUERIES, ModelShape, attention_rows, plan_dcp_rest, rest_requests
 from pcpflow.attention import merge_attention_partials, paged_attention
 from pcpflow.comm import Comm
 from pcpflow.layout import BatchLayout
@@ -45,7 +55,10 @@ class CPAttention:
         block_size: int,
         pcp: Comm,
         dcp: Comm,
+        dcp_rest: str = "auto",
     ) -> None:
+        """``dcp_rest``: the rest rows' DCP path policy, ``auto`` | ``queries`` | ``context``
+        (``context`` and ``auto`` need ``meta.dcp_context``; without it ``auto`` queries)."""
         self.caches, self.spec, self.block_size = caches, spec, block_size
         self.pcp, self.dcp, self.meta = pcp, dcp, meta
         n, p = layout.padded_num_tokens, layout.pcp_size
@@ -56,7 +69,26 @@ class CPAttention:
         slots = meta.gathered_slot_mapping.view(p, n)
         self.decode_write = _valid_writes(slots[0, :nd])
         self.rest_write = _valid_writes(slots[:, nd:].reshape(-1)) if self.has_rest else None
-        if dcp.size > 1:
+        self.dcp_rest = QUERIES
+        if dcp.size > 1 and self.has_rest:
+            plan = meta.dcp_context
+            if plan is not None and dcp_rest != "queries":
+                self.dcp_rest = plan_dcp_rest(
+                    layout,
+                    plan.seq_lens,
+                    policy=dcp_rest,
+                    dcp_size=dcp.size,
+                    interleave=plan.interleave,
+                    shape=_layer_shape(spec, caches),
+                )
+            elif dcp_rest == "context":
+                raise ValueError("dcp_rest='context' needs AttentionMetadata.dcp_context")
+        if self.dcp_rest.mode == "context":
+            assert meta.dcp_context is not None
+            self.context = meta.dcp_context.tensors
+            # NOTE: the plan's own count must be the one accounting priced and decided by.
+            assert self.context.send_slots.numel() == self.dcp_rest.context_rows
+        elif dcp.size > 1:
             assert meta.gathered_row_req_indices is not None
             assert meta.gathered_row_context_lens is not None
             self.rest_req = meta.gathered_row_req_indices.view(p, n)[:, nd:].reshape(-1)
@@ -87,7 +119,20 @@ class CPAttention:
             )
             gathered = self.dcp.all_gather(_pack(o, lse), "dcp_decode_partials")
             out[:nd] = self._merge(gathered.view(self.dcp.size, nd, -1))
-        if self.has_rest:
+        if self.has_rest and self.dcp_rest.mode == "context":
+            c = self.context
+            shard = self.dcp.all_gather(cache.index_select(0, c.send_slots), "dcp_context_gather")
+            contexts = shard.index_select(0, c.source)
+            out[nd:], _ = paged_attention(
+                q[nd:],
+                contexts,
+                self.spec,
+                c.block_tables,
+                self.meta.local_row_req_indices[nd:],
+                c.row_context_lens[nd:],
+                self.block_size,
+            )
+        elif self.has_rest:
             rest = q.shape[0] - nd
             q_all = self.dcp.all_gather(q[nd:], "dcp_query_gather")
             o, lse = self._attend(q_all, self.rest_req, self.rest_ctx, cache)
@@ -106,6 +151,19 @@ class CPAttention:
         return out
 
 
+def _layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
+    """The per-layer sizes that price the DCP paths (hidden size and depth do not)."""
+    return ModelShape(
+        hidden_size=0,
+        num_layers=1,
+        entry_dim=spec.entry_dim,
+        num_heads=spec.num_heads,
+        qk_dim=spec.qk_dim,
+        v_dim=spec.v_dim,
+        dtype_bytes=caches[0].element_size() if caches else 1,
+    )
+
+
 def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """One tensor per collective: ``[rows, H*Dv + H]``."""
     return torch.cat([o.flatten(1), lse], dim=1)
@@ -122,6 +180,119 @@ def _write(cache: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], kv: to
         cache.index_copy_(0, slots, kv.index_select(0, rows).to(cache.dtype))
 
 
+class ContextPlan(NamedTuple):
+    """Index arrays of the context path (``context_gather_plan``)."""
+
+    send_slots: np.ndarray  # int64 [M]: this rank's cache slots it sends, in order
+    source: np.ndarray  # int64 [S]: gathered row of each slot of the reassembled contexts
+    block_tables: np.ndarray  # int64 [K, max_blocks]: each sequence's reassembled blocks
+
+
+def context_gather_plan(
+    seq_lens,
+    block_tables,
+    *,
+    block_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    interleave: int,
+) -> ContextPlan:
+    """How the whole contexts ``[0, L_k)`` of K sequences are gathered from their DCP
+    shards and laid out again (numpy, vectorized; no loop per sequence or token).
+
+    Every rank sends its entries of local positions ``[0, l_jk)`` of each sequence
+    (``l_jk = dcp_local_seq_lens(L_k, D, j, I)``), sequences concatenated, padded with
+    slot 0 to ``M = max_j sum_k l_jk`` rows, at slot ``block_tables[k, lp // B]*B + lp % B``.
+    In the gathered ``[D*M]`` rows, rank ``j``'s entry ``lp`` of sequence ``k`` is row
+    ``j*M + sum_{k'<k} l_jk' + lp``. The reassembled contexts hold sequence ``k`` in
+    ``ceil(L_k/B)`` blocks of its own, after the blocks of the sequences before it:
+    position ``p`` comes from rank ``(p // I) % D``, local position
+    ``(p // (I*D))*I + p % I`` (``pcpflow.slots``); the tail of the last block reads row 0
+    (never attended). D=2, I=1, one sequence of 5: rank 0 sends positions 0, 2, 4, rank 1
+    positions 1, 3 (and a pad), gathered ``[0 2 4 | 1 3 _]``, ``source = [0 3 1 4 2 ...]``.
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    tables = np.asarray(block_tables, dtype=np.int64)
+    num_seqs, b, d, i = lens.shape[0], block_size, dcp_size, interleave
+    seq = np.arange(num_seqs, dtype=np.int64)
+    counts = np.stack([dcp_local_seq_lens(lens, d, j, i) for j in range(d)])  # [D, K]
+    first = np.cumsum(counts, axis=1) - counts  # each sequence's first row in a rank's part
+    m = int(counts.sum(axis=1).max()) if num_seqs else 0
+
+    mine = counts[dcp_rank]
+    of = np.repeat(seq, mine)
+    lp = np.arange(of.shape[0], dtype=np.int64) - np.repeat(first[dcp_rank], mine)
+    send_slots = np.zeros(m, dtype=np.int64)
+    send_slots[: of.shape[0]] = tables[of, lp // b] * b + lp % b
+
+    blocks = -(-lens // b)
+    first_block = np.cumsum(blocks) - blocks
+    of = np.repeat(seq, blocks * b)
+    p = np.arange(of.shape[0], dtype=np.int64) - np.repeat(first_block * b, blocks * b)
+    owner = (p // i) % d
+    row = owner * m + first[owner, of] + (p // (i * d)) * i + p % i
+    source = np.where(p < lens[of], row, 0)
+    width = int(blocks.max()) if num_seqs else 0
+    last = max(int(blocks.sum()) - 1, 0)
+    new_tables = np.minimum(first_block[:, None] + np.arange(width, dtype=np.int64), last)
+    return ContextPlan(send_slots, source, new_tables)
+
+
+class ContextTensors(NamedTuple):
+    send_slots: torch.Tensor  # [M]
+    source: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [R, max_blocks]: the reassembled blocks, by batch row
+    row_context_lens: torch.Tensor  # [N]: keys each local row reads of its whole context
+
+
+class ContextGather:
+    """What the context path needs on one rank for one step, from the global batch
+    (``slots`` builds it). The index tensors are made once, on first use, and shared by
+    every layer and by a draft prefill over the same rows."""
+
+    def __init__(
+        self,
+        layout: BatchLayout,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        row_context_lens: np.ndarray,
+        *,
+        block_size: int,
+        dcp_size: int,
+        dcp_rank: int,
+        interleave: int,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.seq_lens = np.asarray(seq_lens, dtype=np.int64)  # [R]: num_computed + num_scheduled
+        self.block_tables = block_tables  # [R, max_blocks]: the global batch's
+        self.row_context_lens = row_context_lens  # [N]: local rows, position + 1 (0: padding)
+        self.block_size, self.interleave = block_size, interleave
+        self.dcp_size, self.dcp_rank, self.device = dcp_size, dcp_rank, device
+
+    @cached_property
+    def tensors(self) -> ContextTensors:
+        reqs = rest_requests(self.layout)
+        plan = context_gather_plan(
+            self.seq_lens[reqs],
+            self.block_tables[reqs],
+            block_size=self.block_size,
+            dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank,
+            interleave=self.interleave,
+        )
+        # NOTE: rows keep their batch request index; other requests' rows are never read.
+        tables = np.zeros((self.seq_lens.shape[0], plan.block_tables.shape[1]), dtype=np.int64)
+        tables[reqs] = plan.block_tables
+
+        def to(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+
+        return ContextTensors(
+            to(plan.send_slots), to(plan.source), to(tables), to(self.row_context_lens)
+        )
+
+
 def attention_work(
     layout: BatchLayout,
     positions: np.ndarray,
@@ -129,11 +300,14 @@ def attention_work(
     dcp_size: int,
     interleave: int,
     token_mask: np.ndarray | None = None,
+    dcp_rest: str = "queries",
 ) -> np.ndarray:
     """(query, key) pairs each rank scores this step, from the layout alone.
 
     Without DCP a rank scores its own rows over their whole context (position + 1 keys).
-    With DCP it scores the replicated decode rows and every gathered row over its shard.
+    With DCP it scores the replicated decode rows over its shard, and the rest rows by
+    their path (``dcp_rest``, the mode ``plan_dcp_rest`` chose): every gathered row over
+    its shard (``queries``), or its own rows over their whole context (``context``).
     ``token_mask`` (bool [T]) counts only the rows of those global tokens (e.g. decodes).
     """
     p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
@@ -144,12 +318,19 @@ def attention_work(
     rows_ctx = np.where(skip, 0, rows_ctx).reshape(p, n)
     if dcp_size == 1:
         return rows_ctx.sum(axis=1)
-    decode_ctx, rest_ctx = rows_ctx[0, :nd], rows_ctx[:, nd:].ravel()
-    return np.array(
-        [
-            dcp_local_seq_lens(decode_ctx, dcp_size, r, interleave).sum()
-            + dcp_local_seq_lens(rest_ctx, dcp_size, r, interleave).sum()
-            for r in range(dcp_size)
-        ],
+    decode_ctx, rest_ctx = rows_ctx[0, :nd], rows_ctx[:, nd:]
+    work = np.array(
+        [dcp_local_seq_lens(decode_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
+        dtype=np.int64,
+    )
+    if dcp_rest == "context":
+        # NOTE: dcp > 1 means dcp == pcp (tp = 1): DCP rank r holds PCP rank r's rows.
+        assert dcp_size == p, f"dcp ({dcp_size}) != pcp ({p})"
+        return work + rest_ctx.sum(axis=1)
+    if dcp_rest != "queries":
+        raise ValueError(f"dcp_rest must be 'queries' or 'context', got {dcp_rest!r}")
+    rest_ctx = rest_ctx.ravel()
+    return work + np.array(
+        [dcp_local_seq_lens(rest_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
         dtype=np.int64,
     )

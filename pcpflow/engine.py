@@ -170,7 +170,11 @@ class _Loop:
             "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
             "padded_num_tokens": layout.padded_num_tokens,
             "per_rank_attention_work": attention_work(
-                layout, b.positions, dcp_size=self.ctx.dcp_size, interleave=kv.interleave
+                layout,
+                b.positions,
+                dcp_size=self.ctx.dcp_size,
+                interleave=kv.interleave,
+                dcp_rest=state.attn.dcp_rest or "queries",
             ).tolist(),
             "collective_calls": calls,
             "collective_bytes": nbytes,

@@ -94,6 +94,8 @@ def _stage(slot: str | None, raw: Any, where: str, cfg: RunConfig, problems: lis
     except UnknownStageError as exc:
         problems.append(Problem(f"{where}.kind", raw["kind"], str(exc)))
         return None
+    if slot is not None:
+        raw = _without_unset_defaults_of_other_stages(slot, cls, raw)
     try:
         config = build_config(cls, raw)
     except ValidationError as exc:
@@ -103,6 +105,36 @@ def _stage(slot: str | None, raw: Any, where: str, cfg: RunConfig, problems: lis
         return None
     problems.extend(cls.check_run(config, cfg))
     return StageSpec(slot or where, cls, config)
+
+
+def _without_unset_defaults_of_other_stages(slot: str, cls: type[Stage], raw: dict[str, Any]) -> dict[str, Any]:
+    """A slot swapped to another stage must not inherit the shipped stage's options.
+
+    ``conf/pipeline/default.yaml`` lists the built-in stages' options (so that, e.g.,
+    ``pipeline.forward.dcp_rest=context`` works without a ``+``). When
+    ``pipeline.forward.kind=my_forward`` swaps the stage, options the new stage does not
+    know and the user left at their shipped value are dropped; anything the user did set
+    still reaches the new stage's validation (and fails there if it is unknown)."""
+    shipped = _shipped_pipeline().get(slot) or {}
+    known = cls.Config.model_fields
+    return {
+        k: v for k, v in raw.items() if k in known or k not in shipped or shipped[k] != v
+    }
+
+
+_SHIPPED: dict[str, Any] | None = None
+
+
+def _shipped_pipeline() -> dict[str, Any]:
+    global _SHIPPED
+    if _SHIPPED is None:
+        from omegaconf import OmegaConf
+
+        from pcpflow.cli import conf_dir
+
+        node = OmegaConf.load(f"{conf_dir()}/pipeline/default.yaml")
+        _SHIPPED = OmegaConf.to_container(node, resolve=False)  # type: ignore[assignment]
+    return _SHIPPED
 
 
 class Pipeline:

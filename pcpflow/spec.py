@@ -143,7 +143,8 @@ def prefill_attention(
     ctx: RankContext, state: StepState, caches: list[torch.Tensor], spec: AttentionSpec
 ) -> CPAttention:
     """The attention backend of a draft prefill over this step's tokens: the target's
-    layout and slot mapping (``state.attn``), the draft's own ``caches``."""
+    layout and slot mapping (``state.attn``), the draft's own ``caches``; under DCP its
+    rest rows take the path the target's took."""
     assert state.layout is not None and state.attn is not None, "the draft slot runs after slots"
     return CPAttention(
         layout=state.layout,
@@ -153,6 +154,7 @@ def prefill_attention(
         block_size=ctx.block_size,
         pcp=draft_comm(ctx.pcp),
         dcp=draft_comm(ctx.dcp),
+        dcp_rest=state.attn.dcp_rest or "auto",
     )
 
 

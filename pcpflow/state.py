@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from pcpflow.batch import GlobalBatch
+    from pcpflow.cp_attention import ContextGather
     from pcpflow.layout import BatchLayout
 
 
@@ -56,6 +57,11 @@ class AttentionMetadata:
     # reads from this rank's cache (its DCP shard when dcp > 1); 0 on padding rows
     gathered_row_req_indices: torch.Tensor | None = None  # [pcp*N] when dcp > 1
     gathered_row_context_lens: torch.Tensor | None = None  # [pcp*N] when dcp > 1
+    # What the DCP context path of the rest rows gathers (dcp > 1; None: queries path only).
+    dcp_context: ContextGather | None = None
+    # The rest rows' DCP path the target's forward took ("queries" | "context"), set by
+    # ``forward``: attention work is counted by it, a draft prefill over these rows follows it.
+    dcp_rest: str | None = None
 
 
 @dataclass

@@ -10,7 +10,9 @@
       the busiest rank's share of one rank's worth (1.0 = every rank does all of it);
     - bytes moved per step by purpose, priced by ``pcpflow.accounting`` (the definition
       CPAttention and the restore stages follow) at a real model shape; restore both
-      ``all_rows`` and ``sampled_rows``;
+      ``all_rows`` and ``sampled_rows``; with dcp > 1 the DCP bytes of each path of the
+      rest rows side by side: ``auto`` (the default: per step, the path that moves fewer
+      bytes), all ``queries`` and all ``context``, and how often auto gathers contexts;
     - planner time, ``plan_layout`` median µs per step.
 (b) Full runs at scaled lengths (``workload=trace workload.length_scale=...``) through the
     real engine (``pcpflow.testing.run``, verification on): tokens/s, TTFT/TPOT and
@@ -38,7 +40,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pcpflow.accounting import ModelShape, step_collectives, step_traffic
+from pcpflow.accounting import (
+    DCP_REST_POLICIES,
+    ModelShape,
+    attention_rows,
+    layer_collectives,
+    plan_dcp_rest,
+    restore_collective,
+    step_collectives,
+    step_traffic,
+)
 from pcpflow.batch import GlobalBatch
 from pcpflow.cp_attention import attention_work
 from pcpflow.kv_cache import KVCacheManager
@@ -80,7 +91,7 @@ DECODES = {  # name -> (decode mode, assignment)
     "sharded": ("sharded", "round_robin"),
     "sharded+balanced": ("sharded", "balanced"),
 }
-DCP_PURPOSES = ("dcp_decode_partials", "dcp_query_gather", "dcp_partials")
+DCP_PURPOSES = ("dcp_decode_partials", "dcp_query_gather", "dcp_partials", "dcp_context_gather")
 
 
 @dataclass(frozen=True)
@@ -162,8 +173,11 @@ class PlannerStats:
     work: np.ndarray | None = None
     decode_work: np.ndarray | None = None
     one_rank_decode_work: int = 0
-    bytes: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)  # dcp_rest=auto, restore all_rows
     sampled_restore_bytes: int = 0
+    dcp_bytes: dict[str, int] = field(default_factory=dict)  # dcp_rest policy -> DCP bytes
+    rest_steps: int = 0  # steps whose rest rows take a DCP path (dcp > 1)
+    context_steps: int = 0  # ... of which auto takes the context path
     steps: int = 0
 
     def add(self, batch: GlobalBatch, shape: ModelShape) -> None:
@@ -182,9 +196,23 @@ class PlannerStats:
         self.plan_us.append((time.perf_counter_ns() - t0) / 1e3)
         tokens = layout.per_rank_num_tokens
         decode_rows = ~batch.is_prefilling[batch.req_indices]
-        work = attention_work(layout, batch.positions, dcp_size=lay.dcp, interleave=1)
+        rests = {
+            policy: plan_dcp_rest(
+                layout, batch.seq_lens, policy=policy, dcp_size=lay.dcp, interleave=1, shape=shape
+            )
+            for policy in DCP_REST_POLICIES
+        }
+        rest_mode = rests["auto"].mode
+        work = attention_work(
+            layout, batch.positions, dcp_size=lay.dcp, interleave=1, dcp_rest=rest_mode
+        )
         decode_work = attention_work(
-            layout, batch.positions, dcp_size=lay.dcp, interleave=1, token_mask=decode_rows
+            layout,
+            batch.positions,
+            dcp_size=lay.dcp,
+            interleave=1,
+            token_mask=decode_rows,
+            dcp_rest=rest_mode,
         )
         if self.tokens is None:
             self.tokens, self.work, self.decode_work = (
@@ -199,18 +227,25 @@ class PlannerStats:
             self.decode_ratio.append(_max_over_mean(decode_work))
         self.padded_rows += layout.pcp_size * layout.padded_num_tokens
         self.real_rows += int(tokens.sum())
-        for restore in ("all_rows", "sampled_rows"):
-            colls = step_collectives(
-                layout, batch.logits_indices, dcp_size=lay.dcp, shape=shape, restore=restore
-            )
-            _, nbytes = step_traffic(
-                colls, pcp_size=lay.pcp, dcp_size=lay.dcp, dtype_bytes=shape.dtype_bytes
-            )
-            if restore == "all_rows":
-                for k, v in nbytes.items():
-                    self.bytes[k] = self.bytes.get(k, 0) + v
-            else:
-                self.sampled_restore_bytes += nbytes.get("restore", 0)
+        colls = step_collectives(
+            layout, batch.logits_indices, dcp_size=lay.dcp, shape=shape, dcp_rest=rests["auto"]
+        )
+        _, nbytes = step_traffic(
+            colls, pcp_size=lay.pcp, dcp_size=lay.dcp, dtype_bytes=shape.dtype_bytes
+        )
+        for k, v in nbytes.items():
+            self.bytes[k] = self.bytes.get(k, 0) + v
+        sampled = restore_collective(
+            layout, batch.logits_indices, kind="sampled_rows", hidden_size=shape.hidden_size
+        )
+        self.sampled_restore_bytes += sampled.nbytes(lay.pcp, shape.dtype_bytes)
+        for policy, rest in rests.items():
+            per_layer = layer_collectives(layout, dcp_size=lay.dcp, shape=shape, dcp_rest=rest)
+            dcp = sum(c.nbytes(lay.dcp, shape.dtype_bytes) for c in per_layer if c.group == "dcp")
+            self.dcp_bytes[policy] = self.dcp_bytes.get(policy, 0) + dcp * shape.num_layers
+        if lay.dcp > 1 and attention_rows(layout)[1]:
+            self.rest_steps += 1
+            self.context_steps += rest_mode == "context"
         self.steps += 1
 
     def row(self) -> dict:
@@ -237,6 +272,11 @@ class PlannerStats:
             "attention_work_balance_run": _max_over_mean(self.work),
             "kv_gather_mib_per_step": mib(self.bytes.get("kv_gather", 0)),
             "dcp_mib_per_step": mib(dcp),
+            "dcp_queries_mib_per_step": mib(self.dcp_bytes.get("queries", 0)),
+            "dcp_context_mib_per_step": mib(self.dcp_bytes.get("context", 0)),
+            "auto_context_step_fraction": self.context_steps / self.rest_steps
+            if self.rest_steps
+            else None,
             "restore_all_rows_mib_per_step": mib(self.bytes.get("restore", 0)),
             "restore_sampled_rows_mib_per_step": mib(self.sampled_restore_bytes),
             "total_mib_per_step": mib(total),
@@ -341,7 +381,10 @@ PLANNER_COLUMNS = [  # key, header, format
     ("decode_work_busiest_share", "busiest decode share", "{:.3f}"),
     ("attention_work_balance_run", "attn work bal. (run)", "{:.3f}"),
     ("kv_gather_mib_per_step", "kv_gather MiB/step", "{:.1f}"),
-    ("dcp_mib_per_step", "dcp MiB/step", "{:.1f}"),
+    ("dcp_mib_per_step", "dcp MiB/step auto", "{:.1f}"),
+    ("dcp_queries_mib_per_step", "queries", "{:.1f}"),
+    ("dcp_context_mib_per_step", "context", "{:.1f}"),
+    ("auto_context_step_fraction", "auto: context steps", "{:.0%}"),
     ("restore_all_rows_mib_per_step", "restore MiB/step all_rows", "{:.1f}"),
     ("restore_sampled_rows_mib_per_step", "sampled_rows", "{:.2f}"),
     ("plan_us_median", "plan µs/step", "{:.0f}"),
@@ -409,12 +452,19 @@ def plot(path: Path, planner: list[dict], runs: list[dict], title: str) -> None:
             planner,
             [
                 "kv_gather_mib_per_step",
+                "dcp_queries_mib_per_step",
                 "dcp_mib_per_step",
                 "restore_all_rows_mib_per_step",
                 "restore_sampled_rows_mib_per_step",
             ],
             "(a) MiB per step (log scale)",
-            ["kv_gather", "dcp", "restore all_rows", "restore sampled_rows"],
+            [
+                "kv_gather",
+                "dcp (queries path)",
+                "dcp (auto)",
+                "restore all_rows",
+                "restore sampled_rows",
+            ],
             "log",
             None,
         ),

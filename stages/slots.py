@@ -3,6 +3,8 @@
 The slot mapping is computed once on the global batch (with this rank's DCP shard:
 other ranks' positions get -1) and expanded to the PCP-gathered view, where only the
 canonical writer of each token keeps its slot (``pcpflow.slots.expand_to_gathered``).
+With DCP it also sets up the context path of the rest rows (``ContextGather``: its
+index arithmetic runs once per step, and only if a forward takes that path).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from pcpflow.cp_attention import ContextGather
 from pcpflow.slots import compute_slot_mapping, dcp_local_seq_lens, expand_to_gathered
 from pcpflow.stage import Stage, StageConfig, register
 from pcpflow.state import AttentionMetadata, StepState
@@ -43,9 +46,21 @@ class PagedSlots(Stage):
         row_req = np.where(pad, 0, b.req_indices[gidx])
         # Causal: a row reads every key up to and including its own position.
         row_ctx = np.where(pad, 0, b.positions[gidx] + 1)
-        if dcp.size > 1:
-            row_ctx = dcp_local_seq_lens(row_ctx, dcp.size, dcp.rank, kv.interleave)
         rows = layout.rank_rows(ctx.pcp_rank)
+        context = None
+        if dcp.size > 1:
+            context = ContextGather(
+                layout,
+                b.seq_lens,
+                b.block_tables,
+                row_ctx[rows],
+                block_size=kv.block_size,
+                dcp_size=dcp.size,
+                dcp_rank=dcp.rank,
+                interleave=kv.interleave,
+                device=ctx.device,
+            )
+            row_ctx = dcp_local_seq_lens(row_ctx, dcp.size, dcp.rank, kv.interleave)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(ctx.device)
         state.attn = AttentionMetadata(
             gathered_slot_mapping=to(gathered),
@@ -54,5 +69,6 @@ class PagedSlots(Stage):
             local_row_context_lens=to(row_ctx[rows]),
             gathered_row_req_indices=to(row_req) if dcp.size > 1 else None,
             gathered_row_context_lens=to(row_ctx) if dcp.size > 1 else None,
+            dcp_context=context,
         )
         return state

@@ -13,6 +13,12 @@ dropped); decodes are replicated (every rank, decode=replicated) or the k-th one
 rank k mod 2 (decode=sharded); with dcp > 1 a prefill with 3*ceil(q/4) >= q is
 replicated like a decode. Each rank is padded to N = the largest rank's rows.
 
+With dcp > 1 the rows past the replicated decodes take the ``queries`` path (queries
+gathered, partials all-to-all'd back) or the ``context`` path (each rank's shard of the
+whole contexts of their requests all-gathered, padded to ``M``, the most entries one rank
+holds); ``auto`` takes the one that moves fewer bytes. The query-path cases pin
+``pipeline.forward.dcp_rest=queries``.
+
 A test-only stage (``CollectiveProbe``, placed after the last slot) turns on
 ``CommStats.log`` and records each step's calls as Comm saw them.
 """
@@ -26,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 
-from pcpflow.accounting import ModelShape, step_collectives, step_traffic
+from pcpflow.accounting import QUERIES, ModelShape, plan_dcp_rest, step_collectives, step_traffic
 from pcpflow.config import parse_run_config
 from pcpflow.layout import plan_layout
 from pcpflow.stage import Stage, StageConfig
@@ -76,6 +82,9 @@ def step(layer: list[dict[str, Any]], restore_rows: int) -> list[dict[str, Any]]
 #   step 0: A, B prefill;  step 1: A, B decode + C prefills all 9;  step 2: A, B, C decode.
 # W10: the same with a 10-token C (with dcp=2, 9 tokens would be replicated: 3*3 >= 9).
 # PREFILL: one step, prompts of 40 and 24 tokens.
+# CONTINUED: X (5 tokens) and Y (14) at step 0, a 10-token budget, 2 outputs each:
+#   step 0: X prefills all 5, Y its first 5;  step 1: X decodes, Y prefills the 9 tokens
+#   after its 5 computed ones (context 14);  step 2: Y decodes (X is done).
 WORKLOADS = {
     "W9": [
         "workload.prompt_lens=[1,1,9]",
@@ -90,20 +99,32 @@ WORKLOADS = {
         "max_steps=3",
     ],
     "PREFILL": ["workload.prompt_lens=[40,24]", "workload.output_lens=[1]", "max_steps=1"],
+    "CONTINUED": [
+        "workload.prompt_lens=[5,14]",
+        "workload.output_lens=[2]",
+        "scheduler.max_num_batched_tokens=10",
+        "max_steps=3",
+    ],
 }
-# The batches those workloads schedule (q per request, is_prefilling, sampled token rows).
+# The batches those workloads schedule (q per request, is_prefilling, sampled token rows,
+# tokens already computed per request).
 BATCHES = {
     "W9": [
-        ([1, 1], [True, True], [0, 1]),
-        ([1, 1, 9], [False, False, True], [0, 1, 10]),
-        ([1, 1, 1], [False] * 3, [0, 1, 2]),
+        ([1, 1], [True, True], [0, 1], [0, 0]),
+        ([1, 1, 9], [False, False, True], [0, 1, 10], [1, 1, 0]),
+        ([1, 1, 1], [False] * 3, [0, 1, 2], [2, 2, 9]),
     ],
     "W10": [
-        ([1, 1], [True, True], [0, 1]),
-        ([1, 1, 10], [False, False, True], [0, 1, 11]),
-        ([1, 1, 1], [False] * 3, [0, 1, 2]),
+        ([1, 1], [True, True], [0, 1], [0, 0]),
+        ([1, 1, 10], [False, False, True], [0, 1, 11], [1, 1, 0]),
+        ([1, 1, 1], [False] * 3, [0, 1, 2], [2, 2, 10]),
     ],
-    "PREFILL": [([40, 24], [True, True], [39, 63])],
+    "PREFILL": [([40, 24], [True, True], [39, 63], [0, 0])],
+    "CONTINUED": [
+        ([5, 5], [True, True], [4, 9], [0, 0]),
+        ([1, 9], [False, True], [0, 9], [5, 5]),
+        ([1], [False], [0], [14]),
+    ],
 }
 
 CASES: dict[str, dict[str, Any]] = {
@@ -158,7 +179,7 @@ CASES: dict[str, dict[str, Any]] = {
     # pcp=2, dcp=2, replicated decodes: queries gathered, partials merged across DCP.
     "dcp_replicated": {
         "workload": "W10",
-        "overrides": ["dcp=2", "decode.mode=replicated"],
+        "overrides": ["dcp=2", "decode.mode=replicated", "pipeline.forward.dcp_rest=queries"],
         "steps": [
             # A, B: 1-token prefills, 3*1 >= 1: replicated on both ranks, but prefills, so
             # not in the decode prefix (nd=0): rows [2, 2], N=2, both move.
@@ -189,7 +210,7 @@ CASES: dict[str, dict[str, Any]] = {
     # pcp=2, dcp=2, sharded decodes (and short prefills): everything moves.
     "dcp_sharded": {
         "workload": "W10",
-        "overrides": ["dcp=2", "decode.mode=sharded"],
+        "overrides": ["dcp=2", "decode.mode=sharded", "pipeline.forward.dcp_rest=queries"],
         "steps": [
             # A, B replicated-short prefills, sharded: A -> rank 0, B -> rank 1: rows [1, 1].
             step(
@@ -220,6 +241,65 @@ CASES: dict[str, dict[str, Any]] = {
             ),
         ],
         "per_rank_tokens": [1 + 5 + 2, 1 + 7 + 1],
+    },
+    # pcp=2, dcp=2, the context path, interleave 1: position p lives on rank p % 2.
+    "dcp_context_interleave_1": {
+        "workload": "CONTINUED",
+        "overrides": ["dcp=2", "kv.interleave=1", "pipeline.forward.dcp_rest=context"],
+        "steps": [
+            # X and Y (5 tokens each): chunks of 2, 3*2 >= 5: replicated short prefills on
+            # both ranks, not decodes (nd=0): rows [10, 10], N=10, all move. Contexts: X and
+            # Y positions [0, 5): rank 0 holds 0, 2, 4 of each (6), rank 1 1, 3 (4): M=6.
+            step(
+                [gather("kv_gather", 10, ENTRY), gather("dcp_context_gather", 6, ENTRY)],
+                10,
+            ),
+            # X decodes (nd=1); Y's 9 tokens: chunks of 3, 3*3 >= 9: replicated: rows
+            # [1+9, 1+9], N=10, 9 past the decode. Y's context [0, 14): 7 positions per rank.
+            step(
+                [
+                    gather("kv_gather", 9, ENTRY),
+                    gather("dcp_decode_partials", 1, PARTIAL),
+                    gather("dcp_context_gather", 7, ENTRY),
+                ],
+                10,
+            ),
+            step([gather("dcp_decode_partials", 1, PARTIAL)], 1),  # Y's decode only
+        ],
+        "per_rank_tokens": [10 + 10 + 1, 10 + 10 + 1],
+        # Rest rows: each rank scores its own rows over the whole context (position + 1);
+        # replicated decodes: over its shard. Step 0: X, Y positions 0..4 on both ranks
+        # (15 + 15); step 1: X's decode at position 5 (6 keys: 3 per rank) + Y's positions
+        # 5..13 (6 + ... + 14 = 90); step 2: Y's decode at 14 (15 keys: rank 0 8, rank 1 7).
+        "per_rank_attention_work": [30 + (3 + 90) + 8, 30 + (3 + 90) + 7],
+    },
+    # The same under auto and interleave 2 (positions 0,1 | 2,3 | 4,5 ... alternate ranks).
+    # auto picks the context path: per layer it moves 2*1*M*48 (all_gather of M entries)
+    # against 2*1*rest*4*48 (queries) + 1*2*rest*132 (partials), M < rest in both steps.
+    "dcp_auto_interleave_2": {
+        "workload": "CONTINUED",
+        "overrides": ["dcp=2", "kv.interleave=2"],
+        "steps": [
+            # X, Y positions [0, 5): rank 0 holds 0, 1, 4 of each (6), rank 1 2, 3 (4): M=6.
+            step(
+                [gather("kv_gather", 10, ENTRY), gather("dcp_context_gather", 6, ENTRY)],
+                10,
+            ),
+            # Y's [0, 14): rank 0 holds 0,1,4,5,8,9,12,13 (8), rank 1 2,3,6,7,10,11 (6): M=8.
+            step(
+                [
+                    gather("kv_gather", 9, ENTRY),
+                    gather("dcp_decode_partials", 1, PARTIAL),
+                    gather("dcp_context_gather", 8, ENTRY),
+                ],
+                10,
+            ),
+            step([gather("dcp_decode_partials", 1, PARTIAL)], 1),
+        ],
+        "per_rank_tokens": [21, 21],
+        # As above but X's decode (6 keys) splits 4 (0,1,4,5) / 2 (2,3) and Y's decode at
+        # position 14 (15 keys) 8 / 7 (14 is on rank 1).
+        "per_rank_attention_work": [30 + (4 + 90) + 8, 30 + (2 + 90) + 7],
     },
     # A prefill-heavy step: 40 tokens in chunks of 10 and 24 in chunks of 6, two chunks per
     # rank: rows [20+12, 20+12], N=32.
@@ -413,8 +493,13 @@ def test_layout_only_accounting_matches_the_hand_derivation(name):
     restore = (
         "sampled_rows" if "pipeline.restore.kind=sampled_rows" in case["overrides"] else "all_rows"
     )
+    policy = next(
+        (o.split("=")[1] for o in case["overrides"] if o.startswith("pipeline.forward.dcp_rest=")),
+        "auto",
+    )
+    interleave = 2 if "kv.interleave=2" in case["overrides"] else 1
     shape = ModelShape(HIDDEN, LAYERS, ENTRY, HEADS, QK, LATENT, F64)
-    for (q, prefilling, logits), want in zip(BATCHES[case["workload"]], case["steps"]):
+    for (q, prefilling, logits, computed), want in zip(BATCHES[case["workload"]], case["steps"]):
         layout = plan_layout(
             q,
             prefilling,
@@ -422,7 +507,17 @@ def test_layout_only_accounting_matches_the_hand_derivation(name):
             dcp_size=dcp,
             shard_decodes="decode.mode=sharded" in case["overrides"],
         )
-        got = step_collectives(layout, np.array(logits), dcp_size=dcp, shape=shape, restore=restore)
+        rest = plan_dcp_rest(
+            layout,
+            np.add(q, computed),
+            policy=policy,
+            dcp_size=dcp,
+            interleave=interleave,
+            shape=shape,
+        )
+        got = step_collectives(
+            layout, np.array(logits), dcp_size=dcp, shape=shape, dcp_rest=rest, restore=restore
+        )
         assert [{"op": c.op, "purpose": c.purpose, "shape": list(c.shape)} for c in got] == [
             {k: c[k] for k in ("op", "purpose", "shape")} for c in want
         ]
@@ -432,5 +527,28 @@ def test_layout_only_accounting_matches_the_hand_derivation(name):
 def test_single_rank_groups_move_nothing():
     layout = plan_layout([5, 1], [True, False], pcp_size=1)
     shape = ModelShape(HIDDEN, LAYERS, ENTRY, HEADS, QK, LATENT, F64)
-    got = step_collectives(layout, np.array([4, 5]), dcp_size=1, shape=shape)
+    got = step_collectives(layout, np.array([4, 5]), dcp_size=1, shape=shape, dcp_rest=QUERIES)
     assert step_traffic(got, pcp_size=1, dcp_size=1, dtype_bytes=F64) == ({}, {})
+
+
+def test_auto_gathers_queries_for_a_short_chunk_of_a_long_context():
+    """dcp=2, one 4-token prefill after 96 computed tokens (context 100): chunks of 1,
+    3*1 < 4, so it is split: rows [2, 2], rest=2. Context path: M = 50 entries of 48 per
+    rank, all-gathered: 2*1*50*48 = 4800 elements. Queries path: 2*1*2*4*48 = 768 (queries)
+    + 1*(2*2)*132 = 528 (partials) = 1296. auto takes the queries; a 40-token prefill from
+    scratch (rows [20, 20], M = 20: 1920 < 2*1*20*192 + 1*40*132) takes the context."""
+    shape = ModelShape(HIDDEN, LAYERS, ENTRY, HEADS, QK, LATENT, F64)
+    tail = plan_layout([4], [True], pcp_size=P, dcp_size=D, num_computed_tokens=[96])
+    got = plan_dcp_rest(tail, [100], policy="auto", dcp_size=D, interleave=1, shape=shape)
+    assert got == QUERIES
+    forced = plan_dcp_rest(tail, [100], policy="context", dcp_size=D, interleave=1, shape=shape)
+    assert (forced.mode, forced.context_rows) == ("context", 50)
+    fresh = plan_layout([40], [True], pcp_size=P, dcp_size=D)
+    got = plan_dcp_rest(fresh, [40], policy="auto", dcp_size=D, interleave=1, shape=shape)
+    assert (got.mode, got.context_rows) == ("context", 20)
+    colls = step_collectives(fresh, np.array([39]), dcp_size=D, shape=shape, dcp_rest=got)
+    assert step_traffic(colls, pcp_size=P, dcp_size=D, dtype_bytes=F64)[1] == {
+        "kv_gather": LAYERS * 2 * 20 * ENTRY * F64,
+        "dcp_context_gather": LAYERS * 2 * 20 * ENTRY * F64,
+        "restore": 2 * 20 * HIDDEN * F64,
+    }

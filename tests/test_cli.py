@@ -162,6 +162,18 @@ def test_unknown_kind_and_plugin_exit_2_with_known_kinds():
     assert r.returncode == 2 and "pipeline.plan.pad_to_multiple: got 0" in r.stderr
 
 
+def test_swapping_a_stage_drops_only_the_shipped_options_it_does_not_know():
+    """The shipped forward stage has a ``dcp_rest`` option; a user's forward stage without
+    one must still validate when the option was left alone, and be refused when the user
+    set it."""
+    plugin = ["plugins=[pcpflow_test_plugins.probes]", "pipeline.forward.kind=test_queries_forward"]
+    cfg = prepare_job(compose_raw(plugin + ["dcp=2"]))
+    assert cfg.pipeline["forward"]["kind"] == "test_queries_forward"
+    with pytest.raises(ConfigError) as exc:
+        prepare_job(compose_raw(plugin + ["pipeline.forward.dcp_rest=context"]))
+    assert "pipeline.forward.dcp_rest: got 'context'; not a setting here" in exc.value.report()
+
+
 def test_entry_point_group_registers_stages(tmp_path, monkeypatch):
     dist = tmp_path / "pcpflow_demo_plugin-1.0.dist-info"
     dist.mkdir()

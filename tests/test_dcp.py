@@ -1,6 +1,8 @@
 """Decode context parallelism is exact: KV sharded over the DCP group by
 ``kv.interleave``, partial attention merged across shards, with replicated and with
-sharded decodes (which vLLM does not allow with dcp > 1).
+sharded decodes (which vLLM does not allow with dcp > 1), and the rows past the
+replicated decodes on either DCP path: ``queries`` (gathered, partials merged),
+``context`` (the shards of their contexts gathered) or ``auto`` (per step, by bytes).
 
 Every run must pass pcpflow's verification in float64: logits and tokens equal the
 single-rank reference, and each rank's cache holds exactly the reference's entries for
@@ -12,48 +14,114 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pcpflow.cp_attention import context_gather_plan
+from pcpflow.slots import compute_slot_mapping
 from pcpflow.testing import compose, run
-from test_engine import assert_exact, corner_case_workload
+from test_engine import OUTPUT_LEN, assert_exact, corner_case_workload
 
 BLOCK = 6  # interleave in {1, 2, BLOCK} must divide it
+INTERLEAVES = (1, 2, BLOCK)
 
-# (decode, assignment, model, interleave, restore): each dimension covered at every size.
+
+def prompt_lens(pcp: int) -> list[int]:
+    """The length corner cases of ``corner_case_workload`` (1, 2P-1, 2P, 2P+1), then a
+    194-token prompt continued over four steps under the 64-token budget, whose last
+    chunk (4 tokens at a context of 194) is cheaper to serve by gathering queries than
+    contexts, and a 23-token prompt arriving after it (when the others decode)."""
+    return [1, 2 * pcp - 1, 2 * pcp, 2 * pcp + 1, 194, 23]
+
+
+# (dcp_rest, decode, assignment, model, restore): at every size, each path with both
+# decode modes, both models (MODELS index, rotated by pcp) and every interleave.
 CASES = [
-    ("replicated", "round_robin", "tiny_mla", 1, "all_rows"),
-    ("sharded", "round_robin", "tiny_gqa", 2, "all_rows"),
-    ("sharded", "balanced", "tiny_mla", BLOCK, "sampled_rows"),
-    ("replicated", "round_robin", "tiny_gqa", BLOCK, "sampled_rows"),
+    ("queries", "replicated", "round_robin", 0, "all_rows"),
+    ("queries", "sharded", "balanced", 1, "sampled_rows"),
+    ("queries", "sharded", "round_robin", 0, "all_rows"),
+    ("context", "replicated", "round_robin", 1, "sampled_rows"),
+    ("context", "sharded", "round_robin", 0, "all_rows"),
+    ("context", "replicated", "round_robin", 0, "all_rows"),
+    ("auto", "sharded", "balanced", 0, "sampled_rows"),
+    ("auto", "replicated", "round_robin", 1, "all_rows"),
+    ("auto", "sharded", "round_robin", 1, "sampled_rows"),
 ]
+MODELS = ("tiny_mla", "tiny_gqa")
+
+
+def matrix(pcp: int) -> list[list[str]]:
+    lens = prompt_lens(pcp)
+    base = corner_case_workload(pcp) + [
+        f"dcp={pcp}",
+        f"kv.block_size={BLOCK}",
+        f"workload.prompt_lens=[{','.join(map(str, lens))}]",
+        "workload.arrival_steps=[0,0,1,1,2,11]",
+    ]
+    return [
+        base
+        + [
+            f"pipeline.forward.dcp_rest={rest}",
+            f"decode={d}",
+            f"decode.assignment={a}",
+            f"model={MODELS[(m + pcp) % 2]}",
+            f"kv.interleave={INTERLEAVES[(j + pcp) % 3]}",
+            f"pipeline.restore.kind={r}",
+        ]
+        for j, (rest, d, a, m, r) in enumerate(CASES)
+    ]
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("pcp", [2, 3, 4])
 def test_dcp_equals_pcp_matches_single_rank(pcp):
-    base = corner_case_workload(pcp) + [f"dcp={pcp}", f"kv.block_size={BLOCK}"]
-    cfgs = [
-        compose(
-            base
-            + [
-                f"decode={d}",
-                f"decode.assignment={a}",
-                f"model={m}",
-                f"kv.interleave={i}",
-                f"pipeline.restore.kind={r}",
-            ]
-        )
-        for d, a, m, i, r in CASES
-    ]
+    cfgs = [compose(overrides) for overrides in matrix(pcp)]
     results = run(cfgs)
+    # Every generated token is fed back but the last: request r runs prompt + 5 tokens
+    # through the model, a token at position p scores p + 1 keys in all, whichever path,
+    # when every row lives on one rank (sharded decodes; replicated rows count per holder).
+    lens = np.array(prompt_lens(pcp)) + OUTPUT_LEN - 1
+    total_work = {"sharded": int((lens * (lens + 1) // 2).sum())}
     for cfg, result in zip(cfgs, results):
         assert_exact(cfg, result)
+        rest = cfg.pipeline["forward"]["dcp_rest"]
+        label = f"pcp={pcp} {rest} {cfg.decode.mode} {cfg.model.name} I={cfg.kv.interleave}"
         calls = result["metrics"]["collective_calls"]
-        # Prefill chunks always need the other shards' attention.
-        assert calls.get("dcp_query_gather", 0) > 0 and calls.get("dcp_partials", 0) > 0
+        queries = calls.get("dcp_query_gather", 0)
+        assert queries == calls.get("dcp_partials", 0), label
+        contexts = calls.get("dcp_context_gather", 0)
+        # Prefill chunks always need the other shards' KV: one path or the other, per
+        # layer; auto takes each at least once on this workload.
+        if rest == "queries":
+            assert queries > 0 and contexts == 0, label
+        elif rest == "context":
+            assert contexts > 0 and queries == 0, label
+        else:
+            assert queries > 0 and contexts > 0, label
         if cfg.decode.mode == "replicated":
-            assert calls.get("dcp_decode_partials", 0) > 0
-        else:  # sharded decodes take the gathered-query path only
-            assert "dcp_decode_partials" not in calls
+            assert calls.get("dcp_decode_partials", 0) > 0, label
+        else:  # sharded decodes are rest rows
+            assert "dcp_decode_partials" not in calls, label
+        work = sum(result["metrics"]["per_rank_attention_work"])
+        assert work == total_work.setdefault(cfg.decode.mode, work), label
+
+
+@pytest.mark.parametrize("pcp", [2, 3, 4])
+def test_matrix_covers_every_path_with_every_setting(pcp):
+    seen = set()
+    for overrides in matrix(pcp):
+        opts = dict(o.split("=", 1) for o in overrides)
+        rest = opts["pipeline.forward.dcp_rest"]
+        seen |= {
+            (rest, "decode", opts["decode"]),
+            (rest, "model", opts["model"]),
+            (rest, "interleave", opts["kv.interleave"]),
+        }
+    for rest in ("queries", "context", "auto"):
+        want = {(rest, "decode", d) for d in ("replicated", "sharded")}
+        want |= {(rest, "model", m) for m in MODELS}
+        want |= {(rest, "interleave", str(i)) for i in INTERLEAVES}
+        assert want <= seen, want - seen
 
 
 def test_dcp_local_shard_sizes_add_up():
@@ -67,3 +135,68 @@ def test_dcp_local_shard_sizes_add_up():
             shards = np.stack([dcp_local_seq_lens(seq_lens, d, r, i) for r in range(d)])
             assert (shards.sum(0) == seq_lens).all()
             assert (shards.max(0) - shards.min(0) <= i).all()
+
+
+def test_context_gather_plan_by_hand():
+    """D=2, I=2, B=4; sequences of 5 and 3 with block tables [[7, 1], [3, 9]].
+    Sequence 0: positions 0,1,4 on rank 0 (local 0,1,2), 2,3 on rank 1 (local 0,1);
+    sequence 1: 0,1 on rank 0, 2 on rank 1. Rank 0 sends 3 + 2 = 5 entries, rank 1 2 + 1:
+    M = 5. Local position lp of a sequence is at slot table[lp // 4] * 4 + lp % 4."""
+    tables = np.array([[7, 1], [3, 9]])
+    plans = [
+        context_gather_plan([5, 3], tables, block_size=4, dcp_size=2, dcp_rank=r, interleave=2)
+        for r in (0, 1)
+    ]
+    # Rank 0: seq 0 local 0,1,2 -> block 7: 28, 29, 30; seq 1 local 0,1 -> block 3: 12, 13.
+    assert plans[0].send_slots.tolist() == [28, 29, 30, 12, 13]
+    # Rank 1: seq 0 local 0,1 -> 28, 29; seq 1 local 0 -> 12; padded with slot 0 to M.
+    assert plans[1].send_slots.tolist() == [28, 29, 12, 0, 0]
+    # Gathered rows: rank 0 [s0p0 s0p1 s0p4 s1p0 s1p1 | s0p2 s0p3 s1p2 pad pad].
+    # Reassembled: sequence 0 in blocks 0-1 (8 slots, 5 used), sequence 1 in block 2.
+    for plan in plans:
+        assert plan.source.tolist() == [0, 1, 5, 6, 2, 0, 0, 0] + [3, 4, 7, 0]
+        assert plan.block_tables.tolist() == [[0, 1], [2, 2]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    dcp=st.sampled_from([2, 3, 4]),
+    interleave=st.sampled_from([1, 2, 4]),
+    offset=st.integers(0, 3),
+)
+def test_context_gather_reassembles_every_context(lens, dcp, interleave, offset):
+    """Write each position's id into the DCP shards through the real slot mapping, run
+    every rank's send, concatenate (the all-gather), pick ``source``: each sequence's
+    positions come back in order, in the blocks its new table names."""
+    b = 4
+    lens = np.array(lens)
+    virt = -(-lens // (b * dcp))  # blocks each sequence needs per rank
+    # Scattered, distinct blocks per sequence (the same table on every rank).
+    width = int(virt.max())
+    tables = (np.arange(len(lens) * width).reshape(len(lens), width) * 3 + offset) % 997
+    num_slots = (int(tables.max()) + 1) * b
+    caches = []
+    for r in range(dcp):
+        cache = np.full(num_slots, -1)
+        for k, n in enumerate(lens):
+            pos = np.arange(n)
+            slots = compute_slot_mapping(
+                pos, np.full(n, k), tables, b, dcp_size=dcp, dcp_rank=r, interleave=interleave
+            )
+            cache[slots[slots >= 0]] = 1000 * k + pos[slots >= 0]
+        caches.append(cache)
+    plans = [
+        context_gather_plan(
+            lens, tables, block_size=b, dcp_size=dcp, dcp_rank=r, interleave=interleave
+        )
+        for r in range(dcp)
+    ]
+    gathered = np.concatenate([caches[r][p.send_slots] for r, p in enumerate(plans)])
+    for plan in plans:
+        assert (plan.source == plans[0].source).all()
+        rebuilt = gathered[plan.source]
+        for k, n in enumerate(lens):
+            j = np.arange(n)
+            slot = plan.block_tables[k, j // b] * b + j % b
+            assert (rebuilt[slot] == 1000 * k + j).all()

@@ -34,3 +34,35 @@ class CallCounter(Stage):
             with open(path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         return state
+
+
+@register
+class QueriesOnlyForward(Stage):
+    """A user's forward stage with no options: always the DCP query path."""
+
+    kind = "test_queries_forward"
+    slots = ("forward",)
+
+    class Config(StageConfig):
+        kind: Literal["test_queries_forward"] = "test_queries_forward"
+
+    def __call__(self, state: StepState) -> StepState:
+        import torch
+
+        from pcpflow.cp_attention import CPAttention
+
+        ctx = self.ctx
+        backend = CPAttention(
+            layout=state.layout,
+            meta=state.attn,
+            caches=ctx.kv_caches,
+            spec=ctx.model.attn_spec,
+            block_size=ctx.block_size,
+            pcp=ctx.pcp,
+            dcp=ctx.dcp,
+            dcp_rest="queries",
+        )
+        state.attn.dcp_rest = backend.dcp_rest.mode
+        with torch.no_grad():
+            state.hidden, state.aux_hidden = ctx.model(state.local.input_ids, state.local.positions, backend)
+        return state
