@@ -81,6 +81,12 @@ class ModelShape:
         """One row of packed partial attention: per-head output and log-sum-exp."""
         return self.num_heads * self.v_dim + self.num_heads
 
+    @property
+    def partials_dtype_bytes(self) -> int | None:
+        """Element size of packed partials when it differs from the model's: they travel
+        in float32 at least (``pcpflow.attention.accumulation_dtype``), for the lse."""
+        return 4 if self.dtype_bytes < 4 else None
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -88,9 +94,11 @@ class Collective:
     purpose: str
     group: Literal["pcp", "dcp"]
     shape: tuple[int, ...]  # the tensor each rank passes in
+    dtype_bytes: int | None = None  # element size, when not the model dtype's
 
     def nbytes(self, group_size: int, dtype_bytes: int) -> int:
-        return math.prod(self.shape) * dtype_bytes * traffic_factor(self.op, group_size)
+        size = self.dtype_bytes or dtype_bytes
+        return math.prod(self.shape) * size * traffic_factor(self.op, group_size)
 
 
 def attention_rows(layout: BatchLayout) -> tuple[int, int]:
@@ -181,7 +189,13 @@ def layer_collectives(
     if dcp_size > 1:
         if nd:
             out.append(
-                Collective("all_gather", "dcp_decode_partials", "dcp", (nd, shape.partials_width))
+                Collective(
+                    "all_gather",
+                    "dcp_decode_partials",
+                    "dcp",
+                    (nd, shape.partials_width),
+                    shape.partials_dtype_bytes,
+                )
             )
         if rest and dcp_rest.mode == "context":
             out.append(
@@ -200,7 +214,11 @@ def layer_collectives(
             )
             out.append(
                 Collective(
-                    "all_to_all", "dcp_partials", "dcp", (dcp_size * rest, shape.partials_width)
+                    "all_to_all",
+                    "dcp_partials",
+                    "dcp",
+                    (dcp_size * rest, shape.partials_width),
+                    shape.partials_dtype_bytes,
                 )
             )
     return out

@@ -54,10 +54,15 @@ def paged_attention(
         raise ValueError(
             f"cache is {list(cache.shape)}, want [num_blocks * {block_size}, {spec.entry_dim}]"
         )
+    out_dtype = q.dtype
+    # NOTE: narrow dtypes (bf16/fp16) score, softmax and accumulate in float32, as fused
+    # attention kernels do; out comes back in the input dtype, lse stays float32 (a merge
+    # across DCP shards needs it exact to far more than 8 mantissa bits).
+    q = q.to(accumulation_dtype(q.dtype))
     out = q.new_zeros(num_rows, num_heads, spec.v_dim)
     lse = q.new_full((num_rows, num_heads), float("-inf"))
     if num_rows == 0 or cache.shape[0] == 0 or block_tables.shape[-1] == 0:
-        return out, lse
+        return out.to(out_dtype), lse
 
     row_req_indices = row_req_indices.to(device=q.device, dtype=torch.long)
     row_context_lens = row_context_lens.to(device=q.device, dtype=torch.long)
@@ -67,7 +72,13 @@ def paged_attention(
         seg_block_tables = block_tables[row_req_indices[seg_rows.amax(1)]]
         row_ctx = torch.where(seg_rows >= 0, row_context_lens[seg_rows.clamp(min=0)], 0)
         _attend_segments(q, blocked_cache, spec, seg_block_tables, seg_rows, row_ctx, out, lse)
-    return out, lse
+    return out.to(out_dtype), lse
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16/fp16 (what attention accumulates and log-sum-exps travel in);
+    float32 and float64 are their own."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> list[torch.Tensor]:
@@ -140,7 +151,7 @@ def _attend_segments(
         # NOTE: whole blocks are gathered (contiguous copies), slots past a row's context
         # are masked; unused block-table entries (e.g. -1) are clamped, never read.
         blocks = seg_block_tables[idx, :ctx_blocks].clamp(0, num_blocks - 1)
-        entries = blocked_cache[blocks].view(t, ctx, spec.entry_dim)
+        entries = blocked_cache[blocks].view(t, ctx, spec.entry_dim).to(q.dtype)
         j = torch.arange(ctx, device=q.device)
         # NOTE: slots past a segment's context were never written for it (they may hold
         # NaN, another request's stale KV, anything): zero them, since a masked score

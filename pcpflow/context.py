@@ -13,7 +13,7 @@ from pcpflow.comm import Comm, CommStats
 from pcpflow.config import RunConfig
 from pcpflow.models.base import CausalLM
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclass

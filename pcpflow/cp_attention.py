@@ -165,8 +165,9 @@ def _layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
 
 
 def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """One tensor per collective: ``[rows, H*Dv + H]``."""
-    return torch.cat([o.flatten(1), lse], dim=1)
+    """One tensor per collective: ``[rows, H*Dv + H]``, in the log-sum-exp's dtype (float32
+    at least: ``pcpflow.attention.accumulation_dtype``)."""
+    return torch.cat([o.flatten(1).to(lse.dtype), lse], dim=1)
 
 
 def _valid_writes(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

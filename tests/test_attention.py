@@ -279,3 +279,20 @@ def test_unwritten_slots_never_leak_into_the_output():
     scores = (q[0] @ keys.T) * spec.scale
     torch.testing.assert_close(out[0], torch.softmax(scores, -1) @ keys, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse[0], torch.logsumexp(scores, -1), rtol=0, atol=1e-12)
+
+
+def test_bf16_accumulates_in_float32():
+    """bf16 inputs score, softmax and sum in float32: the result equals float32 attention
+    over the same (bf16-rounded) numbers, rounded once to bf16; lse stays float32."""
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, qk_dim=8, v_dim=8, v_offset=16, entry_dim=32, scale=0.35)
+    gen = torch.Generator().manual_seed(1)
+    block_size, ctx = 4, 37
+    cache = torch.randn(12 * block_size, 32, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, 4, 8, generator=gen).to(torch.bfloat16)
+    tables = torch.arange(12)[None].repeat(3, 1)
+    args = (tables, torch.zeros(3, dtype=torch.long), torch.tensor([ctx, 1, 20]), block_size)
+    out, lse = paged_attention(q, cache, spec, *args)
+    ref_out, ref_lse = paged_attention(q.float(), cache.float(), spec, *args)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)

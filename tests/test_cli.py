@@ -86,7 +86,7 @@ def test_field_errors_are_one_report_naming_field_value_and_allowed(tmp_path):
     assert "invalid configuration (5 problem(s))" in err
     assert "pcp: got 0; Input should be greater than or equal to 1" in err
     assert "decode.assignment: got 'diagonal'" in err and "'round_robin' or 'balanced'" in err
-    assert "dtype: got 'float16'" in err and "'float32' or 'float64'" in err
+    assert "dtype: got 'float16'" in err and "'float32', 'float64' or 'bfloat16'" in err
     assert "typo_key: got 1; not a setting here" in err and "allowed keys:" in err
     assert "scheduler.max_num_seqs: got -1" in err
     assert not run_dir.exists(), "nothing may start for an invalid config"

@@ -22,7 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # NOTE: bf16/fp16 normalize in float32, then scale in the input dtype (as
+        # transformers' Llama/DeepSeek RMSNorm); float32/float64 compute in place.
+        h = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
