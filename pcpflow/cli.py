@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,8 +174,6 @@ def _check_groups(overrides: list[str]) -> None:
 def _compose_problem(exc: Exception, overrides: list[str]) -> Problem:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
-    import re
-
     m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if m:
         key = m.group(1)

@@ -8,6 +8,8 @@ nodes, so callers convert with ``OmegaConf.to_container(resolve=True)`` first).
 from __future__ import annotations
 
 import difflib
+import functools
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -181,10 +183,17 @@ def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseMo
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the discriminator's value (e.g. 'tiny_mla') into the location of
     # errors inside a tagged union; the user never typed it, so drop it.
-    return isinstance(part, str) and part in _UNION_TAGS
+    return isinstance(part, str) and part in _union_tags()
 
 
-_UNION_TAGS = {"tiny_mla", "tiny_gqa", "hf", "synthetic", "explicit", "trace"}
+@functools.cache
+def _union_tags() -> frozenset[str]:
+    """The discriminator values of the model and workload unions (``name`` / ``kind``)."""
+    tags = set()
+    for union, key in ((ModelConfig, "name"), (WorkloadConfig, "kind")):
+        for member in typing.get_args(typing.get_args(union)[0]):
+            tags.update(typing.get_args(member.model_fields[key].annotation))
+    return frozenset(tags)
 
 
 def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:

@@ -195,10 +195,11 @@ class _Loop:
     def request_rows(self, requests) -> list[dict[str, Any]]:
         rows = []
         timing = self.scheduler.request_timing()
+        outputs = self.scheduler.outputs()
         for r in requests:
             t = timing.get(r.req_id, {})
             arrival, first, finish = t.get("arrival_step"), t.get("first_token_step"), t.get("finish_step")
-            n_out = len(self.scheduler.outputs().get(r.req_id, []))
+            n_out = len(outputs.get(r.req_id, []))
             ttft_s = ttft_steps = tpot_s = tpot_steps = None
             if first is not None and arrival is not None:
                 ttft_steps = first - arrival + 1
