@@ -135,49 +135,54 @@ def plan_layout(
     replicated = ~prefilling
     if dcp_size > 1:
         replicated |= (num_chunks - 1) * chunk_size >= q
-    active = q > 0
-    held = (replicated & active).nonzero()[0]
+    held = (replicated & (q > 0)).nonzero()[0]
     owner = np.full(num_reqs, -1, dtype=np.int64)
     if not shard_decodes:
         owner[held] = 0
     elif decode_assignment == "round_robin":
-        owner[held] = np.arange(held.shape[0], dtype=np.int64) % p
+        owner[held] = _iota(held.shape[0]) % p
     else:
         owner[held] = _balanced_owners(computed[held] + q[held], p)
 
-    # Pieces: (request, chunk) pairs in global token order. A stable sort by
-    # (rank, is_prefilling) then yields each rank's local order.
-    counts = np.where(replicated, 1 if shard_decodes else p, num_chunks)
-    counts *= active
-    # A replicated request is one chunk of q tokens, repeated on every holder.
-    stride = np.where(replicated, 0, chunk_size)
+    # Pieces: (request, chunk) pairs in global token order, none empty. A split prefill
+    # has cdiv(q, chunk) non-empty chunks, all leading; a replicated request is one chunk
+    # of q tokens, on its owner alone or copied to every rank (copy j on rank j). A
+    # stable sort by (rank, is_prefilling) then yields each rank's local order.
     span = np.where(replicated, q, chunk_size)
+    span_or_1 = np.maximum(span, 1)
+    copies = 1 if shard_decodes else p
+    # counts = cdiv(q, chunk) for a split prefill, cdiv(copies * q, q) = copies for a
+    # replicated request, 0 for a zero-token one.
+    counts = np.where(replicated, copies * q, q)
+    counts += span_or_1 - 1
+    counts //= span_or_1
     req = _iota(num_reqs).repeat(counts)
-    first_piece = counts.cumsum() - counts
+    first_piece = counts.cumsum()
+    first_piece -= counts
     j = _iota(req.shape[0]) - first_piece.repeat(counts)
-    rep = replicated[req]
+    # Chunk j of a split prefill runs on rank min(j, 2P-1-j): rank k takes chunks k and
+    # 2P-1-k. Copy j < P of a replicated request lands on rank j; a sharded one's only
+    # copy (j = 0) on its owner.
+    rank = np.minimum(j, (num_chunks - 1) - j)
     if shard_decodes:
-        rank = np.where(rep, owner[req], np.where(j < p, j, num_chunks - 1 - j))
-    else:
-        rank = np.where(rep | (j < p), j, num_chunks - 1 - j)
-    start = j * stride[req]
+        rank += np.maximum(owner, 0)[req]
+    start = j * np.where(replicated, 0, chunk_size)[req]
     length = np.minimum(q[req] - start, span[req])
-    nonempty = length > 0
-    if not nonempty.all():
-        req, rep, rank, start, length = (a[nonempty] for a in (req, rep, rank, start, length))
-    global_start = query_start_loc[req] + start
+    global_start = query_start_loc[req]
+    global_start += start
     key = 2 * rank + prefilling[req]
-    local_order = key.astype(np.uint8 if num_chunks <= 256 else np.int64).argsort(kind="stable")
+    local_order = key.astype(np.uint8 if num_chunks <= 128 else np.int64).argsort(kind="stable")
     rank_s = rank[local_order]
     length_s = length[local_order]
+    global_start_s = global_start[local_order]
     bounds = rank_s.searchsorted(_iota(p + 1))
-    # first_token: first row of each piece in the concatenation of all ranks' real rows.
-    first_token = np.zeros(length_s.shape[0] + 1, dtype=np.int64)
-    length_s.cumsum(out=first_token[1:])
-    rank_first_token = first_token[bounds]
-    first_token = first_token[:-1]
-    per_rank_num_tokens = rank_first_token[1:] - rank_first_token[:-1]
-    largest = int(per_rank_num_tokens.max())
+    # first_row: first row of each piece in the concatenation of all ranks' real rows.
+    first_row = np.zeros(length_s.shape[0] + 1, dtype=np.int64)
+    length_s.cumsum(out=first_row[1:])
+    rank_first_row = first_row[bounds]
+    first_row = first_row[:-1]
+    per_rank_num_tokens = rank_first_row[1:] - rank_first_row[:-1]
+    largest = max(per_rank_num_tokens.tolist())
     if padded_num_tokens is None:
         n = largest
     elif padded_num_tokens < largest:
@@ -188,23 +193,36 @@ def plan_layout(
     else:
         n = int(padded_num_tokens)
 
-    local_start = first_token - rank_first_token[rank_s]
-    global_start_s = global_start[local_order]
-    # token: the global token of each real row, ranks concatenated.
-    token = (global_start_s - first_token).repeat(length_s)
-    token += _iota(token.shape[0])
+    local_start = first_row - rank_first_row[rank_s]
+    gathered_start_s = rank_s * n
+    gathered_start_s += local_start
+    # The padded gathered view as runs: each rank's pieces, then its padding (a run of
+    # n - per_rank_num_tokens rows), so one repeat fills it, padding zeroed after.
+    num_pieces = rank_s.shape[0]
+    at = _iota(num_pieces) + rank_s
+    pad_at = bounds[1:] + _iota(p)
+    run_length = np.empty(num_pieces + p, dtype=np.int64)
+    run_length[at] = length_s
+    run_length[pad_at] = n - per_rank_num_tokens
+    run_shift = np.zeros(num_pieces + p, dtype=np.int64)
+    run_shift[at] = global_start_s - gathered_start_s
+    padded_gather_idx = run_shift.repeat(run_length)
+    padded_gather_idx += _iota(p * n)
+    for r, num_real in enumerate(per_rank_num_tokens.tolist()):
+        padded_gather_idx[r * n + num_real : (r + 1) * n] = 0
     # Every piece writes its KV, except the copies of a replicated request off rank 0.
-    writer = None if shard_decodes else ~rep | (rank == 0)
-    writes = None if writer is None else writer[local_order].repeat(length_s)
-    padded_gather_idx = np.zeros(p * n, dtype=np.int64)
-    kv_write_mask = np.zeros(p * n, dtype=bool)
-    for r, (lo, cnt) in enumerate(zip(rank_first_token.tolist(), per_rank_num_tokens.tolist())):
-        padded_gather_idx[r * n : r * n + cnt] = token[lo : lo + cnt]
-        kv_write_mask[r * n : r * n + cnt] = True if writes is None else writes[lo : lo + cnt]
+    run_writes = np.zeros(num_pieces + p, dtype=bool)
+    if shard_decodes:
+        writer = None
+        run_writes[at] = True
+    else:
+        writer = (rank == 0) | ~replicated[req]
+        run_writes[at] = writer[local_order]
+    kv_write_mask = run_writes.repeat(run_length)
 
     # The writer pieces, in generation order, tile [0, T) in order.
-    gathered_start = np.empty_like(local_start)
-    gathered_start[local_order] = rank_s * n + local_start
+    gathered_start = np.empty_like(gathered_start_s)
+    gathered_start[local_order] = gathered_start_s
     shift = gathered_start - global_start
     if writer is not None:
         shift, length = shift[writer], length[writer]
@@ -213,12 +231,7 @@ def plan_layout(
 
     req_s = req[local_order]
     segments = tuple(
-        RankSegments(
-            req_idx=req_s[lo:hi],
-            global_start=global_start_s[lo:hi],
-            length=length_s[lo:hi],
-            local_start=local_start[lo:hi],
-        )
+        RankSegments(req_s[lo:hi], global_start_s[lo:hi], length_s[lo:hi], local_start[lo:hi])
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist())
     )
     num_replicated_decode_tokens = 0 if shard_decodes else int(q[~prefilling].sum())
@@ -260,7 +273,8 @@ def _balanced_owners(work: np.ndarray, pcp_size: int) -> np.ndarray:
     order = (-work).argsort(kind="stable")
     size = work[order]
     ends = size.cumsum()
-    twice_middles = 2 * ends - size
+    twice_middles = 2 * ends - size  # nondecreasing
+    ends = [0, *ends.tolist()]  # ends[k]: total of the k largest
     owner_sorted = np.empty(n, dtype=np.int64)
     first = min(n, pcp_size)
     owner_sorted[:first] = _iota(first)
@@ -268,8 +282,8 @@ def _balanced_owners(work: np.ndarray, pcp_size: int) -> np.ndarray:
     lo = first
     while lo < n:
         hi = min(n, lo + max(2 * pcp_size, (n - lo + 1) // 2))
-        poured = int(ends[lo - 1])
-        phase = int(ends[hi - 1]) - poured
+        poured = ends[lo]
+        phase = ends[hi] - poured
         by_load = sorted(range(pcp_size), key=load.__getitem__)
         # The water level reaches the k least-loaded ranks while (phase + their load) / k
         # is at least the k-th load; level = total / filled.
@@ -279,18 +293,21 @@ def _balanced_owners(work: np.ndarray, pcp_size: int) -> np.ndarray:
                 break
             filled, below = k, below + load[r]
         total = phase + below
-        deficit_ends, acc = np.empty(filled, dtype=np.int64), 0
-        for i, r in enumerate(by_load[:filled]):
-            acc += 2 * (total - filled * load[r])
-            deficit_ends[i] = acc
         # The largest deficit takes the largest requests: each goes to the rank whose
-        # deficit holds its midpoint.
-        slot = deficit_ends.searchsorted(filled * (twice_middles[lo:hi] - 2 * poured), "right")
-        np.minimum(slot, filled - 1, out=slot)
-        owner_sorted[lo:hi] = np.array(by_load)[slot]
-        added = np.bincount(slot, weights=size[lo:hi], minlength=filled).tolist()
-        for r, extra in zip(by_load, added):
-            load[r] += int(extra)
+        # deficit holds its midpoint, so a rank takes a contiguous run. The run of the
+        # i-th rank ends before the first midpoint at or past the end of the first i+1
+        # deficits (in twice-midpoint units: ceil(2 * deficits / filled) + 2 * poured).
+        cut_at, acc = [], 0
+        for r in by_load[:filled]:
+            acc += 2 * (total - filled * load[r])
+            cut_at.append(-(-acc // filled) + 2 * poured)
+        cuts = twice_middles[lo:hi].searchsorted(cut_at).tolist()
+        cuts[-1] = hi - lo  # the last rank under the level takes the rest
+        start = lo
+        for r, cut in zip(by_load, cuts):
+            owner_sorted[start : lo + cut] = r
+            load[r] += ends[lo + cut] - ends[start]
+            start = lo + cut
         lo = hi
     owner = np.empty_like(owner_sorted)
     owner[order] = owner_sorted
