@@ -24,8 +24,7 @@ Policy, with budget = max_num_batched_tokens, running requests in admission orde
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -87,7 +86,8 @@ class StepOutcome:
 
     step: int
     req_ids: np.ndarray  # int64 [R]: the batch rows' requests
-    new_token_ids: dict[int, list[int]]  # req_id -> tokens appended this step (rows with any)
+    num_appended: np.ndarray  # int64 [R]: tokens each row appended to its outputs
+    appended_token_ids: np.ndarray  # int64 [sum(num_appended)]: those tokens, row by row
     num_accepted: np.ndarray  # int64 [R]: drafts accepted
     num_proposed: np.ndarray  # int64 [R]: drafts scheduled (batch.num_draft_tokens)
     finished_req_ids: np.ndarray  # int64: requests that reached max_output_tokens this step
@@ -97,34 +97,17 @@ class StepOutcome:
     @property
     def num_new_tokens(self) -> int:
         """Tokens generated this step, over all requests."""
-        return sum(len(t) for t in self.new_token_ids.values())
-
-
-@dataclass
-class RequestTiming:
-    """Steps at which a request's life events happened (None: not yet)."""
-
-    arrival_step: int
-    admitted_step: int | None = None  # first scheduled
-    first_token_step: int | None = None  # the step whose batch sampled its first output
-    finish_step: int | None = None  # the step whose batch sampled its last output
-    num_output_tokens: int = 0
-
-
-@dataclass
-class _Running:
-    req: Request
-    num_computed: int = 0
-    outputs: list[int] = field(default_factory=list)
-    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+        return int(self.appended_token_ids.shape[0])
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.req.prompt_token_ids)
-
-    @property
-    def in_prompt(self) -> bool:
-        return self.num_computed < self.prompt_len
+    def new_token_ids(self) -> dict[int, list[int]]:
+        """req_id -> tokens appended this step, for the rows that appended any."""
+        tokens = np.split(self.appended_token_ids, self.num_appended.cumsum()[:-1])
+        return {
+            rid: toks.tolist()
+            for rid, n, toks in zip(self.req_ids.tolist(), self.num_appended.tolist(), tokens)
+            if n
+        }
 
 
 def _kv_tokens(req: Request, num_speculative_tokens: int) -> int:
@@ -162,7 +145,12 @@ def check_fits(
 
 
 class Scheduler:
-    """See the module docstring for the policy and the call order."""
+    """See the module docstring for the policy and the call order.
+
+    State is kept as arrays over the requests in arrival order (``arrival_step``, then
+    ``req_id``), so a step costs a fixed number of array operations; Python loops run
+    only per admitted and per finished request.
+    """
 
     def __init__(
         self,
@@ -194,35 +182,81 @@ class Scheduler:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.kv = kv
         self.step = 0
-        order = sorted(requests, key=lambda r: (r.arrival_step, r.req_id))
-        self._waiting: deque[Request] = deque(order)
-        self._running: list[_Running] = []
-        self._outputs: dict[int, list[int]] = {r.req_id: [] for r in requests}
-        self._timing = {r.req_id: RequestTiming(r.arrival_step) for r in requests}
+
+        # Per request, in arrival order (index i below); admission takes them in order.
+        order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, ids[i]))
+        reqs = [requests[i] for i in order]
+        self._input_order = np.argsort(np.asarray(order, dtype=np.int64)).astype(np.int64)
+        n = len(reqs)
+
+        def column(values) -> np.ndarray:
+            return np.fromiter(values, dtype=np.int64, count=n)
+
+        self._req_id = column(r.req_id for r in reqs)
+        self._arrival = column(r.arrival_step for r in reqs)
+        self._prompt_len = column(len(r.prompt_token_ids) for r in reqs)
+        self._max_out = column(r.max_output_tokens for r in reqs)
+        self._kv_tokens = self._prompt_len + self._max_out + self.num_speculative_tokens
+        # Prompts and outputs live in flat buffers, request i's at [start[i], start[i+1]).
+        self._prompts = np.concatenate(
+            [np.asarray(r.prompt_token_ids, dtype=np.int64) for r in reqs] or [np.zeros(0, np.int64)]
+        )
+        self._prompt_start = self._prompt_len.cumsum() - self._prompt_len
+        self._outputs = np.zeros(int(self._max_out.sum()), dtype=np.int64)
+        self._output_start = self._max_out.cumsum() - self._max_out
+        self._num_computed = np.zeros(n, dtype=np.int64)
+        self._num_out = np.zeros(n, dtype=np.int64)
+        self._drafts = np.zeros((n, self.num_speculative_tokens), dtype=np.int64)
+        self._num_drafts = np.zeros(n, dtype=np.int64)
+        self._admitted_step = np.full(n, -1, dtype=np.int64)
+        self._first_token_step = np.full(n, -1, dtype=np.int64)
+        self._finish_step = np.full(n, -1, dtype=np.int64)
+        self._next_waiting = 0  # requests [0, _next_waiting) have been admitted
+        self._running = np.zeros(0, dtype=np.int64)  # request indices, admission order
         self._num_finished = 0
         self._last_batch: GlobalBatch | None = None  # scheduled, not yet updated
         self._updated_batch: GlobalBatch | None = None  # updated, drafts not yet set
+        self._batch_rows = self._running  # the request index of each row of the last batch
 
     @property
     def done(self) -> bool:
-        return self._num_finished == len(self._outputs)
+        return self._num_finished == len(self._req_id)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._req_id) - self._next_waiting
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
     def outputs(self) -> dict[int, list[int]]:
-        """Generated tokens per req_id (copies)."""
-        return {rid: list(toks) for rid, toks in self._outputs.items()}
+        """Generated tokens per req_id (copies), in the order the requests were given."""
+        start, end = self._output_start, self._output_start + self._num_out
+        return {
+            int(self._req_id[i]): self._outputs[start[i] : end[i]].tolist()
+            for i in self._input_order.tolist()
+        }
 
     def request_timing(self) -> dict[int, dict[str, int | None]]:
-        """Per req_id: the ``RequestTiming`` fields (arrival / admitted / first-token /
-        finish steps, num_output_tokens) as a plain dict, for metrics."""
-        return {rid: asdict(t) for rid, t in self._timing.items()}
+        """Per req_id: arrival / admitted / first-token / finish steps (None: not yet) and
+        num_output_tokens, as plain dicts, for metrics. The first-token and finish steps
+        are those of the batches that sampled the first and the last output."""
+        columns = {
+            "arrival_step": self._arrival,
+            "admitted_step": self._admitted_step,
+            "first_token_step": self._first_token_step,
+            "finish_step": self._finish_step,
+        }
+        lists = {name: col.tolist() for name, col in columns.items()}
+        num_out = self._num_out.tolist()
+        return {
+            int(self._req_id[i]): {
+                **{name: (None if v[i] < 0 else v[i]) for name, v in lists.items()},
+                "num_output_tokens": num_out[i],
+            }
+            for i in self._input_order.tolist()
+        }
 
     # -- schedule --------------------------------------------------------------------------
 
@@ -232,69 +266,80 @@ class Scheduler:
         step = self.step
         self.step += 1
         self._updated_batch = None
+        run = self._running
+        computed, prompt_len = self._num_computed[run], self._prompt_len[run]
+        in_prompt = computed < prompt_len
+        # A decode wants its newest token plus its drafts, cut to the outputs left after
+        # the newest token's own; a prefill wants the rest of its prompt.
+        room = self._max_out[run] - self._num_out[run] - 1
+        want = np.where(in_prompt, prompt_len - computed, 1 + np.minimum(self._num_drafts[run], room))
+        q = np.zeros(len(run), dtype=np.int64)
         budget = self.max_num_batched_tokens
-        q: dict[int, int] = {}
-        num_drafts: dict[int, int] = {}
-        for r in self._running:
-            if not r.in_prompt:
-                room = r.req.max_output_tokens - len(r.outputs) - 1
-                d = max(0, min(len(r.drafts), room, budget - 1))
-                q[r.req.req_id] = min(1 + d, budget)
-                num_drafts[r.req.req_id] = d
-                budget -= q[r.req.req_id]
-        for r in self._running:
-            if r.in_prompt:
-                q[r.req.req_id] = min(r.prompt_len - r.num_computed, budget)
-                budget -= q[r.req.req_id]
+        for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
+            q[rows] = _take_in_order(want[rows], budget)
+            budget -= int(q[rows].sum())
+        admitted, admitted_q = [], []
+        i = self._next_waiting
         while (
-            self._waiting
-            and self._waiting[0].arrival_step <= step
-            and len(self._running) < self.max_num_seqs
+            i < len(self._req_id)
+            and self._arrival[i] <= step
+            and len(run) + len(admitted) < self.max_num_seqs
             and budget > 0
         ):
-            req = self._waiting[0]
-            tokens = _kv_tokens(req, self.num_speculative_tokens)
+            tokens = int(self._kv_tokens[i])
             if not self.kv.can_allocate(tokens):
                 break  # FIFO: the head waits for blocks, and so does everyone behind it
-            self._waiting.popleft()
-            self.kv.allocate(req.req_id, tokens)
-            self._running.append(_Running(req, outputs=self._outputs[req.req_id]))
-            self._timing[req.req_id].admitted_step = step
-            q[req.req_id] = min(len(req.prompt_token_ids), budget)
-            budget -= q[req.req_id]
-        if not self._running:
+            self.kv.allocate(int(self._req_id[i]), tokens)
+            self._admitted_step[i] = step
+            admitted.append(i)
+            admitted_q.append(min(int(self._prompt_len[i]), budget))
+            budget -= admitted_q[-1]
+            i += 1
+        self._next_waiting = i
+        if admitted:
+            run = self._running = np.concatenate([run, np.asarray(admitted, dtype=np.int64)])
+            q = np.concatenate([q, np.asarray(admitted_q, dtype=np.int64)])
+        if not len(run):
             return None
-        batch = self._build_batch(step, q, num_drafts)
-        self._last_batch = batch
+        batch = self._build_batch(step, run, q)
+        self._last_batch, self._batch_rows = batch, run
         return batch
 
-    def _build_batch(self, step: int, q: dict[int, int], num_drafts: dict[int, int]) -> GlobalBatch:
-        running = self._running
-        R = len(running)
-        req_ids = np.fromiter((r.req.req_id for r in running), np.int64, R)
-        num_sched = np.fromiter((q[r.req.req_id] for r in running), np.int64, R)
-        num_computed = np.fromiter((r.num_computed for r in running), np.int64, R)
-        prompt_lens = np.fromiter((r.prompt_len for r in running), np.int64, R)
-        drafts = np.fromiter((num_drafts.get(r.req.req_id, 0) for r in running), np.int64, R)
+    def _build_batch(self, step: int, run: np.ndarray, num_sched: np.ndarray) -> GlobalBatch:
+        R = len(run)
+        num_computed = self._num_computed[run]
+        prompt_lens = self._prompt_len[run]
         is_prefilling = num_computed < prompt_lens
-        chunks = []
-        for r, n, d in zip(running, num_sched.tolist(), drafts.tolist()):
-            if r.in_prompt:
-                chunks.append(r.req.prompt_token_ids[r.num_computed : r.num_computed + n])
-            elif n > 0:
-                chunks.append(np.concatenate([[r.outputs[-1]], r.drafts[:d]]).astype(np.int64))
-        input_ids = np.concatenate(chunks).astype(np.int64) if chunks else np.zeros(0, np.int64)
+        drafts = np.where(is_prefilling, 0, np.maximum(num_sched - 1, 0))
 
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
         token_rows = np.repeat(np.arange(R), num_sched)
+        offset = np.arange(qsl[-1]) - qsl[token_rows]
+        token_req = run[token_rows]
+        # A prefill row reads its prompt from its first uncomputed position; a decode row
+        # is its newest output token, then its drafts.
+        input_ids = np.empty(len(token_rows), dtype=np.int64)
+        pre = is_prefilling[token_rows]
+        at = np.flatnonzero(pre)
+        input_ids[at] = self._prompts[
+            self._prompt_start[token_req[at]] + num_computed[token_rows[at]] + offset[at]
+        ]
+        at = np.flatnonzero(~pre & (offset == 0))
+        input_ids[at] = self._outputs[
+            self._output_start[token_req[at]] + self._num_out[token_req[at]] - 1
+        ]
+        at = np.flatnonzero(~pre & (offset > 0))
+        input_ids[at] = self._drafts[token_req[at], offset[at] - 1]
+
         # Sampled: the last prompt token of a chunk that completes the prompt, and every
         # token of a decode row (the target's choice after each draft, plus the bonus).
         samples_row = np.where(
             is_prefilling, (num_computed + num_sched == prompt_lens) & (num_sched > 0), True
         )
-        is_last = np.arange(qsl[-1]) == qsl[token_rows + 1] - 1
-        sampled = np.where(is_prefilling[token_rows], is_last, True) & samples_row[token_rows]
+        is_last = offset == num_sched[token_rows] - 1
+        sampled = np.where(pre, is_last, True) & samples_row[token_rows]
+        req_ids = self._req_id[run]
         return GlobalBatch(
             step=step,
             req_ids=req_ids,
@@ -318,53 +363,42 @@ class Scheduler:
         self._last_batch = None
         acc = accept_drafts(batch, sampled_token_ids)
         sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
-        new_tokens: dict[int, list[int]] = {}
-        finished: list[int] = []
-        first: list[int] = []
-        freed: list[np.ndarray] = []
-        by_id = {r.req.req_id: r for r in self._running}
-        rows = zip(
-            batch.req_ids.tolist(),
-            batch.num_scheduled_tokens.tolist(),
-            batch.is_prefilling.tolist(),
-            acc.num_accepted.tolist(),
-            acc.num_new_tokens.tolist(),
-            acc.sample_start.tolist(),
+        rows = self._batch_rows
+        n_sched = batch.num_scheduled_tokens
+        self._num_drafts[rows] = 0
+        # A decode row's KV now holds its newest token and its accepted drafts.
+        self._num_computed[rows] += np.where(
+            batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted)
         )
-        for rid, n_sched, prefilling, n_acc, n_new, start in rows:
-            r = by_id[rid]
-            r.drafts = r.drafts[:0]
-            if n_sched == 0:
-                continue
-            r.num_computed += n_sched if prefilling else 1 + n_acc
-            if n_new == 0:
-                continue
-            room = r.req.max_output_tokens - len(r.outputs)
-            toks = sampled[start : start + min(n_new, room)].tolist()
-            if not r.outputs:
-                first.append(rid)
-                self._timing[rid].first_token_step = batch.step
-            r.outputs.extend(toks)
-            new_tokens[rid] = toks
-            self._timing[rid].num_output_tokens = len(r.outputs)
-            if len(r.outputs) >= r.req.max_output_tokens:
-                finished.append(rid)
-                self._timing[rid].finish_step = batch.step
-                freed.append(self.kv.free(rid))
-        if finished:
-            done = set(finished)
-            self._running = [r for r in self._running if r.req.req_id not in done]
+        num_out = self._num_out[rows]
+        take = np.minimum(acc.num_new_tokens, self._max_out[rows] - num_out)
+        # Append row r's tokens sampled[start_r : start_r + take_r] to its outputs.
+        row_of = np.repeat(np.arange(len(rows)), take)
+        j = np.arange(len(row_of)) - (take.cumsum() - take)[row_of]
+        appended = sampled[acc.sample_start[row_of] + j]
+        self._outputs[self._output_start[rows[row_of]] + num_out[row_of] + j] = appended
+        self._num_out[rows] = num_out + take
+        first = rows[(take > 0) & (num_out == 0)]
+        self._first_token_step[first] = batch.step
+        done = (take > 0) & (num_out + take >= self._max_out[rows])
+        finished = rows[done]
+        self._finish_step[finished] = batch.step
+        finished_ids = self._req_id[finished]
+        freed = [self.kv.free(rid) for rid in finished_ids.tolist()]
+        if len(finished):
+            self._running = rows[~done]
             self._num_finished += len(finished)
         self._updated_batch = batch
         return StepOutcome(
             step=batch.step,
             req_ids=batch.req_ids.copy(),
-            new_token_ids=new_tokens,
+            num_appended=take,
+            appended_token_ids=appended,
             num_accepted=acc.num_accepted,
             num_proposed=np.asarray(batch.num_draft_tokens, dtype=np.int64).copy(),
-            finished_req_ids=np.asarray(finished, dtype=np.int64),
+            finished_req_ids=finished_ids,
             freed_blocks=np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64),
-            first_token=np.asarray(first, dtype=np.int64),
+            first_token=self._req_id[first],
         )
 
     def set_draft_tokens(self, batch: GlobalBatch, draft_token_ids: np.ndarray | None) -> None:
@@ -385,10 +419,17 @@ class Scheduler:
                 f"{drafts.shape[1]} drafts per request, more than num_speculative_tokens "
                 f"({self.num_speculative_tokens})"
             )
-        # number of leading non-negative entries per row
-        lead = np.cumprod(drafts >= 0, axis=1).sum(axis=1)
-        by_id = {r.req.req_id: r for r in self._running}
-        for rid, row, n in zip(batch.req_ids.tolist(), drafts, lead.tolist()):
-            r = by_id.get(rid)
-            if r is not None and not r.in_prompt:
-                r.drafts = row[:n].copy()
+        rows = self._batch_rows
+        decoding = (self._num_computed[rows] >= self._prompt_len[rows]) & (
+            self._num_out[rows] < self._max_out[rows]
+        )
+        rows, drafts = rows[decoding], drafts[decoding]
+        self._drafts[rows, : drafts.shape[1]] = drafts
+        # the number of leading non-negative entries per row
+        self._num_drafts[rows] = np.cumprod(drafts >= 0, axis=1).sum(axis=1)
+
+
+def _take_in_order(want: np.ndarray, budget: int) -> np.ndarray:
+    """Tokens each row gets when the rows, in order, take min(want, what is left)."""
+    before = want.cumsum() - want
+    return np.clip(budget - before, 0, want)
