@@ -106,6 +106,47 @@ class KVCacheManager:
         self._table[row, have:need] = new_blocks
         self._row_num_blocks[row] = need
 
+    def allocate_many(self, req_ids, num_tokens) -> None:
+        """``allocate(req_ids[i], num_tokens[i])`` for every i, in order, as array operations
+        (a Python step only per request that holds no blocks yet)."""
+        ids = np.asarray(req_ids, dtype=np.int64).reshape(-1)
+        need = self.blocks_needed(np.asarray(num_tokens, dtype=np.int64).reshape(-1))
+        if ids.shape != need.shape:
+            raise ValueError(f"{len(ids)} req_ids but {len(need)} num_tokens")
+        if not len(ids):
+            return
+        if ids.min() < 0:
+            raise ValueError(f"req_id must be >= 0, got {int(ids.min())}")
+        if len(np.unique(ids)) != len(ids):
+            raise ValueError(f"req_ids must be distinct, got {ids.tolist()}")
+        if need.max() > self.max_blocks_per_req:
+            i = int(np.argmax(need))
+            raise RuntimeError(
+                f"request {ids[i]} needs {need[i]} blocks, more than max_blocks_per_req "
+                f"({self.max_blocks_per_req})"
+            )
+        known = ids < len(self._row_of)
+        rows = np.where(known, self._row_of[np.where(known, ids, 0)], -1)
+        have = np.where(rows >= 0, self._row_num_blocks[rows], 0)
+        extra = np.maximum(need - have, 0)
+        total = int(extra.sum())
+        if total > self._num_free:
+            raise RuntimeError(
+                f"requests {ids.tolist()} need {total} more blocks, only {self._num_free} of "
+                f"{self.num_blocks} are free"
+            )
+        for i in np.flatnonzero(rows < 0).tolist():
+            rows[i] = self._claim_row(int(ids[i]))
+        self._ensure_width(int(need.max()))
+        # Lowest free ids first, handed out in request order: what allocate() in a loop does.
+        new_blocks = np.flatnonzero(self._is_free)[:total]
+        self._is_free[new_blocks] = False
+        self._num_free -= total
+        owner = np.repeat(np.arange(len(ids)), extra)
+        column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
+        self._table[rows[owner], column] = new_blocks
+        self._row_num_blocks[rows] = np.maximum(need, have)
+
     def free(self, req_id: int) -> np.ndarray:
         """Release every block of ``req_id``; returns their ids in table order."""
         row = self._row(req_id)

@@ -86,8 +86,7 @@ class Verifier:
 
     def _reference_step(self, state: StepState, ref_entries: torch.Tensor) -> float:
         batch = state.batch
-        for req_id, seq_len in zip(batch.req_ids.tolist(), batch.seq_lens.tolist()):
-            self.ref_kv.allocate(req_id, seq_len)
+        self.ref_kv.allocate_many(batch.req_ids, batch.seq_lens)
         ref_tables = self.ref_kv.block_tables(batch.req_ids)
         ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
         ref_slots = compute_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv.block_size)

@@ -128,3 +128,35 @@ def test_random_alloc_free_never_overlaps_and_is_deterministic(ops):
         kv2, held2 = _replay(ops)
         assert held2 == held
         np.testing.assert_array_equal(kv2.block_tables(ids), expected)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    _ops,
+    st.lists(st.tuples(st.integers(0, 20), st.integers(0, 40)), max_size=8, unique_by=lambda t: t[0]),
+)
+def test_allocate_many_is_allocate_in_a_loop(ops, batch):
+    """After any history, one ``allocate_many`` leaves the allocator exactly as the same
+    ``allocate`` calls in order would, or (when they would not all fit) changes nothing."""
+    looped, _ = _replay(ops)
+    batched, _ = _replay(ops)
+    ids = [rid for rid, _ in batch]
+    tokens = [n for _, n in batch]
+    before = (batched.num_free_blocks, batched._is_free.copy(), batched._table.copy())
+    try:
+        for rid, n in batch:
+            looped.allocate(rid, n)
+    except RuntimeError:
+        with pytest.raises(RuntimeError):
+            batched.allocate_many(ids, tokens)
+        assert batched.num_free_blocks == before[0]
+        np.testing.assert_array_equal(batched._is_free, before[1])
+        np.testing.assert_array_equal(batched._table, before[2])
+        return
+    batched.allocate_many(ids, tokens)
+    assert batched.num_free_blocks == looped.num_free_blocks
+    for rid in range(21):
+        assert batched.num_blocks_of(rid) == looped.num_blocks_of(rid)
+    holding = [rid for rid in range(21) if looped.num_blocks_of(rid)]
+    if holding:
+        np.testing.assert_array_equal(batched.block_tables(holding), looped.block_tables(holding))
