@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.errors import ConfigError, Problem
+from pcpflow.grid import RankGrid
 from pcpflow.models import ModelConfig
 from pcpflow.workload import WorkloadConfig
 
@@ -116,8 +117,12 @@ class RunConfig(_Strict):
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @property
+    def grid(self) -> RankGrid:
+        return RankGrid(tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pcp
+        return self.grid.world_size
 
     @property
     def shard_decodes(self) -> bool:
@@ -221,12 +226,7 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     p: list[Problem] = []
     if cfg.tp != 1:
         p.append(Problem("tp", cfg.tp, "only tp=1 is implemented (tensor parallelism is future work)"))
-    if cfg.pcp > 1:
-        allowed = sorted({1, cfg.pcp, cfg.tp * cfg.pcp})
-        if cfg.dcp not in allowed:
-            p.append(Problem("dcp", cfg.dcp, f"with pcp={cfg.pcp}, tp={cfg.tp} dcp must be one of {allowed}"))
-    elif cfg.tp % cfg.dcp:
-        p.append(Problem("dcp", cfg.dcp, f"with pcp=1 dcp must divide tp={cfg.tp}"))
+    p.extend(cfg.grid.problems())
     if cfg.kv.block_size % cfg.kv.interleave:
         p.append(
             Problem(

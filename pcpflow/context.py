@@ -76,30 +76,6 @@ def pick_backend(cfg: RunConfig, device: torch.device) -> str:
 
 
 def build_groups(cfg: RunConfig, stats: CommStats) -> tuple[Comm, Comm, Comm]:
-    """World, PCP and DCP groups on an initialized default group.
-
-    Ranks are laid out ``rank = pcp_rank * tp + tp_rank``; the DCP group runs along the
-    PCP axis first, then TP (vLLM semantics). With tp == 1 a dcp > 1 group is the PCP
-    group itself. Every rank creates every group in the same order (new_group is a
-    collective).
-    """
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    world = Comm(dist.group.WORLD, rank, world_size, stats)
-    tp, pcp = cfg.tp, cfg.pcp
-    pcp_rank, tp_rank = divmod(rank, tp)
-    pcp_comm = Comm.solo(stats)
-    for t in range(tp):
-        members = [p * tp + t for p in range(pcp)]
-        group = dist.new_group(members) if pcp > 1 else None
-        if t == tp_rank and group is not None:
-            pcp_comm = Comm(group, pcp_rank, pcp, stats)
-    dcp_comm = Comm.solo(stats)
-    if cfg.dcp > 1:
-        # DCP ranks are consecutive along (pcp, then tp); groups of dcp size.
-        order = [p * tp + t for t in range(tp) for p in range(pcp)]
-        for start in range(0, world_size, cfg.dcp):
-            members = sorted(order[start : start + cfg.dcp])
-            group = dist.new_group(members)
-            if rank in members:
-                dcp_comm = Comm(group, members.index(rank), cfg.dcp, stats)
-    return world, pcp_comm, dcp_comm
+    """World, PCP and DCP groups of this rank (see ``pcpflow.grid.RankGrid``)."""
+    comms = cfg.grid.build(dist.get_rank(), stats, timeout_s=cfg.collective_timeout_s)
+    return comms["world"], comms["pcp"], comms["dcp"]

@@ -1,0 +1,32 @@
+"""The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
+transformers' ``DeepseekV3Config`` spells them (in brackets where they differ).
+
+Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
+the simulator's model cards; ``model.moe: null`` is a dense model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class MoEConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_experts: int = Field(8, ge=1, description="routed experts per MoE layer (n_routed_experts)")
+    top_k: int = Field(2, ge=1, description="routed experts per token (num_experts_per_tok)")
+    intermediate_size: int | None = Field(
+        None, ge=1, description="width of each expert's MLP (moe_intermediate_size); None: the model's intermediate_size"
+    )
+    num_shared_experts: int = Field(1, ge=0, description="always-on experts (n_shared_experts)")
+    n_group: int = Field(1, ge=1, description="expert groups for group-limited routing")
+    topk_group: int = Field(1, ge=1, description="groups each token may route into")
+    norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
+    routed_scaling_factor: float = Field(1.0, gt=0, description="scale of the routed experts' sum")
+    scoring_func: Literal["sigmoid", "softmax"] = Field(
+        "sigmoid", description="sigmoid + e_score_correction_bias (V3), or softmax (V2)"
+    )
+    first_k_dense_replace: int = Field(0, ge=0, description="the first k layers stay dense")
+    moe_layer_freq: int = Field(1, ge=1, description="every n-th layer past the dense ones is MoE")
