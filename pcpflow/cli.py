@@ -19,21 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
+from pcpflow.paths import conf_dir
 
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
                      "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
 _NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version",
                  "--shell-completion", "-sc", "--resolve"}
-
-
-def conf_dir() -> str:
-    """The installed ``pcpflow.conf`` package data, or ``conf/`` of a source checkout."""
-    try:
-        import pcpflow.conf as conf  # type: ignore[import-not-found]
-
-        return str(Path(conf.__file__).resolve().parent)
-    except ImportError:
-        return str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,6 +115,12 @@ class RunConfig(_Strict):
     )
     verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    num_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        description="derived, not a setting: drafts per request and step of the draft stage, "
+        "filled when the pipeline is assembled (set draft.num_speculative_tokens instead)",
+    )
 
     @property
     def grid(self) -> RankGrid:
@@ -127,28 +133,6 @@ class RunConfig(_Strict):
     @property
     def shard_decodes(self) -> bool:
         return self.decode.mode == "sharded"
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        """Drafts per request and step: the draft stage's ``num_speculative_tokens`` (from
-        ``draft`` / ``pipeline.draft``, else its Config's default); 0 without drafting."""
-        if not self.draft_enabled:
-            return 0
-        merged = self.draft_stage_config()
-        if "num_speculative_tokens" in merged:
-            return int(merged["num_speculative_tokens"])
-        # NOTE: a plugin drafter named only by `pipeline.draft.kind=...` brings its own
-        # default; the scheduler must reserve for exactly what the stage will propose.
-        from pcpflow.stage import load_stage_sources, resolve
-
-        try:
-            load_stage_sources(self.plugins)
-            cls = resolve(str(merged.get("kind")), "draft")
-        except (ImportError, LookupError):
-            return 0  # resolve_pipeline reports the bad plugin or kind
-        field = cls.Config.model_fields.get("num_speculative_tokens")
-        default = None if field is None else field.default
-        return default if isinstance(default, int) and not isinstance(default, bool) else 0
 
     @property
     def draft_enabled(self) -> bool:
@@ -259,15 +243,6 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                     f"needs {cfg.world_size} GPUs (tp*pcp), {torch.cuda.device_count()} visible",
                 )
             )
-    k = cfg.num_speculative_tokens
-    if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
-        p.append(
-            Problem(
-                "scheduler.max_num_batched_tokens",
-                cfg.scheduler.max_num_batched_tokens,
-                f"must hold a verify row of 1 + {k} speculative tokens",
-            )
-        )
     return p
 
 

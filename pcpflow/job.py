@@ -19,7 +19,7 @@ from pcpflow.config import RunConfig, parse_run_config
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.launch import RESULT_FILE, RankFailure, launch_ranks, print_err, write_frozen_config
-from pcpflow.pipeline import resolve_pipeline
+from pcpflow.pipeline import num_speculative_tokens, resolve_pipeline
 from pcpflow.scheduler import check_fits
 from pcpflow.workload import build_requests
 
@@ -29,7 +29,11 @@ def prepare_job(raw: dict[str, Any]) -> RunConfig:
     cfg = parse_run_config(raw)
     problems: list[Problem] = []
     try:
-        resolve_pipeline(cfg)
+        k = num_speculative_tokens(resolve_pipeline(cfg))
+        if "num_speculative_tokens" in raw and raw["num_speculative_tokens"] != k:
+            problems.append(Problem("num_speculative_tokens", raw["num_speculative_tokens"],
+                                    f"derived from the draft stage ({k}); set draft.num_speculative_tokens"))
+        cfg = cfg.model_copy(update={"num_speculative_tokens": k})
     except ConfigError as exc:
         problems += exc.problems
     try:

@@ -7,13 +7,16 @@ user stages at a position: ``[{kind: my_pkg.probes:Probe, after: forward}, ...]`
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from pcpflow.config import pydantic_problems
 from pcpflow.errors import MISSING, ConfigError, Problem
+from pcpflow.paths import conf_dir
 from pcpflow.stage import (
     SLOTS,
     Stage,
@@ -32,6 +35,38 @@ if TYPE_CHECKING:
 TARGET_SLOTS = tuple(s for s in SLOTS if s != "draft")
 """The slots that compute the target model's step (the reference runs only these)."""
 
+BUILTIN_STAGES = (
+    "pcpflow.stages.validate",
+    "pcpflow.stages.plan",
+    "pcpflow.stages.buffers",
+    "pcpflow.stages.slots",
+    "pcpflow.stages.forward",
+    "pcpflow.stages.restore",
+    "pcpflow.stages.draft_none",
+    "pcpflow.stages.mtp",
+    "pcpflow.stages.dspark",
+    "pcpflow.stages.self_draft",
+)
+"""The modules of the built-in stages (the folder ``stages/``, installed as ``pcpflow.stages``)."""
+
+
+def load_stages(plugins: list[str] | tuple[str, ...] = ()) -> None:
+    """Fill the registry: the built-in stages, the entry-point group, then ``plugins``.
+    Idempotent (every rank calls it); a plugin that cannot be imported raises ImportError."""
+    for name in BUILTIN_STAGES:
+        importlib.import_module(name)
+    load_stage_sources(plugins)
+
+
+def num_speculative_tokens(specs: list[StageSpec]) -> int:
+    """Drafts per request and step of an assembled pipeline: its draft stage's
+    ``num_speculative_tokens`` (a plugin drafter's own default when not set); 0 without one."""
+    draft = next((s for s in specs if s.name == "draft"), None)
+    if draft is None or draft.cls.kind == "none":
+        return 0
+    k = getattr(draft.config, "num_speculative_tokens", 0)
+    return k if isinstance(k, int) and not isinstance(k, bool) else 0
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -44,7 +79,7 @@ def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
     """Every stage, in run order; raises ConfigError naming each bad field."""
     problems: list[Problem] = []
     try:
-        load_stage_sources(cfg.plugins)
+        load_stages(cfg.plugins)
     except ImportError as exc:
         name = getattr(exc, "name", None) or str(exc)
         problems.append(Problem("plugins", cfg.plugins, f"cannot import {name!r}: {exc}"))
@@ -80,6 +115,15 @@ def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
         spec = StageSpec(f"extra[{i}]:{spec.cls.kind}", spec.cls, spec.config)
         pos = next(j for j, s in enumerate(specs) if s.name == anchor)
         specs.insert(pos + (side == "after"), spec)
+    k = num_speculative_tokens(specs)
+    if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
+        problems.append(
+            Problem(
+                "scheduler.max_num_batched_tokens",
+                cfg.scheduler.max_num_batched_tokens,
+                f"must hold a verify row of 1 + {k} speculative tokens",
+            )
+        )
     if problems:
         raise ConfigError(problems)
     return specs
@@ -99,8 +143,6 @@ def _stage(slot: str | None, raw: Any, where: str, cfg: RunConfig, problems: lis
     try:
         config = build_config(cls, raw)
     except ValidationError as exc:
-        from pcpflow.config import pydantic_problems
-
         problems.extend(pydantic_problems(exc, prefix=where, model=cls.Config))
         return None
     problems.extend(cls.check_run(config, cfg))
@@ -129,8 +171,6 @@ def _shipped_pipeline() -> dict[str, Any]:
     global _SHIPPED
     if _SHIPPED is None:
         from omegaconf import OmegaConf
-
-        from pcpflow.cli import conf_dir
 
         node = OmegaConf.load(f"{conf_dir()}/pipeline/default.yaml")
         _SHIPPED = OmegaConf.to_container(node, resolve=False)  # type: ignore[assignment]

@@ -16,9 +16,10 @@ method, ``__call__(state) -> state``, run once per step on every rank::
             ...
             return state
 
-The registry fills from the built-in ``stages`` package, the ``pcpflow.stages`` entry-point
-group, and the run's ``plugins`` list; a config may also name a class directly as
-``"pkg.module:Class"``. Registration is idempotent: every rank imports the same plugins.
+The registry fills from the built-in stages (``pcpflow.pipeline`` loads them: the protocol
+names no stage), the ``pcpflow.stages`` entry-point group, and the run's ``plugins`` list;
+a config may also name a class directly as ``"pkg.module:Class"``. Registration is
+idempotent: every rank imports the same plugins.
 """
 
 from __future__ import annotations
@@ -112,10 +113,10 @@ def import_plugins(modules: list[str] | tuple[str, ...]) -> None:
 
 
 def load_stage_sources(plugins: list[str] | tuple[str, ...] = ()) -> None:
-    """Fill the registry: built-in stages, the entry-point group, then ``plugins``."""
+    """Fill the registry from outside pcpflow: the entry-point group, then ``plugins``
+    (``pcpflow.pipeline.load_stages`` adds the built-in stages first)."""
     global _SOURCES_LOADED
     if not _SOURCES_LOADED:
-        importlib.import_module("stages")
         load_entry_points()
         _SOURCES_LOADED = True
     import_plugins(plugins)

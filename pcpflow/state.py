@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from pcpflow.batch import GlobalBatch
-    from pcpflow.cp_attention import ContextGather
+    from pcpflow.dcp_context import ContextGather
     from pcpflow.layout import BatchLayout
 
 

@@ -1,4 +1,5 @@
-"""Built-in pipeline stages. Importing this package registers them.
+"""Built-in pipeline stages, installed as ``pcpflow.stages``; ``pcpflow.pipeline.BUILTIN_STAGES``
+lists the modules it imports (their ``@register`` calls fill the registry).
 
 One file per stage, each with its ``Config`` beside it:
 
@@ -7,5 +8,3 @@ One file per stage, each with its ``Config`` beside it:
 - forward: ``model``             - restore: ``all_rows``, ``sampled_rows``
 - draft: ``none``, ``mtp``, ``dspark``, ``self``
 """
-
-from stages import buffers, draft_none, dspark, forward, mtp, plan, restore, self_draft, slots, validate  # noqa: F401,E501

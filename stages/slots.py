@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from pcpflow.cp_attention import ContextGather
+from pcpflow.dcp_context import ContextGather
 from pcpflow.slots import compute_slot_mapping, dcp_local_seq_lens, expand_to_gathered
 from pcpflow.stage import Stage, StageConfig, register
 from pcpflow.state import AttentionMetadata, StepState

@@ -18,7 +18,8 @@ import pytest
 from pcpflow.cli import _config_groups, compose_raw
 from pcpflow.errors import ConfigError
 from pcpflow.job import prepare_job
-from pcpflow.stage import known_kinds, load_entry_points, load_stage_sources, register, resolve
+from pcpflow.pipeline import load_stages
+from pcpflow.stage import known_kinds, load_entry_points, register, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -94,8 +95,8 @@ def test_field_errors_are_one_report_naming_field_value_and_allowed(tmp_path):
 
 def test_cross_field_rules(tmp_path):
     bad = {
-        ("pcp=2", "dcp=3"): "dcp: got 3; with pcp=2, tp=1 dcp must be one of [1, 2]",
-        ("pcp=1", "dcp=2"): "dcp: got 2; with pcp=1 dcp must divide tp=1",
+        ("pcp=2", "dcp=3"): "dcp: got 3; with pcp(2) x tp(1) dcp must be one of [1, 2]",
+        ("pcp=1", "dcp=2"): "dcp: got 2; with pcp=1 dcp must divide tp(1)",
         ("kv.block_size=16", "kv.interleave=5"): "kv.interleave: got 5; must divide kv.block_size=16",
         ("decode.assignment=balanced",): "'balanced' places sharded decodes",
         ("tp=2",): "only tp=1 is implemented",
@@ -136,8 +137,8 @@ def test_missing_or_malformed_trace_names_file_and_line(tmp_path):
 
 # ------------------------------------------------------------------------- stages
 def test_registry_builtins_plugins_module_class_and_idempotence():
-    load_stage_sources(["pcpflow_test_plugins.probes"])
-    load_stage_sources(["pcpflow_test_plugins.probes"])  # every rank imports plugins: no-op
+    load_stages(["pcpflow_test_plugins.probes"])
+    load_stages(["pcpflow_test_plugins.probes"])  # every rank imports plugins: no-op
     assert {"dual_chunk_swap", "persistent", "paged", "model", "all_rows", "sampled_rows", "none"} <= set(known_kinds())
     assert "sampled_rows" in known_kinds("restore") and "dual_chunk_swap" not in known_kinds("restore")
     probe = resolve("test_call_counter")
@@ -291,11 +292,13 @@ def test_non_editable_install_finds_its_configs(tmp_path):
         capture_output=True,
         timeout=300,
     )
+    # The built-in stages ship under the package, not as a top-level `stages` module.
+    assert (target / "pcpflow" / "stages" / "mtp.py").is_file() and not (target / "stages").exists()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
     probe = subprocess.run(
-        [sys.executable, "-c", "import pcpflow, pcpflow.cli as c; print(pcpflow.__file__); print(c.conf_dir())"],
+        [sys.executable, "-c", "import pcpflow, pcpflow.paths as p; print(pcpflow.__file__); print(p.conf_dir())"],
         cwd=elsewhere, env=env, capture_output=True, text=True, check=True,
     )
     module_file, conf = probe.stdout.split()

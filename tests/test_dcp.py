@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pcpflow.cp_attention import context_gather_plan
+from pcpflow.dcp_context import context_gather_plan
 from pcpflow.slots import compute_slot_mapping
 from pcpflow.testing import compose, run
 from test_engine import OUTPUT_LEN, assert_exact, corner_case_workload

@@ -28,8 +28,8 @@ from reference import reference_forward, rms, rope
 from pcpflow.models import build_model
 from pcpflow.models.common import build_seeded
 from pcpflow.testing import compose, run
-from stages.dspark import DSparkDraft, DSparkModel
-from stages.mtp import MTPDraft, MTPHead
+from pcpflow.stages.dspark import DSparkDraft, DSparkModel
+from pcpflow.stages.mtp import MTPDraft, MTPHead
 
 OUTPUT_LEN = 7
 PROBE = "pcpflow_test_plugins.draft_probe:DraftProbe"
