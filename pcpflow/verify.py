@@ -12,8 +12,13 @@ Each step:
 - **KV cache** (every rank): rank 0 broadcasts the reference's cache entries for this
   step's tokens; each rank writes them into an *expected* cache at the slots of the
   positions it owns (all positions without DCP, its shard with DCP) and compares its whole
-  cache with it: same values where expected, untouched (NaN) everywhere else. Blocks of
-  finished requests are reset to NaN in both, so that reuse stays checkable.
+  cache with it: same values where expected, untouched (NaN) everywhere else. The slots
+  come from the rule the ``slots`` stage uses (``pcpflow.attn_metadata.rank_slot_mapping``).
+
+The verifier never writes the caches of the run it checks: when a finished request's
+blocks are freed, the expected cache takes over what the run's cache holds there (checked
+already), so that a reused block is checked against its new writes and a stray write
+into a free block still differs.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pcpflow.config import RunConfig
 from pcpflow.context import RankContext, allocate_kv_caches
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.pipeline import TARGET_SLOTS, Pipeline, StageSpec
-from pcpflow.slots import compute_slot_mapping
+from pcpflow.attn_metadata import rank_slot_mapping
 from pcpflow.state import StepState
 
 _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
@@ -89,7 +94,7 @@ class Verifier:
         self.ref_kv.allocate_many(batch.req_ids, batch.seq_lens)
         ref_tables = self.ref_kv.block_tables(batch.req_ids)
         ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
-        ref_slots = compute_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv.block_size)
+        ref_slots = rank_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv)
         idx = torch.from_numpy(ref_slots).to(self.ctx.device)
         for layer, cache in enumerate(self.ref_ctx.kv_caches):
             ref_entries[layer] = cache.index_select(0, idx)
@@ -117,14 +122,8 @@ class Verifier:
 
     def _check_kv(self, state: StepState, ref_entries: torch.Tensor) -> None:
         batch, ctx, kv = state.batch, self.ctx, self.cfg.kv
-        slots = compute_slot_mapping(
-            batch.positions,
-            batch.req_indices,
-            batch.block_tables,
-            kv.block_size,
-            dcp_size=ctx.dcp_size,
-            dcp_rank=ctx.dcp_rank,
-            interleave=kv.interleave,
+        slots = rank_slot_mapping(
+            batch.positions, batch.req_indices, batch.block_tables, kv, dcp_size=ctx.dcp_size, dcp_rank=ctx.dcp_rank
         )
         owned = torch.from_numpy(np.flatnonzero(slots >= 0)).to(ctx.device)
         owned_slots = torch.from_numpy(slots[slots >= 0]).to(ctx.device)
@@ -150,8 +149,7 @@ class Verifier:
             slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
             idx = torch.from_numpy(slots).to(self.ctx.device)
             for cache, expected in zip(self.ctx.kv_caches, self.expected):
-                cache.index_fill_(0, idx, float("nan"))
-                expected.index_fill_(0, idx, float("nan"))
+                expected.index_copy_(0, idx, cache.index_select(0, idx))
         if self.is_root:
             for req_id in np.asarray(finished_req_ids).tolist():
                 freed = self.ref_kv.free(req_id)

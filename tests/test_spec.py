@@ -3,7 +3,6 @@ scheduler's own state over random spec-decode runs."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -90,41 +89,6 @@ def test_scatter_proposals_fills_the_other_rows_with_minus_one():
         spec.scatter_proposals(3, np.zeros(0, np.int64), np.zeros((0, 2))).tolist()
         == [[-1, -1]] * 3
     )
-
-
-def _ctx(pcp_size=1, pcp_rank=0, dcp_size=1, dcp_rank=0, block_size=4, interleave=1):
-    kv = SimpleNamespace(block_size=block_size, interleave=interleave, num_blocks=8)
-    return SimpleNamespace(
-        config=SimpleNamespace(kv=kv),
-        pcp_size=pcp_size,
-        pcp_rank=pcp_rank,
-        dcp_size=dcp_size,
-        dcp=SimpleNamespace(size=dcp_size, rank=dcp_rank),
-        device="cpu",
-        block_size=block_size,
-    )
-
-
-def test_replicated_rows_metadata_under_dcp():
-    # Two rows of request rows 0 and 1 at positions 5 and 2, block size 4, DCP 2 (rank 1),
-    # on PCP rank 1 of 2. Virtual blocks hold 8 positions; rank 1 owns odd positions.
-    ctx = _ctx(pcp_size=2, pcp_rank=1, dcp_size=2, dcp_rank=1)
-    tables = np.array([[3, 0], [6, 0]])
-    meta = spec.attention_metadata(
-        ctx,
-        spec.replicated_layout(2, ctx),
-        np.array([5, 2]),
-        np.array([0, 1]),
-        tables,
-        np.array([6, 3]),
-    )
-    # Every rank holds both rows; rank 0's copy is the canonical writer (rank 1's are -1).
-    # Position 5 is rank 1's local position 2 of block 3: slot 14; position 2 is rank 0's.
-    assert meta.gathered_slot_mapping.tolist() == [14, -1, -1, -1]
-    assert meta.local_row_req_indices.tolist() == [0, 1]
-    # Reads: positions [0, 6) hold 3 odd ones; [0, 3) holds 1.
-    assert meta.local_row_context_lens.tolist() == [3, 1]
-    assert meta.gathered_row_context_lens.tolist() == [3, 1, 3, 1]
 
 
 def _seq_model(req_id: int, token: int, position: int, vocab: int) -> int:

@@ -66,3 +66,31 @@ class QueriesOnlyForward(Stage):
         with torch.no_grad():
             state.hidden, state.aux_hidden = ctx.model(state.local.input_ids, state.local.positions, backend)
         return state
+
+
+@register
+class CacheWatch(Stage):
+    """Between two steps only the engine and the verifier run: ``mark=end`` keeps a copy
+    of this rank's KV caches after the step's last stage, ``mark=start`` (the next step's
+    first stage) counts the entries that changed since (NaN to NaN is unchanged), in
+    ``ctx.extras['cache_changes_between_steps']``."""
+
+    kind = "test_cache_watch"
+
+    class Config(StageConfig):
+        kind: Literal["test_cache_watch"] = "test_cache_watch"
+        mark: Literal["start", "end"]
+
+    def __call__(self, state: StepState) -> StepState:
+        import torch
+
+        extras = self.ctx.extras
+        if self.config.mark == "end":
+            extras["cache_copy"] = [c.clone() for c in self.ctx.kv_caches]
+        elif "cache_copy" in extras:
+            changed = 0
+            for before, now in zip(extras["cache_copy"], self.ctx.kv_caches):
+                same = (before == now) | (torch.isnan(before) & torch.isnan(now))
+                changed += int((~same).sum())
+            extras["cache_changes_between_steps"] = extras.get("cache_changes_between_steps", 0) + changed
+        return state

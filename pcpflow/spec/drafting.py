@@ -1,30 +1,6 @@
-"""Speculative decoding: what a draft stage needs to propose tokens under PCP and DCP.
-
-A drafter is a stage in the ``draft`` slot. It runs on every rank after ``restore`` and
-sets ``state.draft_token_ids`` ``[R, k]`` (``-1`` = none): per batch row, the tokens it
-proposes to follow the request's newest token. The scheduler verifies them next step
-(``pcpflow.scheduler``). The scheduler is global, so **every rank must propose the same
-tokens**: every input to a proposal must be identical on all ranks — a restored
-(all-gathered) tensor, or a replicated computation on such inputs.
-
-One drafting step has three parts (``stages/mtp.py`` reads top to bottom as an example):
-
-1. **Draft prefill**, on the PCP-local batch, like the target's forward: the draft model
-   runs on ``state.local``'s rows (per-token inputs taken from the global batch through
-   the layout with ``to_local``, e.g. ``next_token_ids``) with ``prefill_attention``:
-   ``CPAttention`` over the target's layout and slot mapping, on the draft's own caches
-   (``allocate_caches``), so its KV is gathered over PCP and sharded over DCP exactly like
-   the target's. ``restore_hidden`` brings its hidden states back to the global batch.
-2. **Where drafting starts**, ``draft_start``: per request that sampled this step, how
-   many drafts were accepted, the token whose sample is the newest token, and the newest
-   token with its position (greedy verification, ``scheduler.accept_drafts``).
-3. **Later draft steps, replicated**: every rank runs every request's next draft rows
-   (``replicated_attention``: a layout of decode rows only, KV written by every rank into
-   its full cache, or into its DCP shard with partials merged over DCP).
-
-``scatter_proposals`` turns the proposals into ``state.draft_token_ids``. Draft
-collectives are accounted as ``draft_<purpose>`` (``draft_kv_gather``, ``draft_restore``).
-"""
+"""What a drafter works with: where drafting starts after this step's verification, the
+tokens that follow each global token, proposals in the step state, local rows and restored
+hidden states, the draft's caches and its decoder layers."""
 
 from __future__ import annotations
 
@@ -36,15 +12,10 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pcpflow.comm import Comm
-from pcpflow.cp_attention import CPAttention
-from pcpflow.layout import BatchLayout, plan_layout
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.scheduler import accept_drafts
-from pcpflow.slots import compute_slot_mapping, dcp_local_seq_lens, expand_to_gathered
 from pcpflow.stage import StageConfig
-from pcpflow.state import AttentionMetadata
 
 if TYPE_CHECKING:
     from pcpflow.batch import GlobalBatch
@@ -127,7 +98,7 @@ def request_prompts(ctx: RankContext) -> dict[int, np.ndarray]:
     return {r.req_id: r.prompt_token_ids for r in ctx.requests}
 
 
-# -- the draft prefill on the PCP-local batch ---------------------------------------------
+# -- local rows and restored hidden states (the draft prefill runs on the PCP-local batch) --
 
 
 def to_local(state: StepState, values: np.ndarray) -> torch.Tensor:
@@ -137,25 +108,6 @@ def to_local(state: StepState, values: np.ndarray) -> torch.Tensor:
     assert local is not None, "to_local runs after buffers"
     picked = torch.from_numpy(np.ascontiguousarray(np.asarray(values)[local.gather_idx]))
     return picked.to(local.input_ids.device).masked_fill(local.is_padding, 0)
-
-
-def prefill_attention(
-    ctx: RankContext, state: StepState, caches: list[torch.Tensor], spec: AttentionSpec
-) -> CPAttention:
-    """The attention backend of a draft prefill over this step's tokens: the target's
-    layout and slot mapping (``state.attn``), the draft's own ``caches``; under DCP its
-    rest rows take the path the target's took."""
-    assert state.layout is not None and state.attn is not None, "the draft slot runs after slots"
-    return CPAttention(
-        layout=state.layout,
-        meta=state.attn,
-        caches=caches,
-        spec=spec,
-        block_size=ctx.block_size,
-        pcp=draft_comm(ctx.pcp),
-        dcp=draft_comm(ctx.dcp),
-        dcp_rest=state.attn.dcp_rest or "auto",
-    )
 
 
 def restore_hidden(
@@ -169,132 +121,6 @@ def restore_hidden(
     gathered = ctx.pcp.all_gather(hidden, "draft_restore")
     idx = layout.hidden_restore_idx if tokens is None else layout.hidden_restore_idx[tokens]
     return gathered.index_select(0, torch.from_numpy(np.ascontiguousarray(idx)).to(gathered.device))
-
-
-# -- later draft steps, replicated --------------------------------------------------------
-
-
-def replicated_layout(num_rows: int, ctx: RankContext) -> BatchLayout:
-    """``num_rows`` decode rows on every PCP rank (rank 0 the canonical writer)."""
-    return plan_layout(
-        np.ones(num_rows, dtype=np.int64),
-        np.zeros(num_rows, dtype=bool),
-        pcp_size=ctx.pcp_size,
-        dcp_size=ctx.dcp_size,
-        shard_decodes=False,
-    )
-
-
-def replicated_attention(
-    ctx: RankContext,
-    block_tables: np.ndarray,
-    req_indices: np.ndarray,
-    positions: np.ndarray,
-    caches: list[torch.Tensor],
-    spec: AttentionSpec,
-    context_lens: np.ndarray | None = None,
-) -> CPAttention:
-    """The attention backend of rows that every rank computes alike: row ``i`` is at
-    ``positions[i]`` of block-table row ``req_indices[i]`` and reads ``context_lens[i]``
-    entries (default ``position + 1``: causal; more reads later rows of its block, which
-    must be written in the same call). Every rank writes the rows' KV into its cache (its
-    DCP shard with dcp > 1, partials merged across DCP), so every rank gets the same output.
-    """
-    positions = np.asarray(positions, dtype=np.int64)
-    req_indices = np.asarray(req_indices, dtype=np.int64)
-    layout = replicated_layout(len(positions), ctx)
-    ctx_lens = positions + 1 if context_lens is None else np.asarray(context_lens, dtype=np.int64)
-    meta = attention_metadata(ctx, layout, positions, req_indices, block_tables, ctx_lens)
-    return CPAttention(
-        layout=layout,
-        meta=meta,
-        caches=caches,
-        spec=spec,
-        block_size=ctx.block_size,
-        pcp=draft_comm(ctx.pcp),
-        dcp=draft_comm(ctx.dcp),
-    )
-
-
-def attention_metadata(
-    ctx: RankContext,
-    layout: BatchLayout,
-    positions: np.ndarray,
-    req_indices: np.ndarray,
-    block_tables: np.ndarray,
-    context_lens: np.ndarray,
-) -> AttentionMetadata:
-    """Slot mapping and row metadata of tokens ``[T]`` planned by ``layout`` (what the
-    ``slots`` stage computes for the target), for any rows a drafter makes up."""
-    kv, dcp = ctx.config.kv, ctx.dcp
-    slots = compute_slot_mapping(
-        positions,
-        req_indices,
-        block_tables,
-        kv.block_size,
-        dcp_size=dcp.size,
-        dcp_rank=dcp.rank,
-        interleave=kv.interleave,
-    )
-    pad, gidx = layout.is_padding, layout.padded_gather_idx
-    row_req = np.where(pad, 0, np.asarray(req_indices)[gidx])
-    row_ctx = np.where(pad, 0, np.asarray(context_lens)[gidx])
-    if dcp.size > 1:
-        row_ctx = dcp_local_seq_lens(row_ctx, dcp.size, dcp.rank, kv.interleave)
-    rows = layout.rank_rows(ctx.pcp_rank)
-
-    def to(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(ctx.device)
-
-    return AttentionMetadata(
-        gathered_slot_mapping=to(expand_to_gathered(slots, layout)),
-        block_tables=to(block_tables),
-        local_row_req_indices=to(row_req[rows]),
-        local_row_context_lens=to(row_ctx[rows]),
-        gathered_row_req_indices=to(row_req) if dcp.size > 1 else None,
-        gathered_row_context_lens=to(row_ctx) if dcp.size > 1 else None,
-    )
-
-
-class KVWriter:
-    """An ``AttentionBackend`` that only writes: a layer called with it stores its KV for
-    these rows and gets zeros back (context entries made from target features)."""
-
-    def __init__(self, backend: CPAttention) -> None:
-        self.backend = backend
-
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        self.backend.write(layer, kv)
-        spec = self.backend.spec
-        return q.new_zeros((q.shape[0], spec.num_heads, spec.v_dim))
-
-
-# -- small pieces -------------------------------------------------------------------------
-
-
-class DraftComm(Comm):
-    """``comm``'s group, its traffic accounted as ``draft_<purpose>`` so that draft
-    collectives never mix with the target's."""
-
-    def __init__(self, comm: Comm) -> None:
-        super().__init__(comm.group, comm.rank, comm.size, comm.stats)
-
-    def all_gather(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
-        return super().all_gather(t, f"draft_{purpose}")
-
-    def all_to_all(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
-        return super().all_to_all(t, f"draft_{purpose}")
-
-    def broadcast(self, t: torch.Tensor, src: int, purpose: str) -> torch.Tensor:
-        return super().broadcast(t, src, f"draft_{purpose}")
-
-    def all_reduce(self, t: torch.Tensor, purpose: str, op: str = "sum") -> torch.Tensor:
-        return super().all_reduce(t, f"draft_{purpose}", op)
-
-
-def draft_comm(comm: Comm) -> DraftComm:
-    """``comm`` with its traffic accounted under ``draft_<purpose>``."""
-    return DraftComm(comm)
 
 
 def allocate_caches(ctx: RankContext, spec: AttentionSpec, num_layers: int) -> list[torch.Tensor]:
