@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from pcpflow.progress import mark_stage
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.stage import (
     SLOTS,
@@ -145,6 +146,7 @@ class Pipeline:
 
     def __call__(self, state: StepState) -> StepState:
         for name, stage in self.stages:
+            mark_stage(name)
             t0 = time.perf_counter()
             state = stage(state)
             state.timings[name] = time.perf_counter() - t0
