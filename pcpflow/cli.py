@@ -188,97 +188,87 @@ _EXIT_CODES: list[int] = []
 def run_hydra(argv: list[str]) -> int:
     import hydra
 
+    from pcpflow.signals import Interrupted
+
     _EXIT_CODES.clear()
+    _SWEEP_DIR.clear()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "pcpflow", *argv]
     try:
         hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task)()
+    except Interrupted as exc:
+        # NOTE: the sweep stops here (Hydra's launcher would run the remaining jobs on);
+        # the report lists the jobs that ran, the interrupted one as failed.
+        if _SWEEP_DIR:
+            from pcpflow.sweep import write_sweep_report
+
+            rows = write_sweep_report(Path(_SWEEP_DIR[0]))
+            print(f"pcpflow: sweep interrupted after {len(rows)} job(s)", file=sys.stderr)
+        return exc.exit_code
     finally:
         sys.argv = saved
     return max(_EXIT_CODES, default=EXIT_OK)
 
 
+_SWEEP_DIR: list[str] = []
+
+
 def _task(cfg: Any) -> int:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from pcpflow.job import run_job
+    from pcpflow.signals import Interrupted
 
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN and not _SWEEP_DIR:
+        _SWEEP_DIR.append(str(hc.sweep.dir))
+    run_dir = Path(hc.runtime.output_dir)
     code = run_job(raw, run_dir)
     _EXIT_CODES.append(code)
+    if code - 128 in (2, 15):  # SIGINT, SIGTERM
+        raise Interrupted(code - 128)
     return code
 
 
 # ---------------------------------------------------------------------------- torchrun
 def torchrun_main(argv: list[str]) -> int:
-    """This process is one rank of an externally launched job."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from pcpflow.engine import run_rank
-    from pcpflow.job import prepare_job, write_result
-    from pcpflow.launch import write_frozen_config
-    from pcpflow.stage import load_stage_sources
+    """This process is one rank of an externally launched job (``pcpflow.bootstrap``):
+    rank 0 composes and checks the config, every rank runs the engine."""
+    from pcpflow.bootstrap import torchrun_rank
 
     overrides, multirun, _ = split_args(argv)
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    payload: list[Any] = [None]
-    if rank == 0:
-        try:
-            if multirun:
-                raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
-            raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
-            cfg = prepare_job(raw)
-            if cfg.world_size != world:
-                raise ConfigError(
-                    [Problem("pcp", cfg.pcp, f"tp*pcp = {cfg.world_size} must equal the {world} ranks torchrun started")]
-                )
-            run_dir = _torchrun_run_dir(overrides)
-            write_frozen_config(cfg, run_dir)
-            payload = [{"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}]
-        except ConfigError as exc:
-            payload = [{"error": exc.report()}]
-    dist.broadcast_object_list(payload, src=0)
-    job = payload[0]
-    if "error" in job:
-        if rank == 0:
-            print(job["error"], file=sys.stderr)
-        dist.destroy_process_group()
-        return EXIT_INVALID_CONFIG
-    from pcpflow.config import parse_run_config
+    world = int(os.environ["WORLD_SIZE"])
+    return torchrun_rank(lambda: _torchrun_job(overrides, multirun, world))
 
-    cfg = parse_run_config(job["config"])
-    load_stage_sources(cfg.plugins)
-    run_dir = Path(job["run_dir"])
+
+def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
+    from pcpflow.checks import check_run_dir
+    from pcpflow.job import prepare_job
+    from pcpflow.rundir import failed_result, write_frozen_config, write_result
+
+    run_dir = None
     try:
-        sections = run_rank(cfg, run_dir)
-    except Exception as exc:
-        if rank == 0:
-            write_result(run_dir, {"status": "failed", "error": f"rank 0 failed: {type(exc).__name__}: {exc}",
-                                   "config": job["config"], "exit_code": 1})
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if rank != 0:
-        return EXIT_OK
-    from pcpflow.report import print_summary
-
-    verify = sections.get("verify") if sections else None
-    ok = verify is None or verify["passed"]
-    result = {"status": "ok" if ok else "failed", "exit_code": 0 if ok else 1, "config": job["config"],
-              **(sections or {}), "run_dir": str(run_dir), "launcher": "external (torchrun)"}
-    write_result(run_dir, result)
-    print_summary(result)
-    return result["exit_code"]
+        if multirun:
+            raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
+        run_dir = _torchrun_run_dir(overrides)
+        check_run_dir(run_dir)
+        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
+        cfg = prepare_job(raw)
+        if cfg.world_size != world:
+            raise ConfigError(
+                [Problem("pcp", cfg.pcp, f"tp*pcp = {cfg.world_size} must equal the {world} ranks torchrun started")]
+            )
+    except ConfigError as exc:
+        if run_dir is not None and run_dir.is_dir():
+            write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+        return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
+    write_frozen_config(cfg, run_dir)
+    return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}
 
 
 def _torchrun_run_dir(overrides: list[str]) -> Path:

@@ -99,6 +99,12 @@ class RunConfig(_Strict):
     collective_timeout_s: float = Field(
         60.0, gt=0, description="a collective waiting longer fails the job"
     )
+    startup_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="start-up (model load, reference build) may take this long on any rank "
+        "before the job fails naming the rank that did not finish it",
+    )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -22,6 +22,7 @@ from pcpflow.kv_cache import KVCacheManager
 from pcpflow.metrics import MetricsRecorder
 from pcpflow.models import build_model
 from pcpflow.pipeline import Pipeline, resolve_pipeline
+from pcpflow.progress import mark_stage, mark_step, startup_done
 from pcpflow.scheduler import Scheduler
 from pcpflow.state import StepState
 from pcpflow.verify import Verifier
@@ -93,6 +94,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         num_to_generate=sum(r.max_output_tokens for r in requests),
     )
     loop = _Loop(cfg, ctx, scheduler, pipeline, verifier, recorder)
+    startup_done(cfg)  # start-up has its own timeout (startup_timeout_s); steps the collective one
     t0 = time.perf_counter()
     try:
         loop.run()
@@ -131,6 +133,7 @@ class _Loop:
             if cfg.max_steps is not None and executed >= cfg.max_steps:
                 break
             step = sched.step
+            mark_step(step)
             self.step_start[step] = self.clock
             t0 = time.perf_counter()
             batch = sched.schedule()
@@ -147,6 +150,7 @@ class _Loop:
             calls, nbytes = self.ctx.stats.end_step()
             logit_diff = None
             if self.verifier is not None:
+                mark_stage("verify")
                 logit_diff = self.verifier.step(state, outcome.finished_req_ids, outcome.freed_blocks)
             self.generated += outcome.num_new_tokens
             if cfg.output.save_logits:

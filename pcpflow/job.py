@@ -8,63 +8,81 @@ exit code 2.
 
 from __future__ import annotations
 
-import json
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from pcpflow import __version__
 from pcpflow.config import RunConfig, parse_run_config
-from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
-from pcpflow.kv_cache import KVCacheManager
-from pcpflow.launch import RESULT_FILE, RankFailure, launch_ranks, print_err, write_frozen_config
-from pcpflow.pipeline import num_speculative_tokens, resolve_pipeline
-from pcpflow.scheduler import check_fits
-from pcpflow.workload import build_requests
+from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
+from pcpflow.launch import RankFailure, launch_ranks, print_err
+from pcpflow.rundir import (
+    failed_result,
+    live_lock_owner,
+    release_lock,
+    result_of,
+    take_lock,
+    write_frozen_config,
+    write_result,
+)
+from pcpflow.signals import Interrupted, interruptible
 
 
-def prepare_job(raw: dict[str, Any]) -> RunConfig:
-    """The validated config of one job; raises ConfigError with every problem found."""
+def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
+    """The validated config of one job; raises ConfigError with every problem found
+    (``pcpflow.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
+    ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
+    from pcpflow.checks import check_job
+
     cfg = parse_run_config(raw)
-    problems: list[Problem] = []
-    try:
-        k = num_speculative_tokens(resolve_pipeline(cfg))
-        if "num_speculative_tokens" in raw and raw["num_speculative_tokens"] != k:
-            problems.append(Problem("num_speculative_tokens", raw["num_speculative_tokens"],
-                                    f"derived from the draft stage ({k}); set draft.num_speculative_tokens"))
-        cfg = cfg.model_copy(update={"num_speculative_tokens": k})
-    except ConfigError as exc:
-        problems += exc.problems
-    try:
-        requests = build_requests(cfg.workload, vocab_size=model_vocab_size(cfg), seed=cfg.seed)
-        kv = KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp)
-        problems += check_fits(requests, kv, cfg.num_speculative_tokens)
-    except ConfigError as exc:
-        problems += exc.problems
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def model_vocab_size(cfg: RunConfig) -> int:
-    from pcpflow.models import vocab_size_of
-
-    return vocab_size_of(cfg.model)
+    return check_job(cfg, raw, kind=kind)
 
 
 def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True) -> int:
-    """Validate, launch, record. Returns the exit code (0 ok, 1 failed, 2 invalid)."""
+    """Validate, launch, record. Returns the exit code (0 ok, 1 failed, 2 invalid,
+    130 / 143 interrupted)."""
+    from pcpflow.checks import check_run_dir
+
+    try:
+        check_run_dir(run_dir)
+    except ConfigError as exc:  # no run dir to write result.json into
+        print_err(exc.report())
+        return EXIT_INVALID_CONFIG
+    owner = live_lock_owner(run_dir)
+    if owner is not None:  # that run owns result.json and metrics.jsonl: leave them alone
+        print_err(ConfigError([Problem("hydra.run.dir", str(run_dir), f"a run dir no live run uses; pid {owner} is running in it")]).report())
+        return EXIT_INVALID_CONFIG
+    take_lock(run_dir)
+    try:
+        with interruptible():
+            return _run_job(raw, run_dir, console=console)
+    except Interrupted as exc:
+        return _interrupted(exc, raw, run_dir)
+    finally:
+        release_lock(run_dir)
+
+
+def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path) -> int:
+    print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
+    write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
+    return exc.exit_code
+
+
+def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool) -> int:
     from pcpflow.report import Progress, print_summary, write_plots
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     try:
         cfg = prepare_job(raw)
     except ConfigError as exc:
         print_err(exc.report())
-        write_result(run_dir, {"status": "failed", "error": exc.report(), "config": raw, "exit_code": 2})
+        # NOTE: overwrites an older run's result.json, so that its "ok" never looks current
+        write_result(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
         return EXIT_INVALID_CONFIG
+    from pcpflow.checks import capacity_warnings
+
+    for warning in capacity_warnings(cfg):
+        print_err(f"pcpflow: warning: {warning}")
     write_frozen_config(cfg, run_dir)
     config = cfg.model_dump(mode="json")
     try:
@@ -74,47 +92,14 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True) -> int:
         print_err(f"pcpflow: {exc}")
         if exc.details:
             print_err(exc.details.rstrip())
-        write_result(run_dir, {"status": "failed", "error": str(exc), "config": config, "exit_code": 1})
+        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank))
         return EXIT_FAILED
-    except Exception as exc:  # the in-process single rank
-        print_err(f"pcpflow: rank 0 failed: {type(exc).__name__}: {exc}")
-        print_err(traceback.format_exc().rstrip())
-        write_result(
-            run_dir,
-            {"status": "failed", "error": f"rank 0 failed: {type(exc).__name__}: {exc}", "config": config, "exit_code": 1},
-        )
-        return EXIT_FAILED
-    verify = sections.get("verify")
-    ok = verify is None or verify["passed"]
-    result = {
-        "status": "ok" if ok else "failed",
-        "error": None if ok else "verification against the single-rank reference failed",
-        "exit_code": EXIT_OK if ok else EXIT_FAILED,
-        "config": config,
-        **sections,
-        "run_dir": str(run_dir),
-        "started_at": started,
-        "pcpflow_version": __version__,
-    }
+    except Interrupted as exc:
+        return _interrupted(exc, config, run_dir)
+    result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
     if cfg.output.plots:
         write_plots(run_dir)
     if console:
         print_summary(result)
     return result["exit_code"]
-
-
-def write_result(run_dir: Path, result: dict[str, Any]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    result.setdefault("error", None)
-    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
-
-
-def _jsonable(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")

@@ -1,80 +1,46 @@
-"""Starting the ranks of one job, and the code each rank runs.
+"""Starting the ranks of one job (the driver side; what a rank runs is ``pcpflow.bootstrap``).
 
-The driver writes the frozen, resolved config to ``<run dir>/config.json`` and starts
+The driver has written the frozen, resolved config to ``<run dir>/config.json``; this starts
 ``tp * pcp`` rank processes with torch's elastic launch API (c10d rendezvous on
 ``localhost:0`` so that concurrent or successive jobs never share a port, ``spawn``,
-``OMP_NUM_THREADS=threads_per_rank``, per-rank logs under ``<run dir>/logs``). Ranks never run Hydra:
-``rank_main`` loads the frozen config, initializes the process groups and runs the
-engine. A rank that raises ends the job: the elastic agent stops the others, and the
-driver reports the first failing rank's error.
+``OMP_NUM_THREADS=threads_per_rank``, per-rank logs under ``<run dir>/logs``). A rank that
+raises ends the job: the elastic agent stops the others, and the driver reports the root
+cause that the ranks agreed on (``pcpflow.progress``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pcpflow.config import RunConfig, parse_run_config
-from pcpflow.context import pick_backend, pick_device
-
-CONFIG_FILE = "config.json"
-RESULT_FILE = "result.json"
-
-
-def write_frozen_config(cfg: RunConfig, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
-
-
-def load_frozen_config(run_dir: Path) -> RunConfig:
-    return parse_run_config(json.loads((run_dir / CONFIG_FILE).read_text()))
-
-
-def init_distributed(cfg: RunConfig) -> None:
-    device = pick_device(cfg)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend=pick_backend(cfg, device),
-        timeout=timedelta(seconds=cfg.collective_timeout_s),
-    )
-
-
-@record
-def rank_main(run_dir: str) -> dict[str, Any] | None:
-    """Entry point of a spawned rank (module level: spawn pickles it by name)."""
-    from pcpflow.engine import run_rank
-    from pcpflow.stage import load_stage_sources
-
-    path = Path(run_dir)
-    cfg = load_frozen_config(path)
-    load_stage_sources(cfg.plugins)
-    init_distributed(cfg)
-    try:
-        return run_rank(cfg, path)
-    finally:
-        dist.destroy_process_group()
+from pcpflow.bootstrap import RankSession, elastic_rank
+from pcpflow.config import RunConfig
+from pcpflow.progress import CONSEQUENCE as _CONSEQUENCE
+from pcpflow.signals import Interrupted
 
 
 def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """Run the job's ranks; returns rank 0's result sections. Raises RankFailure."""
     if cfg.world_size == 1:
-        # One rank needs no process group: run it in this process (same engine code).
-        from pcpflow.engine import run_rank
+        # One rank needs no process group: run it in this process (same bootstrap code).
+        from pcpflow.bootstrap import RankError
 
-        result = run_rank(cfg, run_dir)
+        try:
+            result = RankSession.solo().run(cfg, run_dir)
+        except RankError as exc:
+            if isinstance(exc.__cause__, Interrupted):
+                raise exc.__cause__ from None
+            raise RankFailure(0, str(exc.blame).split("] ", 1)[1], _traceback_of(exc.__cause__)) from None
         assert result is not None
         return result
     log_dir = run_dir / "logs"
@@ -97,9 +63,12 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     # few cores slow each other down by orders of magnitude.
     os.environ["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
     try:
-        results = elastic_launch(config, rank_main)(str(run_dir))
+        with _spawnable_main():
+            results = elastic_launch(config, elastic_rank)(str(run_dir))
     except ChildFailedError as exc:
-        raise RankFailure.root_cause(exc, log_dir.glob(f"{config.run_id}*/attempt_*/*/error.json")) from None
+        raise RankFailure.root_cause(exc, log_dir.glob(f"{config.run_id}*/attempt_*/*/error.json"), log_dir) from None
+    except SignalException as exc:
+        raise Interrupted(int(exc.sigval)) from None
     finally:
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -116,7 +85,7 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank {rank} failed: {message}")
 
     @classmethod
-    def root_cause(cls, exc: ChildFailedError, error_files) -> RankFailure:
+    def root_cause(cls, exc: ChildFailedError, error_files, log_dir: Path | None = None) -> RankFailure:
         """The earliest rank that raised an error of its own. Ranks that died *because* of
         it (a collective's peer vanished, the agent's SIGTERM) are consequences, and the
         agent reports only the first failed process it happens to notice, so every rank's
@@ -134,18 +103,22 @@ class RankFailure(RuntimeError):
         with_files = {rank for _, rank, _, _ in found}
         for rank, failure in exc.failures.items():
             if rank not in with_files:  # died without Python unwinding (signal, crash)
-                message = f"exited with code {failure.exitcode} (no Python error; see the rank's log)"
+                how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+                log = next(iter(sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))), None) if log_dir else None
+                message = f"died with {how} before it could report an error (see {log or 'its log'})"
                 found.append((failure.timestamp * 10**9, rank, message, ""))
         found.sort()
         causes = [f for f in found if not _CONSEQUENCE.search(f[2])] or found
         _, rank, message, details = causes[0]
+        blamed = _BLAMED.match(message)
+        if blamed:  # the ranks' own diagnosis (pcpflow.progress): it may name another rank
+            if int(blamed.group(1)) != rank:
+                details = ""  # the reporting rank's traceback shows only where it waited
+            rank, message = int(blamed.group(1)), blamed.group(2)
         return cls(rank, message, details)
 
 
-_CONSEQUENCE = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|[Gg]loo.*(timed out|closed|reset)|"
-    r"NCCL (error|communicator was aborted)|Socket Timeout|terminated with signal|Signal \d+"
-)
+_BLAMED = re.compile(r"(?:[\w.]+: )?\[rank (\d+)\] (.*)", re.S)
 
 
 def _error_message(data: Any) -> tuple[str, str]:
@@ -154,6 +127,17 @@ def _error_message(data: Any) -> tuple[str, str]:
     if isinstance(msg, dict):
         return str(msg.get("message", "")), str(msg.get("extraInfo", {}).get("py_callstack", ""))
     return (str(msg) if msg and msg != "<NONE>" else ""), ""
+
+
+@contextlib.contextmanager
+def _spawnable_main():
+    yield
+
+
+def _traceback_of(exc: BaseException | None) -> str:
+    import traceback
+
+    return "" if exc is None else "".join(traceback.format_exception(exc))
 
 
 def print_err(text: str) -> None:

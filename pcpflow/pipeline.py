@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from pcpflow.config import pydantic_problems
+from pcpflow.progress import mark_stage
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.stage import (
@@ -185,6 +186,7 @@ class Pipeline:
 
     def __call__(self, state: StepState) -> StepState:
         for name, stage in self.stages:
+            mark_stage(name)
             t0 = time.perf_counter()
             state = stage(state)
             state.timings[name] = time.perf_counter() - t0

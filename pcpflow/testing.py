@@ -22,7 +22,6 @@ import pickle
 import socket
 import tempfile
 from collections import defaultdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,16 +51,10 @@ def run(configs: list[RunConfig], *, timeout_s: float = 600) -> list[dict[str, A
 
 
 def _run_in_process(configs: list[RunConfig]) -> list[dict[str, Any]]:
-    from pcpflow.engine import run_rank
-    from pcpflow.stage import load_stage_sources
+    from pcpflow.bootstrap import RankSession
 
-    outs = []
-    for cfg in configs:
-        load_stage_sources(cfg.plugins)
-        out = run_rank(cfg, None)
-        assert out is not None
-        outs.append(out)
-    return outs
+    session = RankSession.solo()
+    return [session.run(cfg, None) for cfg in configs]  # type: ignore[misc]
 
 
 def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -88,28 +81,17 @@ def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) ->
 
 
 def _worker(rank: int, world_size: int, port: int, payload: list[dict], out_path: str, timeout_s: float) -> None:
-    import torch.distributed as dist
+    from pcpflow.bootstrap import RankSession
 
-    from pcpflow.engine import run_rank
-    from pcpflow.stage import load_stage_sources
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    session = RankSession.connect(f"tcp://127.0.0.1:{port}", rank, world_size)
+    cfgs = [parse_run_config(raw) for raw in payload]
+    session.init_group(cfgs[0], timeout_s=timeout_s)
     try:
-        outs = []
-        for raw in payload:
-            cfg = parse_run_config(raw)
-            load_stage_sources(cfg.plugins)
-            outs.append(run_rank(cfg, None))
+        outs = [session.run(cfg, None) for cfg in cfgs]
         if rank == 0:
             Path(out_path).write_bytes(pickle.dumps(outs))
     finally:
-        dist.destroy_process_group()
+        session.close()
 
 
 def _free_port() -> int:

@@ -369,3 +369,33 @@ def _trace(cfg: TraceWorkload, vocab_size: int, seed: int) -> list[Request]:
         arrival = int(math.floor((ts - t0) / cfg.step_ms))
         requests.append(Request(i, np.concatenate(parts), max_out, arrival))
     return requests
+
+
+# --- request lengths (the driver's checks, pcpflow.checks) ----------------------------------
+def request_lengths(config: WorkloadConfig, *, seed: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, output budgets) of ``build_requests``'s requests, without building
+    a token array: the driver checks that a workload fits before anything allocates it.
+    Raises the same ConfigErrors (trace file, prompt ids outside the vocabulary)."""
+    seed = seed if config.seed is None else config.seed
+    if isinstance(config, SyntheticWorkload):
+        rng = _rng(seed, _SYNTHETIC_STREAM)
+        prompt = rng.integers(config.prompt_len[0], config.prompt_len[1] + 1, size=config.num_requests)
+        output = rng.integers(config.output_len[0], config.output_len[1] + 1, size=config.num_requests)
+        return prompt.astype(np.int64), output.astype(np.int64)
+    if isinstance(config, ExplicitWorkload):
+        if config.prompts is not None:
+            _explicit(config, vocab_size, seed)  # the user's own ids: small, and checked there
+            prompt = np.array([len(p) for p in config.prompts], dtype=np.int64)
+        else:
+            prompt = np.asarray(config.prompt_lens, dtype=np.int64)
+        outs = config.output_lens * len(prompt) if len(config.output_lens) == 1 else config.output_lens
+        return prompt, np.asarray(outs, dtype=np.int64)
+    if isinstance(config, TraceWorkload):
+        records = _read_trace(config)
+        s = config.length_scale
+        prompt = np.array([_scale(r[1], s) for r in records], dtype=np.int64)
+        output = np.array([_scale(r[2], s) for r in records], dtype=np.int64)
+        if config.output_len_cap is not None:
+            output = np.minimum(output, config.output_len_cap)
+        return prompt, output
+    raise TypeError(f"unknown workload config {type(config).__name__}")

@@ -1,11 +1,17 @@
 """Deliberate faults, to prove that verification and failure handling can fail a run.
 
 Each fault fires on one rank at one step; inserted with
-``+pipeline.extra=[{kind: pcpflow_test_plugins.faults:<Class>, after: <slot>, rank: R, step: S}]``.
+``+pipeline.extra=[{kind: pcpflow_test_plugins.faults:<Class>, after: <slot>, rank: R, step: S}]``
+(``rank`` is the global rank). Raise (``Crash``), leave (``Exit``), stall (``Stall``) or signal
+(``SendSignal``) on rank R at step S.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import time
 from typing import Literal
 
 import torch
@@ -16,7 +22,7 @@ from pcpflow.state import StepState
 
 
 class _FaultConfig(StageConfig):
-    rank: int = Field(0, ge=0, description="PCP rank the fault fires on")
+    rank: int = Field(0, ge=0, description="global rank the fault fires on")
     step: int = Field(0, ge=0, description="scheduler step it fires at (first batch at or after it)")
 
 
@@ -26,7 +32,7 @@ class _Fault(Stage):
         self.fired = False
 
     def _due(self, state: StepState) -> bool:
-        if self.fired or self.ctx.is_reference or self.ctx.pcp_rank != self.config.rank:
+        if self.fired or self.ctx.is_reference or self.ctx.world.rank != self.config.rank:
             return False
         if state.batch.step < self.config.step:
             return False
@@ -88,3 +94,62 @@ class Crash(_Fault):
         if self._due(state):
             raise RuntimeError(f"injected failure on rank {self.ctx.pcp_rank} at step {state.batch.step}")
         return state
+
+
+@register
+class Stall(_Fault):
+    """Anywhere: sleeps on one rank (a deadlock, a stuck kernel), then carries on."""
+
+    kind = "test_stall"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_stall"] = "test_stall"
+        seconds: float = Field(100.0, gt=0)
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            time.sleep(self.config.seconds)
+        return state
+
+
+@register
+class Exit(_Fault):
+    """Anywhere: the rank leaves with ``code``: ``sys.exit`` (Python unwinds) or, with
+    ``hard``, ``os._exit`` (no unwinding, no error file: as a crash looks)."""
+
+    kind = "test_exit"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_exit"] = "test_exit"
+        code: int = 0
+        hard: bool = False
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            sys.stdout.flush()
+            if self.config.hard:
+                os._exit(self.config.code)
+            sys.exit(self.config.code)
+        return state
+
+
+@register
+class SendSignal(_Fault):
+    """Anywhere: sends ``signal`` to this rank's process, or with ``to_parent`` to the
+    process that started it (the driver or torchrun's agent: as a user's Ctrl-C or a
+    scheduler's SIGTERM reaches a job)."""
+
+    kind = "test_signal"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_signal"] = "test_signal"
+        signal: Literal["SIGINT", "SIGTERM", "SIGKILL"] = "SIGINT"
+        to_parent: bool = False
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            pid = os.getppid() if self.config.to_parent else os.getpid()
+            os.kill(pid, getattr(signal, self.config.signal))
+            time.sleep(30)  # the signal ends the job; a step that went on would hide that
+        return state
+

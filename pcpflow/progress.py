@@ -1,0 +1,251 @@
+"""Where each rank is (step, stage), kept in the job's c10d store, and who to blame when a
+job breaks.
+
+gloo times out on the ranks that *wait* and says nothing about the peer they waited for;
+a peer that exits makes the others fail with "Connection closed by peer". Neither names
+the root cause. So every rank keeps its progress on a board in the rendezvous store (a
+heartbeat thread pushes it twice a second; the step loop only writes two module
+variables), and posts how it ended. A rank whose own error is only a consequence reads
+the board: a peer that posted an error of its own is the root cause; a peer that posted
+nothing is stalled (its heartbeat still beats) or dead (it stopped).
+
+``mark_step`` / ``mark_stage`` are the engine's and the pipeline's hooks; they cost two
+assignments and do nothing in a process without a board (the in-process single rank).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+_STEP: int = -1
+_STAGE: str = "startup"
+_BOARD: RankBoard | None = None
+
+HEARTBEAT_S = 0.5
+GRACE_S = 3.0  # how long a rank whose error is a consequence waits for the cause to post
+
+CONSEQUENCE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|[Gg]loo.*(timed out|[Tt]imeout|closed|reset)|"
+    r"NCCL (error|communicator was aborted)|Socket Timeout|terminated with signal|Signal \d+|"
+    r"got signal: |Timed out waiting|timed out after|connection refused|interrupted by SIG"
+)
+"""Errors that a rank sees *because* another rank failed, stalled or left."""
+
+
+def mark_step(step: int) -> None:
+    global _STEP, _STAGE
+    _STEP, _STAGE = step, "schedule"
+    if _BOARD is not None:  # one store write per step: a rank that dies mid-step is placed
+        _BOARD.push()
+
+
+def mark_stage(stage: str) -> None:
+    global _STAGE
+    _STAGE = stage
+
+
+def where() -> tuple[int, str]:
+    return _STEP, _STAGE
+
+
+def startup_done(cfg: Any) -> None:
+    """The engine's hook between start-up (model load, reference build) and the first step:
+    every rank waits here up to ``startup_timeout_s``, so a slow load is not a stalled
+    collective and a rank that never finishes loading is named."""
+    if _BOARD is not None:
+        _BOARD.barrier("startup", cfg.startup_timeout_s, what=f"start-up within startup_timeout_s={cfg.startup_timeout_s:g}")
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The root cause of a failed job: which rank, what happened, where it was."""
+
+    rank: int
+    message: str
+    step: int = -1
+    stage: str = ""
+
+    def __str__(self) -> str:
+        at = "during start-up" if self.step < 0 else f"at step {self.step} ({self.stage})"
+        return f"[rank {self.rank}] {self.message} {at}"
+
+
+class StalledRanks(RuntimeError):
+    """Ranks that did not reach a point every rank must reach in time."""
+
+    def __init__(self, ranks: list[int], what: str, names: str) -> None:
+        self.ranks, self.what = ranks, what
+        super().__init__(f"{names} did not finish {what}")
+
+
+class RankBoard:
+    """One job's board in the store: ``progress/<rank>`` (step, stage, beat) and
+    ``status/<rank>`` (how the rank ended: error, exited, consequence, interrupted, done)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, job: int = 0) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.prefix = f"pcpflow/{job}/"
+        self._beat = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the heartbeat thread and the step loop share the client
+
+    # ------------------------------------------------------------------ this rank
+    def start(self) -> RankBoard:
+        global _BOARD, _STEP, _STAGE
+        _BOARD, _STEP, _STAGE = self, -1, "startup"
+        self.push()
+        self._thread = threading.Thread(target=self._heartbeat, name="pcpflow-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        global _BOARD
+        self._stop.set()
+        if _BOARD is self:
+            _BOARD = None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.push()
+            except Exception:  # the store's host is gone: the job is ending anyway
+                return
+
+    def push(self) -> None:
+        with self._lock:
+            self._beat += 1
+            self.store.set(self._key("progress", self.rank), json.dumps({"step": _STEP, "stage": _STAGE, "beat": self._beat}))
+
+    def post(self, kind: str, message: str = "") -> None:
+        with self._lock:
+            seq = self.store.add(self.prefix + "seq", 1)
+            step, stage = where()
+            value = {"kind": kind, "message": message, "step": step, "stage": stage, "seq": seq}
+            self.store.set(self._key("status", self.rank), json.dumps(value))
+
+    def claim_report(self) -> bool:
+        """True for exactly one rank of the job: the one that writes result.json."""
+        key = self.prefix + "reporter"
+        got = self.store.compare_set(key, "", str(self.rank))
+        return (got.decode() if isinstance(got, bytes) else str(got)) == str(self.rank)
+
+    def barrier(self, name: str, timeout_s: float, *, what: str) -> None:
+        """Wait until every rank reached ``name``; StalledRanks naming the others if not."""
+        self.store.set(self._key(name, self.rank), "1")
+        keys = [self._key(name, r) for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(self._describe(r) for r in missing)
+                raise StalledRanks(missing, what, names)
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ the others
+    def read(self, kind: str, rank: int) -> dict[str, Any] | None:
+        key = self._key(kind, rank)
+        try:
+            with self._lock:
+                if not self.store.check([key]):
+                    return None
+                return json.loads(self.store.get(key))
+        except Exception:
+            return None
+
+    def _describe(self, rank: int) -> str:
+        p = self.read("progress", rank)
+        if p is None:
+            return f"rank {rank} (never reported)"
+        at = "in start-up" if p["step"] < 0 else f"at step {p['step']} ({p['stage']})"
+        return f"rank {rank} ({at})"
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self.prefix}{kind}/{rank}"
+
+    # ------------------------------------------------------------------ diagnosis
+    def diagnose(self, exc: BaseException, *, collective_timeout_s: float) -> Blame:
+        """Post how this rank ended and return the job's root cause.
+
+        ``kind``: "error" (this rank's own failure), "exited" (it left early),
+        "interrupted" (a signal), or "consequence" (a peer failed, stalled or left)."""
+        kind, message = classify(exc), describe(exc)
+        step, stage = where()
+        mine = Blame(self.rank, message, step, stage)
+        try:
+            self.post("consequence" if kind == "stalled" else kind, message)
+        except Exception:
+            return mine
+        if kind in ("error", "exited", "interrupted"):
+            return mine
+        others = [r for r in range(self.world_size) if r != self.rank]
+        beats = {r: (self.read("progress", r) or {}).get("beat") for r in others}
+        deadline = time.monotonic() + GRACE_S
+        while True:
+            statuses = {r: self.read("status", r) for r in others}
+            causes = [(s["seq"], r, s) for r, s in statuses.items() if s and s["kind"] in ("error", "exited")]
+            if causes:
+                _, r, s = min(causes)
+                return Blame(r, s["message"], s["step"], s["stage"])
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if isinstance(exc, StalledRanks):
+            p = self.read("progress", exc.ranks[0]) or {}
+            return Blame(exc.ranks[0], f"did not finish {exc.what}", p.get("step", -1), p.get("stage", ""))
+        silent = [r for r, s in statuses.items() if s is None]
+        for r in silent:
+            p = self.read("progress", r) or {}
+            alive = p.get("beat") != beats.get(r)
+            what = (
+                f"stalled: it stopped taking part in collectives; its peers waited "
+                f"collective_timeout_s={collective_timeout_s:g}"
+                if alive
+                else "died without a Python error (killed by a signal, os._exit or a crash; see its log)"
+            )
+            return Blame(r, what, p.get("step", -1), p.get("stage", ""))
+        done = [r for r, s in statuses.items() if s and s["kind"] == "done"]
+        if done:
+            s = statuses[done[0]]
+            return Blame(done[0], "left the job early (its engine returned while peers still ran)", s["step"], s["stage"])
+        return mine
+
+
+def classify(exc: BaseException) -> str:
+    """The board kind of an exception that ended a rank."""
+    from pcpflow.signals import Interrupted
+
+    if isinstance(exc, Interrupted):
+        return "interrupted"
+    if isinstance(exc, SystemExit):
+        return "exited"
+    if isinstance(exc, StalledRanks):
+        return "stalled"
+    return "consequence" if CONSEQUENCE.search(f"{type(exc).__name__}: {exc}") else "error"
+
+
+def describe(exc: BaseException) -> str:
+    from pcpflow.signals import Interrupted
+
+    if isinstance(exc, SystemExit):
+        return f"exited early (sys.exit({exc.code!r}))"
+    if isinstance(exc, Interrupted):
+        return str(exc)
+    if isinstance(exc, StalledRanks):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def store_timeout(store: Any, seconds: float) -> None:
+    try:
+        store.set_timeout(timedelta(seconds=seconds))
+    except Exception:
+        pass
