@@ -58,6 +58,7 @@ def traffic_factor(op: str, group_size: int) -> int:
         "all_to_all": s - 1,
         "broadcast": s - 1,
         "all_reduce": 2 * (s - 1),
+        "reduce_scatter": s - 1,
     }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(factors)}")

@@ -134,7 +134,7 @@ class RankGrid:
             solo = {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp")}
             return solo
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        comms = {"world": Comm(dist.group.WORLD, rank, self.world_size, stats)}
+        comms: dict[str, Comm] = {"world": Comm(dist.group.WORLD, rank, self.world_size, stats)}
         for axis in (Axis.TP, Axis.PCP, Axis.DCP):
             mine = Comm.solo(stats)
             for members in self.all_groups(axis):
@@ -142,6 +142,7 @@ class RankGrid:
                     continue
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
-                    mine = Comm(group, members.index(rank), len(members), stats)
+                    copies = self.world_size // len(members)
+                    mine = Comm(group, members.index(rank), len(members), stats, copies)
             comms[axis.value] = mine
         return comms

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
 from pcpflow.comm import Comm
 from pcpflow.cp_attention import CPAttention
@@ -155,6 +156,7 @@ def prefill_attention(
         pcp=draft_comm(ctx.pcp),
         dcp=draft_comm(ctx.dcp),
         dcp_rest=state.attn.dcp_rest or "auto",
+        dcp_comm_backend=ctx.config.dcp_comm_backend,
     )
 
 
@@ -180,7 +182,7 @@ def replicated_layout(num_rows: int, ctx: RankContext) -> BatchLayout:
         np.ones(num_rows, dtype=np.int64),
         np.zeros(num_rows, dtype=bool),
         pcp_size=ctx.pcp_size,
-        dcp_size=ctx.dcp_size,
+        dcp_size=ctx.layout_dcp_size,
         shard_decodes=False,
     )
 
@@ -213,6 +215,7 @@ def replicated_attention(
         block_size=ctx.block_size,
         pcp=draft_comm(ctx.pcp),
         dcp=draft_comm(ctx.dcp),
+        dcp_comm_backend=ctx.config.dcp_comm_backend,
     )
 
 
@@ -277,7 +280,7 @@ class DraftComm(Comm):
     collectives never mix with the target's."""
 
     def __init__(self, comm: Comm) -> None:
-        super().__init__(comm.group, comm.rank, comm.size, comm.stats)
+        super().__init__(comm.group, comm.rank, comm.size, comm.stats, comm.copies)
 
     def all_gather(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
         return super().all_gather(t, f"draft_{purpose}")
@@ -291,10 +294,21 @@ class DraftComm(Comm):
     def all_reduce(self, t: torch.Tensor, purpose: str, op: str = "sum") -> torch.Tensor:
         return super().all_reduce(t, f"draft_{purpose}", op)
 
+    def reduce_scatter(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
+        return super().reduce_scatter(t, f"draft_{purpose}")
+
 
 def draft_comm(comm: Comm) -> DraftComm:
     """``comm`` with its traffic accounted under ``draft_<purpose>``."""
     return DraftComm(comm)
+
+
+def shard_drafter(ctx: RankContext, module: nn.Module) -> nn.Module:
+    """A draft model cut to this TP rank's heads and MLP slice (``pcpflow.tensor_parallel``),
+    its all-reduces accounted as ``draft_tp_all_reduce``."""
+    from pcpflow.tensor_parallel import shard_model
+
+    return shard_model(module, draft_comm(ctx.tp), ctx.tp.rank, ctx.tp.size)
 
 
 def allocate_caches(ctx: RankContext, spec: AttentionSpec, num_layers: int) -> list[torch.Tensor]:
