@@ -39,7 +39,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pcpflow.accounting import QUERIES, ModelShape, attention_rows, plan_dcp_rest, rest_requests
+from pcpflow.accounting import (
+    QUERIES,
+    ModelShape,
+    attention_rows,
+    dcp_tp_size,
+    plan_dcp_rest,
+    rest_requests,
+)
 from pcpflow.attention import merge_attention_partials, paged_attention
 from pcpflow.comm import Comm
 from pcpflow.layout import BatchLayout
@@ -77,7 +84,7 @@ class CPAttention:
         self.decode_write = _valid_writes(slots[0, :nd])
         self.rest_write = _valid_writes(slots[:, nd:].reshape(-1)) if self.has_rest else None
         self.dcp_rest = QUERIES
-        self.dcp_tp = dcp_tp_of(pcp.size, dcp.size)
+        self.dcp_tp = dcp_tp_size(pcp.size, dcp.size)
         self.dcp_comm_backend = dcp_comm_backend
         if self.dcp_tp > 1:
             assert meta.gathered_row_req_indices is not None
@@ -185,13 +192,6 @@ class CPAttention:
         lses = packed[..., h * dv :]
         out, _ = merge_attention_partials(outs, lses)
         return out
-
-
-def dcp_tp_of(pcp_size: int, dcp_size: int) -> int:
-    """TP ranks one DCP group spans (``RankGrid.dcp_tp``), from the two group sizes."""
-    if dcp_size == 1:
-        return 1
-    return dcp_size // pcp_size if pcp_size > 1 else dcp_size
 
 
 def _layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
