@@ -371,6 +371,27 @@ def tp_step_collectives(
     ]
 
 
+def tp_local_shape(shape: ModelShape, tp_size: int) -> ModelShape:
+    """One TP rank's ``ModelShape``: ``num_heads / tp`` heads; a GQA entry (``2 * kv *
+    qk_dim`` wide) keeps ``kv / tp`` KV heads (at least one, shared); MLA's latent entry
+    (``entry_dim == qk_dim``, absorbed queries) is whole on every rank."""
+    if tp_size == 1:
+        return shape
+    entry = shape.entry_dim
+    if entry != shape.qk_dim:
+        kv = entry // (2 * shape.qk_dim)
+        entry = 2 * max(1, kv // tp_size) * shape.qk_dim
+    return ModelShape(
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        entry_dim=entry,
+        num_heads=shape.num_heads // tp_size,
+        qk_dim=shape.qk_dim,
+        v_dim=shape.v_dim,
+        dtype_bytes=shape.dtype_bytes,
+    )
+
+
 def tp_share(nbytes: dict[str, int]) -> dict[str, int]:
     """Bytes by axis: ``{"tp": ..., "pcp_dcp": ...}`` (TP all-reduces, and the rest but
     verification), for tables that show TP beside PCP/DCP traffic."""

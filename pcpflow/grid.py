@@ -9,8 +9,9 @@ vLLM's semantics::
     world = tp * pcp,   rank = pcp_rank * tp + tp_rank       # TP innermost (inside a node)
     dcp in {1, pcp, tp * pcp} when pcp > 1;  dcp | tp when pcp == 1
 
-The DCP axis runs along PCP first, then TP: DCP rank ``d`` of a group is the rank with
-``d = tp_local * pcp + pcp_rank`` where ``tp_local`` counts the TP ranks inside the group.
+The DCP axis runs along PCP first, then TP: a group holds every PCP rank (pcp > 1) and a
+block of ``dcp_tp`` consecutive TP ranks; DCP rank ``d`` is its index in ascending global
+rank, ``d = pcp_rank * dcp_tp + tp_local`` (``tp_local`` counts TP ranks inside the block).
 With tp == 1, ``pcp=4 dcp=4`` is one group whose PCP and DCP groups are the same ranks.
 """
 

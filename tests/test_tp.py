@@ -154,17 +154,15 @@ def _probed(cfg, path):
 
 # ----------------------------------------------------------------------------- the runs
 DEFAULT = [
-    # tp=2 pcp=1: DCP inside the TP group (MLA), GQA with drafting
+    # tp=2 pcp=1: DCP inside the TP group (MLA), with an MTP drafter under TP too
     (2, 1, 2, "replicated", "tiny_mla", ("draft=mtp",), "ag_rs"),
-    (2, 1, 1, "replicated", "tiny_gqa", ("draft=self",), "ag_rs"),
-    # tp=2 pcp=2: dcp = tp*pcp over all four ranks, dcp = pcp, and no DCP
+    # tp=2 pcp=2: dcp = tp*pcp over all four ranks (MLA), dcp = pcp (GQA)
     (2, 2, 4, "sharded", "tiny_mla", (), "ag_rs"),
-    (2, 2, 4, "replicated", "tiny_mla", ("draft=dspark",), "a2a"),
     (2, 2, 2, "sharded", "tiny_gqa", (), "ag_rs"),
     # tp=4 pcp=1: GQA KV heads (2) replicated over pairs of TP ranks, DCP within a pair
     (4, 1, 2, "replicated", "tiny_gqa", (), "a2a"),
 ]
-PROBED = {2, 4, 5}  # DEFAULT indices whose traffic is compared with accounting's price
+PROBED = {1, 2, 3}  # DEFAULT indices whose traffic is compared with accounting's price
 EIGHT = [(4, 2, 8, "sharded", "tiny_mla", (), "ag_rs")]
 
 
@@ -186,6 +184,11 @@ SLOW = [
     for decode in ("replicated", "sharded")
     for extra, backend in (((), "ag_rs"), (("draft=mtp",), "a2a"))
     if tp * pcp <= 4 or (dcp == tp * pcp and decode == "sharded" and not extra)
+] + [
+    (2, 2, 4, "replicated", "tiny_mla", ("draft=dspark",), "a2a"),
+    (2, 1, 1, "replicated", "tiny_gqa", ("draft=self",), "ag_rs"),
+    (4, 2, 2, "replicated", "tiny_gqa", (), "ag_rs"),
+    (2, 2, 2, "sharded", "tiny_mla", ("pipeline.restore.kind=sampled_rows", "kv.interleave=2"), "ag_rs"),
 ]
 
 
