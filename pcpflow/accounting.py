@@ -58,6 +58,7 @@ def traffic_factor(op: str, group_size: int) -> int:
         "all_to_all": s - 1,
         "broadcast": s - 1,
         "all_reduce": 2 * (s - 1),
+        "reduce_scatter": s - 1,
     }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(factors)}")
@@ -92,7 +93,7 @@ class ModelShape:
 class Collective:
     op: str  # all_gather | all_to_all
     purpose: str
-    group: Literal["pcp", "dcp"]
+    group: Literal["pcp", "dcp", "tp"]
     shape: tuple[int, ...]  # the tensor each rank passes in
     dtype_bytes: int | None = None  # element size, when not the model dtype's
 
@@ -268,15 +269,131 @@ def step_collectives(
 
 
 def step_traffic(
-    collectives: list[Collective], *, pcp_size: int, dcp_size: int, dtype_bytes: int
+    collectives: list[Collective],
+    *,
+    pcp_size: int,
+    dcp_size: int,
+    dtype_bytes: int,
+    tp_size: int = 1,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(calls, bytes) by purpose, as ``CommStats`` records them (groups of one move
-    nothing and are not counted)."""
+    nothing and are not counted). Bytes count every group of an axis (``Comm.copies``:
+    tp PCP groups, pcp TP groups, ...), so at tp > 1 they are the whole job's."""
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
+    world = pcp_size * tp_size
+    sizes = {"pcp": pcp_size, "dcp": dcp_size, "tp": tp_size}
     for c, n in Counter(collectives).items():  # every layer repeats the same calls
-        size = pcp_size if c.group == "pcp" else dcp_size
+        size = sizes[c.group]
         if size > 1:
             calls[c.purpose] += n
-            nbytes[c.purpose] += n * c.nbytes(size, dtype_bytes)
+            nbytes[c.purpose] += n * c.nbytes(size, dtype_bytes) * (world // size)
     return dict(calls), dict(nbytes)
+
+
+# --- tensor parallel
+# Under TP every per-layer size above is one TP rank's (its heads: ``ModelShape`` of the
+# local ``AttentionSpec``). Per decoder layer, on N padded rows:
+#
+# ==========================  ==============  =====  =================================
+# purpose                     op              group  tensor each rank passes in
+# ==========================  ==============  =====  =================================
+# tp_all_reduce (x2)          all_reduce      TP     ``N`` x ``hidden`` (o_proj, down_proj)
+# *DCP over TP ranks (dcp_tp > 1), instead of the DCP rows above:*
+# dcp_query_gather            all_gather      DCP    ``N`` x ``H`` x ``qk_dim``
+# dcp_lse_gather (ag_rs)      all_gather      DCP    ``D * N`` x ``H`` (lse, fp32 at least)
+# dcp_output_reduce_scatter   reduce_scatter  DCP    ``D * N`` x ``H`` x ``Dv`` (fp32 at least)
+# dcp_partials (a2a)          all_to_all      DCP    ``D * N`` x ``H*Dv + H``
+# ==========================  ==============  =====  =================================
+
+DCP_COMM_BACKENDS = ("ag_rs", "a2a")
+
+
+def dcp_tp_size(pcp_size: int, dcp_size: int) -> int:
+    """TP ranks one DCP group spans (``RankGrid.dcp_tp``), from the group sizes."""
+    if dcp_size == 1:
+        return 1
+    return dcp_size // pcp_size if pcp_size > 1 else dcp_size
+
+
+def tp_layer_collectives(layout: BatchLayout, *, tp_size: int, hidden_size: int) -> list[Collective]:
+    """A decoder layer's row-parallel all-reduces: attention's ``o_proj``, the MLP's
+    ``down_proj`` (none at tp=1)."""
+    if tp_size == 1:
+        return []
+    return [Collective("all_reduce", "tp_all_reduce", "tp", (layout.padded_num_tokens, hidden_size))] * 2
+
+
+def dcp_over_tp_collectives(
+    layout: BatchLayout, *, dcp_size: int, shape: ModelShape, backend: str = "ag_rs"
+) -> list[Collective]:
+    """One attention layer's DCP collectives when the DCP group spans TP ranks: every
+    rank's rows and heads gathered, results back to their heads' owners by ``backend``."""
+    if backend not in DCP_COMM_BACKENDS:
+        raise ValueError(f"unknown dcp_comm_backend {backend!r}; known: {', '.join(DCP_COMM_BACKENDS)}")
+    n, h, d = layout.padded_num_tokens, shape.num_heads, dcp_size
+    out = [Collective("all_gather", "dcp_query_gather", "dcp", (n, h, shape.qk_dim))]
+    wide = shape.partials_dtype_bytes  # log-sum-exps and rescaled outputs: fp32 at least
+    if backend == "a2a":
+        out.append(Collective("all_to_all", "dcp_partials", "dcp", (d * n, shape.partials_width), wide))
+    else:
+        out.append(Collective("all_gather", "dcp_lse_gather", "dcp", (d * n, h), wide))
+        out.append(
+            Collective("reduce_scatter", "dcp_output_reduce_scatter", "dcp", (d * n, h, shape.v_dim), wide)
+        )
+    return out
+
+
+def tp_step_collectives(
+    layout: BatchLayout,
+    logits_indices: np.ndarray,
+    *,
+    tp_size: int,
+    dcp_size: int,
+    shape: ModelShape,
+    dcp_rest: DCPRest = QUERIES,
+    restore: str = "all_rows",
+    backend: str = "ag_rs",
+) -> list[Collective]:
+    """Every collective of one target-model step on the grid ``tp x pcp`` (the layout's
+    ``pcp_size``) with ``dcp_size`` KV shards: ``step_collectives`` with the TP all-reduces
+    and, when DCP spans TP ranks, its heads exchange. ``shape`` is one TP rank's."""
+    dcp_tp = dcp_tp_size(layout.pcp_size, dcp_size)
+    if dcp_tp > 1:
+        nd, rest = attention_rows(layout)
+        per_layer = [Collective("all_gather", "kv_gather", "pcp", (rest, shape.entry_dim))] if rest else []
+        per_layer += dcp_over_tp_collectives(layout, dcp_size=dcp_size, shape=shape, backend=backend)
+    else:
+        per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest)
+    per_layer = per_layer + tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)
+    return per_layer * shape.num_layers + [
+        restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
+    ]
+
+
+def tp_local_shape(shape: ModelShape, tp_size: int) -> ModelShape:
+    """One TP rank's ``ModelShape``: ``num_heads / tp`` heads; a GQA entry (``2 * kv *
+    qk_dim`` wide) keeps ``kv / tp`` KV heads (at least one, shared); MLA's latent entry
+    (``entry_dim == qk_dim``, absorbed queries) is whole on every rank."""
+    if tp_size == 1:
+        return shape
+    entry = shape.entry_dim
+    if entry != shape.qk_dim:
+        kv = entry // (2 * shape.qk_dim)
+        entry = 2 * max(1, kv // tp_size) * shape.qk_dim
+    return ModelShape(
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        entry_dim=entry,
+        num_heads=shape.num_heads // tp_size,
+        qk_dim=shape.qk_dim,
+        v_dim=shape.v_dim,
+        dtype_bytes=shape.dtype_bytes,
+    )
+
+
+def tp_share(nbytes: dict[str, int]) -> dict[str, int]:
+    """Bytes by axis: ``{"tp": ..., "pcp_dcp": ...}`` (TP all-reduces, and the rest but
+    verification), for tables that show TP beside PCP/DCP traffic."""
+    tp = sum(v for k, v in nbytes.items() if k.endswith("tp_all_reduce"))
+    return {"tp": tp, "pcp_dcp": sum(nbytes.values()) - tp}

@@ -12,6 +12,11 @@ the group (the traffic of an ideal point-to-point network):
 - all_to_all of an ``n``-byte tensor per rank: ``(size - 1) * n``
 - broadcast of ``n`` bytes: ``(size - 1) * n``
 - all_reduce of ``n`` bytes (ring): ``2 * (size - 1) * n``
+- reduce_scatter of an ``n``-byte tensor per rank (``n / size`` back): ``(size - 1) * n``
+
+A Comm made by ``RankGrid.build`` also knows ``copies``: how many groups of its axis run
+the same collective at once (tp PCP groups, pcp TP groups, ...); bytes are counted for all
+of them, so a step's figure is the traffic of the whole job (at tp=1 nothing changes).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class CommStats:
 
 # torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Comm:
@@ -66,6 +72,7 @@ class Comm:
         rank: int,
         size: int,
         stats: CommStats | None = None,
+        copies: int = 1,
     ) -> None:
         if group is None and size != 1:
             raise ValueError(f"a Comm of size {size} needs a process group")
@@ -73,6 +80,7 @@ class Comm:
         self.rank = rank
         self.size = size
         self.stats = stats
+        self.copies = copies  # groups of this axis doing the same collective (accounting)
 
     @classmethod
     def solo(cls, stats: CommStats | None = None) -> Comm:
@@ -80,7 +88,7 @@ class Comm:
 
     def _account(self, op: str, purpose: str, t: torch.Tensor) -> None:
         if self.stats is not None and self.size > 1:
-            nbytes = t.numel() * t.element_size() * traffic_factor(op, self.size)
+            nbytes = t.numel() * t.element_size() * traffic_factor(op, self.size) * self.copies
             self.stats.add(op, purpose, nbytes, tuple(t.shape))
 
     def all_gather(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
@@ -120,6 +128,17 @@ class Comm:
         dist.all_reduce(t, op=red, group=self.group)
         self._account("all_reduce", purpose, t)
         return t
+
+    def reduce_scatter(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Sum ``t`` over the group; rank ``j`` gets the ``j``-th of ``size`` equal chunks
+        along dim 0."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
+        _reduce_scatter_single(out, t, group=self.group)
+        self._account("reduce_scatter", purpose, t)
+        return out
 
     def barrier(self) -> None:
         if self.size > 1:

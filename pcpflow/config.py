@@ -79,7 +79,7 @@ class RunConfig(_Strict):
 
     pcp: int = Field(2, ge=1, description="prefill context parallel size (PCP ranks)")
     dcp: int = Field(1, ge=1, description="decode context parallel size (KV shards)")
-    tp: int = Field(1, ge=1, description="tensor parallel size (only 1 is implemented)")
+    tp: int = Field(1, ge=1, description="tensor parallel size (heads and MLP width split)")
     seed: int = Field(0, description="seed of model weights and synthetic workloads")
     dtype: Literal["float32", "float64", "bfloat16"] = Field(
         "float64", description="model dtype (bfloat16 accumulates attention and norms in float32)"
@@ -104,6 +104,11 @@ class RunConfig(_Strict):
         gt=0,
         description="start-up (model load, reference build) may take this long on any rank "
         "before the job fails naming the rank that did not finish it",
+    )
+    dcp_comm_backend: Literal["ag_rs", "a2a"] = Field(
+        "ag_rs",
+        description="DCP over TP ranks: ag_rs (vLLM: all-gather the log-sum-exps, "
+        "reduce-scatter the outputs) or a2a (all-to-all of packed partials)",
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
@@ -214,9 +219,11 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
     pcpflow's own)."""
     p: list[Problem] = []
-    if cfg.tp != 1:
-        p.append(Problem("tp", cfg.tp, "only tp=1 is implemented (tensor parallelism is future work)"))
     p.extend(cfg.grid.problems())
+    if not p:  # --- tensor parallel: the model (and drafter) must split over tp
+        from pcpflow.tensor_parallel import run_problems
+
+        p.extend(run_problems(cfg))
     if cfg.kv.block_size % cfg.kv.interleave:
         p.append(
             Problem(
@@ -241,15 +248,23 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
         if not torch.cuda.is_available():
             field, given = ("device", "cuda") if cfg.device == "cuda" else ("backend", "nccl")
             p.append(Problem(field, given, "no CUDA device is visible here; use device=cpu / backend=gloo"))
-        elif torch.cuda.device_count() < cfg.world_size and cfg.device != "cpu":
+        elif torch.cuda.device_count() < _local_ranks(cfg) and cfg.device != "cpu":
             p.append(
                 Problem(
                     "pcp",
                     cfg.pcp,
-                    f"needs {cfg.world_size} GPUs (tp*pcp), {torch.cuda.device_count()} visible",
+                    f"{_local_ranks(cfg)} local ranks (of tp*pcp = {cfg.tp}*{cfg.pcp}) need as "
+                    f"many GPUs, {torch.cuda.device_count()} visible",
                 )
             )
     return p
+
+
+def _local_ranks(cfg: RunConfig) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else all (the driver spawns them)."""
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
 
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:

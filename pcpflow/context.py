@@ -31,6 +31,7 @@ class RankContext:
     is_reference: bool = False
     aux_layers: set[int] = field(default_factory=set)  # layers whose hidden drafters need
     extras: dict[str, Any] = field(default_factory=dict)  # per-run space for user stages
+    tp: Comm = field(default_factory=Comm.solo)  # the TP group (heads and MLP width split)
 
     @property
     def pcp_rank(self) -> int:
@@ -47,6 +48,12 @@ class RankContext:
     @property
     def dcp_size(self) -> int:
         return self.dcp.size
+
+    @property
+    def layout_dcp_size(self) -> int:
+        """The dcp a PCP layout is planned with (``plan_layout`` knows dcp in {1, pcp}):
+        the layout depends on the PCP rank only, DCP over TP ranks shards KV, not rows."""
+        return self.pcp_size if self.dcp_size > 1 else 1
 
     @property
     def block_size(self) -> int:
@@ -77,5 +84,12 @@ def pick_backend(cfg: RunConfig, device: torch.device) -> str:
 
 def build_groups(cfg: RunConfig, stats: CommStats) -> tuple[Comm, Comm, Comm]:
     """World, PCP and DCP groups of this rank (see ``pcpflow.grid.RankGrid``)."""
-    comms = cfg.grid.build(dist.get_rank(), stats, timeout_s=cfg.collective_timeout_s)
+    comms = build_comms(cfg, stats)
     return comms["world"], comms["pcp"], comms["dcp"]
+
+
+def build_comms(cfg: RunConfig, stats: CommStats) -> dict[str, Comm]:
+    """``{"world", "tp", "pcp", "dcp"}`` groups of this rank (solo ones in one process)."""
+    if not dist.is_initialized():
+        return {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp")}
+    return cfg.grid.build(dist.get_rank(), stats, timeout_s=cfg.collective_timeout_s)

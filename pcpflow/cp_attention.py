@@ -23,6 +23,12 @@ padded to N (``pcpflow.layout``). Per layer:
      row (``ContextGather``), one all-gather rebuilds those contexts whole on every rank,
      and each rank attends its own rows over them: no partials, no merge. A query row
      (``H x qk_dim``) can be ~100x a cache entry (MLA), so prefills gather the context.
+3. **DCP over TP ranks** (the DCP group spans ``dcp_tp > 1`` TP ranks, which hold other
+   heads of the same rows): every row takes the *queries* path over the whole DCP group
+   (each member's rows and heads gathered, attended over every shard) and the results go
+   back to their heads' owners by ``dcp_comm_backend``: ``ag_rs`` (vLLM: all-gather the
+   log-sum-exps, each shard rescales its outputs, one reduce-scatter sums them at the
+   owner) or ``a2a`` (one all-to-all of packed partials, merged at the owner).
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pcpflow.accounting import QUERIES, ModelShape, attention_rows, plan_dcp_rest
+from pcpflow.accounting import (
+    QUERIES,
+    ModelShape,
+    attention_rows,
+    dcp_tp_size,
+    plan_dcp_rest,
+    rest_requests,
+)
 from pcpflow.attention import merge_attention_partials, paged_attention
 from pcpflow.comm import Comm
 from pcpflow.layout import BatchLayout
@@ -53,6 +66,7 @@ class CPAttention:
         pcp: Comm,
         dcp: Comm,
         dcp_rest: str = "auto",
+        dcp_comm_backend: str = "ag_rs",
     ) -> None:
         """``dcp_rest``: the rest rows' DCP path policy, ``auto`` | ``queries`` | ``context``
         (``context`` and ``auto`` need ``meta.dcp_context``; without it ``auto`` queries)."""
@@ -67,7 +81,16 @@ class CPAttention:
         self.decode_write = _valid_writes(slots[0, :nd])
         self.rest_write = _valid_writes(slots[:, nd:].reshape(-1)) if self.has_rest else None
         self.dcp_rest = QUERIES
-        if dcp.size > 1 and self.has_rest:
+        self.dcp_tp = dcp_tp_size(pcp.size, dcp.size)
+        self.dcp_comm_backend = dcp_comm_backend
+        if self.dcp_tp > 1:
+            assert meta.gathered_row_req_indices is not None
+            assert meta.gathered_row_context_lens is not None
+            # DCP member m (ascending global rank: PCP-major) holds PCP rank m // dcp_tp's rows.
+            owner = torch.arange(dcp.size, device=meta.block_tables.device) // self.dcp_tp
+            self.member_req = meta.gathered_row_req_indices.view(p, n)[owner].reshape(-1)
+            self.member_ctx = meta.gathered_row_context_lens.view(p, n)[owner].reshape(-1)
+        elif dcp.size > 1 and self.has_rest:
             plan = meta.dcp_context
             if plan is not None and dcp_rest != "queries":
                 self.dcp_rest = plan_dcp_rest(
@@ -85,7 +108,7 @@ class CPAttention:
             self.context = meta.dcp_context.tensors
             # NOTE: the plan's own count must be the one accounting priced and decided by.
             assert self.context.send_slots.numel() == self.dcp_rest.context_rows
-        elif dcp.size > 1:
+        elif dcp.size > 1 and self.dcp_tp == 1:
             assert meta.gathered_row_req_indices is not None
             assert meta.gathered_row_context_lens is not None
             self.rest_req = meta.gathered_row_req_indices.view(p, n)[:, nd:].reshape(-1)
@@ -109,6 +132,8 @@ class CPAttention:
         if self.dcp.size == 1:
             out, _ = self._attend(q, self.meta.local_row_req_indices, self.meta.local_row_context_lens, cache)
             return out
+        if self.dcp_tp > 1:
+            return self._attend_over_tp(q, cache)
         out = q.new_zeros((q.shape[0], self.spec.num_heads, self.spec.v_dim))
         if nd:
             o, lse = self._attend(
@@ -136,6 +161,24 @@ class CPAttention:
             mine = self.dcp.all_to_all(_pack(o, lse), "dcp_partials")
             out[nd:] = self._merge(mine.view(self.dcp.size, rest, -1))
         return out
+
+    def _attend_over_tp(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Step 3 (module docstring): the DCP group's rows and heads over every shard."""
+        d, n = self.dcp.size, q.shape[0]
+        h, dv = self.spec.num_heads, self.spec.v_dim
+        q_all = self.dcp.all_gather(q, "dcp_query_gather")
+        o, lse = self._attend(q_all, self.member_req, self.member_ctx, cache)
+        if self.dcp_comm_backend == "a2a":
+            mine = self.dcp.all_to_all(_pack(o, lse), "dcp_partials")
+            return self._merge(mine.view(d, n, -1)).to(q.dtype)
+        lses = self.dcp.all_gather(lse, "dcp_lse_gather").view(d, d, n, h)  # [shard, member, ...]
+        total = torch.logsumexp(lses, dim=0)  # -inf where no shard has a key
+        lse = lse.view(d, n, h)
+        w = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))[..., None]
+        # NOTE: where() so that an empty shard's weight never multiplies a NaN.
+        scaled = torch.where(w > 0, w * o.view(d, n, h, dv).to(w.dtype), 0.0)
+        out = self.dcp.reduce_scatter(scaled.flatten(0, 1), "dcp_output_reduce_scatter")
+        return out.to(q.dtype)
 
     def _attend(self, q, req, ctx, cache):
         return paged_attention(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from pcpflow.comm import Comm, CommStats
 from pcpflow.config import RunConfig
-from pcpflow.context import DTYPES, RankContext, allocate_kv_caches, build_groups, pick_device
+from pcpflow.context import DTYPES, RankContext, allocate_kv_caches, build_comms, pick_device
 from pcpflow.cp_attention import attention_work
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.metrics import MetricsRecorder
@@ -25,6 +25,7 @@ from pcpflow.pipeline import Pipeline, resolve_pipeline
 from pcpflow.progress import mark_stage, mark_step, startup_done
 from pcpflow.scheduler import Scheduler
 from pcpflow.state import StepState
+from pcpflow.tensor_parallel import shard_model
 from pcpflow.verify import Verifier
 from pcpflow.workload import build_requests
 
@@ -56,13 +57,13 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
             raise RuntimeError(
                 f"world size {dist.get_world_size()} != tp*pcp = {cfg.tp}*{cfg.pcp}"
             )
-        world, pcp, dcp = build_groups(cfg, stats)
-    elif cfg.world_size == 1:
-        world, pcp, dcp = Comm.solo(stats), Comm.solo(stats), Comm.solo(stats)
-    else:
+    elif cfg.world_size != 1:
         raise RuntimeError(f"pcp={cfg.pcp} needs torch.distributed with {cfg.world_size} ranks")
+    comms = build_comms(cfg, stats)
+    world, pcp, dcp, tp = comms["world"], comms["pcp"], comms["dcp"], comms["tp"]
     device, dtype = pick_device(cfg), DTYPES[cfg.dtype]
     model = build_model(cfg.model, dtype=dtype, seed=cfg.seed, device=device)
+    shard_model(model, tp, tp.rank, tp.size)  # tensor parallel: keep this rank's slice
     requests = build_requests(cfg.workload, vocab_size=model.vocab_size, seed=cfg.seed)
     scheduler = Scheduler(
         requests,
@@ -82,6 +83,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         kv_caches=allocate_kv_caches(model, cfg.kv.num_blocks, cfg.kv.block_size, dtype, device),
         stats=stats,
         requests=requests,
+        tp=tp,
     )
     specs = resolve_pipeline(cfg)
     pipeline = Pipeline(specs, ctx)
@@ -176,7 +178,7 @@ class _Loop:
             "per_rank_attention_work": attention_work(
                 layout,
                 b.positions,
-                dcp_size=self.ctx.dcp_size,
+                dcp_size=self.ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
                 interleave=kv.interleave,
                 dcp_rest=state.attn.dcp_rest or "queries",
             ).tolist(),

@@ -9,8 +9,9 @@ vLLM's semantics::
     world = tp * pcp,   rank = pcp_rank * tp + tp_rank       # TP innermost (inside a node)
     dcp in {1, pcp, tp * pcp} when pcp > 1;  dcp | tp when pcp == 1
 
-The DCP axis runs along PCP first, then TP: DCP rank ``d`` of a group is the rank with
-``d = tp_local * pcp + pcp_rank`` where ``tp_local`` counts the TP ranks inside the group.
+The DCP axis runs along PCP first, then TP: a group holds every PCP rank (pcp > 1) and a
+block of ``dcp_tp`` consecutive TP ranks; DCP rank ``d`` is its index in ascending global
+rank, ``d = pcp_rank * dcp_tp + tp_local`` (``tp_local`` counts TP ranks inside the block).
 With tp == 1, ``pcp=4 dcp=4`` is one group whose PCP and DCP groups are the same ranks.
 """
 
@@ -134,7 +135,7 @@ class RankGrid:
             solo = {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp")}
             return solo
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        comms = {"world": Comm(dist.group.WORLD, rank, self.world_size, stats)}
+        comms: dict[str, Comm] = {"world": Comm(dist.group.WORLD, rank, self.world_size, stats)}
         for axis in (Axis.TP, Axis.PCP, Axis.DCP):
             mine = Comm.solo(stats)
             for members in self.all_groups(axis):
@@ -142,6 +143,7 @@ class RankGrid:
                     continue
                 group = dist.new_group(members, timeout=timeout)
                 if rank in members:
-                    mine = Comm(group, members.index(rank), len(members), stats)
+                    copies = self.world_size // len(members)
+                    mine = Comm(group, members.index(rank), len(members), stats, copies)
             comms[axis.value] = mine
         return comms

@@ -15,6 +15,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from pcpflow.accounting import tp_share
+
 BASE_COLUMNS = [
     "job",
     "overrides",
@@ -38,6 +40,8 @@ BASE_COLUMNS = [
     "framework_overhead_fraction",
     "acceptance_rate",
     "bytes_total",
+    "bytes_tp",
+    "bytes_pcp_dcp",
     "wall_s",
 ]
 """Columns every ``sweep.csv`` has, in order; then ``bytes_<purpose>`` and
@@ -83,6 +87,11 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "bytes_total": sum((m.get("collective_bytes") or {}).values()) if m else None,
             "wall_s": _round(m.get("wall_s"), 2),
         }
+        # TP bytes beside the PCP/DCP ones (blank when no TP all-reduce ran)
+        share = tp_share(m.get("collective_bytes") or {})
+        tp_ran = any(k.endswith("tp_all_reduce") for k in m.get("collective_bytes") or {})
+        row["bytes_tp"] = share["tp"] if tp_ran else None
+        row["bytes_pcp_dcp"] = share["pcp_dcp"] if tp_ran else None
         for purpose, nbytes in (m.get("collective_bytes") or {}).items():
             row[f"bytes_{purpose}"] = nbytes
         for purpose, calls in (m.get("collective_calls") or {}).items():
@@ -102,7 +111,8 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
     if not rows:
         return rows
     purposes = sorted(
-        {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")} - {"total"}
+        {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")}
+        - {"total", "tp", "pcp_dcp"}
     )
     columns = (
         BASE_COLUMNS
@@ -137,6 +147,8 @@ _HEADERS = {  # column -> (header, cell formatter)
     "padding_fraction": ("padding", lambda v: f"{v:.1%}"),
     "framework_overhead_fraction": ("overhead", lambda v: f"{v:.1%}"),
     "acceptance_rate": ("acceptance", lambda v: f"{v:.1%}"),
+    "bytes_tp": ("TP bytes", lambda v: _human(v)),
+    "bytes_pcp_dcp": ("PCP/DCP bytes", lambda v: _human(v)),
 }
 
 
@@ -156,7 +168,8 @@ _NOTES = (
     "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",
     (
         "- **bytes**: per collective purpose, what every rank received from the others, summed "
-        "over ranks (pcpflow.comm), and the number of calls."
+        "over ranks (pcpflow.comm), and the number of calls; with tp > 1 **TP bytes** (the "
+        "`tp_all_reduce`s) beside **PCP/DCP bytes** (everything else)."
     ),
 )
 

@@ -1,6 +1,6 @@
 """Verification against the single-rank reference.
 
-The reference is the same pipeline (its target slots) at pcp=1, dcp=1, run in-process
+The reference is the same pipeline (its target slots) at tp=1, pcp=1, dcp=1, run in-process
 on rank 0 in lockstep with the real run and fed the same batches — so the generated
 tokens it is fed are the real run's, and one near-tie cannot make the runs drift apart.
 Each step:
@@ -11,9 +11,10 @@ Each step:
   2 * tolerance (either could win under rounding); float64 has no such allowance.
 - **KV cache** (every rank): rank 0 broadcasts the reference's cache entries for this
   step's tokens; each rank writes them into an *expected* cache at the slots of the
-  positions it owns (all positions without DCP, its shard with DCP) and compares its whole
-  cache with it: same values where expected, untouched (NaN) everywhere else. The slots
-  come from the rule the ``slots`` stage uses (``pcpflow.attn_metadata.rank_slot_mapping``).
+  positions it owns (all positions without DCP, its shard with DCP), in the columns of the
+  KV heads it holds under TP, and compares its whole cache with it: same values where
+  expected, untouched (NaN) everywhere else. The slots come from the rule the ``slots``
+  stage uses (``pcpflow.attn_metadata.rank_slot_mapping``).
 
 The verifier never writes the caches of the run it checks: when a finished request's
 blocks are freed, the expected cache takes over what the run's cache holds there (checked
@@ -24,6 +25,7 @@ into a free block still differs.
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 
@@ -31,9 +33,11 @@ from pcpflow.comm import Comm, CommStats
 from pcpflow.config import RunConfig
 from pcpflow.context import RankContext, allocate_kv_caches
 from pcpflow.kv_cache import KVCacheManager
+from pcpflow.models import build_model
 from pcpflow.pipeline import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.attn_metadata import rank_slot_mapping
 from pcpflow.state import StepState
+from pcpflow.tensor_parallel import entry_columns
 
 _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
 
@@ -52,8 +56,15 @@ class Verifier:
         self.token_mismatches: list[dict] = []
         self.near_ties: list[dict] = []
         self.num_token_mismatches = 0
+        # Under TP a rank's model and cache hold its heads only; the reference is whole.
+        full_spec = getattr(ctx.model, "full_attn_spec", ctx.model.attn_spec)
+        self.ref_entry_dim = full_spec.entry_dim
+        self.columns = entry_columns(full_spec, ctx.tp.rank, ctx.tp.size).to(ctx.device)
         if self.is_root:
-            ref_cfg = cfg.model_copy(update={"pcp": 1, "dcp": 1})
+            self.ref_model = ctx.model
+            if ctx.tp.size > 1:
+                self.ref_model = build_model(cfg.model, dtype=ctx.dtype, seed=cfg.seed, device=ctx.device)
+            ref_cfg = cfg.model_copy(update={"tp": 1, "pcp": 1, "dcp": 1})
             # The reference holds the whole context on one rank: dcp times the blocks.
             ref_blocks = cfg.kv.num_blocks * cfg.dcp
             self.ref_kv = KVCacheManager(ref_blocks, cfg.kv.block_size, 1)
@@ -64,8 +75,8 @@ class Verifier:
                 world=Comm.solo(),
                 device=ctx.device,
                 dtype=ctx.dtype,
-                model=ctx.model,
-                kv_caches=allocate_kv_caches(ctx.model, ref_blocks, cfg.kv.block_size, ctx.dtype, ctx.device),
+                model=self.ref_model,
+                kv_caches=allocate_kv_caches(self.ref_model, ref_blocks, cfg.kv.block_size, ctx.dtype, ctx.device),
                 stats=CommStats(),
                 is_reference=True,
                 aux_layers=ctx.aux_layers,
@@ -78,7 +89,7 @@ class Verifier:
         """Check one step; returns this step's largest logit difference (rank 0)."""
         batch = state.batch
         num_layers = len(self.ctx.kv_caches)
-        entry_dim = self.ctx.kv_caches[0].shape[1]
+        entry_dim = self.ref_entry_dim
         ref_entries = torch.empty((num_layers, batch.num_tokens, entry_dim), dtype=self.ctx.dtype, device=self.ctx.device)
         step_logit_diff = 0.0
         if self.is_root:
@@ -129,7 +140,8 @@ class Verifier:
         owned_slots = torch.from_numpy(slots[slots >= 0]).to(ctx.device)
         worst, bad = 0.0, 0
         for layer, (cache, expected) in enumerate(zip(ctx.kv_caches, self.expected)):
-            expected.index_copy_(0, owned_slots, ref_entries[layer].index_select(0, owned))
+            mine = ref_entries[layer].index_select(0, owned).index_select(1, self.columns)
+            expected.index_copy_(0, owned_slots, mine)
             nan_c, nan_e = torch.isnan(cache), torch.isnan(expected)
             both = ~(nan_c | nan_e)
             d = (cache - expected).abs().where(both, torch.zeros((), dtype=cache.dtype, device=cache.device))
@@ -178,6 +190,6 @@ class Verifier:
             "token_mismatches": self.token_mismatches,
             "near_ties": self.near_ties,
             "kv_mismatched_slots": self.kv_bad_slots,
-            "reference": "the same pipeline at pcp=1, dcp=1, in-process on rank 0, fed the same batches",
+            "reference": "the same pipeline at tp=1, pcp=1, dcp=1, in-process on rank 0, fed the same batches",
         }
 

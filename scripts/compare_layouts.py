@@ -13,6 +13,9 @@
       ``all_rows`` and ``sampled_rows``; with dcp > 1 the DCP bytes of each path of the
       rest rows side by side: ``auto`` (the default: per step, the path that moves fewer
       bytes), all ``queries`` and all ``context``, and how often auto gathers contexts;
+    - with ``--tp N``, every layout N-way tensor parallel inside each PCP rank: heads split,
+      the TP all-reduces (``tp_all_reduce``) beside the PCP/DCP bytes, all of the job's
+      ranks counted;
     - planner time, ``plan_layout`` median µs per step.
 (b) Full runs at scaled lengths (``workload=trace workload.length_scale=...``) through the
     real engine (``pcpflow.testing.run``, verification on): tokens/s, TTFT/TPOT and
@@ -49,6 +52,8 @@ from pcpflow.accounting import (
     restore_collective,
     step_collectives,
     step_traffic,
+    tp_layer_collectives,
+    tp_local_shape,
 )
 from pcpflow.batch import GlobalBatch
 from pcpflow.cp_attention import attention_work
@@ -180,8 +185,15 @@ class PlannerStats:
     context_steps: int = 0  # ... of which auto takes the context path
     steps: int = 0
 
-    def add(self, batch: GlobalBatch, shape: ModelShape) -> None:
+    def add(self, batch: GlobalBatch, shape: ModelShape, tp: int = 1) -> None:
+        """``shape``: one TP rank's (``tp_local_shape``); bytes count all ``tp * pcp`` ranks."""
         lay = self.layout
+
+        def traffic(colls) -> dict[str, int]:
+            return step_traffic(
+                colls, pcp_size=lay.pcp, dcp_size=lay.dcp, dtype_bytes=shape.dtype_bytes, tp_size=tp
+            )[1]
+
         mode, assignment = DECODES[lay.decode]
         t0 = time.perf_counter_ns()
         layout = plan_layout(
@@ -230,18 +242,16 @@ class PlannerStats:
         colls = step_collectives(
             layout, batch.logits_indices, dcp_size=lay.dcp, shape=shape, dcp_rest=rests["auto"]
         )
-        _, nbytes = step_traffic(
-            colls, pcp_size=lay.pcp, dcp_size=lay.dcp, dtype_bytes=shape.dtype_bytes
-        )
-        for k, v in nbytes.items():
+        colls += tp_layer_collectives(layout, tp_size=tp, hidden_size=shape.hidden_size) * shape.num_layers
+        for k, v in traffic(colls).items():
             self.bytes[k] = self.bytes.get(k, 0) + v
         sampled = restore_collective(
             layout, batch.logits_indices, kind="sampled_rows", hidden_size=shape.hidden_size
         )
-        self.sampled_restore_bytes += sampled.nbytes(lay.pcp, shape.dtype_bytes)
+        self.sampled_restore_bytes += traffic([sampled]).get("restore", 0)
         for policy, rest in rests.items():
             per_layer = layer_collectives(layout, dcp_size=lay.dcp, shape=shape, dcp_rest=rest)
-            dcp = sum(c.nbytes(lay.dcp, shape.dtype_bytes) for c in per_layer if c.group == "dcp")
+            dcp = sum(traffic([c for c in per_layer if c.group == "dcp"]).values())
             self.dcp_bytes[policy] = self.dcp_bytes.get(policy, 0) + dcp * shape.num_layers
         if lay.dcp > 1 and attention_rows(layout)[1]:
             self.rest_steps += 1
@@ -271,6 +281,7 @@ class PlannerStats:
             else 0.0,
             "attention_work_balance_run": _max_over_mean(self.work),
             "kv_gather_mib_per_step": mib(self.bytes.get("kv_gather", 0)),
+            "tp_mib_per_step": mib(self.bytes.get("tp_all_reduce", 0)),
             "dcp_mib_per_step": mib(dcp),
             "dcp_queries_mib_per_step": mib(self.dcp_bytes.get("queries", 0)),
             "dcp_context_mib_per_step": mib(self.dcp_bytes.get("context", 0)),
@@ -286,14 +297,15 @@ class PlannerStats:
 
 
 def planner_comparison(
-    batches: list[GlobalBatch], grid: list[Layout], shape: ModelShape
+    batches: list[GlobalBatch], grid: list[Layout], shape: ModelShape, tp: int = 1
 ) -> list[dict]:
     stats = [PlannerStats(lay) for lay in grid]
+    local = tp_local_shape(shape, tp)
     for batch in batches:
         if batch.num_tokens == 0:
             continue
         for s in stats:  # NOTE: layouts take turns per step, so all see the same machine load
-            s.add(batch, shape)
+            s.add(batch, local, tp)
     return [s.row() for s in stats]
 
 
@@ -381,6 +393,7 @@ PLANNER_COLUMNS = [  # key, header, format
     ("decode_work_busiest_share", "busiest decode share", "{:.3f}"),
     ("attention_work_balance_run", "attn work bal. (run)", "{:.3f}"),
     ("kv_gather_mib_per_step", "kv_gather MiB/step", "{:.1f}"),
+    ("tp_mib_per_step", "tp_all_reduce", "{:.1f}"),
     ("dcp_mib_per_step", "dcp MiB/step auto", "{:.1f}"),
     ("dcp_queries_mib_per_step", "queries", "{:.1f}"),
     ("dcp_context_mib_per_step", "context", "{:.1f}"),
@@ -543,6 +556,9 @@ def main(argv=None) -> int:
         help="(a) shape that prices bytes",
     )
     ap.add_argument("--pcp", default="1,2,4,8", help="(a) pcp sizes")
+    ap.add_argument(
+        "--tp", type=int, default=1, help="(a) TP ranks per PCP rank (bytes of all tp*pcp ranks)"
+    )
     ap.add_argument("--run-pcp", default="1,2,4", help="(b) pcp sizes of the full runs ('' = none)")
     ap.add_argument("--run-requests", type=int, default=12, help="(b) trace requests per run")
     ap.add_argument("--length-scale", type=float, default=0.01, help="(b) workload.length_scale")
@@ -564,7 +580,7 @@ def main(argv=None) -> int:
     sim_s = time.perf_counter() - t0
     grid = layouts([int(p) for p in args.pcp.split(",")])
     t0 = time.perf_counter()
-    planner = planner_comparison(batches, grid, shape)
+    planner = planner_comparison(batches, grid, shape, args.tp)
     plan_s = time.perf_counter() - t0
     busy = [b for b in batches if b.num_tokens]
     decodes = np.mean([int((~b.is_prefilling & (b.num_scheduled_tokens > 0)).sum()) for b in busy])
@@ -572,7 +588,7 @@ def main(argv=None) -> int:
         f"(a) planner only, real lengths: {args.requests} trace requests, {len(busy)} steps"
         f"{f' (cut at --max-steps {args.max_steps})' if args.max_steps else ''} "
         f"(8192-token budget, 256 seqs, {args.step_ms:g} ms/step; per step {np.mean([b.num_tokens for b in busy]):.0f} "
-        f"tokens, {decodes:.0f} decodes); bytes at {args.model} "
+        f"tokens, {decodes:.0f} decodes); bytes at {args.model}, tp={args.tp} "
         f"({shape.num_layers} layers, {8 * shape.dtype_bytes}-bit)",
         planner,
         PLANNER_COLUMNS,

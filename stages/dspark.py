@@ -118,6 +118,7 @@ class DSparkDraft(Stage):
             .eval()
             .requires_grad_(False)
         )
+        spec.shard_drafter(ctx, self.model)
         self.caches = spec.allocate_caches(ctx, self.model.attn_spec, config.num_layers)
 
     @torch.no_grad()

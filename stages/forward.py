@@ -43,6 +43,7 @@ class ModelForward(Stage):
             pcp=ctx.pcp,
             dcp=ctx.dcp,
             dcp_rest=self.config.dcp_rest,
+            dcp_comm_backend=ctx.config.dcp_comm_backend,
         )
         state.attn.dcp_rest = backend.dcp_rest.mode
         with torch.no_grad():

@@ -72,6 +72,7 @@ class MTPDraft(Stage):
             .eval()
             .requires_grad_(False)
         )
+        spec.shard_drafter(ctx, self.head)
         self.caches = spec.allocate_caches(ctx, self.head.attn_spec, 1)
         self.prompts = spec.request_prompts(ctx)
 

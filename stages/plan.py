@@ -33,7 +33,7 @@ class DualChunkSwapPlan(Stage):
             b.num_scheduled_tokens,
             b.is_prefilling,
             pcp_size=self.ctx.pcp_size,
-            dcp_size=self.ctx.dcp_size,
+            dcp_size=self.ctx.layout_dcp_size,
             shard_decodes=cfg.shard_decodes,
             num_computed_tokens=b.num_computed_tokens,
             decode_assignment=cfg.decode.assignment,

@@ -4,7 +4,8 @@ Tiny random Llama and DeepSeek-V2/V3 checkpoints are written by transformers its
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
 one longer than ``scheduler.max_num_batched_tokens`` so it is prefilled in chunks — at
-pcp in {1, 2, 4}, dcp in {1, pcp}, replicated and sharded decodes. The expected values
+pcp in {1, 2, 4}, dcp in {1, pcp}, replicated and sharded decodes, and tensor parallel
+at tp=2 pcp=2 (Llama dcp 1, 2; DeepSeek dcp 1, 2, 4). The expected values
 come from transformers alone: its forward with its own cache, prompt then one token at a
 time (the logits at the last prompt token and at every decode step), and
 ``model.generate(do_sample=False)`` for the tokens. pcpflow must match them within 1e-5
@@ -85,6 +86,14 @@ MATRIX = [
     ("dsv3_rotate_half", "float32", 2, 2, "sharded", []),
     ("dsv2_no_q_lora", "float32", 1, 1, "replicated", []),
     ("dsv2_no_q_lora", "float64", 4, 4, "sharded", []),
+    # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
+    # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
+    ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
+    ("llama", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("dsv3", "float64", 2, 1, "sharded", ["tp=2"]),
+    ("dsv3", "float32", 2, 2, "replicated", ["tp=2"]),
+    ("dsv3", "float64", 2, 4, "sharded", ["tp=2"]),
+    ("dsv2_no_q_lora", "float32", 2, 4, "replicated", ["tp=2"]),
 ]
 
 

@@ -31,7 +31,7 @@ collectives are accounted as ``draft_<purpose>`` (``draft_kv_gather``, ``draft_r
 from __future__ import annotations
 
 from pcpflow.spec.attention import KVWriter, prefill_attention, replicated_attention, replicated_layout
-from pcpflow.spec.comm import DraftComm, draft_comm
+from pcpflow.spec.comm import DraftComm, draft_comm, shard_drafter
 from pcpflow.spec.drafting import (
     DraftConfig,
     DraftStart,
@@ -65,5 +65,6 @@ __all__ = [
     "request_prompts",
     "restore_hidden",
     "scatter_proposals",
+    "shard_drafter",
     "to_local",
 ]

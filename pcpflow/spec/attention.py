@@ -36,6 +36,7 @@ def prefill_attention(
         pcp=draft_comm(ctx.pcp),
         dcp=draft_comm(ctx.dcp),
         dcp_rest=state.attn.dcp_rest or "auto",
+        dcp_comm_backend=ctx.config.dcp_comm_backend,
     )
 
 
@@ -45,7 +46,7 @@ def replicated_layout(num_rows: int, ctx: RankContext) -> BatchLayout:
         np.ones(num_rows, dtype=np.int64),
         np.zeros(num_rows, dtype=bool),
         pcp_size=ctx.pcp_size,
-        dcp_size=ctx.dcp_size,
+        dcp_size=ctx.layout_dcp_size,
         shard_decodes=False,
     )
 
@@ -89,6 +90,7 @@ def replicated_attention(
         block_size=ctx.block_size,
         pcp=draft_comm(ctx.pcp),
         dcp=draft_comm(ctx.dcp),
+        dcp_comm_backend=ctx.config.dcp_comm_backend,
     )
 
 
