@@ -55,6 +55,7 @@ class CommStats:
 
 # torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Comm:
@@ -120,6 +121,30 @@ class Comm:
         dist.all_reduce(t, op=red, group=self.group)
         self._account("all_reduce", purpose, t)
         return t
+
+    def reduce_scatter(self, t: torch.Tensor, purpose: str) -> torch.Tensor:
+        """Sum ``t`` over the group and return this rank's ``1/size`` of it along dim 0."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
+        _reduce_scatter_single(out, t, group=self.group)
+        self._account("reduce_scatter", purpose, t)
+        return out
+
+    def all_to_all_v(
+        self, t: torch.Tensor, send: list[int], recv: list[int], purpose: str, nbytes: int
+    ) -> torch.Tensor:
+        """Rows ``t[sum(send[:j]) : sum(send[:j+1])]`` go to rank ``j``; the result holds
+        ``recv[i]`` rows from each rank ``i``, in rank order. Uneven sizes: the caller, who
+        knows every rank's counts, says what the group moved (``nbytes``)."""
+        if self.size == 1:
+            return t
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv, send, group=self.group)
+        if self.stats is not None:
+            self.stats.add("all_to_all", purpose, nbytes, tuple(t.shape))
+        return out
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
 from pcpflow.models import ModelConfig
+from pcpflow.moe_dispatch import MoERunConfig, moe_problems
 from pcpflow.workload import WorkloadConfig
 
 
@@ -115,6 +116,7 @@ class RunConfig(_Strict):
     )
     verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    moe: MoERunConfig = Field(default_factory=MoERunConfig)
 
     @property
     def grid(self) -> RankGrid:
@@ -259,6 +261,7 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                     f"needs {cfg.world_size} GPUs (tp*pcp), {torch.cuda.device_count()} visible",
                 )
             )
+    p.extend(moe_problems(cfg))
     k = cfg.num_speculative_tokens
     if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
         p.append(
