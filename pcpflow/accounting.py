@@ -58,7 +58,7 @@ def traffic_factor(op: str, group_size: int) -> int:
         "all_to_all": s - 1,
         "broadcast": s - 1,
         "all_reduce": 2 * (s - 1),
-        "reduce_scatter": s - 1,
+        "reduce_scatter": s - 1,  # of the full tensor each rank passes in
     }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; known: {', '.join(factors)}")
@@ -397,3 +397,74 @@ def tp_share(nbytes: dict[str, int]) -> dict[str, int]:
     verification), for tables that show TP beside PCP/DCP traffic."""
     tp = sum(v for k, v in nbytes.items() if k.endswith("tp_all_reduce"))
     return {"tp": tp, "pcp_dcp": sum(nbytes.values()) - tp}
+# --- mixture of experts
+# Per MoE layer (``pcpflow.moe_dispatch``), on ``N`` padded rows per PCP rank, hidden width
+# ``h``, ``k`` experts per token, over the ``W = tp * pcp`` expert ranks:
+#
+# ==================  ==============  =====  ==============================================
+# purpose             op              group  what each rank passes in
+# ==================  ==============  =====  ==============================================
+# *gather* (vLLM's moe_gathers_tokens)
+# moe_gather          all_gather      PCP    ``N`` x ``h`` (its rows, padded)
+# moe_reduce_scatter  reduce_scatter  PCP    ``P * N`` x ``h`` (partial sums of every row)
+# moe_reduce_scatter  all_reduce      TP     ``N`` x ``h`` (when tp > 1)
+# *all_to_all* (expert parallelism; ``R[s, d]`` rows rank s sends rank d)
+# moe_counts          all_gather      world  ``W`` int64 (the rows it sends each rank)
+# moe_dispatch        all_to_all (v)  world  ``R[s, d]`` x ``h``, then ``R[s, d]`` x ``2k``
+#                                            float64 (its expert ids and weights)
+# moe_combine         all_to_all (v)  world  ``R[d, s]`` x ``h`` (each row's partial sum back)
+# moe_combine         broadcast       TP     ``N`` x ``h`` (when tp > 1: TP rank 0 dispatches)
+# ==================  ==============  =====  ==============================================
+#
+# A row is sent once to each rank that owns at least one of its experts (the owner of
+# expert ``e`` is ``e // (E / W)``); rows to oneself move nothing. ``local`` moves nothing.
+
+MOE_DISPATCH_MODES = ("local", "gather", "all_to_all")
+MOE_ID_BYTES = 8  # expert ids and weights travel as float64 beside each row
+
+
+def moe_gather_collectives(padded_num_tokens: int, pcp_size: int, hidden_size: int, *, tp_size: int = 1) -> list[Collective]:
+    """One MoE layer's collectives under ``moe.dispatch=gather``, in issue order."""
+    n, h = padded_num_tokens, hidden_size
+    out = [
+        Collective("all_gather", "moe_gather", "pcp", (n, h)),
+        Collective("reduce_scatter", "moe_reduce_scatter", "pcp", (pcp_size * n, h)),
+    ]
+    if tp_size > 1:
+        out.append(Collective("all_reduce", "moe_reduce_scatter", "tp", (n, h)))  # type: ignore[arg-type]
+    return out
+
+
+def moe_owner(expert_ids: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """The rank that owns each expert id (experts split into ``num_ranks`` equal runs)."""
+    return np.asarray(expert_ids) // (num_experts // num_ranks)
+
+
+def moe_all_to_all_calls(
+    send_rows: np.ndarray, *, hidden_size: int, top_k: int, dtype_bytes: int
+) -> list[tuple[str, int]]:
+    """(purpose, bytes) of each collective of one MoE layer's all_to_all dispatch and
+    combine, in issue order, from the ``[W, W]`` matrix of rows each rank sends each rank
+    (``Comm``'s model: what every rank receives from the others, summed over the group).
+    Each row travels with its ``top_k`` expert ids and weights as ``2 * top_k`` float64."""
+    r = np.asarray(send_rows, dtype=np.int64)
+    w = r.shape[0]
+    if w <= 1:
+        return []
+    moved = int(r.sum() - np.trace(r))
+    return [
+        ("moe_counts", w * (w - 1) * w * MOE_ID_BYTES),
+        ("moe_dispatch", moved * hidden_size * dtype_bytes),
+        ("moe_dispatch", moved * 2 * top_k * MOE_ID_BYTES),
+        ("moe_combine", moved * hidden_size * dtype_bytes),
+    ]
+
+
+def moe_uniform_send_rows(rows_per_rank: np.ndarray, *, top_k: int, num_experts: int, num_ranks: int) -> np.ndarray:
+    """The expected ``[W, W]`` send matrix when every real row picks ``top_k`` distinct
+    experts uniformly at random (what a simulator prices without a router): a row reaches
+    a rank holding ``E / W`` experts with probability ``1 - C(E - E/W, k) / C(E, k)``."""
+    per_rank = num_experts // num_ranks
+    miss = math.comb(num_experts - per_rank, top_k) / math.comb(num_experts, top_k)
+    rows = np.asarray(rows_per_rank, dtype=np.float64)
+    return np.repeat(rows[:, None] * (1.0 - miss), num_ranks, axis=1)

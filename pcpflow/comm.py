@@ -140,6 +140,20 @@ class Comm:
         self._account("reduce_scatter", purpose, t)
         return out
 
+    def all_to_all_v(
+        self, t: torch.Tensor, send: list[int], recv: list[int], purpose: str, nbytes: int
+    ) -> torch.Tensor:
+        """Rows ``t[sum(send[:j]) : sum(send[:j+1])]`` go to rank ``j``; the result holds
+        ``recv[i]`` rows from each rank ``i``, in rank order. Uneven sizes: the caller, who
+        knows every rank's counts, says what the group moved (``nbytes``)."""
+        if self.size == 1:
+            return t
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv, send, group=self.group)
+        if self.stats is not None:
+            self.stats.add("all_to_all", purpose, nbytes, tuple(t.shape))
+        return out
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)

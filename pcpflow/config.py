@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
 from pcpflow.models import ModelConfig
+from pcpflow.moe_dispatch import MoERunConfig, moe_problems
 from pcpflow.workload import WorkloadConfig
 
 
@@ -132,6 +133,7 @@ class RunConfig(_Strict):
         description="derived, not a setting: drafts per request and step of the draft stage, "
         "filled when the pipeline is assembled (set draft.num_speculative_tokens instead)",
     )
+    moe: MoERunConfig = Field(default_factory=MoERunConfig)
 
     @property
     def grid(self) -> RankGrid:
@@ -257,6 +259,7 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                     f"many GPUs, {torch.cuda.device_count()} visible",
                 )
             )
+    p.extend(moe_problems(cfg))
     return p
 
 

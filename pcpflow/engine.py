@@ -21,6 +21,7 @@ from pcpflow.cp_attention import attention_work
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.metrics import MetricsRecorder
 from pcpflow.models import build_model
+from pcpflow.moe_dispatch import moe_step_record
 from pcpflow.pipeline import Pipeline, resolve_pipeline
 from pcpflow.progress import mark_stage, mark_step, startup_done
 from pcpflow.scheduler import Scheduler
@@ -196,6 +197,7 @@ class _Loop:
             record["draft_rows"] = int(np.count_nonzero(outcome.num_proposed))  # verify rows
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
+        record.update(moe_step_record(self.ctx))
         return record
 
     def request_rows(self, requests) -> list[dict[str, Any]]:

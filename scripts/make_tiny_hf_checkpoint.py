@@ -8,7 +8,14 @@ path a real Llama / DeepSeek checkpoint takes::
     python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v3 --out /tmp/tiny-dsv3
     python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v2 --q-lora-rank none \
         --out /tmp/tiny-dsv2
+    python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v3 --moe --out /tmp/tiny-dsv3-moe
     python -m pcpflow model=hf model.path=/tmp/tiny-dsv3 pcp=2 dcp=2
+
+``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
+in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
+a random ``e_score_correction_bias`` (``N(0, 0.1^2)``, so that it changes which experts
+win) and ``routed_scaling_factor=2.5``; V2 with softmax ``group_limited_greedy``. Expert
+weights are ``N(0, 1/fan_in)`` as every linear weight.
 
 Weights are drawn from ``torch.Generator(seed)``: linear weights ``N(0, 1/fan_in)``, the LM
 head ``N(0, 4/hidden)`` (logits of standard deviation ~2), embeddings ``N(0, 1)`` (tied:
@@ -70,6 +77,7 @@ def tiny_config(
     rope_interleave: bool = True,
     vocab_size: int = 384,
     num_layers: int = 2,
+    moe: bool = False,
 ):
     """The transformers config of a tiny ``arch`` model (``rope_scaling`` None: the arch's
     default, see ``DEFAULT_ROPE_SCALING``)."""
@@ -101,18 +109,22 @@ def tiny_config(
         qk_rope_head_dim=16,
         v_head_dim=24,  # != qk_nope_head_dim, so a loader that mixes them up fails
         num_key_value_heads=4,
-        # every layer dense: MoE is not supported by pcpflow yet
-        first_k_dense_replace=num_layers,
+        # dense unless --moe: layer 0 dense, the others MoE
+        first_k_dense_replace=1 if moe else num_layers,
         n_routed_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
-        n_group=1,
-        topk_group=1,
+        n_shared_experts=1,
+        n_group=4 if moe else 1,
+        topk_group=2 if moe else 1,
     )
     if arch == "deepseek_v3":
-        return transformers.DeepseekV3Config(**common, **mla, rope_interleave=rope_interleave)
+        return transformers.DeepseekV3Config(
+            **common, **mla, rope_interleave=rope_interleave, routed_scaling_factor=2.5, norm_topk_prob=True
+        )
     if arch == "deepseek_v2":
-        return transformers.DeepseekV2Config(**common, **mla)
+        method = "group_limited_greedy" if moe else "greedy"
+        return transformers.DeepseekV2Config(**common, **mla, topk_method=method)
     raise ValueError(f"unknown arch {arch!r}; allowed: {', '.join(ARCHS)}")
 
 
@@ -137,12 +149,15 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 value = 1 + 0.2 * randn(param.shape)
             elif name.endswith(".bias"):
                 value = 0.1 * randn(param.shape)
-            elif param.dim() == 2:
+            elif param.dim() in (2, 3):  # 3: stacked experts [E, out, in]
                 gain = LOGIT_GAIN if name == "lm_head.weight" else 1.0
-                value = randn(param.shape) * (gain / math.sqrt(param.shape[1]))
+                value = randn(param.shape) * (gain / math.sqrt(param.shape[-1]))
             else:
                 raise TypeError(f"no init rule for {name} {tuple(param.shape)}")
             param.copy_(value.to(param.dtype))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_((0.1 * randn(buf.shape)).to(buf.dtype))
 
 
 def build_checkpoint(
@@ -196,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         help="DeepSeek-V3: rope_interleave=false (rotate-half rope)",
     )
     p.add_argument("--max-shard-size", default=None, help="e.g. 200KB: a sharded checkpoint")
+    p.add_argument("--moe", action="store_true", help="DeepSeek: mixture-of-experts layers past layer 0")
     args = p.parse_args(argv)
     q_lora = None if args.q_lora_rank.lower() == "none" else int(args.q_lora_rank)
     out = build_checkpoint(
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=args.tie_word_embeddings,
         bias=args.bias,
         rope_interleave=not args.no_rope_interleave,
+        moe=args.moe,
     )
     cfg = json.loads((out / "config.json").read_text())
     files = sorted(f.name for f in out.iterdir())

@@ -14,6 +14,7 @@ import torch
 from pydantic import Field
 
 from pcpflow.cp_attention import CPAttention
+from pcpflow.moe_dispatch import moe_forward
 from pcpflow.stage import Stage, StageConfig, register
 from pcpflow.state import StepState
 
@@ -46,7 +47,7 @@ class ModelForward(Stage):
             dcp_comm_backend=ctx.config.dcp_comm_backend,
         )
         state.attn.dcp_rest = backend.dcp_rest.mode
-        with torch.no_grad():
+        with torch.no_grad(), moe_forward(ctx, state):
             state.hidden, state.aux_hidden = ctx.model(
                 local.input_ids, local.positions, backend, tuple(sorted(ctx.aux_layers))
             )

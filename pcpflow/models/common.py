@@ -185,12 +185,14 @@ class DecoderLayer(nn.Module):
         intermediate_size: int,
         eps: float,
         mlp_bias: bool = False,
+        mlp: nn.Module | None = None,
     ):
         super().__init__()
         self.input_norm = RMSNorm(hidden_size, eps)
         self.self_attn = self_attn
         self.post_attention_norm = RMSNorm(hidden_size, eps)
-        self.mlp = GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
+        # NOTE: ``mlp`` replaces the dense MLP (a mixture-of-experts block, pcpflow.models.moe)
+        self.mlp = mlp if mlp is not None else GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
@@ -295,6 +297,8 @@ def build_seeded(
                 module.weight.copy_(_randn(module.weight.shape, gen) * embed_std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif hasattr(module, "seeded_init"):  # e.g. an MoE router (weight and bias)
+                module.seeded_init(gen, linear_gain)
             elif any(True for _ in module.parameters(recurse=False)):
                 raise TypeError(f"build_seeded does not know how to init {name} ({type(module)})")
     return model.to(device=device, dtype=dtype)

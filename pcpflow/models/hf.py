@@ -2,9 +2,10 @@
 
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
-Supported: ``LlamaForCausalLM`` (``hf_llama``) and dense ``DeepseekV2ForCausalLM`` /
-``DeepseekV3ForCausalLM`` (``hf_deepseek``). The config is checked when the run config
-is validated — an unsupported architecture, MoE layers, a quantized checkpoint, a missing
+Supported: ``LlamaForCausalLM`` (``hf_llama``) and ``DeepseekV2ForCausalLM`` /
+``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is
+checked when the run config is validated — an unsupported architecture (other MoE
+families such as Mixtral and Qwen-MoE are named as such), a quantized checkpoint, a missing
 directory or weights are configuration errors (exit 2, no rank started). The weights are
 cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 """
@@ -56,6 +57,11 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
         raise ValueError(f"{config_file} is not a JSON object")
     archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
     arch = archs[0] if archs and archs[0] else f"model_type={raw.get('model_type')!r}"
+    if arch not in ARCHITECTURES and _is_moe(raw, arch):
+        raise ValueError(
+            f"{arch} is a mixture-of-experts variant pcpflow does not run (its router is not "
+            "DeepSeek's); supported MoE checkpoints: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"
+        )
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"architecture {arch} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -63,6 +69,11 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
     checkpoint = ARCHITECTURES[arch].parse(raw, arch)
     checkpoint_files(path)  # raises if there are no weights
     return checkpoint
+
+
+def _is_moe(raw: dict, arch: str) -> bool:
+    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+    return "moe" in arch.lower() or "mixtral" in arch.lower() or any(raw.get(k) for k in keys)
 
 
 class HFModel(DecoderLM):

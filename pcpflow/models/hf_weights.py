@@ -25,7 +25,7 @@ SINGLE_FILE = "model.safetensors"
 @dataclass(frozen=True)
 class Rename:
     """The HF tensor ``hf`` fills pcpflow parameter ``ours``. Both are dotted names where
-    ``{i}`` stands for a layer index and ``{wb}`` for ``weight`` or ``bias``;
+    ``{i}`` stands for a layer index, ``{j}`` for an expert index and ``{wb}`` for ``weight`` or ``bias``;
     ``part=(k, n)``: the tensor is the k-th of n equal slices of a fused parameter along
     dim 0."""
 
@@ -43,6 +43,7 @@ class Rename:
 def _compile(template: str) -> re.Pattern[str]:
     regex = re.escape(template)
     regex = regex.replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{wb\}", r"(?P<wb>weight|bias)")
+    regex = regex.replace(r"\{j\}", r"(?P<j>\d+)")  # an expert index
     return re.compile(regex)
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pcpflow.models.common import DecoderLayer, DecoderLM, RotaryEmbedding
 from pcpflow.models.layers import MLAAttention, mla_spec
+from pcpflow.models.moe import build_mlp, dense_sentinel
+from pcpflow.models.moe_config import MoEConfig
 
 
 class TinyMLA(DecoderLM):
@@ -43,14 +45,25 @@ class TinyMLA(DecoderLM):
         logit_gain: float = Field(
             4.0, gt=0, description="untied LM head is N(0, logit_gain^2 / hidden_size)"
         )
+        moe: MoEConfig | None = Field(
+            None, description="mixture-of-experts layers (None, or num_experts 0: dense MLPs)"
+        )
+
+        _dense_moe = field_validator("moe", mode="before")(dense_sentinel)
 
     def __init__(self, config: TinyMLA.Config):
         c = config
         scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
         spec = mla_spec(c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim, scale)
         layers = [
-            DecoderLayer(mla_attention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
-            for _ in range(c.num_layers)
+            DecoderLayer(
+                mla_attention(c),
+                c.hidden_size,
+                c.intermediate_size,
+                c.rms_norm_eps,
+                mlp=build_mlp(c.moe, i, c.hidden_size, c.intermediate_size),
+            )
+            for i in range(c.num_layers)
         ]
         super().__init__(
             vocab_size=c.vocab_size,

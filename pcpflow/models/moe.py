@@ -1,0 +1,251 @@
+"""Mixture-of-experts MLP layers (DeepSeek-V2/V3), routed exactly as transformers'
+``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` do.
+
+V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
+``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
+whose two best biased scores sum highest; the weights are the unbiased scores of the
+chosen experts, normalised to sum 1 when ``norm_topk_prob``, times
+``routed_scaling_factor``. V2 (``softmax``): softmax scores, groups ranked by their best
+score, the top-k scores are the weights (normalised when ``norm_topk_prob``; transformers'
+V2 never normalises, so its checkpoints load with it off), times the scaling factor. The
+layer's output is the routed experts' weighted sum plus the shared experts.
+
+A model never sees ranks: *where* the routed experts run is an ``ExpertDispatch`` the
+engine installs for the forward (``use_dispatch``; vLLM's forward context does the same
+for its MoE runner). Without one a layer routes its own rows against all its experts
+(``LOCAL``), which is also what drafters that reuse the target model get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pcpflow.errors import Problem
+from pcpflow.models.common import GatedMLP
+from pcpflow.models.moe_config import MoEConfig
+
+
+def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Problem]:
+    """What makes ``moe`` unroutable, each naming the field and the numbers."""
+    e, g = moe.num_experts, moe.n_group
+    out = []
+    if moe.top_k > e:
+        out.append(Problem(f"{field}.top_k", moe.top_k, f"must be <= num_experts ({e})"))
+    if e % g:
+        out.append(Problem(f"{field}.n_group", g, f"must divide num_experts ({e})"))
+    elif moe.topk_group > g:
+        out.append(Problem(f"{field}.topk_group", moe.topk_group, f"must be <= n_group ({g})"))
+    elif moe.top_k > moe.topk_group * (e // g):
+        allowed = f"must be <= topk_group * num_experts / n_group ({moe.topk_group * (e // g)})"
+        out.append(Problem(f"{field}.top_k", moe.top_k, allowed))
+    elif g > 1 and moe.scoring_func == "sigmoid" and e // g < 2:
+        # NOTE: V3 ranks a group by the sum of its two best scores
+        out.append(Problem(f"{field}.n_group", g, f"sigmoid groups need >= 2 experts each (num_experts {e})"))
+    return out
+
+
+def is_moe_layer(moe: MoEConfig | None, layer: int) -> bool:
+    """Layers ``>= first_k_dense_replace`` are MoE, every ``moe_layer_freq``-th of them."""
+    if moe is None or layer < moe.first_k_dense_replace:
+        return False
+    return (layer - moe.first_k_dense_replace) % moe.moe_layer_freq == 0
+
+
+def moe_layers(moe: MoEConfig | None, num_layers: int) -> list[int]:
+    return [i for i in range(num_layers) if is_moe_layer(moe, i)]
+
+
+class TopKRouter(nn.Module):
+    """The gate: ``weight [E, hidden]`` and, for sigmoid scoring, the selection bias."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        if moe.scoring_func == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def seeded_init(self, gen: torch.Generator, gain: float) -> None:
+        """``build_seeded``'s rule: weight ``N(0, gain^2 / hidden)``; a bias ``N(0, 0.1^2)``
+        (large enough to change which experts win, never the weights)."""
+        e, h = self.weight.shape
+        self.weight.copy_(torch.randn((e, h), generator=gen, dtype=torch.float64) * gain / h**0.5)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.copy_(0.1 * torch.randn(e, generator=gen, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, hidden] -> (weights [N, top_k], expert ids [N, top_k])``. Half precision
+        routes in float32 (as transformers does)."""
+        dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        logits = x.to(dtype) @ self.weight.to(dtype).T
+        bias = self.e_score_correction_bias
+        return route(logits, None if bias is None else bias.to(dtype), self.moe)
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[N, E]`` -> (weights, expert ids), both ``[N, top_k]``."""
+    n, e, g = logits.shape[0], moe.num_experts, moe.n_group
+    if moe.scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores if bias is None else scores + bias
+        if g > 1:
+            group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(-1)
+            choice = choice.masked_fill(~_group_mask(group_scores, moe.topk_group, e // g), float("-inf"))
+        ids = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    else:
+        scores = logits.softmax(dim=-1)
+        if g > 1:
+            group_scores = scores.view(n, g, e // g).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(group_scores, moe.topk_group, e // g), 0.0)
+        weights, ids = scores.topk(moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, group_size: int) -> torch.Tensor:
+    """``[N, E]`` bool: the experts inside each row's ``topk_group`` best groups."""
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+    return keep.repeat_interleave(group_size, dim=1)
+
+
+def expert_slice(i: int, part: int, parts: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of an ``i``-wide intermediate dimension that part ``part`` of
+    ``parts`` computes (as even as can be; a part may be empty when ``i < parts``)."""
+    return i * part // parts, i * (part + 1) // parts
+
+
+def sliced_mlp(mlp: GatedMLP, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``mlp(x)``'s share from intermediate units ``[lo, hi)``: summed over a partition of
+    the units, the shares give ``mlp(x)`` (without biases, which experts do not have)."""
+    i = mlp.down_proj.in_features
+    if (lo, hi) == (0, i):
+        return mlp(x)
+    w = mlp.gate_up_proj.weight
+    gate, up = x @ w[lo:hi].T, x @ w[i + lo : i + hi].T
+    return (nn.functional.silu(gate) * up) @ mlp.down_proj.weight[:, lo:hi].T
+
+
+class MoEMLP(nn.Module):
+    """Router, routed experts and shared experts of one layer (transformers'
+    ``DeepseekV3MoE``); the routed part runs where the installed dispatch says."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, moe: MoEConfig, layer: int):
+        super().__init__()
+        self.moe, self.layer = moe, layer
+        width = moe.intermediate_size or intermediate_size
+        self.intermediate_size = width
+        self.gate = TopKRouter(hidden_size, moe)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, width) for _ in range(moe.num_experts))
+        self.shared_experts = (
+            GatedMLP(hidden_size, width * moe.num_shared_experts) if moe.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = (_DISPATCH.get() or LOCAL)(self, x)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+    def run_experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: range | None = None,
+        part: tuple[int, int] = (0, 1),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weighted sum over ``experts`` (default all) of each row's chosen experts, each
+        computed on its intermediate share ``part`` = (k, n), and the rows each expert
+        received (``[E]`` int64). ``ids`` -1 chooses no expert (padding)."""
+        out = torch.zeros_like(x)
+        rows_per_expert = torch.zeros(self.moe.num_experts, dtype=torch.int64, device=x.device)
+        if not len(x):
+            return out, rows_per_expert
+        chosen = ids[ids >= 0]
+        rows_per_expert += torch.bincount(chosen, minlength=self.moe.num_experts)
+        lo, hi = expert_slice(self.intermediate_size, *part)
+        hit = torch.zeros(self.moe.num_experts, dtype=torch.bool)
+        hit[chosen.cpu()] = True
+        for e in experts if experts is not None else range(self.moe.num_experts):
+            if not hit[e] or hi == lo:
+                continue
+            row, slot = (ids == e).nonzero(as_tuple=True)
+            y = sliced_mlp(self.experts[e], x[row], lo, hi) * weights[row, slot, None]
+            out.index_add_(0, row, y.to(out.dtype))
+        if experts is not None:
+            outside = torch.ones(self.moe.num_experts, dtype=torch.bool, device=x.device)
+            outside[experts.start : experts.stop] = False
+            rows_per_expert[outside] = 0
+        return out, rows_per_expert
+
+
+class ExpertDispatch(Protocol):
+    def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for this rank's rows ``x`` (``[N, hidden]``)."""
+        ...
+
+
+class LocalDispatch:
+    """Route this rank's rows against all experts, here (``moe.dispatch=local``); rows
+    flagged in ``is_padding`` reach no expert. ``on_experts(layer, ids, rows_per_expert)``
+    observes each layer's routing (metrics)."""
+
+    def __init__(self, is_padding: torch.Tensor | None = None, on_experts=None) -> None:
+        self.is_padding, self.on_experts = is_padding, on_experts
+
+    def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe.gate(x)
+        if self.is_padding is not None:
+            ids = ids.masked_fill(self.is_padding[:, None], -1)
+        out, rows = moe.run_experts(x, ids, weights)
+        if self.on_experts is not None:
+            self.on_experts(moe.layer, ids, rows)
+        return out
+
+
+LOCAL = LocalDispatch()
+_DISPATCH: ContextVar[ExpertDispatch | None] = ContextVar("pcpflow_moe_dispatch", default=None)
+
+
+@contextmanager
+def use_dispatch(dispatch: ExpertDispatch | None) -> Iterator[None]:
+    """Run the MoE layers of forwards inside the block through ``dispatch``."""
+    token = _DISPATCH.set(dispatch)
+    try:
+        yield
+    finally:
+        _DISPATCH.reset(token)
+
+
+def build_mlp(moe: MoEConfig | None, layer: int, hidden_size: int, intermediate_size: int) -> MoEMLP | None:
+    """Layer ``layer``'s MoE block, or None where the layer is dense."""
+    if not is_moe_layer(moe, layer):
+        return None
+    return MoEMLP(hidden_size, intermediate_size, moe, layer)
+
+
+def dense_sentinel(value):
+    """``model.moe`` with ``num_experts: 0`` is a dense model (None): a YAML needs the
+    whole ``moe:`` block for ``model.moe.num_experts=8`` to be a valid override. Any other
+    MoE setting changed there without experts is an error rather than silently dense."""
+    if not isinstance(value, dict) or value.get("num_experts", 1) != 0:
+        return value
+    defaults = {k: f.default for k, f in MoEConfig.model_fields.items()}
+    changed = sorted(k for k, v in value.items() if k != "num_experts" and v != defaults.get(k, v))
+    if changed:
+        raise ValueError(
+            f"num_experts is 0 (a dense model), so {', '.join(changed)} would have no effect; "
+            "set model.moe.num_experts >= 1 to add experts"
+        )
+    return None
