@@ -28,6 +28,11 @@ _NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", 
 
 def conf_dir() -> str:
     """The installed ``pcpflow.conf`` package data, or ``conf/`` of a source checkout."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "conf" / "config.yaml").is_file():
+        # NOTE: a checkout on PYTHONPATH over an editable install of another checkout must
+        # read its own YAML, not the one the editable finder maps pcpflow.conf to.
+        return str(checkout / "conf")
     try:
         import pcpflow.conf as conf  # type: ignore[import-not-found]
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
 from pcpflow.models import ModelConfig
+from pcpflow.sampling import SamplingConfig
 from pcpflow.workload import WorkloadConfig
 
 
@@ -114,11 +115,17 @@ class RunConfig(_Strict):
         description="stage of each slot ({kind: ...}) and `extra` user stages",
     )
     verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @property
     def grid(self) -> RankGrid:
         return RankGrid(tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the sampling draws: ``sampling.seed``, else the run's ``seed``."""
+        return self.seed if self.sampling.seed is None else self.sampling.seed
 
     @property
     def world_size(self) -> int:

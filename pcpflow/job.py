@@ -21,12 +21,13 @@ from pcpflow.kv_cache import KVCacheManager
 from pcpflow.launch import RESULT_FILE, RankFailure, launch_ranks, print_err, write_frozen_config
 from pcpflow.pipeline import resolve_pipeline
 from pcpflow.scheduler import check_fits
+from pcpflow.text import tokenize_workload
 from pcpflow.workload import build_requests
 
 
 def prepare_job(raw: dict[str, Any]) -> RunConfig:
     """The validated config of one job; raises ConfigError with every problem found."""
-    cfg = parse_run_config(raw)
+    cfg = tokenize_workload(parse_run_config(raw))
     problems: list[Problem] = []
     try:
         resolve_pipeline(cfg)
