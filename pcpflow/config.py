@@ -18,6 +18,7 @@ from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
 from pcpflow.models import ModelConfig
 from pcpflow.moe_dispatch import MoERunConfig, moe_problems
+from pcpflow.sampling import SamplingConfig
 from pcpflow.workload import WorkloadConfig
 
 
@@ -126,6 +127,7 @@ class RunConfig(_Strict):
         description="stage of each slot ({kind: ...}) and `extra` user stages",
     )
     verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     num_speculative_tokens: int = Field(
         0,
@@ -138,6 +140,11 @@ class RunConfig(_Strict):
     @property
     def grid(self) -> RankGrid:
         return RankGrid(tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the sampling draws: ``sampling.seed``, else the run's ``seed``."""
+        return self.seed if self.sampling.seed is None else self.sampling.seed
 
     @property
     def world_size(self) -> int:

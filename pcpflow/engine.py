@@ -27,13 +27,15 @@ from pcpflow.progress import mark_stage, mark_step, startup_done
 from pcpflow.scheduler import Scheduler
 from pcpflow.state import StepState
 from pcpflow.tensor_parallel import shard_model
+from pcpflow.text import decode_outputs, stop_token_ids
 from pcpflow.verify import Verifier
 from pcpflow.workload import build_requests
 
 
 def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     """Run the workload on this rank; rank 0 returns the result sections
-    (``verify``, ``outputs``, ``requests``, ``metrics``), other ranks None.
+    (``verify``, ``outputs``, ``texts`` with a tokenizer, ``requests``, ``metrics``),
+    other ranks None.
 
     torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1.
     """
@@ -72,6 +74,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         max_num_seqs=cfg.scheduler.max_num_seqs,
         kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp),
         num_speculative_tokens=cfg.num_speculative_tokens,
+        stop_token_ids=stop_token_ids(cfg),
     )
     ctx = RankContext(
         config=cfg,
@@ -112,6 +115,9 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         "requests": req_rows,
         "metrics": recorder.summary(req_rows, wall_s),
     }
+    texts = decode_outputs(cfg.model, result["outputs"])
+    if texts is not None:
+        result["texts"] = texts
     if verifier is not None:
         result["verify"] = verifier.summary()
     if cfg.output.save_logits:

@@ -26,6 +26,7 @@ from pcpflow.rundir import (
     write_result,
 )
 from pcpflow.signals import Interrupted, interruptible
+from pcpflow.text import tokenize_workload
 
 
 def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
@@ -34,7 +35,7 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
     from pcpflow.checks import check_job
 
-    cfg = parse_run_config(raw)
+    cfg = tokenize_workload(parse_run_config(raw))
     return check_job(cfg, raw, kind=kind)
 
 

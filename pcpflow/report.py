@@ -111,8 +111,33 @@ def print_summary(result: dict[str, Any]) -> None:
                 f"acceptance {m['acceptance_rate']:.1%} · {m['mean_accepted_per_step']:.2f} accepted/step · "
                 f"draft {m['draft_time_fraction']:.1%} of step time",
             )
+    for label, shown in first_outputs(result):
+        table.add_row(label, shown)
     table.add_row("results", str(Path(result["run_dir"]) / "result.json"))
     console.print(table)
+
+
+# --- text out
+SHOWN_OUTPUTS = 3
+SHOWN_CHARS = 200
+
+
+def first_outputs(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, shown) rows for the first requests' outputs: their text where the
+    checkpoint has a tokenizer, else their token ids, cut to one readable line."""
+    from rich.markup import escape
+
+    texts, outputs = result.get("texts"), result.get("outputs") or []
+    rows = []
+    for i, ids in enumerate(outputs[:SHOWN_OUTPUTS]):
+        shown = repr(texts[i]) if texts is not None else str(ids)
+        if len(shown) > SHOWN_CHARS:
+            shown = shown[: SHOWN_CHARS - 3] + "..."
+        rows.append((f"output {i}", escape(f"{shown} ({len(ids)} tokens)")))
+    if len(outputs) > SHOWN_OUTPUTS:
+        rows.append(("", f"... {len(outputs) - SHOWN_OUTPUTS} more in result.json"))
+    return rows
+# --- end text out
 
 
 def _human(n: float) -> str:

@@ -25,13 +25,14 @@ Policy, with budget = max_num_batched_tokens, running requests in admission orde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from pcpflow.batch import GlobalBatch
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.kv_cache import KVCacheManager
+from pcpflow.stopping import cut_at_stop
 from pcpflow.workload import Request
 
 
@@ -90,7 +91,7 @@ class StepOutcome:
     appended_token_ids: np.ndarray  # int64 [sum(num_appended)]: those tokens, row by row
     num_accepted: np.ndarray  # int64 [R]: drafts accepted
     num_proposed: np.ndarray  # int64 [R]: drafts scheduled (batch.num_draft_tokens)
-    finished_req_ids: np.ndarray  # int64: requests that reached max_output_tokens this step
+    finished_req_ids: np.ndarray  # int64: requests that reached max_output_tokens or a stop token
     freed_blocks: np.ndarray  # int64: KV blocks released by the finished requests
     first_token: np.ndarray  # int64: req_ids that produced their first token this step
 
@@ -160,6 +161,7 @@ class Scheduler:
         max_num_seqs: int,
         kv: KVCacheManager,
         num_speculative_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or num_speculative_tokens < 0:
             raise ValueError(
@@ -182,6 +184,8 @@ class Scheduler:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.kv = kv
         self.step = 0
+        # a request that appends one of these (its checkpoint's EOS ids) finishes there
+        self.stop_token_ids = np.unique(np.asarray(list(stop_token_ids), dtype=np.int64))
 
         # Per request, in arrival order (index i below); admission takes them in order.
         order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, ids[i]))
@@ -376,11 +380,12 @@ class Scheduler:
         row_of = np.repeat(np.arange(len(rows)), take)
         j = np.arange(len(row_of)) - (take.cumsum() - take)[row_of]
         appended = sampled[acc.sample_start[row_of] + j]
+        take, row_of, j, appended, stopped = cut_at_stop(self.stop_token_ids, take, row_of, j, appended)
         self._outputs[self._output_start[rows[row_of]] + num_out[row_of] + j] = appended
         self._num_out[rows] = num_out + take
         first = rows[(take > 0) & (num_out == 0)]
         self._first_token_step[first] = batch.step
-        done = (take > 0) & (num_out + take >= self._max_out[rows])
+        done = (take > 0) & ((num_out + take >= self._max_out[rows]) | stopped)
         finished = rows[done]
         self._finish_step[finished] = batch.step
         finished_ids = self._req_id[finished]
@@ -420,8 +425,10 @@ class Scheduler:
                 f"({self.num_speculative_tokens})"
             )
         rows = self._batch_rows
-        decoding = (self._num_computed[rows] >= self._prompt_len[rows]) & (
-            self._num_out[rows] < self._max_out[rows]
+        decoding = (
+            (self._num_computed[rows] >= self._prompt_len[rows])
+            & (self._num_out[rows] < self._max_out[rows])
+            & (self._finish_step[rows] < 0)
         )
         rows, drafts = rows[decoding], drafts[decoding]
         self._drafts[rows, : drafts.shape[1]] = drafts

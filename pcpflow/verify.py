@@ -6,8 +6,9 @@ tokens it is fed are the real run's, and one near-tie cannot make the runs drift
 Each step:
 
 - **logits and tokens** (rank 0): largest |logit - reference logit|; every sampled token
-  must equal the reference's argmax. In float32 and bfloat16 a differing token is
-  accepted as a *near-tie* only where the reference's top two logits are within
+  must equal the reference's argmax (or, sampling, its keyed draw). In float32 and bfloat16
+  a differing token is accepted as a *near-tie* only where the reference's top two logits
+  (sampling: the two tokens' perturbed scores, ``pcpflow.sampling.decision_gap``) are within
   2 * tolerance (either could win under rounding); float64 has no such allowance.
 - **KV cache** (every rank): rank 0 broadcasts the reference's cache entries for this
   step's tokens; each rank writes them into an *expected* cache at the slots of the
@@ -36,6 +37,7 @@ from pcpflow.kv_cache import KVCacheManager
 from pcpflow.models import build_model
 from pcpflow.pipeline import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.attn_metadata import rank_slot_mapping
+from pcpflow.sampling import decision_gap
 from pcpflow.state import StepState
 from pcpflow.tensor_parallel import entry_columns
 
@@ -119,9 +121,10 @@ class Verifier:
         got, want = state.sampled_token_ids, ref.sampled_token_ids
         self.tokens_checked += len(want)
         for i in np.flatnonzero(got != want):
-            top2 = torch.topk(ref.logits[i].to(torch.float64), 2).values
-            gap = float(top2[0] - top2[1])
             req = int(batch.req_ids[batch.logits_req_indices[i]])
+            # greedy: the top-2 gap; sampling: the gap of the two perturbed scores
+            gap = decision_gap(ref.logits[i], int(got[i]), int(want[i]), self.cfg.sampling,
+                               self.cfg.sampling_seed, req, int(batch.positions[batch.logits_indices[i]]) + 1)
             entry = {"step": batch.step, "req_id": req, "got": int(got[i]), "reference": int(want[i]), "top2_gap": gap}
             if self.cfg.dtype != "float64" and gap <= 2 * self.atol:
                 self.near_ties.append(entry)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pcpflow.errors import ConfigError, Problem
 
@@ -54,6 +54,7 @@ class SyntheticWorkload(_WorkloadBase):
         description="request i arrives at step floor(i * arrival_every); 0 = all at step 0",
     )
     seed: Seed = None
+    ignore_eos: bool = Field(True, description="generate every output_len token, past any EOS")
 
     @field_validator("prompt_len", "output_len")
     @classmethod
@@ -66,6 +67,13 @@ class SyntheticWorkload(_WorkloadBase):
         return value
 
 
+class ChatMessage(_WorkloadBase):
+    """One turn of a conversation (``workload.chats``)."""
+
+    role: str = Field(description="user, assistant, system, ... (as the chat template knows them)")
+    content: str
+
+
 class ExplicitWorkload(_WorkloadBase):
     """Requests spelled out: prompt lengths (random token ids) or the token ids themselves."""
 
@@ -73,6 +81,20 @@ class ExplicitWorkload(_WorkloadBase):
     prompt_lens: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, description="prompt length of each request (token ids drawn at random)"
     )
+    # --- text in (pcpflow.text): texts / chats, tokenized by the driver into text_token_ids
+    texts: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None,
+        min_length=1,
+        description="prompt texts, tokenized by the checkpoint's tokenizer (model=hf); "
+        "replace prompt_lens",
+    )
+    chats: list[Annotated[list[ChatMessage], Field(min_length=1)]] | None = Field(
+        None,
+        min_length=1,
+        description="conversations ([{role, content}, ..] each), rendered and tokenized by "
+        "the checkpoint's chat template with the generation prompt; replace prompt_lens",
+    )
+    # --- end text in
     prompts: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
         None,
         validate_default=True,
@@ -87,6 +109,28 @@ class ExplicitWorkload(_WorkloadBase):
         None, description="arrival step of each request (one per prompt); null = all at step 0"
     )
     seed: Seed = None
+    # --- text in
+    ignore_eos: bool = Field(
+        False, description="generate output_lens tokens even past the checkpoint's EOS"
+    )
+    text_token_ids: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+        None,
+        description="set by the driver, not by users: the token ids of texts / chats, so "
+        "that every rank runs the ids the driver's tokenizer produced",
+    )
+
+    @model_validator(mode="after")
+    def _text_sources(self):
+        given = [k for k in ("texts", "chats", "prompts") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of texts, chats or prompts; got {' and '.join(given)}")
+        texts = self.texts if self.texts is not None else self.chats
+        if self.text_token_ids is not None and (
+            texts is None or len(texts) != len(self.text_token_ids)
+        ):
+            raise ValueError("text_token_ids is set by the driver from texts / chats; do not set it")
+        return self
+    # --- end text in
 
     @field_validator("prompts")
     @classmethod
@@ -95,7 +139,7 @@ class ExplicitWorkload(_WorkloadBase):
         # lengths, and `workload.prompts=[[...]]` alone must be enough on the command line).
         if "prompt_lens" not in info.data:
             return prompts  # prompt_lens itself was invalid; pydantic reports that
-        if prompts is None and info.data["prompt_lens"] is None:
+        if prompts is None and info.data["prompt_lens"] is None and _num_prompts(info.data) is None:
             raise ValueError("give prompt_lens (lengths, random token ids) or prompts (token ids)")
         if prompts is not None and any(len(p) == 0 for p in prompts):
             empty = [i for i, p in enumerate(prompts) if len(p) == 0]
@@ -126,10 +170,16 @@ class ExplicitWorkload(_WorkloadBase):
 
     @property
     def num_requests(self) -> int:
+        for source in (self.texts, self.chats):
+            if source is not None:
+                return len(source)
         return len(self.prompts) if self.prompts is not None else len(self.prompt_lens or ())
 
 
 def _num_prompts(data: dict[str, Any]) -> int | None:
+    for key in ("texts", "chats"):
+        if data.get(key) is not None:
+            return len(data[key])
     if data.get("prompts") is not None:
         return len(data["prompts"])
     if data.get("prompt_lens") is not None and "prompts" in data:
@@ -171,6 +221,7 @@ class TraceWorkload(_WorkloadBase):
         description="ms per scheduler step: arrival step = floor((ts - first ts) / step_ms)",
     )
     seed: Seed = None
+    ignore_eos: bool = Field(True, description="generate every output length token, past any EOS")
 
     @field_validator("path")
     @classmethod
@@ -242,13 +293,19 @@ def _synthetic(cfg: SyntheticWorkload, vocab_size: int, seed: int) -> list[Reque
 
 
 def _explicit(cfg: ExplicitWorkload, vocab_size: int, seed: int) -> list[Request]:
-    if cfg.prompts is not None:
-        prompts = [np.asarray(p, dtype=np.int64) for p in cfg.prompts]
+    field, given_ids = "workload.prompts", cfg.prompts
+    if cfg.texts is not None or cfg.chats is not None:  # text in
+        field, given_ids = "workload." + ("texts" if cfg.texts is not None else "chats"), cfg.text_token_ids
+        if given_ids is None:
+            raise ConfigError([Problem(field, "<not tokenized>", "texts and chats are tokenized "
+                                       "in the driver: pcpflow.text.tokenize_workload (prepare_job does it)")])
+    if given_ids is not None:
+        prompts = [np.asarray(p, dtype=np.int64) for p in given_ids]
         bad = [i for i, p in enumerate(prompts) if p.max() >= vocab_size]
         if bad:
             raise ConfigError([
                 Problem(
-                    field="workload.prompts",
+                    field=field,
                     given={i: int(prompts[i].max()) for i in bad},
                     allowed=f"token ids in [0, {vocab_size}) (the model's vocab_size); "
                     f"prompts {bad} have larger ids",

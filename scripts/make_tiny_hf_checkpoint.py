@@ -29,8 +29,18 @@ The sizes and rope settings are chosen so that the rope scalings bite at test le
 llama3 with ``original_max_position_embeddings=64`` puts rope frequencies on both sides of
 and inside its smoothing band; YaRN with ``original_max_position_embeddings=64``,
 ``factor=4`` and ``mscale != mscale_all_dim`` has a fractional ramp, a cos/sin attention
-factor != 1 and a softmax mscale != 1. The checkpoints have no EOS token: pcpflow always
-generates a request's full output length, and so must the greedy reference.
+factor != 1 and a softmax mscale != 1. Without ``--tokenizer`` the checkpoints have no
+EOS token: pcpflow generates a request's full output length, and so must the reference.
+
+``--tokenizer`` adds a real tokenizer: a byte-level BPE trained offline with the
+``tokenizers`` library on ``PARAGRAPH`` (special tokens ``<s>``, ``</s>``, ``<|im_start|>``,
+``<|im_end|>``; the tokenizer adds ``<s>`` to plain text), saved beside the weights with a
+ChatML chat template, the model's vocabulary sized to it, and ``generation_config.json``
+naming the EOS ids (``--eos-token-id``, default ``<|im_end|>`` and ``</s>``)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch llama --tokenizer --out /tmp/tiny-llama-tok
+    python -m pcpflow model=hf model.path=/tmp/tiny-llama-tok workload=explicit \
+        'workload.texts=["The capital of France is"]'
 """
 
 from __future__ import annotations
@@ -128,6 +138,57 @@ def tiny_config(
     raise ValueError(f"unknown arch {arch!r}; allowed: {', '.join(ARCHS)}")
 
 
+PARAGRAPH = (
+    "The capital of France is Paris, a city on the river Seine. Context parallelism splits a "
+    "long prompt into chunks that several ranks prefill at once; each rank keeps part of the "
+    "key-value cache, and decode steps read every shard, merging the partial attention with "
+    "the log-sum-exp of each shard. What is the capital of France? It is Paris. The quick "
+    "brown fox jumps over the lazy dog while the tokenizer learns which letters come "
+    "together: the, and, of, in, is, to, on, at, a, an. Numbers such as 1, 2, 3, 42 and 2026 "
+    "appear too, with punctuation: commas, periods, questions? and exclamations!"
+)
+SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def train_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE trained on ``PARAGRAPH`` (any text encodes: bytes are its alphabet),
+    as a transformers ``PreTrainedTokenizerFast`` with BOS, EOS and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([PARAGRAPH], trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def write_generation_config(out: str | Path, eos_token_id: int | list[int], bos_token_id: int | None = None) -> None:
+    """``generation_config.json`` naming the checkpoint's EOS id(s)."""
+    import transformers
+
+    config = transformers.GenerationConfig(eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+    config.save_pretrained(out)
+
+
 LOGIT_GAIN = 2.0
 """The LM head is ``N(0, LOGIT_GAIN^2 / hidden)``: logits of standard deviation ~2."""
 
@@ -166,12 +227,19 @@ def build_checkpoint(
     *,
     seed: int = 0,
     max_shard_size: str | None = None,
+    tokenizer: bool = False,
+    eos_token_id: int | list[int] | None = None,
     **config_kwargs,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``out`` (see ``tiny_config`` for the
-    options) and return its path."""
+    options) and return its path. ``tokenizer``: with a trained BPE tokenizer, the vocabulary
+    sized to it, and EOS ids ``eos_token_id`` (default ``<|im_end|>`` and ``</s>``)."""
     import transformers
 
+    tok = None
+    if tokenizer:
+        tok = train_tokenizer(config_kwargs.get("vocab_size", 384))
+        config_kwargs["vocab_size"] = len(tok)
     config = tiny_config(arch, **config_kwargs)
     cls = {
         "llama": transformers.LlamaForCausalLM,
@@ -184,6 +252,11 @@ def build_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
+    if tok is not None:
+        tok.save_pretrained(out)
+        if eos_token_id is None:
+            eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
+        write_generation_config(out, eos_token_id, tok.bos_token_id)
     return out
 
 
@@ -212,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--max-shard-size", default=None, help="e.g. 200KB: a sharded checkpoint")
     p.add_argument("--moe", action="store_true", help="DeepSeek: mixture-of-experts layers past layer 0")
+    p.add_argument("--tokenizer", action="store_true", help="with a BPE tokenizer trained offline, a chat template and EOS ids")
+    p.add_argument("--eos-token-id", type=int, action="append", default=None, help="EOS id (repeatable; with --tokenizer)")
     args = p.parse_args(argv)
     q_lora = None if args.q_lora_rank.lower() == "none" else int(args.q_lora_rank)
     out = build_checkpoint(
@@ -225,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         bias=args.bias,
         rope_interleave=not args.no_rope_interleave,
         moe=args.moe,
+        tokenizer=args.tokenizer,
+        eos_token_id=args.eos_token_id,
     )
     cfg = json.loads((out / "config.json").read_text())
     files = sorted(f.name for f in out.iterdir())

@@ -1,4 +1,4 @@
-"""restore: back to the global batch, then greedy sampling on it.
+"""restore: back to the global batch, then sampling on it (greedy unless ``sampling.*``).
 
 ``all_rows`` all-gathers every rank's hidden states and indexes them with
 ``hidden_restore_idx`` (vLLM's behaviour): the whole global batch is restored, which is
@@ -17,16 +17,21 @@ import numpy as np
 import torch
 
 from pcpflow.accounting import sampled_row_holders
+from pcpflow.sampling import sample_batch
 from pcpflow.stage import Stage, StageConfig, register
 from pcpflow.state import StepState
 
 
-def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor) -> StepState:
-    """Logits of the sampled rows, and their argmax (ties go to the lowest token id)."""
+def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor, config=None) -> StepState:
+    """Logits of the sampled rows and their tokens: the argmax (ties go to the lowest
+    token id), or with ``config.sampling`` a keyed draw (``pcpflow.sampling``)."""
     state.sample_hidden = sample_hidden
     with torch.no_grad():
         state.logits = model.compute_logits(sample_hidden)
-    state.sampled_token_ids = state.logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
+    if config is None or config.sampling.greedy:
+        state.sampled_token_ids = state.logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
+    else:
+        state.sampled_token_ids = sample_batch(state.logits, config.sampling, config.sampling_seed, state.batch)
     return state
 
 
@@ -48,7 +53,7 @@ class AllRowsRestore(Stage):
         logits_idx = torch.from_numpy(state.batch.logits_indices).to(gathered.device)
         sample_hidden = state.restored_hidden.index_select(0, logits_idx)
         state.timings["restore.indexing"] = time.perf_counter() - t0
-        return sample_greedy(state, ctx.model, sample_hidden)
+        return sample_greedy(state, ctx.model, sample_hidden, ctx.config)
 
 
 @register
@@ -79,4 +84,4 @@ class SampledRowsRestore(Stage):
         sample_hidden = gathered.index_select(0, pick)
         state.timings["restore.indexing"] = indexing + time.perf_counter() - t0
         state.restored_hidden = None
-        return sample_greedy(state, ctx.model, sample_hidden)
+        return sample_greedy(state, ctx.model, sample_hidden, ctx.config)

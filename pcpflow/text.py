@@ -1,0 +1,130 @@
+"""Text in, text out: the checkpoint's tokenizer, chat template and EOS ids.
+
+Prompts are tokenized once, in the driver (``tokenize_workload``, called by
+``prepare_job``), and the ids travel in the frozen config (``workload.text_token_ids``):
+ranks never load a tokenizer, and a rank started on another machine or with another
+transformers version still runs exactly the ids the driver produced. Only rank 0 loads
+the tokenizer again, at the end, to decode the outputs (``decode_outputs``).
+
+EOS ids come from the checkpoint's ``generation_config.json``, else its ``config.json``
+(``eos_token_id``: one id or a list), as transformers' ``generate`` reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pcpflow.errors import ConfigError, Problem
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+"""Any of these in the checkpoint directory means it brings a tokenizer."""
+
+
+def _checkpoint_dir(model_config: Any) -> Path | None:
+    path = getattr(model_config, "path", None)
+    return Path(path) if getattr(model_config, "name", None) == "hf" and path else None
+
+
+def has_tokenizer(model_config: Any) -> bool:
+    path = _checkpoint_dir(model_config)
+    return path is not None and any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+@functools.cache
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer through transformers, offline (cached: the driver
+    validates a job before Hydra runs it, and must not load it twice)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def eos_token_ids(model_config: Any) -> list[int]:
+    """The checkpoint's EOS ids (generation_config.json, else config.json); [] for tiny
+    models and checkpoints without one."""
+    path = _checkpoint_dir(model_config)
+    if path is None:
+        return []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if eos is not None:
+            return sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
+    return []
+
+
+def _ids(encoded: Any) -> list[int]:
+    # NOTE: transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True)
+    # by default, transformers 4 a list of ids.
+    if isinstance(encoded, dict) or hasattr(encoded, "keys"):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    if encoded and isinstance(encoded[0], list):
+        encoded = encoded[0]
+    return [int(t) for t in encoded]
+
+
+def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, BOS as the tokenizer adds it."""
+    return [_ids(tokenizer(t)["input_ids"]) for t in texts]
+
+
+def tokenize_chats(tokenizer, chats: list[list[dict[str, str]]]) -> list[list[int]]:
+    """Each conversation through the chat template with the generation prompt, tokenized
+    by the template itself (no second BOS from re-tokenizing the rendered text)."""
+    return [_ids(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in chats]
+
+
+def tokenize_workload(cfg):
+    """``cfg`` with its texts / chats tokenized into ``workload.text_token_ids``
+    (unchanged for other workloads); ConfigError without a usable tokenizer."""
+    w = cfg.workload
+    texts, chats = getattr(w, "texts", None), getattr(w, "chats", None)
+    if texts is None and chats is None:
+        return cfg
+    field = "workload.texts" if texts is not None else "workload.chats"
+    given = texts if texts is not None else "<conversations>"
+    if cfg.model.name != "hf":
+        raise ConfigError([Problem(field, given, f"texts and chats need a checkpoint with a tokenizer "
+                                   f"(model=hf model.path=DIR); model={cfg.model.name} has no tokenizer")])
+    if not has_tokenizer(cfg.model):
+        raise ConfigError([Problem(field, given, f"the checkpoint {cfg.model.path} has no tokenizer files "
+                                   f"(any of {', '.join(TOKENIZER_FILES)}); give token ids with workload.prompts")])
+    try:
+        tokenizer = load_tokenizer(cfg.model.path)
+    except Exception as exc:  # transformers raises many types for a broken tokenizer
+        raise ConfigError([Problem("model.path", cfg.model.path, f"a loadable tokenizer; transformers says: {exc}")]) from None
+    if texts is not None:
+        ids = tokenize_texts(tokenizer, texts)
+    else:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError([Problem(field, given, f"the tokenizer of {cfg.model.path} has no chat "
+                                       "template; give workload.texts instead")])
+        ids = tokenize_chats(tokenizer, [[m.model_dump() for m in c] for c in chats])
+    empty = [i for i, p in enumerate(ids) if not p]
+    if empty:
+        raise ConfigError([Problem(field, given, f"texts that give >= 1 token; {empty} give none")])
+    return cfg.model_copy(update={"workload": w.model_copy(update={"text_token_ids": ids})})
+
+
+def decode_outputs(model_config: Any, outputs: list[list[int]]) -> list[str] | None:
+    """Each request's generated text, special tokens (the EOS that ended it) left out;
+    None without a tokenizer."""
+    if not has_tokenizer(model_config):
+        return None
+    tokenizer = load_tokenizer(model_config.path)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+
+
+def stop_token_ids(cfg) -> list[int]:
+    """The ids that end a request in this run: the checkpoint's EOS ids, or none with
+    ``workload.ignore_eos``."""
+    return [] if getattr(cfg.workload, "ignore_eos", True) else eos_token_ids(cfg.model)
