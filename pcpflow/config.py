@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
-from pcpflow.models import ModelConfig
+from pcpflow.models import ModelCard, ModelConfig
+from pcpflow.simulate.settings import HardwareConfig, SimulateConfig
 from pcpflow.workload import WorkloadConfig
 
 
@@ -115,6 +116,12 @@ class RunConfig(_Strict):
     )
     verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    # --- simulate (pcpflow.simulate, docs/simulate.md)
+    mode: Literal["execute", "simulate"] = Field(
+        "execute", description="execute: ranks compute (verified); simulate: price every step on `hardware`"
+    )
+    simulate: SimulateConfig = Field(default_factory=SimulateConfig)
+    hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
 
     @property
     def grid(self) -> RankGrid:
@@ -224,7 +231,7 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
     pcpflow's own)."""
     p: list[Problem] = []
-    if cfg.tp != 1:
+    if cfg.tp != 1 and cfg.mode == "execute":
         p.append(Problem("tp", cfg.tp, "only tp=1 is implemented (tensor parallelism is future work)"))
     p.extend(cfg.grid.problems())
     if cfg.kv.block_size % cfg.kv.interleave:
@@ -273,11 +280,19 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a plain dict; raise ConfigError listing every problem."""
+    if raw.get("mode") == "simulate":
+        from pcpflow.simulate.prepare import prepare_raw
+
+        raw = prepare_raw(raw)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(pydantic_problems(exc, model=RunConfig)) from None
     problems = cross_field_problems(cfg)
+    if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
+        from pcpflow.simulate.prepare import simulate_problems
+
+        problems += simulate_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg
