@@ -46,7 +46,7 @@ class SimulateConfig(_Strict):
         description="ring: the KV / query exchange before attention runs in P-1 ring hops, each "
         "hidden behind the attention of the chunk before (Meta's ring); none: exposed",
     )
-    gemm_efficiency: float = Field(0.66, gt=0, le=1, description="share of the dense tensor peak GEMMs reach")
+    gemm_efficiency: float = Field(0.381, gt=0, le=1, description="share of the dense tensor peak GEMMs reach")
     attention_efficiency: float = Field(
         0.62, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
     )
