@@ -33,7 +33,12 @@ def prepare_job(raw: dict[str, Any]) -> RunConfig:
     except ConfigError as exc:
         problems += exc.problems
     try:
-        requests = build_requests(cfg.workload, vocab_size=model_vocab_size(cfg), seed=cfg.seed)
+        if cfg.mode == "simulate":  # real-length traces are built once per process
+            from pcpflow.simulate.prepare import requests_of
+
+            requests = requests_of(cfg.workload, model_vocab_size(cfg), cfg.seed)
+        else:
+            requests = build_requests(cfg.workload, vocab_size=model_vocab_size(cfg), seed=cfg.seed)
         kv = KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp)
         problems += check_fits(requests, kv, cfg.num_speculative_tokens)
     except ConfigError as exc:

@@ -8,10 +8,11 @@ what needs tensors: the forward's arithmetic and the collectives' data, replaced
 their price (``pcpflow.simulate.price``), and the sampled token ids (every request
 samples token 0: without drafting and EOS stops no count depends on them).
 
-Slot mappings are not materialised: no count reads them (the KV-write masks and DCP
-owners they encode are what ``attention_work`` and ``context_rows`` compute through
-``pcpflow.slots.dcp_local_seq_lens``), which ``tests/test_simulate_equality.py`` checks
-against executed runs step by step.
+Slot mappings and block tables are not materialised: no count reads them (the KV-write
+masks and DCP owners they encode are what ``attention_work`` and ``context_rows`` compute
+through ``pcpflow.slots.dcp_local_seq_lens``); the KV manager still allocates and frees
+every block, so admission waits for blocks as executed. ``tests/test_simulate_equality.py``
+checks the counts against executed runs step by step.
 """
 
 from __future__ import annotations
@@ -31,12 +32,20 @@ from pcpflow.metrics import MetricsRecorder
 from pcpflow.models import vocab_size_of
 from pcpflow.pipeline import resolve_pipeline
 from pcpflow.scheduler import Scheduler
-from pcpflow.simulate.price import price_step, step_counts
+from pcpflow.simulate.prepare import requests_of
+from pcpflow.simulate.price import Placement, price_step, step_counts
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 from pcpflow.state import StepState
-from pcpflow.workload import build_requests
 
 VERIFICATION_OFF = "off: mode=simulate computes nothing, so there is nothing to verify (counts and prices only)"
+
+
+class _TablelessKV(KVCacheManager):
+    """Allocates as executed, but hands the batch a one-column table: a simulated step
+    reads no slot (at real lengths a table is requests x 10^4 blocks per step)."""
+
+    def block_tables(self, req_ids: np.ndarray) -> np.ndarray:
+        return np.zeros((len(req_ids), 1), dtype=np.int64)
 
 
 class SimulatedRun:
@@ -46,6 +55,7 @@ class SimulatedRun:
         assert cfg.hardware is not None, "prepare_job checks mode=simulate has a hardware profile"
         self.cfg, self.hw, self.sim = cfg, cfg.hardware, cfg.simulate
         self.grid = cfg.grid
+        self.placement = Placement(self.grid, self.hw)
         self.sizes = model_sizes(cfg.model)
         self.dtype_bytes = DTYPE_BYTES[cfg.dtype]
         specs = {s.name: s for s in resolve_pipeline(cfg)}
@@ -53,12 +63,12 @@ class SimulatedRun:
         self.plan = specs["plan"].cls(specs["plan"].config, plan_ctx)
         self.dcp_rest_policy = getattr(specs["forward"].config, "dcp_rest", "queries")
         self.restore = specs["restore"].cls.kind
-        self.requests = build_requests(cfg.workload, vocab_size=vocab_size_of(cfg.model), seed=cfg.seed)
+        self.requests = requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
         self.scheduler = Scheduler(
             self.requests,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             max_num_seqs=cfg.scheduler.max_num_seqs,
-            kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp),
+            kv=_TablelessKV(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp),
             num_speculative_tokens=cfg.num_speculative_tokens,
         )
         self.recorder = MetricsRecorder(
@@ -107,7 +117,7 @@ class SimulatedRun:
             dcp_rest=rest, interleave=self.cfg.kv.interleave, restore=self.restore,
         )
         price = lambda counts: price_step(  # noqa: E731
-            batch, layout, counts, grid=self.grid, sizes=self.sizes, hw=self.hw, sim=self.sim
+            batch, layout, counts, place=self.placement, sizes=self.sizes, sim=self.sim
         )
         rest = QUERIES
         if self.grid.dcp > 1 and self.dcp_rest_policy != "queries":

@@ -30,6 +30,21 @@ def hardware_names() -> list[str]:
     return sorted(p.stem for p in (Path(conf_dir()) / "hardware").glob("*.yaml"))
 
 
+_REQUESTS: dict[tuple, list] = {}
+
+
+def requests_of(workload, vocab_size: int, seed: int) -> list:
+    """``build_requests``, once per workload in this process (validation and the run
+    share it: a real-length trace is 10^7 prompt tokens)."""
+    from pcpflow.workload import build_requests
+
+    key = (workload.model_dump_json(), vocab_size, seed)
+    if key not in _REQUESTS:
+        _REQUESTS.clear()
+        _REQUESTS[key] = build_requests(workload, vocab_size=vocab_size, seed=seed)
+    return _REQUESTS[key]
+
+
 def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
     raw = copy.deepcopy(raw)
     model = raw.get("model") or {}
@@ -45,13 +60,13 @@ def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     try:
         from pcpflow.models import ModelConfig
-        from pcpflow.workload import WorkloadConfig, build_requests
+        from pcpflow.workload import WorkloadConfig
 
         sizes = model_sizes(TypeAdapter(ModelConfig).validate_python(raw["model"]))
         hw = HardwareConfig.model_validate(raw["hardware"])
         sim = SimulateConfig.model_validate(raw.get("simulate") or {})
         workload = TypeAdapter(WorkloadConfig).validate_python(raw["workload"])
-        requests = build_requests(workload, vocab_size=sizes.vocab_size, seed=int(raw.get("seed", 0)))
+        requests = requests_of(workload, sizes.vocab_size, int(raw.get("seed", 0)))
         tp, dcp = int(raw.get("tp", 1)), int(raw.get("dcp", 1))
         block_size, seqs = int(kv.get("block_size", 16)), int(sched.get("max_num_seqs", 256))
     except (ValidationError, ValueError, TypeError, KeyError, ConfigError):
@@ -122,8 +137,6 @@ def simulate_problems(cfg) -> list[Problem]:
 
 
 def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
-    from pcpflow.workload import build_requests
-
     hw, sim, tp, dcp = cfg.hardware, cfg.simulate, cfg.tp, cfg.dcp
     weights = weight_bytes_per_gpu(sizes, sim.weights_dtype, tp)
     usable = hw.hbm_gib * GIB * sim.hbm_utilization
@@ -133,7 +146,7 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
         return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp or use simulate.weights_dtype=fp8")]
     free = usable - weights
     per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[cfg.dtype]
-    requests = build_requests(cfg.workload, vocab_size=sizes.vocab_size, seed=cfg.seed)
+    requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     tokens = [len(r.prompt_token_ids) + r.max_output_tokens + cfg.num_speculative_tokens for r in requests]
     i = max(range(len(tokens)), key=tokens.__getitem__)
     need = -(-tokens[i] // dcp) * per_token

@@ -41,20 +41,24 @@ FLASH_QUERY_TILE = 128  # query rows that share one read of a key tile (FlashAtt
 ACTIVATION_BYTES = 2  # activations and the TP all-reduces in bf16 (as a GPU serves)
 
 
-@dataclass
 class Placement:
-    """Which link each group crosses: TP innermost, ``gpus_per_node`` per node."""
+    """Which link each group crosses: TP innermost, ``gpus_per_node`` per node; a group
+    whose ranks share a node talks over NVLink, any other over the network."""
 
-    grid: RankGrid
-    hw: HardwareConfig
+    def __init__(self, grid: RankGrid, hw: HardwareConfig) -> None:
+        self.grid, self.hw = grid, hw
+        members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0)}
+        self.sizes = {g: len(m) for g, m in members.items()}
+        self.links = {
+            g: hw.nvlink if len({r // hw.gpus_per_node for r in m}) == 1 else hw.network
+            for g, m in members.items()
+        }
 
     def link(self, group: str):
-        members = {"tp": self.grid.tp_members, "pcp": self.grid.pcp_members, "dcp": self.grid.dcp_members}[group](0)
-        nodes = {m // self.hw.gpus_per_node for m in members}
-        return self.hw.nvlink if len(nodes) == 1 else self.hw.network
+        return self.links[group]
 
     def size(self, group: str) -> int:
-        return {"tp": self.grid.tp, "pcp": self.grid.pcp, "dcp": self.grid.dcp}[group]
+        return self.sizes[group]
 
 
 @dataclass
@@ -85,11 +89,13 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
     pairs = attention_work(layout, batch.positions, dcp_size=grid.dcp, interleave=interleave, dcp_rest=dcp_rest.mode)
     decode = ~batch.is_prefilling[batch.req_indices]
-    decode_pairs = (
-        attention_work(layout, batch.positions, dcp_size=grid.dcp, interleave=interleave,
-                       token_mask=decode, dcp_rest=dcp_rest.mode)
-        if decode.any() else np.zeros_like(pairs)
-    )
+    if decode.all():
+        decode_pairs = pairs
+    elif not decode.any():
+        decode_pairs = np.zeros_like(pairs)
+    else:
+        decode_pairs = attention_work(layout, batch.positions, dcp_size=grid.dcp, interleave=interleave,
+                                      token_mask=decode, dcp_rest=dcp_rest.mode)
     colls = step_collectives(layout, batch.logits_indices, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
                              restore=restore)
     calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes)
@@ -104,11 +110,10 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     return pairs, decode_pairs, calls, nbytes, ops, groups
 
 
-def price_step(batch, layout, counts, *, grid: RankGrid, sizes: ModelSizes, hw: HardwareConfig,
-               sim: SimulateConfig) -> StepPrice:
+def price_step(batch, layout, counts, *, place: Placement, sizes: ModelSizes, sim: SimulateConfig) -> StepPrice:
     pairs, decode_pairs, calls, nbytes, ops, groups = counts
+    grid, hw = place.grid, place.hw
     P, tp = grid.pcp, grid.tp
-    place = Placement(grid, hw)
     pairs = _per_pcp_rank(pairs, grid).astype(np.float64)
     decode_pairs = _per_pcp_rank(decode_pairs, grid).astype(np.float64)
     prefill_pairs = pairs - decode_pairs
