@@ -51,6 +51,9 @@ class SimulateConfig(_Strict):
         0.62, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
     )
     hbm_efficiency: float = Field(0.80, gt=0, le=1, description="share of HBM bandwidth streaming reads reach")
+    objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
+        "ttft", description="what a sweep report ranks jobs by (lower is better; x_gpus: GPU-seconds)"
+    )
     hbm_utilization: float = Field(
         0.90, gt=0, le=1, description="share of HBM the engine may use (weights + KV cache)"
     )
