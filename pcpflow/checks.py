@@ -327,7 +327,10 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def capacity_warnings(cfg: Any) -> list[str]:
-    """More ranks than this machine can reasonably run at once: they still run, slowly."""
+    """More ranks than this machine can reasonably run at once: they still run, slowly. A
+    simulated run starts no ranks."""
+    if getattr(cfg, "mode", "execute") == "simulate":
+        return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     want = cfg.world_size * cfg.threads_per_rank
     device = getattr(cfg, "device", "auto")

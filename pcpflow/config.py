@@ -16,9 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
-from pcpflow.models import ModelConfig
+from pcpflow.models import ModelCard, ModelConfig
 from pcpflow.moe_dispatch import MoERunConfig, moe_problems
 from pcpflow.sampling import SamplingConfig
+from pcpflow.simulate.settings import HardwareConfig, SimulateConfig
 from pcpflow.workload import WorkloadConfig
 
 
@@ -136,6 +137,12 @@ class RunConfig(_Strict):
         "filled when the pipeline is assembled (set draft.num_speculative_tokens instead)",
     )
     moe: MoERunConfig = Field(default_factory=MoERunConfig)
+    # --- simulate (pcpflow.simulate, docs/simulate.md)
+    mode: Literal["execute", "simulate"] = Field(
+        "execute", description="execute: ranks compute (verified); simulate: price every step on `hardware`"
+    )
+    simulate: SimulateConfig = Field(default_factory=SimulateConfig)
+    hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
 
     @property
     def grid(self) -> RankGrid:
@@ -279,11 +286,19 @@ def _local_ranks(cfg: RunConfig) -> int:
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a plain dict; raise ConfigError listing every problem."""
+    if raw.get("mode") == "simulate":
+        from pcpflow.simulate.prepare import prepare_raw
+
+        raw = prepare_raw(raw)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(pydantic_problems(exc, model=RunConfig)) from None
     problems = cross_field_problems(cfg)
+    if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
+        from pcpflow.simulate.prepare import simulate_problems
+
+        problems += simulate_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -53,7 +53,7 @@ class RankContext:
     def layout_dcp_size(self) -> int:
         """The dcp a PCP layout is planned with (``plan_layout`` knows dcp in {1, pcp}):
         the layout depends on the PCP rank only, DCP over TP ranks shards KV, not rows."""
-        return self.pcp_size if self.dcp_size > 1 else 1
+        return self.config.grid.layout_dcp
 
     @property
     def block_size(self) -> int:

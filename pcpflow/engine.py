@@ -206,7 +206,7 @@ class _Loop:
         record.update(moe_step_record(self.ctx))
         return record
 
-    def request_rows(self, requests) -> list[dict[str, Any]]:
+    def request_rows(self, requests, with_token_ids: bool = True) -> list[dict[str, Any]]:
         rows = []
         timing = self.scheduler.request_timing()
         outputs = self.scheduler.outputs()
@@ -225,7 +225,7 @@ class _Loop:
                 {
                     "req_id": r.req_id,
                     "prompt_len": len(r.prompt_token_ids),
-                    "prompt_token_ids": r.prompt_token_ids.tolist(),
+                    "prompt_token_ids": r.prompt_token_ids.tolist() if with_token_ids else None,
                     "output_len": n_out,
                     "arrival_step": arrival,
                     "first_token_step": first,

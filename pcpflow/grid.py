@@ -86,6 +86,12 @@ class RankGrid:
             return 1
         return self.dcp // self.pcp if self.pcp > 1 else self.dcp
 
+    @property
+    def layout_dcp(self) -> int:
+        """The dcp a PCP layout is planned with (``plan_layout`` knows dcp in {1, pcp}):
+        the layout depends on the PCP rank only; DCP over TP ranks shards KV, not rows."""
+        return self.pcp if self.dcp > 1 else 1
+
     def coords(self, rank: int) -> dict[Axis, int]:
         """``{TP: tp_rank, PCP: pcp_rank, DCP: dcp_rank}`` of a global rank."""
         pcp_rank, tp_rank = divmod(rank, self.tp)

@@ -88,7 +88,7 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool) -> int:
     config = cfg.model_dump(mode="json")
     try:
         with Progress(run_dir / "metrics.jsonl", enabled=console and cfg.output.progress):
-            sections = launch_ranks(cfg, run_dir)
+            sections = launch_ranks(cfg, run_dir) if cfg.mode == "execute" else _simulate(cfg, run_dir)
     except RankFailure as exc:
         print_err(f"pcpflow: {exc}")
         if exc.details:
@@ -100,7 +100,19 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool) -> int:
     result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
     if cfg.output.plots:
-        write_plots(run_dir)
+        if cfg.mode == "simulate":
+            from pcpflow.simulate.plot import write_load_plot
+
+            write_load_plot(run_dir)
+        else:
+            write_plots(run_dir)
     if console:
         print_summary(result)
     return result["exit_code"]
+
+
+def _simulate(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    from pcpflow.simulate.engine import simulate_run
+
+    return simulate_run(cfg, run_dir)
+

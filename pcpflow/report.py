@@ -77,6 +77,15 @@ def print_summary(result: dict[str, Any]) -> None:
     table.add_column("value")
     status = result["status"]
     table.add_row("status", f"[green]{status}[/]" if status == "ok" else f"[red]{status}[/]")
+    if result.get("verification"):  # mode=simulate
+        table.add_row("verification", str(result["verification"]))
+    sim = m.get("simulate") if m else None
+    if sim:
+        table.add_row(
+            "simulated on",
+            f"{sim['hardware']} · {sim['gpus']} GPUs ({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
+            f" · overlap {sim['overlap']} · {sim['tflops_per_gpu']:.0f} TF/s per GPU",
+        )
     v = result.get("verify")
     if v:
         table.add_row(

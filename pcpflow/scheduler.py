@@ -201,6 +201,10 @@ class Scheduler:
         self._prompt_len = column(len(r.prompt_token_ids) for r in reqs)
         self._max_out = column(r.max_output_tokens for r in reqs)
         self._kv_tokens = self._prompt_len + self._max_out + self.num_speculative_tokens
+        # --- cached prefixes: a prompt's first cached_len tokens are prefilled in steps
+        # of their own, and its clock starts the step after (``request_timing``).
+        self._cached = column(getattr(r, "cached_len", 0) for r in reqs)
+        self._ready_step = np.full(n, -1, dtype=np.int64)
         # Prompts and outputs live in flat buffers, request i's at [start[i], start[i+1]).
         self._prompts = np.concatenate(
             [np.asarray(r.prompt_token_ids, dtype=np.int64) for r in reqs] or [np.zeros(0, np.int64)]
@@ -245,9 +249,11 @@ class Scheduler:
     def request_timing(self) -> dict[int, dict[str, int | None]]:
         """Per req_id: arrival / admitted / first-token / finish steps (None: not yet) and
         num_output_tokens, as plain dicts, for metrics. The first-token and finish steps
-        are those of the batches that sampled the first and the last output."""
+        are those of the batches that sampled the first and the last output. A request
+        with a cached prefix arrives (its clock starts) the step after that prefix is in
+        the KV cache: what it is timed on is the continued prefill."""
         columns = {
-            "arrival_step": self._arrival,
+            "arrival_step": np.where(self._ready_step >= 0, np.maximum(self._arrival, self._ready_step), self._arrival),
             "admitted_step": self._admitted_step,
             "first_token_step": self._first_token_step,
             "finish_step": self._finish_step,
@@ -276,7 +282,8 @@ class Scheduler:
         # A decode wants its newest token plus its drafts, cut to the outputs left after
         # the newest token's own; a prefill wants the rest of its prompt.
         room = self._max_out[run] - self._num_out[run] - 1
-        want = np.where(in_prompt, prompt_len - computed, 1 + np.minimum(self._num_drafts[run], room))
+        prompt_end = np.where(computed < self._cached[run], self._cached[run], prompt_len)
+        want = np.where(in_prompt, prompt_end - computed, 1 + np.minimum(self._num_drafts[run], room))
         q = np.zeros(len(run), dtype=np.int64)
         budget = self.max_num_batched_tokens
         for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
@@ -296,7 +303,7 @@ class Scheduler:
             self.kv.allocate(int(self._req_id[i]), tokens)
             self._admitted_step[i] = step
             admitted.append(i)
-            admitted_q.append(min(int(self._prompt_len[i]), budget))
+            admitted_q.append(min(int(self._cached[i] or self._prompt_len[i]), budget))
             budget -= admitted_q[-1]
             i += 1
         self._next_waiting = i
@@ -370,10 +377,13 @@ class Scheduler:
         rows = self._batch_rows
         n_sched = batch.num_scheduled_tokens
         self._num_drafts[rows] = 0
+        before = self._num_computed[rows]
         # A decode row's KV now holds its newest token and its accepted drafts.
         self._num_computed[rows] += np.where(
             batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted)
         )
+        cached = self._cached[rows]
+        self._ready_step[rows[(before < cached) & (self._num_computed[rows] >= cached)]] = batch.step + 1
         num_out = self._num_out[rows]
         take = np.minimum(acc.num_new_tokens, self._max_out[rows] - num_out)
         # Append row r's tokens sampled[start_r : start_r + take_r] to its outputs.

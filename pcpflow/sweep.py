@@ -114,8 +114,12 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
         {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")}
         - {"total", "tp", "pcp_dcp"}
     )
+    from pcpflow.simulate.decide import COLUMNS as DECISION_COLUMNS, decide
+
+    decision = decide(rows, sweep_dir)  # gpus, pareto, rank (by simulate.objective)
     columns = (
         BASE_COLUMNS
+        + DECISION_COLUMNS
         + [f"bytes_{p}" for p in purposes]
         + [f"calls_{p}" for p in purposes]
         + ["error"]
@@ -125,7 +129,7 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in columns})
-    (sweep_dir / "sweep.md").write_text(_markdown(rows, purposes))
+    (sweep_dir / "sweep.md").write_text(_markdown(rows, purposes) + decision)
     _plot(rows, purposes, sweep_dir / "sweep.png")
     print(f"pcpflow: sweep report of {len(rows)} job(s): {sweep_dir / 'sweep.md'}", file=sys.stderr)
     return rows

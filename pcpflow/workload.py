@@ -108,6 +108,11 @@ class ExplicitWorkload(_WorkloadBase):
     arrival_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="arrival step of each request (one per prompt); null = all at step 0"
     )
+    cached_lens: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="tokens of each prompt already in the KV cache (a prefix-cache hit): "
+        "prefilled before the request's clock starts; each < its prompt length; null = none",
+    )
     seed: Seed = None
     # --- text in
     ignore_eos: bool = Field(
@@ -167,6 +172,32 @@ class ExplicitWorkload(_WorkloadBase):
                 f"{n} values or null (all at step 0)"
             )
         return arrival_steps
+
+    # --- cached prefixes (simulate issue)
+    @field_validator("cached_lens")
+    @classmethod
+    def _cached_lens_fit(cls, cached_lens, info: ValidationInfo):
+        if cached_lens is None:
+            return None
+        if info.data.get("prompts") is not None:
+            lens = [len(p) for p in info.data["prompts"]]
+        elif info.data.get("prompt_lens") is not None:
+            lens = list(info.data["prompt_lens"])
+        else:
+            return cached_lens
+        if len(cached_lens) not in (1, len(lens)):
+            raise ValueError(
+                f"cached_lens has {len(cached_lens)} values for {len(lens)} prompts; allowed: "
+                f"1 value (used for every prompt) or {len(lens)} values"
+            )
+        full = cached_lens * len(lens) if len(cached_lens) == 1 else cached_lens
+        bad = {i: (c, n) for i, (c, n) in enumerate(zip(full, lens)) if c >= n}
+        if bad:
+            raise ValueError(
+                "each cached_lens value must be < its prompt length (at least one token is "
+                "prefilled); got " + ", ".join(f"request {i}: {c} >= {n}" for i, (c, n) in bad.items())
+            )
+        return cached_lens
 
     @property
     def num_requests(self) -> int:
@@ -248,6 +279,7 @@ class Request:
     prompt_token_ids: np.ndarray  # int64 [prompt_len]
     max_output_tokens: int
     arrival_step: int
+    cached_len: int = 0  # prompt tokens already in the KV cache: prefilled before its clock
 
     @property
     def prompt_len(self) -> int:
@@ -316,7 +348,9 @@ def _explicit(cfg: ExplicitWorkload, vocab_size: int, seed: int) -> list[Request
     n = len(prompts)
     outs = cfg.output_lens * n if len(cfg.output_lens) == 1 else cfg.output_lens
     arrivals = cfg.arrival_steps if cfg.arrival_steps is not None else [0] * n
-    return [Request(i, prompts[i], int(outs[i]), int(arrivals[i])) for i in range(n)]
+    cached = cfg.cached_lens or [0]
+    cached = cached * n if len(cached) == 1 else cached
+    return [Request(i, prompts[i], int(outs[i]), int(arrivals[i]), int(cached[i])) for i in range(n)]
 
 
 # -- traces ---------------------------------------------------------------------------------

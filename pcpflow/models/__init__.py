@@ -14,12 +14,13 @@ import torch
 from pydantic import Field
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
+from pcpflow.models.card import ModelCard
 from pcpflow.models.hf import HFModel
 from pcpflow.models.tiny_gqa import TinyGQA
 from pcpflow.models.tiny_mla import TinyMLA
 
 ModelConfig = Annotated[
-    TinyMLA.Config | TinyGQA.Config | HFModel.Config, Field(discriminator="name")
+    TinyMLA.Config | TinyGQA.Config | HFModel.Config | ModelCard, Field(discriminator="name")
 ]
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -33,6 +34,8 @@ def build_model(
     config: ModelConfig, *, dtype: torch.dtype, seed: int, device: torch.device | str = "cpu"
 ) -> CausalLM:
     """The model named by ``config.name``, in eval mode with gradients off."""
+    if isinstance(config, ModelCard):
+        raise ValueError(f"model card {config.name!r} has no weights: run it with mode=simulate")
     cls = MODEL_CLASSES[config.name]
     model = cls.from_config(config, dtype=dtype, seed=seed, device=device)
     return model.eval().requires_grad_(False)
@@ -41,6 +44,8 @@ def build_model(
 def vocab_size_of(config: ModelConfig) -> int:
     """The vocabulary size a config implies, without building the model (the driver
     checks explicit prompt ids against it before any rank starts)."""
+    if isinstance(config, ModelCard):
+        return config.vocab_size
     return MODEL_CLASSES[config.name].vocab_size_of(config)
 
 
@@ -50,6 +55,7 @@ __all__ = [
     "AttentionSpec",
     "CausalLM",
     "HFModel",
+    "ModelCard",
     "ModelConfig",
     "TinyGQA",
     "TinyMLA",

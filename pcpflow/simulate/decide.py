@@ -1,0 +1,65 @@
+"""Decision support for sweeps: rank the jobs by an objective and mark the Pareto front
+of (TTFT, TPOT, GPUs), all three lower-is-better. ``pcpflow.sweep`` calls ``decide`` on its
+rows; the objective is the sweep's ``simulate.objective`` (one for the whole sweep)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OBJECTIVES = {
+    "ttft": lambda r: r["ttft_mean_ms"],
+    "tpot": lambda r: r["tpot_mean_ms"],
+    "gpus": lambda r: r["gpus"],
+    "ttft_x_gpus": lambda r: r["ttft_mean_ms"] * r["gpus"],  # GPU-seconds per first token
+    "tpot_x_gpus": lambda r: r["tpot_mean_ms"] * r["gpus"],  # GPU-seconds per output token
+}
+FRONT = ("ttft_mean_ms", "tpot_mean_ms", "gpus")
+COLUMNS = ["gpus", "pareto", "rank"]
+
+
+def pareto_front(points: list[tuple[float, ...]]) -> list[bool]:
+    """Which points no other point dominates (<= everywhere, < somewhere)."""
+    return [
+        not any(all(q_i <= p_i for q_i, p_i in zip(q, p)) and q != p for q in points)
+        for p in points
+    ]
+
+
+def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
+    """Add ``gpus``, ``pareto`` and ``rank`` to each row; return the markdown section."""
+    objective = "ttft"
+    for r in rows:
+        result = _result(sweep_dir / r["job"])
+        cfg = result.get("config") or {}
+        r["gpus"] = int(cfg.get("tp", 1)) * int(cfg.get("pcp", 1)) if cfg else None
+        objective = (cfg.get("simulate") or {}).get("objective", objective)
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("gpus")]
+    dims = [k for k in FRONT if all(r.get(k) is not None for r in ok)]
+    for r, on in zip(ok, pareto_front([tuple(r[k] for k in dims) for r in ok])):
+        r["pareto"] = on
+    key = OBJECTIVES[objective]
+    ranked = [r for r in ok if all(r.get(k) is not None for k in _needs(objective))]
+    for i, r in enumerate(sorted(ranked, key=key), start=1):
+        r["rank"] = i
+    lines = ["", f"## Ranked by {objective} (lower is better); Pareto front of {', '.join(dims)}", "",
+             "| rank | config | TTFT ms | TPOT ms | GPUs | Pareto |", "|--:|---|--:|--:|--:|:-:|"]
+    for r in sorted(ranked, key=key):
+        fmt = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
+        lines.append(f"| {r['rank']} | {r['config']} | {fmt(r.get('ttft_mean_ms'))} | "
+                     f"{fmt(r.get('tpot_mean_ms'))} | {r['gpus']} | {'yes' if r.get('pareto') else ''} |")
+    lines += ["", "- **Pareto**: no other job is at least as good in every one of those and better in one."]
+    return "\n".join(lines) + "\n"
+
+
+def _needs(objective: str) -> tuple[str, ...]:
+    return {"ttft": ("ttft_mean_ms",), "tpot": ("tpot_mean_ms",), "gpus": ("gpus",),
+            "ttft_x_gpus": ("ttft_mean_ms", "gpus"), "tpot_x_gpus": ("tpot_mean_ms", "gpus")}[objective]
+
+
+def _result(job_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((job_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,173 @@
+"""A model's sizes as pricing needs them, from a card (``pcpflow.models.card``) or the
+config of a tiny executable model: parameters per layer, the attention kernel's dims,
+one cache entry, and how tensor parallelism splits them.
+
+Counts are parameters (multiply-adds per row); ``2 *`` makes FLOPs. MLA attends in two
+forms as vLLM does: prefill rows in the expanded (MHA) form, qk = nope + rope and v =
+v_head_dim; decode rows in the absorbed (latent) form the executed kernel uses, qk =
+kv_lora + rope and v = kv_lora. ``kv_b`` is spent once per row in both forms (it expands
+the new rows' latents, or is absorbed into their queries and outputs); prefill also
+expands the cached context it reads (``kv_b_params`` per context token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pcpflow.accounting import ModelShape
+from pcpflow.models.card import ModelCard
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    attention: str  # gqa | mla
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # gqa K/V heads; 1 for MLA's latent
+    entry_dim: int  # one cache entry (all K/V heads), per token and layer
+    decode_qk_dim: int  # the executed kernel's per-head dims (absorbed for MLA)
+    decode_v_dim: int
+    prefill_qk_dim: int  # the prefill kernel's (expanded for MLA)
+    prefill_v_dim: int
+    attn_params: int  # projections of one layer
+    kv_b_params: int  # MLA latent expansion (0 for GQA)
+    dense_mlp_params: int  # one dense MLP
+    num_dense_layers: int
+    expert_params: int  # one routed or shared expert (0 when dense)
+    num_experts: int
+    top_k: int
+    num_shared_experts: int
+    tie_word_embeddings: bool
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """GQA K/V heads one TP rank holds (replicated when tp > heads); MLA: the latent."""
+        return max(1, self.num_kv_heads // tp) if self.attention == "gqa" else 1
+
+    def entry_dim_per_rank(self, tp: int) -> int:
+        return self.entry_dim * self.kv_heads_per_rank(tp) // self.num_kv_heads
+
+    def shape_per_rank(self, tp: int, dtype_bytes: int) -> ModelShape:
+        """``pcpflow.accounting.ModelShape`` of one TP rank: its heads, its cache entry."""
+        return ModelShape(
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            entry_dim=self.entry_dim_per_rank(tp),
+            num_heads=self.num_heads // tp,
+            qk_dim=self.decode_qk_dim,
+            v_dim=self.decode_v_dim,
+            dtype_bytes=dtype_bytes,
+        )
+
+    def active_params_per_row(self) -> int:
+        """Linear-layer parameters one token meets, all layers (router and experts it routes to)."""
+        moe = self.num_moe_layers * (
+            (self.top_k + self.num_shared_experts) * self.expert_params + self.hidden_size * self.num_experts
+        )
+        return self.num_layers * self.attn_params + self.num_dense_layers * self.dense_mlp_params + moe
+
+    def layer_weight_params(self, experts_touched: float) -> float:
+        """Linear-layer parameters read in one step, all layers, when each MoE layer
+        touches ``experts_touched`` routed experts."""
+        moe = self.num_moe_layers * (
+            (experts_touched + self.num_shared_experts) * self.expert_params + self.hidden_size * self.num_experts
+        )
+        return self.num_layers * self.attn_params + self.num_dense_layers * self.dense_mlp_params + moe
+
+    def total_weight_params(self) -> int:
+        return int(self.layer_weight_params(self.num_experts))
+
+    @property
+    def embedding_params(self) -> int:
+        """Embedding plus LM head (one matrix when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+
+def model_sizes(model) -> ModelSizes:
+    """Sizes of a ``model:`` config: a card, or tiny_mla / tiny_gqa (their executed shapes)."""
+    name = getattr(model, "name", None)
+    if isinstance(model, ModelCard):
+        c = model
+        moe = c.moe
+        dense = c.num_layers if moe is None else min(c.num_layers, moe.first_k_dense_replace)
+        expert = 0 if moe is None else 3 * c.hidden_size * (moe.intermediate_size or c.intermediate_size)
+        common = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_heads=c.num_heads,
+            dense_mlp_params=3 * c.hidden_size * c.intermediate_size,
+            num_dense_layers=dense,
+            expert_params=expert,
+            num_experts=0 if moe is None else moe.num_experts,
+            top_k=0 if moe is None else moe.top_k,
+            num_shared_experts=0 if moe is None else moe.num_shared_experts,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+        if c.attention == "gqa":
+            return _gqa(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, **common)
+        return _mla(
+            c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+            c.qk_rope_head_dim, c.v_head_dim, **common,
+        )
+    if name in ("tiny_gqa", "tiny_mla"):
+        c = model
+        common = dict(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_heads=c.num_heads,
+            dense_mlp_params=3 * c.hidden_size * c.intermediate_size,
+            num_dense_layers=c.num_layers,
+            expert_params=0,
+            num_experts=0,
+            top_k=0,
+            num_shared_experts=0,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
+        if name == "tiny_gqa":
+            return _gqa(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, **common)
+        return _mla(
+            c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+            c.qk_rope_head_dim, c.v_head_dim, **common,
+        )
+    raise ValueError(f"no sizes for model {name!r}: simulate takes a card, hf (config.json), tiny_mla or tiny_gqa")
+
+
+def _gqa(h: int, heads: int, kv_heads: int, d: int, **common) -> ModelSizes:
+    return ModelSizes(
+        attention="gqa",
+        num_kv_heads=kv_heads,
+        entry_dim=2 * kv_heads * d,
+        decode_qk_dim=d,
+        decode_v_dim=d,
+        prefill_qk_dim=d,
+        prefill_v_dim=d,
+        attn_params=h * heads * d + 2 * h * kv_heads * d + heads * d * h,
+        kv_b_params=0,
+        **common,
+    )
+
+
+def _mla(h, heads, q_lora, kv_lora, nope, rope, v, **common) -> ModelSizes:
+    q = h * heads * (nope + rope) if not q_lora else h * q_lora + q_lora * heads * (nope + rope)
+    kv_b = kv_lora * heads * (nope + v)
+    return ModelSizes(
+        attention="mla",
+        num_kv_heads=1,
+        entry_dim=kv_lora + rope,
+        decode_qk_dim=kv_lora + rope,
+        decode_v_dim=kv_lora,
+        prefill_qk_dim=nope + rope,
+        prefill_v_dim=v,
+        attn_params=q + h * (kv_lora + rope) + kv_b + heads * v * h,
+        kv_b_params=kv_b,
+        **common,
+    )

@@ -1,0 +1,48 @@
+"""Records what an executed step counted, as the engine records it, on rank 0: per-rank
+tokens and attention pairs, and this step's collective calls and bytes by purpose (read
+from the rank's CommStats before the engine closes the step). For the simulate tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pcpflow.cp_attention import attention_work
+from pcpflow.stage import Stage, StageConfig, register
+from pcpflow.state import StepState
+
+
+@register
+class StepCounts(Stage):
+    kind = "test_step_counts"
+
+    class Config(StageConfig):
+        kind: Literal["test_step_counts"] = "test_step_counts"
+        path: str = Field(description="JSONL file rank 0 appends one line per step to")
+
+    def __call__(self, state: StepState) -> StepState:
+        ctx, layout, b = self.ctx, state.layout, state.batch
+        if ctx.world.rank != 0:
+            return state
+        rest = state.attn.dcp_rest or "queries"
+        line = {
+            "step": b.step,
+            "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
+            "padded_num_tokens": layout.padded_num_tokens,
+            "per_rank_attention_work": attention_work(
+                layout, b.positions, dcp_size=ctx.dcp_size, interleave=ctx.config.kv.interleave, dcp_rest=rest
+            ).tolist(),
+            "dcp_rest": rest,
+            "collective_calls": dict(ctx.stats.step_calls),
+            "collective_bytes": dict(ctx.stats.step_bytes),
+        }
+        with open(Path(self.config.path), "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return state
+
+
+def read(path) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
