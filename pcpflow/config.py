@@ -100,6 +100,17 @@ class RunConfig(_Strict):
         60.0, gt=0, description="a collective waiting longer fails the job"
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    # --- CUDA graphs (pcpflow.cudagraph)
+    cudagraph_mode: Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"] = Field(
+        "none",
+        description="vLLM's CUDA-graph modes: steps are padded to a capture size and "
+        "dispatched; full decode steps are captured on CUDA at world size 1",
+    )
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None,
+        description="rank-local token counts a step is padded up to; None: vLLM's "
+        "default list (1, 2, 4, 8..248 by 8, 256.. by 16, up to min(2*max_num_seqs, 512))",
+    )
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     kv: KVConfig = Field(default_factory=KVConfig)
@@ -259,6 +270,9 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                     f"needs {cfg.world_size} GPUs (tp*pcp), {torch.cuda.device_count()} visible",
                 )
             )
+    from pcpflow.cudagraph import cudagraph_problems
+
+    p.extend(cudagraph_problems(cfg))
     k = cfg.num_speculative_tokens
     if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
         p.append(

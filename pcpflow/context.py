@@ -58,8 +58,22 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One ``[num_blocks * block_size, entry_dim]`` tensor per layer, filled with NaN so that
     a read of a slot nobody wrote poisons the output and a stray write stands out."""
-    shape = (num_blocks * block_size, model.attn_spec.entry_dim)
-    return [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(model.num_layers)]
+    num_slots, entry_dim = num_blocks * block_size, model.attn_spec.entry_dim
+    # NOTE: one spare row past the last slot, outside the cache's view: where a captured
+    # graph sends its padded rows' writes (``with_pad_slot``), since PAD_SLOT_ID cannot be
+    # skipped without a data-dependent shape.
+    return [
+        torch.full((num_slots + 1, entry_dim), float("nan"), dtype=dtype, device=device)[:num_slots]
+        for _ in range(model.num_layers)
+    ]
+
+
+def with_pad_slot(cache: torch.Tensor) -> torch.Tensor:
+    """The cache with its spare row: ``[num_slots + 1, entry_dim]`` on the same storage."""
+    rows, width = cache.shape
+    if cache.untyped_storage().nbytes() < (cache.storage_offset() + (rows + 1) * width) * cache.element_size():
+        raise ValueError("cache has no spare pad row (allocate it with allocate_kv_caches)")
+    return cache.as_strided((rows + 1, width), cache.stride())
 
 
 def pick_device(cfg: RunConfig) -> torch.device:

@@ -107,6 +107,8 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         "requests": req_rows,
         "metrics": recorder.summary(req_rows, wall_s),
     }
+    if "cudagraph" in ctx.extras:  # steps by CUDA-graph runtime mode (stages/forward.py)
+        result["metrics"]["cudagraph"] = ctx.extras["cudagraph"]
     if verifier is not None:
         result["verify"] = verifier.summary()
     if cfg.output.save_logits:

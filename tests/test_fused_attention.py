@@ -109,3 +109,30 @@ def test_bf16_within_tolerance():
     assert got_o.dtype == torch.bfloat16 and got_l.dtype == torch.float32
     # bf16 inputs: 8 mantissa bits, outputs are averages of O(1) values.
     torch.testing.assert_close(got_o.double(), want_o, rtol=0, atol=5e-2)
+
+
+@pytest.mark.dist
+def test_fused_runs_exact_against_the_single_rank():
+    """attention=fused end to end: PCP (GQA, sharded decodes) and PCP+DCP (MLA) runs pass
+    verification and generate what the reference kernel generates at pcp=1."""
+    from pcpflow.testing import compose, run
+
+    base = [
+        "workload=explicit",
+        "workload.prompt_lens=[11,5,2]",
+        "workload.output_lens=[4,3,5]",
+        "output.plots=false",
+        "output.progress=false",
+    ]
+    fused = "pipeline.forward.attention=fused"
+    cfgs = [
+        compose(base + ["pcp=2", "model=tiny_gqa", "decode=sharded", fused]),
+        compose(base + ["pcp=2", "dcp=2", "model=tiny_mla", fused]),
+        compose(base + ["pcp=1", "model=tiny_gqa", "pipeline.forward.attention=reference"]),
+        compose(base + ["pcp=1", "model=tiny_mla", "pipeline.forward.attention=reference"]),
+    ]
+    gqa, mla, gqa_ref, mla_ref = run(cfgs)
+    for r in (gqa, mla):
+        assert r["verify"]["passed"] and r["verify"]["kv_match"], r["verify"]
+        assert r["verify"]["max_abs_logit_diff"] <= 1e-9
+    assert gqa["outputs"] == gqa_ref["outputs"] and mla["outputs"] == mla_ref["outputs"]
