@@ -254,22 +254,9 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                 "'balanced' places sharded decodes; use decode=sharded, or round_robin",
             )
         )
-    if cfg.backend == "nccl" and cfg.device == "cpu":
-        p.append(Problem("backend", "nccl", "nccl needs device=cuda (or auto on a GPU machine); use gloo"))
-    if cfg.device == "cuda" or cfg.backend == "nccl":
-        import torch
+    from pcpflow.devices import device_problems
 
-        if not torch.cuda.is_available():
-            field, given = ("device", "cuda") if cfg.device == "cuda" else ("backend", "nccl")
-            p.append(Problem(field, given, "no CUDA device is visible here; use device=cpu / backend=gloo"))
-        elif torch.cuda.device_count() < cfg.world_size and cfg.device != "cpu":
-            p.append(
-                Problem(
-                    "pcp",
-                    cfg.pcp,
-                    f"needs {cfg.world_size} GPUs (tp*pcp), {torch.cuda.device_count()} visible",
-                )
-            )
+    p.extend(device_problems(cfg))
     from pcpflow.cudagraph import cudagraph_problems
 
     p.extend(cudagraph_problems(cfg))

@@ -177,15 +177,17 @@ def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel):
 
 
 def _flex(q, k, v, mask, scale):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    t, _, g, _ = q.shape
+    # NOTE: the mask as a score_mod rather than a BlockMask: eager flex vmaps a mask_mod
+    # twice (building the block mask, then applying it), a score_mod once, and with
+    # whole gathered blocks there are no empty tiles for a block mask to skip.
+    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
 
-    def mask_mod(b, h, qi, kj):
-        return mask[b, qi, kj]
+    def score_mod(score, b, h, qi, kj):
+        return torch.where(mask[b, qi, kj], score, neg_inf)
 
-    block_mask = create_block_mask(mask_mod, t, None, g, k.shape[2], device=q.device)
-    kwargs = dict(block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    kwargs = dict(score_mod=score_mod, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     with warnings.catch_warnings():
         # NOTE: eager flex warns that it is unfused; CPU CI runs it eagerly on purpose.
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
