@@ -114,6 +114,17 @@ class RunConfig(_Strict):
         "reduce-scatter the outputs) or a2a (all-to-all of packed partials)",
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    # --- CUDA graphs (pcpflow.cudagraph)
+    cudagraph_mode: Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"] = Field(
+        "none",
+        description="vLLM's CUDA-graph modes: steps are padded to a capture size and "
+        "dispatched; full decode steps are captured on CUDA at world size 1",
+    )
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None,
+        description="rank-local token counts a step is padded up to; None: vLLM's "
+        "default list (1, 2, 4, 8..248 by 8, 256.. by 16, up to min(2*max_num_seqs, 512))",
+    )
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     kv: KVConfig = Field(default_factory=KVConfig)
@@ -256,32 +267,14 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                 "'balanced' places sharded decodes; use decode=sharded, or round_robin",
             )
         )
-    if cfg.backend == "nccl" and cfg.device == "cpu":
-        p.append(Problem("backend", "nccl", "nccl needs device=cuda (or auto on a GPU machine); use gloo"))
-    if cfg.device == "cuda" or cfg.backend == "nccl":
-        import torch
+    from pcpflow.devices import device_problems
 
-        if not torch.cuda.is_available():
-            field, given = ("device", "cuda") if cfg.device == "cuda" else ("backend", "nccl")
-            p.append(Problem(field, given, "no CUDA device is visible here; use device=cpu / backend=gloo"))
-        elif torch.cuda.device_count() < _local_ranks(cfg) and cfg.device != "cpu":
-            p.append(
-                Problem(
-                    "pcp",
-                    cfg.pcp,
-                    f"{_local_ranks(cfg)} local ranks (of tp*pcp = {cfg.tp}*{cfg.pcp}) need as "
-                    f"many GPUs, {torch.cuda.device_count()} visible",
-                )
-            )
+    p.extend(device_problems(cfg))
+    from pcpflow.cudagraph import cudagraph_problems
+
+    p.extend(cudagraph_problems(cfg))
     p.extend(moe_problems(cfg))
     return p
-
-
-def _local_ranks(cfg: RunConfig) -> int:
-    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else all (the driver spawns them)."""
-    import os
-
-    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
 
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:

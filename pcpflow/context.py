@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 from pcpflow.comm import Comm, CommStats
 from pcpflow.config import RunConfig
+from pcpflow.devices import pick_backend, pick_device  # noqa: F401  (re-exported)
 from pcpflow.models.base import CausalLM
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -65,21 +65,22 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One ``[num_blocks * block_size, entry_dim]`` tensor per layer, filled with NaN so that
     a read of a slot nobody wrote poisons the output and a stray write stands out."""
-    shape = (num_blocks * block_size, model.attn_spec.entry_dim)
-    return [torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(model.num_layers)]
+    num_slots, entry_dim = num_blocks * block_size, model.attn_spec.entry_dim
+    # NOTE: one spare row past the last slot, outside the cache's view: where a captured
+    # graph sends its padded rows' writes (``with_pad_slot``), since PAD_SLOT_ID cannot be
+    # skipped without a data-dependent shape.
+    return [
+        torch.full((num_slots + 1, entry_dim), float("nan"), dtype=dtype, device=device)[:num_slots]
+        for _ in range(model.num_layers)
+    ]
 
 
-def pick_device(cfg: RunConfig) -> torch.device:
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
-
-
-def pick_backend(cfg: RunConfig, device: torch.device) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+def with_pad_slot(cache: torch.Tensor) -> torch.Tensor:
+    """The cache with its spare row: ``[num_slots + 1, entry_dim]`` on the same storage."""
+    rows, width = cache.shape
+    if cache.untyped_storage().nbytes() < (cache.storage_offset() + (rows + 1) * width) * cache.element_size():
+        raise ValueError("cache has no spare pad row (allocate it with allocate_kv_caches)")
+    return cache.as_strided((rows + 1, width), cache.stride())
 
 
 def build_groups(cfg: RunConfig, stats: CommStats) -> tuple[Comm, Comm, Comm]:

@@ -67,9 +67,13 @@ class CPAttention:
         dcp: Comm,
         dcp_rest: str = "auto",
         dcp_comm_backend: str = "ag_rs",
+        kernel=paged_attention,
     ) -> None:
         """``dcp_rest``: the rest rows' DCP path policy, ``auto`` | ``queries`` | ``context``
-        (``context`` and ``auto`` need ``meta.dcp_context``; without it ``auto`` queries)."""
+        (``context`` and ``auto`` need ``meta.dcp_context``; without it ``auto`` queries).
+        ``kernel``: ``paged_attention`` or a function with its contract
+        (``pcpflow.attention.attention_kernel``)."""
+        self.kernel = kernel
         self.caches, self.spec, self.block_size = caches, spec, block_size
         self.pcp, self.dcp, self.meta = pcp, dcp, meta
         n, p = layout.padded_num_tokens, layout.pcp_size
@@ -145,7 +149,7 @@ class CPAttention:
             c = self.context
             shard = self.dcp.all_gather(cache.index_select(0, c.send_slots), "dcp_context_gather")
             contexts = shard.index_select(0, c.source)
-            out[nd:], _ = paged_attention(
+            out[nd:], _ = self.kernel(
                 q[nd:],
                 contexts,
                 self.spec,
@@ -181,7 +185,7 @@ class CPAttention:
         return out.to(q.dtype)
 
     def _attend(self, q, req, ctx, cache):
-        return paged_attention(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size)
+        return self.kernel(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size)
 
     def _merge(self, packed: torch.Tensor) -> torch.Tensor:
         h, dv = self.spec.num_heads, self.spec.v_dim

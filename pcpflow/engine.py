@@ -118,6 +118,8 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     texts = decode_outputs(cfg.model, result["outputs"])
     if texts is not None:
         result["texts"] = texts
+    if "cudagraph" in ctx.extras:  # steps by CUDA-graph runtime mode (stages/forward.py)
+        result["metrics"]["cudagraph"] = ctx.extras["cudagraph"]
     if verifier is not None:
         result["verify"] = verifier.summary()
     if cfg.output.save_logits:

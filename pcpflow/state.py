@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from pcpflow.batch import GlobalBatch
+    from pcpflow.cudagraph import BatchDescriptor
     from pcpflow.dcp_context import ContextGather
     from pcpflow.layout import BatchLayout
 
@@ -70,6 +71,7 @@ class StepState:
 
     batch: GlobalBatch
     layout: BatchLayout | None = None
+    dispatch: BatchDescriptor | None = None  # the step's CUDA-graph mode and size (plan)
     local: LocalBatch | None = None
     attn: AttentionMetadata | None = None
     hidden: torch.Tensor | None = None  # [num_padded_tokens, hidden]: local final hidden

@@ -4,6 +4,12 @@
 (``pcpflow.cp_attention``): ``queries`` (gather the queries, merge partials), ``context``
 (gather their requests' KV shards, attend locally) or ``auto`` (per step, the one that
 moves fewer bytes, priced by ``pcpflow.accounting.plan_dcp_rest``). Every path is exact.
+
+``attention`` picks the paged-attention kernel: ``reference`` (plain torch, any device),
+``fused`` (``pcpflow.fused_attention``: flex_attention / SDPA with log-sum-exp) or
+``auto`` (fused on CUDA). Steps the plan dispatched as ``full`` CUDA-graph steps run
+through ``pcpflow.cudagraph.DecodeGraphs`` at world size 1 with the fused kernel
+(captured and replayed on CUDA, the same static forward eagerly elsewhere).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from pcpflow.attention import attention_kernel, resolve_attention
 from pcpflow.cp_attention import CPAttention
 from pcpflow.moe_dispatch import moe_forward
 from pcpflow.stage import Stage, StageConfig, register
@@ -31,10 +38,35 @@ class ModelForward(Stage):
             description="DCP path of the rest rows (prefill chunks, sharded decodes): "
             "queries | context | auto (per step, fewer bytes moved)",
         )
+        attention: Literal["reference", "fused", "auto"] = Field(
+            "auto",
+            description="paged-attention kernel: reference (plain torch) | fused "
+            "(flex_attention / SDPA with log-sum-exp) | auto (fused on CUDA, else reference)",
+        )
+
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        self.kernel = attention_kernel(config.attention, ctx.device)
+        self.graphs = None
+        fused = resolve_attention(config.attention, ctx.device) == "fused"
+        # NOTE: the reference run stays eager: verification compares graphs with it.
+        if fused and ctx.world.size == 1 and not ctx.is_reference and ctx.config.cudagraph_mode != "none":
+            from pcpflow.cudagraph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(ctx, None, capture=ctx.device.type == "cuda")
 
     def __call__(self, state: StepState) -> StepState:
         ctx, local = self.ctx, state.local
         assert local is not None and state.attn is not None and state.layout is not None
+        mode = state.dispatch.runtime_mode if state.dispatch is not None else "none"
+        counts = ctx.extras.setdefault("cudagraph", {"steps": {}, "graph_forward_steps": 0})
+        counts["steps"][mode] = counts["steps"].get(mode, 0) + 1
+        if self.graphs is not None and mode == "full" and is_uniform_decode_only(state) and not ctx.aux_layers:
+            state.attn.dcp_rest = "queries"
+            state.hidden, state.aux_hidden = self.graphs(state), {}
+            counts["graph_forward_steps"] += 1
+            counts["captured"], counts["replayed"] = self.graphs.num_captured, self.graphs.num_replayed
+            return state
         backend = CPAttention(
             layout=state.layout,
             meta=state.attn,
@@ -45,6 +77,7 @@ class ModelForward(Stage):
             dcp=ctx.dcp,
             dcp_rest=self.config.dcp_rest,
             dcp_comm_backend=ctx.config.dcp_comm_backend,
+            kernel=self.kernel,
         )
         state.attn.dcp_rest = backend.dcp_rest.mode
         with torch.no_grad(), moe_forward(ctx, state):
@@ -52,3 +85,9 @@ class ModelForward(Stage):
                 local.input_ids, local.positions, backend, tuple(sorted(ctx.aux_layers))
             )
         return state
+
+
+def is_uniform_decode_only(state: StepState) -> bool:
+    """A full step under mode ``full`` may hold prefills: only decodes are captured."""
+    b = state.batch
+    return not bool(b.is_prefilling[b.num_scheduled_tokens > 0].any())

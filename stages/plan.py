@@ -1,12 +1,15 @@
-"""plan: where each token runs (DualChunkSwap across PCP ranks), via pcpflow.layout."""
+"""plan: where each token runs (DualChunkSwap across PCP ranks), via pcpflow.layout.
+
+The step is dispatched here (``pcpflow.cudagraph.dispatch``): from the largest rank's
+real row count to a CUDA-graph size, and every rank's rows are padded to it.
+"""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Literal
 
-from pydantic import Field
-
+from pcpflow.cudagraph import capture_sizes, dispatch, is_uniform_decode, num_tokens_for_dispatch
 from pcpflow.layout import plan_layout
 from pcpflow.stage import Stage, StageConfig, register
 from pcpflow.state import StepState
@@ -19,12 +22,10 @@ class DualChunkSwapPlan(Stage):
 
     class Config(StageConfig):
         kind: Literal["dual_chunk_swap"] = "dual_chunk_swap"
-        pad_to_multiple: int = Field(
-            1,
-            ge=1,
-            description="pad every rank's rows up to a multiple of this (as CUDA-graph "
-            "sizes do); 1 = pad only to the largest rank",
-        )
+
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        self.sizes = capture_sizes(ctx.config)
 
     def __call__(self, state: StepState) -> StepState:
         cfg, b = self.ctx.config, state.batch
@@ -39,12 +40,8 @@ class DualChunkSwapPlan(Stage):
             decode_assignment=cfg.decode.assignment,
         )
         layout = plan()
-        m = self.config.pad_to_multiple
-        if m > 1:
-            largest = layout.padded_num_tokens
-            # Never past the persistent buffers (one step's whole token budget).
-            padded = max(largest, min(-(-largest // m) * m, cfg.scheduler.max_num_batched_tokens))
-            if padded != largest:
-                layout = plan(padded_num_tokens=padded)
-        state.layout = layout
+        desc = dispatch(cfg.cudagraph_mode, num_tokens_for_dispatch(layout), is_uniform_decode(b), self.sizes)
+        if desc.num_tokens is not None and desc.num_tokens != layout.padded_num_tokens:
+            layout = plan(padded_num_tokens=desc.num_tokens)
+        state.layout, state.dispatch = layout, desc
         return state

@@ -159,8 +159,8 @@ def test_unknown_kind_and_plugin_exit_2_with_known_kinds():
     assert "all_rows" in r.stderr
     r = pcpflow("plugins=[no_such_pkg.stages]")
     assert r.returncode == 2 and "no_such_pkg" in r.stderr and "Traceback" not in r.stderr
-    r = pcpflow("pipeline.plan.pad_to_multiple=0")
-    assert r.returncode == 2 and "pipeline.plan.pad_to_multiple: got 0" in r.stderr
+    r = pcpflow("cudagraph_capture_sizes=[0,8]")
+    assert r.returncode == 2 and "cudagraph_capture_sizes: got [0, 8]" in r.stderr
 
 
 def test_swapping_a_stage_drops_only_the_shipped_options_it_does_not_know():

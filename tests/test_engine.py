@@ -87,12 +87,12 @@ def test_pcp_matches_single_rank_on_length_corner_cases(pcp):
 @pytest.mark.dist
 def test_narrow_dtypes_within_tolerance_and_padding_rows_never_written():
     """float32 and bfloat16 verification use their documented tolerances (a differing
-    token only at a near-tie); padding every rank up to a multiple of 16 (as graph sizes
-    do) adds rows that must never reach the cache."""
+    token only at a near-tie); padding every rank up to a CUDA-graph capture size
+    (piecewise: every step) adds rows that must never reach the cache."""
     base = corner_case_workload(3)
     cfgs = [
         compose(base + ["dtype=float32", "decode=sharded"]),
-        compose(base + ["pipeline.plan.pad_to_multiple=16", "decode=replicated", "model=tiny_gqa"]),
+        compose(base + ["cudagraph_mode=piecewise", "cudagraph_capture_sizes=[16,32]", "decode=replicated", "model=tiny_gqa"]),
         compose(base + ["dtype=bfloat16", "dcp=3", "model=tiny_gqa", "pipeline.forward.dcp_rest=queries"]),
     ]
     r32, rpad, rbf16 = run(cfgs)

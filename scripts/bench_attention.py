@@ -1,0 +1,96 @@
+"""Paged attention kernels side by side on one batch (CPU or CUDA): the reference, the
+fused kernel over a gather of each request's blocks (pcpflow.fused_attention), and
+flex_attention straight over the whole paged cache through the block tables (a
+``mask_mod`` that maps each cache slot to its request and position), the alternative
+the gather was chosen over.
+
+    python scripts/bench_attention.py [--device cuda] [--dtype bfloat16] [--cache-x 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from pcpflow.attention import paged_attention  # noqa: E402
+from pcpflow.fused_attention import fused_paged_attention  # noqa: E402
+from pcpflow.models.layers import gqa_spec  # noqa: E402
+
+
+def block_table_flex(q, cache, spec, tables, req, ctx, block):
+    """flex over the whole cache: row n sees slot s iff s holds position p < ctx[n] of
+    request req[n] (inverse block tables), no gather."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    slots = cache.shape[0]
+    slot_req = torch.full((slots,), -1, dtype=torch.long, device=q.device)
+    slot_pos = torch.zeros(slots, dtype=torch.long, device=q.device)
+    nb = tables.shape[1]
+    s = (tables[:, :, None] * block + torch.arange(block, device=q.device)).reshape(tables.shape[0], -1)
+    slot_req[s] = torch.arange(tables.shape[0], device=q.device)[:, None].expand_as(s)
+    slot_pos[s] = torch.arange(nb * block, device=q.device).expand_as(s)
+    neg = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+
+    def score_mod(score, b, h, qi, kj):
+        return torch.where((slot_req[kj] == req[qi]) & (slot_pos[kj] < ctx[qi]), score, neg)
+
+    k = spec.keys(cache).transpose(0, 1)[None]
+    v = spec.values(cache).transpose(0, 1)[None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flex_attention(q.transpose(0, 1)[None], k, v, score_mod=score_mod, scale=spec.scale, enable_gqa=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--decodes", type=int, default=7)
+    ap.add_argument("--cache-x", type=float, default=4.0, help="cache slots / slots in use")
+    args = ap.parse_args()
+    dev, dtype, block = torch.device(args.device), getattr(torch, args.dtype), 16
+    spec = gqa_spec(8, 2, 64)
+    g = torch.Generator().manual_seed(0)
+    reqs, nb = 1 + args.decodes, -(-args.context // block)
+    total = int(reqs * nb * args.cache_x)
+    tables = torch.randperm(total, generator=g)[: reqs * nb].view(reqs, nb).to(dev)
+    cache = torch.randn(total * block, spec.entry_dim, generator=g).to(dev, dtype)
+    q = torch.randn(args.chunk + args.decodes, spec.num_heads, spec.qk_dim, generator=g).to(dev, dtype)
+    req = torch.cat([torch.zeros(args.chunk, dtype=torch.long), torch.arange(1, reqs)]).to(dev)
+    ctx = torch.cat([torch.arange(args.context - args.chunk + 1, args.context + 1), torch.full((args.decodes,), args.context)]).to(dev)
+    a = (q, cache, spec, tables, req, ctx, block)
+    ref, _ = paged_attention(*a)
+    kernels = {
+        "reference": lambda: paged_attention(*a)[0],
+        "fused_gather_flex": lambda: fused_paged_attention(*a, kernel="flex")[0],
+        "fused_gather_sdpa": lambda: fused_paged_attention(*a, kernel="sdpa")[0],
+        "flex_block_tables": lambda: block_table_flex(*a)[0].transpose(0, 1),
+    }
+    print(f"device={dev} dtype={dtype} rows={q.shape[0]} context={args.context} cache_slots={cache.shape[0]}")
+    for name, fn in kernels.items():
+        out = fn()
+        times = []
+        for _ in range(5):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        diff = float((out.float() - ref.float()).abs().max())
+        print(f"{name:>18}: {statistics.median(times) * 1e3:8.2f} ms   max|diff| {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
