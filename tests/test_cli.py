@@ -49,6 +49,9 @@ def write_trace(path: Path, n: int = 4) -> Path:
 
 
 # ------------------------------------------------------------------------- configs
+_CARDS = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3")
+
+
 def test_every_shipped_yaml_composes_and_validates(tmp_path):
     needs = {("workload", "trace"): [f"workload.path={write_trace(tmp_path / 't.jsonl')}"]}
     groups = _config_groups()
@@ -59,6 +62,12 @@ def test_every_shipped_yaml_composes_and_validates(tmp_path):
             if (group, option) == ("model", "hf"):
                 continue  # needs a checkpoint directory: tests/test_hf_*.py build one
             overrides = [f"{group}={option}", *needs.get((group, option), [])]
+            if group == "hardware" or (group, option) == ("mode", "simulate"):
+                # NOTE: hardware profiles and model cards price simulated runs only.
+                overrides += ["mode=simulate", "model=llama3_8b"]
+                overrides += [] if group == "hardware" else ["hardware=h100_sxm"]
+            elif option in _CARDS:
+                overrides += ["mode=simulate", "tp=8", "simulate.weights_dtype=fp8", "hardware=b200"]
             cfg = prepare_job(compose_raw(overrides))
             checked += 1
             if group in ("decode", "model", "workload"):
