@@ -112,6 +112,8 @@ SLOW_LAYOUTS = [(2, 1, "replicated"), (2, 1, "sharded"), (4, 4, "replicated"), (
 def results(ckpt):
     cases = _cases(ckpt, DEFAULT_LAYOUTS, chat_layouts=[(4, 4, "sharded")])
     cases["ignore_eos-pcp4-dcp4-sharded"] = _overrides(ckpt, 4, 4, "sharded", _texts(), "workload.ignore_eos=true")
+    # the target drafting itself: every proposal is accepted, so the EOS lands among drafts
+    cases["self_draft-pcp4-dcp4-sharded"] = _overrides(ckpt, 4, 4, "sharded", _texts(), "draft=self")
     return dict(zip(cases, run([compose(o) for o in cases.values()])))
 
 
@@ -148,6 +150,13 @@ def test_ignore_eos_generates_output_lens(results, ckpt):
     assert r["verify"]["passed"]
     assert [len(o) for o in r["outputs"]] == [MAX_NEW] * len(TEXTS)
     assert r["outputs"] == ckpt["free"][:3]
+
+
+@pytest.mark.dist
+def test_eos_inside_accepted_drafts_stops_there(results, ckpt):
+    r = results["self_draft-pcp4-dcp4-sharded"]
+    _check(r, ckpt, "texts")
+    assert r["metrics"]["acceptance_rate"] > 0.5
 
 
 @pytest.mark.dist
