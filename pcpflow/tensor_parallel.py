@@ -105,7 +105,13 @@ def shard_model(module: nn.Module, comm, tp_rank: int, tp_size: int) -> nn.Modul
 
 
 def shard_mlp(mlp: nn.Module, comm, tp_rank: int, tp_size: int) -> nn.Module:
-    """The one place an MLP is split over TP (a MoE block would be added here)."""
+    """The one place an MLP is split over TP. A MoE block stays whole on every TP rank:
+    ``moe.dispatch`` places its experts (gather: an intermediate share per tp*pcp rank;
+    all_to_all: experts owned by ranks; local: all of them, on rows every TP rank holds)."""
+    from pcpflow.models.moe import MoEMLP
+
+    if isinstance(mlp, MoEMLP):
+        return mlp
     if not isinstance(mlp, GatedMLP):
         raise TypeError(f"no tensor-parallel split for {type(mlp).__name__}")
     inner = mlp.down_proj.in_features
