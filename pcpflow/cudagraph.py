@@ -78,10 +78,11 @@ def num_tokens_for_dispatch(layout: BatchLayout) -> int:
 def is_uniform_decode(batch: GlobalBatch) -> bool:
     """Every scheduled request decodes the same number of tokens (1, or 1 + drafts):
     what a full decode graph was captured for. The same on every rank (global batch)."""
-    q = batch.num_scheduled_tokens[batch.num_scheduled_tokens > 0]
-    return bool(q.size) and not bool(batch.is_prefilling[batch.num_scheduled_tokens > 0].any()) and bool(
-        (q == q[0]).all()
-    )
+    scheduled = batch.num_scheduled_tokens > 0
+    q = batch.num_scheduled_tokens[scheduled]
+    if not q.size or batch.is_prefilling[scheduled].any():
+        return False
+    return bool((q == q[0]).all())
 
 
 def dispatch(mode: str, num_tokens: int, uniform_decode: bool, sizes: list[int]) -> BatchDescriptor:
@@ -137,7 +138,8 @@ class DecodeGraphs:
         cfg, dev = ctx.config, ctx.device
         self.ctx, self.kernel, self.capture = ctx, kernel, capture
         block = cfg.kv.block_size
-        longest = max((len(r.prompt_token_ids) + r.max_output_tokens for r in ctx.requests), default=1)
+        lens = [len(r.prompt_token_ids) + r.max_output_tokens for r in ctx.requests]
+        longest = max(lens, default=1)
         longest += cfg.num_speculative_tokens + 1
         self.width = min(-(-longest // block), cfg.kv.num_blocks)
         rows = cfg.scheduler.max_num_batched_tokens

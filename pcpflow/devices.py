@@ -52,11 +52,15 @@ def device_problems(cfg: RunConfig) -> list[Problem]:
     """Device/backend settings that cannot run here (checked in the driver)."""
     p: list[Problem] = []
     if cfg.backend == "nccl" and cfg.device == "cpu":
-        p.append(Problem("backend", "nccl", "nccl needs device=cuda (or auto on a GPU machine); use gloo"))
+        p.append(
+            Problem("backend", "nccl", "nccl needs device=cuda (or auto on a GPU machine); use gloo")
+        )
     if cfg.device == "cuda" or cfg.backend == "nccl":
         if not torch.cuda.is_available():
             field, given = ("device", "cuda") if cfg.device == "cuda" else ("backend", "nccl")
-            p.append(Problem(field, given, "no CUDA device is visible here; use device=cpu / backend=gloo"))
+            p.append(
+                Problem(field, given, "no CUDA device is visible here; use device=cpu / backend=gloo")
+            )
             return p
     if cfg.device != "cpu" and torch.cuda.is_available():
         count, needed = torch.cuda.device_count(), ranks_on_this_node(cfg)

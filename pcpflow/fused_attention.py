@@ -4,13 +4,15 @@ Same contract as ``pcpflow.attention.paged_attention`` (``out [N, H, v_dim]``, n
 ``lse [N, H]``, ``0`` / ``-inf`` for rows without context), computed by one fused kernel
 call per tile instead of explicit scores:
 
-- ``flex``: ``torch.nn.attention.flex_attention`` with a block mask and its log-sum-exp
-  output (``return_aux=AuxRequest(lse=True)``, or ``return_lse`` before torch 2.9); runs
-  eagerly on any device (CPU float64 in CI), fused under ``torch.compile``.
+- ``flex``: ``torch.nn.attention.flex_attention`` with the mask as a ``score_mod`` and
+  its log-sum-exp (``return_aux=AuxRequest(lse=True)``, or ``return_lse`` before torch
+  2.9); runs eagerly on any device (CPU in CI, float64 on CUDA), fused under
+  ``torch.compile``. The default off CUDA.
 - ``sdpa``: the flash/efficient SDPA kernels that return their log-sum-exp (CUDA:
-  ``_scaled_dot_product_efficient_attention`` with a mask bias; CPU:
-  ``_scaled_dot_product_flash_attention_for_cpu``); K/V heads are repeated for GQA/MLA
-  and V is zero-padded to the query dim (these kernels want one head size).
+  ``_scaled_dot_product_efficient_attention`` with a mask bias, the default there for
+  float32 / bf16; CPU: ``_scaled_dot_product_flash_attention_for_cpu``); K/V heads are
+  repeated for GQA/MLA and V is zero-padded to the query dim (these kernels want one
+  head size).
 
 The paged cache is read through a **gather**: rows are grouped into *segments* (a run of
 one request's consecutive rows; a decode is a segment of one row), and each tile of
@@ -19,7 +21,7 @@ values, masked per row by its context length. docs/gpu.md has the measurement be
 the gather (vs. flex's block-table ``mask_mod`` over the whole cache).
 
 ``fused_decode_attention`` is the static-shape variant CUDA graphs capture: one row per
-segment, every row reads ``max_blocks`` blocks; no data-dependent shapes or host syncs.
+segment, every row reads the same number of blocks; no data-dependent shapes or host syncs.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ _TILE_ELEMENTS = 1 << 24
 """Rough bound on the elements one tile materializes (gathered K/V + mask)."""
 
 
-def default_kernel(device: torch.device) -> str:
-    """sdpa on CUDA (the flash/efficient kernels), flex elsewhere."""
-    return "sdpa" if device.type == "cuda" else "flex"
+def default_kernel(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """sdpa on CUDA (the efficient kernel: float32 / bf16 / fp16), flex elsewhere."""
+    narrow = dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return "sdpa" if device.type == "cuda" and narrow else "flex"
 
 
 def fused_paged_attention(
@@ -57,7 +60,7 @@ def fused_paged_attention(
     kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_attention``'s result through a fused kernel (see module docstring)."""
-    kernel = kernel or default_kernel(q.device)
+    kernel = kernel or default_kernel(q.device, q.dtype)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     num_rows, num_heads, _ = q.shape
@@ -106,7 +109,7 @@ def fused_decode_attention(
     """One segment per row, static shapes: row ``n`` reads blocks ``row_block_tables[n]``
     (``[N, W]``, any valid block where unused) up to ``row_context_lens[n]`` keys (0 on
     padded rows). What a CUDA graph captures: no host sync, no data-dependent shape."""
-    kernel = kernel or default_kernel(q.device)
+    kernel = kernel or default_kernel(q.device, q.dtype)
     blocked = cache.reshape(-1, block_size, spec.entry_dim)
     o, l = _attend_dense(
         q,

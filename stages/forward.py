@@ -49,8 +49,11 @@ class ModelForward(Stage):
         self.kernel = attention_kernel(config.attention, ctx.device)
         self.graphs = None
         fused = resolve_attention(config.attention, ctx.device) == "fused"
-        # NOTE: the reference run stays eager: verification compares graphs with it.
-        if fused and ctx.world.size == 1 and not ctx.is_reference and ctx.config.cudagraph_mode != "none":
+        # NOTE: the reference run stays eager: verification compares graphs with it. MoE
+        # routing sizes its expert batches from the data (nonzero), which no graph holds.
+        has_moe = any("MoE" in type(m).__name__ for m in ctx.model.modules())
+        eligible = fused and ctx.world.size == 1 and not ctx.is_reference and not has_moe
+        if eligible and ctx.config.cudagraph_mode != "none":
             from pcpflow.cudagraph import DecodeGraphs
 
             self.graphs = DecodeGraphs(ctx, None, capture=ctx.device.type == "cuda")

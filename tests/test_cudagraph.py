@@ -160,3 +160,25 @@ def test_every_mode_pads_and_dispatches_exact_against_the_single_rank():
     assert piecewise["metrics"]["balance"]["padding_fraction"] > plain["metrics"]["balance"]["padding_fraction"]
     g = graphs["metrics"]["cudagraph"]
     assert g["graph_forward_steps"] == g["steps"]["full"] > 0
+
+
+def test_pad_slot_is_outside_the_cache_view():
+    """A graph's padded rows write one spare row past the cache: the cache (what the
+    verifier and every kernel read) never sees it."""
+    import torch
+
+    from pcpflow.context import allocate_kv_caches, with_pad_slot
+    from pcpflow.models.base import AttentionSpec
+
+    class Model:
+        attn_spec = AttentionSpec(num_heads=2, num_kv_heads=1, qk_dim=4, v_dim=4, v_offset=0, entry_dim=4, scale=1.0)
+        num_layers = 2
+
+    (cache, _) = allocate_kv_caches(Model(), 3, 4, torch.float64, torch.device("cpu"))
+    assert cache.shape == (12, 4) and cache.is_contiguous()
+    base = with_pad_slot(cache)
+    assert base.shape == (13, 4) and base.data_ptr() == cache.data_ptr()
+    base.index_copy_(0, torch.tensor([12, 12]), torch.ones(2, 4, dtype=torch.float64))
+    assert torch.isnan(cache).all() and (base[12] == 1).all()
+    with pytest.raises(ValueError, match="spare pad row"):
+        with_pad_slot(torch.zeros(12, 4))
