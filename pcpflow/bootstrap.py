@@ -119,7 +119,7 @@ class RankSession:
                         board.barrier("end", cfg.collective_timeout_s, what=f"the run within collective_timeout_s={cfg.collective_timeout_s:g} of its peers")
                     return sections
                 except BaseException as exc:
-                    raise self._failure(exc, cfg, run_dir, board, writes_result) from exc
+                    raise self._failure(exc, cfg, run_dir, board, writes_result) from (Interrupted.of(exc) or exc)
         finally:
             if board is not None:
                 board.stop()
@@ -174,7 +174,9 @@ def torchrun_rank(prepare: Callable[[], dict[str, Any]]) -> int:
         try:
             sections = session.run(cfg, run_dir, writes_result=True)
         except RankError as exc:
-            if exc.blame.rank == session.rank:
+            if isinstance(exc.__cause__, Interrupted):
+                print(f"pcpflow: {exc.__cause__} (rank {session.rank})", file=sys.stderr, flush=True)
+            elif exc.blame.rank == session.rank:
                 print(f"pcpflow: rank {exc.blame.rank} failed: {str(exc.blame).split('] ', 1)[1]}", file=sys.stderr, flush=True)
             return exc.exit_code
     finally:

@@ -131,7 +131,23 @@ def _error_message(data: Any) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def _spawnable_main():
-    yield
+    """Spawned ranks must be able to re-create this process's multiprocessing start method.
+
+    NOTE: inside a Hydra joblib-launcher worker (loky), the process-wide start method is
+    'loky'; a spawned rank's bootstrap calls set_start_method('loky') before any user code
+    runs, fails ("cannot find context for 'loky'") and exits 1 with an empty log. Spawn is
+    what the ranks use anyway, so that is what they are told while they start."""
+    import multiprocessing
+
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method in (None, "spawn", "fork", "forkserver"):
+        yield
+        return
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(method, force=True)
 
 
 def _traceback_of(exc: BaseException | None) -> str:
