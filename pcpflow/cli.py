@@ -43,11 +43,29 @@ def main(argv: list[str] | None = None) -> int:
     overrides, multirun, no_run = split_args(argv)
     if not no_run:
         try:
+            _check_output_dir(overrides, multirun)
             precheck(overrides, multirun)
         except ConfigError as exc:
             print(exc.report(), file=sys.stderr)
             return EXIT_INVALID_CONFIG
     return run_hydra(argv)
+
+
+def _check_output_dir(overrides: list[str], multirun: bool) -> None:
+    """A run / sweep dir given on the command line must be creatable and not held by a live
+    run (Hydra would write its .hydra/ files into it, or fail with a traceback, first)."""
+    from pcpflow.checks import check_run_dir
+    from pcpflow.rundir import live_lock_owner
+
+    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith(key)]
+    if not given or "${" in given[-1]:
+        return
+    path = Path(given[-1])
+    check_run_dir(path)
+    owner = None if multirun else live_lock_owner(path)
+    if owner is not None:
+        raise ConfigError([Problem("hydra.run.dir", str(path), f"a run dir no live run uses; pid {owner} is running in it")])
 
 
 def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
