@@ -94,6 +94,8 @@ class RankSession:
         key = f"pcpflow/job/{self.jobs}"
         if self.rank == 0:
             job = prepare()
+            if "error" in job:  # NOTE: before the others learn it and exit: torchrun then stops us
+                print(job["error"], file=sys.stderr, flush=True)
             self.store.set(key, json.dumps(job))
             return job
         self.store.wait([key], timedelta(seconds=STARTUP_STORE_TIMEOUT_S))
@@ -167,8 +169,6 @@ def torchrun_rank(prepare: Callable[[], dict[str, Any]]) -> int:
     try:
         job = session.exchange(prepare)
         if "error" in job:
-            if session.rank == 0:
-                print(job["error"], file=sys.stderr, flush=True)
             return int(job.get("exit_code", EXIT_INVALID_CONFIG))
         cfg, run_dir = parse_run_config(job["config"]), Path(job["run_dir"])
         try:
