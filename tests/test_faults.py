@@ -199,3 +199,24 @@ def test_two_torchrun_agents_rendezvous_as_two_nodes(tmp_path, pcp, per_node, ex
     assert res["status"] == "ok" and res["verify"]["passed"] and res["verify"]["tokens_match"]
     assert res["config"]["pcp"] == pcp and res["metrics"]["num_steps"] == 6
     assert sorted(p.name for p in tmp_path.glob("result*.json")) == ["result.json"]
+
+
+# ------------------------------------------------------------------------------ start-up
+def _slow_start_cfg(seconds: float, **top):
+    from pcpflow.testing import compose
+
+    overrides = ["pcp=2", FAULTS, fault("SlowStart", rank=1, seconds=seconds), "max_steps=2", *QUIET]
+    return compose([*overrides, *(f"{k}={v}" for k, v in top.items())])
+
+
+@pytest.mark.slow
+def test_start_up_has_its_own_timeout():
+    """A start-up longer than collective_timeout_s is fine (the first collective after it
+    would have timed out with one timeout for both); longer than startup_timeout_s is not."""
+    from pcpflow.testing import run
+
+    sys.path.insert(0, str(TESTS))
+    (ok,) = run([_slow_start_cfg(6, collective_timeout_s=2, startup_timeout_s=60)])
+    assert ok["verify"]["passed"]
+    with pytest.raises(Exception, match=r"\[rank 1\] did not finish start-up within startup_timeout_s=3 during start-up"):
+        run([_slow_start_cfg(100, collective_timeout_s=30, startup_timeout_s=3)])
