@@ -273,7 +273,6 @@ def _shape_problems(cfg: Any, path: Path, shapes: dict[str, tuple[int, ...]]) ->
     import torch
 
     from pcpflow.models.hf import HFModel, read_checkpoint
-    from pcpflow.models.hf_weights import _compile
 
     try:
         checkpoint = read_checkpoint(path)

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pcpflow.bootstrap import RankSession, elastic_rank
+from pcpflow.bootstrap import RankError, RankSession, elastic_rank
 from pcpflow.config import RunConfig
 from pcpflow.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
@@ -33,8 +33,6 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """Run the job's ranks; returns rank 0's result sections. Raises RankFailure."""
     if cfg.world_size == 1:
         # One rank needs no process group: run it in this process (same bootstrap code).
-        from pcpflow.bootstrap import RankError
-
         try:
             result = RankSession.solo().run(cfg, run_dir)
         except RankError as exc:
