@@ -74,10 +74,12 @@ def alive_with(marker: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------ pcpflow's launch
-def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path):
+@pytest.mark.parametrize("launcher", ["pcpflow", pytest.param("torchrun", marks=pytest.mark.slow)])
+def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launcher):
     marker = uuid.uuid4().hex
-    r, elapsed = pcpflow("pcp=2", "collective_timeout_s=5", f"hydra.run.dir={tmp_path}", FAULTS,
-                         fault("Stall", rank=1, step=1, seconds=200), e=env(marker))
+    start = pcpflow if launcher == "pcpflow" else torchrun
+    r, elapsed = start("pcp=2", "collective_timeout_s=5", f"hydra.run.dir={tmp_path}", FAULTS,
+                       fault("Stall", rank=1, step=1, seconds=200), e=env(marker))
     assert r.returncode == 1, r.stderr[-2000:]
     res = result(tmp_path)
     assert res["status"] == "failed" and res["failed_rank"] == 1
