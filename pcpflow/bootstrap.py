@@ -94,6 +94,8 @@ class RankSession:
         key = f"pcpflow/job/{self.jobs}"
         if self.rank == 0:
             job = prepare()
+            if "error" in job:  # NOTE: before the others learn it and exit: torchrun then stops us
+                print(job["error"], file=sys.stderr, flush=True)
             self.store.set(key, json.dumps(job))
             return job
         self.store.wait([key], timedelta(seconds=STARTUP_STORE_TIMEOUT_S))
@@ -119,7 +121,7 @@ class RankSession:
                         board.barrier("end", cfg.collective_timeout_s, what=f"the run within collective_timeout_s={cfg.collective_timeout_s:g} of its peers")
                     return sections
                 except BaseException as exc:
-                    raise self._failure(exc, cfg, run_dir, board, writes_result) from exc
+                    raise self._failure(exc, cfg, run_dir, board, writes_result) from (Interrupted.of(exc) or exc)
         finally:
             if board is not None:
                 board.stop()
@@ -167,14 +169,14 @@ def torchrun_rank(prepare: Callable[[], dict[str, Any]]) -> int:
     try:
         job = session.exchange(prepare)
         if "error" in job:
-            if session.rank == 0:
-                print(job["error"], file=sys.stderr, flush=True)
             return int(job.get("exit_code", EXIT_INVALID_CONFIG))
         cfg, run_dir = parse_run_config(job["config"]), Path(job["run_dir"])
         try:
             sections = session.run(cfg, run_dir, writes_result=True)
         except RankError as exc:
-            if exc.blame.rank == session.rank:
+            if isinstance(exc.__cause__, Interrupted):
+                print(f"pcpflow: {exc.__cause__} (rank {session.rank})", file=sys.stderr, flush=True)
+            elif exc.blame.rank == session.rank:
                 print(f"pcpflow: rank {exc.blame.rank} failed: {str(exc.blame).split('] ', 1)[1]}", file=sys.stderr, flush=True)
             return exc.exit_code
     finally:

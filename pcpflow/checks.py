@@ -283,7 +283,6 @@ def _shape_problems(cfg: Any, path: Path, shapes: dict[str, tuple[int, ...]]) ->
     import torch
 
     from pcpflow.models.hf import HFModel, read_checkpoint
-    from pcpflow.models.hf_weights import _compile
 
     try:
         checkpoint = read_checkpoint(path)
@@ -309,11 +308,18 @@ def _shape_problems(cfg: Any, path: Path, shapes: dict[str, tuple[int, ...]]) ->
 
 
 # ------------------------------------------------------------------------------ run dir, ranks
-def check_run_dir(run_dir: Path) -> None:
-    """The run dir is a directory this process can create and write."""
+def check_run_dir(run_dir: Path, *, create: bool = True) -> None:
+    """The run dir is a directory this process can create and write (``create=False``:
+    could create, without creating it: nothing may appear for an invalid command)."""
     problem = None
     if run_dir.exists() and not run_dir.is_dir():
         problem = "a directory; it is an existing file"
+    elif not create:
+        parent = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+        if not parent.is_dir():
+            problem = f"a directory pcpflow can create; {parent} is a file"
+        elif not os.access(parent, os.W_OK | os.X_OK):
+            problem = f"a directory pcpflow can create; {parent} is not writable"
     else:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -35,10 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     if not no_run:
         try:
             precheck(overrides, multirun)
+            _check_output_dir(overrides, multirun)
         except ConfigError as exc:
             print(exc.report(), file=sys.stderr)
             return EXIT_INVALID_CONFIG
     return run_hydra(argv)
+
+
+def _check_output_dir(overrides: list[str], multirun: bool) -> None:
+    """A run / sweep dir given on the command line must be creatable and not held by a live
+    run (Hydra would write its .hydra/ files into it, or fail with a traceback, first)."""
+    from pcpflow.checks import check_run_dir
+    from pcpflow.rundir import live_lock_owner
+
+    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith(key)]
+    if not given or "${" in given[-1]:
+        return
+    path = Path(given[-1])
+    check_run_dir(path, create=False)
+    owner = None if multirun else live_lock_owner(path)
+    if owner is not None:
+        raise ConfigError([Problem("hydra.run.dir", str(path), f"a run dir no live run uses; pid {owner} is running in it")])
 
 
 def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
@@ -255,9 +273,9 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
     try:
         if multirun:
             raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
+        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         run_dir = _torchrun_run_dir(overrides)
         check_run_dir(run_dir)
-        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         cfg = prepare_job(raw)
         if cfg.world_size != world:
             raise ConfigError(
@@ -272,8 +290,14 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
 
 
 def _torchrun_run_dir(overrides: list[str]) -> Path:
+    """``hydra.run.dir`` as a plain run would resolve it. Only that key is resolved: the
+    rest of Hydra's own config (``hydra.job.num`` of sweeps) exists only under Hydra's run."""
     for o in overrides:
         if o.startswith("hydra.run.dir="):
             return Path(o.split("=", 1)[1])
-    raw = compose_raw([o for o in overrides if not _is_hydra_override(o)], with_hydra=True)
-    return Path(raw["hydra"]["run"]["dir"])
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = compose(config_name="config", overrides=[o for o in overrides if not _is_hydra_override(o)], return_hydra_config=True)
+        return Path(str(OmegaConf.select(cfg, "hydra.run.dir")))

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pcpflow.bootstrap import RankSession, elastic_rank
+from pcpflow.bootstrap import RankError, RankSession, elastic_rank
 from pcpflow.config import RunConfig
 from pcpflow.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
@@ -33,8 +33,6 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """Run the job's ranks; returns rank 0's result sections. Raises RankFailure."""
     if cfg.world_size == 1:
         # One rank needs no process group: run it in this process (same bootstrap code).
-        from pcpflow.bootstrap import RankError
-
         try:
             result = RankSession.solo().run(cfg, run_dir)
         except RankError as exc:
@@ -131,7 +129,23 @@ def _error_message(data: Any) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def _spawnable_main():
-    yield
+    """Spawned ranks must be able to re-create this process's multiprocessing start method.
+
+    NOTE: inside a Hydra joblib-launcher worker (loky), the process-wide start method is
+    'loky'; a spawned rank's bootstrap calls set_start_method('loky') before any user code
+    runs, fails ("cannot find context for 'loky'") and exits 1 with an empty log. Spawn is
+    what the ranks use anyway, so that is what they are told while they start."""
+    import multiprocessing
+
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method in (None, "spawn", "fork", "forkserver"):
+        yield
+        return
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(method, force=True)
 
 
 def _traceback_of(exc: BaseException | None) -> str:

@@ -209,7 +209,7 @@ class RankBoard:
                 f"stalled: it stopped taking part in collectives; its peers waited "
                 f"collective_timeout_s={collective_timeout_s:g}"
                 if alive
-                else "died without a Python error (killed by a signal, os._exit or a crash; see its log)"
+                else "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
             )
             return Blame(r, what, p.get("step", -1), p.get("stage", ""))
         done = [r for r, s in statuses.items() if s and s["kind"] == "done"]

@@ -58,7 +58,7 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     the job's overrides that differ between jobs (what the sweep varies)."""
     rows, overrides = [], []
     for result_path in sorted(sweep_dir.glob("*/result.json"), key=_job_order):
-        result = json.loads(result_path.read_text())
+        result = _read_result(result_path)
         job_dir = result_path.parent
         m, v = result.get("metrics") or {}, result.get("verify") or {}
         ttft, tpot, balance = m.get("ttft") or {}, m.get("tpot") or {}, m.get("balance") or {}
@@ -320,6 +320,19 @@ def _legend_below(ax, n: int) -> None:
 
 
 # ------------------------------------------------------------------------------ helpers
+def _read_result(path: Path) -> dict[str, Any]:
+    """A job's result.json; one that cannot be read (truncated by a crash or a full disk)
+    becomes a failed row naming the file, and the other jobs are still reported."""
+    try:
+        result = json.loads(path.read_text())
+        if isinstance(result, dict):
+            return result
+        problem = f"not a JSON object ({type(result).__name__})"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"unreadable ({exc})"
+    return {"status": "unreadable", "error": f"{path}: {problem}"}
+
+
 def _overrides(job_dir: Path) -> list[str]:
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.exists():

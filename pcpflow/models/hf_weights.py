@@ -109,7 +109,7 @@ def load_checkpoint(
     """Fill every parameter of ``model`` from the checkpoint at ``path``, cast to the
     parameter's dtype. Tensors of layers ``>= num_layers`` (e.g. DeepSeek-V3's MTP layer)
     and names matching ``skip`` or ``IGNORED`` are not loaded; any other unknown name, a
-    shape mismatch, or a parameter left unfilled raises ValueError."""
+    shape mismatch, a non-finite weight, or a parameter left unfilled raises ValueError."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -118,6 +118,7 @@ def load_checkpoint(
     ignored = [re.compile(p) for p in (*IGNORED, *skip)]
     unknown: list[str] = []
     twice: list[str] = []
+    nonfinite: list[str] = []
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
@@ -134,7 +135,10 @@ def load_checkpoint(
                 index = part[0] if part else 0
                 if index in filled[name]:
                     twice.append(hf_name)
-                _copy(params[name], f.get_tensor(hf_name), part, hf_name, name)
+                tensor = f.get_tensor(hf_name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # --- faults
+                    nonfinite.append(f"{hf_name} ({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} values)")
+                _copy(params[name], tensor, part, hf_name, name)
                 filled[name].add(index)
     if unknown:
         raise ValueError(
@@ -143,6 +147,8 @@ def load_checkpoint(
         )
     if twice:
         raise ValueError(f"{path}: tensors stored more than once: {_some(twice)}")
+    if nonfinite:
+        raise ValueError(f"{path}: non-finite (NaN or inf) weights in {_some(nonfinite)}")
     expected = {name: set(range(_num_parts(name, renames))) for name in params}
     unfilled = [name for name in params if filled[name] != expected[name]]
     if unfilled:

@@ -3,7 +3,7 @@
 Each fault fires on one rank at one step; inserted with
 ``+pipeline.extra=[{kind: pcpflow_test_plugins.faults:<Class>, after: <slot>, rank: R, step: S}]``
 (``rank`` is the global rank). Raise (``Crash``), leave (``Exit``), stall (``Stall``) or signal
-(``SendSignal``) on rank R at step S.
+(``SendSignal``) on rank R at step S, or slow its start-up (``SlowStart``).
 """
 
 from __future__ import annotations
@@ -153,3 +153,23 @@ class SendSignal(_Fault):
             time.sleep(30)  # the signal ends the job; a step that went on would hide that
         return state
 
+
+
+@register
+class SlowStart(_Fault):
+    """Start-up (built with the pipeline, before the first step): sleeps on one rank, as a
+    slow model load does."""
+
+    kind = "test_slow_start"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_slow_start"] = "test_slow_start"
+        seconds: float = Field(10.0, gt=0)
+
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        if not ctx.is_reference and ctx.world.rank == config.rank:
+            time.sleep(config.seconds)
+
+    def __call__(self, state: StepState) -> StepState:
+        return state
