@@ -131,3 +131,13 @@ def test_simulated_ttft_of_a_cached_prefix_is_the_continued_prefill():
     warm = simulate_run(prepare_job(compose_raw(common + ["workload.cached_lens=[126720]"])))["metrics"]
     assert warm["num_steps"] == 2 and warm["num_prefill_tokens"] == 128000
     assert warm["ttft"]["mean_s"] < cold["ttft"]["mean_s"] / 10
+
+
+def test_every_hardware_and_card_number_cites_its_source():
+    for path in [*(REPO / "conf/hardware").glob("*.yaml"),
+                 *(REPO / f"conf/model/{c}.yaml" for c in ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3"))]:
+        for line in path.read_text().splitlines():
+            key, _, value = line.split("#")[0].partition(":")
+            value = value.strip()
+            if value and value.replace(".", "").isdigit() and "name" not in key:
+                assert "#" in line and len(line.split("#", 1)[1].strip()) > 10, f"{path.name}: {line}"

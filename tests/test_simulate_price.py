@@ -124,3 +124,16 @@ def test_llama3_405b_card_has_405b_parameters():
     sizes = model_sizes(compose(["mode=simulate", "hardware=b200", "model=llama3_405b", "tp=8"]).model)
     assert sizes.total_weight_params() + sizes.embedding_params == pytest.approx(405.8e9, rel=0.01)
     assert math.isclose(sizes.entry_dim_per_rank(8), 2 * 128)  # 1 of 8 KV heads, K and V
+
+
+def test_auto_dcp_rest_takes_the_faster_path_per_step():
+    base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=4", "dcp=4", "workload=explicit",
+            "workload.prompt_lens=[65536,3000]", "workload.cached_lens=[64000,0]", "workload.output_lens=[3]",
+            "output.plots=false"]
+    runs = {}
+    for rest in ("auto", "queries", "context"):
+        runs[rest] = SimulatedRun(compose(base + [f"pipeline.forward.dcp_rest={rest}"]))
+        runs[rest].run()
+    for a, q, c in zip(*(runs[k].records for k in ("auto", "queries", "context"))):
+        assert a["step_s"] == pytest.approx(min(q["step_s"], c["step_s"]))
+    assert {r["dcp_rest"] for r in runs["auto"].records} == {"queries", "context"}  # both win somewhere

@@ -48,7 +48,7 @@ class SimulateConfig(_Strict):
     )
     gemm_efficiency: float = Field(0.381, gt=0, le=1, description="share of the dense tensor peak GEMMs reach")
     attention_efficiency: float = Field(
-        0.62, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
+        0.730, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
     )
     hbm_efficiency: float = Field(0.80, gt=0, le=1, description="share of HBM bandwidth streaming reads reach")
     objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
