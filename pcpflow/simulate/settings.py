@@ -38,8 +38,10 @@ class SimulateConfig(_Strict):
     """How a simulated run prices a step (``pcpflow.simulate.price``). The efficiencies are
     the model's only free parameters; docs/simulate.md says which published figure fits each."""
 
-    weights_dtype: Literal["bf16", "fp8"] = Field(
-        "bf16", description="linear-layer weights and GEMMs: bf16 | fp8 (attention stays bf16)"
+    weights_dtype: Literal["bf16", "fp8"] | None = Field(
+        None,
+        description="linear-layer weights and GEMMs: bf16 | fp8 (attention stays bf16); null: the "
+        "card's checkpoint dtype (fp8 for DeepSeek-V3, bf16 otherwise)",
     )
     overlap: Literal["ring", "none"] = Field(
         "ring",
