@@ -95,7 +95,9 @@ def test_step_lasts_as_long_as_its_slowest_rank():
 
 def test_ring_hides_the_exchange_behind_attention():
     """With the KV exchange far slower than attention, a ring hides (n-1)/n of the
-    attention behind it; with it far faster, it hides the exchange entirely."""
+    attention behind it; with it far faster, it hides the exchange entirely; it pays for
+    merging the received chunk's partial output (n-1 = 1 merge of 256 rows x 4 heads x
+    (16 x (4 + 2 + 4) + 12) bytes per layer, at 1 TB/s)."""
     base = UNIT + ["model=tiny_gqa", "pcp=2", "workload=explicit", "workload.prompt_lens=[512]",
                    "workload.output_lens=[1]", "hardware.nvlink.latency_us=0"]
     for bw in (1e-6, 1e6):
@@ -104,7 +106,9 @@ def test_ring_hides_the_exchange_behind_attention():
         ring.run(), none.run()
         p = none.records[0]["purpose_s"]
         hidden = min(p["kv_gather"], p["attention"] * (2 - 1) / 2)
-        assert ring.records[0]["step_s"] == pytest.approx(none.records[0]["step_s"] - hidden, rel=1e-9)
+        merge = 1 * 256 * 4 * 2 * (16 * 10 + 12) / 1e12
+        assert ring.records[0]["purpose_s"]["ring_merge"] == pytest.approx(merge)
+        assert ring.records[0]["step_s"] == pytest.approx(none.records[0]["step_s"] - hidden + merge, rel=1e-9)
 
 
 def test_moe_reads_the_experts_its_rows_reach():
