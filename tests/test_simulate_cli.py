@@ -54,7 +54,6 @@ def test_contract_names_compose():
         (LLAMA + ["workload.prompt_lens=[1048576]", "workload.output_lens=[1]"], "workload", "GiB per GPU"),
         (LLAMA + ["workload.prompt_lens=[100, 50]", "workload.cached_lens=[10, 50]"], "workload.cached_lens", "50 >= 50"),
         (["model=llama3_8b"], "model", "mode=simulate"),
-        (SIM + ["model=deepseek_v3", "hardware=h200_sxm", "tp=8", "pcp=2", "dcp=16"], "dcp", "1 or pcp (2)"),
     ],
 )
 def test_bad_input_names_the_field_and_what_is_allowed(overrides, field, says):

@@ -127,9 +127,6 @@ def simulate_problems(cfg) -> list[Problem]:
         p.append(Problem("tp", tp, f"model {cfg.model.name} has {sizes.num_heads} query heads"
                          + ("" if sizes.attention == "mla" else f" and {sizes.num_kv_heads} KV heads")
                          + f": tp must split them evenly; allowed: {allowed}"))
-    if cfg.dcp not in (1, cfg.pcp):
-        p.append(Problem("dcp", cfg.dcp, f"plan_layout shards the KV over the PCP axis: dcp must be 1 or pcp ({cfg.pcp}); "
-                         "DCP across TP ranks is not implemented"))
     if cfg.draft_enabled:
         p.append(Problem("draft", cfg.draft_stage_config().get("kind"), "drafting is not simulated; use draft=none"))
     pipeline = cfg.pipeline or {}
