@@ -37,6 +37,7 @@ class ModelCard(BaseModel):
     v_head_dim: int | None = Field(None, ge=1)
     intermediate_size: int = Field(ge=1, description="dense MLP width")
     tie_word_embeddings: bool = False
+    weights_dtype: Literal["bf16", "fp8"] = Field("bf16", description="the checkpoint's linear weights (simulate.weights_dtype: null takes it)")
     moe: MoEConfig | None = Field(None, description="MoE MLPs (pcpflow.models.moe_config); None: dense")
 
     @model_validator(mode="after")
@@ -74,6 +75,7 @@ def card_from_hf_config(path: str | Path) -> dict:
             "num_heads": raw["num_attention_heads"],
             "intermediate_size": raw["intermediate_size"],
             "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+            "weights_dtype": "fp8" if (raw.get("quantization_config") or {}).get("quant_method") == "fp8" else "bf16",
         }
         if model_type.startswith("deepseek"):
             card.update(

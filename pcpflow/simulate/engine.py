@@ -110,28 +110,29 @@ class SimulatedRun:
         metrics["simulate"] = self._summary()
         return {"outputs": None, "requests": rows, "metrics": metrics, "verification": VERIFICATION_OFF}
 
-    def _step(self, batch) -> None:
-        layout = self.plan(StepState(batch)).layout
-        count = lambda rest: step_counts(  # noqa: E731
+    def _counts(self, batch, layout, rest):
+        return step_counts(
             batch, layout, grid=self.grid, sizes=self.sizes, dtype_bytes=self.dtype_bytes,
             dcp_rest=rest, interleave=self.cfg.kv.interleave, restore=self.restore,
         )
-        price = lambda counts: price_step(  # noqa: E731
-            batch, layout, counts, place=self.placement, sizes=self.sizes, sim=self.sim
-        )
+
+    def _price(self, batch, layout, counts):
+        return price_step(batch, layout, counts, place=self.placement, sizes=self.sizes, sim=self.sim)
+
+    def _step(self, batch) -> None:
+        layout = self.plan(StepState(batch)).layout
         rest = QUERIES
         if self.grid.dcp > 1 and self.dcp_rest_policy != "queries":
-            context = plan_dcp_rest(
+            rest = plan_dcp_rest(
                 layout, batch.seq_lens, policy="context", dcp_size=self.grid.dcp,
                 interleave=self.cfg.kv.interleave, shape=self.sizes.shape_per_rank(self.grid.tp, self.dtype_bytes),
             )
-            rest = context
-        counts = count(rest)
-        p = price(counts)
+        counts = self._counts(batch, layout, rest)
+        p = self._price(batch, layout, counts)
         if self.dcp_rest_policy == "auto" and rest.mode == "context":
             # NOTE: simulating, auto takes the faster path (executed, the one moving fewer bytes).
-            q_counts = count(QUERIES)
-            q = price(q_counts)
+            q_counts = self._counts(batch, layout, QUERIES)
+            q = self._price(batch, layout, q_counts)
             if q.step_s <= p.step_s:
                 rest, counts, p = QUERIES, q_counts, q
         outcome = self.scheduler.update(batch, np.zeros(len(batch.logits_indices), dtype=np.int64))

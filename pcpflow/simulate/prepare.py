@@ -53,6 +53,10 @@ def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
             raw["model"] = card_from_hf_config(model.get("path") or "")
         except ValueError as exc:
             raise ConfigError([Problem("model.path", model.get("path"), f"a checkpoint directory with a config.json; {exc}")]) from None
+    sim_raw = raw.setdefault("simulate", {}) or {}
+    raw["simulate"] = sim_raw
+    if sim_raw.get("weights_dtype") is None:
+        sim_raw["weights_dtype"] = (raw.get("model") or {}).get("weights_dtype") or "bf16"
     if raw.get("hardware") is None:
         raise ConfigError([Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")])
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})

@@ -19,7 +19,9 @@ same) and step, with N the rank's padded rows and S the sampled rows:
   NVLink when the group sits in one node, else on the network (TP innermost).
 - overlap ``ring``: the exchange before attention (kv_gather, dcp_query_gather,
   dcp_context_gather) runs as n-1 ring hops, hop i hidden behind the attention of chunk
-  i-1: ``attention/n + max(exchange, attention*(n-1)/n)``; ``none``: their sum.
+  i-1, and each received chunk's partial output is merged into the fp32 accumulator
+  (HBM-bound): ``attention/n + max(exchange, attention*(n-1)/n) + merges``; ``none``:
+  attention and exchange one after the other (one attention over the gathered KV).
 """
 
 from __future__ import annotations
@@ -148,19 +150,28 @@ def price_step(batch, layout, counts, *, place: Placement, sizes: ModelSizes, si
     }
     exchange = sum(v for k, v in purpose_s.items() if k in EXCHANGE_PURPOSES)
     exposed = sum(v for k, v in purpose_s.items() if k not in EXCHANGE_PURPOSES)
+    merge = np.zeros(P)
     if sim.overlap == "ring" and exchange > 0:
         n = max(place.size(groups[k]) for k in purpose_s if k in EXCHANGE_PURPOSES)
-        attn_phase = t_attn / n + np.maximum(exchange, t_attn * (n - 1) / n)
+        # NOTE: a ring attends chunk by chunk, so each of the n-1 received chunks' partial
+        # output is merged into the fp32 accumulator (read it, read the partial, write it).
+        merge_bytes = (n - 1) * rows * sizes.num_heads / tp * sizes.num_layers * (
+            sizes.decode_v_dim * (4 + ACTIVATION_BYTES + 4) + 3 * 4
+        )
+        merge = np.full(P, merge_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency))
+        attn_phase = t_attn / n + np.maximum(exchange, t_attn * (n - 1) / n) + merge
     else:
         attn_phase = t_attn + exchange
     t_gemm = np.maximum(gemm_c, gemm_m)
     total = t_gemm + attn_phase + exposed
 
     compute = np.where(attn_c >= attn_m, t_attn, 0.0) + np.where(gemm_c >= gemm_m, t_gemm, 0.0)
-    memory = np.where(attn_c >= attn_m, 0.0, t_attn) + np.where(gemm_c >= gemm_m, 0.0, t_gemm)
+    memory = np.where(attn_c >= attn_m, 0.0, t_attn) + np.where(gemm_c >= gemm_m, 0.0, t_gemm) + merge
     comm = total - compute - memory
     slow = int(np.argmax(total))
     purpose_s = {"gemm": float(t_gemm[slow]), "attention": float(t_attn[slow]), **purpose_s}
+    if merge.any():
+        purpose_s["ring_merge"] = float(merge[slow])
     return StepPrice(
         step_s=float(total[slow]),
         compute_s=compute,

@@ -38,8 +38,10 @@ class SimulateConfig(_Strict):
     """How a simulated run prices a step (``pcpflow.simulate.price``). The efficiencies are
     the model's only free parameters; docs/simulate.md says which published figure fits each."""
 
-    weights_dtype: Literal["bf16", "fp8"] = Field(
-        "bf16", description="linear-layer weights and GEMMs: bf16 | fp8 (attention stays bf16)"
+    weights_dtype: Literal["bf16", "fp8"] | None = Field(
+        None,
+        description="linear-layer weights and GEMMs: bf16 | fp8 (attention stays bf16); null: the "
+        "card's checkpoint dtype (fp8 for DeepSeek-V3, bf16 otherwise)",
     )
     overlap: Literal["ring", "none"] = Field(
         "ring",
@@ -48,7 +50,7 @@ class SimulateConfig(_Strict):
     )
     gemm_efficiency: float = Field(0.381, gt=0, le=1, description="share of the dense tensor peak GEMMs reach")
     attention_efficiency: float = Field(
-        0.62, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
+        0.730, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
     )
     hbm_efficiency: float = Field(0.80, gt=0, le=1, description="share of HBM bandwidth streaming reads reach")
     objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
