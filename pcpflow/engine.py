@@ -21,7 +21,7 @@ from pcpflow.cp_attention import attention_work
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.metrics import MetricsRecorder
 from pcpflow.models import build_model
-from pcpflow.moe_dispatch import moe_step_record
+from pcpflow.moe_dispatch import moe_run_summary, moe_step_record
 from pcpflow.pipeline import Pipeline, resolve_pipeline
 from pcpflow.scheduler import Scheduler
 from pcpflow.state import StepState
@@ -106,7 +106,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     result: dict[str, Any] = {
         "outputs": [scheduler.outputs().get(r.req_id, []) for r in requests],
         "requests": req_rows,
-        "metrics": recorder.summary(req_rows, wall_s),
+        "metrics": {**recorder.summary(req_rows, wall_s), **moe_run_summary(ctx)},
     }
     if verifier is not None:
         result["verify"] = verifier.summary()

@@ -206,6 +206,19 @@ def moe_step_record(ctx) -> dict:
     both = world.all_gather(torch.stack([stats.tokens, stats.rows])[None], "moe_metrics")
     stats.reset()
     both = both.cpu().numpy()
+    run = ctx.extras.get("moe_run")
+    ctx.extras["moe_run"] = both if run is None else run + both
+    return _moe_metrics(both)
+
+
+def moe_run_summary(ctx) -> dict:
+    """The run's MoE metrics (``result.json`` ``metrics``), as ``moe_step_record``'s, summed
+    over the steps."""
+    run = ctx.extras.get("moe_run")
+    return {} if run is None else _moe_metrics(run)
+
+
+def _moe_metrics(both) -> dict:
     rows = both[:, 1]
     load = rows.sum(axis=1)
     return {

@@ -37,7 +37,7 @@ def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Proble
     out = []
     if moe.top_k > e:
         out.append(Problem(f"{field}.top_k", moe.top_k, f"must be <= num_experts ({e})"))
-    if e % g:
+    elif e % g:
         out.append(Problem(f"{field}.n_group", g, f"must divide num_experts ({e})"))
     elif moe.topk_group > g:
         out.append(Problem(f"{field}.topk_group", moe.topk_group, f"must be <= n_group ({g})"))
