@@ -21,7 +21,6 @@ size); the full matrix is ``slow``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,13 +30,15 @@ import numpy as np
 import pytest
 import torch
 
-from pcpflow.accounting import moe_all_to_all_calls, moe_gather_collectives, traffic_factor
-from pcpflow.errors import ConfigError
-from pcpflow.layout import plan_layout
-from pcpflow.models.common import GatedMLP
-from pcpflow.models.moe import LocalDispatch, MoEMLP, expert_slice, route, sliced_mlp
-from pcpflow.models.moe_config import MoEConfig
-from pcpflow.testing import compose, run
+transformers = pytest.importorskip("transformers", reason="builds tiny checkpoints: pip install -e '.[test]'")
+
+from pcpflow.accounting import moe_all_to_all_calls, moe_gather_collectives, traffic_factor  # noqa: E402
+from pcpflow.errors import ConfigError  # noqa: E402
+from pcpflow.layout import plan_layout  # noqa: E402
+from pcpflow.models.common import GatedMLP  # noqa: E402
+from pcpflow.models.moe import LocalDispatch, MoEMLP, expert_slice, route, sliced_mlp  # noqa: E402
+from pcpflow.models.moe_config import MoEConfig  # noqa: E402
+from pcpflow.testing import compose, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOP_K, HIDDEN, NUM_LAYERS, MOE_LAYERS = 2, 64, 3, 2
@@ -166,10 +167,8 @@ def case_overrides(mode: str, pcp: int, dcp: int, decode: str) -> list[str]:
 DEFAULT_CASES = [
     ("gather", 2, 1, "replicated"),
     ("all_to_all", 2, 2, "sharded"),
-    ("local", 2, 2, "replicated"),
     ("gather", 4, 4, "sharded"),
     ("all_to_all", 4, 1, "replicated"),
-    ("all_to_all", 4, 4, "sharded"),
 ]
 FULL_CASES = [
     (mode, pcp, dcp, decode)
@@ -191,25 +190,6 @@ def padded_overrides(mode: str, pcp: int) -> list[str]:
         f"moe.dispatch={mode}",
         f"pcp={pcp}",
     ]
-
-
-def _full_matrix_selected(request) -> bool:
-    return any(item.name.startswith("test_dispatch_is_exact_full_matrix") for item in request.session.items)
-
-
-@pytest.fixture(scope="module")
-def engine_results(request):
-    """Rank 0's result of every engine config of this module, from one ``run`` call."""
-    cases = list(DEFAULT_CASES)
-    if _full_matrix_selected(request):
-        cases += [c for c in FULL_CASES if c not in cases]
-    configs = {("matrix", *c): compose(case_overrides(*c)) for c in cases}
-    configs[("single",)] = compose([*MOE, *QUIET, *workload(1), "pcp=1"])
-    for pcp in (1, 4):
-        for mode in ("local", "gather", "all_to_all"):
-            configs[("padded", mode, pcp)] = compose(padded_overrides(mode, pcp))
-    results = run(list(configs.values()))
-    return {key: (cfg, res) for (key, cfg), res in zip(configs.items(), results)}
 
 
 def assert_exact(cfg, result) -> None:
@@ -344,16 +324,19 @@ def test_bad_moe_settings_exit_2_before_any_rank(tmp_path):
 
 
 # ------------------------------------------------------------------ Hugging Face
-transformers = pytest.importorskip("transformers")
 HF_PROMPT_LENS, HF_OUTPUT_LENS = [1, 7, 30], [4, 3, 5]
 # (checkpoint, dtype, pcp, dcp, decode, dispatch)
 HF_CASES = [
     ("dsv3_moe", "float64", 1, 1, "replicated", "local"),
     ("dsv3_moe", "float64", 2, 1, "sharded", "all_to_all"),
     ("dsv3_moe", "float64", 4, 4, "sharded", "gather"),
+    ("dsv2_moe", "float64", 2, 2, "replicated", "gather"),
+]
+HF_SLOW_CASES = [
     ("dsv3_moe", "float32", 4, 4, "replicated", "all_to_all"),
     ("dsv3_moe", "float64", 4, 1, "replicated", "local"),
-    ("dsv2_moe", "float64", 2, 2, "replicated", "gather"),
+    ("dsv3_moe", "float64", 4, 4, "replicated", "all_to_all"),
+    ("dsv2_moe", "float64", 4, 4, "sharded", "all_to_all"),
 ]
 
 
@@ -401,41 +384,64 @@ def transformers_greedy(path: Path, prompts, dtype: str):
     return out
 
 
+def hf_overrides(path: Path, prompts, dtype: str, pcp: int, dcp: int, decode: str, mode: str) -> list[str]:
+    return [
+        "model=hf",
+        f"model.path={path}",
+        f"dtype={dtype}",
+        f"pcp={pcp}",
+        f"dcp={dcp}",
+        f"decode={decode}",
+        f"moe.dispatch={mode}",
+        "workload=explicit",
+        f"workload.prompts={json.dumps(prompts).replace(' ', '')}",
+        f"workload.output_lens={json.dumps(HF_OUTPUT_LENS).replace(' ', '')}",
+        "scheduler.max_num_batched_tokens=16",
+        "output.save_logits=true",
+        "output.plots=false",
+        "output.progress=false",
+    ]
+
+
+def _slow_selected(request) -> bool:
+    return any(item.get_closest_marker("slow") and item.module.__name__ == __name__ for item in request.session.items)
+
+
 @pytest.fixture(scope="module")
-def hf_results(moe_checkpoints):
+def results(request, moe_checkpoints):
+    """Rank 0's result of every config of this module — engine matrix, padded prefill,
+    checkpoints — from one ``run`` call (ranks start once per world size)."""
+    slow = _slow_selected(request)
+    cases = DEFAULT_CASES + ([c for c in FULL_CASES if c not in DEFAULT_CASES] if slow else [])
+    configs = {("matrix", *c): compose(case_overrides(*c)) for c in cases}
+    configs[("single",)] = compose([*MOE, *QUIET, *workload(1), "pcp=1"])
+    for pcp in (1, 4):
+        for mode in ("local", "gather", "all_to_all"):
+            configs[("padded", mode, pcp)] = compose(padded_overrides(mode, pcp))
     vocab = json.loads((moe_checkpoints["dsv3_moe"] / "config.json").read_text())["vocab_size"]
     prompts = _hf_prompts(vocab)
-    configs = [
-        compose(
-            [
-                "model=hf",
-                f"model.path={moe_checkpoints[ckpt]}",
-                f"dtype={dtype}",
-                f"pcp={pcp}",
-                f"dcp={dcp}",
-                f"decode={decode}",
-                f"moe.dispatch={mode}",
-                "workload=explicit",
-                f"workload.prompts={json.dumps(prompts).replace(' ', '')}",
-                f"workload.output_lens={json.dumps(HF_OUTPUT_LENS).replace(' ', '')}",
-                "scheduler.max_num_batched_tokens=16",
-                "output.save_logits=true",
-                "output.plots=false",
-                "output.progress=false",
-            ]
-        )
-        for ckpt, dtype, pcp, dcp, decode, mode in HF_CASES
-    ]
-    refs = {
-        (ckpt, dtype): transformers_greedy(moe_checkpoints[ckpt], prompts, dtype)
-        for ckpt, dtype, *_ in HF_CASES
-    }
-    return prompts, refs, dict(zip(HF_CASES, run(configs)))
+    for case in HF_CASES + (HF_SLOW_CASES if slow else []):
+        ckpt, *rest = case
+        configs[("hf", *case)] = compose(hf_overrides(moe_checkpoints[ckpt], prompts, *rest))
+    out = run(list(configs.values()))
+    return {key: (cfg, res) for (key, cfg), res in zip(configs.items(), out)}
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("case", HF_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_moe_checkpoint_matches_transformers(case, hf_results):
+@pytest.fixture(scope="module")
+def engine_results(results):
+    return results
+
+
+@pytest.fixture(scope="module")
+def hf_results(results, moe_checkpoints):
+    vocab = json.loads((moe_checkpoints["dsv3_moe"] / "config.json").read_text())["vocab_size"]
+    prompts = _hf_prompts(vocab)
+    keys = [k[1:3] for k in results if k[0] == "hf"]
+    refs = {key: transformers_greedy(moe_checkpoints[key[0]], prompts, key[1]) for key in dict.fromkeys(keys)}
+    return prompts, refs, {k[1:]: res for k, (_, res) in results.items() if k[0] == "hf"}
+
+
+def _hf_check(case, hf_results):
     ckpt, dtype, *_ = case
     prompts, refs, results = hf_results
     result = results[case]
@@ -446,6 +452,19 @@ def test_moe_checkpoint_matches_transformers(case, hf_results):
         got = torch.tensor(result["logits"][i], dtype=torch.float64)
         assert float((got - logits).abs().max()) <= tol, f"request {i}"
     assert sum(result["metrics"]["moe_tokens_per_expert"]) == 2 * result["metrics"]["num_tokens"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", HF_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_moe_checkpoint_matches_transformers(case, hf_results):
+    _hf_check(case, hf_results)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("case", HF_SLOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_moe_checkpoint_matches_transformers_more(case, hf_results):
+    _hf_check(case, hf_results)
 
 
 def _checkpoint_problem(path) -> str:
