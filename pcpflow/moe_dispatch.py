@@ -64,7 +64,7 @@ def moe_problems(cfg) -> list[Problem]:
     if moe is None:
         if mode is None:
             return []
-        hint = "model.moe.num_experts=N" if cfg.model.name == "tiny_mla" else "a model with experts"
+        hint = "model.moe.num_experts=N (e.g. model.moe.num_experts=8 model.moe.top_k=2)" if cfg.model.name == "tiny_mla" else "a model with experts"
         return [Problem("moe.dispatch", mode, f"model {cfg.model.name} has no experts: use {hint}, or leave moe.dispatch unset")]
     out = moe_config_problems(moe) if cfg.model.name != "hf" else []
     w = cfg.world_size
