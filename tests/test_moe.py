@@ -30,9 +30,15 @@ import numpy as np
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="builds tiny checkpoints: pip install -e '.[test]'")
+transformers = pytest.importorskip(
+    "transformers", reason="builds tiny checkpoints: pip install -e '.[test]'"
+)
 
-from pcpflow.accounting import moe_all_to_all_calls, moe_gather_collectives, traffic_factor  # noqa: E402
+from pcpflow.accounting import (  # noqa: E402
+    moe_all_to_all_calls,
+    moe_gather_collectives,
+    traffic_factor,
+)
 from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.layout import plan_layout  # noqa: E402
 from pcpflow.models.common import GatedMLP  # noqa: E402
@@ -89,12 +95,17 @@ ROUTINGS = [
 ]
 
 
-@pytest.mark.parametrize("moe", ROUTINGS, ids=lambda m: f"{m.scoring_func}-E{m.num_experts}-k{m.top_k}-g{m.n_group}")
+def _routing_id(m: MoEConfig) -> str:
+    return f"{m.scoring_func}-E{m.num_experts}-k{m.top_k}-g{m.n_group}"
+
+
+@pytest.mark.parametrize("moe", ROUTINGS, ids=_routing_id)
 def test_routing_matches_a_per_token_reference(moe):
     rng = np.random.default_rng(moe.num_experts + moe.top_k)
     logits = rng.normal(size=(300, moe.num_experts))
     bias = rng.normal(scale=0.1, size=moe.num_experts) if moe.scoring_func == "sigmoid" else None
-    weights, ids = route(torch.from_numpy(logits), None if bias is None else torch.from_numpy(bias), moe)
+    bias_t = None if bias is None else torch.from_numpy(bias)
+    weights, ids = route(torch.from_numpy(logits), bias_t, moe)
     want = reference_route(logits, np.zeros(moe.num_experts) if bias is None else bias, moe)
     for i, expected in enumerate(want):
         got = dict(zip(ids[i].tolist(), weights[i].tolist()))
@@ -112,7 +123,8 @@ def test_correction_bias_picks_the_experts_not_their_weights():
     scores = torch.tensor([[0.9, 0.1, 0.6, 0.55]], dtype=torch.float64)
     logits = torch.log(scores / (1 - scores))
     w, ids = route(logits, torch.zeros(4, dtype=torch.float64), moe)
-    assert dict(zip(ids[0].tolist(), w[0].tolist())) == pytest.approx({2: 0.6 / 1.15, 3: 0.55 / 1.15})
+    want = {2: 0.6 / 1.15, 3: 0.55 / 1.15}
+    assert dict(zip(ids[0].tolist(), w[0].tolist())) == pytest.approx(want)
     w, ids = route(logits, torch.tensor([0, 0.2, 0, 0], dtype=torch.float64), moe)
     assert dict(zip(ids[0].tolist(), w[0].tolist())) == pytest.approx({0: 0.9, 1: 0.1})
 
@@ -138,7 +150,8 @@ def test_padding_rows_reach_no_expert_in_the_layer():
         x = torch.randn(6, 16, dtype=torch.float64)
         padding = torch.tensor([False, True, False, False, True, True])
         seen = {}
-        out = LocalDispatch(padding, lambda _l, ids, rows: seen.update(ids=ids, rows=rows))(layer, x)
+        observe = lambda _layer, ids, rows: seen.update(ids=ids, rows=rows)  # noqa: E731
+        out = LocalDispatch(padding, observe)(layer, x)
     assert torch.equal(out[padding], torch.zeros(3, 16, dtype=torch.float64))
     assert int(seen["rows"].sum()) == 2 * 3  # top_k x real rows
     full = layer(x)  # no dispatch installed: every row routed
@@ -161,7 +174,8 @@ def workload(pcp: int) -> list[str]:
 
 
 def case_overrides(mode: str, pcp: int, dcp: int, decode: str) -> list[str]:
-    return [*MOE, *QUIET, *workload(pcp), f"moe.dispatch={mode}", f"pcp={pcp}", f"dcp={dcp}", f"decode={decode}"]
+    grid = [f"moe.dispatch={mode}", f"pcp={pcp}", f"dcp={dcp}", f"decode={decode}"]
+    return [*MOE, *QUIET, *workload(pcp), *grid]
 
 
 DEFAULT_CASES = [
@@ -239,7 +253,9 @@ def test_dispatch_is_exact(case, engine_results):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in FULL_CASES if c not in DEFAULT_CASES], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize(
+    "case", [c for c in FULL_CASES if c not in DEFAULT_CASES], ids=lambda c: "-".join(map(str, c))
+)
 def test_dispatch_is_exact_full_matrix(case, engine_results):
     _check_case(case, engine_results)
 
@@ -280,7 +296,11 @@ def test_all_to_all_accounting_model():
     calls = dict.fromkeys(["moe_counts", "moe_dispatch", "moe_combine"], 0)
     for purpose, nbytes in moe_all_to_all_calls(send, hidden_size=10, top_k=2, dtype_bytes=4):
         calls[purpose] += nbytes
-    assert calls == {"moe_counts": 2 * 8 * traffic_factor("all_gather", 2), "moe_dispatch": 3 * (40 + 32), "moe_combine": 3 * 40}
+    assert calls == {
+        "moe_counts": 2 * 8 * traffic_factor("all_gather", 2),
+        "moe_dispatch": 3 * (40 + 32),
+        "moe_combine": 3 * 40,
+    }
     assert moe_all_to_all_calls(np.array([[7]]), hidden_size=10, top_k=2, dtype_bytes=4) == []
 
 
@@ -297,9 +317,21 @@ def _problems(overrides: list[str]) -> list[tuple[str, str]]:
         (["moe.dispatch=gather"], "moe.dispatch", "has no experts"),
         (["model=tiny_gqa", "moe.dispatch=local"], "moe.dispatch", "has no experts"),
         (["model.moe.num_experts=8", "model.moe.top_k=9"], "model.moe.top_k", "num_experts (8)"),
-        (["model.moe.num_experts=8", "model.moe.n_group=3"], "model.moe.n_group", "must divide num_experts (8)"),
-        (["model.moe.num_experts=8", "model.moe.n_group=2", "model.moe.topk_group=3"], "model.moe.topk_group", "n_group (2)"),
-        (["model.moe.num_experts=6", "pcp=4", "moe.dispatch=all_to_all"], "moe.dispatch", "divisible by 4"),
+        (
+            ["model.moe.num_experts=8", "model.moe.n_group=3"],
+            "model.moe.n_group",
+            "must divide num_experts (8)",
+        ),
+        (
+            ["model.moe.num_experts=8", "model.moe.n_group=2", "model.moe.topk_group=3"],
+            "model.moe.topk_group",
+            "n_group (2)",
+        ),
+        (
+            ["model.moe.num_experts=6", "pcp=4", "moe.dispatch=all_to_all"],
+            "moe.dispatch",
+            "divisible by 4",
+        ),
         (["model.moe.top_k=3"], "model.moe", "num_experts is 0"),
     ],
 )
@@ -310,10 +342,11 @@ def test_bad_moe_settings_are_one_problem(overrides, field, words):
 
 def test_bad_moe_settings_exit_2_before_any_rank(tmp_path):
     run_dir = tmp_path / "run"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     r = subprocess.run(
         [sys.executable, "-m", "pcpflow", "moe.dispatch=gather", f"hydra.run.dir={run_dir}"],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
         timeout=240,
@@ -384,7 +417,7 @@ def transformers_greedy(path: Path, prompts, dtype: str):
     return out
 
 
-def hf_overrides(path: Path, prompts, dtype: str, pcp: int, dcp: int, decode: str, mode: str) -> list[str]:
+def hf_overrides(path: Path, prompts, dtype, pcp, dcp, decode, mode) -> list[str]:
     return [
         "model=hf",
         f"model.path={path}",
@@ -404,7 +437,8 @@ def hf_overrides(path: Path, prompts, dtype: str, pcp: int, dcp: int, decode: st
 
 
 def _slow_selected(request) -> bool:
-    return any(item.get_closest_marker("slow") and item.module.__name__ == __name__ for item in request.session.items)
+    items = request.session.items
+    return any(i.get_closest_marker("slow") and i.module.__name__ == __name__ for i in items)
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +471,10 @@ def hf_results(results, moe_checkpoints):
     vocab = json.loads((moe_checkpoints["dsv3_moe"] / "config.json").read_text())["vocab_size"]
     prompts = _hf_prompts(vocab)
     keys = [k[1:3] for k in results if k[0] == "hf"]
-    refs = {key: transformers_greedy(moe_checkpoints[key[0]], prompts, key[1]) for key in dict.fromkeys(keys)}
+    refs = {
+        key: transformers_greedy(moe_checkpoints[key[0]], prompts, key[1])
+        for key in dict.fromkeys(keys)
+    }
     return prompts, refs, {k[1:]: res for k, (_, res) in results.items() if k[0] == "hf"}
 
 

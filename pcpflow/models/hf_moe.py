@@ -13,24 +13,43 @@ from pcpflow.models.moe_config import MoEConfig
 # transformers' defaults of the MoE fields a config.json may omit
 MOE_DEFAULTS = {
     "DeepseekV3ForCausalLM": dict(
-        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-        n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc",
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        topk_method="noaux_tc",
     ),
     "DeepseekV2ForCausalLM": dict(
-        n_routed_experts=64, num_experts_per_tok=None, moe_intermediate_size=1407, n_shared_experts=2,
-        n_group=None, topk_group=None, norm_topk_prob=False, routed_scaling_factor=1.0, topk_method="greedy",
+        n_routed_experts=64,
+        num_experts_per_tok=None,
+        moe_intermediate_size=1407,
+        n_shared_experts=2,
+        n_group=None,
+        topk_group=None,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
     ),
 }
-_MLP = "model.layers.{i}.mlp."
+
+
+def _mlp(hf: str, ours: str, part: tuple[int, int] | None = None) -> Rename:
+    return Rename("model.layers.{i}.mlp." + hf, "layers.{i}.mlp." + ours, part)
+
+
 MOE_RENAMES = (
-    Rename(_MLP + "gate.weight", "layers.{i}.mlp.gate.weight"),
-    Rename(_MLP + "gate.e_score_correction_bias", "layers.{i}.mlp.gate.e_score_correction_bias"),
-    Rename(_MLP + "experts.{j}.gate_proj.weight", "layers.{i}.mlp.experts.{j}.gate_up_proj.weight", (0, 2)),
-    Rename(_MLP + "experts.{j}.up_proj.weight", "layers.{i}.mlp.experts.{j}.gate_up_proj.weight", (1, 2)),
-    Rename(_MLP + "experts.{j}.down_proj.weight", "layers.{i}.mlp.experts.{j}.down_proj.weight"),
-    Rename(_MLP + "shared_experts.gate_proj.weight", "layers.{i}.mlp.shared_experts.gate_up_proj.weight", (0, 2)),
-    Rename(_MLP + "shared_experts.up_proj.weight", "layers.{i}.mlp.shared_experts.gate_up_proj.weight", (1, 2)),
-    Rename(_MLP + "shared_experts.down_proj.weight", "layers.{i}.mlp.shared_experts.down_proj.weight"),
+    _mlp("gate.weight", "gate.weight"),
+    _mlp("gate.e_score_correction_bias", "gate.e_score_correction_bias"),
+    _mlp("experts.{j}.gate_proj.weight", "experts.{j}.gate_up_proj.weight", (0, 2)),
+    _mlp("experts.{j}.up_proj.weight", "experts.{j}.gate_up_proj.weight", (1, 2)),
+    _mlp("experts.{j}.down_proj.weight", "experts.{j}.down_proj.weight"),
+    _mlp("shared_experts.gate_proj.weight", "shared_experts.gate_up_proj.weight", (0, 2)),
+    _mlp("shared_experts.up_proj.weight", "shared_experts.gate_up_proj.weight", (1, 2)),
+    _mlp("shared_experts.down_proj.weight", "shared_experts.down_proj.weight"),
 )
 """Routed experts (one tensor per expert and projection, as DeepSeek and transformers'
 ``save_pretrained`` store them), router and shared experts."""
@@ -40,13 +59,18 @@ def moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
     """``MoEConfig`` fields of a DeepSeek config.json dict, None when every layer is
     dense; ValueError naming an unsupported MoE variant."""
     arch = raw.get("architecture")
-    if raw.get("n_routed_experts") is None or raw["first_k_dense_replace"] >= raw.get("num_hidden_layers", 0):
+    dense_layers = raw["first_k_dense_replace"]
+    if raw.get("n_routed_experts") is None or dense_layers >= raw.get("num_hidden_layers", 0):
         return None
     get = {**MOE_DEFAULTS.get(arch, {}), **{k: v for k, v in raw.items() if v is not None}}.get
     if get("moe_layer_freq", 1) != 1:
-        raise ValueError(f"moe_layer_freq={get('moe_layer_freq')} is not supported (transformers makes every layer past first_k_dense_replace MoE); supported: 1")
-    method, scoring = get("topk_method"), get("scoring_func", "sigmoid" if arch == "DeepseekV3ForCausalLM" else "softmax")
-    if arch == "DeepseekV3ForCausalLM":
+        raise ValueError(
+            f"moe_layer_freq={get('moe_layer_freq')} is not supported (transformers makes "
+            "every layer past first_k_dense_replace MoE); supported: 1"
+        )
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method, scoring = get("topk_method"), get("scoring_func", "sigmoid" if v3 else "softmax")
+    if v3:
         if method not in ("noaux_tc", None) or scoring != "sigmoid":
             raise ValueError(
                 f"DeepSeek-V3 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
@@ -59,7 +83,8 @@ def moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
                 f"DeepSeek-V2 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
                 "supported; supported: topk_method 'greedy' or 'group_limited_greedy' with softmax"
             )
-        groups = (get("n_group") or 1, get("topk_group") or 1) if method == "group_limited_greedy" else (1, 1)
+        limited = method == "group_limited_greedy"
+        groups = (get("n_group") or 1, get("topk_group") or 1) if limited else (1, 1)
         norm = False  # NOTE: transformers' DeepseekV2TopkRouter ignores norm_topk_prob
     if get("num_experts_per_tok") is None:
         raise ValueError("num_experts_per_tok is required for MoE layers")
