@@ -37,6 +37,7 @@ transformers = pytest.importorskip(
 from pcpflow.accounting import (  # noqa: E402
     moe_all_to_all_calls,
     moe_gather_collectives,
+    moe_uniform_send_rows,
     traffic_factor,
 )
 from pcpflow.errors import ConfigError  # noqa: E402
@@ -302,6 +303,11 @@ def test_all_to_all_accounting_model():
         "moe_combine": 3 * 40,
     }
     assert moe_all_to_all_calls(np.array([[7]]), hidden_size=10, top_k=2, dtype_bytes=4) == []
+    # uniform routing, 8 experts over 4 ranks, 2 per token: a rank is missed with
+    # probability C(6, 2) / C(8, 2) = 15/28, so 10 rows send it 10 * 13/28 on average
+    expected = moe_uniform_send_rows(np.array([10, 0, 0, 0]), top_k=2, num_experts=8, num_ranks=4)
+    assert expected.shape == (4, 4)
+    assert np.allclose(expected[0], 10 * 13 / 28) and not expected[1:].any()
 
 
 # ------------------------------------------------------------------ bad input
