@@ -423,7 +423,9 @@ MOE_DISPATCH_MODES = ("local", "gather", "all_to_all")
 MOE_ID_BYTES = 8  # expert ids and weights travel as float64 beside each row
 
 
-def moe_gather_collectives(padded_num_tokens: int, pcp_size: int, hidden_size: int, *, tp_size: int = 1) -> list[Collective]:
+def moe_gather_collectives(
+    padded_num_tokens: int, pcp_size: int, hidden_size: int, *, tp_size: int = 1
+) -> list[Collective]:
     """One MoE layer's collectives under ``moe.dispatch=gather``, in issue order."""
     n, h = padded_num_tokens, hidden_size
     out = [
@@ -431,7 +433,8 @@ def moe_gather_collectives(padded_num_tokens: int, pcp_size: int, hidden_size: i
         Collective("reduce_scatter", "moe_reduce_scatter", "pcp", (pcp_size * n, h)),
     ]
     if tp_size > 1:
-        out.append(Collective("all_reduce", "moe_reduce_scatter", "tp", (n, h)))  # type: ignore[arg-type]
+        tp_sum = Collective("all_reduce", "moe_reduce_scatter", "tp", (n, h))  # type: ignore[arg-type]
+        out.append(tp_sum)
     return out
 
 
@@ -460,7 +463,9 @@ def moe_all_to_all_calls(
     ]
 
 
-def moe_uniform_send_rows(rows_per_rank: np.ndarray, *, top_k: int, num_experts: int, num_ranks: int) -> np.ndarray:
+def moe_uniform_send_rows(
+    rows_per_rank: np.ndarray, *, top_k: int, num_experts: int, num_ranks: int
+) -> np.ndarray:
     """The expected ``[W, W]`` send matrix when every real row picks ``top_k`` distinct
     experts uniformly at random (what a simulator prices without a router): a row reaches
     a rank holding ``E / W`` experts with probability ``1 - C(E - E/W, k) / C(E, k)``."""

@@ -21,7 +21,7 @@ from pcpflow.cp_attention import attention_work
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.metrics import MetricsRecorder
 from pcpflow.models import build_model
-from pcpflow.moe_dispatch import moe_step_record
+from pcpflow.moe_dispatch import moe_run_summary, moe_step_record
 from pcpflow.pipeline import Pipeline, resolve_pipeline
 from pcpflow.progress import mark_stage, mark_step, startup_done
 from pcpflow.scheduler import Scheduler
@@ -113,7 +113,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     result: dict[str, Any] = {
         "outputs": [scheduler.outputs().get(r.req_id, []) for r in requests],
         "requests": req_rows,
-        "metrics": recorder.summary(req_rows, wall_s),
+        "metrics": {**recorder.summary(req_rows, wall_s), **moe_run_summary(ctx)},
     }
     texts = decode_outputs(cfg.model, result["outputs"])
     if texts is not None:

@@ -64,8 +64,13 @@ def moe_problems(cfg) -> list[Problem]:
     if moe is None:
         if mode is None:
             return []
-        hint = "model.moe.num_experts=N" if cfg.model.name == "tiny_mla" else "a model with experts"
-        return [Problem("moe.dispatch", mode, f"model {cfg.model.name} has no experts: use {hint}, or leave moe.dispatch unset")]
+        hint = (
+            "model.moe.num_experts=N (e.g. model.moe.num_experts=8 model.moe.top_k=2)"
+            if cfg.model.name == "tiny_mla"
+            else "a model with experts"
+        )
+        allowed = f"model {cfg.model.name} has no experts: use {hint}, or leave moe.dispatch unset"
+        return [Problem("moe.dispatch", mode, allowed)]
     out = moe_config_problems(moe) if cfg.model.name != "hf" else []
     w = cfg.world_size
     if mode == "all_to_all" and moe.num_experts % w:
@@ -100,17 +105,20 @@ class MoEStepStats:
 
 
 class GatherDispatch:
-    def __init__(self, *, pcp: Comm, tp: Comm, world: Comm, is_padding, own_rows: slice, canonical, stats) -> None:
+    def __init__(self, *, pcp: Comm, tp: Comm, world: Comm, is_padding, own_rows, canonical, stats):
         self.pcp, self.tp, self.world = pcp, tp, world
-        self.is_padding, self.own_rows, self.canonical, self.stats = is_padding, own_rows, canonical, stats
+        self.is_padding, self.own_rows = is_padding, own_rows
+        self.canonical, self.stats = canonical, stats
 
     def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
         rows = self.pcp.all_gather(x, "moe_gather")
         weights, ids = moe.gate(rows)
         ids = ids.masked_fill(self.is_padding[:, None], -1)
-        out, per_expert = moe.run_experts(rows, ids, weights, part=(self.world.rank, self.world.size))
+        share = (self.world.rank, self.world.size)
+        out, per_expert = moe.run_experts(rows, ids, weights, part=share)
         self.stats.observe(ids[self.own_rows], self.canonical, per_expert)
-        return self.tp.all_reduce(self.pcp.reduce_scatter(out, "moe_reduce_scatter"), "moe_reduce_scatter")
+        mine = self.pcp.reduce_scatter(out, "moe_reduce_scatter")
+        return self.tp.all_reduce(mine, "moe_reduce_scatter")
 
 
 class AllToAllDispatch:
@@ -206,6 +214,19 @@ def moe_step_record(ctx) -> dict:
     both = world.all_gather(torch.stack([stats.tokens, stats.rows])[None], "moe_metrics")
     stats.reset()
     both = both.cpu().numpy()
+    run = ctx.extras.get("moe_run")
+    ctx.extras["moe_run"] = both if run is None else run + both
+    return _moe_metrics(both)
+
+
+def moe_run_summary(ctx) -> dict:
+    """The run's MoE metrics (``result.json`` ``metrics``), as ``moe_step_record``'s, summed
+    over the steps."""
+    run = ctx.extras.get("moe_run")
+    return {} if run is None else _moe_metrics(run)
+
+
+def _moe_metrics(both) -> dict:
     rows = both[:, 1]
     load = rows.sum(axis=1)
     return {

@@ -31,84 +31,14 @@ from pcpflow.models.common import DecoderLayer, RotaryEmbedding, yarn_mscale
 from pcpflow.models.layers import MLAAttention, mla_spec
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
-from pcpflow.models.moe import build_mlp, moe_config_problems
+from pcpflow.models.hf_moe import MOE_DEFAULTS, MOE_RENAMES, moe_settings
+from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 
 LATENT_NORM_EPS = 1e-6
 """eps of the q_a / kv_a norms (transformers and DeepSeek's own code: the RMSNorm default)."""
 
 _FIRST_K_DENSE_DEFAULT = {"DeepseekV2ForCausalLM": 0, "DeepseekV3ForCausalLM": 3}
-
-# transformers' defaults of the MoE fields a config.json may omit
-_MOE_DEFAULTS = {
-    "DeepseekV3ForCausalLM": dict(
-        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-        n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc",
-    ),
-    "DeepseekV2ForCausalLM": dict(
-        n_routed_experts=64, num_experts_per_tok=None, moe_intermediate_size=1407, n_shared_experts=2,
-        n_group=None, topk_group=None, norm_topk_prob=False, routed_scaling_factor=1.0, topk_method="greedy",
-    ),
-}
-_MLP = "model.layers.{i}.mlp."
-MOE_RENAMES = (
-    Rename(_MLP + "gate.weight", "layers.{i}.mlp.gate.weight"),
-    Rename(_MLP + "gate.e_score_correction_bias", "layers.{i}.mlp.gate.e_score_correction_bias"),
-    Rename(_MLP + "experts.{j}.gate_proj.weight", "layers.{i}.mlp.experts.{j}.gate_up_proj.weight", (0, 2)),
-    Rename(_MLP + "experts.{j}.up_proj.weight", "layers.{i}.mlp.experts.{j}.gate_up_proj.weight", (1, 2)),
-    Rename(_MLP + "experts.{j}.down_proj.weight", "layers.{i}.mlp.experts.{j}.down_proj.weight"),
-    Rename(_MLP + "shared_experts.gate_proj.weight", "layers.{i}.mlp.shared_experts.gate_up_proj.weight", (0, 2)),
-    Rename(_MLP + "shared_experts.up_proj.weight", "layers.{i}.mlp.shared_experts.gate_up_proj.weight", (1, 2)),
-    Rename(_MLP + "shared_experts.down_proj.weight", "layers.{i}.mlp.shared_experts.down_proj.weight"),
-)
-"""Routed experts (one tensor per expert and projection, as DeepSeek and transformers'
-``save_pretrained`` store them), router and shared experts."""
-
-
-def _moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """``MoEConfig`` fields of a DeepSeek config.json dict, None when every layer is
-    dense; ValueError naming an unsupported MoE variant."""
-    arch = raw.get("architecture")
-    if raw.get("n_routed_experts") is None or raw["first_k_dense_replace"] >= raw.get("num_hidden_layers", 0):
-        return None
-    get = {**_MOE_DEFAULTS.get(arch, {}), **{k: v for k, v in raw.items() if v is not None}}.get
-    if get("moe_layer_freq", 1) != 1:
-        raise ValueError(f"moe_layer_freq={get('moe_layer_freq')} is not supported (transformers makes every layer past first_k_dense_replace MoE); supported: 1")
-    method, scoring = get("topk_method"), get("scoring_func", "sigmoid" if arch == "DeepseekV3ForCausalLM" else "softmax")
-    if arch == "DeepseekV3ForCausalLM":
-        if method not in ("noaux_tc", None) or scoring != "sigmoid":
-            raise ValueError(
-                f"DeepSeek-V3 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
-                "supported; supported: topk_method 'noaux_tc' with scoring_func 'sigmoid'"
-            )
-        groups, norm = (get("n_group") or 1, get("topk_group") or 1), bool(get("norm_topk_prob"))
-    else:
-        if method not in ("greedy", "group_limited_greedy") or scoring != "softmax":
-            raise ValueError(
-                f"DeepSeek-V2 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
-                "supported; supported: topk_method 'greedy' or 'group_limited_greedy' with softmax"
-            )
-        groups = (get("n_group") or 1, get("topk_group") or 1) if method == "group_limited_greedy" else (1, 1)
-        norm = False  # NOTE: transformers' DeepseekV2TopkRouter ignores norm_topk_prob
-    if get("num_experts_per_tok") is None:
-        raise ValueError("num_experts_per_tok is required for MoE layers")
-    moe = dict(
-        num_experts=get("n_routed_experts"),
-        top_k=get("num_experts_per_tok"),
-        intermediate_size=get("moe_intermediate_size"),
-        num_shared_experts=get("n_shared_experts") or 0,
-        n_group=groups[0],
-        topk_group=groups[1],
-        norm_topk_prob=norm,
-        routed_scaling_factor=get("routed_scaling_factor"),
-        scoring_func=scoring,
-        first_k_dense_replace=raw["first_k_dense_replace"],
-    )
-    problems = moe_config_problems(MoEConfig(**moe), field="moe")
-    if problems:
-        raise ValueError("; ".join(f"{p.field}={p.given}: {p.allowed}" for p in problems))
-    return moe
-
 
 class DeepseekCheckpoint(CheckpointConfig):
     """The config.json fields of a DeepSeek-V2/V3 checkpoint that pcpflow uses."""
@@ -121,7 +51,7 @@ class DeepseekCheckpoint(CheckpointConfig):
     rope_interleave: bool = True
     n_routed_experts: int | None = None
     first_k_dense_replace: int = Field(ge=0)
-    moe: MoEConfig | None = None  # from the MoE fields (``_moe_settings``)
+    moe: MoEConfig | None = None  # from the MoE fields (``hf_moe.moe_settings``)
 
     renames: ClassVar[tuple[Rename, ...]] = (
         *DECODER_RENAMES,
@@ -142,13 +72,13 @@ class DeepseekCheckpoint(CheckpointConfig):
         # NOTE: transformers' defaults when a config.json omits them (both mean MoE layers)
         if isinstance(raw, dict):
             raw = dict(raw)
-            defaults = _MOE_DEFAULTS.get(raw.get("architecture"), {})
+            defaults = MOE_DEFAULTS.get(raw.get("architecture"), {})
             raw.setdefault("n_routed_experts", defaults.get("n_routed_experts", 64))
             if raw.get("first_k_dense_replace") is None:
                 raw["first_k_dense_replace"] = _FIRST_K_DENSE_DEFAULT.get(
                     raw.get("architecture"), 0
                 )
-            raw["moe"] = _moe_settings(raw)
+            raw["moe"] = moe_settings(raw)
         return raw
 
     @property

@@ -37,7 +37,7 @@ def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Proble
     out = []
     if moe.top_k > e:
         out.append(Problem(f"{field}.top_k", moe.top_k, f"must be <= num_experts ({e})"))
-    if e % g:
+    elif e % g:
         out.append(Problem(f"{field}.n_group", g, f"must divide num_experts ({e})"))
     elif moe.topk_group > g:
         out.append(Problem(f"{field}.topk_group", moe.topk_group, f"must be <= n_group ({g})"))
@@ -46,7 +46,8 @@ def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Proble
         out.append(Problem(f"{field}.top_k", moe.top_k, allowed))
     elif g > 1 and moe.scoring_func == "sigmoid" and e // g < 2:
         # NOTE: V3 ranks a group by the sum of its two best scores
-        out.append(Problem(f"{field}.n_group", g, f"sigmoid groups need >= 2 experts each (num_experts {e})"))
+        allowed = f"sigmoid groups need >= 2 experts each (num_experts {e})"
+        out.append(Problem(f"{field}.n_group", g, allowed))
     return out
 
 
@@ -79,7 +80,8 @@ class TopKRouter(nn.Module):
         e, h = self.weight.shape
         self.weight.copy_(torch.randn((e, h), generator=gen, dtype=torch.float64) * gain / h**0.5)
         if self.e_score_correction_bias is not None:
-            self.e_score_correction_bias.copy_(0.1 * torch.randn(e, generator=gen, dtype=torch.float64))
+            bias = 0.1 * torch.randn(e, generator=gen, dtype=torch.float64)
+            self.e_score_correction_bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N, hidden] -> (weights [N, top_k], expert ids [N, top_k])``. Half precision
@@ -100,7 +102,8 @@ def route(
         choice = scores if bias is None else scores + bias
         if g > 1:
             group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(-1)
-            choice = choice.masked_fill(~_group_mask(group_scores, moe.topk_group, e // g), float("-inf"))
+            keep = _group_mask(group_scores, moe.topk_group, e // g)
+            choice = choice.masked_fill(~keep, float("-inf"))
         ids = choice.topk(moe.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
     else:
@@ -149,9 +152,8 @@ class MoEMLP(nn.Module):
         self.intermediate_size = width
         self.gate = TopKRouter(hidden_size, moe)
         self.experts = nn.ModuleList(GatedMLP(hidden_size, width) for _ in range(moe.num_experts))
-        self.shared_experts = (
-            GatedMLP(hidden_size, width * moe.num_shared_experts) if moe.num_shared_experts else None
-        )
+        shared = width * moe.num_shared_experts
+        self.shared_experts = GatedMLP(hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = (_DISPATCH.get() or LOCAL)(self, x)
@@ -228,7 +230,9 @@ def use_dispatch(dispatch: ExpertDispatch | None) -> Iterator[None]:
         _DISPATCH.reset(token)
 
 
-def build_mlp(moe: MoEConfig | None, layer: int, hidden_size: int, intermediate_size: int) -> MoEMLP | None:
+def build_mlp(
+    moe: MoEConfig | None, layer: int, hidden_size: int, intermediate_size: int
+) -> MoEMLP | None:
     """Layer ``layer``'s MoE block, or None where the layer is dense."""
     if not is_moe_layer(moe, layer):
         return None

@@ -1,0 +1,106 @@
+"""The mixture-of-experts part of DeepSeek-V2/V3 checkpoints: which config.json fields
+make which ``MoEConfig`` (transformers' routing; unsupported variants named), and where
+the router, routed and shared experts' tensors go."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pcpflow.models.hf_weights import Rename
+from pcpflow.models.moe import moe_config_problems
+from pcpflow.models.moe_config import MoEConfig
+
+# transformers' defaults of the MoE fields a config.json may omit
+MOE_DEFAULTS = {
+    "DeepseekV3ForCausalLM": dict(
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        topk_method="noaux_tc",
+    ),
+    "DeepseekV2ForCausalLM": dict(
+        n_routed_experts=64,
+        num_experts_per_tok=None,
+        moe_intermediate_size=1407,
+        n_shared_experts=2,
+        n_group=None,
+        topk_group=None,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+    ),
+}
+
+
+def _mlp(hf: str, ours: str, part: tuple[int, int] | None = None) -> Rename:
+    return Rename("model.layers.{i}.mlp." + hf, "layers.{i}.mlp." + ours, part)
+
+
+MOE_RENAMES = (
+    _mlp("gate.weight", "gate.weight"),
+    _mlp("gate.e_score_correction_bias", "gate.e_score_correction_bias"),
+    _mlp("experts.{j}.gate_proj.weight", "experts.{j}.gate_up_proj.weight", (0, 2)),
+    _mlp("experts.{j}.up_proj.weight", "experts.{j}.gate_up_proj.weight", (1, 2)),
+    _mlp("experts.{j}.down_proj.weight", "experts.{j}.down_proj.weight"),
+    _mlp("shared_experts.gate_proj.weight", "shared_experts.gate_up_proj.weight", (0, 2)),
+    _mlp("shared_experts.up_proj.weight", "shared_experts.gate_up_proj.weight", (1, 2)),
+    _mlp("shared_experts.down_proj.weight", "shared_experts.down_proj.weight"),
+)
+"""Routed experts (one tensor per expert and projection, as DeepSeek and transformers'
+``save_pretrained`` store them), router and shared experts."""
+
+
+def moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``MoEConfig`` fields of a DeepSeek config.json dict, None when every layer is
+    dense; ValueError naming an unsupported MoE variant."""
+    arch = raw.get("architecture")
+    dense_layers = raw["first_k_dense_replace"]
+    if raw.get("n_routed_experts") is None or dense_layers >= raw.get("num_hidden_layers", 0):
+        return None
+    get = {**MOE_DEFAULTS.get(arch, {}), **{k: v for k, v in raw.items() if v is not None}}.get
+    if get("moe_layer_freq", 1) != 1:
+        raise ValueError(
+            f"moe_layer_freq={get('moe_layer_freq')} is not supported (transformers makes "
+            "every layer past first_k_dense_replace MoE); supported: 1"
+        )
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method, scoring = get("topk_method"), get("scoring_func", "sigmoid" if v3 else "softmax")
+    if v3:
+        if method not in ("noaux_tc", None) or scoring != "sigmoid":
+            raise ValueError(
+                f"DeepSeek-V3 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
+                "supported; supported: topk_method 'noaux_tc' with scoring_func 'sigmoid'"
+            )
+        groups, norm = (get("n_group") or 1, get("topk_group") or 1), bool(get("norm_topk_prob"))
+    else:
+        if method not in ("greedy", "group_limited_greedy") or scoring != "softmax":
+            raise ValueError(
+                f"DeepSeek-V2 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
+                "supported; supported: topk_method 'greedy' or 'group_limited_greedy' with softmax"
+            )
+        limited = method == "group_limited_greedy"
+        groups = (get("n_group") or 1, get("topk_group") or 1) if limited else (1, 1)
+        norm = False  # NOTE: transformers' DeepseekV2TopkRouter ignores norm_topk_prob
+    if get("num_experts_per_tok") is None:
+        raise ValueError("num_experts_per_tok is required for MoE layers")
+    moe = dict(
+        num_experts=get("n_routed_experts"),
+        top_k=get("num_experts_per_tok"),
+        intermediate_size=get("moe_intermediate_size"),
+        num_shared_experts=get("n_shared_experts") or 0,
+        n_group=groups[0],
+        topk_group=groups[1],
+        norm_topk_prob=norm,
+        routed_scaling_factor=get("routed_scaling_factor"),
+        scoring_func=scoring,
+        first_k_dense_replace=raw["first_k_dense_replace"],
+    )
+    problems = moe_config_problems(MoEConfig(**moe), field="moe")
+    if problems:
+        raise ValueError("; ".join(f"{p.field}={p.given}: {p.allowed}" for p in problems))
+    return moe
