@@ -98,7 +98,7 @@ def test_cross_field_rules(tmp_path):
         ("pcp=1", "dcp=2"): "dcp: got 2; with pcp=1 dcp must divide tp=1",
         ("kv.block_size=16", "kv.interleave=5"): "kv.interleave: got 5; must divide kv.block_size=16",
         ("decode.assignment=balanced",): "'balanced' places sharded decodes",
-        ("tp=2",): "only tp=1 is implemented",
+        ("tp=3",): "tp: got 3; must divide the model's num_heads (4)",
         ("kv.num_blocks=2",): "kv.num_blocks: got 2",
         ("backend=nccl", "device=cpu"): "nccl needs device=cuda",
     }
