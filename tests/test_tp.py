@@ -363,3 +363,80 @@ def test_cli_exits_2_before_any_rank_starts(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "num_heads (4)" in proc.stderr + proc.stdout
+
+
+# ----------------------------------------------------------------------------- sharding math
+class _ThreadGroup:
+    """TP ranks as threads of one process: ``all_reduce`` sums every rank's tensor in rank
+    order (the sharded models are checked without process groups)."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.barrier, self.parts = size, threading.Barrier(size), [None] * size
+
+    def comm(self, rank: int):
+        group = self
+
+        class _Comm:
+            def all_reduce(self, t, purpose, op="sum"):
+                assert purpose == "tp_all_reduce"
+                group.parts[rank] = t.clone()
+                group.barrier.wait()
+                total = sum(group.parts[1:], group.parts[0].clone())
+                group.barrier.wait()
+                return t.copy_(total)
+
+        return _Comm()
+
+
+def _dense_attention(spec):
+    """Causal attention of one sequence over its own new entries (no cache)."""
+
+    def attn(layer, q, kv):
+        k, v = spec.keys(kv), spec.values(kv)  # [n, kvh, d]
+        group = spec.num_heads // spec.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q, k) * spec.scale
+        n = q.shape[0]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
+
+    return attn
+
+
+@pytest.mark.parametrize("model", ["tiny_mla", "tiny_gqa"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_model_is_the_whole_model(model, tp):
+    """Each TP rank's slice, its row-parallel outputs summed, computes the tp=1 model: the
+    same logits (float64, to rounding) on every rank, without any process group. tiny_gqa
+    has 2 KV heads: split at tp=2, shared by pairs of ranks at tp=4."""
+    import threading
+
+    from pcpflow.models import build_model
+    from pcpflow.tensor_parallel import shard_model
+
+    cfg = compose([f"model={model}", "pcp=1"]).model
+    whole = build_model(cfg, dtype=torch.float64, seed=0)
+    ids = torch.tensor([3, 17, 101, 5, 250, 9, 42])
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        want = whole.compute_logits(whole(ids, pos, _dense_attention(whole.attn_spec))[0])
+    group, got = _ThreadGroup(tp), [None] * tp
+    shards = [shard_model(build_model(cfg, dtype=torch.float64, seed=0), group.comm(r), r, tp) for r in range(tp)]
+
+    def rank(r):
+        with torch.no_grad():
+            hidden, _ = shards[r](ids, pos, _dense_attention(shards[r].attn_spec))
+            got[r] = shards[r].compute_logits(hidden)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(tp):
+        assert torch.allclose(got[r], want, rtol=0, atol=1e-12), (r, float((got[r] - want).abs().max()))
+    assert shards[0].attn_spec.num_heads == whole.attn_spec.num_heads // tp
+    width = {p.numel() for n, p in shards[0].named_parameters() if n.endswith("mlp.down_proj.weight")}
+    assert width == {whole.hidden_size * 128 // tp}
