@@ -44,6 +44,7 @@ class ModelForward(Stage):
             dcp=ctx.dcp,
             dcp_rest=self.config.dcp_rest,
             dcp_comm_backend=ctx.config.dcp_comm_backend,
+            dcp_heads=ctx.dcp_heads,
         )
         state.attn.dcp_rest = backend.dcp_rest.mode
         with torch.no_grad():

@@ -158,7 +158,7 @@ DEFAULT = [
     # tp=2 pcp=1: DCP inside the TP group (MLA), with an MTP drafter under TP too
     (2, 1, 2, "replicated", "tiny_mla", ("draft=mtp",), "ag_rs"),
     # tp=2 pcp=2: dcp = tp*pcp over all four ranks (MLA), dcp = pcp (GQA)
-    (2, 2, 4, "sharded", "tiny_mla", (), "ag_rs"),
+    (2, 2, 4, "replicated", "tiny_mla", (), "ag_rs"),
     (2, 2, 2, "sharded", "tiny_gqa", (), "ag_rs"),
     # tp=4 pcp=1: GQA KV heads (2) replicated over pairs of TP ranks, DCP within a pair
     (4, 1, 2, "replicated", "tiny_gqa", (), "a2a"),
@@ -240,10 +240,11 @@ def test_ag_rs_and_a2a_move_what_their_names_say(default_runs):
             assert "dcp_lse_gather" not in purposes
         elif cfg.dcp_comm_backend == "ag_rs":
             assert {"dcp_query_gather", "dcp_lse_gather", "dcp_output_reduce_scatter"} <= purposes
-            assert "dcp_partials" not in purposes
+            assert {"dcp_decode_query_gather", "dcp_decode_output_reduce_scatter"} <= purposes
+            assert "dcp_partials" not in purposes and "dcp_decode_partials" not in purposes
         else:
-            assert {"dcp_query_gather", "dcp_partials"} <= purposes
-            assert "dcp_lse_gather" not in purposes
+            assert {"dcp_query_gather", "dcp_partials", "dcp_decode_partials"} <= purposes
+            assert "dcp_lse_gather" not in purposes and "dcp_decode_lse_gather" not in purposes
 
 
 @pytest.mark.dist
@@ -299,6 +300,26 @@ def test_tp_traffic_hand_derived():
         {"tp_all_reduce": 2},
         {"tp_all_reduce": 2 * 3 * 64 * 8 * 2},
     )
+
+
+def test_replicated_decodes_gather_queries_over_heads_only():
+    """tp=2 pcp=2 dcp=4, two replicated decodes (nd = 2 on both PCP ranks), MLA at 2 local
+    heads, float64: the queries go around the T = 2 ranks of one PCP rank (both PCP
+    ranks' blocks do it: x2), the lse of the T blocks and the rescaled outputs around all
+    D = 4. A gather over all 4 ranks would move 4*3 / (2 * 2*1) = 3x the query bytes."""
+    layout = plan_layout(np.array([1, 1]), np.array([False, False]), pcp_size=2, dcp_size=2)
+    shape = ModelShape(hidden_size=64, num_layers=1, entry_dim=48, num_heads=2, qk_dim=48, v_dim=32, dtype_bytes=8)
+    colls = dcp_over_tp_collectives(layout, dcp_size=4, shape=shape, backend="ag_rs")
+    assert step_traffic(colls, pcp_size=2, dcp_size=4, dtype_bytes=8, tp_size=2)[1] == {
+        "dcp_decode_query_gather": 2 * (2 * 2 * 48 * 8 * 2),
+        "dcp_decode_lse_gather": (2 * 2) * 2 * 8 * 12,
+        "dcp_decode_output_reduce_scatter": (4 * 2) * 2 * 32 * 8 * 3,
+    }
+    a2a = dcp_over_tp_collectives(layout, dcp_size=4, shape=shape, backend="a2a")
+    assert step_traffic(a2a, pcp_size=2, dcp_size=4, dtype_bytes=8, tp_size=2)[1] == {
+        "dcp_decode_query_gather": 2 * (2 * 2 * 48 * 8 * 2),
+        "dcp_decode_partials": (4 * 2) * (2 * 32 + 2) * 8 * 3,
+    }
 
 
 def test_every_group_of_an_axis_is_counted():
