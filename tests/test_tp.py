@@ -6,7 +6,8 @@ reference's entries for the positions it owns and the KV heads it holds (NaN els
 the tokens are also the greedy continuation of a dense, cache-free forward
 (tests/reference.py). Prompts are odd (never a multiple of 2*pcp), one is longer than
 the token budget (a continued prefill), drafting makes speculative rows of 1+k tokens and,
-with a budget of 8, decodes left without budget (zero-token rows).
+with a budget of 8, a prefill left without budget behind them (a zero-token row; checked on
+the scheduler alone by ``test_workload_has_continued_zero_token_and_speculative_rows``).
 
 Ranks start once per world size for all configs of that size (``pcpflow.testing.run``);
 the default set runs a few configs at 2 and 4 ranks; ``-m slow`` the whole matrix,
@@ -43,9 +44,9 @@ from test_engine import dense_reference_agrees
 
 WORKLOAD = [
     "workload=explicit",
-    "workload.prompt_lens=[5,3,11,1,7]",
+    "workload.prompt_lens=[3,1,1,11,7]",
     "workload.output_lens=[4]",
-    "workload.arrival_steps=[0,0,0,1,3]",
+    "workload.arrival_steps=[0,0,0,0,3]",
     "scheduler.max_num_batched_tokens=8",  # < 11: continued prefill; 3 verify rows of 3 > 8
     "scheduler.max_num_seqs=4",
     "kv.block_size=4",
@@ -256,6 +257,36 @@ def test_tp_matrix_equals_the_single_rank():
     ]
     for cfg, result in zip(cfgs, run(cfgs)):
         assert_exact(cfg, result)
+
+
+def test_workload_has_continued_zero_token_and_speculative_rows():
+    """The scheduler alone (global, so every rank's batches) on WORKLOAD with 2 drafts per
+    decode: a prompt continued over steps, a prefill left without budget behind three
+    verify rows (a zero-token row) and verify rows of 1 + 2 tokens."""
+    from pcpflow.kv_cache import KVCacheManager
+    from pcpflow.scheduler import Scheduler
+    from pcpflow.workload import build_requests
+
+    cfg = _cfg(2, 1, 1, "replicated", "tiny_mla", "draft=mtp")
+    sched = Scheduler(
+        build_requests(cfg.workload, vocab_size=256, seed=0),
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        kv=KVCacheManager(256, 4, 1),
+        num_speculative_tokens=2,
+    )
+    zero = verify = continued = 0
+    while not sched.done:
+        b = sched.schedule()
+        if b is None:
+            continue
+        q = b.num_scheduled_tokens
+        zero += int((q == 0).sum())
+        verify += int((~b.is_prefilling & (q == 3)).sum())
+        continued += int((b.is_prefilling & (b.num_computed_tokens > 0) & (q > 0)).sum())
+        sched.update(b, np.zeros(len(b.logits_indices), dtype=np.int64))
+        sched.set_draft_tokens(b, np.full((b.num_reqs, 2), 7, dtype=np.int64))
+    assert zero >= 1 and verify >= 3 and continued >= 1, (zero, verify, continued)
 
 
 # ----------------------------------------------------------------------------- slices
