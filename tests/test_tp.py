@@ -147,6 +147,26 @@ class TPTrafficProbe(Stage):
         return state
 
 
+class CorruptOneHead(Stage):
+    """Test-only fault after ``forward``: at step ``step``, global rank ``rank`` (not the
+    verifier's) shifts one written K element of its layer-0 cache by 1e-3."""
+
+    kind = "test_tp_corrupt_one_head"
+
+    class Config(StageConfig):
+        kind: Literal["test_tp_corrupt_one_head"] = "test_tp_corrupt_one_head"
+        rank: int = 1
+        step: int = 1
+
+    def __call__(self, state):
+        ctx = self.ctx
+        if not ctx.is_reference and ctx.world.rank == self.config.rank and state.batch.step == self.config.step:
+            slots = state.attn.gathered_slot_mapping
+            slot = int(slots[slots >= 0][0])
+            ctx.kv_caches[0][slot, 0] += 1e-3
+        return state
+
+
 def _probed(cfg, path):
     pipeline = dict(cfg.pipeline)
     probe = {"kind": f"{__name__}:TPTrafficProbe", "after": "restore", "path": str(path)}
@@ -203,14 +223,17 @@ def default_runs(tmp_path_factory):
             probes[i] = tmp / f"probe{i}.jsonl"
             cfg = _probed(cfg, probes[i])
         cfgs.append(cfg)
-    results = run(cfgs)
+    faulty = _cfg(2, 2, 2, "sharded", "tiny_gqa")  # rank 1: TP rank 1, KV head 1
+    fault = {"kind": f"{__name__}:CorruptOneHead", "after": "forward", "rank": 1, "step": 1}
+    cfgs.append(faulty.model_copy(update={"pipeline": {**faulty.pipeline, "extra": [fault]}}))
+    *results, caught = run(cfgs)
     records = {i: [json.loads(x) for x in p.read_text().splitlines()] for i, p in probes.items()}
-    return cfgs, results, records
+    return cfgs[:-1], results, records, caught
 
 
 @pytest.mark.dist
 def test_tp_runs_equal_the_single_rank(default_runs):
-    cfgs, results, _ = default_runs
+    cfgs, results, _, _ = default_runs
     for cfg, result in zip(cfgs, results):
         assert_exact(cfg, result)
     # One model, any grid: the same tokens (float64 leaves no room for drift).
@@ -223,7 +246,7 @@ def test_tp_runs_equal_the_single_rank(default_runs):
 
 @pytest.mark.dist
 def test_run_traffic_is_accountings_price_step_by_step(default_runs):
-    _, _, records = default_runs
+    _, _, records, _ = default_runs
     for i, recs in records.items():
         assert recs, DEFAULT[i]
         for rec in recs:
@@ -234,7 +257,7 @@ def test_run_traffic_is_accountings_price_step_by_step(default_runs):
 
 @pytest.mark.dist
 def test_ag_rs_and_a2a_move_what_their_names_say(default_runs):
-    cfgs, results, _ = default_runs
+    cfgs, results, _, _ = default_runs
     for cfg, result in zip(cfgs, results):
         purposes = set(result["metrics"]["collective_calls"])
         if RankGrid(tp=cfg.tp, pcp=cfg.pcp, dcp=cfg.dcp).dcp_tp == 1:
@@ -246,6 +269,14 @@ def test_ag_rs_and_a2a_move_what_their_names_say(default_runs):
         else:
             assert {"dcp_query_gather", "dcp_partials", "dcp_decode_partials"} <= purposes
             assert "dcp_lse_gather" not in purposes and "dcp_decode_lse_gather" not in purposes
+
+
+@pytest.mark.dist
+def test_kv_check_reads_every_tp_ranks_heads(default_runs):
+    """One K element of TP rank 1's own KV head, off by 1e-3: the run fails on its cache
+    (the logits may still pass: one key barely moves them)."""
+    v = default_runs[3]["verify"]
+    assert not v["passed"] and not v["kv_match"] and v["kv_mismatched_slots"] >= 1, v
 
 
 @pytest.mark.dist
