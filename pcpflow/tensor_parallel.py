@@ -232,8 +232,6 @@ def run_problems(cfg) -> list[Problem]:
                     f"{cfg.grid.dcp_tp} TP ranks: use queries or auto",
                 )
             ]
-    if getattr(cfg.model, "moe", None) is not None:
-        return [Problem("tp", cfg.tp, "MoE layers (model.moe) do not split over TP yet; use tp=1")]
     try:
         heads, kv, inner = model_shape(cfg.model)
     except ValueError:
