@@ -91,16 +91,17 @@ class CPAttention:
         if self.dcp_tp > 1:
             assert meta.gathered_row_req_indices is not None
             assert meta.gathered_row_context_lens is not None
-            if dcp_heads is None:
-                assert p == 1, "DCP over TP and PCP ranks needs the dcp_heads group"
-                dcp_heads = dcp
-            self.dcp_heads = dcp_heads
+            # NOTE: without the heads group (a caller that does not pass it) at pcp > 1,
+            # decode rows take the whole-group path with the rest: exact, more bytes.
+            self.dcp_heads = dcp if dcp_heads is None and p == 1 else dcp_heads
+            self.heads_rows = nd if self.dcp_heads is not None else 0
             # DCP member m (ascending global rank: PCP-major) holds PCP rank m // dcp_tp's
             # rows and TP block rank m % dcp_tp's heads.
             member = torch.arange(dcp.size, device=meta.block_tables.device)
             self.member_pcp, self.member_heads = member // self.dcp_tp, member % self.dcp_tp
-            self.member_req = meta.gathered_row_req_indices.view(p, n)[self.member_pcp, nd:].reshape(-1)
-            self.member_ctx = meta.gathered_row_context_lens.view(p, n)[self.member_pcp, nd:].reshape(-1)
+            start = self.heads_rows
+            self.member_req = meta.gathered_row_req_indices.view(p, n)[self.member_pcp, start:].reshape(-1)
+            self.member_ctx = meta.gathered_row_context_lens.view(p, n)[self.member_pcp, start:].reshape(-1)
         elif dcp.size > 1 and self.has_rest:
             plan = meta.dcp_context
             if plan is not None and dcp_rest != "queries":
@@ -177,7 +178,7 @@ class CPAttention:
         """Step 3 (module docstring). Replicated decode rows are the same on every PCP
         rank: their queries are gathered over heads only (the ``dcp_heads`` TP block);
         the rest rows of every member are gathered over the whole DCP group."""
-        nd, meta = self.nd, self.meta
+        nd, meta = self.heads_rows, self.meta
         out = q.new_zeros((q.shape[0], self.spec.num_heads, self.spec.v_dim))
         if nd:
             t = self.dcp_heads.size
@@ -185,7 +186,7 @@ class CPAttention:
             req = meta.local_row_req_indices[:nd].repeat(t)
             ctx = meta.local_row_context_lens[:nd].repeat(t)
             out[:nd] = self._to_owners(q_heads, req, ctx, cache, self.member_heads, t, "dcp_decode")
-        if self.has_rest:
+        if self.has_rest or nd < self.nd:
             q_rest = self.dcp.all_gather(q[nd:], "dcp_query_gather")
             member = torch.arange(self.dcp.size, device=q.device)
             out[nd:] = self._to_owners(
