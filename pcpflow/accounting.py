@@ -93,7 +93,7 @@ class ModelShape:
 class Collective:
     op: str  # all_gather | all_to_all
     purpose: str
-    group: Literal["pcp", "dcp", "tp"]
+    group: Literal["pcp", "dcp", "tp", "dcp_heads"]
     shape: tuple[int, ...]  # the tensor each rank passes in
     dtype_bytes: int | None = None  # element size, when not the model dtype's
 
@@ -282,7 +282,7 @@ def step_traffic(
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
     world = pcp_size * tp_size
-    sizes = {"pcp": pcp_size, "dcp": dcp_size, "tp": tp_size}
+    sizes = {"pcp": pcp_size, "dcp": dcp_size, "tp": tp_size, "dcp_heads": dcp_tp_size(pcp_size, dcp_size)}
     for c, n in Counter(collectives).items():  # every layer repeats the same calls
         size = sizes[c.group]
         if size > 1:
@@ -299,11 +299,15 @@ def step_traffic(
 # purpose                     op              group  tensor each rank passes in
 # ==========================  ==============  =====  =================================
 # tp_all_reduce (x2)          all_reduce      TP     ``N`` x ``hidden`` (o_proj, down_proj)
-# *DCP over TP ranks (dcp_tp > 1), instead of the DCP rows above:*
-# dcp_query_gather            all_gather      DCP    ``N`` x ``H`` x ``qk_dim``
-# dcp_lse_gather (ag_rs)      all_gather      DCP    ``D * N`` x ``H`` (lse, fp32 at least)
-# dcp_output_reduce_scatter   reduce_scatter  DCP    ``D * N`` x ``H`` x ``Dv`` (fp32 at least)
-# dcp_partials (a2a)          all_to_all      DCP    ``D * N`` x ``H*Dv + H``
+# *DCP over T = dcp_tp TP ranks, instead of the DCP rows above; R = N - nd rest rows:*
+# dcp_decode_query_gather     all_gather      heads  ``nd`` x ``H`` x ``qk_dim`` (T ranks)
+# dcp_decode_lse_gather       all_gather      DCP    ``T * nd`` x ``H`` (ag_rs; fp32 at least)
+# dcp_decode_output_r..._s... reduce_scatter  DCP    ``D * nd`` x ``H`` x ``Dv`` (ag_rs)
+# dcp_decode_partials         all_to_all      DCP    ``D * nd`` x ``H*Dv + H`` (a2a)
+# dcp_query_gather            all_gather      DCP    ``R`` x ``H`` x ``qk_dim``
+# dcp_lse_gather              all_gather      DCP    ``D * R`` x ``H`` (ag_rs)
+# dcp_output_reduce_scatter   reduce_scatter  DCP    ``D * R`` x ``H`` x ``Dv`` (ag_rs)
+# dcp_partials                all_to_all      DCP    ``D * R`` x ``H*Dv + H`` (a2a)
 # ==========================  ==============  =====  =================================
 
 DCP_COMM_BACKENDS = ("ag_rs", "a2a")
@@ -327,20 +331,33 @@ def tp_layer_collectives(layout: BatchLayout, *, tp_size: int, hidden_size: int)
 def dcp_over_tp_collectives(
     layout: BatchLayout, *, dcp_size: int, shape: ModelShape, backend: str = "ag_rs"
 ) -> list[Collective]:
-    """One attention layer's DCP collectives when the DCP group spans TP ranks: every
-    rank's rows and heads gathered, results back to their heads' owners by ``backend``."""
+    """One attention layer's DCP collectives when the DCP group spans ``T = dcp_tp`` TP
+    ranks: replicated decode rows (the same on every PCP rank) gather their queries over
+    heads only (``dcp_heads``, the T ranks at one PCP rank); the rest rows of every member
+    over the whole group. Results go back to their heads' owners by ``backend``."""
     if backend not in DCP_COMM_BACKENDS:
         raise ValueError(f"unknown dcp_comm_backend {backend!r}; known: {', '.join(DCP_COMM_BACKENDS)}")
-    n, h, d = layout.padded_num_tokens, shape.num_heads, dcp_size
-    out = [Collective("all_gather", "dcp_query_gather", "dcp", (n, h, shape.qk_dim))]
+    nd, rest = attention_rows(layout)
+    h, d, t = shape.num_heads, dcp_size, dcp_tp_size(layout.pcp_size, dcp_size)
     wide = shape.partials_dtype_bytes  # log-sum-exps and rescaled outputs: fp32 at least
-    if backend == "a2a":
-        out.append(Collective("all_to_all", "dcp_partials", "dcp", (d * n, shape.partials_width), wide))
-    else:
-        out.append(Collective("all_gather", "dcp_lse_gather", "dcp", (d * n, h), wide))
-        out.append(
-            Collective("reduce_scatter", "dcp_output_reduce_scatter", "dcp", (d * n, h, shape.v_dim), wide)
-        )
+
+    def to_owners(prefix: str, blocks: int, rows: int) -> list[Collective]:
+        if backend == "a2a":
+            return [Collective("all_to_all", f"{prefix}_partials", "dcp", (d * rows, shape.partials_width), wide)]
+        return [
+            Collective("all_gather", f"{prefix}_lse_gather", "dcp", (blocks * rows, h), wide),
+            Collective(
+                "reduce_scatter", f"{prefix}_output_reduce_scatter", "dcp", (d * rows, h, shape.v_dim), wide
+            ),
+        ]
+
+    out = []
+    if nd:
+        out.append(Collective("all_gather", "dcp_decode_query_gather", "dcp_heads", (nd, h, shape.qk_dim)))
+        out += to_owners("dcp_decode", t, nd)
+    if rest:
+        out.append(Collective("all_gather", "dcp_query_gather", "dcp", (rest, h, shape.qk_dim)))
+        out += to_owners("dcp", d, rest)
     return out
 
 

@@ -32,6 +32,7 @@ class RankContext:
     aux_layers: set[int] = field(default_factory=set)  # layers whose hidden drafters need
     extras: dict[str, Any] = field(default_factory=dict)  # per-run space for user stages
     tp: Comm = field(default_factory=Comm.solo)  # the TP group (heads and MLP width split)
+    dcp_heads: Comm = field(default_factory=Comm.solo)  # DCP members at this PCP rank
 
     @property
     def pcp_rank(self) -> int:
@@ -90,7 +91,8 @@ def build_groups(cfg: RunConfig, stats: CommStats) -> tuple[Comm, Comm, Comm]:
 
 
 def build_comms(cfg: RunConfig, stats: CommStats) -> dict[str, Comm]:
-    """``{"world", "tp", "pcp", "dcp"}`` groups of this rank (solo ones in one process)."""
+    """``{"world", "tp", "pcp", "dcp", "dcp_heads"}`` groups of this rank (solo ones in one
+    process; see ``RankGrid.build``)."""
     if not dist.is_initialized():
-        return {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp")}
+        return {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp", "dcp_heads")}
     return cfg.grid.build(dist.get_rank(), stats, timeout_s=cfg.collective_timeout_s)

@@ -24,11 +24,12 @@ padded to N (``pcpflow.layout``). Per layer:
      and each rank attends its own rows over them: no partials, no merge. A query row
      (``H x qk_dim``) can be ~100x a cache entry (MLA), so prefills gather the context.
 3. **DCP over TP ranks** (the DCP group spans ``dcp_tp > 1`` TP ranks, which hold other
-   heads of the same rows): every row takes the *queries* path over the whole DCP group
-   (each member's rows and heads gathered, attended over every shard) and the results go
-   back to their heads' owners by ``dcp_comm_backend``: ``ag_rs`` (vLLM: all-gather the
-   log-sum-exps, each shard rescales its outputs, one reduce-scatter sums them at the
-   owner) or ``a2a`` (one all-to-all of packed partials, merged at the owner).
+   heads of the same rows): queries are gathered — replicated decodes over heads only
+   (the ``dcp_heads`` TP block: every PCP rank has those rows), the rest rows over the
+   whole DCP group — attended over every shard, and the results go back to their heads'
+   owners by ``dcp_comm_backend``: ``ag_rs`` (vLLM: all-gather the log-sum-exps, each
+   shard rescales its outputs, one reduce-scatter sums them at the owner) or ``a2a`` (one
+   all-to-all of packed partials, merged at the owner).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class CPAttention:
         dcp_rest: str = "auto",
         dcp_comm_backend: str = "ag_rs",
         kernel=paged_attention,
+        dcp_heads: Comm | None = None,
     ) -> None:
         """``dcp_rest``: the rest rows' DCP path policy, ``auto`` | ``queries`` | ``context``
         (``context`` and ``auto`` need ``meta.dcp_context``; without it ``auto`` queries).
@@ -90,10 +92,17 @@ class CPAttention:
         if self.dcp_tp > 1:
             assert meta.gathered_row_req_indices is not None
             assert meta.gathered_row_context_lens is not None
-            # DCP member m (ascending global rank: PCP-major) holds PCP rank m // dcp_tp's rows.
-            owner = torch.arange(dcp.size, device=meta.block_tables.device) // self.dcp_tp
-            self.member_req = meta.gathered_row_req_indices.view(p, n)[owner].reshape(-1)
-            self.member_ctx = meta.gathered_row_context_lens.view(p, n)[owner].reshape(-1)
+            # NOTE: without the heads group (a caller that does not pass it) at pcp > 1,
+            # decode rows take the whole-group path with the rest: exact, more bytes.
+            self.dcp_heads = dcp if dcp_heads is None and p == 1 else dcp_heads
+            self.heads_rows = nd if self.dcp_heads is not None else 0
+            # DCP member m (ascending global rank: PCP-major) holds PCP rank m // dcp_tp's
+            # rows and TP block rank m % dcp_tp's heads.
+            member = torch.arange(dcp.size, device=meta.block_tables.device)
+            self.member_pcp, self.member_heads = member // self.dcp_tp, member % self.dcp_tp
+            start = self.heads_rows
+            self.member_req = meta.gathered_row_req_indices.view(p, n)[self.member_pcp, start:].reshape(-1)
+            self.member_ctx = meta.gathered_row_context_lens.view(p, n)[self.member_pcp, start:].reshape(-1)
         elif dcp.size > 1 and self.has_rest:
             plan = meta.dcp_context
             if plan is not None and dcp_rest != "queries":
@@ -167,22 +176,44 @@ class CPAttention:
         return out
 
     def _attend_over_tp(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """Step 3 (module docstring): the DCP group's rows and heads over every shard."""
-        d, n = self.dcp.size, q.shape[0]
-        h, dv = self.spec.num_heads, self.spec.v_dim
-        q_all = self.dcp.all_gather(q, "dcp_query_gather")
-        o, lse = self._attend(q_all, self.member_req, self.member_ctx, cache)
+        """Step 3 (module docstring). Replicated decode rows are the same on every PCP
+        rank: their queries are gathered over heads only (the ``dcp_heads`` TP block);
+        the rest rows of every member are gathered over the whole DCP group."""
+        nd, meta = self.heads_rows, self.meta
+        out = q.new_zeros((q.shape[0], self.spec.num_heads, self.spec.v_dim))
+        if nd:
+            t = self.dcp_heads.size
+            q_heads = self.dcp_heads.all_gather(q[:nd], "dcp_decode_query_gather")
+            req = meta.local_row_req_indices[:nd].repeat(t)
+            ctx = meta.local_row_context_lens[:nd].repeat(t)
+            out[:nd] = self._to_owners(q_heads, req, ctx, cache, self.member_heads, t, "dcp_decode")
+        if self.has_rest or nd < self.nd:
+            q_rest = self.dcp.all_gather(q[nd:], "dcp_query_gather")
+            member = torch.arange(self.dcp.size, device=q.device)
+            out[nd:] = self._to_owners(
+                q_rest, self.member_req, self.member_ctx, cache, member, self.dcp.size, "dcp"
+            )
+        return out
+
+    def _to_owners(self, q_blocks, req, ctx, cache, owner_block, b: int, prefix: str) -> torch.Tensor:
+        """Attend ``b`` blocks of query rows over this rank's shard and give DCP member
+        ``m`` the merged result of block ``owner_block[m]`` (its rows and heads), by
+        ``dcp_comm_backend``."""
+        d, h, dv = self.dcp.size, self.spec.num_heads, self.spec.v_dim
+        o, lse = self._attend(q_blocks, req, ctx, cache)
+        rows = q_blocks.shape[0] // b
+        o, lse = o.view(b, rows, h, dv), lse.view(b, rows, h)
         if self.dcp_comm_backend == "a2a":
-            mine = self.dcp.all_to_all(_pack(o, lse), "dcp_partials")
-            return self._merge(mine.view(d, n, -1)).to(q.dtype)
-        lses = self.dcp.all_gather(lse, "dcp_lse_gather").view(d, d, n, h)  # [shard, member, ...]
+            send = _pack(o[owner_block].flatten(0, 1), lse[owner_block].flatten(0, 1))
+            mine = self.dcp.all_to_all(send, f"{prefix}_partials")
+            return self._merge(mine.view(d, rows, -1)).to(q_blocks.dtype)
+        lses = self.dcp.all_gather(lse.flatten(0, 1), f"{prefix}_lse_gather").view(d, b, rows, h)
         total = torch.logsumexp(lses, dim=0)  # -inf where no shard has a key
-        lse = lse.view(d, n, h)
         w = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))[..., None]
         # NOTE: where() so that an empty shard's weight never multiplies a NaN.
-        scaled = torch.where(w > 0, w * o.view(d, n, h, dv).to(w.dtype), 0.0)
-        out = self.dcp.reduce_scatter(scaled.flatten(0, 1), "dcp_output_reduce_scatter")
-        return out.to(q.dtype)
+        scaled = torch.where(w > 0, w * o.to(w.dtype), 0.0)
+        out = self.dcp.reduce_scatter(scaled[owner_block].flatten(0, 1), f"{prefix}_output_reduce_scatter")
+        return out.to(q_blocks.dtype)
 
     def _attend(self, q, req, ctx, cache):
         return self.kernel(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size)

@@ -88,6 +88,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         stats=stats,
         requests=requests,
         tp=tp,
+        dcp_heads=comms["dcp_heads"],
     )
     specs = resolve_pipeline(cfg)
     pipeline = Pipeline(specs, ctx)

@@ -117,6 +117,12 @@ class RankGrid:
         pcps = range(self.pcp) if self.pcp > 1 else [pcp_rank]
         return sorted(p * self.tp + t for p in pcps for t in range(t0, t0 + self.dcp_tp))
 
+    def dcp_heads_members(self, rank: int) -> list[int]:
+        """The members of ``rank``'s DCP group at its own PCP rank: the TP block that holds
+        the same rows and shares its KV heads (where DCP over TP gathers decode queries)."""
+        pcp_rank = rank // self.tp
+        return [r for r in self.dcp_members(rank) if r // self.tp == pcp_rank]
+
     def all_groups(self, axis: Axis) -> list[list[int]]:
         """Every group along ``axis``, each in its group-rank order, in a fixed order (every
         rank must create every group, in the same order: new_group is collective)."""
@@ -130,15 +136,16 @@ class RankGrid:
 
     # ------------------------------------------------------------------ groups
     def build(self, rank: int, stats: CommStats, *, timeout_s: float | None = None) -> dict[str, Comm]:
-        """``{"world", "tp", "pcp", "dcp"}`` Comms of ``rank`` on an initialized default
-        group (or groups of one when the world is one rank). Every group honours
-        ``timeout_s``."""
+        """``{"world", "tp", "pcp", "dcp", "dcp_heads"}`` Comms of ``rank`` on an initialized
+        default group (or groups of one when the world is one rank). ``dcp_heads`` is the
+        part of the DCP group at this PCP rank (``dcp_heads_members``; the DCP group itself
+        when that is all of it). Every group honours ``timeout_s``."""
         import torch.distributed as dist
 
         from pcpflow.comm import Comm
 
         if self.world_size == 1 or not dist.is_initialized():
-            solo = {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp")}
+            solo = {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp", "dcp_heads")}
             return solo
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         comms: dict[str, Comm] = {"world": Comm(dist.group.WORLD, rank, self.world_size, stats)}
@@ -152,4 +159,16 @@ class RankGrid:
                     copies = self.world_size // len(members)
                     mine = Comm(group, members.index(rank), len(members), stats, copies)
             comms[axis.value] = mine
+        comms["dcp_heads"] = comms["dcp"]  # the whole DCP group holds the same rows
+        if self.pcp > 1 and self.dcp_tp > 1:
+            seen: list[list[int]] = []
+            for r in range(self.world_size):
+                members = self.dcp_heads_members(r)
+                if members in seen:
+                    continue
+                seen.append(members)
+                group = dist.new_group(members, timeout=timeout)
+                if rank in members:
+                    copies = self.world_size // len(members)
+                    comms["dcp_heads"] = Comm(group, members.index(rank), len(members), stats, copies)
         return comms

@@ -81,6 +81,7 @@ class ModelForward(Stage):
             dcp_rest=self.config.dcp_rest,
             dcp_comm_backend=ctx.config.dcp_comm_backend,
             kernel=self.kernel,
+            dcp_heads=ctx.dcp_heads,
         )
         state.attn.dcp_rest = backend.dcp_rest.mode
         with torch.no_grad(), moe_forward(ctx, state):

@@ -6,10 +6,12 @@ reference's entries for the positions it owns and the KV heads it holds (NaN els
 the tokens are also the greedy continuation of a dense, cache-free forward
 (tests/reference.py). Prompts are odd (never a multiple of 2*pcp), one is longer than
 the token budget (a continued prefill), drafting makes speculative rows of 1+k tokens and,
-with a budget of 8, decodes left without budget (zero-token rows).
+with a budget of 8, a prefill left without budget behind them (a zero-token row; checked on
+the scheduler alone by ``test_workload_has_continued_zero_token_and_speculative_rows``).
 
 Ranks start once per world size for all configs of that size (``pcpflow.testing.run``);
-the default set runs a few configs per size, ``-m slow`` the whole matrix.
+the default set runs a few configs at 2 and 4 ranks; ``-m slow`` the whole matrix,
+including the two tiny 8-rank grids (tp=4 pcp=2, one thread per rank).
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from test_engine import dense_reference_agrees
 
 WORKLOAD = [
     "workload=explicit",
-    "workload.prompt_lens=[5,3,11,1,7]",
+    "workload.prompt_lens=[3,1,1,11,7]",
     "workload.output_lens=[4]",
-    "workload.arrival_steps=[0,0,0,1,3]",
+    "workload.arrival_steps=[0,0,0,0,3]",
     "scheduler.max_num_batched_tokens=8",  # < 11: continued prefill; 3 verify rows of 3 > 8
     "scheduler.max_num_seqs=4",
     "kv.block_size=4",
@@ -145,6 +147,26 @@ class TPTrafficProbe(Stage):
         return state
 
 
+class CorruptOneHead(Stage):
+    """Test-only fault after ``forward``: at step ``step``, global rank ``rank`` (not the
+    verifier's) shifts one written K element of its layer-0 cache by 1e-3."""
+
+    kind = "test_tp_corrupt_one_head"
+
+    class Config(StageConfig):
+        kind: Literal["test_tp_corrupt_one_head"] = "test_tp_corrupt_one_head"
+        rank: int = 1
+        step: int = 1
+
+    def __call__(self, state):
+        ctx = self.ctx
+        if not ctx.is_reference and ctx.world.rank == self.config.rank and state.batch.step == self.config.step:
+            slots = state.attn.gathered_slot_mapping
+            slot = int(slots[slots >= 0][0])
+            ctx.kv_caches[0][slot, 0] += 1e-3
+        return state
+
+
 def _probed(cfg, path):
     pipeline = dict(cfg.pipeline)
     probe = {"kind": f"{__name__}:TPTrafficProbe", "after": "restore", "path": str(path)}
@@ -157,13 +179,12 @@ DEFAULT = [
     # tp=2 pcp=1: DCP inside the TP group (MLA), with an MTP drafter under TP too
     (2, 1, 2, "replicated", "tiny_mla", ("draft=mtp",), "ag_rs"),
     # tp=2 pcp=2: dcp = tp*pcp over all four ranks (MLA), dcp = pcp (GQA)
-    (2, 2, 4, "sharded", "tiny_mla", (), "ag_rs"),
+    (2, 2, 4, "replicated", "tiny_mla", (), "ag_rs"),
     (2, 2, 2, "sharded", "tiny_gqa", (), "ag_rs"),
     # tp=4 pcp=1: GQA KV heads (2) replicated over pairs of TP ranks, DCP within a pair
     (4, 1, 2, "replicated", "tiny_gqa", (), "a2a"),
 ]
 PROBED = {1, 2, 3}  # DEFAULT indices whose traffic is compared with accounting's price
-EIGHT = [(4, 2, 8, "sharded", "tiny_mla", (), "ag_rs")]
 
 
 def _allowed(tp, pcp, model) -> list[int]:
@@ -202,21 +223,22 @@ def default_runs(tmp_path_factory):
             probes[i] = tmp / f"probe{i}.jsonl"
             cfg = _probed(cfg, probes[i])
         cfgs.append(cfg)
-    for tp, pcp, dcp, decode, model, extra, backend in EIGHT:
-        cfgs.append(_cfg(tp, pcp, dcp, decode, model, *extra, workload=TINY, backend=backend))
-    results = run(cfgs)
+    faulty = _cfg(2, 2, 2, "sharded", "tiny_gqa")  # rank 1: TP rank 1, KV head 1
+    fault = {"kind": f"{__name__}:CorruptOneHead", "after": "forward", "rank": 1, "step": 1}
+    cfgs.append(faulty.model_copy(update={"pipeline": {**faulty.pipeline, "extra": [fault]}}))
+    *results, caught = run(cfgs)
     records = {i: [json.loads(x) for x in p.read_text().splitlines()] for i, p in probes.items()}
-    return cfgs, results, records
+    return cfgs[:-1], results, records, caught
 
 
 @pytest.mark.dist
 def test_tp_runs_equal_the_single_rank(default_runs):
-    cfgs, results, _ = default_runs
+    cfgs, results, _, _ = default_runs
     for cfg, result in zip(cfgs, results):
         assert_exact(cfg, result)
     # One model, any grid: the same tokens (float64 leaves no room for drift).
     by_model: dict[tuple, list] = {}
-    for cfg, result in zip(cfgs[: len(DEFAULT)], results):
+    for cfg, result in zip(cfgs, results):
         by_model.setdefault(cfg.model.name, []).append(result["outputs"])
     for outs in by_model.values():
         assert all(o == outs[0] for o in outs)
@@ -224,7 +246,7 @@ def test_tp_runs_equal_the_single_rank(default_runs):
 
 @pytest.mark.dist
 def test_run_traffic_is_accountings_price_step_by_step(default_runs):
-    _, _, records = default_runs
+    _, _, records, _ = default_runs
     for i, recs in records.items():
         assert recs, DEFAULT[i]
         for rec in recs:
@@ -235,17 +257,26 @@ def test_run_traffic_is_accountings_price_step_by_step(default_runs):
 
 @pytest.mark.dist
 def test_ag_rs_and_a2a_move_what_their_names_say(default_runs):
-    cfgs, results, _ = default_runs
+    cfgs, results, _, _ = default_runs
     for cfg, result in zip(cfgs, results):
         purposes = set(result["metrics"]["collective_calls"])
         if RankGrid(tp=cfg.tp, pcp=cfg.pcp, dcp=cfg.dcp).dcp_tp == 1:
             assert "dcp_lse_gather" not in purposes
         elif cfg.dcp_comm_backend == "ag_rs":
             assert {"dcp_query_gather", "dcp_lse_gather", "dcp_output_reduce_scatter"} <= purposes
-            assert "dcp_partials" not in purposes
+            assert {"dcp_decode_query_gather", "dcp_decode_output_reduce_scatter"} <= purposes
+            assert "dcp_partials" not in purposes and "dcp_decode_partials" not in purposes
         else:
-            assert {"dcp_query_gather", "dcp_partials"} <= purposes
-            assert "dcp_lse_gather" not in purposes
+            assert {"dcp_query_gather", "dcp_partials", "dcp_decode_partials"} <= purposes
+            assert "dcp_lse_gather" not in purposes and "dcp_decode_lse_gather" not in purposes
+
+
+@pytest.mark.dist
+def test_kv_check_reads_every_tp_ranks_heads(default_runs):
+    """One K element of TP rank 1's own KV head, off by 1e-3: the run fails on its cache
+    (the logits may still pass: one key barely moves them)."""
+    v = default_runs[3]["verify"]
+    assert not v["passed"] and not v["kv_match"] and v["kv_mismatched_slots"] >= 1, v
 
 
 @pytest.mark.dist
@@ -257,6 +288,36 @@ def test_tp_matrix_equals_the_single_rank():
     ]
     for cfg, result in zip(cfgs, run(cfgs)):
         assert_exact(cfg, result)
+
+
+def test_workload_has_continued_zero_token_and_speculative_rows():
+    """The scheduler alone (global, so every rank's batches) on WORKLOAD with 2 drafts per
+    decode: a prompt continued over steps, a prefill left without budget behind three
+    verify rows (a zero-token row) and verify rows of 1 + 2 tokens."""
+    from pcpflow.kv_cache import KVCacheManager
+    from pcpflow.scheduler import Scheduler
+    from pcpflow.workload import build_requests
+
+    cfg = _cfg(2, 1, 1, "replicated", "tiny_mla", "draft=mtp")
+    sched = Scheduler(
+        build_requests(cfg.workload, vocab_size=256, seed=0),
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        kv=KVCacheManager(256, 4, 1),
+        num_speculative_tokens=2,
+    )
+    zero = verify = continued = 0
+    while not sched.done:
+        b = sched.schedule()
+        if b is None:
+            continue
+        q = b.num_scheduled_tokens
+        zero += int((q == 0).sum())
+        verify += int((~b.is_prefilling & (q == 3)).sum())
+        continued += int((b.is_prefilling & (b.num_computed_tokens > 0) & (q > 0)).sum())
+        sched.update(b, np.zeros(len(b.logits_indices), dtype=np.int64))
+        sched.set_draft_tokens(b, np.full((b.num_reqs, 2), 7, dtype=np.int64))
+    assert zero >= 1 and verify >= 3 and continued >= 1, (zero, verify, continued)
 
 
 # ----------------------------------------------------------------------------- slices
@@ -301,6 +362,26 @@ def test_tp_traffic_hand_derived():
         {"tp_all_reduce": 2},
         {"tp_all_reduce": 2 * 3 * 64 * 8 * 2},
     )
+
+
+def test_replicated_decodes_gather_queries_over_heads_only():
+    """tp=2 pcp=2 dcp=4, two replicated decodes (nd = 2 on both PCP ranks), MLA at 2 local
+    heads, float64: the queries go around the T = 2 ranks of one PCP rank (both PCP
+    ranks' blocks do it: x2), the lse of the T blocks and the rescaled outputs around all
+    D = 4. A gather over all 4 ranks would move 4*3 / (2 * 2*1) = 3x the query bytes."""
+    layout = plan_layout(np.array([1, 1]), np.array([False, False]), pcp_size=2, dcp_size=2)
+    shape = ModelShape(hidden_size=64, num_layers=1, entry_dim=48, num_heads=2, qk_dim=48, v_dim=32, dtype_bytes=8)
+    colls = dcp_over_tp_collectives(layout, dcp_size=4, shape=shape, backend="ag_rs")
+    assert step_traffic(colls, pcp_size=2, dcp_size=4, dtype_bytes=8, tp_size=2)[1] == {
+        "dcp_decode_query_gather": 2 * (2 * 2 * 48 * 8 * 2),
+        "dcp_decode_lse_gather": (2 * 2) * 2 * 8 * 12,
+        "dcp_decode_output_reduce_scatter": (4 * 2) * 2 * 32 * 8 * 3,
+    }
+    a2a = dcp_over_tp_collectives(layout, dcp_size=4, shape=shape, backend="a2a")
+    assert step_traffic(a2a, pcp_size=2, dcp_size=4, dtype_bytes=8, tp_size=2)[1] == {
+        "dcp_decode_query_gather": 2 * (2 * 2 * 48 * 8 * 2),
+        "dcp_decode_partials": (4 * 2) * (2 * 32 + 2) * 8 * 3,
+    }
 
 
 def test_every_group_of_an_axis_is_counted():
@@ -365,3 +446,80 @@ def test_cli_exits_2_before_any_rank_starts(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "num_heads (4)" in proc.stderr + proc.stdout
+
+
+# ----------------------------------------------------------------------------- sharding math
+class _ThreadGroup:
+    """TP ranks as threads of one process: ``all_reduce`` sums every rank's tensor in rank
+    order (the sharded models are checked without process groups)."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.barrier, self.parts = size, threading.Barrier(size), [None] * size
+
+    def comm(self, rank: int):
+        group = self
+
+        class _Comm:
+            def all_reduce(self, t, purpose, op="sum"):
+                assert purpose == "tp_all_reduce"
+                group.parts[rank] = t.clone()
+                group.barrier.wait()
+                total = sum(group.parts[1:], group.parts[0].clone())
+                group.barrier.wait()
+                return t.copy_(total)
+
+        return _Comm()
+
+
+def _dense_attention(spec):
+    """Causal attention of one sequence over its own new entries (no cache)."""
+
+    def attn(layer, q, kv):
+        k, v = spec.keys(kv), spec.values(kv)  # [n, kvh, d]
+        group = spec.num_heads // spec.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q, k) * spec.scale
+        n = q.shape[0]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
+
+    return attn
+
+
+@pytest.mark.parametrize("model", ["tiny_mla", "tiny_gqa"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_model_is_the_whole_model(model, tp):
+    """Each TP rank's slice, its row-parallel outputs summed, computes the tp=1 model: the
+    same logits (float64, to rounding) on every rank, without any process group. tiny_gqa
+    has 2 KV heads: split at tp=2, shared by pairs of ranks at tp=4."""
+    import threading
+
+    from pcpflow.models import build_model
+    from pcpflow.tensor_parallel import shard_model
+
+    cfg = compose([f"model={model}", "pcp=1"]).model
+    whole = build_model(cfg, dtype=torch.float64, seed=0)
+    ids = torch.tensor([3, 17, 101, 5, 250, 9, 42])
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        want = whole.compute_logits(whole(ids, pos, _dense_attention(whole.attn_spec))[0])
+    group, got = _ThreadGroup(tp), [None] * tp
+    shards = [shard_model(build_model(cfg, dtype=torch.float64, seed=0), group.comm(r), r, tp) for r in range(tp)]
+
+    def rank(r):
+        with torch.no_grad():
+            hidden, _ = shards[r](ids, pos, _dense_attention(shards[r].attn_spec))
+            got[r] = shards[r].compute_logits(hidden)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(tp):
+        assert torch.allclose(got[r], want, rtol=0, atol=1e-12), (r, float((got[r] - want).abs().max()))
+    assert shards[0].attn_spec.num_heads == whole.attn_spec.num_heads // tp
+    width = {p.numel() for n, p in shards[0].named_parameters() if n.endswith("mlp.down_proj.weight")}
+    assert width == {whole.hidden_size * 128 // tp}

@@ -37,6 +37,7 @@ def prefill_attention(
         dcp=draft_comm(ctx.dcp),
         dcp_rest=state.attn.dcp_rest or "auto",
         dcp_comm_backend=ctx.config.dcp_comm_backend,
+        dcp_heads=draft_comm(ctx.dcp_heads),
     )
 
 
@@ -91,6 +92,7 @@ def replicated_attention(
         pcp=draft_comm(ctx.pcp),
         dcp=draft_comm(ctx.dcp),
         dcp_comm_backend=ctx.config.dcp_comm_backend,
+        dcp_heads=draft_comm(ctx.dcp_heads),
     )
 
 
