@@ -254,10 +254,15 @@ def test_unknown_missing_and_misshapen_tensors_are_errors(ckpts, tmp_path):
     shape = _with_tensors(
         src, tmp_path / "shape", lambda t: t.update({"model.norm.weight": torch.ones(63)})
     )
+    # The driver reads the safetensors header before any rank starts (pcpflow.checks) ...
+    with pytest.raises(ConfigError, match=r"tensor model.norm.weight has shape \[63\]; config.json implies \[64\]"):
+        build(shape)
+    # ... and the loader, which a library user may call directly, says the same.
+    good = compose(["model=hf", f"model.path={src}", "pcp=1"]).model
     with pytest.raises(
         ValueError, match=r"model.norm.weight is \[63\], but norm.weight wants \[64\]"
     ):
-        build(shape)
+        build_model(good.model_copy(update={"path": str(shape)}), dtype=torch.float32, seed=0)
     twice = _with_tensors(src, tmp_path / "twice", lambda t: None)
     (twice / "model.safetensors").rename(twice / "model-1.safetensors")
     safetensors_torch.save_file(
