@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow import __version__
-from pcpflow.config import RunConfig, parse_run_config
+from pcpflow.config import RunConfig, validate_run_config
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.launch import RESULT_FILE, RankFailure, launch_ranks, print_err, write_frozen_config
@@ -26,8 +26,9 @@ from pcpflow.workload import build_requests
 
 def prepare_job(raw: dict[str, Any]) -> RunConfig:
     """The validated config of one job; raises ConfigError with every problem found."""
-    cfg = parse_run_config(raw)
-    problems: list[Problem] = []
+    cfg, problems = validate_run_config(raw)
+    if cfg is None:
+        raise ConfigError(problems)
     try:
         k = num_speculative_tokens(resolve_pipeline(cfg))
         if "num_speculative_tokens" in raw and raw["num_speculative_tokens"] != k:
