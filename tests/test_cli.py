@@ -209,19 +209,6 @@ def test_user_stage_runs_after_its_slot_on_every_rank(tmp_path):
 
 
 # ------------------------------------------------------------------------- running
-@pytest.mark.dist
-def test_default_run_writes_results_and_frozen_config(tmp_path):
-    run_dir = tmp_path / "run"
-    r = pcpflow(f"hydra.run.dir={run_dir}", *SMALL)
-    assert r.returncode == 0, r.stderr
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "ok" and result["error"] is None and result["verify"]["passed"]
-    frozen = json.loads((run_dir / "config.json").read_text())
-    assert frozen == result["config"] and frozen["pcp"] == 2
-    assert len(result["outputs"]) == 3 and (run_dir / "metrics.jsonl").exists()
-    assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
-
-
 def _alive_with_marker(marker: str) -> list[int]:
     alive = []
     for proc in Path("/proc").iterdir():
