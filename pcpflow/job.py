@@ -87,6 +87,9 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True) -> int:
         return EXIT_FAILED
     verify = sections.get("verify")
     ok = verify is None or verify["passed"]
+    clocks = (sections.get("metrics") or {}).get("clocks")
+    if clocks is not None:
+        clocks["job_s"] = time.time() - started
     result = {
         "status": "ok" if ok else "failed",
         "error": None if ok else "verification against the single-rank reference failed",
