@@ -364,7 +364,9 @@ def test_compare_layouts_quick(tmp_path, keep_torch_threads):
                     < float(row["restore_sampled_rows_mib_per_step"])
                     < float(row["restore_all_rows_mib_per_step"])
                 )
-                assert float(row["plan_us_median"]) > 0
+                # A timing: plan_layout costs 0.1-1.2 ms on these batches (docs/benchmarks.md);
+                # the bounds leave room for a loaded machine and catch a unit slip (s, ns).
+                assert 1.0 <= float(row["plan_us_median"]) <= 1e5
     with open(tmp_path / "runs.csv") as f:
         runs = list(csv.DictReader(f))
     assert [r["layout"] for r in runs] == ["pcp=1", "pcp=2 dcp=2 sharded"]
