@@ -5,15 +5,17 @@ derives the drafts per step from the draft stage it assembled."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
+import shared_ranks
 
 from pcpflow.compose import compose_raw, validate_overrides
 from pcpflow.errors import ConfigError
 from pcpflow.job import prepare_job
 from pcpflow.pipeline import BUILTIN_STAGES, SLOTS, resolve_pipeline
-from pcpflow.testing import compose, run
+from pcpflow.testing import compose
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,15 +76,23 @@ def test_drafts_per_step_come_from_the_assembled_draft_stage():
     assert "num_speculative_tokens: got 5; derived from the draft stage (3)" in exc.value.report()
 
 
-@pytest.mark.dist
-def test_user_stage_runs_after_its_slot_on_every_rank(tmp_path):
-    out = tmp_path / "probe"
-    out.mkdir()
-    cfg = compose([
+_PROBE: dict[str, Path] = {}
+
+
+@shared_ranks.matrix("pipeline/user_stage")
+def _user_stage():
+    out = _PROBE["dir"] = Path(tempfile.mkdtemp(prefix="pcpflow-probe-"))
+    return [compose([
         "pcp=2", "plugins=[pcpflow_test_plugins.probes]", "workload.num_requests=3", "workload.output_len=[2,4]",
         f"+pipeline.extra=[{{kind: test_call_counter, after: forward, out_dir: '{out}'}}]",
-    ])
-    (result,) = run([cfg])
+    ])]
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("pipeline/user_stage")
+def test_user_stage_runs_after_its_slot_on_every_rank(shared_runs):
+    ((_, result),) = shared_runs["pipeline/user_stage"]
+    out = _PROBE["dir"]
     steps = result["metrics"]["num_steps"]
     for rank in (0, 1):
         lines = [json.loads(x) for x in (out / f"rank{rank}.jsonl").read_text().splitlines()]

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import tempfile
 
 import pytest
+import shared_ranks
 import torch
 from pcpflow_test_plugins import draft_probe
 from reference import reference_forward, rms, rope
 
 from pcpflow.models import build_model
 from pcpflow.models.common import build_seeded
-from pcpflow.testing import compose, run
+from pcpflow.testing import compose
 from pcpflow.stages.dspark import DSparkDraft, DSparkModel
 from pcpflow.stages.mtp import MTPDraft, MTPHead
 
@@ -81,24 +83,33 @@ PLAN = {
 }
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    cases, cfgs = [], []
+_CASES: list[tuple[int, str, str]] = []
+
+
+@shared_ranks.matrix("spec_engine")
+def _drafting_matrix():
+    _CASES.clear()
+    cfgs = []
     for pcp, plan in PLAN.items():
         for name, mode in plan.items():
-            probe = tmp_path_factory.mktemp(f"p{pcp}_{name}")
+            probe = tempfile.mkdtemp(prefix=f"pcpflow-p{pcp}_{name}-")
             extra = [f"+pipeline.extra=[{{kind: '{PROBE}', after: draft, path: '{probe}'}}]"]
             overrides = (
                 WORKLOAD + [f"pcp={pcp}"] + modes(pcp)[mode] + DRAFTERS.get(name, []) + extra
             )
             if (pcp, name) == (2, "mtp"):
                 overrides.append("pipeline.restore.kind=sampled_rows")  # drafters need no all_rows
-            cases.append((pcp, name, probe))
+            _CASES.append((pcp, name, probe))
             cfgs.append(compose(overrides))
-    results = run(cfgs)
+    return cfgs
+
+
+@pytest.fixture(scope="module")
+def matrix(shared_runs):
+    runs = shared_runs["spec_engine"]
     return {
         (pcp, name): (cfg, res, draft_probe.read(probe))
-        for (pcp, name, probe), cfg, res in zip(cases, cfgs, results)
+        for (pcp, name, probe), (cfg, res) in zip(_CASES, runs)
     }
 
 
@@ -108,6 +119,7 @@ def label(cfg) -> str:
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.matrix("spec_engine")
 def test_drafting_generates_exactly_the_tokens_of_no_drafting(matrix):
     baseline = matrix[(1, "none")][1]["outputs"]
     assert all(len(o) == OUTPUT_LEN for o in baseline)
@@ -124,6 +136,7 @@ def test_drafting_generates_exactly_the_tokens_of_no_drafting(matrix):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.matrix("spec_engine")
 def test_every_rank_proposes_what_one_rank_proposes(matrix):
     for (pcp, name), (cfg, _, ranks) in matrix.items():
         if name == "none":
@@ -139,6 +152,7 @@ def test_every_rank_proposes_what_one_rank_proposes(matrix):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.matrix("spec_engine")
 def test_acceptance_full_partial_and_rollback(matrix):
     for (pcp, name), (cfg, res, ranks) in matrix.items():
         if name == "none":
@@ -315,6 +329,7 @@ def drafter_weights(name, cfg, target):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.matrix("spec_engine")
 @pytest.mark.parametrize("name", ["mtp", "dspark"])
 def test_mtp_and_dspark_propose_what_a_dense_forward_of_their_weights_proposes(matrix, name):
     cfg, res, ranks = matrix[(1, name)]
