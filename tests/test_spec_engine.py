@@ -11,7 +11,7 @@ each drafter in every mode across the pcp sizes; each world size starts its rank
   proposes (so the draft prefill, its restore and the replicated steps are exact too);
 - the self drafter's proposals are all accepted; with error_rate they are partly
   accepted and the rest rolled back;
-- the MTP and DSpark proposals are what a dense, cache-free forward written from their
+- the MTP and DSpark proposals (at one rank: tests/stages/) are what a dense, cache-free forward written from their
   weights proposes (tests/reference.py's building blocks; no pcpflow attention, cache,
   layout or scheduler).
 """
@@ -327,12 +327,9 @@ def drafter_weights(name, cfg, target):
     return stage_cfg, model, layers
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.matrix("spec_engine")
-@pytest.mark.parametrize("name", ["mtp", "dspark"])
-def test_mtp_and_dspark_propose_what_a_dense_forward_of_their_weights_proposes(matrix, name):
-    cfg, res, ranks = matrix[(1, name)]
+def assert_proposals_match_the_dense_forward(name, cfg, res, ranks, min_checked=20):
+    """Every recorded proposal of drafter ``name`` (mtp | dspark) is what a dense,
+    cache-free forward of its weights proposes (stages/ tests call this at one rank)."""
     target = build_model(cfg.model, dtype=torch.float64, seed=cfg.seed)
     stage_cfg, drafter, layers = drafter_weights(name, cfg, target)
     seqs = {
@@ -347,4 +344,16 @@ def test_mtp_and_dspark_propose_what_a_dense_forward_of_their_weights_proposes(m
                 want = dspark_reference(target, drafter, stage_cfg.layer, layers, seqs[rid], pos, k)
             assert drafts == want, f"{name} req {rid} at {pos}: {drafts} != dense {want}"
             checked += 1
-    assert checked >= 20, checked
+    assert checked >= min_checked, checked
+
+
+def one_rank_drafting(name: str):
+    """The pcp=1 run of drafter ``name`` on this file's workload, with its proposals
+    recorded (in-process: no ranks to start)."""
+    from pcpflow.testing import run
+
+    probe = tempfile.mkdtemp(prefix=f"pcpflow-{name}-")
+    extra = [f"+pipeline.extra=[{{kind: '{PROBE}', after: draft, path: '{probe}'}}]"]
+    cfg = compose(WORKLOAD + ["pcp=1"] + DRAFTERS[name] + extra)
+    (res,) = run([cfg])
+    return cfg, res, draft_probe.read(probe)
