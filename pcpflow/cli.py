@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from pcpflow.compose import compose_raw, validate_overrides
+from pcpflow.compose import config_groups as _config_groups  # noqa: F401  (tests, scripts)
+from pcpflow.compose import is_hydra_override as _is_hydra_override
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
 
@@ -31,8 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(argv)
+    if "--help" in argv or "-h" in argv:
+        from pcpflow.help import help_text
+
+        print(help_text())
+        return EXIT_OK
     overrides, multirun, no_run = split_args(argv)
-    if not no_run:
+    # NOTE: `--cfg job` shows what a run would run: it is validated like one.
+    if not no_run or any(a.split("=", 1)[0] in ("--cfg", "-c") for a in argv):
         try:
             precheck(overrides, multirun)
             _check_output_dir(overrides, multirun)
@@ -122,11 +130,6 @@ def _override_line(o: Any, value: str) -> str:
     return f"{prefix}{key}={value}"
 
 
-def _is_hydra_override(o: str) -> bool:
-    key = o.lstrip("+~").split("=", 1)[0]
-    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
-
-
 def _dedupe(problems: list[Problem]) -> list[Problem]:
     seen, out = set(), []
     for p in problems:
@@ -135,68 +138,6 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
             seen.add(key)
             out.append(p)
     return out
-
-
-def compose_raw(overrides: list[str], *, with_hydra: bool = False) -> dict[str, Any]:
-    """Compose conf/config.yaml with overrides into a plain dict (ConfigError on failure)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    _check_groups(overrides)
-    try:
-        with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
-            raw = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # Hydra/OmegaConf raise many types; all mean a bad override
-        raise ConfigError([_compose_problem(exc, overrides)]) from None
-    assert isinstance(raw, dict)
-    if not with_hydra:
-        raw.pop("hydra", None)
-    return raw
-
-
-def validate_overrides(overrides: list[str]) -> None:
-    from pcpflow.job import prepare_job
-
-    prepare_job(compose_raw(overrides))
-
-
-def _config_groups() -> dict[str, list[str]]:
-    root = Path(conf_dir())
-    return {
-        d.name: sorted(p.stem for p in d.glob("*.yaml"))
-        for d in sorted(root.iterdir())
-        if d.is_dir() and not d.name.startswith(("_", "."))
-    }
-
-
-def _check_groups(overrides: list[str]) -> None:
-    groups, problems = _config_groups(), []
-    for o in overrides:
-        key, sep, value = o.lstrip("+~").partition("=")
-        if sep and key in groups and value not in groups[key]:
-            problems.append(Problem(key, value, f"one of: {', '.join(groups[key])}"))
-    if problems:
-        raise ConfigError(problems)
-
-
-def _compose_problem(exc: Exception, overrides: list[str]) -> Problem:
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
-    if m:
-        key = m.group(1)
-        given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), None)
-        from pcpflow.config import RunConfig
-
-        top = ", ".join(RunConfig.model_fields)
-        return Problem(
-            key,
-            given,
-            f"not a pcpflow setting (top-level settings: {top}; config groups: "
-            f"{', '.join(_config_groups())}); stage settings live under pipeline.<slot>",
-        )
-    return Problem("<command line>", " ".join(overrides), first)
 
 
 # ---------------------------------------------------------------------------- hydra run
@@ -290,14 +231,18 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
 
 
 def _torchrun_run_dir(overrides: list[str]) -> Path:
-    """``hydra.run.dir`` as a plain run would resolve it. Only that key is resolved: the
-    rest of Hydra's own config (``hydra.job.num`` of sweeps) exists only under Hydra's run."""
-    for o in overrides:
-        if o.startswith("hydra.run.dir="):
-            return Path(o.split("=", 1)[1])
+    """``hydra.run.dir`` as a plain run resolves it. Only that node is resolved: the rest of
+    Hydra's own config (a sweep's ``${hydra.job.num}``) exists only inside a Hydra run."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    for o in overrides:
+        if o.startswith("hydra.run.dir="):
+            return Path(o.split("=", 1)[1])
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        cfg = compose(config_name="config", overrides=[o for o in overrides if not _is_hydra_override(o)], return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=[o for o in overrides if not _is_hydra_override(o)],
+            return_hydra_config=True,
+        )
         return Path(str(OmegaConf.select(cfg, "hydra.run.dir")))

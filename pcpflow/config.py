@@ -146,6 +146,7 @@ class RunConfig(_Strict):
         ge=0,
         description="derived, not a setting: drafts per request and step of the draft stage, "
         "filled when the pipeline is assembled (set draft.num_speculative_tokens instead)",
+        json_schema_extra={"derived": True},
     )
     moe: MoERunConfig = Field(default_factory=MoERunConfig)
     # --- simulate (pcpflow.simulate, docs/simulate.md)
@@ -279,19 +280,61 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a plain dict; raise ConfigError listing every problem."""
+    cfg, problems = validate_run_config(raw)
+    if problems or cfg is None:
+        raise ConfigError(problems)
+    return cfg
+
+
+def validate_run_config(raw: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
+    """The config and every problem of ``raw``: field errors, then the cross-field rules.
+
+    A bad value does not hide the other problems: the fields in error are set back to their
+    defaults and the rest is validated again (cross-field rules that read a field in error
+    are left out, as they would judge the default). None when no config could be built."""
     if raw.get("mode") == "simulate":
         from pcpflow.simulate.prepare import prepare_raw
 
         raw = prepare_raw(raw)
-    try:
-        cfg = RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(pydantic_problems(exc, model=RunConfig)) from None
-    problems = cross_field_problems(cfg)
-    if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
-        from pcpflow.simulate.prepare import simulate_problems
+    problems: list[Problem] = []
+    bad: set[str] = set()
+    data = raw
+    for _ in range(4):
+        try:
+            cfg = RunConfig.model_validate(data)
+        except ValidationError as exc:
+            found = pydantic_problems(exc, model=RunConfig)
+            problems += [p for p in found if p.field not in bad]
+            salvaged = _without(data, [tuple(str(x) for x in e["loc"]) for e in exc.errors()])
+            bad |= {p.field for p in found}
+            if salvaged == data:
+                return None, problems
+            data = salvaged
+            continue
+        problems += [p for p in cross_field_problems(cfg) if p.field not in bad]
+        if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
+            from pcpflow.simulate.prepare import simulate_problems
 
-        problems += simulate_problems(cfg)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
+            problems += [p for p in simulate_problems(cfg) if p.field not in bad]
+        return cfg, problems
+    return None, problems
+
+
+def _without(raw: dict[str, Any], locs: list[tuple[str, ...]]) -> dict[str, Any]:
+    """A copy of ``raw`` without the leaves at ``locs`` (pydantic error locations; a
+    union's tag in a location is skipped), so that their defaults apply."""
+    out = _copy(raw)
+    for loc in locs:
+        parts = [p for p in loc if not _is_union_tag(p)]
+        if len(parts) < 2 and (not parts or parts[0] in ("model", "workload")):
+            continue  # a whole section in error: it has no default to fall back to
+        node: Any = out
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    return out
+
+
+def _copy(node: Any) -> Any:
+    return {k: _copy(v) for k, v in node.items()} if isinstance(node, dict) else node

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow import __version__
-from pcpflow.config import RunConfig, parse_run_config
+from pcpflow.config import RunConfig, validate_run_config
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
 from pcpflow.launch import RankFailure, launch_ranks, print_err
 from pcpflow.rundir import (
@@ -35,8 +35,20 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
     from pcpflow.checks import check_job
 
-    cfg = tokenize_workload(parse_run_config(raw))
-    return check_job(cfg, raw, kind=kind)
+    cfg, problems = validate_run_config(raw)
+    if cfg is None:
+        raise ConfigError(problems)
+    try:
+        cfg = tokenize_workload(cfg)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    try:
+        cfg = check_job(cfg, raw, kind=kind)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True) -> int:
@@ -97,6 +109,9 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool) -> int:
         return EXIT_FAILED
     except Interrupted as exc:
         return _interrupted(exc, config, run_dir)
+    clocks = (sections.get("metrics") or {}).get("clocks")
+    if clocks is not None:
+        clocks["job_s"] = time.time() - started
     result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
     if cfg.output.plots:

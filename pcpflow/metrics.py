@@ -105,6 +105,15 @@ class MetricsRecorder:
             ),
             "run_s": self.run_s,
             "wall_s": wall_s,
+            "clocks": {
+                "run_s": self.run_s,
+                "loop_s": wall_s,
+                "meaning": {
+                    "run_s": "run clock: pipeline and scheduler time only (tokens/s, TTFT, TPOT)",
+                    "loop_s": "engine loop wall time on rank 0 (wall_s): the run clock plus verification",
+                    "job_s": "job wall time in the driver: validation, rank start-up, the run, results",
+                },
+            },
             "tokens_per_s": self.num_tokens / self.run_s if self.run_s else 0.0,
             "generated_tokens_per_s": generated / self.run_s if self.run_s else 0.0,
             "stage_s": dict(self.stage_s),

@@ -68,10 +68,7 @@ class Progress:
 def print_summary(result: dict[str, Any]) -> None:
     cfg, m = result["config"], result.get("metrics", {})
     console = Console()
-    title = (
-        f"pcpflow  pcp={cfg['pcp']} dcp={cfg['dcp']} decode={cfg['decode']['mode']}"
-        f"/{cfg['decode']['assignment']}  model={cfg['model']['name']}  {cfg['dtype']}"
-    )
+    title = f"pcpflow  {config_title(cfg)}"
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
@@ -96,7 +93,8 @@ def print_summary(result: dict[str, Any]) -> None:
         )
     if m:
         table.add_row("steps / tokens", f"{m['num_steps']} steps · {m['num_tokens']} tokens · {m['num_generated_tokens']} generated")
-        table.add_row("throughput", f"{m['tokens_per_s']:.0f} tokens/s (run clock {m['run_s']:.2f}s, wall {m['wall_s']:.2f}s)")
+        table.add_row("throughput", f"{m['tokens_per_s']:.0f} tokens/s on the run clock")
+        table.add_row("clocks", _clocks(m))
         ttft, tpot = m["ttft"], m["tpot"]
         if ttft["mean_s"] is not None:
             table.add_row("TTFT", f"mean {ttft['mean_s'] * 1e3:.1f} ms · p90 {ttft['p90_s'] * 1e3:.1f} ms · {ttft['mean_steps']:.1f} steps")
@@ -147,6 +145,13 @@ def first_outputs(result: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("", f"... {len(outputs) - SHOWN_OUTPUTS} more in result.json"))
     return rows
 # --- end text out
+def _clocks(m: dict[str, Any]) -> str:
+    c = m.get("clocks") or {}
+    parts = [f"run clock {m['run_s']:.2f} s (pipeline + scheduler: what tokens/s, TTFT, TPOT use)",
+             f"engine loop {m['wall_s']:.2f} s (+ verification)"]
+    if c.get("job_s") is not None:
+        parts.append(f"job {c['job_s']:.2f} s (+ validation, rank start-up, results)")
+    return " · ".join(parts)
 
 
 def _human(n: float) -> str:
@@ -157,42 +162,98 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def write_plots(run_dir: Path) -> None:
+def config_title(cfg: dict[str, Any]) -> str:
+    """The settings that tell runs apart, in one line (the summary's and load.png's title)."""
+    parts = [f"pcp={cfg.get('pcp')} dcp={cfg.get('dcp')}"]
+    if cfg.get("tp", 1) != 1:
+        parts[0] += f" tp={cfg['tp']}"
+    decode = cfg.get("decode") or {}
+    parts.append(f"decode={decode.get('mode')}/{decode.get('assignment')}")
+    parts.append(f"model={(cfg.get('model') or {}).get('name')}")
+    workload = (cfg.get("workload") or {}).get("kind")
+    if workload:
+        parts.append(f"workload={workload}")
+    draft = (cfg.get("draft") or {}).get("kind", "none")
+    if draft != "none":
+        parts.append(f"draft={draft}")
+    parts.append(str(cfg.get("dtype")))
+    return "  ".join(parts)
+
+
+_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def write_plots(run_dir: Path) -> dict[str, Any] | None:
     """``load.png``: tokens and attention work per rank over the steps, and how uneven
-    each step is (max/mean over ranks; ranks that overlap in the first two panels are
-    even)."""
+    each step is (max/mean over ranks). Each rank has its own colour, line style and
+    marker, so that ranks on top of each other (an even step) stay visible; steps with
+    prefill tokens are shaded. Returns what it drew (title, per-rank series, the prefill
+    steps) for tests."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        return
+        return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not records:
-        return
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    result_path = run_dir / "result.json"
+    cfg = json.loads(result_path.read_text()).get("config") or {} if result_path.exists() else {}
     steps = np.array([r["step"] for r in records])
     tokens = np.array([r["per_rank_tokens"] for r in records], dtype=float)
     work = np.array([r["per_rank_attention_work"] for r in records], dtype=float)
+    prefill = np.array([r.get("num_prefill_tokens", 0) > 0 for r in records])
     fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True, height_ratios=(3, 3, 2))
     for ax, data, label in ((axes[0], tokens, "tokens"), (axes[1], work, "attention work (q·k pairs)")):
         for rank in range(data.shape[1]):
-            ax.plot(steps, data[:, rank], lw=1.2, label=f"rank {rank}")
+            ax.plot(
+                steps, data[:, rank], lw=1.2, ls=_STYLES[rank % len(_STYLES)],
+                marker=_MARKERS[rank % len(_MARKERS)], ms=3, markevery=max(1, len(steps) // 25),
+                label=f"rank {rank}",
+            )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(ncol=min(8, tokens.shape[1]), fontsize=8)
     for data, label, color in ((tokens, "tokens", "tab:green"), (work, "attention work", "tab:orange")):
         mean = data.mean(axis=1)
         ratio = np.divide(data.max(axis=1), mean, out=np.ones_like(mean), where=mean > 0)
         axes[2].plot(steps, ratio, lw=1.2, color=color, label=label)
     axes[2].axhline(1.0, color="grey", lw=0.8, ls="--")
     axes[2].set_ylabel("max/mean over ranks")
-    axes[2].legend(fontsize=8)
     axes[2].grid(alpha=0.3)
     axes[2].set_xlabel("step")
-    fig.suptitle("per-rank load per step")
+    # Prefill phases (steps with prompt tokens) shaded; the rest are decode-only steps.
+    for lo, hi in _runs(steps, prefill):
+        for ax in axes:
+            ax.axvspan(lo - 0.5, hi + 0.5, color="tab:blue", alpha=0.08, lw=0)
+    from matplotlib.patches import Patch
+
+    handles, labels = axes[0].get_legend_handles_labels()
+    handles.append(Patch(color="tab:blue", alpha=0.15))
+    labels.append("steps with prefill (unshaded: decode only)")
+    axes[0].legend(handles, labels, ncol=min(4, len(labels)), fontsize=8)
+    axes[2].legend(fontsize=8)
+    title = f"per-rank load per step: {config_title(cfg)}" if cfg else "per-rank load per step"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(run_dir / "load.png", dpi=110)
     plt.close(fig)
+    return {"title": title, "ranks": tokens.shape[1], "prefill_steps": steps[prefill].tolist(),
+            "styles": [line.get_linestyle() for line in axes[0].get_lines()]}
+
+
+def _runs(steps, mask) -> list[tuple[int, int]]:
+    """(first, last) step of each run of consecutive steps where ``mask`` holds."""
+    import numpy as np
+
+    idx = np.flatnonzero(mask)
+    if not idx.size:
+        return []
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    starts = np.r_[idx[0], idx[breaks + 1]]
+    ends = np.r_[idx[breaks], idx[-1]]
+    return [(int(steps[a]), int(steps[b])) for a, b in zip(starts, ends)]

@@ -56,9 +56,10 @@ class SweepReport(Callback):
 def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """A row per job directory holding a ``result.json``, in job order. ``config`` is
     the job's overrides that differ between jobs (what the sweep varies)."""
-    rows, overrides = [], []
+    rows, overrides, settings = [], [], []
     for result_path in sorted(sweep_dir.glob("*/result.json"), key=_job_order):
         result = _read_result(result_path)
+        settings.append(_headline_settings(result.get("config") or {}))
         job_dir = result_path.parent
         m, v = result.get("metrics") or {}, result.get("verify") or {}
         ttft, tpot, balance = m.get("ttft") or {}, m.get("tpot") or {}, m.get("balance") or {}
@@ -100,10 +101,28 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             row["error"] = str(result["error"]).strip().splitlines()[0][:200]
         rows.append(row)
     common = set.intersection(*map(set, overrides)) if len(rows) > 1 else set()
+    fixed = [f"{k}={v}" for k, v in settings[0].items() if all(s.get(k) == v for s in settings)] if rows else []
     for row, job_overrides in zip(rows, overrides):
         row["config"] = " ".join(o for o in job_overrides if o not in common) or row["job"]
         row["common_overrides"] = [o for o in job_overrides if o in common]
+        row["fixed_settings"] = fixed
     return rows
+
+
+_HEADLINE = ("pcp", "dcp", "tp", "decode.mode", "decode.assignment", "model.name", "dtype",
+             "workload.kind", "draft.kind", "scheduler.max_num_batched_tokens", "kv.block_size")
+"""The settings a sweep's picture names when every job has the same value."""
+
+
+def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key in _HEADLINE:
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            out[key.replace(".mode", "").replace(".name", "").replace(".kind", "")] = node
+    return out
 
 
 def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -187,6 +206,9 @@ def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
     common = _common_overrides(rows)
     if common:
         lines += [f"Every job: `{' '.join(common)}`.", ""]
+    fixed = rows[0].get("fixed_settings") if rows else None
+    if fixed:
+        lines += [f"Fixed in every job: `{' '.join(fixed)}`.", ""]
     lines += [
         "| " + " | ".join(header) + " |",
         "|"
@@ -221,7 +243,9 @@ def _human(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------- sweep.png
-def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
+def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> dict[str, Any]:
+    """Writes sweep.png; returns what it drew that a reader relies on (title, the value
+    labels of each panel, the balance axis) so that tests can check it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +265,7 @@ def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 4, figsize=(17, 0.42 * len(rows) + 2.4), sharey=True)
 
-    def bars(ax, series, title, unit_line=None):
+    def bars(ax, series, title, fmt, unit_line=None):
         h = 0.8 / len(series)
         for i, (key, name, color) in enumerate(series):
             v = val(key)
@@ -261,6 +285,11 @@ def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
                 edgecolor="tab:red",
                 hatch="//",
             )
+            for yi, vi in zip(y + off, v):
+                if np.isfinite(vi):
+                    ax.annotate(f" {vi:{fmt}}", (vi, yi), va="center", fontsize=7)
+        top = np.nanmax([np.nanmax(np.r_[val(k), 0.0]) for k, _, _ in series])
+        ax.set_xlim(0.0, max(top * 1.22, unit_line or 0.0, 1e-9))
         if unit_line is not None:
             ax.axvline(unit_line, color="grey", lw=0.8, ls="--")
         ax.set_title(title, fontsize=10)
@@ -268,11 +297,12 @@ def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
         if len(series) > 1:
             _legend_below(ax, len(series))
 
-    bars(axes[0], [("tokens_per_s", "tokens/s", "tab:blue")], "tokens/s (run clock)")
+    bars(axes[0], [("tokens_per_s", "tokens/s", "tab:blue")], "tokens/s (run clock)", ".0f")
     bars(
         axes[1],
         [("ttft_mean_ms", "TTFT", "tab:purple"), ("tpot_mean_ms", "TPOT", "tab:olive")],
         "mean TTFT / TPOT (ms)",
+        ".1f",
     )
     bars(
         axes[2],
@@ -281,10 +311,9 @@ def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
             ("attention_work_max_over_mean", "attention work", "tab:orange"),
         ],
         "balance: max/mean over ranks (1 = even)",
+        ".3f",
         unit_line=1.0,
     )
-    lo = np.nanmin(np.r_[val("tokens_max_over_mean"), val("attention_work_max_over_mean"), 1.0])
-    axes[2].set_xlim(left=max(0.0, lo - 0.05))
     left = np.zeros(len(rows))
     cmap = plt.get_cmap("tab10")
     for i, purpose in enumerate(purposes):
@@ -302,15 +331,23 @@ def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> None:
     axes[0].set_yticks(y, labels, fontsize=8)
     axes[0].invert_yaxis()
     common = _common_overrides(rows)
+    fixed = rows[0].get("fixed_settings") or []
     fig.suptitle(
         "pcpflow sweep"
         + (f"  ({' '.join(common)})" if common else "")
-        + "   ✗ / hatched: failed or not exact",
+        + "   ✗ / hatched: failed or not exact"
+        + (f"\nfixed in every job: {' '.join(fixed)}" if fixed else ""),
         fontsize=11,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    drawn = {
+        "title": fig._suptitle.get_text(),
+        "value_labels": [[t.get_text().strip() for t in ax.texts] for ax in axes],
+        "balance_xlim": axes[2].get_xlim(),
+    }
     plt.close(fig)
+    return drawn
 
 
 def _legend_below(ax, n: int) -> None:

@@ -30,7 +30,7 @@ from pcpflow.config import RunConfig, parse_run_config
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The validated config of ``python -m pcpflow <overrides>`` (ConfigError if invalid)."""
-    from pcpflow.cli import compose_raw
+    from pcpflow.compose import compose_raw
     from pcpflow.job import prepare_job
 
     return prepare_job(compose_raw(list(overrides)))

@@ -260,7 +260,7 @@ class TraceWorkload(_WorkloadBase):
         if path is None or not str(path).strip():
             raise ValueError(
                 "the trace file is required: give workload.path=<file.jsonl> (a Mooncake-format "
-                "JSONL trace, e.g. shared/traces/mooncake_conversation.jsonl)"
+                "JSONL trace; a clone bundles the head of one: scripts/data/mooncake_conversation_head.jsonl)"
             )
         # NOTE: resolved once, in the driver, so that ranks started elsewhere read the same file.
         return os.path.abspath(os.path.expanduser(str(path)))

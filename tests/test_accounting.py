@@ -27,16 +27,19 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import pytest
+import shared_ranks
 
 from pcpflow.accounting import QUERIES, ModelShape, plan_dcp_rest, step_collectives, step_traffic
 from pcpflow.config import parse_run_config
 from pcpflow.layout import plan_layout
 from pcpflow.stage import Stage, StageConfig
-from pcpflow.testing import compose, run
+from pcpflow.testing import compose
 
 # ----------------------------------------------------------------------------- sizes
 # tiny_mla (conf/model/tiny_mla.yaml) in float64.
@@ -388,10 +391,13 @@ def _with(base: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     return raw
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case and synthetic run, in one start of 2 ranks."""
-    tmp = tmp_path_factory.mktemp("accounting")
+_RUNS: dict[str, Any] = {}
+
+
+@shared_ranks.matrix("accounting")
+def _accounting_matrix():
+    """Every case and synthetic run (2 ranks, shared with the session's other matrices)."""
+    tmp = Path(tempfile.mkdtemp(prefix="pcpflow-accounting-"))
     explicit = compose(
         ["pcp=2", "workload=explicit", "dtype=float64", "model=tiny_mla"]
     ).model_dump(mode="json")
@@ -409,7 +415,14 @@ def runs(tmp_path_factory):
     for name, overrides in SYNTHETIC.items():
         names.append(name)
         cfgs.append(parse_run_config(_with(synthetic, overrides)))
-    results = run(cfgs)
+    _RUNS.update(names=names, probes=probes)
+    return cfgs
+
+
+@pytest.fixture(scope="module")
+def runs(shared_runs):
+    results = [r for _, r in shared_runs["accounting"]]
+    names, probes = _RUNS["names"], _RUNS["probes"]
     out = {}
     for name, result in zip(names, results):
         records = None
@@ -431,6 +444,7 @@ def _by_purpose(calls: list[dict[str, Any]]) -> tuple[dict[str, int], dict[str, 
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.matrix("accounting")
 def test_each_step_does_exactly_the_hand_derived_collectives(runs, name):
     case = CASES[name]
     result, records = runs[name]
@@ -446,6 +460,7 @@ def test_each_step_does_exactly_the_hand_derived_collectives(runs, name):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.matrix("accounting")
 def test_run_totals_users_read_are_the_sum_of_the_steps(runs, name):
     case = CASES[name]
     m = runs[name][0]["metrics"]
@@ -459,6 +474,7 @@ def test_run_totals_users_read_are_the_sum_of_the_steps(runs, name):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("accounting")
 def test_sampled_rows_restore_saves_exactly_the_unsampled_rows(runs):
     full = runs["prefill_all_rows"][0]["metrics"]["collective_bytes"]
     sampled = runs["prefill_sampled_rows"][0]["metrics"]["collective_bytes"]
@@ -469,6 +485,7 @@ def test_sampled_rows_restore_saves_exactly_the_unsampled_rows(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("accounting")
 def test_sampled_rows_restore_is_exact_and_moves_less_on_a_whole_run(runs):
     full, _ = runs["synthetic_all_rows"]
     for name in ("synthetic_sampled_rows", "synthetic_sampled_rows_dcp_sharded"):

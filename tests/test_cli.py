@@ -1,10 +1,13 @@
 """The framework end to end, through the real command line: every shipped YAML composes
-and validates, bad input is one report with exit code 2 and nothing started, stages come
-from built-ins, entry points and plugins, a crashing rank ends the job, torchrun works,
-and a plain (non-editable) install finds its configs."""
+and validates, bad input is one report with exit code 2 and nothing started, a crashing
+rank ends the job, torchrun works, and a plain (non-editable) install finds its configs
+and built-in stages. (The registry: test_stage.py; pipeline assembly: test_pipeline.py;
+composing and its messages: test_compose.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -15,11 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pcpflow.cli import _config_groups, compose_raw
+from pcpflow.cli import _config_groups, compose_raw, main
 from pcpflow.errors import ConfigError
 from pcpflow.job import prepare_job
-from pcpflow.pipeline import load_stages
-from pcpflow.stage import known_kinds, load_entry_points, register, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -37,6 +38,15 @@ def pcpflow(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
         text=True,
         timeout=timeout,
     )
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """``python -m pcpflow ARGS`` in this process (its exit code and stderr): what the
+    driver does before any rank starts, without paying for a new Python."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, err.getvalue()
 
 
 def write_trace(path: Path, n: int = 4) -> Path:
@@ -119,118 +129,31 @@ def test_cross_field_rules(tmp_path):
 
 
 def test_unknown_group_option_and_key_and_sweep_without_multirun():
-    r = pcpflow("decode=shardd")
-    assert r.returncode == 2 and "decode: got 'shardd'; one of: replicated, sharded" in r.stderr
-    r = pcpflow("typo_key=1")
-    assert r.returncode == 2 and "typo_key: got '1'; not a pcpflow setting" in r.stderr
-    r = pcpflow("pcp=1,2")
-    assert r.returncode == 2 and "a sweep of values needs -m / --multirun" in r.stderr
-    assert "Traceback" not in r.stderr
+    code, err = cli("decode=shardd")
+    assert code == 2 and "decode: got 'shardd'; one of: replicated, sharded (did you mean 'sharded'?)" in err
+    code, err = cli("typo_key=1")
+    assert code == 2 and "typo_key: got '1'; not a pcpflow setting; top-level settings: pcp, dcp," in err
+    code, err = cli("pcp=1,2")
+    assert code == 2 and "pcp: got '1,2'; a sweep of values needs -m / --multirun" in err
 
 
 def test_multirun_validates_every_job_before_starting_any(tmp_path):
-    r = pcpflow("-m", "pcp=2,3", "dcp=2", f"hydra.sweep.dir={tmp_path / 'sweep'}", *SMALL)
-    assert r.returncode == 2
-    assert "[pcp=3] dcp: got 2" in r.stderr and "[pcp=2]" not in r.stderr
+    code, err = cli("-m", "pcp=2,3", "dcp=2", f"hydra.sweep.dir={tmp_path / 'sweep'}", *SMALL)
+    assert code == 2
+    assert "[pcp=3] dcp: got 2" in err and "[pcp=2]" not in err
     assert not (tmp_path / "sweep").exists()
 
 
 def test_missing_or_malformed_trace_names_file_and_line(tmp_path):
-    r = pcpflow("workload=trace", f"workload.path={tmp_path / 'nope.jsonl'}")
-    assert r.returncode == 2 and "workload.path" in r.stderr and "nope.jsonl" in r.stderr
+    code, err = cli("workload=trace", f"workload.path={tmp_path / 'nope.jsonl'}")
+    assert code == 2 and f"workload.path: got '{tmp_path / 'nope.jsonl'}'" in err
     bad = write_trace(tmp_path / "bad.jsonl")
     bad.write_text(bad.read_text() + "{not json\n")
-    r = pcpflow("workload=trace", f"workload.path={bad}", "workload.max_requests=10")
-    assert r.returncode == 2 and "bad.jsonl:5" in r.stderr, r.stderr
-
-
-# ------------------------------------------------------------------------- stages
-def test_registry_builtins_plugins_module_class_and_idempotence():
-    load_stages(["pcpflow_test_plugins.probes"])
-    load_stages(["pcpflow_test_plugins.probes"])  # every rank imports plugins: no-op
-    assert {"dual_chunk_swap", "persistent", "paged", "model", "all_rows", "sampled_rows", "none"} <= set(known_kinds())
-    assert "sampled_rows" in known_kinds("restore") and "dual_chunk_swap" not in known_kinds("restore")
-    probe = resolve("test_call_counter")
-    assert resolve("pcpflow_test_plugins.probes:CallCounter") is probe
-    register(probe)  # the same class again: fine
-
-    class Impostor(probe):  # another class under a taken kind: refused
-        kind = "test_call_counter"
-
-    with pytest.raises(ValueError, match="registered twice"):
-        register(Impostor)
-
-
-def test_unknown_kind_and_plugin_exit_2_with_known_kinds():
-    r = pcpflow("pipeline.restore.kind=sampled_row")
-    assert r.returncode == 2
-    assert "pipeline.restore.kind: got 'sampled_row'" in r.stderr and "did you mean 'sampled_rows'?" in r.stderr
-    assert "all_rows" in r.stderr
-    r = pcpflow("plugins=[no_such_pkg.stages]")
-    assert r.returncode == 2 and "no_such_pkg" in r.stderr and "Traceback" not in r.stderr
-    r = pcpflow("cudagraph_capture_sizes=[0,8]")
-    assert r.returncode == 2 and "cudagraph_capture_sizes: got [0, 8]" in r.stderr
-
-
-def test_swapping_a_stage_drops_only_the_shipped_options_it_does_not_know():
-    """The shipped forward stage has a ``dcp_rest`` option; a user's forward stage without
-    one must still validate when the option was left alone, and be refused when the user
-    set it."""
-    plugin = ["plugins=[pcpflow_test_plugins.probes]", "pipeline.forward.kind=test_queries_forward"]
-    cfg = prepare_job(compose_raw(plugin + ["dcp=2"]))
-    assert cfg.pipeline["forward"]["kind"] == "test_queries_forward"
-    with pytest.raises(ConfigError) as exc:
-        prepare_job(compose_raw(plugin + ["pipeline.forward.dcp_rest=context"]))
-    assert "pipeline.forward.dcp_rest: got 'context'; not a setting here" in exc.value.report()
-
-
-def test_entry_point_group_registers_stages(tmp_path, monkeypatch):
-    dist = tmp_path / "pcpflow_demo_plugin-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pcpflow-demo-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[pcpflow.stages]\ncounter = pcpflow_test_plugins.probes:CallCounter\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert "counter" in load_entry_points()
-    assert resolve("test_call_counter").__name__ == "CallCounter"
-
-
-@pytest.mark.dist
-def test_user_stage_runs_after_its_slot_on_every_rank(tmp_path):
-    out = tmp_path / "probe"
-    out.mkdir()
-    run_dir = tmp_path / "run"
-    r = pcpflow(
-        "pcp=2",
-        "plugins=[pcpflow_test_plugins.probes]",
-        f"+pipeline.extra=[{{kind: test_call_counter, after: forward, out_dir: '{out}'}}]",
-        f"hydra.run.dir={run_dir}",
-        *SMALL,
-    )
-    assert r.returncode == 0, r.stderr
-    result = json.loads((run_dir / "result.json").read_text())
-    steps = result["metrics"]["num_steps"]
-    for rank in (0, 1):
-        lines = [json.loads(x) for x in (out / f"rank{rank}.jsonl").read_text().splitlines()]
-        assert len(lines) == steps  # once per step, never in the reference pipeline
-        assert all(x["has_layout"] and x["has_hidden"] and not x["has_logits"] for x in lines)
+    code, err = cli("workload=trace", f"workload.path={bad}", "workload.max_requests=10")
+    assert code == 2 and "bad.jsonl:5" in err, err
 
 
 # ------------------------------------------------------------------------- running
-@pytest.mark.dist
-def test_default_run_writes_results_and_frozen_config(tmp_path):
-    run_dir = tmp_path / "run"
-    r = pcpflow(f"hydra.run.dir={run_dir}", *SMALL)
-    assert r.returncode == 0, r.stderr
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "ok" and result["error"] is None and result["verify"]["passed"]
-    frozen = json.loads((run_dir / "config.json").read_text())
-    assert frozen == result["config"] and frozen["pcp"] == 2
-    assert len(result["outputs"]) == 3 and (run_dir / "metrics.jsonl").exists()
-    assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
-
-
 def _alive_with_marker(marker: str) -> list[int]:
     alive = []
     for proc in Path("/proc").iterdir():

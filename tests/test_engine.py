@@ -16,10 +16,11 @@ Two independent checks per run:
 from __future__ import annotations
 
 import pytest
+import shared_ranks
 import torch
 
 from pcpflow.models import build_model
-from pcpflow.testing import compose, run
+from pcpflow.testing import compose
 from reference import greedy_matches
 
 MODELS = ("tiny_mla", "tiny_gqa")
@@ -67,13 +68,19 @@ def assert_exact(cfg, result) -> None:
     assert dense_reference_agrees(cfg, result), f"{label}: tokens differ from the dense reference"
 
 
+def _corner_cases(pcp: int):
+    return lambda: [compose(corner_case_workload(pcp) + [f"decode={d}", f"model={m}"]) for d in DECODES for m in MODELS]
+
+
+for _pcp in (1, 2, 3, 4):
+    shared_ranks.matrix(f"engine/pcp={_pcp}")(_corner_cases(_pcp))
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("pcp", [1, 2, 3, 4])
-def test_pcp_matches_single_rank_on_length_corner_cases(pcp):
-    cfgs = [
-        compose(corner_case_workload(pcp) + [f"decode={d}", f"model={m}"]) for d in DECODES for m in MODELS
-    ]
-    results = run(cfgs)
+@pytest.mark.parametrize("pcp", [pytest.param(p, marks=pytest.mark.matrix(f"engine/pcp={p}")) for p in (1, 2, 3, 4)])
+def test_pcp_matches_single_rank_on_length_corner_cases(pcp, shared_runs):
+    runs = shared_runs[f"engine/pcp={pcp}"]
+    cfgs, results = [c for c, _ in runs], [r for _, r in runs]
     for cfg, result in zip(cfgs, results):
         assert_exact(cfg, result)
         tokens = result["metrics"]["per_rank_tokens"]
@@ -84,18 +91,25 @@ def test_pcp_matches_single_rank_on_length_corner_cases(pcp):
         assert all(o == outs[0] for o in outs)
 
 
-@pytest.mark.dist
-def test_narrow_dtypes_within_tolerance_and_padding_rows_never_written():
-    """float32 and bfloat16 verification use their documented tolerances (a differing
-    token only at a near-tie); padding every rank up to a CUDA-graph capture size
-    (piecewise: every step) adds rows that must never reach the cache."""
+@shared_ranks.matrix("engine/narrow")
+def _narrow():
     base = corner_case_workload(3)
-    cfgs = [
+    return [
         compose(base + ["dtype=float32", "decode=sharded"]),
         compose(base + ["cudagraph_mode=piecewise", "cudagraph_capture_sizes=[16,32]", "decode=replicated", "model=tiny_gqa"]),
         compose(base + ["dtype=bfloat16", "dcp=3", "model=tiny_gqa", "pipeline.forward.dcp_rest=queries"]),
     ]
-    r32, rpad, rbf16 = run(cfgs)
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("engine/narrow")
+def test_narrow_dtypes_within_tolerance_and_padding_rows_never_written(shared_runs):
+    """float32 and bfloat16 verification use their documented tolerances (a differing
+    token only at a near-tie); padding every rank up to a CUDA-graph capture size
+    (piecewise: every step) adds rows that must never reach the cache."""
+    runs = shared_runs["engine/narrow"]
+    cfgs = [c for c, _ in runs]
+    r32, rpad, rbf16 = (r for _, r in runs)
     v = r32["verify"]
     assert v["passed"] and v["tolerance"] == pytest.approx(1e-4), v
     assert v["max_abs_logit_diff"] <= 1e-4

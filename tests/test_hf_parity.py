@@ -29,6 +29,7 @@ import importlib.util
 import inspect
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,9 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip("safetensors", reason="parity tests need safetensors: pip install -e '.[test]'")
 
-from pcpflow.testing import compose, run  # noqa: E402
+import shared_ranks  # noqa: E402
+
+from pcpflow.testing import compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = {"float32": 1e-5, "float64": 1e-10}
@@ -183,16 +186,25 @@ def transformers_reference(path: Path, prompts, output_lens, dtype: str, *, prom
 
 
 # ----------------------------------------------------------------- fixtures
+_CHECKPOINTS: dict[str, Path] = {}
+
+
+def _build_checkpoints() -> dict[str, Path]:
+    """The tiny checkpoints, built once per session (the shared matrix and the references
+    read the same files)."""
+    if not _CHECKPOINTS:
+        script = _load_script()
+        root = Path(tempfile.mkdtemp(prefix="pcpflow-hf-"))
+        for name, options in CHECKPOINTS.items():
+            options = dict(options)
+            arch = options.pop("arch")
+            _CHECKPOINTS[name] = script.build_checkpoint(root / name, arch, seed=0, **options)
+    return _CHECKPOINTS
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    script = _load_script()
-    root = tmp_path_factory.mktemp("hf")
-    paths = {}
-    for name, options in CHECKPOINTS.items():
-        options = dict(options)
-        arch = options.pop("arch")
-        paths[name] = script.build_checkpoint(root / name, arch, seed=0, **options)
-    return paths
+def checkpoints():
+    return _build_checkpoints()
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +231,11 @@ def references(checkpoints, vocab_size):
     return get
 
 
-@pytest.fixture(scope="module")
-def pcpflow_results(checkpoints, vocab_size):
+@shared_ranks.matrix("hf_parity")
+def _parity_matrix():
+    checkpoints = _build_checkpoints()
+    sizes = {json.loads((p / "config.json").read_text())["vocab_size"] for p in checkpoints.values()}
+    (vocab_size,) = sizes
     prompts = json.dumps(_prompts(vocab_size)).replace(" ", "")
     configs = [
         compose(
@@ -244,11 +259,17 @@ def pcpflow_results(checkpoints, vocab_size):
         )
         for ckpt, dtype, pcp, dcp, decode, extra in MATRIX
     ]
-    return dict(zip(map(_case_id, MATRIX), run(configs)))
+    return configs
+
+
+@pytest.fixture(scope="module")
+def pcpflow_results(shared_runs):
+    return dict(zip(map(_case_id, MATRIX), (r for _, r in shared_runs["hf_parity"])))
 
 
 # ----------------------------------------------------------------- tests
 @pytest.mark.dist
+@pytest.mark.matrix("hf_parity")
 @pytest.mark.parametrize("case", MATRIX, ids=_case_id)
 def test_pcpflow_matches_transformers(case, pcpflow_results, references, vocab_size):
     ckpt, dtype, *_ = case

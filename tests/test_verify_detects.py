@@ -4,8 +4,9 @@ rank must fail the run (a checker that cannot fail proves nothing)."""
 from __future__ import annotations
 
 import pytest
+import shared_ranks
 
-from pcpflow.testing import compose, run
+from pcpflow.testing import compose
 
 PLUGIN = "pcpflow_test_plugins.faults"
 
@@ -14,10 +15,10 @@ def fault(kind: str, after: str, rank: int, step: int) -> str:
     return f"+pipeline.extra=[{{kind: '{PLUGIN}:{kind}', after: {after}, rank: {rank}, step: {step}}}]"
 
 
-@pytest.mark.dist
-def test_verification_catches_one_misplaced_kv_write_and_one_perturbed_row():
+@shared_ranks.matrix("verify_detects")
+def _faults():
     base = ["pcp=2", f"plugins=[{PLUGIN}]", "workload.num_requests=4"]
-    cfgs = [
+    return [
         compose(base),
         compose(base + [fault("MisplacedKVWrite", "slots", rank=1, step=2)]),
         compose(base + ["dcp=2", fault("MisplacedKVWrite", "slots", rank=1, step=2)]),
@@ -25,7 +26,12 @@ def test_verification_catches_one_misplaced_kv_write_and_one_perturbed_row():
         # rank 0 holds nearly all of them: a prefill's last chunk is rank 0's).
         compose(base + ["decode=sharded", fault("PerturbedHidden", "forward", rank=1, step=2)]),
     ]
-    clean, kv_fault, dcp_kv_fault, hidden_fault = run(cfgs)
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("verify_detects")
+def test_verification_catches_one_misplaced_kv_write_and_one_perturbed_row(shared_runs):
+    clean, kv_fault, dcp_kv_fault, hidden_fault = (r for _, r in shared_runs["verify_detects"])
     assert clean["verify"]["passed"]
     for bad in (kv_fault, dcp_kv_fault):
         v = bad["verify"]

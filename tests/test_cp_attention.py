@@ -1,4 +1,4 @@
-"""Decode context parallelism is exact: KV sharded over the DCP group by
+"""pcpflow.cp_attention: decode context parallelism is exact: KV sharded over the DCP group by
 ``kv.interleave``, partial attention merged across shards, with replicated and with
 sharded decodes (which vLLM does not allow with dcp > 1), and the rows past the
 replicated decodes on either DCP path: ``queries`` (gathered, partials merged),
@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from pcpflow.dcp_context import context_gather_plan
-from pcpflow.slots import compute_slot_mapping
-from pcpflow.testing import compose, run
+import shared_ranks
+
+from pcpflow.testing import compose
 from test_engine import OUTPUT_LEN, assert_exact, corner_case_workload
 
 BLOCK = 6  # interleave in {1, 2, BLOCK} must divide it
@@ -72,11 +70,23 @@ def matrix(pcp: int) -> list[list[str]]:
     ]
 
 
+for _pcp in (2, 3, 4):
+    shared_ranks.matrix(f"cp_attention/pcp={_pcp}")(lambda p=_pcp: [compose(o) for o in matrix(p)])
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("pcp", [2, 3, 4])
-def test_dcp_equals_pcp_matches_single_rank(pcp):
-    cfgs = [compose(overrides) for overrides in matrix(pcp)]
-    results = run(cfgs)
+@pytest.mark.parametrize(
+    "pcp",
+    [
+        pytest.param(2, marks=pytest.mark.matrix("cp_attention/pcp=2")),
+        pytest.param(3, marks=pytest.mark.matrix("cp_attention/pcp=3")),
+        # NOTE: 9 runs of 4 ranks: CI's slow set (the default set has pcp=4 in test_engine).
+        pytest.param(4, marks=[pytest.mark.matrix("cp_attention/pcp=4"), pytest.mark.slow]),
+    ],
+)
+def test_dcp_equals_pcp_matches_single_rank(pcp, shared_runs):
+    runs = shared_runs[f"cp_attention/pcp={pcp}"]
+    cfgs, results = [c for c, _ in runs], [r for _, r in runs]
     # Every generated token is fed back but the last: request r runs prompt + 5 tokens
     # through the model, a token at position p scores p + 1 keys in all, whichever path,
     # when every row lives on one rank (sharded decodes; replicated rows count per holder).
@@ -135,68 +145,3 @@ def test_dcp_local_shard_sizes_add_up():
             shards = np.stack([dcp_local_seq_lens(seq_lens, d, r, i) for r in range(d)])
             assert (shards.sum(0) == seq_lens).all()
             assert (shards.max(0) - shards.min(0) <= i).all()
-
-
-def test_context_gather_plan_by_hand():
-    """D=2, I=2, B=4; sequences of 5 and 3 with block tables [[7, 1], [3, 9]].
-    Sequence 0: positions 0,1,4 on rank 0 (local 0,1,2), 2,3 on rank 1 (local 0,1);
-    sequence 1: 0,1 on rank 0, 2 on rank 1. Rank 0 sends 3 + 2 = 5 entries, rank 1 2 + 1:
-    M = 5. Local position lp of a sequence is at slot table[lp // 4] * 4 + lp % 4."""
-    tables = np.array([[7, 1], [3, 9]])
-    plans = [
-        context_gather_plan([5, 3], tables, block_size=4, dcp_size=2, dcp_rank=r, interleave=2)
-        for r in (0, 1)
-    ]
-    # Rank 0: seq 0 local 0,1,2 -> block 7: 28, 29, 30; seq 1 local 0,1 -> block 3: 12, 13.
-    assert plans[0].send_slots.tolist() == [28, 29, 30, 12, 13]
-    # Rank 1: seq 0 local 0,1 -> 28, 29; seq 1 local 0 -> 12; padded with slot 0 to M.
-    assert plans[1].send_slots.tolist() == [28, 29, 12, 0, 0]
-    # Gathered rows: rank 0 [s0p0 s0p1 s0p4 s1p0 s1p1 | s0p2 s0p3 s1p2 pad pad].
-    # Reassembled: sequence 0 in blocks 0-1 (8 slots, 5 used), sequence 1 in block 2.
-    for plan in plans:
-        assert plan.source.tolist() == [0, 1, 5, 6, 2, 0, 0, 0] + [3, 4, 7, 0]
-        assert plan.block_tables.tolist() == [[0, 1], [2, 2]]
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    lens=st.lists(st.integers(1, 40), min_size=1, max_size=5),
-    dcp=st.sampled_from([2, 3, 4]),
-    interleave=st.sampled_from([1, 2, 4]),
-    offset=st.integers(0, 3),
-)
-def test_context_gather_reassembles_every_context(lens, dcp, interleave, offset):
-    """Write each position's id into the DCP shards through the real slot mapping, run
-    every rank's send, concatenate (the all-gather), pick ``source``: each sequence's
-    positions come back in order, in the blocks its new table names."""
-    b = 4
-    lens = np.array(lens)
-    virt = -(-lens // (b * dcp))  # blocks each sequence needs per rank
-    # Scattered, distinct blocks per sequence (the same table on every rank).
-    width = int(virt.max())
-    tables = (np.arange(len(lens) * width).reshape(len(lens), width) * 3 + offset) % 997
-    num_slots = (int(tables.max()) + 1) * b
-    caches = []
-    for r in range(dcp):
-        cache = np.full(num_slots, -1)
-        for k, n in enumerate(lens):
-            pos = np.arange(n)
-            slots = compute_slot_mapping(
-                pos, np.full(n, k), tables, b, dcp_size=dcp, dcp_rank=r, interleave=interleave
-            )
-            cache[slots[slots >= 0]] = 1000 * k + pos[slots >= 0]
-        caches.append(cache)
-    plans = [
-        context_gather_plan(
-            lens, tables, block_size=b, dcp_size=dcp, dcp_rank=r, interleave=interleave
-        )
-        for r in range(dcp)
-    ]
-    gathered = np.concatenate([caches[r][p.send_slots] for r, p in enumerate(plans)])
-    for plan in plans:
-        assert (plan.source == plans[0].source).all()
-        rebuilt = gathered[plan.source]
-        for k, n in enumerate(lens):
-            j = np.arange(n)
-            slot = plan.block_tables[k, j // b] * b + j % b
-            assert (rebuilt[slot] == 1000 * k + j).all()

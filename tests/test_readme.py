@@ -1,0 +1,211 @@
+"""Every command in README.md's ```bash blocks, as written, from a copy of the clone.
+
+A few run end to end (quick as written). The rest are at least composed and validated
+in-process exactly as a run would: pip installs (their extras must exist), the test
+command (it must be what .ci/run runs), sweeps and torchrun (every job, and the world
+size torchrun starts), GPU runs (only the "no CUDA device here" problems may remain), and
+a placeholder checkpoint path (replaced by a tiny checkpoint). A command of a kind this
+file does not know fails the test, so that a new README example cannot go unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Run end to end, exactly as written (each quick on 2 cores).
+END_TO_END = {"python -m pcpflow", "python -m pcpflow --help"}
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """Each command (argv) of the ```bash blocks, in order; `a && b` is two commands."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            tokens = shlex.split(line, comments=True)
+            while tokens:
+                cut = tokens.index("&&") if "&&" in tokens else len(tokens)
+                commands.append(tokens[:cut])
+                tokens = tokens[cut + 1 :]
+    return commands
+
+
+def test_readme_commands_are_found():
+    commands = [shlex.join(c) for c in readme_commands((REPO / "README.md").read_text())]
+    assert "python -m pcpflow" in commands and len(commands) >= 10
+    assert all(c in commands for c in END_TO_END), "an END_TO_END command left the README"
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A copy of the files a clone has (tracked, plus new files git does not ignore)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    root = tmp_path_factory.mktemp("clone")
+    for name in listed:
+        src = REPO / name
+        if src.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / name)
+    return root
+
+
+class TinyCheckpoints:
+    """Tiny random checkpoints, made on first use (in-process: transformers builds them)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.paths = root, {}
+
+    def __getitem__(self, arch: str) -> Path:
+        if arch not in self.paths:
+            import runpy
+
+            make = runpy.run_path(str(REPO / "scripts" / "make_tiny_hf_checkpoint.py"))["main"]
+            make(["--arch", arch, "--out", str(self.root / arch)])
+            self.paths[arch] = self.root / arch
+        return self.paths[arch]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+def _env(clone: Path, bin_dir: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(clone), "OMP_NUM_THREADS": "1",
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+@pytest.mark.dist
+def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)  # `python` as written, this interpreter
+    env = _env(clone, bin_dir)
+    ran = {}
+    for argv in readme_commands((clone / "README.md").read_text()):
+        line = shlex.join(argv)
+        if line in END_TO_END and line not in ran:
+            ran[line] = subprocess.run(line, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+            assert ran[line].returncode == 0, (line, ran[line].stderr[-3000:])
+    assert set(ran) == END_TO_END
+    assert ran["python -m pcpflow --help"].stdout.startswith("pcpflow: ")
+    (result_file,) = (clone / "outputs").rglob("result.json")  # the default run, its default dir
+    result = json.loads(result_file.read_text())
+    assert result["status"] == "ok" and result["error"] is None and result["verify"]["passed"]
+    run_dir = result_file.parent
+    frozen = json.loads((run_dir / "config.json").read_text())
+    assert frozen == result["config"] and frozen["pcp"] == 2
+    assert len(result["outputs"]) == frozen["workload"]["num_requests"]
+    assert (run_dir / "metrics.jsonl").exists() and (run_dir / "load.png").exists()
+    assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
+
+
+def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):
+    """One pass over every command (in-process: composing is cheap, starting ranks is not)."""
+    monkeypatch.chdir(clone)  # relative paths (scripts/data/...) as a user in the clone has them
+    monkeypatch.syspath_prepend(str(clone))  # plugins named from the clone root (docs/examples)
+    failures = []
+    checked = 0
+    for argv in readme_commands((clone / "README.md").read_text()):
+        try:
+            _check(argv, clone, tiny_checkpoints)
+            checked += 1
+        except AssertionError as exc:
+            failures.append(f"{shlex.join(argv)}\n    {exc}")
+    assert not failures, "README commands that do not hold:\n" + "\n".join(failures)
+    assert checked >= 10
+
+
+def _check(argv: list[str], clone: Path, checkpoints: TinyCheckpoints) -> None:
+    if argv[:2] == ["pip", "install"]:
+        return _check_pip(argv[2:], clone)
+    if argv[:3] == ["python", "-m", "pytest"]:
+        ci = [shlex.split(line, comments=True) for line in (clone / ".ci" / "run").read_text().splitlines()]
+        assert any(t[:1] in (["python"], ["python3"]) and t[1:] == argv[1:] for t in ci), \
+            "the README's test command must be the one .ci/run runs"
+        return None
+    if argv[:3] == ["python", "-m", "pcpflow"]:
+        return _check_pcpflow(argv[3:], None, checkpoints)
+    if argv[0] == "torchrun" and "pcpflow" in argv:
+        at = argv.index("pcpflow")
+        assert argv[at - 1] == "-m", "torchrun ... -m pcpflow"
+        flags = argv[1 : at - 1]
+        nproc = next((int(f.split("=")[1]) for f in flags if f.startswith("--nproc-per-node=")), None)
+        if "--nproc-per-node" in flags:
+            nproc = int(flags[flags.index("--nproc-per-node") + 1])
+        assert nproc is not None, "torchrun needs --nproc-per-node"
+        return _check_pcpflow(argv[at + 1 :], nproc, checkpoints)
+    if argv[:2] == ["python", "scripts/make_tiny_hf_checkpoint.py"]:
+        # What it writes is a placeholder to the next command: it gets a tiny checkpoint.
+        import runpy
+
+        parser_main = runpy.run_path(str(clone / argv[1]))["main"]
+        with pytest.raises(SystemExit) as exc:
+            parser_main(["--help"])
+        assert exc.value.code == 0 and set(argv[2::2]) <= {"--arch", "--out", "--seed"}, "its flags"
+        return None
+    raise AssertionError("tests/test_readme.py does not know how to check this kind of command")
+
+
+def _check_pip(args: list[str], clone: Path) -> None:
+    import tomllib
+
+    project = tomllib.loads((clone / "pyproject.toml").read_text())["project"]
+    for i, a in enumerate(args):
+        if a == "-e":
+            target = args[i + 1]
+            m = re.fullmatch(r"\.(?:\[([\w,]+)\])?", target)
+            assert m, f"pip install -e {target}: expected . or .[extras]"
+            for extra in filter(None, (m.group(1) or "").split(",")):
+                assert extra in project["optional-dependencies"], f"no extra {extra!r} in pyproject.toml"
+        elif a.startswith("torch=="):
+            dep = next(d for d in project["dependencies"] if d.startswith("torch"))
+            from packaging.specifiers import SpecifierSet
+
+            assert a.split("==")[1] in SpecifierSet(dep[len("torch"):]), f"{a} outside {dep}"
+
+
+def _check_pcpflow(args: list[str], nproc: int | None, checkpoints: TinyCheckpoints) -> None:
+    import torch
+
+    from pcpflow.cli import precheck, split_args
+    from pcpflow.errors import ConfigError
+    from pcpflow.testing import compose
+
+    args = [_with_checkpoint(a, checkpoints) for a in args]
+    if "--help" in args or "-h" in args:
+        return None
+    overrides, multirun, _ = split_args(args)
+    try:
+        precheck(overrides, multirun)
+    except ConfigError as exc:
+        # A GPU command on a machine without one: only that may be wrong.
+        other = [p for p in exc.problems if torch.cuda.is_available() or "no CUDA device" not in p.allowed]
+        assert not other, exc.report()
+        return None
+    if nproc is not None:
+        cfg = compose([o for o in overrides if not o.startswith("hydra.")])
+        assert cfg.world_size == nproc, f"torchrun starts {nproc} ranks, the config needs {cfg.world_size}"
+    return None
+
+
+def _with_checkpoint(arg: str, checkpoints: TinyCheckpoints) -> str:
+    """A checkpoint path the user supplies (DIR, /models/...) becomes a tiny checkpoint of
+    the architecture its name suggests; a path an earlier command makes stays."""
+    key, sep, value = arg.partition("=")
+    if key != "model.path" or not sep or Path(value).exists():
+        return arg
+    arch = "deepseek_v3" if "deepseek" in value.lower() or "dsv" in value.lower() else "llama"
+    return f"model.path={checkpoints[arch]}"
