@@ -204,26 +204,3 @@ def merge_attention_partials(
     weighted = torch.where(w[..., None] > 0, w[..., None] * outs, 0.0).sum(0)
     out = weighted / s.clamp_min(torch.finfo(s.dtype).tiny)[..., None]
     return out, m + torch.log(s)
-
-
-# --- attention backends (pipeline.forward.attention)
-ATTENTION_BACKENDS = ("reference", "fused", "auto")
-
-
-def resolve_attention(name: str, device: torch.device) -> str:
-    """``reference`` | ``fused``: ``auto`` is fused on CUDA, the reference elsewhere."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "auto":
-        return "fused" if device.type == "cuda" else "reference"
-    return name
-
-
-def attention_kernel(name: str, device: torch.device):
-    """The paged-attention function of backend ``name`` on ``device`` (same contract as
-    ``paged_attention``)."""
-    if resolve_attention(name, device) == "reference":
-        return paged_attention
-    from pcpflow.fused_attention import fused_paged_attention
-
-    return fused_paged_attention

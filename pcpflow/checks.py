@@ -55,6 +55,60 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     return cfg
 
 
+# ------------------------------------------------------------------------------ features
+def feature_problems(cfg: Any) -> list[Problem]:
+    """The rules each feature knows of its own limits (tensor parallel splits, devices, CUDA
+    graphs, experts, what a simulation can price), beside the config's cross-field rules."""
+    from pcpflow.cudagraph import cudagraph_problems
+    from pcpflow.devices import device_problems
+    from pcpflow.models import ModelCard
+    from pcpflow.moe_dispatch import moe_problems
+
+    p = [] if cfg.grid.problems() else tensor_parallel_problems(cfg)
+    p += device_problems(cfg) + cudagraph_problems(cfg) + moe_problems(cfg)
+    if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
+        from pcpflow.simulate.prepare import simulate_problems
+
+        p += simulate_problems(cfg)
+    return p
+
+
+def tensor_parallel_problems(cfg: Any) -> list[Problem]:
+    """``tp_problems`` of a run: its target model and its drafter's layers."""
+    from pcpflow.spec import MLALayerConfig
+    from pcpflow.tensor_parallel import model_shape, tp_problems
+
+    if cfg.tp == 1:
+        return []
+    if cfg.dcp > 1 and cfg.grid.dcp_tp > 1:
+        rest = (cfg.pipeline.get("forward") or {}).get("dcp_rest")
+        if rest == "context":
+            return [
+                Problem(
+                    "pipeline.forward.dcp_rest",
+                    rest,
+                    f"the context path needs DCP inside PCP only; dcp={cfg.dcp} spans "
+                    f"{cfg.grid.dcp_tp} TP ranks: use queries or auto",
+                )
+            ]
+    try:
+        heads, kv, inner = model_shape(cfg.model)
+    except ValueError:
+        return []  # the model's own validation reports an unreadable checkpoint
+    p = tp_problems(cfg.grid, num_heads=heads, num_kv_heads=kv, intermediate_size=inner)
+    draft = cfg.draft_stage_config()
+    if draft.get("kind") in ("mtp", "dspark"):
+        layer = MLALayerConfig.model_validate(draft.get("layer") or {})
+        p += tp_problems(
+            cfg.grid,
+            num_heads=layer.num_heads,
+            num_kv_heads=None,
+            intermediate_size=layer.intermediate_size,
+            what="the drafter (draft.layer)",
+        )
+    return p
+
+
 # ------------------------------------------------------------------------------ stages
 def check_plugins(cfg: Any) -> list[Problem]:
     """Each plugin module imports: any error it raises at import (a SyntaxError, a

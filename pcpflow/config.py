@@ -10,14 +10,15 @@ from __future__ import annotations
 import difflib
 import functools
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.grid import RankGrid
-from pcpflow.models import ModelCard, ModelConfig
-from pcpflow.moe_dispatch import MoERunConfig, moe_problems
+from pcpflow.models import ModelConfig
+from pcpflow.moe_dispatch import MoERunConfig
 from pcpflow.sampling import SamplingConfig
 from pcpflow.simulate.settings import HardwareConfig, SimulateConfig
 from pcpflow.workload import WorkloadConfig
@@ -248,10 +249,6 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     pcpflow's own)."""
     p: list[Problem] = []
     p.extend(cfg.grid.problems())
-    if not p:  # --- tensor parallel: the model (and drafter) must split over tp
-        from pcpflow.tensor_parallel import run_problems
-
-        p.extend(run_problems(cfg))
     if cfg.kv.block_size % cfg.kv.interleave:
         p.append(
             Problem(
@@ -268,13 +265,6 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
                 "'balanced' places sharded decodes; use decode=sharded, or round_robin",
             )
         )
-    from pcpflow.devices import device_problems
-
-    p.extend(device_problems(cfg))
-    from pcpflow.cudagraph import cudagraph_problems
-
-    p.extend(cudagraph_problems(cfg))
-    p.extend(moe_problems(cfg))
     return p
 
 
@@ -286,16 +276,15 @@ def parse_run_config(raw: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def validate_run_config(raw: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
-    """The config and every problem of ``raw``: field errors, then the cross-field rules.
+def validate_run_config(
+    raw: dict[str, Any], rules: Callable[[RunConfig], list[Problem]] | None = None
+) -> tuple[RunConfig | None, list[Problem]]:
+    """The config and every problem of ``raw``: field errors, then the cross-field rules
+    (and ``rules``: the features' own, which ``pcpflow.checks`` gathers).
 
     A bad value does not hide the other problems: the fields in error are set back to their
     defaults and the rest is validated again (cross-field rules that read a field in error
     are left out, as they would judge the default). None when no config could be built."""
-    if raw.get("mode") == "simulate":
-        from pcpflow.simulate.prepare import prepare_raw
-
-        raw = prepare_raw(raw)
     problems: list[Problem] = []
     bad: set[str] = set()
     data = raw
@@ -311,11 +300,8 @@ def validate_run_config(raw: dict[str, Any]) -> tuple[RunConfig | None, list[Pro
                 return None, problems
             data = salvaged
             continue
-        problems += [p for p in cross_field_problems(cfg) if p.field not in bad]
-        if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
-            from pcpflow.simulate.prepare import simulate_problems
-
-            problems += [p for p in simulate_problems(cfg) if p.field not in bad]
+        found = cross_field_problems(cfg) + (rules(cfg) if rules is not None else [])
+        problems += [p for p in found if p.field not in bad]
         return cfg, problems
     return None, problems
 

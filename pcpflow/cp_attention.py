@@ -74,7 +74,7 @@ class CPAttention:
         """``dcp_rest``: the rest rows' DCP path policy, ``auto`` | ``queries`` | ``context``
         (``context`` and ``auto`` need ``meta.dcp_context``; without it ``auto`` queries).
         ``kernel``: ``paged_attention`` or a function with its contract
-        (``pcpflow.attention.attention_kernel``)."""
+        (``pcpflow.fused_attention.attention_kernel``)."""
         self.kernel = kernel
         self.caches, self.spec, self.block_size = caches, spec, block_size
         self.pcp, self.dcp, self.meta = pcp, dcp, meta

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pcpflow.errors import Problem
+from pcpflow.state import BatchDescriptor
 
 if TYPE_CHECKING:
     from pcpflow.batch import GlobalBatch
@@ -59,15 +60,6 @@ def capture_sizes(cfg: RunConfig) -> list[int]:
         return sorted(set(cfg.cudagraph_capture_sizes))
     s = cfg.scheduler
     return default_capture_sizes(s.max_num_seqs, s.max_num_batched_tokens)
-
-
-@dataclass(frozen=True)
-class BatchDescriptor:
-    """How one step runs: ``runtime_mode`` none | piecewise | full, at ``num_tokens`` rows
-    per rank (None: unpadded, the largest rank's count)."""
-
-    runtime_mode: Literal["none", "piecewise", "full"]
-    num_tokens: int | None
 
 
 def num_tokens_for_dispatch(layout: BatchLayout) -> int:

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from pcpflow.attention import accumulation_dtype
+from pcpflow.attention import accumulation_dtype, paged_attention
 from pcpflow.models.base import AttentionSpec
 
 KERNELS = ("flex", "sdpa")
@@ -226,3 +226,24 @@ def _sdpa(q, k, v, mask, spec):
             q, k, v, attn_mask=bias, scale=spec.scale
         )
     return o[..., :dv], lse
+
+
+# --- attention backends (pipeline.forward.attention)
+ATTENTION_BACKENDS = ("reference", "fused", "auto")
+
+
+def resolve_attention(name: str, device: torch.device) -> str:
+    """``reference`` | ``fused``: ``auto`` is fused on CUDA, the reference elsewhere."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "fused" if device.type == "cuda" else "reference"
+    return name
+
+
+def attention_kernel(name: str, device: torch.device):
+    """The paged-attention function of backend ``name`` on ``device`` (same contract as
+    ``paged_attention``)."""
+    if resolve_attention(name, device) == "reference":
+        return paged_attention
+    return fused_paged_attention

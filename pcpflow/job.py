@@ -33,9 +33,13 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     """The validated config of one job; raises ConfigError with every problem found
     (``pcpflow.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
-    from pcpflow.checks import check_job
+    from pcpflow.checks import check_job, feature_problems
 
-    cfg, problems = validate_run_config(raw)
+    if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
+        from pcpflow.simulate.prepare import prepare_raw
+
+        raw = prepare_raw(raw)
+    cfg, problems = validate_run_config(raw, rules=feature_problems)
     if cfg is None:
         raise ConfigError(problems)
     try:

@@ -7,7 +7,7 @@ into another's internals. ``extras`` is free space for user stages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -15,9 +15,17 @@ if TYPE_CHECKING:
     import torch
 
     from pcpflow.batch import GlobalBatch
-    from pcpflow.cudagraph import BatchDescriptor
     from pcpflow.dcp_context import ContextGather
     from pcpflow.layout import BatchLayout
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """How one step runs: ``runtime_mode`` none | piecewise | full, at ``num_tokens`` rows
+    per rank (None: unpadded, the largest rank's count)."""
+
+    runtime_mode: Literal["none", "piecewise", "full"]
+    num_tokens: int | None
 
 
 @dataclass

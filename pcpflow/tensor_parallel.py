@@ -223,41 +223,6 @@ def largest_gqa_dcp(grid, num_kv_heads: int) -> int:
     )
 
 
-def run_problems(cfg) -> list[Problem]:
-    """``tp_problems`` of a run: its target model and its drafter's layers (a RunConfig)."""
-    if cfg.tp == 1:
-        return []
-    if cfg.dcp > 1 and cfg.grid.dcp_tp > 1:
-        rest = (cfg.pipeline.get("forward") or {}).get("dcp_rest")
-        if rest == "context":
-            return [
-                Problem(
-                    "pipeline.forward.dcp_rest",
-                    rest,
-                    f"the context path needs DCP inside PCP only; dcp={cfg.dcp} spans "
-                    f"{cfg.grid.dcp_tp} TP ranks: use queries or auto",
-                )
-            ]
-    try:
-        heads, kv, inner = model_shape(cfg.model)
-    except ValueError:
-        return []  # the model's own validation reports an unreadable checkpoint
-    p = tp_problems(cfg.grid, num_heads=heads, num_kv_heads=kv, intermediate_size=inner)
-    draft = cfg.draft_stage_config()
-    if draft.get("kind") in ("mtp", "dspark"):
-        from pcpflow.spec import MLALayerConfig
-
-        layer = MLALayerConfig.model_validate(draft.get("layer") or {})
-        p += tp_problems(
-            cfg.grid,
-            num_heads=layer.num_heads,
-            num_kv_heads=None,
-            intermediate_size=layer.intermediate_size,
-            what="the drafter (draft.layer)",
-        )
-    return p
-
-
 def model_shape(model_cfg) -> tuple[int, int | None, int]:
     """(query heads, GQA KV heads or None for MLA, MLP width) of a model config."""
     if model_cfg.name == "hf":

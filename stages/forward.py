@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pcpflow.attention import attention_kernel, resolve_attention
+from pcpflow.fused_attention import attention_kernel, resolve_attention
 from pcpflow.cp_attention import CPAttention
 from pcpflow.moe_dispatch import moe_forward
 from pcpflow.stage import Stage, StageConfig, register

@@ -24,7 +24,7 @@ SIMULATED_RESTORES = ("all_rows", "sampled_rows")
 
 
 def hardware_names() -> list[str]:
-    from pcpflow.cli import conf_dir
+    from pcpflow.paths import conf_dir
     from pathlib import Path
 
     return sorted(p.stem for p in (Path(conf_dir()) / "hardware").glob("*.yaml"))
