@@ -112,8 +112,7 @@ def _world(name: str) -> int:
 def _dcp_over_tp(name: str) -> bool:
     """DCP spanning TP ranks: the probe counts pairs per DCP shard (``ctx.dcp_size``), the
     engine and the simulator per PCP rank (``grid.layout_dcp``); the totals are compared."""
-    return _axis(name, "tp") > 1 and _axis(name, "dcp") > _axis(name, "pcp") or (
-        _axis(name, "pcp") == 1 and _axis(name, "dcp") > 1)
+    return _axis(name, "dcp") > _axis(name, "pcp")  # dcp in {1, pcp, tp*pcp}, or dcp | tp at pcp=1
 
 
 def _counted(record: dict, expected: set) -> dict:

@@ -4,16 +4,17 @@ the attention, an alpha-beta model per collective, the step as long as its slowe
 Per PCP rank (its TP ranks hold the same rows and split heads and MLP, so they cost the
 same) and step, with N the rank's padded rows and S the sampled rows:
 
-- GEMMs: ``2 * active_params * N / tp`` FLOPs (+ the LM head on S rows, + MLA's expansion
-  of the cached context a prefill reads) at ``peak[weights_dtype] * gemm_efficiency``;
-  HBM: every weight the step touches once (MoE: the experts N routed rows reach, in
-  expectation), at ``hbm_tbps * hbm_efficiency``; the slower of the two.
-- attention: the rank's (query, key) pairs, from ``pcpflow.cp_attention.attention_work``
-  (the executed count), ``2 * heads/tp * (qk + v)`` FLOPs each at ``peak.bf16 *
-  attention_efficiency``; HBM: a decode row reads its keys once, a prefill row once per
+- GEMMs: ``2 * dense_params * N / tp`` FLOPs (+ the LM head on S rows, + MLA's expansion
+  of the cached context a prefill reads, + the MoE blocks where ``moe.dispatch`` runs
+  them: ``_moe_gemm``) at ``peak[weights_dtype] * gemm_efficiency``; HBM: every weight the
+  step touches once (MoE: the experts the routed rows reach, in expectation), at
+  ``hbm_tbps * hbm_efficiency``; the slower of the two.
+- attention: the (query, key) pairs of the rank's busiest DCP shard (``_busiest_shard``;
+  ``attention_work`` with DCP inside PCP), ``2 * heads/tp * dcp_tp * (qk + v)`` FLOPs
+  each at ``peak.bf16 * attention_efficiency``; HBM: a decode row reads its keys once, a prefill row once per
   128-row query tile (FlashAttention); the slower of the two.
-- collectives: the executed run's own list (``pcpflow.accounting.step_collectives``, per
-  TP rank), plus tensor parallelism's two all-reduces of ``N x hidden`` per layer, each
+- collectives: the executed run's own list (``pcpflow.accounting.grid_step_collectives``:
+  PCP/DCP, TP and MoE; ``all_to_all`` MoE rows from uniform routing), each
   ``hops * latency + group_bytes / (n * busbw)`` (nccl-tests' bus bandwidth: (n-1)/n of
   the data for all-gather and all-to-all, 2(n-1)/n for all-reduce; hops n-1, 2(n-1)) on
   NVLink when the group sits in one node, else on the network (TP innermost).
@@ -47,9 +48,8 @@ from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 EXCHANGE_PURPOSES = ("kv_gather", "dcp_query_gather", "dcp_context_gather")
 """Collectives that bring a layer's attention its inputs: what a ring overlaps."""
-TP_PURPOSE = "tp_all_reduce"
 FLASH_QUERY_TILE = 128  # query rows that share one read of a key tile (FlashAttention-2/3)
-ACTIVATION_BYTES = 2  # activations and the TP all-reduces in bf16 (as a GPU serves)
+ACTIVATION_BYTES = 2  # KV reads and ring merges in bf16 (as a GPU serves); collectives at the run dtype
 
 
 class Placement:
