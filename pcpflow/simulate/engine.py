@@ -193,7 +193,8 @@ class SimulatedRun:
             "purpose_s": dict(sorted(self.purpose_s.items())),
             "dcp_rest_steps": self.dcp_rest_steps,
             # NOTE: all_to_all MoE bytes follow the router; simulated, they are uniform routing's expectation.
-            "expected_bytes": list(ROUTED_PURPOSES) if self.moe_dispatch == "all_to_all" and self.sizes.num_experts else [],
+            "expected_bytes": (list(ROUTED_PURPOSES)
+                               if self.moe_dispatch == "all_to_all" and self.sizes.num_experts else []),
             "tflops_per_gpu": float(flops.sum() / gpus / run_s / 1e12) if run_s else 0.0,
             "scheduler": {
                 "max_num_batched_tokens": self.cfg.scheduler.max_num_batched_tokens,

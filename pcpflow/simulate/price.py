@@ -173,7 +173,8 @@ def price_step(batch, layout, counts: StepCounts, *, place: Placement, sizes: Mo
     gemm_flops = np.full(P, gemm_flops) + 2.0 * sizes.num_layers * sizes.kv_b_params * _prefill_context(batch, layout, grid) / tp
     moe_flops, moe_params = _moe_gemm(sizes, moe_dispatch, layout, grid)
     gemm_flops = gemm_flops + moe_flops
-    weight_bytes = (sizes.dense_params_per_row() * w_bytes + sizes.vocab_size * sizes.hidden_size * 2) / tp + moe_params * w_bytes
+    weight_bytes = (sizes.dense_params_per_row() * w_bytes + sizes.vocab_size * sizes.hidden_size * 2) / tp
+    weight_bytes = weight_bytes + moe_params * w_bytes
     gemm_c = gemm_flops / (hw.peak_tflops.fp8 if sim.weights_dtype == "fp8" else hw.peak_tflops.bf16) / 1e12 / sim.gemm_efficiency
     gemm_m = weight_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency)
 
@@ -280,7 +281,8 @@ def _moe_gemm(sizes: ModelSizes, dispatch: str, layout, grid: RankGrid) -> tuple
     L, x, w = sizes.num_moe_layers, sizes.expert_params, grid.world_size
     real = layout.per_rank_num_tokens.astype(np.float64)
     rows = float(layout.padded_num_tokens) * (P if dispatch == "gather" else 1)  # rows the router scores
-    always = sizes.num_shared_experts * x * float(layout.padded_num_tokens) + sizes.hidden_size * sizes.num_experts * rows
+    always = (sizes.num_shared_experts * x * float(layout.padded_num_tokens)
+              + sizes.hidden_size * sizes.num_experts * rows)
     if dispatch == "local":
         routed, reached = real * sizes.top_k * x, _experts_touched(sizes, real) * x
     else:
