@@ -490,3 +490,80 @@ def moe_uniform_send_rows(
     miss = math.comb(num_experts - per_rank, top_k) / math.comb(num_experts, top_k)
     rows = np.asarray(rows_per_rank, dtype=np.float64)
     return np.repeat(rows[:, None] * (1.0 - miss), num_ranks, axis=1)
+
+
+# --- simulate: a whole step's collectives on the tp x pcp grid, MoE layers included
+# (``pcpflow.simulate.price`` counts and prices a step with these; the executed run issues
+# the same calls from ``CPAttention``, ``RowParallelLinear`` and ``pcpflow.moe_dispatch``).
+# An MoE layer's MLP is not split over TP (``shard_mlp``): it has one ``tp_all_reduce``
+# (``o_proj``), a dense layer two.
+
+
+def grid_step_collectives(
+    layout: BatchLayout,
+    logits_indices: np.ndarray,
+    *,
+    tp_size: int,
+    dcp_size: int,
+    shape: ModelShape,
+    dcp_rest: DCPRest = QUERIES,
+    restore: str = "all_rows",
+    backend: str = "ag_rs",
+    num_moe_layers: int = 0,
+    moe_dispatch: str = "local",
+) -> list[Collective]:
+    """``tp_step_collectives`` of a model of which ``num_moe_layers`` layers are MoE
+    under ``moe_dispatch``: their down_proj all-reduce dropped, ``moe_gather_collectives``
+    added for ``gather``. ``all_to_all``'s world-group calls are not ``Collective``s of a
+    fixed shape (they depend on routing): ``moe_all_to_all_step_traffic`` counts them."""
+    if moe_dispatch not in MOE_DISPATCH_MODES:
+        raise ValueError(f"unknown moe.dispatch {moe_dispatch!r}; known: {', '.join(MOE_DISPATCH_MODES)}")
+    out = tp_step_collectives(
+        layout, logits_indices, tp_size=tp_size, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest,
+        restore=restore, backend=backend,
+    )
+    if not num_moe_layers:
+        return out
+    if tp_size > 1:
+        down = tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)[1]
+        for _ in range(num_moe_layers):
+            out.remove(down)
+    if moe_dispatch == "gather":
+        out += moe_gather_collectives(
+            layout.padded_num_tokens, layout.pcp_size, shape.hidden_size, tp_size=tp_size
+        ) * num_moe_layers
+    return out
+
+
+def moe_all_to_all_step_traffic(
+    send_rows: np.ndarray,
+    *,
+    num_moe_layers: int,
+    padded_num_tokens: int,
+    tp_size: int,
+    hidden_size: int,
+    top_k: int,
+    dtype_bytes: int,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(calls, bytes) by purpose of ``num_moe_layers`` all_to_all MoE layers that each
+    send ``send_rows`` ([W, W], ``moe_all_to_all_calls``), with the TP broadcast of the
+    combined rows when tp > 1 (bytes over all ``W / tp`` TP groups, as ``Comm`` counts)."""
+    calls: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    for purpose, b in moe_all_to_all_calls(send_rows, hidden_size=hidden_size, top_k=top_k, dtype_bytes=dtype_bytes):
+        calls[purpose] += num_moe_layers
+        nbytes[purpose] += num_moe_layers * b
+    if tp_size > 1:
+        w = np.asarray(send_rows).shape[0]
+        bcast = Collective("broadcast", "moe_combine", "tp", (padded_num_tokens, hidden_size))
+        calls["moe_combine"] += num_moe_layers
+        nbytes["moe_combine"] += num_moe_layers * bcast.nbytes(tp_size, dtype_bytes) * (w // tp_size)
+    return dict(calls), dict(nbytes)
+
+
+def moe_all_to_all_rows(per_rank_num_tokens: np.ndarray, tp_size: int) -> np.ndarray:
+    """Real rows each of the ``tp * pcp`` world ranks dispatches: TP rank 0 of each PCP
+    rank dispatches that rank's rows, the other TP ranks none (``AllToAllDispatch``)."""
+    rows = np.zeros((len(per_rank_num_tokens), tp_size), dtype=np.int64)
+    rows[:, 0] = per_rank_num_tokens
+    return rows.ravel()

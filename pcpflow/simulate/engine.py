@@ -33,7 +33,7 @@ from pcpflow.models import vocab_size_of
 from pcpflow.pipeline import resolve_pipeline
 from pcpflow.scheduler import Scheduler
 from pcpflow.simulate.prepare import requests_of
-from pcpflow.simulate.price import Placement, price_step, step_counts
+from pcpflow.simulate.price import ROUTED_PURPOSES, Placement, price_step, step_counts
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 from pcpflow.state import StepState
 
@@ -63,6 +63,7 @@ class SimulatedRun:
         self.plan = specs["plan"].cls(specs["plan"].config, plan_ctx)
         self.dcp_rest_policy = getattr(specs["forward"].config, "dcp_rest", "queries")
         self.restore = specs["restore"].cls.kind
+        self.moe_dispatch = cfg.moe.dispatch or "local"
         self.requests = requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
         self.scheduler = Scheduler(
             self.requests,
@@ -114,15 +115,18 @@ class SimulatedRun:
         return step_counts(
             batch, layout, grid=self.grid, sizes=self.sizes, dtype_bytes=self.dtype_bytes,
             dcp_rest=rest, interleave=self.cfg.kv.interleave, restore=self.restore,
+            dcp_comm_backend=self.cfg.dcp_comm_backend, moe_dispatch=self.moe_dispatch,
         )
 
     def _price(self, batch, layout, counts):
-        return price_step(batch, layout, counts, place=self.placement, sizes=self.sizes, sim=self.sim)
+        return price_step(batch, layout, counts, place=self.placement, sizes=self.sizes, sim=self.sim,
+                          moe_dispatch=self.moe_dispatch)
 
     def _step(self, batch) -> None:
         layout = self.plan(StepState(batch)).layout
         rest = QUERIES
-        if self.grid.dcp > 1 and self.dcp_rest_policy != "queries":
+        # NOTE: DCP over TP ranks always takes the queries path (CPAttention).
+        if self.grid.dcp > 1 and self.grid.dcp_tp == 1 and self.dcp_rest_policy != "queries":
             rest = plan_dcp_rest(
                 layout, batch.seq_lens, policy="context", dcp_size=self.grid.dcp,
                 interleave=self.cfg.kv.interleave, shape=self.sizes.shape_per_rank(self.grid.tp, self.dtype_bytes),
@@ -139,7 +143,7 @@ class SimulatedRun:
         self.clock += p.step_s
         self.step_end[batch.step] = self.clock
         self.generated += outcome.num_new_tokens
-        pairs, _, calls, nbytes, _, _ = counts
+        pairs, calls, nbytes = counts.pairs, counts.calls, counts.nbytes
         record = {
             "step": batch.step,
             "num_reqs": batch.num_reqs,
@@ -155,6 +159,7 @@ class SimulatedRun:
             "num_generated": self.generated,
             "num_to_generate": self.recorder.num_to_generate,
             "dcp_rest": rest.mode,
+            **({"expected_bytes": list(counts.expected)} if counts.expected else {}),
             "per_rank_compute_s": p.compute_s.tolist(),
             "per_rank_memory_s": p.memory_s.tolist(),
             "per_rank_communication_s": p.communication_s.tolist(),
@@ -187,6 +192,9 @@ class SimulatedRun:
             "per_rank": {k: v.tolist() for k, v in self.totals.items()},
             "purpose_s": dict(sorted(self.purpose_s.items())),
             "dcp_rest_steps": self.dcp_rest_steps,
+            # NOTE: all_to_all MoE bytes follow the router; simulated, they are uniform routing's expectation.
+            "expected_bytes": (list(ROUTED_PURPOSES)
+                               if self.moe_dispatch == "all_to_all" and self.sizes.num_experts else []),
             "tflops_per_gpu": float(flops.sum() / gpus / run_s / 1e12) if run_s else 0.0,
             "scheduler": {
                 "max_num_batched_tokens": self.cfg.scheduler.max_num_batched_tokens,

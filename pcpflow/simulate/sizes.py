@@ -73,6 +73,10 @@ class ModelSizes:
         )
         return self.num_layers * self.attn_params + self.num_dense_layers * self.dense_mlp_params + moe
 
+    def dense_params_per_row(self) -> int:
+        """Linear-layer parameters one token meets outside the MoE blocks, all layers (split by tp)."""
+        return self.num_layers * self.attn_params + self.num_dense_layers * self.dense_mlp_params
+
     def layer_weight_params(self, experts_touched: float) -> float:
         """Linear-layer parameters read in one step, all layers, when each MoE layer
         touches ``experts_touched`` routed experts."""
@@ -93,31 +97,7 @@ class ModelSizes:
 def model_sizes(model) -> ModelSizes:
     """Sizes of a ``model:`` config: a card, or tiny_mla / tiny_gqa (their executed shapes)."""
     name = getattr(model, "name", None)
-    if isinstance(model, ModelCard):
-        c = model
-        moe = c.moe
-        dense = c.num_layers if moe is None else min(c.num_layers, moe.first_k_dense_replace)
-        expert = 0 if moe is None else 3 * c.hidden_size * (moe.intermediate_size or c.intermediate_size)
-        common = dict(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            num_layers=c.num_layers,
-            num_heads=c.num_heads,
-            dense_mlp_params=3 * c.hidden_size * c.intermediate_size,
-            num_dense_layers=dense,
-            expert_params=expert,
-            num_experts=0 if moe is None else moe.num_experts,
-            top_k=0 if moe is None else moe.top_k,
-            num_shared_experts=0 if moe is None else moe.num_shared_experts,
-            tie_word_embeddings=c.tie_word_embeddings,
-        )
-        if c.attention == "gqa":
-            return _gqa(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, **common)
-        return _mla(
-            c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
-            c.qk_rope_head_dim, c.v_head_dim, **common,
-        )
-    if name in ("tiny_gqa", "tiny_mla"):
+    if isinstance(model, ModelCard) or name in ("tiny_gqa", "tiny_mla"):
         c = model
         common = dict(
             vocab_size=c.vocab_size,
@@ -125,20 +105,34 @@ def model_sizes(model) -> ModelSizes:
             num_layers=c.num_layers,
             num_heads=c.num_heads,
             dense_mlp_params=3 * c.hidden_size * c.intermediate_size,
-            num_dense_layers=c.num_layers,
-            expert_params=0,
-            num_experts=0,
-            top_k=0,
-            num_shared_experts=0,
             tie_word_embeddings=c.tie_word_embeddings,
+            **_moe_sizes(getattr(c, "moe", None), c.num_layers, c.hidden_size, c.intermediate_size),
         )
-        if name == "tiny_gqa":
+        gqa = c.attention == "gqa" if isinstance(model, ModelCard) else name == "tiny_gqa"
+        if gqa:
             return _gqa(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, **common)
         return _mla(
             c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
             c.qk_rope_head_dim, c.v_head_dim, **common,
         )
     raise ValueError(f"no sizes for model {name!r}: simulate takes a card, hf (config.json), tiny_mla or tiny_gqa")
+
+
+def _moe_sizes(moe, num_layers: int, hidden: int, intermediate: int) -> dict:
+    """The MoE fields of ``ModelSizes`` (``pcpflow.models.moe_config.MoEConfig``; None:
+    dense): layers ``>= first_k_dense_replace``, every ``moe_layer_freq``-th, are MoE
+    (``pcpflow.models.moe.is_moe_layer``), each expert a gated MLP of its width."""
+    if moe is None:
+        return dict(num_dense_layers=num_layers, expert_params=0, num_experts=0, top_k=0, num_shared_experts=0)
+    past = max(0, num_layers - moe.first_k_dense_replace)
+    num_moe = -(-past // moe.moe_layer_freq)
+    return dict(
+        num_dense_layers=num_layers - num_moe,
+        expert_params=3 * hidden * (moe.intermediate_size or intermediate),
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        num_shared_experts=moe.num_shared_experts,
+    )
 
 
 def _gqa(h: int, heads: int, kv_heads: int, d: int, **common) -> ModelSizes:
