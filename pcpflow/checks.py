@@ -43,8 +43,9 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     if not problems:  # the stages import the plugins: only once they import cleanly
         stage_problems, cfg = check_stages(cfg, raw or {})
         problems += stage_problems
-    problems += check_checkpoint(cfg)
-    if not problems:
+    checkpoint = check_checkpoint(cfg)
+    problems += checkpoint
+    if not checkpoint:  # NOTE: a bad stage or seed must not hide a workload that cannot fit
         lengths = request_lengths_or_problems(cfg, problems)
         if lengths is not None:
             problems += check_fits(cfg, *lengths)

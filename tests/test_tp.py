@@ -432,7 +432,7 @@ def test_too_few_local_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     msg = _problems(["tp=2", "pcp=2", "device=cuda"])
-    assert "4 local ranks" in msg and "2 visible" in msg
+    assert "needs 4 GPUs on this node, 2 visible" in msg
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 ranks per node
     compose(["tp=2", "pcp=2", "device=cuda", "backend=gloo"])
 

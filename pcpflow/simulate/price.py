@@ -59,7 +59,7 @@ class Placement:
     def __init__(self, grid: RankGrid, hw: HardwareConfig) -> None:
         self.grid, self.hw = grid, hw
         members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
-                   "world": list(range(grid.world_size))}
+                   "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
         self.sizes = {g: len(m) for g, m in members.items()}
         self.links = {
             g: hw.nvlink if len({r // hw.gpus_per_node for r in m}) == 1 else hw.network
@@ -130,7 +130,7 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch,
     )
     calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes, tp_size=grid.tp)
-    group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp}
+    group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
     priced = [(c.purpose, c.op, c.group, n, c.nbytes(group_size[c.group], dtype_bytes))
               for c, n in Counter(colls).items() if group_size[c.group] > 1]
     expected: tuple[str, ...] = ()

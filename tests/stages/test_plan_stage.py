@@ -21,8 +21,9 @@ def test_dual_chunk_swap_by_hand():
     assert gather[1].tolist() == [2, 3, 4, 5, 9, 10]
 
 
-def test_pad_to_multiple_pads_every_rank():
-    ctx = context(BASE + ["pipeline.plan.pad_to_multiple=8"])
-    layout = stage("dual_chunk_swap", "plan", ctx, pad_to_multiple=8)(first_state(ctx)).layout
+def test_capture_sizes_pad_every_rank_to_the_next_size():
+    # The largest rank holds 6 rows: the next capture size is 8 (vLLM's dispatch).
+    ctx = context(BASE + ["cudagraph_mode=piecewise", "cudagraph_capture_sizes=[4,8,16]"])
+    layout = stage("dual_chunk_swap", "plan", ctx)(first_state(ctx)).layout
     assert layout.padded_num_tokens == 8 and layout.per_rank_num_tokens.tolist() == [5, 6]
     assert int(layout.is_padding.sum()) == 16 - 11
