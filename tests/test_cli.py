@@ -168,7 +168,7 @@ def _alive_with_marker(marker: str) -> list[int]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("pcp", [1, 3])
+@pytest.mark.parametrize("pcp", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_crashing_rank_ends_the_job_promptly_with_its_error(tmp_path, pcp):
     marker = f"PCPFLOW_TEST_MARK_{uuid.uuid4().hex}"
     rank = pcp - 1
@@ -194,6 +194,7 @@ def test_a_crashing_rank_ends_the_job_promptly_with_its_error(tmp_path, pcp):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # NOTE: tests/test_faults.py runs a torchrun job in the default set
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}

@@ -100,6 +100,28 @@ MATRIX = [
 ]
 
 
+# NOTE: a representative default set (every architecture, pcp 1/2/4, dcp, both decode
+# modes, both dtypes, tp); the rest of the matrix runs with the slow set (.ci/run runs both).
+DEFAULT_CASES = {
+    ("llama", "float32", 1, 1, "replicated"),
+    ("llama", "float64", 4, 4, "replicated"),
+    ("dsv3", "float64", 2, 2, "replicated"),
+    ("dsv3", "float32", 4, 4, "sharded"),
+    ("llama_tied_bias_sharded", "float32", 2, 2, "replicated"),
+    ("dsv2_no_q_lora", "float64", 4, 4, "sharded"),
+}
+DEFAULT_TP_CASES = {("llama", "float32", 2, 2, "sharded"), ("dsv3", "float64", 2, 4, "sharded")}
+
+
+def _is_default(case) -> bool:
+    ckpt, dtype, pcp, dcp, decode, extra = case
+    return (ckpt, dtype, pcp, dcp, decode) in (DEFAULT_TP_CASES if "tp=2" in extra else DEFAULT_CASES)
+
+
+def _matrix_of(case) -> str:
+    return "hf_parity" if _is_default(case) else "hf_parity/slow"
+
+
 def _case_id(case) -> str:
     ckpt, dtype, pcp, dcp, decode, extra = case
     return f"{ckpt}-{dtype}-pcp{pcp}-dcp{dcp}-{decode}" + "".join(f"-{e}" for e in extra)
@@ -231,8 +253,7 @@ def references(checkpoints, vocab_size):
     return get
 
 
-@shared_ranks.matrix("hf_parity")
-def _parity_matrix():
+def _parity_configs(cases):
     checkpoints = _build_checkpoints()
     sizes = {json.loads((p / "config.json").read_text())["vocab_size"] for p in checkpoints.values()}
     (vocab_size,) = sizes
@@ -257,23 +278,36 @@ def _parity_matrix():
                 *extra,
             ]
         )
-        for ckpt, dtype, pcp, dcp, decode, extra in MATRIX
+        for ckpt, dtype, pcp, dcp, decode, extra in cases
     ]
     return configs
 
 
+shared_ranks.matrix("hf_parity")(lambda: _parity_configs([c for c in MATRIX if _is_default(c)]))
+shared_ranks.matrix("hf_parity/slow")(lambda: _parity_configs([c for c in MATRIX if not _is_default(c)]))
+
+
 @pytest.fixture(scope="module")
 def pcpflow_results(shared_runs):
-    return dict(zip(map(_case_id, MATRIX), (r for _, r in shared_runs["hf_parity"])))
+    def get(case):
+        name = _matrix_of(case)
+        cases = [c for c in MATRIX if _matrix_of(c) == name]
+        return dict(zip(map(_case_id, cases), (r for _, r in shared_runs[name])))[_case_id(case)]
+
+    return get
+
+
+def _param(case):
+    marks = [pytest.mark.matrix(_matrix_of(case))] + ([] if _is_default(case) else [pytest.mark.slow])
+    return pytest.param(case, marks=marks, id=_case_id(case))
 
 
 # ----------------------------------------------------------------- tests
 @pytest.mark.dist
-@pytest.mark.matrix("hf_parity")
-@pytest.mark.parametrize("case", MATRIX, ids=_case_id)
+@pytest.mark.parametrize("case", [_param(c) for c in MATRIX])
 def test_pcpflow_matches_transformers(case, pcpflow_results, references, vocab_size):
     ckpt, dtype, *_ = case
-    result = pcpflow_results[_case_id(case)]
+    result = pcpflow_results(case)
     ref = references(ckpt, dtype)
     prompts = _prompts(vocab_size)
 

@@ -335,6 +335,7 @@ def keep_torch_threads():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_compare_layouts_quick(tmp_path, keep_torch_threads):
     """The trace comparison runs end to end; its numbers obey what the layouts imply."""
     assert _script("compare_layouts").main(["--quick", "--out", str(tmp_path)]) == 0
