@@ -233,7 +233,7 @@ _OVERRIDES = st.sampled_from([
 ])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_OVERRIDES, min_size=1, max_size=5, unique_by=lambda o: o.split("=")[0]))
 def test_config_fuzz_every_outcome_is_valid_or_one_clean_config_error(overrides):
     try:
