@@ -66,7 +66,7 @@ class RankSession:
         import torch
         import torch.distributed as dist
 
-        from pcpflow.context import pick_backend, pick_device
+        from pcpflow.devices import pick_backend, pick_device
 
         if self.store is None or dist.is_initialized():
             return

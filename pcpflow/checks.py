@@ -158,7 +158,7 @@ def check_seeds(cfg: Any) -> list[Problem]:
     problems = []
     for field, value in _seeds(cfg):
         if value is not None and not lo <= int(value) <= hi:
-            problems.append(Problem(field, value, f"an integer in [-2**63, 2**63 - 1] (what the RNGs take)"))
+            problems.append(Problem(field, value, "an integer in [-2**63, 2**63 - 1] (what the RNGs take)"))
     return problems
 
 

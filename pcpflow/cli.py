@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow.compose import compose_raw, validate_overrides
-from pcpflow.compose import config_groups as _config_groups  # noqa: F401  (tests, scripts)
 from pcpflow.compose import is_hydra_override as _is_hydra_override
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir

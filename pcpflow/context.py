@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from pcpflow.comm import Comm, CommStats
 from pcpflow.config import RunConfig
-from pcpflow.devices import pick_backend, pick_device  # noqa: F401  (re-exported)
 from pcpflow.models.base import CausalLM
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

@@ -43,7 +43,6 @@ from pcpflow.accounting import (
     attention_rows,
     dcp_tp_size,
     plan_dcp_rest,
-    rest_requests,
 )
 from pcpflow.attention import merge_attention_partials, paged_attention
 from pcpflow.comm import Comm

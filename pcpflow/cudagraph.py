@@ -19,7 +19,6 @@ so nothing is captured at world size > 1 (docs/gpu.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from pcpflow.comm import Comm, CommStats
 from pcpflow.config import RunConfig
-from pcpflow.context import DTYPES, RankContext, allocate_kv_caches, build_comms, pick_device
+from pcpflow.context import DTYPES, RankContext, allocate_kv_caches, build_comms
+from pcpflow.devices import pick_device
 from pcpflow.cp_attention import attention_work
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.metrics import MetricsRecorder

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pcpflow.cli import _config_groups, compose_raw, main
+from pcpflow.cli import compose_raw, main
+from pcpflow.compose import config_groups as _config_groups
 from pcpflow.errors import ConfigError
 from pcpflow.job import prepare_job
 

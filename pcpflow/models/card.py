@@ -5,7 +5,6 @@ too when simulating: only ``config.json`` is read (``card_from_hf_config``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -56,14 +55,11 @@ class ModelCard(BaseModel):
 def card_from_hf_config(path: str | Path) -> dict:
     """The card (as a plain dict) of a Hugging Face checkpoint directory's config.json
     (Llama or DeepSeek V2/V3, MoE included); ValueError saying what is wrong."""
+    from pcpflow.models.hf import read_config_json
+
     path = Path(path).expanduser().resolve()
     file = path / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{file} is missing (not a Hugging Face checkpoint?)") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{file} is not readable JSON ({exc})") from None
+    raw = read_config_json(path)
     model_type = str(raw.get("model_type", ""))
     try:
         card = {

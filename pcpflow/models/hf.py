@@ -39,14 +39,9 @@ _MODEL_TYPES = {
 }
 
 
-def read_checkpoint(path: str | Path) -> CheckpointConfig:
-    """The checkpoint config of the directory ``path``; ValueError saying what is wrong
-    (no directory, no/invalid config.json, unsupported architecture or feature, no
-    safetensors weights)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"no checkpoint directory at {path}")
-    config_file = path / "config.json"
+def read_config_json(path: str | Path) -> dict:
+    """A checkpoint directory's config.json as a dict; ValueError saying what is wrong."""
+    config_file = Path(path) / "config.json"
     try:
         raw = json.loads(config_file.read_text())
     except FileNotFoundError:
@@ -55,6 +50,17 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
         raise ValueError(f"{config_file} is not readable JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{config_file} is not a JSON object")
+    return raw
+
+
+def read_checkpoint(path: str | Path) -> CheckpointConfig:
+    """The checkpoint config of the directory ``path``; ValueError saying what is wrong
+    (no directory, no/invalid config.json, unsupported architecture or feature, no
+    safetensors weights)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint directory at {path}")
+    raw = read_config_json(path)
     archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
     arch = archs[0] if archs and archs[0] else f"model_type={raw.get('model_type')!r}"
     if arch not in ARCHITECTURES and _is_moe(raw, arch):
