@@ -544,3 +544,21 @@ def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     assert "DeepSeek-V2 MoE routing topk_method='noaux_tc'" in _checkpoint_problem(v2)
     top_k = _edit(v3, tmp_path / "top_k", num_experts_per_tok=9)
     assert "top_k" in _checkpoint_problem(top_k)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_dispatch_is_exact_under_tensor_parallelism():
+    """tp=2 x pcp=2, DCP within PCP and over all four ranks: a MoE block stays whole on
+    every TP rank and ``moe.dispatch`` places its experts; every mode verifies exact and
+    generates the single rank's tokens."""
+    single = compose([*MOE, *QUIET, *workload(2), "pcp=1"])
+    cfgs = [
+        compose(case_overrides(mode, 2, dcp, decode) + ["tp=2"])
+        for mode, dcp, decode in (("local", 4, "sharded"), ("gather", 2, "replicated"), ("all_to_all", 4, "sharded"))
+    ]
+    ref, *results = run([single, *cfgs])
+    for cfg, result in zip(cfgs, results):
+        assert cfg.tp == 2 and cfg.world_size == 4
+        assert_exact(cfg, result)
+        assert result["outputs"] == ref["outputs"], cfg.moe.dispatch
