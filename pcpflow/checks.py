@@ -335,14 +335,12 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 
 def _shape_problems(cfg: Any, path: Path, shapes: dict[str, tuple[int, ...]]) -> list[Problem]:
     """Tensors whose shape differs from the parameter config.json gives them."""
-    import torch
-
+    from pcpflow.models.common import build_uninitialized
     from pcpflow.models.hf import HFModel, read_checkpoint
 
     try:
         checkpoint = read_checkpoint(path)
-        with torch.device("meta"):
-            model = HFModel(checkpoint)
+        model = build_uninitialized(lambda: HFModel(checkpoint), "meta")
     except Exception:  # config.json problems are the model's own validation's to report
         return []
     params = {name: tuple(p.shape) for name, p in model.state_dict().items()}

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pcpflow.bootstrap import RankError, RankSession, elastic_rank
+from pcpflow.bootstrap import RankError, RankSession, elastic_rank, rank_start_method
 from pcpflow.config import RunConfig
 from pcpflow.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
@@ -53,7 +53,7 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         rdzv_configs={"timeout": 60},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=rank_start_method(),
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ERR}),
     )
     env_threads = os.environ.get("OMP_NUM_THREADS")

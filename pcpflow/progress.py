@@ -150,6 +150,21 @@ class RankBoard:
                 raise StalledRanks(missing, what, names)
             time.sleep(0.05)
 
+    def leave(self, timeout_s: float) -> None:
+        """After the last barrier: rank 0 returns only once every other rank is done with
+        the store. NOTE: where rank 0 hosts the store (``pcpflow.testing``), a rank still
+        polling a barrier that rank 0 has already passed would lose it when rank 0 exits;
+        the others only set their key, so nobody waits on a store that may vanish."""
+        self.store.set(self._key("left", self.rank), "1")
+        if self.rank != 0:
+            return
+        keys = [self._key("left", r) for r in range(1, self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while keys and time.monotonic() < deadline:
+            keys = [k for k in keys if not self.store.check([k])]
+            if keys:
+                time.sleep(0.01)
+
     # ------------------------------------------------------------------ the others
     def read(self, kind: str, rank: int) -> dict[str, Any] | None:
         key = self._key(kind, rank)

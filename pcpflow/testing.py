@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from pcpflow.bootstrap import rank_start_method
 from pcpflow.config import RunConfig, parse_run_config
 
 
@@ -66,11 +67,12 @@ def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) ->
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = str(max(cfg.threads_per_rank for cfg in configs))
         try:
-            mp.spawn(
+            mp.start_processes(
                 _worker,
                 args=(world_size, _free_port(), payload, str(out_path), timeout_s),
                 nprocs=world_size,
                 join=True,
+                start_method=rank_start_method(),
             )
         finally:
             if saved is None:

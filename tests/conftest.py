@@ -6,20 +6,15 @@ import pytest
 
 import shared_ranks
 
-_NEEDED: set[str] = set()
-
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "matrix(name): reads a shared_ranks matrix through the shared_runs fixture")
 
 
-def pytest_collection_modifyitems(config, items):
-    _NEEDED.clear()
-    for item in items:
-        for mark in item.iter_markers("matrix"):
-            _NEEDED.update(mark.args)
-
-
 @pytest.fixture(scope="session")
-def shared_runs() -> shared_ranks.SharedRuns:
-    return shared_ranks.SharedRuns(set(_NEEDED))
+def shared_runs(request) -> shared_ranks.SharedRuns:
+    # NOTE: the session's final items, after -m/-k deselection: a deselected (slow) test's
+    # matrix is neither composed nor run.
+    return shared_ranks.SharedRuns(
+        {name for item in request.session.items for mark in item.iter_markers("matrix") for name in mark.args}
+    )

@@ -281,9 +281,7 @@ def build_seeded(
     Linear weights are ``N(0, gain^2 / fan_in)`` (``lm_head_gain`` for a module named
     ``lm_head``), embeddings ``N(0, embed_std^2)``, norm weights one.
     """
-    with torch.device("meta"):
-        model = make()
-    model = model.to_empty(device="cpu").to(torch.float64)
+    model = build_uninitialized(make).to(torch.float64)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -302,6 +300,30 @@ def build_seeded(
             elif any(True for _ in module.parameters(recurse=False)):
                 raise TypeError(f"build_seeded does not know how to init {name} ({type(module)})")
     return model.to(device=device, dtype=dtype)
+
+
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Drops the in-place initializers modules call in their constructors."""
+
+    INITS = frozenset(
+        {getattr(nn.init, f) for f in dir(nn.init) if f.endswith("_") and not f.startswith("_")}
+        | {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_}
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.INITS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def build_uninitialized(make: Callable[[], nn.Module], device: torch.device | str = "cpu") -> nn.Module:
+    """``make()`` on ``device`` without running the constructors' weight initializers: every
+    caller replaces the weights (seeded draw, checkpoint) or, on ``meta``, reads shapes only.
+    NOTE: not built on meta and then ``to_empty``: on meta tensors an initializer and
+    ``empty_like`` run torch's Python references, whose first calls import torch._dynamo and
+    sympy (~4 s of CPU in every process that builds a model)."""
+    with torch.device(device), _SkipInit():
+        return make()
 
 
 def _randn(shape: torch.Size, gen: torch.Generator) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pcpflow.errors import ConfigError, Problem
-from pcpflow.models.common import DecoderLM
+from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_llama import LlamaCheckpoint
@@ -134,9 +134,7 @@ class HFModel(DecoderLM):
         """The checkpoint's model with its weights cast to ``dtype`` (``seed`` is unused)."""
         assert config.path is not None
         checkpoint = read_checkpoint(config.path)
-        with torch.device("meta"):
-            model = cls(checkpoint)
-        model = model.to_empty(device=device).to(dtype)
+        model = build_uninitialized(lambda: cls(checkpoint), device).to(dtype)
         load_checkpoint(
             model,
             Path(config.path),

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -148,11 +149,24 @@ class SendSignal(_Fault):
 
     def __call__(self, state: StepState) -> StepState:
         if self._due(state):
-            pid = os.getppid() if self.config.to_parent else os.getpid()
+            pid = _launcher_pid() if self.config.to_parent else os.getpid()
             os.kill(pid, getattr(signal, self.config.signal))
             time.sleep(30)  # the signal ends the job; a step that went on would hide that
         return state
 
+
+def _launcher_pid() -> int:
+    """The process that started the ranks: the parent, or past a multiprocessing fork
+    server (pcpflow's own launch forks ranks from one) the server's parent."""
+    pid = os.getppid()
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"multiprocessing.forkserver" in cmdline:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4: ppid
+    except OSError:
+        pass
+    return pid
 
 
 @register
