@@ -15,6 +15,8 @@ or vanished peer) becomes one ``RankError`` that names the root cause (``pcpflow
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import sys
@@ -174,6 +176,11 @@ class RankSession:
 def elastic_rank(run_dir: str) -> dict[str, Any] | None:
     """Entry point of a rank that pcpflow's launch spawned (module level: spawn pickles
     it by name). The driver writes result.json from the ranks' error files."""
+    # NOTE: the launch tees every rank's stdout to the console; a line reaches it when
+    # printed, not when a block buffer of the log file fills.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)
     path = Path(run_dir)
     cfg = load_frozen_config(path)
     session = RankSession.connect()

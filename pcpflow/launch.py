@@ -48,13 +48,17 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         max_nodes=1,
         nproc_per_node=cfg.world_size,
         run_id=f"pcpflow-{uuid.uuid4().hex[:12]}",
+        role="rank",  # the console prefix of a rank's lines: "[rank1]:"
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         rdzv_configs={"timeout": 60},
         max_restarts=0,
         monitor_interval=0.1,
         start_method=rank_start_method(),
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ERR}),
+        # Every rank's stdout (a stage's print) and rank 0's stderr reach the console too,
+        # prefixed by the rank ("[rank1]:"); everything is in the rank's log.
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL,
+                                    tee={r: Std.ALL if r == 0 else Std.OUT for r in range(cfg.world_size)}),
     )
     env_threads = os.environ.get("OMP_NUM_THREADS")
     # NOTE: the elastic agent does not set OMP_NUM_THREADS; oversubscribed ranks on a

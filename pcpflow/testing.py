@@ -1,6 +1,7 @@
 """Run pcpflow jobs from Python, for tests (pcpflow's own, and a plugin author's).
 
-``run(configs)`` runs each config's engine exactly as a job would — same stages, same
+``cli(*args)`` answers ``python -m pcpflow ARGS`` in this process (for the commands the
+driver refuses before any rank starts). ``run(configs)`` runs each config's engine exactly as a job would — same stages, same
 collectives, same verification — but starts each world size's ranks only once and runs
 every config of that size inside them, so a matrix of dozens of configs costs a few
 process starts instead of dozens::
@@ -17,9 +18,12 @@ Each result is rank 0's result sections (``verify``, ``outputs``, ``requests``,
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pickle
 import socket
+import subprocess
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -35,6 +39,19 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     from pcpflow.job import prepare_job
 
     return prepare_job(compose_raw(list(overrides)))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m pcpflow ARGS`` in this process, with its exit code and what it printed,
+    as ``subprocess.run`` would return them. For commands the driver refuses (exit 2): it
+    checks everything before any rank starts, so the answer is the same without a new
+    Python (seconds of imports) per case."""
+    from pcpflow.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["pcpflow", *args], code, out.getvalue(), err.getvalue())
 
 
 def run(configs: list[RunConfig], *, timeout_s: float = 600) -> list[dict[str, Any]]:

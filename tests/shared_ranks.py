@@ -1,6 +1,6 @@
 """One set of rank processes per world size for the whole test session.
 
-Starting ranks costs seconds per world size (a Python with torch per rank); the configs
+Starting a world of ranks costs time (each run forks them from a preloaded server); the configs
 then run in them back to back (``pcpflow.testing.run``). Test files register their
 matrices here, by name, and mark the tests that read them; the session runs every
 matrix that a selected test needs, all world sizes together, once::

@@ -6,8 +6,6 @@ composing and its messages: test_compose.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -18,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from pcpflow.cli import compose_raw, main
+from pcpflow.cli import compose_raw
 from pcpflow.compose import config_groups as _config_groups
 from pcpflow.errors import ConfigError
 from pcpflow.job import prepare_job
+from pcpflow.testing import cli as in_process
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -44,10 +43,8 @@ def pcpflow(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 def cli(*args: str) -> tuple[int, str]:
     """``python -m pcpflow ARGS`` in this process (its exit code and stderr): what the
     driver does before any rank starts, without paying for a new Python."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return code, err.getvalue()
+    r = in_process(*args)
+    return r.returncode, r.stderr
 
 
 def write_trace(path: Path, n: int = 4) -> Path:
@@ -166,6 +163,25 @@ def _alive_with_marker(marker: str) -> list[int]:
         except OSError:
             continue
     return alive
+
+
+@pytest.mark.dist
+def test_every_ranks_print_reaches_the_console_once_with_its_rank(tmp_path):
+    # docs/writing-stages.md's example stage, as documented: each rank prints every 5 steps.
+    r = pcpflow("pcp=2", "plugins=[docs.examples.token_counter]",
+                "+pipeline.extra=[{kind: token_counter, after: plan, every: 5}]",
+                f"hydra.run.dir={tmp_path}", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = json.loads((tmp_path / "result.json").read_text())["metrics"]["num_steps"]
+    due = [s for s in range(steps) if s % 5 == 0]
+    assert due, steps
+    for rank in (0, 1):
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[rank{rank}]:step ")]
+        assert [int(ln.split()[1].rstrip(":")) for ln in lines] == due, r.stdout
+        assert all(f"pcp rank {rank} holds " in ln for ln in lines)
+    # and the rank's own log has them too
+    (log,) = tmp_path.glob("logs/*/attempt_0/1/stdout.log")
+    assert log.read_text().count("pcp rank 1 holds ") == len(due)
 
 
 @pytest.mark.dist

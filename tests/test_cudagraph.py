@@ -4,9 +4,6 @@ runs in every mode that pad and dispatch like graphs do, exact against the singl
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +18,7 @@ from pcpflow.cudagraph import (
 )
 from pcpflow.errors import ConfigError
 from pcpflow.layout import plan_layout
-from pcpflow.testing import compose, run
+from pcpflow.testing import cli, compose, run
 
 
 def test_default_capture_sizes_are_vllms():
@@ -101,15 +98,10 @@ def test_full_with_pcp_is_refused_with_vllms_reason():
         compose(["cudagraph_capture_sizes=[8,4096]"])
 
 
-def test_full_with_pcp_exits_2_before_ranks_start():
-    r = subprocess.run(
-        [sys.executable, "-m", "pcpflow", "pcp=2", "cudagraph_mode=full"],
-        capture_output=True,
-        text=True,
-        env=os.environ,
-        timeout=120,
-    )
+def test_full_with_pcp_exits_2_before_ranks_start(tmp_path):
+    r = cli("pcp=2", "cudagraph_mode=full", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr
+    assert not (tmp_path / "run").exists()
     assert "cudagraph_mode: got 'full'" in r.stderr and "dispatched apart from the decodes" in r.stderr
     assert "Traceback" not in r.stderr
 

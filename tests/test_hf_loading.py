@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.models import MODEL_CLASSES, HFModel, build_model, vocab_size_of  # noqa: E402
 from pcpflow.models.common import RopeScaling, scaled_rope  # noqa: E402
-from pcpflow.testing import compose  # noqa: E402
+from pcpflow.testing import cli, compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,24 +129,11 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
 def test_cli_rejects_an_moe_checkpoint_with_exit_2_and_starts_nothing(ckpts, tmp_path):
     moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"])
     run_dir = tmp_path / "run"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pcpflow",
-            "model=hf",
-            f"model.path={moe}",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    r = cli("model=hf", f"model.path={moe}", f"hydra.run.dir={run_dir}")
     assert r.returncode == 2, r.stderr
     assert "model.path" in r.stderr and "Qwen3MoeForCausalLM is a mixture-of-experts" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+    assert not run_dir.exists()
     assert not run_dir.exists(), "nothing may start for an invalid config"
 
 

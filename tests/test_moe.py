@@ -21,9 +21,6 @@ size); the full matrix is ``slow``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +42,7 @@ from pcpflow.layout import plan_layout  # noqa: E402
 from pcpflow.models.common import GatedMLP  # noqa: E402
 from pcpflow.models.moe import LocalDispatch, MoEMLP, expert_slice, route, sliced_mlp  # noqa: E402
 from pcpflow.models.moe_config import MoEConfig  # noqa: E402
-from pcpflow.testing import compose, run  # noqa: E402
+from pcpflow.testing import cli, compose, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOP_K, HIDDEN, NUM_LAYERS, MOE_LAYERS = 2, 64, 3, 2
@@ -349,15 +346,7 @@ def test_bad_moe_settings_are_one_problem(overrides, field, words):
 
 def test_bad_moe_settings_exit_2_before_any_rank(tmp_path):
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    r = subprocess.run(
-        [sys.executable, "-m", "pcpflow", "moe.dispatch=gather", f"hydra.run.dir={run_dir}"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    r = cli("moe.dispatch=gather", f"hydra.run.dir={run_dir}")
     assert r.returncode == 2, r.stderr
     assert "moe.dispatch" in r.stderr and "Traceback" not in r.stderr + r.stdout
     assert not run_dir.exists()

@@ -16,8 +16,10 @@ import pytest
 import torch
 from scipy import stats
 
+import shared_ranks
+
 from pcpflow.sampling import SamplingConfig, decision_gap, keyed_uniform, sample
-from pcpflow.testing import compose, run
+from pcpflow.testing import compose
 
 ROW = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])  # a fixed logits row
 N_DRAWS = 40_000
@@ -137,37 +139,47 @@ BASE = [
 SAMPLED = ["sampling.temperature=0.8", "sampling.top_p=0.9", "sampling.seed=1"]
 
 
-def _run(cases: dict[str, list[str]]) -> dict[str, dict]:
-    return dict(zip(cases, run([compose(BASE + extra) for extra in cases.values()])))
-
-
-@pytest.fixture(scope="module")
-def single():
-    return _run({
+CASES = {
+    "sampling/single": {
         "greedy": ["pcp=1", "output.save_logits=true"],
         "pcp1": ["pcp=1", *SAMPLED],
         "pcp1_seed2": ["pcp=1", *SAMPLED[:-1], "sampling.seed=2"],
         "pcp1_cold": ["pcp=1", f"sampling.temperature={COLD}"],
         "pcp1_top_k1": ["pcp=1", "sampling.temperature=1.0", "sampling.top_k=1"],
-    })
-
-
-@pytest.fixture(scope="module")
-def multi():
-    return _run({  # one spawn of 4 ranks
+    },
+    "sampling/multi": {
         "pcp4_dcp4_sharded": ["pcp=4", "dcp=4", "decode=sharded", *SAMPLED],
         "pcp4_dcp4_sharded_self_draft": [
             "pcp=4", "dcp=4", "decode=sharded", "draft=self", "draft.error_rate=0.3", *SAMPLED,
         ],
-    })
+    },
+    "sampling/narrow": {"pcp4_float32": ["pcp=4", "dcp=4", "decode=sharded", "dtype=float32", *SAMPLED]},
+}
+for _name, _cases in CASES.items():  # run in the session's shared ranks (tests/shared_ranks.py)
+    shared_ranks.matrix(_name)(lambda c=_cases: [compose(BASE + extra) for extra in c.values()])
+
+
+def _results(shared_runs, name: str) -> dict[str, dict]:
+    return {case: result for case, (_, result) in zip(CASES[name], shared_runs[name])}
 
 
 @pytest.fixture(scope="module")
-def narrow():
-    return _run({"pcp4_float32": ["pcp=4", "dcp=4", "decode=sharded", "dtype=float32", *SAMPLED]})
+def single(shared_runs):
+    return _results(shared_runs, "sampling/single")
+
+
+@pytest.fixture(scope="module")
+def multi(shared_runs):
+    return _results(shared_runs, "sampling/multi")
+
+
+@pytest.fixture(scope="module")
+def narrow(shared_runs):
+    return _results(shared_runs, "sampling/narrow")
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("sampling/single", "sampling/multi")
 def test_same_seed_same_ids_under_every_layout(single, multi):
     results = {**single, **multi}
     ref = results["pcp1"]["outputs"]
@@ -181,6 +193,7 @@ def test_same_seed_same_ids_under_every_layout(single, multi):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("sampling/single", "sampling/multi")
 def test_speculative_decoding_under_sampling_gives_the_ids_without_drafts(single, multi):
     r = multi["pcp4_dcp4_sharded_self_draft"]
     assert r["outputs"] == single["pcp1"]["outputs"]
@@ -190,11 +203,13 @@ def test_speculative_decoding_under_sampling_gives_the_ids_without_drafts(single
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.matrix("sampling/narrow")
 def test_float32_sampling_verifies(narrow):
     v = narrow["pcp4_float32"]["verify"]
     assert v["passed"], v
 
 
+@pytest.mark.matrix("sampling/single")
 def test_cold_and_top_k_one_equal_greedy(single):
     results = single
     greedy = results["greedy"]

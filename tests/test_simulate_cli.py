@@ -6,7 +6,6 @@ after the prefix is in the KV cache."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pcpflow.job import prepare_job
 from pcpflow.kv_cache import KVCacheManager
 from pcpflow.scheduler import Scheduler
 from pcpflow.simulate.engine import simulate_run
+from pcpflow.testing import cli
 from pcpflow.workload import Request
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,12 +71,10 @@ def test_kv_that_does_not_fit_says_how_much_is_needed():
 
 
 def test_bad_simulation_exits_2_before_anything_runs(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pcpflow", *SIM, "model=llama3_8b", "hardware=b200", "tp=3",
-                        f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=240,
-                       env={**os.environ})
+    r = cli(*SIM, "model=llama3_8b", "hardware=b200", "tp=3", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr
     assert "tp" in r.stderr and "allowed" in r.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_simulated_run_writes_results_and_says_it_is_not_verified(tmp_path):

@@ -11,11 +11,13 @@ the same ids (EOS included), the same text, and pass its own exact verification.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +30,10 @@ from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.kv_cache import KVCacheManager  # noqa: E402
 from pcpflow.report import first_outputs  # noqa: E402
 from pcpflow.scheduler import Scheduler  # noqa: E402
-from pcpflow.testing import compose, run  # noqa: E402
+from pcpflow.testing import cli, compose  # noqa: E402
 from pcpflow.workload import Request  # noqa: E402
+
+import shared_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["The capital of France is", "What is the capital", "Context parallelism splits a long prompt"]
@@ -60,11 +64,14 @@ def _generate(model, ids: list[int], eos: list[int] | None) -> tuple[list[int], 
     return out.sequences[0, len(ids):].tolist(), min(gaps)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """(checkpoint dir, tokenizer, the chosen EOS id, transformers' outputs)."""
+@functools.cache
+def _ckpt() -> dict:
+    """(checkpoint dir, tokenizer, the chosen EOS id, transformers' outputs), built once per
+    session: the shared matrices below need it before any fixture runs."""
+    tmp = Path(tempfile.mkdtemp(prefix="pcpflow-test-text-"))
+    atexit.register(shutil.rmtree, tmp, True)
     script = _script()
-    path = script.build_checkpoint(tmp_path_factory.mktemp("tok") / "llama", "llama", tokenizer=True)
+    path = script.build_checkpoint(tmp / "llama", "llama", tokenizer=True)
     tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [tok(t)["input_ids"] for t in TEXTS]
@@ -79,6 +86,11 @@ def ckpt(tmp_path_factory):
     assert all(gap > 1e-3 for _, gap in stopped), "float32 vs float64 needs decisive choices"
     return {"path": path, "tok": tok, "eos": eos, "prompts": prompts, "free": free,
             "stopped": [ids for ids, _ in stopped], "eos_index": k}
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> dict:
+    return _ckpt()
 
 
 def _overrides(ckpt, pcp, dcp, decode, *extra):
@@ -108,13 +120,27 @@ DEFAULT_LAYOUTS = [(1, 1, "replicated"), (4, 4, "sharded")]
 SLOW_LAYOUTS = [(2, 1, "replicated"), (2, 1, "sharded"), (4, 4, "replicated"), (4, 1, "sharded"), (4, 1, "replicated")]
 
 
-@pytest.fixture(scope="module")
-def results(ckpt):
+def _default_cases() -> dict[str, list[str]]:
+    ckpt = _ckpt()
     cases = _cases(ckpt, DEFAULT_LAYOUTS, chat_layouts=[(4, 4, "sharded")])
     cases["ignore_eos-pcp4-dcp4-sharded"] = _overrides(ckpt, 4, 4, "sharded", _texts(), "workload.ignore_eos=true")
     # the target drafting itself: every proposal is accepted, so the EOS lands among drafts
     cases["self_draft-pcp4-dcp4-sharded"] = _overrides(ckpt, 4, 4, "sharded", _texts(), "draft=self")
-    return dict(zip(cases, run([compose(o) for o in cases.values()])))
+    return cases
+
+
+def _slow_cases() -> dict[str, list[str]]:
+    return _cases(_ckpt(), SLOW_LAYOUTS, chat_layouts=SLOW_LAYOUTS + DEFAULT_LAYOUTS[::2])
+
+
+# run in the session's shared ranks (tests/shared_ranks.py)
+shared_ranks.matrix("text")(lambda: [compose(o) for o in _default_cases().values()])
+shared_ranks.matrix("text/slow")(lambda: [compose(o) for o in _slow_cases().values()])
+
+
+@pytest.fixture(scope="module")
+def results(shared_runs):
+    return {name: result for name, (_, result) in zip(_default_cases(), shared_runs["text"])}
 
 
 def _check(result, ckpt, which):
@@ -129,6 +155,7 @@ def _check(result, ckpt, which):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", DEFAULT_LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+@pytest.mark.matrix("text")
 def test_greedy_with_eos_equals_transformers(layout, results, ckpt):
     pcp, dcp, decode = layout
     _check(results[f"texts-pcp{pcp}-dcp{dcp}-{decode}"], ckpt, "texts")
@@ -145,6 +172,7 @@ def test_the_stop_path_runs(ckpt):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("text")
 def test_ignore_eos_generates_output_lens(results, ckpt):
     r = results["ignore_eos-pcp4-dcp4-sharded"]
     assert r["verify"]["passed"]
@@ -153,6 +181,7 @@ def test_ignore_eos_generates_output_lens(results, ckpt):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("text")
 def test_eos_inside_accepted_drafts_stops_there(results, ckpt):
     r = results["self_draft-pcp4-dcp4-sharded"]
     _check(r, ckpt, "texts")
@@ -161,9 +190,9 @@ def test_eos_inside_accepted_drafts_stops_there(results, ckpt):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_greedy_with_eos_equals_transformers_every_layout(ckpt):
-    cases = _cases(ckpt, SLOW_LAYOUTS, chat_layouts=SLOW_LAYOUTS + DEFAULT_LAYOUTS[::2])
-    for name, result in zip(cases, run([compose(o) for o in cases.values()])):
+@pytest.mark.matrix("text/slow")
+def test_greedy_with_eos_equals_transformers_every_layout(ckpt, shared_runs):
+    for name, (_, result) in zip(_slow_cases(), shared_runs["text/slow"]):
         _check(result, ckpt, name.split("-")[0])
 
 
@@ -212,13 +241,10 @@ def test_empty_or_ambiguous_prompts_are_rejected(ckpt, bad, field):
 
 
 def test_cli_exit_code_2_for_texts_without_tokenizer(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "pcpflow", "model=tiny_mla", "workload=explicit", _texts(),
-         f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120,
-    )
+    r = cli("model=tiny_mla", "workload=explicit", _texts(), f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr
     assert "workload.texts" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------- the scheduler's stop

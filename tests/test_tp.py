@@ -16,9 +16,11 @@ including the two tiny 8-rank grids (tp=4 pcp=2, one thread per rank).
 
 from __future__ import annotations
 
+import atexit
 import json
-import subprocess
-import sys
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -39,7 +41,8 @@ from pcpflow.layout import plan_layout
 from pcpflow.models.layers import gqa_spec, mla_spec
 from pcpflow.stage import Stage, StageConfig
 from pcpflow.tensor_parallel import entry_columns, kv_heads_of, local_spec
-from pcpflow.testing import compose, run
+from pcpflow.testing import cli, compose
+import shared_ranks
 from test_engine import dense_reference_agrees
 
 WORKLOAD = [
@@ -213,25 +216,43 @@ SLOW = [
 ]
 
 
-@pytest.fixture(scope="module")
-def default_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    cfgs, probes = [], {}
+_PROBES: dict[int, Path] = {}  # DEFAULT index -> the probe file its run writes
+
+
+@shared_ranks.matrix("tp/default")
+def _default_configs():
+    tmp = Path(tempfile.mkdtemp(prefix="pcpflow-test-tp-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    cfgs = []
     for i, (tp, pcp, dcp, decode, model, extra, backend) in enumerate(DEFAULT):
         cfg = _cfg(tp, pcp, dcp, decode, model, *extra, backend=backend)
         if i in PROBED:
-            probes[i] = tmp / f"probe{i}.jsonl"
-            cfg = _probed(cfg, probes[i])
+            _PROBES[i] = tmp / f"probe{i}.jsonl"
+            cfg = _probed(cfg, _PROBES[i])
         cfgs.append(cfg)
     faulty = _cfg(2, 2, 2, "sharded", "tiny_gqa")  # rank 1: TP rank 1, KV head 1
     fault = {"kind": f"{__name__}:CorruptOneHead", "after": "forward", "rank": 1, "step": 1}
-    cfgs.append(faulty.model_copy(update={"pipeline": {**faulty.pipeline, "extra": [fault]}}))
-    *results, caught = run(cfgs)
-    records = {i: [json.loads(x) for x in p.read_text().splitlines()] for i, p in probes.items()}
-    return cfgs[:-1], results, records, caught
+    return [*cfgs, faulty.model_copy(update={"pipeline": {**faulty.pipeline, "extra": [fault]}})]
+
+
+@shared_ranks.matrix("tp/slow")
+def _slow_configs():
+    return [
+        _cfg(tp, pcp, dcp, decode, model, *extra, workload=WORKLOAD if tp * pcp <= 4 else TINY, backend=backend)
+        for tp, pcp, dcp, decode, model, extra, backend in SLOW
+    ]
+
+
+@pytest.fixture(scope="module")
+def default_runs(shared_runs):
+    pairs = shared_runs["tp/default"]
+    cfgs, results = [c for c, _ in pairs], [r for _, r in pairs]
+    records = {i: [json.loads(x) for x in p.read_text().splitlines()] for i, p in _PROBES.items()}
+    return cfgs[:-1], results[:-1], records, results[-1]
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("tp/default")
 def test_tp_runs_equal_the_single_rank(default_runs):
     cfgs, results, _, _ = default_runs
     for cfg, result in zip(cfgs, results):
@@ -245,6 +266,7 @@ def test_tp_runs_equal_the_single_rank(default_runs):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("tp/default")
 def test_run_traffic_is_accountings_price_step_by_step(default_runs):
     _, _, records, _ = default_runs
     for i, recs in records.items():
@@ -256,6 +278,7 @@ def test_run_traffic_is_accountings_price_step_by_step(default_runs):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("tp/default")
 def test_ag_rs_and_a2a_move_what_their_names_say(default_runs):
     cfgs, results, _, _ = default_runs
     for cfg, result in zip(cfgs, results):
@@ -272,6 +295,7 @@ def test_ag_rs_and_a2a_move_what_their_names_say(default_runs):
 
 
 @pytest.mark.dist
+@pytest.mark.matrix("tp/default")
 def test_kv_check_reads_every_tp_ranks_heads(default_runs):
     """One K element of TP rank 1's own KV head, off by 1e-3: the run fails on its cache
     (the logits may still pass: one key barely moves them)."""
@@ -281,12 +305,9 @@ def test_kv_check_reads_every_tp_ranks_heads(default_runs):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp_matrix_equals_the_single_rank():
-    cfgs = [
-        _cfg(tp, pcp, dcp, decode, model, *extra, workload=WORKLOAD if tp * pcp <= 4 else TINY, backend=backend)
-        for tp, pcp, dcp, decode, model, extra, backend in SLOW
-    ]
-    for cfg, result in zip(cfgs, run(cfgs)):
+@pytest.mark.matrix("tp/slow")
+def test_tp_matrix_equals_the_single_rank(shared_runs):
+    for cfg, result in shared_runs["tp/slow"]:
         assert_exact(cfg, result)
 
 
@@ -438,14 +459,10 @@ def test_too_few_local_gpus(monkeypatch):
 
 
 def test_cli_exits_2_before_any_rank_starts(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "pcpflow", "tp=3", "pcp=2", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("tp=3", "pcp=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr
     assert "num_heads (4)" in proc.stderr + proc.stdout
+    assert not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------------------- sharding math

@@ -1,5 +1,5 @@
-"""A user stage (README, docs/writing-stages.md): every ``every`` steps, rank 0 prints how
-many tokens each PCP rank holds.
+"""A user stage (README, docs/writing-stages.md): every ``every`` steps, each rank prints how
+many tokens it holds (the console shows each rank's lines with its prefix, ``[rank1]:``).
 
     python -m pcpflow plugins=[docs.examples.token_counter] \
         '+pipeline.extra=[{kind: token_counter, after: plan, every: 5}]'
@@ -7,7 +7,6 @@ many tokens each PCP rank holds.
 
 from __future__ import annotations
 
-import sys
 from typing import Literal
 
 from pydantic import Field
@@ -25,9 +24,7 @@ class TokenCounter(Stage):
         every: int = Field(10, ge=1, description="print every N steps")
 
     def __call__(self, state: StepState) -> StepState:
-        if state.batch.step % self.config.every == 0 and self.ctx.pcp_rank == 0:
-            # NOTE: a rank's stdout goes to its log (logs/); rank 0's stderr also reaches
-            # the console.
-            print(f"step {state.batch.step}: tokens per rank {state.layout.per_rank_num_tokens.tolist()}",
-                  file=sys.stderr, flush=True)
+        if state.batch.step % self.config.every == 0:
+            rank = self.ctx.pcp_rank
+            print(f"step {state.batch.step}: pcp rank {rank} holds {state.layout.per_rank_num_tokens[rank]} tokens")
         return state
