@@ -21,6 +21,7 @@ from pcpflow.testing import compose
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # ~15 s: the whole device script on CPU (the default set keeps the cut run below)
 def test_dry_run_reports_every_section(tmp_path):
     r = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path), "--budget-s", "900"],
