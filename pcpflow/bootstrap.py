@@ -16,7 +16,6 @@ or vanished peer) becomes one ``RankError`` that names the root cause (``pcpflow
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import sys
@@ -46,14 +45,13 @@ def rank_start_method() -> str:
     runs no torch op, so its forks inherit no thread pool; each rank sets its own thread
     count (``threads_per_rank``). ``spawn`` elsewhere."""
     import multiprocessing
-    from multiprocessing import forkserver
+
+    from pcpflow.pipeline import BUILTIN_STAGES
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    if not getattr(forkserver._forkserver, "_forkserver_pid", None):  # NOTE: not started yet
-        from pcpflow.pipeline import BUILTIN_STAGES
-
-        multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
+    # NOTE: read when the server starts (first use); a later call changes nothing.
+    multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
     return "forkserver"
 
 
@@ -174,8 +172,8 @@ class RankSession:
 # ------------------------------------------------------------------------------ entries
 @record
 def elastic_rank(run_dir: str) -> dict[str, Any] | None:
-    """Entry point of a rank that pcpflow's launch spawned (module level: spawn pickles
-    it by name). The driver writes result.json from the ranks' error files."""
+    """Entry point of a rank that pcpflow's launch started (module level: the start method
+    pickles it by name). The driver writes result.json from the ranks' error files."""
     # NOTE: the launch tees every rank's stdout to the console; a line reaches it when
     # printed, not when a block buffer of the log file fills.
     for stream in (sys.stdout, sys.stderr):

@@ -1,7 +1,6 @@
 """Run pcpflow jobs from Python, for tests (pcpflow's own, and a plugin author's).
 
-``cli(*args)`` answers ``python -m pcpflow ARGS`` in this process (for the commands the
-driver refuses before any rank starts). ``run(configs)`` runs each config's engine exactly as a job would — same stages, same
+``run(configs)`` runs each config's engine exactly as a job would — same stages, same
 collectives, same verification — but starts each world size's ranks only once and runs
 every config of that size inside them, so a matrix of dozens of configs costs a few
 process starts instead of dozens::
@@ -14,6 +13,8 @@ process starts instead of dozens::
 
 Each result is rank 0's result sections (``verify``, ``outputs``, ``requests``,
 ``metrics``). A rank that raises makes ``run`` raise with that rank's traceback.
+``cli(*args)`` answers ``python -m pcpflow ARGS`` in this process, for the commands the
+driver refuses before any rank starts.
 """
 
 from __future__ import annotations
