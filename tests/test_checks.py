@@ -4,7 +4,6 @@ or allocating), or a driver outcome of ``run_job`` (exit 2, what result.json say
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pcpflow.errors import ConfigError
 from pcpflow.job import prepare_job, run_job
 from pcpflow.rundir import LOCK_FILE
 from pcpflow.testing import compose
+from repo_scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -117,18 +117,10 @@ def test_a_plugin_that_fails_at_import_is_its_problem(tmp_path, monkeypatch, sou
 
 
 # ------------------------------------------------------------------------------ checkpoints
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_checkpoint", REPO / "scripts" / "make_tiny_hf_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     pytest.importorskip("transformers")
-    return _load_script().build_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
+    return load_script("make_tiny_hf_checkpoint").build_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
 
 
 def _variant(src: Path, dst: Path) -> Path:

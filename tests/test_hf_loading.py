@@ -8,11 +8,9 @@ Checkpoints are written by ``scripts/make_tiny_hf_checkpoint.py`` (transformers'
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,20 +26,12 @@ from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.models import MODEL_CLASSES, HFModel, build_model, vocab_size_of  # noqa: E402
 from pcpflow.models.common import RopeScaling, scaled_rope  # noqa: E402
 from pcpflow.testing import cli, compose  # noqa: E402
+from repo_scripts import load_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load_script():
-    path = REPO / "scripts" / "make_tiny_hf_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
+script = load_script("make_tiny_hf_checkpoint")
 
 
 @pytest.fixture(scope="module")

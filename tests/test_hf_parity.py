@@ -25,10 +25,8 @@ All configs run in one ``pcpflow.testing.run`` call: ranks start once per world 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -47,6 +45,7 @@ pytest.importorskip("safetensors", reason="parity tests need safetensors: pip in
 import shared_ranks  # noqa: E402
 
 from pcpflow.testing import compose  # noqa: E402
+from repo_scripts import load_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = {"float32": 1e-5, "float64": 1e-10}
@@ -129,15 +128,6 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [rng.integers(0, vocab_size, n).tolist() for n in PROMPT_LENS]
 
 
-def _load_script():
-    path = REPO / "scripts" / "make_tiny_hf_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 # ----------------------------------------------------------------- the reference
 class PromoteFloat32(TorchFunctionMode):
     """Run torch code with every float32 it asks for (``.float()``, ``.to(torch.float32)``,
@@ -212,7 +202,7 @@ def _build_checkpoints() -> dict[str, Path]:
     """The tiny checkpoints, built once per session (the shared matrix and the references
     read the same files)."""
     if not _CHECKPOINTS:
-        script = _load_script()
+        script = load_script("make_tiny_hf_checkpoint")
         root = Path(tempfile.mkdtemp(prefix="pcpflow-hf-"))
         for name, options in CHECKPOINTS.items():
             options = dict(options)

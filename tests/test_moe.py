@@ -372,9 +372,9 @@ HF_SLOW_CASES = [
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
-    from test_hf_parity import _load_script
+    from repo_scripts import load_script
 
-    script = _load_script()
+    script = load_script("make_tiny_hf_checkpoint")
     root = tmp_path_factory.mktemp("hf_moe")
     return {
         "dsv3_moe": script.build_checkpoint(root / "dsv3", "deepseek_v3", seed=0, moe=True),

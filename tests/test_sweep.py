@@ -10,7 +10,6 @@ comparison and overhead scripts (smoke runs).
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pcpflow.sweep import BASE_COLUMNS, write_sweep_report
+from repo_scripts import load_script as _script
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -316,13 +316,6 @@ def test_single_job_and_missing_overrides(tmp_path):
 
 
 # ----------------------------------------------------------------------------- scripts
-def _script(name: str):
-    """A script of ``scripts/`` as a module (run in this process: imports are warm)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture

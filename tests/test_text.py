@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.util
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -34,21 +32,13 @@ from pcpflow.testing import cli, compose  # noqa: E402
 from pcpflow.workload import Request  # noqa: E402
 
 import shared_ranks  # noqa: E402
+from repo_scripts import load_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["The capital of France is", "What is the capital", "Context parallelism splits a long prompt"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW = 12
 EOS_AT = 3  # the chosen EOS id is the first text's greedy token at >= this index
-
-
-def _script():
-    path = REPO / "scripts" / "make_tiny_hf_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _generate(model, ids: list[int], eos: list[int] | None) -> tuple[list[int], float]:
@@ -70,7 +60,7 @@ def _ckpt() -> dict:
     session: the shared matrices below need it before any fixture runs."""
     tmp = Path(tempfile.mkdtemp(prefix="pcpflow-test-text-"))
     atexit.register(shutil.rmtree, tmp, True)
-    script = _script()
+    script = load_script("make_tiny_hf_checkpoint")
     path = script.build_checkpoint(tmp / "llama", "llama", tokenizer=True)
     tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
