@@ -17,7 +17,7 @@ from pcpflow.testing import compose
 UNIT = [
     "mode=simulate", "hardware=h100_sxm", "hardware.peak_tflops.bf16=1", "hardware.hbm_tbps=1",
     "simulate.gemm_efficiency=1", "simulate.attention_efficiency=1", "simulate.hbm_efficiency=1",
-    "output.plots=false", "output.progress=false",
+    "simulate.ring_step_us=0.5", "output.plots=false", "output.progress=false",
 ]
 HW = HardwareConfig(
     name="x", gpus_per_node=8, hbm_gib=80, hbm_tbps=3, peak_tflops={"bf16": 1000, "fp8": 2000},
@@ -50,6 +50,40 @@ def test_a_group_crosses_the_network_only_when_its_ranks_span_nodes(tp, pcp, dcp
     place = Placement(RankGrid(tp=tp, pcp=pcp, dcp=dcp), HW)
     links = {g: "nvlink" if place.link(g) is HW.nvlink else "network" for g in expect}
     assert links == expect
+    for g, kind in expect.items():
+        if kind == "network":
+            assert place.link(g).latency_us == HW.network.latency_us
+
+
+@pytest.mark.parametrize(
+    "tp, pcp, group, op, busbw",
+    [
+        (8, 2, "pcp", "all_gather", 40),  # a CP group: one GPU per node, its own NIC
+        (8, 4, "pcp", "all_to_all", 40),
+        (16, 1, "tp", "all_reduce", 320),  # 8 GPUs per node drive 8 NICs: 8 x 40
+        (16, 1, "tp", "all_gather", 320),
+        (2, 8, "pcp", "all_reduce", 160),  # ranks 0, 2, .., 14: 4 per node, 4 NICs
+        (32, 1, "tp", "all_reduce", 320),  # 4 nodes, still 8 NICs each
+        # all-to-all over 16 ranks, 8 per node: 8/16 of each rank's data leaves the node through
+        # its NIC while 7/16 crosses NVLink; busbw = (15/16) S / max(8/16 S/40, 7/16 S/400)
+        (16, 1, "tp", "all_to_all", 15 / 8 * 40),
+        (2, 4, "pcp", "all_reduce", 400),  # one node: NVLink
+    ],
+)
+def test_a_spread_group_drives_the_nics_of_its_gpus_in_each_node(tp, pcp, group, op, busbw):
+    """One NIC per GPU: a ring over k GPUs of each node runs k rings, one per NIC (at most
+    NVLink's bandwidth); an all-to-all sends what leaves the node through the sender's NIC."""
+    assert Placement(RankGrid(tp=tp, pcp=pcp, dcp=1), HW).link(group, op).busbw_gbps == pytest.approx(busbw)
+
+
+def test_spreading_tp_over_two_nodes_costs_what_its_nics_carry():
+    """TP16 on two 8-GPU nodes: an all-reduce moves 2(n-1)/n of the data at 8 NICs' bus
+    bandwidth (h100_sxm: 8 x 45 GB/s = its NVLink's 360), not one NIC's."""
+    hw = compose(["mode=simulate", "hardware=h100_sxm"]).hardware
+    place = Placement(RankGrid(tp=16, pcp=1, dcp=1), hw)
+    s = 256e6
+    t = collective_seconds("all_reduce", 2 * 15 * s, 16, place.link("tp", "all_reduce"))
+    assert t == pytest.approx(30 * hw.network.latency_us * 1e-6 + 2 * 15 / 16 * s / (8 * hw.network.busbw_gbps * 1e9))
 
 
 def test_one_gemm_bound_prefill_by_hand():
@@ -96,8 +130,8 @@ def test_step_lasts_as_long_as_its_slowest_rank():
 def test_ring_hides_the_exchange_behind_attention():
     """With the KV exchange far slower than attention, a ring hides (n-1)/n of the
     attention behind it; with it far faster, it hides the exchange entirely; it pays for
-    merging the received chunk's partial output (n-1 = 1 merge of 256 rows x 4 heads x
-    (16 x (4 + 2 + 4) + 12) bytes per layer, at 1 TB/s)."""
+    writing its n = 2 partial outputs and merging them (2n - 1 = 3 passes over 256 rows x 4
+    heads x (16 x 2 + 4) bytes in each of 2 layers, at 1 TB/s)."""
     base = UNIT + ["model=tiny_gqa", "pcp=2", "workload=explicit", "workload.prompt_lens=[512]",
                    "workload.output_lens=[1]", "hardware.nvlink.latency_us=0"]
     for bw in (1e-6, 1e6):
@@ -106,9 +140,30 @@ def test_ring_hides_the_exchange_behind_attention():
         ring.run(), none.run()
         p = none.records[0]["purpose_s"]
         hidden = min(p["kv_gather"], p["attention"] * (2 - 1) / 2)
-        merge = 1 * 256 * 4 * 2 * (16 * 10 + 12) / 1e12
+        merge = 3 * 256 * 4 * 2 * (16 * 2 + 4) / 1e12
+        steps = 1 * 2 * 0.5e-6  # n-1 = 1 ring iteration in each of 2 layers, 0.5 us each
         assert ring.records[0]["purpose_s"]["ring_merge"] == pytest.approx(merge)
-        assert ring.records[0]["step_s"] == pytest.approx(none.records[0]["step_s"] - hidden + merge, rel=1e-9)
+        assert ring.records[0]["purpose_s"]["ring_step"] == pytest.approx(steps)
+        assert ring.records[0]["step_s"] == pytest.approx(none.records[0]["step_s"] - hidden + merge + steps,
+                                                          rel=1e-9)
+
+
+def test_each_ring_iteration_costs_ring_step_us_unless_a_full_graph_replays_it():
+    """pcp=4 runs 3 ring iterations in each of tiny_gqa's 2 layers: 6 x ring_step_us more
+    per step, prefill or decode; a decode step replayed as a full CUDA graph pays none."""
+    base = UNIT + ["model=tiny_gqa", "pcp=4", "dcp=4", "decode=sharded", "workload=explicit",
+                   "workload.prompt_lens=[512]", "workload.output_lens=[3]"]
+
+    def steps(*extra):
+        run = SimulatedRun(compose(base + list(extra)))
+        run.run()
+        return [r["step_s"] for r in run.records]
+
+    free, paid = steps("simulate.ring_step_us=0"), steps("simulate.ring_step_us=7")
+    assert [p - f for f, p in zip(free, paid)] == pytest.approx([6 * 7e-6] * 3, rel=1e-6)
+    graphs = ["cudagraph_mode=full_decode_only", "cudagraph_capture_sizes=[1,2,4]"]
+    free, paid = steps("simulate.ring_step_us=0", *graphs), steps("simulate.ring_step_us=7", *graphs)
+    assert [p - f for f, p in zip(free, paid)] == pytest.approx([6 * 7e-6, 0, 0], abs=1e-12)
 
 
 def test_moe_reads_the_experts_its_rows_reach():

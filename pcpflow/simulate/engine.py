@@ -118,12 +118,14 @@ class SimulatedRun:
             dcp_comm_backend=self.cfg.dcp_comm_backend, moe_dispatch=self.moe_dispatch,
         )
 
-    def _price(self, batch, layout, counts):
+    def _price(self, batch, layout, counts, graphed: bool):
         return price_step(batch, layout, counts, place=self.placement, sizes=self.sizes, sim=self.sim,
-                          moe_dispatch=self.moe_dispatch)
+                          moe_dispatch=self.moe_dispatch, graphed=graphed)
 
     def _step(self, batch) -> None:
-        layout = self.plan(StepState(batch)).layout
+        state = self.plan(StepState(batch))
+        layout = state.layout
+        graphed = state.dispatch is not None and state.dispatch.runtime_mode == "full"
         rest = QUERIES
         # NOTE: DCP over TP ranks always takes the queries path (CPAttention).
         if self.grid.dcp > 1 and self.grid.dcp_tp == 1 and self.dcp_rest_policy != "queries":
@@ -132,11 +134,11 @@ class SimulatedRun:
                 interleave=self.cfg.kv.interleave, shape=self.sizes.shape_per_rank(self.grid.tp, self.dtype_bytes),
             )
         counts = self._counts(batch, layout, rest)
-        p = self._price(batch, layout, counts)
+        p = self._price(batch, layout, counts, graphed)
         if self.dcp_rest_policy == "auto" and rest.mode == "context":
             # NOTE: simulating, auto takes the faster path (executed, the one moving fewer bytes).
             q_counts = self._counts(batch, layout, QUERIES)
-            q = self._price(batch, layout, q_counts)
+            q = self._price(batch, layout, q_counts, graphed)
             if q.step_s <= p.step_s:
                 rest, counts, p = QUERIES, q_counts, q
         outcome = self.scheduler.update(batch, np.zeros(len(batch.logits_indices), dtype=np.int64))
@@ -189,6 +191,7 @@ class SimulatedRun:
                 "attention": self.sim.attention_efficiency,
                 "hbm": self.sim.hbm_efficiency,
             },
+            "ring_step_us": self.sim.ring_step_us,
             "per_rank": {k: v.tolist() for k, v in self.totals.items()},
             "purpose_s": dict(sorted(self.purpose_s.items())),
             "dcp_rest_steps": self.dcp_rest_steps,

@@ -17,11 +17,14 @@ same) and step, with N the rank's padded rows and S the sampled rows:
   PCP/DCP, TP and MoE; ``all_to_all`` MoE rows from uniform routing), each
   ``hops * latency + group_bytes / (n * busbw)`` (nccl-tests' bus bandwidth: (n-1)/n of
   the data for all-gather and all-to-all, 2(n-1)/n for all-reduce; hops n-1, 2(n-1)) on
-  NVLink when the group sits in one node, else on the network (TP innermost).
+  NVLink when the group sits in one node, else through the NICs of its GPUs in each node
+  (``Placement``: TP innermost, one NIC per GPU).
 - overlap ``ring``: the exchange before attention (kv_gather, dcp_query_gather,
   dcp_context_gather) runs as n-1 ring hops, hop i hidden behind the attention of chunk
-  i-1, and each received chunk's partial output is merged into the fp32 accumulator
-  (HBM-bound): ``attention/n + max(exchange, attention*(n-1)/n) + merges``; ``none``:
+  i-1; the n partial outputs are written and merged once at the end (HBM-bound, Meta's
+  sec. 3.5.2), and each iteration of every layer costs ``ring_step_us`` that nothing
+  hides (fitted; not in a replayed full CUDA graph):
+  ``attention/n + max(exchange, attention*(n-1)/n) + merges + ring steps``; ``none``:
   attention and exchange one after the other (one attention over the gathered KV).
 """
 
@@ -43,7 +46,7 @@ from pcpflow.accounting import (
 from pcpflow.cp_attention import attention_work
 from pcpflow.grid import RankGrid
 from pcpflow.slots import dcp_local_seq_lens
-from pcpflow.simulate.settings import HardwareConfig, SimulateConfig
+from pcpflow.simulate.settings import HardwareConfig, Link, SimulateConfig
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 EXCHANGE_PURPOSES = ("kv_gather", "dcp_query_gather", "dcp_context_gather")
@@ -53,24 +56,43 @@ ACTIVATION_BYTES = 2  # KV reads and ring merges in bf16 (as a GPU serves); coll
 
 
 class Placement:
-    """Which link each group crosses: TP innermost, ``gpus_per_node`` per node; a group
-    whose ranks share a node talks over NVLink, any other over the network."""
+    """Which links each group crosses: TP innermost, ``gpus_per_node`` per node, one NIC per
+    GPU. A group whose ranks share a node talks over NVLink. A group spread over nodes with
+    ``k`` of its ranks in each drives those ``k`` GPUs' NICs at once: NCCL runs one ring per
+    NIC, so a ring collective's bus bandwidth is ``k`` NICs' (nccl-tests#160: on several
+    nodes "the busbw is going to reflect exactly what's going through the NICs"), at most
+    NVLink's; an all-to-all sends the ``(n-k)/n`` of its data bound off the node through the
+    sender's NIC and the rest over NVLink, at once (``_spread_link``). A CP group (one GPU
+    per node, ``k = 1``) gets one NIC."""
 
     def __init__(self, grid: RankGrid, hw: HardwareConfig) -> None:
         self.grid, self.hw = grid, hw
         members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
                    "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
         self.sizes = {g: len(m) for g, m in members.items()}
-        self.links = {
-            g: hw.nvlink if len({r // hw.gpus_per_node for r in m}) == 1 else hw.network
-            for g, m in members.items()
-        }
+        self.per_node = {g: Counter(r // hw.gpus_per_node for r in m) for g, m in members.items()}
 
-    def link(self, group: str):
-        return self.links[group]
+    def link(self, group: str, op: str = "all_gather") -> Link:
+        """The link (bus bandwidth and per-hop latency) one ``op`` over ``group`` runs at."""
+        nodes = self.per_node[group]
+        if len(nodes) == 1:
+            return self.hw.nvlink
+        return _spread_link(op, self.sizes[group], max(nodes.values()), self.hw)
 
     def size(self, group: str) -> int:
         return self.sizes[group]
+
+
+def _spread_link(op: str, n: int, k: int, hw: HardwareConfig) -> Link:
+    """nccl-tests' bus bandwidth of ``op`` over ``n`` ranks on several nodes, ``k`` per node.
+    Ring collectives: ``min(k * NIC, NVLink)``. All-to-all (busbw = (n-1)/n of the data over
+    the time): off-node ``(n-k)/n`` through the NIC while ``(k-1)/n`` crosses NVLink."""
+    net, nvl = hw.network.busbw_gbps, hw.nvlink.busbw_gbps
+    if op == "all_to_all":
+        bw = (n - 1) / (n - k) * net if k == 1 else min((n - 1) / (n - k) * net, (n - 1) / (k - 1) * nvl)
+    else:
+        bw = min(k * net, nvl) if k > 1 else net
+    return Link(busbw_gbps=bw, latency_us=hw.network.latency_us)
 
 
 @dataclass
@@ -157,7 +179,9 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
 
 
 def price_step(batch, layout, counts: StepCounts, *, place: Placement, sizes: ModelSizes, sim: SimulateConfig,
-               moe_dispatch: str = "local") -> StepPrice:
+               moe_dispatch: str = "local", graphed: bool = False) -> StepPrice:
+    """``graphed``: the step replays a full CUDA graph (``cudagraph.dispatch``), so its
+    ring loop pays no ``ring_step_us``."""
     grid, hw = place.grid, place.hw
     P, tp = grid.pcp, grid.tp
     pairs = counts.work.astype(np.float64)
@@ -194,21 +218,26 @@ def price_step(batch, layout, counts: StepCounts, *, place: Placement, sizes: Mo
     purpose_s: dict[str, float] = {}
     groups: dict[str, str] = {}
     for purpose, op, group, n, group_bytes in counts.priced:
-        t = n * collective_seconds(op, group_bytes, place.size(group), place.link(group))
+        t = n * collective_seconds(op, group_bytes, place.size(group), place.link(group, op))
         purpose_s[purpose] = purpose_s.get(purpose, 0.0) + t
         groups[purpose] = group
     exchange = sum(v for k, v in purpose_s.items() if k in EXCHANGE_PURPOSES)
     exposed = sum(v for k, v in purpose_s.items() if k not in EXCHANGE_PURPOSES)
     merge = np.zeros(P)
+    ring_fixed = 0.0
     if sim.overlap == "ring" and exchange > 0:
         n = max(place.size(groups[k]) for k in purpose_s if k in EXCHANGE_PURPOSES)
-        # NOTE: a ring attends chunk by chunk, so each of the n-1 received chunks' partial
-        # output is merged into the fp32 accumulator (read it, read the partial, write it).
-        merge_bytes = (n - 1) * rows * sizes.num_heads / tp * sizes.num_layers * (
-            sizes.decode_v_dim * (4 + ACTIVATION_BYTES + 4) + 3 * 4
+        # NOTE: a ring attends chunk by chunk: each of its n partial outputs (and its fp32
+        # log-sum-exp) is written, and one merge reads all n and writes the output (arXiv
+        # 2411.01783 sec. 3.5.2): 2n - 1 passes beyond the one output a single call writes.
+        merge_bytes = (2 * n - 1) * rows * sizes.num_heads / tp * sizes.num_layers * (
+            sizes.decode_v_dim * ACTIVATION_BYTES + 4
         )
         merge = np.full(P, merge_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency))
-        attn_phase = t_attn / n + np.maximum(exchange, t_attn * (n - 1) / n) + merge
+        # NOTE: each of the n-1 ring iterations of every layer costs a fixed time nothing
+        # hides (the fitted ring_step_us); a replayed full graph does not pay it.
+        ring_fixed = 0.0 if graphed else (n - 1) * sizes.num_layers * sim.ring_step_us * 1e-6
+        attn_phase = t_attn / n + np.maximum(exchange, t_attn * (n - 1) / n) + merge + ring_fixed
     else:
         attn_phase = t_attn + exchange
     t_gemm = np.maximum(gemm_c, gemm_m)
@@ -221,6 +250,8 @@ def price_step(batch, layout, counts: StepCounts, *, place: Placement, sizes: Mo
     purpose_s = {"gemm": float(t_gemm[slow]), "attention": float(t_attn[slow]), **purpose_s}
     if merge.any():
         purpose_s["ring_merge"] = float(merge[slow])
+    if ring_fixed:
+        purpose_s["ring_step"] = ring_fixed
     return StepPrice(
         step_s=float(total[slow]),
         compute_s=compute,

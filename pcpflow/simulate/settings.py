@@ -23,7 +23,9 @@ class Peaks(_Strict):
 
 
 class HardwareConfig(_Strict):
-    """One GPU type in nodes of ``gpus_per_node``: NVLink inside a node, ``network`` between."""
+    """One GPU type in nodes of ``gpus_per_node``: NVLink inside a node, ``network`` between:
+    one NIC per GPU, ``network.busbw_gbps`` one NIC's (a group with k GPUs in each node
+    drives k NICs: ``pcpflow.simulate.price.Placement``)."""
 
     name: str
     gpus_per_node: int = Field(ge=1)
@@ -35,8 +37,10 @@ class HardwareConfig(_Strict):
 
 
 class SimulateConfig(_Strict):
-    """How a simulated run prices a step (``pcpflow.simulate.price``). The efficiencies are
-    the model's only free parameters; docs/simulate.md says which published figure fits each."""
+    """How a simulated run prices a step (``pcpflow.simulate.price``). The efficiencies and
+    ``ring_step_us`` are the model's only free parameters; docs/simulate.md says which
+    published figure fits each (``gemm_efficiency``, ``ring_step_us``) and where the others
+    come from."""
 
     weights_dtype: Literal["bf16", "fp8"] | None = Field(
         None,
@@ -48,9 +52,13 @@ class SimulateConfig(_Strict):
         description="ring: the KV / query exchange before attention runs in P-1 ring hops, each "
         "hidden behind the attention of the chunk before (Meta's ring); none: exposed",
     )
-    gemm_efficiency: float = Field(0.381, gt=0, le=1, description="share of the dense tensor peak GEMMs reach")
+    gemm_efficiency: float = Field(0.383, gt=0, le=1, description="share of the dense tensor peak GEMMs reach")
     attention_efficiency: float = Field(
-        0.730, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
+        0.675, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
+    )
+    ring_step_us: float = Field(
+        544.0, ge=0, description="fixed time of one ring iteration in one layer that the ring does not "
+        "hide, microseconds (not paid by a step replayed as a full CUDA graph)",
     )
     hbm_efficiency: float = Field(0.80, gt=0, le=1, description="share of HBM bandwidth streaming reads reach")
     objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
