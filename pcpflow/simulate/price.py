@@ -71,13 +71,16 @@ class Placement:
                    "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
         self.sizes = {g: len(m) for g, m in members.items()}
         self.per_node = {g: Counter(r // hw.gpus_per_node for r in m) for g, m in members.items()}
+        self._links: dict[tuple[str, str], Link] = {}
 
     def link(self, group: str, op: str = "all_gather") -> Link:
         """The link (bus bandwidth and per-hop latency) one ``op`` over ``group`` runs at."""
-        nodes = self.per_node[group]
-        if len(nodes) == 1:
-            return self.hw.nvlink
-        return _spread_link(op, self.sizes[group], max(nodes.values()), self.hw)
+        key = (group, "all_to_all" if op == "all_to_all" else "ring")
+        if key not in self._links:
+            nodes = self.per_node[group]
+            self._links[key] = (self.hw.nvlink if len(nodes) == 1
+                                else _spread_link(op, self.sizes[group], max(nodes.values()), self.hw))
+        return self._links[key]
 
     def size(self, group: str) -> int:
         return self.sizes[group]
