@@ -130,8 +130,9 @@ def test_step_lasts_as_long_as_its_slowest_rank():
 def test_ring_hides_the_exchange_behind_attention():
     """With the KV exchange far slower than attention, a ring hides (n-1)/n of the
     attention behind it; with it far faster, it hides the exchange entirely; it pays for
-    writing its n = 2 partial outputs and merging them (2n - 1 = 3 passes over 256 rows x 4
-    heads x (16 x 2 + 4) bytes in each of 2 layers, at 1 TB/s)."""
+    writing its n = 2 partial outputs and merging them: 2 written, 2 read, 1 written, which
+    is 2n = 4 passes beyond the one output a single call writes, over 256 rows x 4 heads x
+    (16 x 2 + 4) bytes in each of 2 layers, at 1 TB/s."""
     base = UNIT + ["model=tiny_gqa", "pcp=2", "workload=explicit", "workload.prompt_lens=[512]",
                    "workload.output_lens=[1]", "hardware.nvlink.latency_us=0"]
     for bw in (1e-6, 1e6):
@@ -140,7 +141,7 @@ def test_ring_hides_the_exchange_behind_attention():
         ring.run(), none.run()
         p = none.records[0]["purpose_s"]
         hidden = min(p["kv_gather"], p["attention"] * (2 - 1) / 2)
-        merge = 3 * 256 * 4 * 2 * (16 * 2 + 4) / 1e12
+        merge = 4 * 256 * 4 * 2 * (16 * 2 + 4) / 1e12
         steps = 1 * 2 * 0.5e-6  # n-1 = 1 ring iteration in each of 2 layers, 0.5 us each
         assert ring.records[0]["purpose_s"]["ring_merge"] == pytest.approx(merge)
         assert ring.records[0]["purpose_s"]["ring_step"] == pytest.approx(steps)

@@ -232,8 +232,8 @@ def price_step(batch, layout, counts: StepCounts, *, place: Placement, sizes: Mo
         n = max(place.size(groups[k]) for k in purpose_s if k in EXCHANGE_PURPOSES)
         # NOTE: a ring attends chunk by chunk: each of its n partial outputs (and its fp32
         # log-sum-exp) is written, and one merge reads all n and writes the output (arXiv
-        # 2411.01783 sec. 3.5.2): 2n - 1 passes beyond the one output a single call writes.
-        merge_bytes = (2 * n - 1) * rows * sizes.num_heads / tp * sizes.num_layers * (
+        # 2411.01783 sec. 3.5.2): 2n + 1 passes, 2n beyond the one output a single call writes.
+        merge_bytes = 2 * n * rows * sizes.num_heads / tp * sizes.num_layers * (
             sizes.decode_v_dim * ACTIVATION_BYTES + 4
         )
         merge = np.full(P, merge_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency))

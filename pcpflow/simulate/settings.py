@@ -57,7 +57,7 @@ class SimulateConfig(_Strict):
         0.675, gt=0, le=1, description="share of the BF16 peak the attention kernel reaches"
     )
     ring_step_us: float = Field(
-        544.0, ge=0, description="fixed time of one ring iteration in one layer that the ring does not "
+        543.0, ge=0, description="fixed time of one ring iteration in one layer that the ring does not "
         "hide, microseconds (not paid by a step replayed as a full CUDA graph)",
     )
     hbm_efficiency: float = Field(0.80, gt=0, le=1, description="share of HBM bandwidth streaming reads reach")
