@@ -2,7 +2,7 @@
 paper (arXiv 2411.01783; ../shared/published/meta-cp-inference.md): Llama3-405B, FP8
 weights, TP8 per node, CP across nodes (pcp = dcp = nodes), one request, full prefill.
 
-Two figures fit the two efficiency factors (``FITTED``); the other eight are predictions::
+Two figures fit the two free factors (``FITTED``); the other eight are predictions::
 
     python scripts/validate_meta_cp.py          # the side-by-side table
     python scripts/validate_meta_cp.py --fit    # re-derive the two fitted factors
@@ -103,9 +103,8 @@ def fit() -> dict[str, float]:
     ``ring_iterations`` counted by the simulator as the TTFT one microsecond adds)."""
     a, b = [], []
     for (nodes, context), _ in FITTED.items():
-        base = ["simulate.gemm_efficiency=1", "simulate.ring_step_us=0"]
-        m = simulate(nodes, context, base)
-        stepped = simulate(nodes, context, ["simulate.gemm_efficiency=1", "simulate.ring_step_us=1"])
+        m, stepped = (simulate(nodes, context, ["simulate.gemm_efficiency=1", f"simulate.ring_step_us={us}"])
+                      for us in (0, 1))
         gemm = m["simulate"]["purpose_s"]["gemm"]
         iterations = (stepped["ttft"]["mean_s"] - m["ttft"]["mean_s"]) * 1e6
         ms = next(p[2] for p in PUBLISHED if p[:2] == (nodes, context))
