@@ -1,6 +1,4 @@
-import sys
-
-from pcpflow.cli import main
+from pcpflow.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

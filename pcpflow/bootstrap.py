@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG
 from pcpflow.progress import Blame, RankBoard, store_timeout
 from pcpflow.rundir import failed_result, load_frozen_config, result_of, write_result
+from pcpflow import signals
 from pcpflow.signals import Interrupted, interruptible
 
 STARTUP_STORE_TIMEOUT_S = 900  # rank 0 composing and checking the config, before any cfg exists
@@ -37,22 +39,55 @@ RANK_PRELOAD = ("torch", "torch.distributed", "pcpflow.engine", "pcpflow.fused_a
 """What the fork server imports once (with the built-in stages), for every rank it forks."""
 
 
-def rank_start_method() -> str:
+def rank_start_method(*, log: Path | None = None) -> str:
     """How ranks on this host start: ``forkserver`` where the platform has it. One server
     process imports torch and pcpflow once (``RANK_PRELOAD``) and forks every rank of this
     process's jobs from it: a fraction of a second per rank instead of a fresh
     interpreter's import of torch (seconds each, and the ranks share the cores). The server
     runs no torch op, so its forks inherit no thread pool; each rank sets its own thread
-    count (``threads_per_rank``). ``spawn`` elsewhere."""
+    count (``threads_per_rank``). ``spawn`` elsewhere.
+
+    ``log`` (pcpflow's own launch, whose ranks write to their logs): a server started here
+    writes to that file instead of the console. What it could print is a rank that fails
+    before the launcher has redirected its output: when the job is torn down as it starts
+    (a Ctrl-C then), or a rank that cannot even unpickle its entry point."""
     import multiprocessing
 
     from pcpflow.pipeline import BUILTIN_STAGES
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    # NOTE: read when the server starts (first use); a later call changes nothing.
+    from multiprocessing import forkserver
+
+    # NOTE: read when the server starts (here, once); a later call changes nothing. The server
+    # starts with SIGINT ignored: a Ctrl-C while it imports torch would print a traceback
+    # (it ignores SIGINT itself only once its imports are done). Its ranks install their own
+    # handlers first thing (elastic_rank, RankSession.run).
     multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
+    with signals.ignored(signal.SIGINT), _stdio_to(log):
+        forkserver.ensure_running()
     return "forkserver"
+
+
+@contextlib.contextmanager
+def _stdio_to(path: Path | None):
+    """File descriptors 1 and 2 (what a child process inherits) append to ``path`` inside."""
+    if path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
 
 
 class RankError(RuntimeError):
@@ -179,13 +214,22 @@ def elastic_rank(run_dir: str) -> dict[str, Any] | None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)
-    path = Path(run_dir)
-    cfg = load_frozen_config(path)
-    session = RankSession.connect()
-    try:
-        return session.run(cfg, path)
-    finally:
-        session.close()
+    with interruptible():
+        try:
+            path = Path(run_dir)
+            cfg = load_frozen_config(path)
+            session = RankSession.connect()
+            try:
+                return session.run(cfg, path)
+            finally:
+                session.close()
+        except BaseException as exc:
+            stopped = Interrupted.of(exc) or (exc.__cause__ if isinstance(exc.__cause__, Interrupted) else None)
+            if stopped is None:
+                raise
+            # NOTE: the driver got the same signal and reports it in one line; a traceback from
+            # each rank would bury that line on the console.
+            raise SystemExit(stopped.exit_code) from None
 
 
 def torchrun_rank(prepare: Callable[[], dict[str, Any]]) -> int:

@@ -290,7 +290,13 @@ def check_checkpoint(cfg: Any) -> list[Problem]:
     tensors of the shapes its config.json implies: all from the headers (a few kB each)."""
     if getattr(cfg.model, "name", None) != "hf" or not cfg.model.path:
         return []
+    from pcpflow.errors import missing_extra
     from pcpflow.models.hf_weights import checkpoint_files
+    from pcpflow.text import has_tokenizer
+
+    missing = missing_extra(("safetensors", *(("transformers",) if has_tokenizer(cfg.model) else ())), "hf")
+    if missing:
+        return [Problem("model", "hf", f"a checkpoint needs {missing}")]
 
     path = Path(cfg.model.path)
     try:

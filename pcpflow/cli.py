@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from pcpflow.compose import compose_raw, validate_overrides
 from pcpflow.compose import is_hydra_override as _is_hydra_override
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
+from pcpflow.signals import HANDLED, Interrupted, interruptible
 
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
                      "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
@@ -28,10 +30,32 @@ _NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", 
                  "--shell-completion", "-sc", "--resolve"}
 
 
+def entry() -> None:
+    """The process entry point (``python -m pcpflow``, the ``pcpflow`` script)."""
+    code = main()
+    # NOTE: the job is over and result.json written: a signal in the last moments of the
+    # interpreter's teardown must not turn a finished run's exit code into 130.
+    for s in HANDLED:
+        signal.signal(s, signal.SIG_IGN)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(argv)
+    # NOTE: first thing, so that a Ctrl-C during imports, validation or between a sweep's jobs
+    # ends as one during the steps does: one line, exit 130 / 143, result.json where it can.
+    with interruptible():
+        run_dir: list[Path] = []
+        try:
+            return _main(argv, run_dir)
+        except Interrupted as exc:
+            return interrupted_before_the_job(exc, run_dir[0] if run_dir else None)
+
+
+def _main(argv: list[str], run_dir: list[Path]) -> int:
+    """``run_dir`` receives the run dir a single run will use, as soon as it is known."""
     if "--help" in argv or "-h" in argv:
         from pcpflow.help import help_text
 
@@ -41,10 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: `--cfg job` shows what a run would run: it is validated like one.
     if not no_run or any(a.split("=", 1)[0] in ("--cfg", "-c") for a in argv):
         try:
+            if not (multirun or no_run):
+                run_dir.append(planned_run_dir(overrides))
+                if "${" in (_named_run_dir(overrides) or "${"):  # Hydra would resolve it again, later
+                    argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir[0]}"]
             precheck(overrides, multirun)
             _check_output_dir(overrides, multirun)
         except ConfigError as exc:
             print(exc.report(), file=sys.stderr)
+            if run_dir and run_dir[0].is_dir():
+                _record_refusal(run_dir[0], exc, overrides)
             return EXIT_INVALID_CONFIG
     return run_hydra(argv)
 
@@ -64,6 +94,40 @@ def _check_output_dir(overrides: list[str], multirun: bool) -> None:
     owner = None if multirun else live_lock_owner(path)
     if owner is not None:
         raise ConfigError([Problem("hydra.run.dir", str(path), f"a run dir no live run uses; pid {owner} is running in it")])
+
+
+def _named_run_dir(overrides: list[str]) -> str | None:
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    return given[-1] if given else None
+
+
+def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> None:
+    """An invalid command whose run dir exists leaves ``failed`` in it, so that an earlier
+    run's ``ok`` there never looks current (a dir held by a live run is left alone; a dir
+    that does not exist is not made: nothing starts for an invalid command)."""
+    from pcpflow.rundir import failed_result, live_lock_owner, write_result
+
+    if live_lock_owner(run_dir) is not None:
+        return
+    try:
+        write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+    except OSError:  # the report already named the run dir if that is the problem
+        pass
+
+
+def interrupted_before_the_job(exc: Interrupted, run_dir: Path | None) -> int:
+    """Interrupted while validating or starting Hydra: no job owns the run dir yet."""
+    from pcpflow.rundir import failed_result, live_lock_owner, write_result
+
+    where = ""
+    if run_dir is not None and live_lock_owner(run_dir) is None:
+        try:
+            write_result(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
+            where = f"; result.json: {run_dir / 'result.json'}"
+        except OSError:
+            pass
+    print(f"pcpflow: {exc} before the run started{where}", file=sys.stderr, flush=True)
+    return exc.exit_code
 
 
 def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
@@ -146,8 +210,6 @@ _EXIT_CODES: list[int] = []
 def run_hydra(argv: list[str]) -> int:
     import hydra
 
-    from pcpflow.signals import Interrupted
-
     _EXIT_CODES.clear()
     _SWEEP_DIR.clear()
     saved = sys.argv
@@ -160,8 +222,10 @@ def run_hydra(argv: list[str]) -> int:
         if _SWEEP_DIR:
             from pcpflow.sweep import write_sweep_report
 
-            rows = write_sweep_report(Path(_SWEEP_DIR[0]))
-            print(f"pcpflow: sweep interrupted after {len(rows)} job(s)", file=sys.stderr)
+            sweep_dir = Path(_SWEEP_DIR[0])
+            rows = write_sweep_report(sweep_dir, announce=False)
+            report = f"; report: {sweep_dir / 'sweep.md'}" if rows else ""
+            print(f"pcpflow: sweep {exc} after {len(rows)} job(s){report}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
         sys.argv = saved
@@ -177,7 +241,6 @@ def _task(cfg: Any) -> int:
     from omegaconf import OmegaConf
 
     from pcpflow.job import run_job
-    from pcpflow.signals import Interrupted
 
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
@@ -186,7 +249,7 @@ def _task(cfg: Any) -> int:
     if hc.mode == RunMode.MULTIRUN and not _SWEEP_DIR:
         _SWEEP_DIR.append(str(hc.sweep.dir))
     run_dir = Path(hc.runtime.output_dir)
-    code = run_job(raw, run_dir)
+    code = run_job(raw, run_dir, in_sweep=hc.mode == RunMode.MULTIRUN)
     _EXIT_CODES.append(code)
     if code - 128 in (2, 15):  # SIGINT, SIGTERM
         raise Interrupted(code - 128)
@@ -214,7 +277,7 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         if multirun:
             raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
         raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
-        run_dir = _torchrun_run_dir(overrides)
+        run_dir = planned_run_dir(overrides)
         check_run_dir(run_dir)
         cfg = prepare_job(raw)
         if cfg.world_size != world:
@@ -229,19 +292,17 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
     return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}
 
 
-def _torchrun_run_dir(overrides: list[str]) -> Path:
-    """``hydra.run.dir`` as a plain run resolves it. Only that node is resolved: the rest of
-    Hydra's own config (a sweep's ``${hydra.job.num}``) exists only inside a Hydra run."""
+def planned_run_dir(overrides: list[str]) -> Path:
+    """``hydra.run.dir`` as a plain run resolves it (``${now:...}`` now, so that the run uses
+    this very dir). Only that node is resolved: the rest of Hydra's own config (a sweep's
+    ``${hydra.job.num}``) exists only inside a Hydra run, and the run's own overrides may
+    still be invalid."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    for o in overrides:
-        if o.startswith("hydra.run.dir="):
-            return Path(o.split("=", 1)[1])
+    named = _named_run_dir(overrides)
+    if named is not None:
+        return Path(str(OmegaConf.create({"dir": named}).dir))
     with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-        cfg = compose(
-            config_name="config",
-            overrides=[o for o in overrides if not _is_hydra_override(o)],
-            return_hydra_config=True,
-        )
+        cfg = compose(config_name="config", overrides=[], return_hydra_config=True)
         return Path(str(OmegaConf.select(cfg, "hydra.run.dir")))

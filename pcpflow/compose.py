@@ -93,15 +93,19 @@ def config_groups() -> dict[str, list[str]]:
 
 @functools.cache
 def option_keys() -> dict[str, dict[str, frozenset[str]]]:
-    """group -> option -> the dotted keys its YAML sets (``prompt_lens``, ``moe.top_k``)."""
+    """group -> option -> the dotted keys its YAML sets, as the composed config places them:
+    under the group (``workload.prompt_lens``), or at the top for an option in the global
+    package (``mode=simulate`` sets ``simulate.gemm_efficiency``)."""
     from omegaconf import OmegaConf
 
     out: dict[str, dict[str, frozenset[str]]] = {}
     for group, options in config_groups().items():
         out[group] = {}
         for option in options:
-            node = OmegaConf.to_container(OmegaConf.load(Path(conf_dir()) / group / f"{option}.yaml"))
-            out[group][option] = frozenset(_dotted(node if isinstance(node, dict) else {}))
+            path = Path(conf_dir()) / group / f"{option}.yaml"
+            node = OmegaConf.to_container(OmegaConf.load(path))
+            prefix = "" if "@package _global_" in path.read_text().split("\n", 1)[0] else f"{group}."
+            out[group][option] = frozenset(prefix + k for k in _dotted(node if isinstance(node, dict) else {}))
     return out
 
 
@@ -115,10 +119,10 @@ def _dotted(node: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 def options_having(key: str) -> list[str]:
-    """``group=option`` for each option of the key's group that sets the key."""
-    group, _, rest = key.partition(".")
-    options = option_keys().get(group, {})
-    return [f"{group}={o}" for o, keys in options.items() if rest and rest in keys]
+    """``group=option`` for each option that sets ``key`` (a key of its group's options, or
+    of a global option such as ``mode=simulate``)."""
+    return [f"{group}={o}" for group, options in option_keys().items() for o, keys in options.items()
+            if key in keys and "." in key]
 
 
 def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:
@@ -146,7 +150,7 @@ def known_keys() -> tuple[str, ...]:
     for group, options in option_keys().items():
         keys.add(group)
         for option_keys_ in options.values():
-            keys.update(f"{group}.{k}" for k in option_keys_)
+            keys.update(option_keys_)
     return tuple(sorted(keys))
 
 

@@ -203,8 +203,8 @@ def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseMo
         elif err["type"] == "missing":
             allowed = "this setting is required"
             given = "<missing>"
-        else:
-            allowed = err["msg"]
+        else:  # NOTE: a validator's own message, without pydantic's "Value error, " in front
+            allowed = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         problems.append(Problem(field, given, allowed))
     return problems
 
@@ -244,10 +244,34 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
     return f"{hint}; allowed keys: {', '.join(keys)}"
 
 
+MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",)}
+"""Settings that only some modes read (the section -> those modes). Set in another mode they
+would be silently ignored, so they are refused there."""
+
+
+def mode_problems(cfg: RunConfig) -> list[Problem]:
+    """A setting of another mode than the run's, naming the mode that reads it."""
+    p = []
+    for name, modes in MODE_SETTINGS.items():
+        if cfg.mode in modes:
+            continue
+        value, default = getattr(cfg, name), RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if value == default:
+            continue
+        if isinstance(value, BaseModel) and isinstance(default, BaseModel):  # name the keys set
+            keys = [k for k in type(value).model_fields if getattr(value, k) != getattr(default, k)]
+            given = {f"{name}.{k}": getattr(value, k) for k in keys}
+        else:
+            given = getattr(value, "name", value)
+        where = " / ".join(f"mode={m}" for m in modes)
+        p.append(Problem(name, given, f"a setting of {where}, and this run is mode={cfg.mode}: add {where.split(' / ')[0]} or leave it out"))
+    return p
+
+
 def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
     pcpflow's own)."""
-    p: list[Problem] = []
+    p: list[Problem] = mode_problems(cfg)
     p.extend(cfg.grid.problems())
     if cfg.kv.block_size % cfg.kv.interleave:
         p.append(

@@ -39,3 +39,14 @@ class ConfigError(Exception):
         lines = [f"pcpflow: {self.header} ({len(self.problems)} problem(s)):"]
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+def missing_extra(modules: tuple[str, ...], extra: str) -> str | None:
+    """None when every module imports; else one line naming those missing and the extra of
+    pcpflow's that brings them."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"{' and '.join(missing)} not installed: install pcpflow's {extra!r} extra (pip install -e '.[{extra}]' in a checkout, pip install 'pcpflow[{extra}]' otherwise)"

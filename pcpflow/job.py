@@ -55,9 +55,9 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     return cfg
 
 
-def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True) -> int:
+def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_sweep: bool = False) -> int:
     """Validate, launch, record. Returns the exit code (0 ok, 1 failed, 2 invalid,
-    130 / 143 interrupted)."""
+    130 / 143 interrupted; a sweep says that last one itself)."""
     from pcpflow.checks import check_run_dir
 
     try:
@@ -72,20 +72,21 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True) -> int:
     take_lock(run_dir)
     try:
         with interruptible():
-            return _run_job(raw, run_dir, console=console)
+            return _run_job(raw, run_dir, console=console, in_sweep=in_sweep)
     except Interrupted as exc:
-        return _interrupted(exc, raw, run_dir)
+        return _interrupted(exc, raw, run_dir, announce=not in_sweep)
     finally:
         release_lock(run_dir)
 
 
-def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path) -> int:
-    print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
+def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool) -> int:
+    if announce:
+        print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
     write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
     return exc.exit_code
 
 
-def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool) -> int:
+def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool) -> int:
     from pcpflow.report import Progress, print_summary, write_plots
 
     started = time.time()
@@ -112,7 +113,7 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool) -> int:
         write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank))
         return EXIT_FAILED
     except Interrupted as exc:
-        return _interrupted(exc, config, run_dir)
+        return _interrupted(exc, config, run_dir, announce=not in_sweep)
     clocks = (sections.get("metrics") or {}).get("clocks")
     if clocks is not None:
         clocks["job_s"] = time.time() - started

@@ -54,28 +54,35 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         rdzv_configs={"timeout": 60},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method=rank_start_method(),
+        # NOTE: none: the agent would replace our SIGINT / SIGTERM handlers with its own, whose
+        # exception (an Exception) parts of its teardown swallow. Ours stay: they raise
+        # Interrupted, and the agent's own cleanup stops the ranks on the way out.
+        signals_to_handle="",
+        start_method=rank_start_method(log=log_dir / "forkserver.log"),
         # Every rank's stdout (a stage's print) and rank 0's stderr reach the console too,
         # prefixed by the rank ("[rank1]:"); everything is in the rank's log.
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL,
                                     tee={r: Std.ALL if r == 0 else Std.OUT for r in range(cfg.world_size)}),
     )
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    # NOTE: the elastic agent does not set OMP_NUM_THREADS; oversubscribed ranks on a
-    # few cores slow each other down by orders of magnitude.
-    os.environ["OMP_NUM_THREADS"] = str(cfg.threads_per_rank)
+    # NOTE: the elastic agent does not set OMP_NUM_THREADS; oversubscribed ranks on a few
+    # cores slow each other down by orders of magnitude. (The launcher sets its signal list
+    # in the environment and leaves it there.)
+    env = {"OMP_NUM_THREADS": str(cfg.threads_per_rank), "TORCHELASTIC_SIGNALS_TO_HANDLE": ""}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        with _spawnable_main():
+        with _spawnable_main(), _agent_log(log_dir / "launcher.log"):
             results = elastic_launch(config, elastic_rank)(str(run_dir))
     except ChildFailedError as exc:
         raise RankFailure.root_cause(exc, log_dir.glob(f"{config.run_id}*/attempt_*/*/error.json"), log_dir) from None
     except SignalException as exc:
         raise Interrupted(int(exc.sigval)) from None
     finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return results[0]
 
 
@@ -150,6 +157,28 @@ def _spawnable_main():
         yield
     finally:
         multiprocessing.set_start_method(method, force=True)
+
+
+@contextlib.contextmanager
+def _agent_log(path: Path):
+    """The elastic agent's own messages (workers closed, signals forwarded) go to the run's
+    ``logs/launcher.log``, not the console: pcpflow's one line says what happened."""
+    import logging
+
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    saved = [logger.propagate for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in zip(loggers, saved):
+            logger.propagate = propagate
+            logger.removeHandler(handler)
+        handler.close()
 
 
 def _traceback_of(exc: BaseException | None) -> str:

@@ -20,6 +20,18 @@ construction inside restore. A dotted name is a part of a stage's time (``stage.
 already counted in the stage's own total."""
 
 
+EXECUTED_CLOCKS = {
+    "run_s": "run clock: pipeline and scheduler time only (tokens/s, TTFT, TPOT)",
+    "loop_s": "engine loop wall time on rank 0 (wall_s): the run clock plus verification",
+    "job_s": "job wall time in the driver: validation, rank start-up, the run, results",
+}
+SIMULATED_CLOCKS = {
+    "run_s": "simulated clock: the priced time of every step (tokens/s, TTFT, TPOT)",
+    "loop_s": "the simulator's own wall time on this machine (wall_s)",
+    "job_s": "job wall time in the driver: validation, the simulation, results",
+}
+
+
 class MetricsRecorder:
     def __init__(self, path: Path | None, *, pcp_size: int, num_to_generate: int) -> None:
         self.file: IO[str] | None = open(path, "w") if path is not None else None  # noqa: SIM115
@@ -72,7 +84,9 @@ class MetricsRecorder:
             self.file.close()
             self.file = None
 
-    def summary(self, requests: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    def summary(self, requests: list[dict[str, Any]], wall_s: float, *, simulated: bool = False) -> dict[str, Any]:
+        """The run's metrics. ``simulated``: the run clock is the priced steps' time, the loop
+        is the simulator's own, and no stage is timed (no framework overhead to report)."""
         generated = sum(r["output_len"] for r in requests)
         stage_total = sum(v for k, v in self.stage_s.items() if "." not in k)
         framework = sum(v for k, v in self.stage_s.items() if k in FRAMEWORK_STAGES)
@@ -108,17 +122,13 @@ class MetricsRecorder:
             "clocks": {
                 "run_s": self.run_s,
                 "loop_s": wall_s,
-                "meaning": {
-                    "run_s": "run clock: pipeline and scheduler time only (tokens/s, TTFT, TPOT)",
-                    "loop_s": "engine loop wall time on rank 0 (wall_s): the run clock plus verification",
-                    "job_s": "job wall time in the driver: validation, rank start-up, the run, results",
-                },
+                "meaning": SIMULATED_CLOCKS if simulated else EXECUTED_CLOCKS,
             },
             "tokens_per_s": self.num_tokens / self.run_s if self.run_s else 0.0,
             "generated_tokens_per_s": generated / self.run_s if self.run_s else 0.0,
             "stage_s": dict(self.stage_s),
-            "framework_overhead_s": framework,
-            "framework_overhead_fraction": framework / stage_total if stage_total else 0.0,
+            "framework_overhead_s": None if simulated else framework,
+            "framework_overhead_fraction": None if simulated else (framework / stage_total if stage_total else 0.0),
         }
         if self.draft_proposed:
             out["acceptance_rate"] = self.draft_accepted / self.draft_proposed

@@ -3,6 +3,10 @@
 ``Interrupted`` is a BaseException (as KeyboardInterrupt is) so that a stage's or a
 launcher's ``except Exception`` cannot swallow it, and a Hydra multirun stops at it
 instead of running the remaining jobs.
+
+The driver installs the handler first thing (``pcpflow.cli.main``), so that validation,
+start-up, the steps, the plots and the gaps between a sweep's jobs all end the same way;
+a rank installs it as it starts (``pcpflow.bootstrap``).
 """
 
 from __future__ import annotations
@@ -38,22 +42,58 @@ class Interrupted(BaseException):
         return None
 
 
-def _raise(signum: int, frame) -> None:
-    raise Interrupted(signum)
+class _RaiseOnce:
+    """Raises Interrupted for the first signal; later ones are ignored.
+
+    NOTE: a Ctrl-C reaches every process of the terminal's group, and the launcher forwards
+    it to its ranks as well, so a second signal often arrives while the first unwinds:
+    raising again would break the cleanup that writes result.json (and print a chained
+    traceback)."""
+
+    def __init__(self) -> None:
+        self.fired: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.fired is None:
+            self.fired = signum
+            raise Interrupted(signum)
+
+
+def handlers() -> dict[int, object]:
+    return {s: signal.getsignal(s) for s in HANDLED}
+
+
+def restore(saved: dict[int, object]) -> None:
+    for s, h in saved.items():
+        signal.signal(s, h)
 
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """SIGINT / SIGTERM raise Interrupted in the main thread while inside; the previous
-    handlers come back after (torch's elastic agent installs its own and never restores)."""
+    """SIGINT / SIGTERM raise Interrupted (once) in the main thread while inside; the
+    previous handlers come back after, also where a library replaced ours meanwhile
+    (torch's elastic agent installs its own and never restores them)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {s: signal.getsignal(s) for s in HANDLED}
+    saved = handlers()
+    handler = _RaiseOnce()
     for s in HANDLED:
-        signal.signal(s, _raise)
+        signal.signal(s, handler)
     try:
         yield
     finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+        restore(saved)
+
+
+@contextmanager
+def ignored(*signals: int) -> Iterator[None]:
+    """``signals`` ignored while inside (what a child process started meanwhile inherits)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        restore(saved)

@@ -19,6 +19,7 @@ from pcpflow.accounting import tp_share
 
 BASE_COLUMNS = [
     "job",
+    "mode",
     "overrides",
     "config",
     "status",
@@ -66,6 +67,7 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         overrides.append(_overrides(job_dir))
         row: dict[str, Any] = {
             "job": job_dir.name,
+            "mode": (result.get("config") or {}).get("mode"),
             "overrides": " ".join(overrides[-1]),
             "status": result.get("status"),
             "exact": v.get("passed") if v else None,
@@ -125,7 +127,7 @@ def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
+def write_sweep_report(sweep_dir: Path, *, announce: bool = True) -> list[dict[str, Any]]:
     rows = collect_rows(sweep_dir)
     if not rows:
         return rows
@@ -150,7 +152,8 @@ def write_sweep_report(sweep_dir: Path) -> list[dict[str, Any]]:
             writer.writerow({k: r.get(k) for k in columns})
     (sweep_dir / "sweep.md").write_text(_markdown(rows, purposes) + decision)
     _plot(rows, purposes, sweep_dir / "sweep.png")
-    print(f"pcpflow: sweep report of {len(rows)} job(s): {sweep_dir / 'sweep.md'}", file=sys.stderr)
+    if announce:
+        print(f"pcpflow: sweep report of {len(rows)} job(s): {sweep_dir / 'sweep.md'}", file=sys.stderr)
     return rows
 
 
@@ -175,26 +178,41 @@ _HEADERS = {  # column -> (header, cell formatter)
 }
 
 
-_NOTES = (
-    (
-        "- **exact**: tokens, logits and every rank's KV cache match the single-rank reference "
-        "(`verify=true`; blank when not checked)."
-    ),
-    (
-        "- **tokens/s, TTFT, TPOT**: on the run clock (pipeline + scheduler time, verification "
-        "excluded); means over requests."
-    ),
-    (
-        "- **balance**: max/mean over PCP ranks of the run's tokens and attention (query, key) "
-        "pairs; 1.000 is perfect. **padding**: padded rows / all rows."
-    ),
-    "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",
-    (
-        "- **bytes**: per collective purpose, what every rank received from the others, summed "
-        "over ranks (pcpflow.comm), and the number of calls; with tp > 1 **TP bytes** (the "
-        "`tp_all_reduce`s) beside **PCP/DCP bytes** (everything else)."
-    ),
+_NOTES = {  # column shown -> what it means
+    "exact": "- **exact**: tokens, logits and every rank's KV cache match the single-rank reference "
+    "(`verify=true`; blank when not checked).",
+    "tokens_per_s": "- **tokens/s, TTFT, TPOT**: on the run clock (pipeline + scheduler time, verification "
+    "excluded); means over requests.",
+    "tokens_max_over_mean": "- **balance**: max/mean over PCP ranks of the run's tokens and attention (query, key) "
+    "pairs; 1.000 is perfect. **padding**: padded rows / all rows.",
+    "framework_overhead_fraction": "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",
+    "bytes_tp": "- **bytes**: per collective purpose, what every rank received from the others, summed over "
+    "ranks (pcpflow.comm), and the number of calls; with tp > 1 **TP bytes** (the `tp_all_reduce`s) beside "
+    "**PCP/DCP bytes** (everything else).",
+}
+
+EXECUTED_TIMES = (
+    "- **What the times mean here**: these jobs ran on this machine's CPU cores with a tiny model, "
+    "so their seconds rank how pcpflow's ranks share those cores, not what the layouts cost on GPUs. "
+    "The counts (tokens, balance, bytes, calls) are the layout's own at any scale. For GPU prices run "
+    "the same sweep with `mode=simulate model=<card> hardware=<gpu>` (docs/simulate.md)."
 )
+SIMULATED_TIMES = (
+    "- **tokens/s, TTFT, TPOT**: simulated: every step priced on the hardware profile "
+    "(docs/simulate.md); means over requests."
+)
+
+
+def _notes(rows: list[dict[str, Any]], shown: list[str], purposes: list[str]) -> list[str]:
+    simulated = all(r.get("mode") == "simulate" for r in rows)
+    notes = [text for column, text in _NOTES.items()
+             if (column in shown or (column == "bytes_tp" and purposes))
+             and not (simulated and column == "tokens_per_s")]
+    if simulated:
+        notes.insert(0, SIMULATED_TIMES)
+    elif any(r.get("mode") == "execute" for r in rows):
+        notes.append(EXECUTED_TIMES)
+    return notes
 
 
 def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
@@ -227,7 +245,7 @@ def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
         if purposes:
             cells.append(_human(r["bytes_total"]) if r.get("bytes_total") is not None else "")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", *_NOTES]
+    lines += ["", *_notes(rows, shown, purposes)]
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "## Failures", ""] + [f"- `{r['config']}`: {r['error']}" for r in failed]

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pcpflow.errors import ConfigError, Problem
+from pcpflow.errors import ConfigError, Problem, missing_extra
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 """Any of these in the checkpoint directory means it brings a tokenizer."""
@@ -98,6 +98,9 @@ def tokenize_workload(cfg):
     if not has_tokenizer(cfg.model):
         raise ConfigError([Problem(field, given, f"the checkpoint {cfg.model.path} has no tokenizer files "
                                    f"(any of {', '.join(TOKENIZER_FILES)}); give token ids with workload.prompts")])
+    missing = missing_extra(("transformers",), "hf")
+    if missing:
+        raise ConfigError([Problem(field, given, f"texts and chats are tokenized by transformers; {missing}")])
     try:
         tokenizer = load_tokenizer(cfg.model.path)
     except Exception as exc:  # transformers raises many types for a broken tokenizer

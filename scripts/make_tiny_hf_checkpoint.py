@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer", action="store_true", help="with a BPE tokenizer trained offline, a chat template and EOS ids")
     p.add_argument("--eos-token-id", type=int, action="append", default=None, help="EOS id (repeatable; with --tokenizer)")
     args = p.parse_args(argv)
+    from pcpflow.errors import missing_extra
+
+    missing = missing_extra(("transformers", "safetensors", *(("tokenizers",) if args.tokenizer else ())), "hf")
+    if missing:
+        raise SystemExit(f"make_tiny_hf_checkpoint.py: {missing}")
     q_lora = None if args.q_lora_rank.lower() == "none" else int(args.q_lora_rank)
     out = build_checkpoint(
         args.out,

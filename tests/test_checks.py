@@ -233,3 +233,29 @@ def test_config_fuzz_every_outcome_is_valid_or_one_clean_config_error(overrides)
     except ConfigError as exc:
         assert exc.problems and all(p.field and p.allowed for p in exc.problems)
         assert "Traceback" not in exc.report()
+
+
+def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+    import runpy
+
+    from pcpflow.errors import missing_extra
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("safetensors", "transformers") else real(name, *a))
+    message = missing_extra(("safetensors", "numpy"), "hf")
+    assert message.startswith("safetensors not installed: install pcpflow's 'hf' extra") and "pip install" in message
+    assert missing_extra(("numpy",), "hf") is None
+    # the driver: model=hf without safetensors is one problem naming the extra
+    from types import SimpleNamespace
+
+    from pcpflow.checks import check_checkpoint
+
+    (problem,) = check_checkpoint(SimpleNamespace(model=SimpleNamespace(name="hf", path=str(tmp_path))))
+    assert problem.field == "model" and "'hf' extra" in problem.allowed
+    # the checkpoint maker: one line naming the extra, no traceback
+    main = runpy.run_path(str(REPO / "scripts" / "make_tiny_hf_checkpoint.py"))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--arch", "llama", "--out", str(tmp_path / "ckpt")])
+    assert str(exit_.value.code).startswith("make_tiny_hf_checkpoint.py: transformers and safetensors not installed")
+    assert not (tmp_path / "ckpt").exists()

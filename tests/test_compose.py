@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcpflow.cli import _torchrun_run_dir, main
+from pcpflow.cli import planned_run_dir, main
 from pcpflow.compose import compose_raw, options_having, validate_overrides
 from pcpflow.errors import ConfigError
 
@@ -82,8 +82,31 @@ def test_cfg_job_validates_like_a_run(capsys):
     assert "pcp: got 0" in capsys.readouterr().err
 
 
-def test_torchrun_run_dir_without_hydra_run_dir():
+def test_planned_run_dir_without_hydra_run_dir():
     """The default run dir resolves outside a Hydra run (it used to need hydra.job.num)."""
-    run_dir = _torchrun_run_dir(["pcp=4"])
+    run_dir = planned_run_dir(["pcp=4"])
     assert run_dir.parts[0] == "outputs" and len(run_dir.parts) == 3
-    assert _torchrun_run_dir(["pcp=4", "hydra.run.dir=/tmp/x"]).as_posix() == "/tmp/x"
+    assert planned_run_dir(["pcp=4", "hydra.run.dir=/tmp/x"]).as_posix() == "/tmp/x"
+
+
+def test_a_setting_of_another_mode_is_refused_naming_the_mode():
+    # hardware is read only by simulated runs; in an executed run it would be ignored
+    found = problems_of(["hardware=h200_sxm"])
+    assert list(found) == ["hardware"] and "a setting of mode=simulate" in found["hardware"]
+    assert "this run is mode=execute" in found["hardware"]
+    # simulate.* is not in an executed run's config: Hydra cannot place it, and says whose it is
+    found = problems_of(["simulate.gemm_efficiency=0.5"])
+    assert found == {"simulate.gemm_efficiency": "simulate.gemm_efficiency is a setting of mode=simulate; "
+                     "add mode=simulate to the command line"}
+    # added with '+', it composes, and the mode rule names the key that was set
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides(["+simulate.gemm_efficiency=0.5"])
+    (p,) = exc.value.problems
+    assert p.field == "simulate" and p.given == {"simulate.gemm_efficiency": 0.5} and "mode=simulate" in p.allowed
+    # in its own mode the same settings are fine
+    validate_overrides(["mode=simulate", "model=llama3_8b", "hardware=h200_sxm", "simulate.gemm_efficiency=0.5"])
+
+
+def test_a_validator_s_message_is_shown_without_pydantic_s_prefix():
+    found = problems_of(["workload.prompt_len=[9,3]"])
+    assert found["workload.prompt_len"] == "prompt_len is [min, max] with 1 <= min <= max; got [9, 3]"

@@ -108,7 +108,10 @@ def _env(clone: Path, bin_dir: Path) -> dict[str, str]:
 def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)  # `python` as written, this interpreter
+    # `python` as written is this interpreter. NOTE: a script, not a symlink: a venv's python
+    # reached through a link in another folder misses its pyvenv.cfg and runs as the base Python.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     env = _env(clone, bin_dir)
     ran = {}
     for argv in readme_commands((clone / "README.md").read_text()):

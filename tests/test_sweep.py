@@ -372,3 +372,19 @@ def test_bench_overhead_quick(capsys, keep_torch_threads):
     assert _script("bench_overhead").main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "framework / forward" in out and "trace step" in out
+
+
+def test_sweep_md_explains_the_columns_it_has_and_what_the_times_mean(tmp_path):
+    executed, simulated = tmp_path / "executed", tmp_path / "simulated"
+    verify = {"passed": True, "tokens_match": True, "kv_match": True, "max_abs_logit_diff": 0.0}
+    for i, pcp in enumerate((1, 2)):
+        _job(executed, str(i), [f"pcp={pcp}"], {"status": "ok", "config": {"mode": "execute", "pcp": pcp},
+                                                 "verify": verify, "metrics": _metrics(100.0, None)})
+        m = {**_metrics(100.0, None), "framework_overhead_fraction": None}
+        _job(simulated, str(i), [f"pcp={pcp}"], {"status": "ok", "config": {"mode": "simulate", "pcp": pcp}, "metrics": m})
+    write_sweep_report(executed)
+    write_sweep_report(simulated)
+    md_exec, md_sim = (executed / "sweep.md").read_text(), (simulated / "sweep.md").read_text()
+    assert "**exact**" in md_exec and "What the times mean here" in md_exec and "mode=simulate" in md_exec
+    assert "**exact**" not in md_sim and "**overhead**" not in md_sim and "What the times mean here" not in md_sim
+    assert "priced on the hardware profile" in md_sim

@@ -107,7 +107,7 @@ class SimulatedRun:
             self.recorder.close()
         wall_s = time.perf_counter() - t0
         rows = _Loop.request_rows(self, self.requests, with_token_ids=False)  # type: ignore[arg-type]
-        metrics = self.recorder.summary(rows, wall_s)
+        metrics = self.recorder.summary(rows, wall_s, simulated=True)
         metrics["simulate"] = self._summary()
         return {"outputs": None, "requests": rows, "metrics": metrics, "verification": VERIFICATION_OFF}
 
