@@ -1,6 +1,6 @@
 """pcpflow: declarative pipelines for prefill/decode context parallelism, verified
-against a single rank. Library entry points: ``pcpflow.layout.plan_layout`` and
-``pcpflow.slots``; command line: ``python -m pcpflow``."""
+against a single rank. Library entry points: ``pcpflow.layouts.layout.plan_layout`` and
+``pcpflow.layouts.slots``; command line: ``python -m pcpflow``."""
 
 from pcpflow.paths import checkout_root as _checkout_root
 

@@ -1,4 +1,4 @@
-from pcpflow.cli import entry
+from pcpflow.driver.cli import entry
 
 if __name__ == "__main__":
     entry()

@@ -4,9 +4,9 @@
 launcher's ``except Exception`` cannot swallow it, and a Hydra multirun stops at it
 instead of running the remaining jobs.
 
-The driver installs the handler first thing (``pcpflow.cli.main``), so that validation,
+The driver installs the handler first thing (``pcpflow.driver.cli.main``), so that validation,
 start-up, the steps, the plots and the gaps between a sweep's jobs all end the same way;
-a rank installs it as it starts (``pcpflow.bootstrap``).
+a rank installs it as it starts (``pcpflow.rank.bootstrap``).
 """
 
 from __future__ import annotations

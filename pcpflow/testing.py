@@ -30,14 +30,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pcpflow.bootstrap import rank_start_method
-from pcpflow.config import RunConfig, parse_run_config
+from pcpflow.rank.bootstrap import rank_start_method
+from pcpflow.config.run import RunConfig, parse_run_config
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The validated config of ``python -m pcpflow <overrides>`` (ConfigError if invalid)."""
-    from pcpflow.compose import compose_raw
-    from pcpflow.job import prepare_job
+    from pcpflow.driver.compose import compose_raw
+    from pcpflow.driver.job import prepare_job
 
     return prepare_job(compose_raw(list(overrides)))
 
@@ -47,7 +47,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     as ``subprocess.run`` would return them. For commands the driver refuses (exit 2): it
     checks everything before any rank starts, so the answer is the same without a new
     Python (seconds of imports) per case."""
-    from pcpflow.cli import main
+    from pcpflow.driver.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -70,7 +70,7 @@ def run(configs: list[RunConfig], *, timeout_s: float = 600) -> list[dict[str, A
 
 
 def _run_in_process(configs: list[RunConfig]) -> list[dict[str, Any]]:
-    from pcpflow.bootstrap import RankSession
+    from pcpflow.rank.bootstrap import RankSession
 
     session = RankSession.solo()
     return [session.run(cfg, None) for cfg in configs]  # type: ignore[misc]
@@ -101,7 +101,7 @@ def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) ->
 
 
 def _worker(rank: int, world_size: int, port: int, payload: list[dict], out_path: str, timeout_s: float) -> None:
-    from pcpflow.bootstrap import RankSession
+    from pcpflow.rank.bootstrap import RankSession
 
     session = RankSession.connect(f"tcp://127.0.0.1:{port}", rank, world_size)
     cfgs = [parse_run_config(raw) for raw in payload]

@@ -1,5 +1,5 @@
 """Paged attention kernels side by side on one batch (CPU or CUDA): the reference, the
-fused kernel over a gather of each request's blocks (pcpflow.fused_attention), and
+fused kernel over a gather of each request's blocks (pcpflow.attention.fused), and
 flex_attention straight over the whole paged cache through the block tables (a
 ``mask_mod`` that maps each cache slot to its request and position), the alternative
 the gather was chosen over.
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from pcpflow.attention import paged_attention  # noqa: E402
-from pcpflow.fused_attention import fused_paged_attention  # noqa: E402
+from pcpflow.attention.paged import paged_attention  # noqa: E402
+from pcpflow.attention.fused import fused_paged_attention  # noqa: E402
 from pcpflow.models.layers import gqa_spec  # noqa: E402
 
 

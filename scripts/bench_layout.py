@@ -32,7 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pcpflow.layout import BatchLayout, plan_layout  # noqa: E402
+from pcpflow.layouts.layout import BatchLayout, plan_layout  # noqa: E402
 
 FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BUNDLED_TRACE = REPO / "scripts" / "data" / "mooncake_conversation_head.jsonl"  # first 1,000 requests
@@ -220,7 +220,7 @@ def loop_plan(num_scheduled_tokens, is_prefilling, *, pcp_size, dcp_size=1,
 
 
 def _loop_balanced_owners(held, work, pcp_size, owner) -> None:
-    """LPT as water-filling phases (see ``pcpflow.layout._balanced_owners``), one request
+    """LPT as water-filling phases (see ``pcpflow.layouts.layout._balanced_owners``), one request
     at a time, in exact integers scaled by 2 * (number of ranks below the level)."""
     by_work = sorted(range(len(held)), key=lambda k: (-work[k], held[k]))
     sizes = [work[k] for k in by_work]

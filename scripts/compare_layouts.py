@@ -1,14 +1,14 @@
 """Compare context-parallel layouts on the Mooncake conversation trace.
 
 (a) Planner only, at the trace's real lengths (no model): the trace's requests, arriving as
-    recorded, go through pcpflow's own scheduler (``pcpflow.scheduler.Scheduler``, every
+    recorded, go through pcpflow's own scheduler (``pcpflow.scheduling.scheduler.Scheduler``, every
     sampled token stood in by 0: lengths and timing do not depend on token values), and
     every step's batch is planned for each layout, pcp in {1, 2, 4, 8} x decode
     {replicated, sharded round_robin, sharded balanced} x dcp in {1, pcp}. Per layout:
     - per-rank token balance (max/mean per step, mean over steps) and padding;
     - decode attention work, (query, key) pairs of decode rows: balance over ranks, and
       the busiest rank's share of one rank's worth (1.0 = every rank does all of it);
-    - bytes moved per step by purpose, priced by ``pcpflow.accounting`` (the definition
+    - bytes moved per step by purpose, priced by ``pcpflow.layouts.accounting`` (the definition
       CPAttention and the restore stages follow) at a real model shape; restore both
       ``all_rows`` and ``sampled_rows``; with dcp > 1 the DCP bytes of each path of the
       rest rows side by side: ``auto`` (the default: per step, the path that moves fewer
@@ -43,7 +43,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pcpflow.accounting import (
+from pcpflow.layouts.accounting import (
     DCP_REST_POLICIES,
     ModelShape,
     attention_rows,
@@ -55,12 +55,12 @@ from pcpflow.accounting import (
     tp_layer_collectives,
     tp_local_shape,
 )
-from pcpflow.batch import GlobalBatch
-from pcpflow.cp_attention import attention_work
-from pcpflow.kv_cache import KVCacheManager
-from pcpflow.layout import plan_layout
-from pcpflow.scheduler import Scheduler
-from pcpflow.workload import TraceWorkload, build_requests
+from pcpflow.scheduling.batch import GlobalBatch
+from pcpflow.attention.context_parallel import attention_work
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.layouts.layout import plan_layout
+from pcpflow.scheduling.scheduler import Scheduler
+from pcpflow.scheduling.workload import TraceWorkload, build_requests
 
 FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BUNDLED_TRACE = REPO / "scripts" / "data" / "mooncake_conversation_head.jsonl"  # first 1,000 requests

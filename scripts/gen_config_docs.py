@@ -3,7 +3,7 @@
     python scripts/gen_config_docs.py           # rewrite docs/configuration.md
     python scripts/gen_config_docs.py --check   # exit 1 if it is stale (tests/test_docs.py)
 
-Every key a run accepts is a field of ``pcpflow.config.RunConfig``, of the option of a
+Every key a run accepts is a field of ``pcpflow.config.run.RunConfig``, of the option of a
 config group it picks (``model``, ``workload``: a tagged union), or of the Config of the
 stage in a pipeline slot (``draft`` is the draft slot's stage).
 """
@@ -37,9 +37,9 @@ Set a key with `key=value`, pick a group option with `group=option` (its own key
 
 def render() -> str:
     sys.path.insert(0, str(ROOT))
-    from pcpflow.config import RunConfig
-    from pcpflow.pipeline import load_stages
-    from pcpflow.stage import SLOTS, _REGISTRY
+    from pcpflow.config.run import RunConfig
+    from pcpflow.pipeline.assemble import load_stages
+    from pcpflow.pipeline.stage import SLOTS, _REGISTRY
 
     load_stages()
     out = [_HEAD, "## Run settings\n", _table(_rows(RunConfig, "", skip={"model", "workload", "draft", "pipeline"}))]

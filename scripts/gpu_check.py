@@ -172,8 +172,8 @@ class Check:
         return torch.cuda.get_device_name(0).lower().replace(" ", "_").replace("nvidia_", "")
 
     def attention(self, e: dict) -> None:
-        from pcpflow.attention import paged_attention
-        from pcpflow.fused_attention import fused_paged_attention
+        from pcpflow.attention.paged import paged_attention
+        from pcpflow.attention.fused import fused_paged_attention
         from pcpflow.models.layers import gqa_spec, mla_spec
 
         ctx_len, chunk, decodes = (40, 16, 2) if self.dry else (8192, 2048, 16)
@@ -227,7 +227,7 @@ class Check:
                 graphs["same_tokens_as_eager"] = eager.get("outputs") == graphs.get("outputs")
 
     def _run(self, e: dict, key: str, model: list[str], prompts: list[int], out_len: int, mode: str) -> None:
-        from pcpflow.engine import run_rank
+        from pcpflow.rank.engine import run_rank
         from pcpflow.testing import compose
 
         _share_models()
@@ -314,7 +314,7 @@ def _share_models() -> None:
     """Build each model once for its eager and graph runs: random weights are drawn in
     float64 on the CPU (seconds per billion parameters), and the runs' own figures
     exclude the build anyway. Models keep no per-run state (caches live in the run)."""
-    import pcpflow.engine as engine
+    import pcpflow.rank.engine as engine
 
     if getattr(engine.build_model, "shared", False):
         return

@@ -1,4 +1,4 @@
-"""Built-in pipeline stages, installed as ``pcpflow.stages``; ``pcpflow.pipeline.BUILTIN_STAGES``
+"""Built-in pipeline stages, installed as ``pcpflow.stages``; ``pcpflow.pipeline.assemble.BUILTIN_STAGES``
 lists the modules it imports (their ``@register`` calls fill the registry).
 
 One file per stage, each with its ``Config`` beside it:

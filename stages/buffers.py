@@ -12,8 +12,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import LocalBatch, StepState
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import LocalBatch, StepState
 
 
 @register

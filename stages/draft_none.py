@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

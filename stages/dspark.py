@@ -34,8 +34,8 @@ from torch import nn
 from pcpflow import spec
 from pcpflow.errors import Problem
 from pcpflow.models.common import RMSNorm, build_seeded
-from pcpflow.stage import Stage, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, register
+from pcpflow.pipeline.state import StepState
 
 
 class DSparkModel(nn.Module):

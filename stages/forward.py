@@ -1,14 +1,14 @@
 """forward: the model over this rank's rows, attention through CPAttention.
 
 ``dcp_rest`` picks how the rows past the replicated-decode prefix attend under DCP
-(``pcpflow.cp_attention``): ``queries`` (gather the queries, merge partials), ``context``
+(``pcpflow.attention.context_parallel``): ``queries`` (gather the queries, merge partials), ``context``
 (gather their requests' KV shards, attend locally) or ``auto`` (per step, the one that
-moves fewer bytes, priced by ``pcpflow.accounting.plan_dcp_rest``). Every path is exact.
+moves fewer bytes, priced by ``pcpflow.layouts.accounting.plan_dcp_rest``). Every path is exact.
 
 ``attention`` picks the paged-attention kernel: ``reference`` (plain torch, any device),
-``fused`` (``pcpflow.fused_attention``: flex_attention / SDPA with log-sum-exp) or
+``fused`` (``pcpflow.attention.fused``: flex_attention / SDPA with log-sum-exp) or
 ``auto`` (fused on CUDA). Steps the plan dispatched as ``full`` CUDA-graph steps run
-through ``pcpflow.cudagraph.DecodeGraphs`` at world size 1 with the fused kernel
+through ``pcpflow.rank.cudagraph.DecodeGraphs`` at world size 1 with the fused kernel
 (captured and replayed on CUDA, the same static forward eagerly elsewhere).
 """
 
@@ -19,11 +19,11 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pcpflow.fused_attention import attention_kernel, resolve_attention
-from pcpflow.cp_attention import CPAttention
-from pcpflow.moe_dispatch import moe_forward
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.attention.fused import attention_kernel, resolve_attention
+from pcpflow.attention.context_parallel import CPAttention
+from pcpflow.parallel.moe_dispatch import moe_forward
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register
@@ -54,7 +54,7 @@ class ModelForward(Stage):
         has_moe = any("MoE" in type(m).__name__ for m in ctx.model.modules())
         eligible = fused and ctx.world.size == 1 and not ctx.is_reference and not has_moe
         if eligible and ctx.config.cudagraph_mode != "none":
-            from pcpflow.cudagraph import DecodeGraphs
+            from pcpflow.rank.cudagraph import DecodeGraphs
 
             self.graphs = DecodeGraphs(ctx, None, capture=ctx.device.type == "cuda")
 

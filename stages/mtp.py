@@ -30,8 +30,8 @@ from torch import nn
 
 from pcpflow import spec
 from pcpflow.models.common import RMSNorm, build_seeded
-from pcpflow.stage import Stage, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, register
+from pcpflow.pipeline.state import StepState
 
 
 class MTPHead(nn.Module):

@@ -1,6 +1,6 @@
-"""plan: where each token runs (DualChunkSwap across PCP ranks), via pcpflow.layout.
+"""plan: where each token runs (DualChunkSwap across PCP ranks), via pcpflow.layouts.layout.
 
-The step is dispatched here (``pcpflow.cudagraph.dispatch``): from the largest rank's
+The step is dispatched here (``pcpflow.rank.cudagraph.dispatch``): from the largest rank's
 real row count to a CUDA-graph size, and every rank's rows are padded to it.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 from functools import partial
 from typing import Literal
 
-from pcpflow.cudagraph import capture_sizes, dispatch, is_uniform_decode, num_tokens_for_dispatch
-from pcpflow.layout import plan_layout
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.rank.cudagraph import capture_sizes, dispatch, is_uniform_decode, num_tokens_for_dispatch
+from pcpflow.layouts.layout import plan_layout
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

@@ -16,15 +16,15 @@ from typing import Literal
 import numpy as np
 import torch
 
-from pcpflow.accounting import sampled_row_holders
-from pcpflow.sampling import sample_batch
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.layouts.accounting import sampled_row_holders
+from pcpflow.tokens.sampling import sample_batch
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor, config=None) -> StepState:
     """Logits of the sampled rows and their tokens: the argmax (ties go to the lowest
-    token id), or with ``config.sampling`` a keyed draw (``pcpflow.sampling``)."""
+    token id), or with ``config.sampling`` a keyed draw (``pcpflow.tokens.sampling``)."""
     state.sample_hidden = sample_hidden
     with torch.no_grad():
         state.logits = model.compute_logits(sample_hidden)

@@ -21,8 +21,8 @@ import torch
 from pydantic import Field
 
 from pcpflow import spec
-from pcpflow.stage import Stage, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

@@ -2,19 +2,19 @@
 
 The slot mapping is computed once on the global batch (with this rank's DCP shard:
 other ranks' positions get -1) and expanded to the PCP-gathered view, where only the
-canonical writer of each token keeps its slot (``pcpflow.slots.expand_to_gathered``).
+canonical writer of each token keeps its slot (``pcpflow.layouts.slots.expand_to_gathered``).
 With DCP it also sets up the context path of the rest rows (``ContextGather``: its
 index arithmetic runs once per step, and only if a forward takes that path). The
-arithmetic is ``pcpflow.attn_metadata``'s, shared with the drafters and the verifier.
+arithmetic is ``pcpflow.attention.metadata``'s, shared with the drafters and the verifier.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pcpflow.attn_metadata import build_attention_metadata
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.attention.metadata import build_attention_metadata
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

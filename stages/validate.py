@@ -1,7 +1,7 @@
 """validate: the batch every rank received is well formed (cheap, vectorized checks).
 
 The run config itself is validated once in the driver, before any rank starts
-(``pcpflow.config``); this stage guards the per-step contract between the scheduler and
+(``pcpflow.config.run``); this stage guards the per-step contract between the scheduler and
 the rest of the pipeline, so that a scheduler bug fails loudly instead of corrupting KV.
 """
 
@@ -11,8 +11,8 @@ from typing import Literal
 
 import numpy as np
 
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

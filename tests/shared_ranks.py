@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pcpflow.config import RunConfig
+from pcpflow.config.run import RunConfig
 
 MATRICES: dict[str, Callable[[], list[RunConfig]]] = {}
 

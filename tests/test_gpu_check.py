@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from pcpflow.devices import pick_backend, pick_device
+from pcpflow.rank.devices import pick_backend, pick_device
 from pcpflow.errors import ConfigError
 from pcpflow.testing import compose
 

@@ -28,7 +28,7 @@ import json, sys, sysconfig
 from pathlib import Path
 site = Path(sysconfig.get_paths()["purelib"]).resolve()
 editable = [type(f).__name__ for f in sys.meta_path if "editable" in type(f).__name__.lower()]
-from pcpflow.cli import main
+from pcpflow.driver.cli import main
 codes = [main(["pcp=1", "hydra.run.dir=probe-run", *sys.argv[1:]]),
          main(["mode=simulate", "model=llama3_8b", "hardware=h200_sxm", "workload=explicit",
                "workload.prompt_lens=[4096]", "workload.output_lens=[4]", "hydra.run.dir=probe-sim"])]

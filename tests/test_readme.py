@@ -200,7 +200,7 @@ def _check_pip(args: list[str], clone: Path) -> None:
 def _check_pcpflow(args: list[str], nproc: int | None, checkpoints: TinyCheckpoints) -> None:
     import torch
 
-    from pcpflow.cli import precheck, split_args
+    from pcpflow.driver.cli import precheck, split_args
     from pcpflow.errors import ConfigError
     from pcpflow.testing import compose
 

@@ -84,12 +84,12 @@ def test_the_cycle_finder_finds_one():
 
 def test_the_ground_floor_imports_nothing_of_pcpflow():
     graph = import_graph()
-    for ground in ("pcpflow.paths", "pcpflow.errors", "pcpflow.layout"):
+    for ground in ("pcpflow.paths", "pcpflow.errors", "pcpflow.layouts.layout"):
         assert graph[ground] == set(), (ground, graph[ground])
     # Only the entry points import the driver's command line: `python -m pcpflow` and the
     # in-process one of pcpflow.testing, which nothing in the package imports.
-    assert sorted(m for m, deps in graph.items() if "pcpflow.cli" in deps) == ["pcpflow.__main__", "pcpflow.testing"]
+    assert sorted(m for m, deps in graph.items() if "pcpflow.driver.cli" in deps) == ["pcpflow.__main__", "pcpflow.testing"]
     assert not [m for m, deps in graph.items() if "pcpflow.testing" in deps]
     # The protocol names no stage; the config imports no registry.
-    assert not any(d.startswith("pcpflow.stages") for d in graph["pcpflow.stage"])
-    assert not graph["pcpflow.config"] & {"pcpflow.stage", "pcpflow.pipeline"}
+    assert not any(d.startswith("pcpflow.stages") for d in graph["pcpflow.pipeline.stage"])
+    assert not graph["pcpflow.config.run"] & {"pcpflow.pipeline.stage", "pcpflow.pipeline.assemble"}

@@ -1,5 +1,5 @@
 """Decision support for sweeps: rank the jobs by an objective and mark the Pareto front
-of (TTFT, TPOT, GPUs), all three lower-is-better. ``pcpflow.sweep`` calls ``decide`` on its
+of (TTFT, TPOT, GPUs), all three lower-is-better. ``pcpflow.driver.sweep`` calls ``decide`` on its
 rows; the objective is the sweep's ``simulate.objective`` (one for the whole sweep)."""
 
 from __future__ import annotations

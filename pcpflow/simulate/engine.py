@@ -1,8 +1,8 @@
 """A simulated run: the executed run's loop in one process, with every step priced.
 
-The loop is ``pcpflow.engine``'s: the same ``Scheduler`` on the same requests, the same
+The loop is ``pcpflow.rank.engine``'s: the same ``Scheduler`` on the same requests, the same
 plan stage (``plan_layout``), the same counts (``attention_work``, and the collectives
-``pcpflow.accounting`` lists for the layout, which ``CPAttention`` issues and ``Comm``
+``pcpflow.layouts.accounting`` lists for the layout, which ``CPAttention`` issues and ``Comm``
 counts), the same ``MetricsRecorder`` and request timing. What it leaves out is only
 what needs tensors: the forward's arithmetic and the collectives' data, replaced by
 their price (``pcpflow.simulate.price``), and the sampled token ids (every request
@@ -10,7 +10,7 @@ samples token 0: without drafting and EOS stops no count depends on them).
 
 Slot mappings and block tables are not materialised: no count reads them (the KV-write
 masks and DCP owners they encode are what ``attention_work`` and ``context_rows`` compute
-through ``pcpflow.slots.dcp_local_seq_lens``); the KV manager still allocates and frees
+through ``pcpflow.layouts.slots.dcp_local_seq_lens``); the KV manager still allocates and frees
 every block, so admission waits for blocks as executed. ``tests/test_simulate_equality.py``
 checks the counts against executed runs step by step.
 """
@@ -24,18 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from pcpflow.accounting import QUERIES, plan_dcp_rest
-from pcpflow.config import RunConfig
-from pcpflow.engine import _Loop
-from pcpflow.kv_cache import KVCacheManager
-from pcpflow.metrics import MetricsRecorder
+from pcpflow.layouts.accounting import QUERIES, plan_dcp_rest
+from pcpflow.config.run import RunConfig
+from pcpflow.rank.engine import _Loop
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.output.metrics import MetricsRecorder
 from pcpflow.models import vocab_size_of
-from pcpflow.pipeline import resolve_pipeline
-from pcpflow.scheduler import Scheduler
+from pcpflow.pipeline.assemble import resolve_pipeline
+from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Placement, price_step, step_counts
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
-from pcpflow.state import StepState
+from pcpflow.pipeline.state import StepState
 
 VERIFICATION_OFF = "off: mode=simulate computes nothing, so there is nothing to verify (counts and prices only)"
 

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
-from pcpflow.simulate.settings import HardwareConfig, SimulateConfig
+from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes, model_sizes
 
 GIB = 2**30
@@ -36,7 +36,7 @@ _REQUESTS: dict[tuple, list] = {}
 def requests_of(workload, vocab_size: int, seed: int) -> list:
     """``build_requests``, once per workload in this process (validation and the run
     share it: a real-length trace is 10^7 prompt tokens)."""
-    from pcpflow.workload import build_requests
+    from pcpflow.scheduling.workload import build_requests
 
     key = (workload.model_dump_json(), vocab_size, seed)
     if key not in _REQUESTS:
@@ -64,7 +64,7 @@ def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     try:
         from pcpflow.models import ModelConfig
-        from pcpflow.workload import WorkloadConfig
+        from pcpflow.scheduling.workload import WorkloadConfig
 
         sizes = model_sizes(TypeAdapter(ModelConfig).validate_python(raw["model"]))
         hw = HardwareConfig.model_validate(raw["hardware"])

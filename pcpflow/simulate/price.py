@@ -13,7 +13,7 @@ same) and step, with N the rank's padded rows and S the sampled rows:
   ``attention_work`` with DCP inside PCP), ``2 * heads/tp * dcp_tp * (qk + v)`` FLOPs
   each at ``peak.bf16 * attention_efficiency``; HBM: a decode row reads its keys once, a prefill row once per
   128-row query tile (FlashAttention); the slower of the two.
-- collectives: the executed run's own list (``pcpflow.accounting.grid_step_collectives``:
+- collectives: the executed run's own list (``pcpflow.layouts.accounting.grid_step_collectives``:
   PCP/DCP, TP and MoE; ``all_to_all`` MoE rows from uniform routing), each
   ``hops * latency + group_bytes / (n * busbw)`` (nccl-tests' bus bandwidth: (n-1)/n of
   the data for all-gather and all-to-all, 2(n-1)/n for all-reduce; hops n-1, 2(n-1)) on
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pcpflow.accounting import (
+from pcpflow.layouts.accounting import (
     grid_step_collectives,
     moe_all_to_all_calls,
     moe_all_to_all_rows,
@@ -43,10 +43,10 @@ from pcpflow.accounting import (
     moe_uniform_send_rows,
     step_traffic,
 )
-from pcpflow.cp_attention import attention_work
-from pcpflow.grid import RankGrid
-from pcpflow.slots import dcp_local_seq_lens
-from pcpflow.simulate.settings import HardwareConfig, Link, SimulateConfig
+from pcpflow.attention.context_parallel import attention_work
+from pcpflow.parallel.grid import RankGrid
+from pcpflow.layouts.slots import dcp_local_seq_lens
+from pcpflow.config.hardware import HardwareConfig, Link, SimulateConfig
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 EXCHANGE_PURPOSES = ("kv_gather", "dcp_query_gather", "dcp_context_gather")
@@ -138,7 +138,7 @@ ROUTED_PURPOSES = ("moe_dispatch", "moe_combine")
 def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest,
                 interleave: int, restore: str, dcp_comm_backend: str = "ag_rs",
                 moe_dispatch: str = "local") -> StepCounts:
-    """What the executed run counts for this step, through ``pcpflow.accounting``
+    """What the executed run counts for this step, through ``pcpflow.layouts.accounting``
     (``grid_step_collectives``: PCP/DCP, TP and MoE layers). ``all_to_all`` MoE bytes
     depend on the routing a simulation does not have: they are the expected bytes of
     uniform top-k routing (``moe_uniform_send_rows``), flagged in ``expected``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pcpflow.accounting import ModelShape
+from pcpflow.layouts.accounting import ModelShape
 from pcpflow.models.card import ModelCard
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "bf16": 2, "fp8": 1}
@@ -55,7 +55,7 @@ class ModelSizes:
         return self.entry_dim * self.kv_heads_per_rank(tp) // self.num_kv_heads
 
     def shape_per_rank(self, tp: int, dtype_bytes: int) -> ModelShape:
-        """``pcpflow.accounting.ModelShape`` of one TP rank: its heads, its cache entry."""
+        """``pcpflow.layouts.accounting.ModelShape`` of one TP rank: its heads, its cache entry."""
         return ModelShape(
             hidden_size=self.hidden_size,
             num_layers=self.num_layers,

@@ -16,8 +16,8 @@ import numpy as np
 from pydantic import Field
 
 from pcpflow import spec
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 class _FaultConfig(StageConfig):

@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register
@@ -49,7 +49,7 @@ class QueriesOnlyForward(Stage):
     def __call__(self, state: StepState) -> StepState:
         import torch
 
-        from pcpflow.cp_attention import CPAttention
+        from pcpflow.attention.context_parallel import CPAttention
 
         ctx = self.ctx
         backend = CPAttention(

@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from pcpflow.cp_attention import attention_work
-from pcpflow.stage import Stage, StageConfig, register
-from pcpflow.state import StepState
+from pcpflow.attention.context_parallel import attention_work
+from pcpflow.pipeline.stage import Stage, StageConfig, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

@@ -13,8 +13,8 @@ from typing import Literal
 import numpy as np
 
 from pcpflow import spec
-from pcpflow.stage import Stage, register
-from pcpflow.state import StepState
+from pcpflow.pipeline.stage import Stage, register
+from pcpflow.pipeline.state import StepState
 
 
 @register

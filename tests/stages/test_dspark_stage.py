@@ -4,7 +4,7 @@ pcp 2-4 the slow matrix of tests/test_spec_engine.py checks that ranks propose a
 
 from __future__ import annotations
 
-from test_spec_engine import assert_proposals_match_the_dense_forward, one_rank_drafting
+from drafting_reference import assert_proposals_match_the_dense_forward, one_rank_drafting
 
 
 def test_dspark_proposes_what_its_dense_forward_proposes():

@@ -4,7 +4,7 @@ matrix of tests/test_spec_engine.py checks that every rank proposes what one ran
 
 from __future__ import annotations
 
-from test_spec_engine import assert_proposals_match_the_dense_forward, one_rank_drafting
+from drafting_reference import assert_proposals_match_the_dense_forward, one_rank_drafting
 
 
 def test_mtp_proposes_what_its_dense_forward_proposes():

@@ -1,0 +1,350 @@
+"""The run configuration: pydantic models, cross-field rules, one report of every problem.
+
+Hydra composes the YAML in the driver; everything after that sees a validated,
+frozen ``RunConfig`` built from plain containers (strict pydantic rejects OmegaConf
+nodes, so callers convert with ``OmegaConf.to_container(resolve=True)`` first).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pcpflow.errors import ConfigError, Problem
+from pcpflow.parallel.grid import RankGrid
+from pcpflow.models import ModelConfig
+from pcpflow.parallel.moe_dispatch import MoERunConfig
+from pcpflow.tokens.sampling import SamplingConfig
+from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.scheduling.workload import WorkloadConfig
+
+
+BF16_LOGITS_ATOL = 0.25
+"""bf16 keeps 8 mantissa bits: a logit of magnitude ~4-8 is only resolved to ~0.03, and a
+PCP run rounds in a different order than one rank (other batch shapes, merged shards)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DecodeConfig(_Strict):
+    mode: Literal["replicated", "sharded"] = Field(
+        "replicated",
+        description="replicated: every PCP rank holds every decode; sharded: each decode "
+        "lives on one rank",
+    )
+    assignment: Literal["round_robin", "balanced"] = Field(
+        "round_robin",
+        description="which rank owns each sharded decode: k-th decode on rank k mod P "
+        "(vLLM), or balanced by the context each decode reads",
+    )
+
+
+class SchedulerConfig(_Strict):
+    max_num_batched_tokens: int = Field(128, ge=1, description="token budget of one step")
+    max_num_seqs: int = Field(8, ge=1, description="most requests running at once")
+
+
+class KVConfig(_Strict):
+    block_size: int = Field(16, ge=1, description="KV slots per physical block")
+    num_blocks: int = Field(256, ge=1, description="physical blocks per rank and layer")
+    interleave: int = Field(
+        1, ge=1, description="DCP interleave: position p lives on DCP rank (p // I) % dcp"
+    )
+
+
+class VerifyConfig(_Strict):
+    logits_atol: float | None = Field(
+        None,
+        gt=0,
+        description="largest allowed |logit - reference logit| (and KV difference); "
+        "None: 1e-9 in float64, 1e-4 in float32, 0.25 in bfloat16",
+    )
+
+
+class OutputConfig(_Strict):
+    plots: bool = Field(True, description="write PNG plots next to result.json")
+    progress: bool = Field(True, description="show a progress bar on the console")
+    save_logits: bool = Field(
+        False,
+        description="record every sampled logit row per request in result.json 'logits' "
+        "(for parity checks; large for big vocabularies)",
+    )
+
+
+class RunConfig(_Strict):
+    """Everything one pcpflow run needs; see conf/config.yaml for the defaults."""
+
+    pcp: int = Field(2, ge=1, description="prefill context parallel size (PCP ranks)")
+    dcp: int = Field(1, ge=1, description="decode context parallel size (KV shards)")
+    tp: int = Field(1, ge=1, description="tensor parallel size (heads and MLP width split)")
+    seed: int = Field(0, description="seed of model weights and synthetic workloads")
+    dtype: Literal["float32", "float64", "bfloat16"] = Field(
+        "float64", description="model dtype (bfloat16 accumulates attention and norms in float32)"
+    )
+    verify: bool = Field(True, description="compare against the single-rank reference")
+    plugins: list[str] = Field(default_factory=list, description="modules with user stages")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if present")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="collective backend; auto: nccl on cuda, else gloo"
+    )
+    threads_per_rank: int = Field(
+        1,
+        ge=1,
+        description="torch threads of each rank (also of the in-process rank at pcp=1), so "
+        "that layouts are compared on equal terms",
+    )
+    collective_timeout_s: float = Field(
+        60.0, gt=0, description="a collective waiting longer fails the job"
+    )
+    startup_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="start-up (model load, reference build) may take this long on any rank "
+        "before the job fails naming the rank that did not finish it",
+    )
+    dcp_comm_backend: Literal["ag_rs", "a2a"] = Field(
+        "ag_rs",
+        description="DCP over TP ranks: ag_rs (vLLM: all-gather the log-sum-exps, "
+        "reduce-scatter the outputs) or a2a (all-to-all of packed partials)",
+    )
+    max_steps: int | None = Field(None, ge=1, description="stop after this many steps")
+    # --- CUDA graphs (pcpflow.rank.cudagraph)
+    cudagraph_mode: Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"] = Field(
+        "none",
+        description="vLLM's CUDA-graph modes: steps are padded to a capture size and "
+        "dispatched; full decode steps are captured on CUDA at world size 1",
+    )
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None,
+        description="rank-local token counts a step is padded up to; None: vLLM's "
+        "default list (1, 2, 4, 8..248 by 8, 256.. by 16, up to min(2*max_num_seqs, 512))",
+    )
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    kv: KVConfig = Field(default_factory=KVConfig)
+    model: ModelConfig
+    workload: WorkloadConfig
+    draft: dict[str, Any] = Field(
+        default_factory=lambda: {"kind": "none"},
+        description="the draft stage's settings (draft=none|mtp|dspark|self)",
+    )
+    pipeline: dict[str, Any] = Field(
+        default_factory=dict,
+        description="stage of each slot ({kind: ...}) and `extra` user stages",
+    )
+    verify_options: VerifyConfig = Field(default_factory=VerifyConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    num_speculative_tokens: int = Field(
+        0,
+        ge=0,
+        description="derived, not a setting: drafts per request and step of the draft stage, "
+        "filled when the pipeline is assembled (set draft.num_speculative_tokens instead)",
+        json_schema_extra={"derived": True},
+    )
+    moe: MoERunConfig = Field(default_factory=MoERunConfig)
+    # --- simulate (pcpflow.simulate, docs/simulate.md)
+    mode: Literal["execute", "simulate"] = Field(
+        "execute", description="execute: ranks compute (verified); simulate: price every step on `hardware`"
+    )
+    simulate: SimulateConfig = Field(default_factory=SimulateConfig)
+    hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
+
+    @property
+    def grid(self) -> RankGrid:
+        return RankGrid(tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+
+    @property
+    def sampling_seed(self) -> int:
+        """The seed of the sampling draws: ``sampling.seed``, else the run's ``seed``."""
+        return self.seed if self.sampling.seed is None else self.sampling.seed
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+    @property
+    def shard_decodes(self) -> bool:
+        return self.decode.mode == "sharded"
+
+    @property
+    def draft_enabled(self) -> bool:
+        return self.draft_stage_config().get("kind", "none") != "none"
+
+    def draft_stage_config(self) -> dict[str, Any]:
+        """The draft slot's config: the ``draft`` group, with ``pipeline.draft`` on top."""
+        merged = dict(self.draft)
+        merged.update({k: v for k, v in (self.pipeline.get("draft") or {}).items() if v is not None})
+        return merged
+
+    @property
+    def logits_atol(self) -> float:
+        if self.verify_options.logits_atol is not None:
+            return self.verify_options.logits_atol
+        return {"float64": 1e-9, "float32": 1e-4, "bfloat16": BF16_LOGITS_ATOL}[self.dtype]
+
+
+def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> list[Problem]:
+    """Turn pydantic errors into Problems named by dotted field path."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+        field = ".".join(filter(None, [prefix.rstrip("."), *loc])) or prefix or "<config>"
+        given = err.get("input")
+        if err["type"] == "extra_forbidden":
+            allowed = "not a setting here" + _known_keys_hint(model, loc)
+        elif err["type"] == "missing":
+            allowed = "this setting is required"
+            given = "<missing>"
+        else:  # NOTE: a validator's own message, without pydantic's "Value error, " in front
+            allowed = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        problems.append(Problem(field, given, allowed))
+    return problems
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic puts the discriminator's value (e.g. 'tiny_mla') into the location of
+    # errors inside a tagged union; the user never typed it, so drop it.
+    return isinstance(part, str) and part in _union_tags()
+
+
+@functools.cache
+def _union_tags() -> frozenset[str]:
+    """The discriminator values of the model and workload unions (``name`` / ``kind``)."""
+    tags = set()
+    for union, key in ((ModelConfig, "name"), (WorkloadConfig, "kind")):
+        for member in typing.get_args(typing.get_args(union)[0]):
+            tags.update(typing.get_args(member.model_fields[key].annotation))
+    return frozenset(tags)
+
+
+def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
+    if model is None or not loc:
+        return ""
+    node: Any = model
+    for part in loc[:-1]:
+        fields = getattr(node, "model_fields", None)
+        if not fields or part not in fields:
+            return ""
+        node = fields[part].annotation
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return ""
+    keys = sorted(getattr(node, "model_fields", {}))
+    if not keys:
+        return ""
+    close = difflib.get_close_matches(loc[-1], keys, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; allowed keys: {', '.join(keys)}"
+
+
+MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",)}
+"""Settings that only some modes read (the section -> those modes). Set in another mode they
+would be silently ignored, so they are refused there."""
+
+
+def mode_problems(cfg: RunConfig) -> list[Problem]:
+    """A setting of another mode than the run's, naming the mode that reads it."""
+    p = []
+    for name, modes in MODE_SETTINGS.items():
+        if cfg.mode in modes:
+            continue
+        value, default = getattr(cfg, name), RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if value == default:
+            continue
+        if isinstance(value, BaseModel) and isinstance(default, BaseModel):  # name the keys set
+            keys = [k for k in type(value).model_fields if getattr(value, k) != getattr(default, k)]
+            given = {f"{name}.{k}": getattr(value, k) for k in keys}
+        else:
+            given = getattr(value, "name", value)
+        where = " / ".join(f"mode={m}" for m in modes)
+        p.append(Problem(name, given, f"a setting of {where}, and this run is mode={cfg.mode}: add {where.split(' / ')[0]} or leave it out"))
+    return p
+
+
+def cross_field_problems(cfg: RunConfig) -> list[Problem]:
+    """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
+    pcpflow's own)."""
+    p: list[Problem] = mode_problems(cfg)
+    p.extend(cfg.grid.problems())
+    if cfg.kv.block_size % cfg.kv.interleave:
+        p.append(
+            Problem(
+                "kv.interleave",
+                cfg.kv.interleave,
+                f"must divide kv.block_size={cfg.kv.block_size}",
+            )
+        )
+    if cfg.decode.assignment == "balanced" and cfg.decode.mode != "sharded":
+        p.append(
+            Problem(
+                "decode.assignment",
+                "balanced",
+                "'balanced' places sharded decodes; use decode=sharded, or round_robin",
+            )
+        )
+    return p
+
+
+def parse_run_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict; raise ConfigError listing every problem."""
+    cfg, problems = validate_run_config(raw)
+    if problems or cfg is None:
+        raise ConfigError(problems)
+    return cfg
+
+
+def validate_run_config(
+    raw: dict[str, Any], rules: Callable[[RunConfig], list[Problem]] | None = None
+) -> tuple[RunConfig | None, list[Problem]]:
+    """The config and every problem of ``raw``: field errors, then the cross-field rules
+    (and ``rules``: the features' own, which ``pcpflow.driver.checks`` gathers).
+
+    A bad value does not hide the other problems: the fields in error are set back to their
+    defaults and the rest is validated again (cross-field rules that read a field in error
+    are left out, as they would judge the default). None when no config could be built."""
+    problems: list[Problem] = []
+    bad: set[str] = set()
+    data = raw
+    for _ in range(4):
+        try:
+            cfg = RunConfig.model_validate(data)
+        except ValidationError as exc:
+            found = pydantic_problems(exc, model=RunConfig)
+            problems += [p for p in found if p.field not in bad]
+            salvaged = _without(data, [tuple(str(x) for x in e["loc"]) for e in exc.errors()])
+            bad |= {p.field for p in found}
+            if salvaged == data:
+                return None, problems
+            data = salvaged
+            continue
+        found = cross_field_problems(cfg) + (rules(cfg) if rules is not None else [])
+        problems += [p for p in found if p.field not in bad]
+        return cfg, problems
+    return None, problems
+
+
+def _without(raw: dict[str, Any], locs: list[tuple[str, ...]]) -> dict[str, Any]:
+    """A copy of ``raw`` without the leaves at ``locs`` (pydantic error locations; a
+    union's tag in a location is skipped), so that their defaults apply."""
+    out = _copy(raw)
+    for loc in locs:
+        parts = [p for p in loc if not _is_union_tag(p)]
+        if len(parts) < 2 and (not parts or parts[0] in ("model", "workload")):
+            continue  # a whole section in error: it has no default to fall back to
+        node: Any = out
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    return out
+
+
+def _copy(node: Any) -> Any:
+    return {k: _copy(v) for k, v in node.items()} if isinstance(node, dict) else node

@@ -1,0 +1,308 @@
+"""``python -m pcpflow [overrides]``: the driver.
+
+1. Every job's config is composed and validated *before* Hydra starts anything (for a
+   multirun, every combination), so a bad value is one clear report and exit code 2,
+   with no rank started and no traceback.
+2. Hydra then runs the job(s): each composes, writes its frozen config and starts its
+   own ranks (``pcpflow.driver.job``); a callback writes the sweep report.
+3. Under torchrun / srun (RANK and WORLD_SIZE set) this process *is* a rank: rank 0
+   composes and validates, broadcasts the config, and every rank runs the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from pcpflow.driver.compose import compose_raw, validate_overrides
+from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
+from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
+from pcpflow.paths import conf_dir
+from pcpflow.signals import HANDLED, Interrupted, interruptible
+
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
+                     "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version",
+                 "--shell-completion", "-sc", "--resolve"}
+
+
+def entry() -> None:
+    """The process entry point (``python -m pcpflow``, the ``pcpflow`` script)."""
+    code = main()
+    # NOTE: the job is over and result.json written: a signal in the last moments of the
+    # interpreter's teardown must not turn a finished run's exit code into 130.
+    for s in HANDLED:
+        signal.signal(s, signal.SIG_IGN)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return torchrun_main(argv)
+    # NOTE: first thing, so that a Ctrl-C during imports, validation or between a sweep's jobs
+    # ends as one during the steps does: one line, exit 130 / 143, result.json where it can.
+    with interruptible():
+        run_dir: list[Path] = []
+        try:
+            return _main(argv, run_dir)
+        except Interrupted as exc:
+            return interrupted_before_the_job(exc, run_dir[0] if run_dir else None)
+
+
+def _main(argv: list[str], run_dir: list[Path]) -> int:
+    """``run_dir`` receives the run dir a single run will use, as soon as it is known."""
+    if "--help" in argv or "-h" in argv:
+        from pcpflow.driver.help import help_text
+
+        print(help_text())
+        return EXIT_OK
+    overrides, multirun, no_run = split_args(argv)
+    # NOTE: `--cfg job` shows what a run would run: it is validated like one.
+    if not no_run or any(a.split("=", 1)[0] in ("--cfg", "-c") for a in argv):
+        try:
+            if not (multirun or no_run):
+                run_dir.append(planned_run_dir(overrides))
+                if "${" in (_named_run_dir(overrides) or "${"):  # Hydra would resolve it again, later
+                    argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir[0]}"]
+            precheck(overrides, multirun)
+            _check_output_dir(overrides, multirun)
+        except ConfigError as exc:
+            print(exc.report(), file=sys.stderr)
+            if run_dir and run_dir[0].is_dir():
+                _record_refusal(run_dir[0], exc, overrides)
+            return EXIT_INVALID_CONFIG
+    return run_hydra(argv)
+
+
+def _check_output_dir(overrides: list[str], multirun: bool) -> None:
+    """A run / sweep dir given on the command line must be creatable and not held by a live
+    run (Hydra would write its .hydra/ files into it, or fail with a traceback, first)."""
+    from pcpflow.driver.checks import check_run_dir
+    from pcpflow.output.rundir import live_lock_owner
+
+    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith(key)]
+    if not given or "${" in given[-1]:
+        return
+    path = Path(given[-1])
+    check_run_dir(path, create=False)
+    owner = None if multirun else live_lock_owner(path)
+    if owner is not None:
+        raise ConfigError([Problem("hydra.run.dir", str(path), f"a run dir no live run uses; pid {owner} is running in it")])
+
+
+def _named_run_dir(overrides: list[str]) -> str | None:
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    return given[-1] if given else None
+
+
+def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> None:
+    """An invalid command whose run dir exists leaves ``failed`` in it, so that an earlier
+    run's ``ok`` there never looks current (a dir held by a live run is left alone; a dir
+    that does not exist is not made: nothing starts for an invalid command)."""
+    from pcpflow.output.rundir import failed_result, live_lock_owner, write_result
+
+    if live_lock_owner(run_dir) is not None:
+        return
+    try:
+        write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+    except OSError:  # the report already named the run dir if that is the problem
+        pass
+
+
+def interrupted_before_the_job(exc: Interrupted, run_dir: Path | None) -> int:
+    """Interrupted while validating or starting Hydra: no job owns the run dir yet."""
+    from pcpflow.output.rundir import failed_result, live_lock_owner, write_result
+
+    where = ""
+    if run_dir is not None and live_lock_owner(run_dir) is None:
+        try:
+            write_result(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
+            where = f"; result.json: {run_dir / 'result.json'}"
+        except OSError:
+            pass
+    print(f"pcpflow: {exc} before the run started{where}", file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
+def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(config overrides, is multirun, is a Hydra info command that runs no job)."""
+    overrides, skip = [], False
+    multirun = no_run = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            no_run |= flag in _NO_RUN_FLAGS
+            skip = flag in _FLAGS_WITH_VALUE and "=" not in arg
+        else:
+            overrides.append(arg)
+    return overrides, multirun, no_run
+
+
+# ---------------------------------------------------------------------------- precheck
+def precheck(overrides: list[str], multirun: bool) -> None:
+    """Compose and validate every job the command line describes."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(
+            [o for o in overrides if not _is_hydra_override(o)]
+        )
+    except OverrideParseException as exc:
+        raise ConfigError([Problem("<command line>", " ".join(overrides), str(exc).strip())]) from None
+    choices: list[list[str]] = []
+    swept: list[bool] = []
+    for o in parsed:
+        swept.append(o.is_sweep_override())
+        if o.is_sweep_override():
+            if not multirun:
+                raise ConfigError(
+                    [Problem(o.get_key_element(), o.input_line.split("=", 1)[-1], "a sweep of values needs -m / --multirun")]
+                )
+            choices.append([_override_line(o, v) for v in o.sweep_string_iterator()])
+        else:
+            choices.append([o.input_line])
+    jobs = list(itertools.product(*choices)) or [()]
+    problems: list[Problem] = []
+    for job in jobs:
+        try:
+            validate_overrides(list(job))
+        except ConfigError as exc:
+            # A job is named by its swept values only: what tells it apart from the others.
+            label = " ".join(o for o, is_swept in zip(job, swept) if is_swept)
+            for p in exc.problems:
+                problems.append(Problem(f"[{label}] {p.field}" if len(jobs) > 1 else p.field, p.given, p.allowed))
+    if problems:
+        raise ConfigError(_dedupe(problems))
+
+
+def _override_line(o: Any, value: str) -> str:
+    prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(o.type.name, "")
+    key = o.get_key_element()
+    return f"{prefix}{key}={value}"
+
+
+def _dedupe(problems: list[Problem]) -> list[Problem]:
+    seen, out = set(), []
+    for p in problems:
+        key = str(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+# ---------------------------------------------------------------------------- hydra run
+_EXIT_CODES: list[int] = []
+
+
+def run_hydra(argv: list[str]) -> int:
+    import hydra
+
+    _EXIT_CODES.clear()
+    _SWEEP_DIR.clear()
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "pcpflow", *argv]
+    try:
+        hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task)()
+    except Interrupted as exc:
+        # NOTE: the sweep stops here (Hydra's launcher would run the remaining jobs on);
+        # the report lists the jobs that ran, the interrupted one as failed.
+        if _SWEEP_DIR:
+            from pcpflow.driver.sweep import write_sweep_report
+
+            sweep_dir = Path(_SWEEP_DIR[0])
+            rows = write_sweep_report(sweep_dir, announce=False)
+            report = f"; report: {sweep_dir / 'sweep.md'}" if rows else ""
+            print(f"pcpflow: sweep {exc} after {len(rows)} job(s){report}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    finally:
+        sys.argv = saved
+    return max(_EXIT_CODES, default=EXIT_OK)
+
+
+_SWEEP_DIR: list[str] = []
+
+
+def _task(cfg: Any) -> int:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from pcpflow.driver.job import run_job
+
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)
+    raw.pop("hydra", None)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN and not _SWEEP_DIR:
+        _SWEEP_DIR.append(str(hc.sweep.dir))
+    run_dir = Path(hc.runtime.output_dir)
+    code = run_job(raw, run_dir, in_sweep=hc.mode == RunMode.MULTIRUN)
+    _EXIT_CODES.append(code)
+    if code - 128 in (2, 15):  # SIGINT, SIGTERM
+        raise Interrupted(code - 128)
+    return code
+
+
+# ---------------------------------------------------------------------------- torchrun
+def torchrun_main(argv: list[str]) -> int:
+    """This process is one rank of an externally launched job (``pcpflow.rank.bootstrap``):
+    rank 0 composes and checks the config, every rank runs the engine."""
+    from pcpflow.rank.bootstrap import torchrun_rank
+
+    overrides, multirun, _ = split_args(argv)
+    world = int(os.environ["WORLD_SIZE"])
+    return torchrun_rank(lambda: _torchrun_job(overrides, multirun, world))
+
+
+def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
+    from pcpflow.driver.checks import check_run_dir
+    from pcpflow.driver.job import prepare_job
+    from pcpflow.output.rundir import failed_result, write_frozen_config, write_result
+
+    run_dir = None
+    try:
+        if multirun:
+            raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
+        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
+        run_dir = planned_run_dir(overrides)
+        check_run_dir(run_dir)
+        cfg = prepare_job(raw)
+        if cfg.world_size != world:
+            raise ConfigError(
+                [Problem("pcp", cfg.pcp, f"tp*pcp = {cfg.world_size} must equal the {world} ranks torchrun started")]
+            )
+    except ConfigError as exc:
+        if run_dir is not None and run_dir.is_dir():
+            write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+        return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
+    write_frozen_config(cfg, run_dir)
+    return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}
+
+
+def planned_run_dir(overrides: list[str]) -> Path:
+    """``hydra.run.dir`` as a plain run resolves it (``${now:...}`` now, so that the run uses
+    this very dir). Only that node is resolved: the rest of Hydra's own config (a sweep's
+    ``${hydra.job.num}``) exists only inside a Hydra run, and the run's own overrides may
+    still be invalid."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    named = _named_run_dir(overrides)
+    if named is not None:
+        return Path(str(OmegaConf.create({"dir": named}).dir))
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        cfg = compose(config_name="config", overrides=[], return_hydra_config=True)
+        return Path(str(OmegaConf.select(cfg, "hydra.run.dir")))

@@ -1,0 +1,205 @@
+"""Compose a job's config from ``conf/`` and command-line overrides, and validate it, with
+every problem of the command line in one report.
+
+Hydra stops at the first key it cannot place; here such an override is reported and left
+out, and composing goes on, so that an unknown key, a bad value and a cross-field error are
+reported together. An unknown key gets the closest known one ("did you mean"), and a key
+that only another option of its group has names that option (``workload.prompt_lens``:
+``workload=explicit``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+from pcpflow.errors import ConfigError, Problem
+from pcpflow.paths import conf_dir
+
+_NOT_HERE = "not a setting here"
+
+
+def compose_raw(overrides: list[str], *, with_hydra: bool = False) -> dict[str, Any]:
+    """Compose conf/config.yaml with overrides into a plain dict (ConfigError on failure)."""
+    raw, problems = compose_checked(overrides, with_hydra=with_hydra)
+    if problems or raw is None:
+        raise ConfigError(problems)
+    return raw
+
+
+def validate_overrides(overrides: list[str]) -> None:
+    """Compose and validate one job as a run does (ConfigError with every problem)."""
+    from pcpflow.driver.job import prepare_job
+
+    raw, problems = compose_checked(overrides)
+    if raw is not None:
+        try:
+            prepare_job(raw)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError([_with_option_hint(p) for p in problems])
+
+
+def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """The composed dict (None if nothing could be composed) and the overrides that could
+    not be placed, as problems; those overrides are left out of the dict."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    problems, kept = _check_groups(overrides)
+    for _ in range(len(kept) + 1):
+        try:
+            with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+                cfg = compose(config_name="config", overrides=kept, return_hydra_config=with_hydra)
+                raw = OmegaConf.to_container(cfg, resolve=True)
+        except Exception as exc:  # Hydra/OmegaConf raise many types; all mean a bad override
+            problem, key = _compose_problem(exc, kept)
+            problems.append(problem)
+            rest = [o for o in kept if key is None or _key(o) != key]
+            if len(rest) == len(kept):
+                return None, problems
+            kept = rest
+            continue
+        assert isinstance(raw, dict)
+        if not with_hydra:
+            raw.pop("hydra", None)
+        return raw, problems
+    return None, problems
+
+
+def is_hydra_override(o: str) -> bool:
+    key = _key(o)
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
+def _key(o: str) -> str:
+    return o.lstrip("+~").split("=", 1)[0]
+
+
+# ---------------------------------------------------------------------------- groups
+def config_groups() -> dict[str, list[str]]:
+    """Each config group of ``conf/`` and its options."""
+    root = Path(conf_dir())
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(root.iterdir())
+        if d.is_dir() and not d.name.startswith(("_", "."))
+    }
+
+
+@functools.cache
+def option_keys() -> dict[str, dict[str, frozenset[str]]]:
+    """group -> option -> the dotted keys its YAML sets, as the composed config places them:
+    under the group (``workload.prompt_lens``), or at the top for an option in the global
+    package (``mode=simulate`` sets ``simulate.gemm_efficiency``)."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, dict[str, frozenset[str]]] = {}
+    for group, options in config_groups().items():
+        out[group] = {}
+        for option in options:
+            path = Path(conf_dir()) / group / f"{option}.yaml"
+            node = OmegaConf.to_container(OmegaConf.load(path))
+            prefix = "" if "@package _global_" in path.read_text().split("\n", 1)[0] else f"{group}."
+            out[group][option] = frozenset(prefix + k for k in _dotted(node if isinstance(node, dict) else {}))
+    return out
+
+
+def _dotted(node: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in node.items():
+        keys.append(prefix + str(k))
+        if isinstance(v, dict):
+            keys += _dotted(v, f"{prefix}{k}.")
+    return keys
+
+
+def options_having(key: str) -> list[str]:
+    """``group=option`` for each option that sets ``key`` (a key of its group's options, or
+    of a global option such as ``mode=simulate``)."""
+    return [f"{group}={o}" for group, options in option_keys().items() for o, keys in options.items()
+            if key in keys and "." in key]
+
+
+def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:
+    groups, problems, kept = config_groups(), [], []
+    for o in overrides:
+        key, sep, value = o.lstrip("+~").partition("=")
+        if sep and key in groups and value not in groups[key]:
+            close = difflib.get_close_matches(value, groups[key], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(Problem(key, value, f"one of: {', '.join(groups[key])}{hint}"))
+        else:
+            kept.append(o)
+    return problems, kept
+
+
+# ---------------------------------------------------------------------------- keys
+@functools.cache
+def known_keys() -> tuple[str, ...]:
+    """Every dotted key of the default config and of every group option."""
+    from pcpflow.config.run import RunConfig
+
+    keys = {name for name, f in RunConfig.model_fields.items() if not _derived(f)}
+    defaults, _ = compose_checked([])
+    keys.update(_dotted({k: v for k, v in (defaults or {}).items() if k != "num_speculative_tokens"}))
+    for group, options in option_keys().items():
+        keys.add(group)
+        for option_keys_ in options.values():
+            keys.update(option_keys_)
+    return tuple(sorted(keys))
+
+
+def _derived(field: Any) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("derived"))
+
+
+def unknown_key_problem(key: str, given: Any) -> Problem:
+    owners = options_having(key)
+    if owners:
+        return Problem(key, given, _belongs(key, owners))
+    from pcpflow.config.run import RunConfig
+
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.75)
+    if close:
+        return Problem(key, given, f"not a pcpflow setting (did you mean {close[0]!r}?)")
+    top = ", ".join(n for n, f in RunConfig.model_fields.items() if not _derived(f))
+    return Problem(
+        key,
+        given,
+        f"not a pcpflow setting; top-level settings: {top}; config groups: "
+        f"{', '.join(config_groups())}; stage settings live under pipeline.<slot>",
+    )
+
+
+def _belongs(key: str, owners: list[str]) -> str:
+    return f"{key} is a setting of {' / '.join(owners)}; add {owners[0]} to the command line"
+
+
+def _with_option_hint(p: Problem) -> Problem:
+    """A ``+group.key`` that pydantic refused names the group option that has the key."""
+    if not p.allowed.startswith(_NOT_HERE):
+        return p
+    owners = options_having(p.field)
+    return Problem(p.field, p.given, _belongs(p.field, owners)) if owners else p
+
+
+def _compose_problem(exc: Exception, overrides: list[str]) -> tuple[Problem, str | None]:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
+    if m:
+        key = m.group(1)
+        given = next((o.split("=", 1)[1] for o in overrides if _key(o) == key and "=" in o), None)
+        return unknown_key_problem(key, given), key
+    m = re.search(r"An item is already at '([^']+)'", text)
+    if m:
+        key = m.group(1)
+        given = next((o.split("=", 1)[1] for o in overrides if _key(o) == key and "=" in o), None)
+        return Problem("+" + key, given, f"{key} is already set by the config: drop the '+'"), key
+    return Problem("<command line>", " ".join(overrides), first), None

@@ -1,0 +1,103 @@
+"""``python -m pcpflow --help``: pcpflow's own page, its groups and settings read from
+``conf/`` and the pydantic models (so that it cannot drift from what a run accepts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from pcpflow.paths import conf_dir
+
+_HEAD = """\
+pcpflow: run, verify, measure and sweep prefill/decode context parallelism (PCP/DCP) for
+LLM inference. N rank processes split each step's tokens (and KV cache) as vLLM does; the
+run is checked against the same pipeline on one rank (logits, tokens, every KV entry).
+
+usage:
+  python -m pcpflow [key=value ...]                  one run (ranks started for you)
+  python -m pcpflow -m key=a,b [key=c,d ...]         a sweep: every combination, one table
+  torchrun --nproc-per-node N -m pcpflow pcp=N       ranks started by torchrun / srun
+
+commands people run:
+  python -m pcpflow                                  pcp=2 on CPU, tiny MLA model, verified
+  python -m pcpflow pcp=4 dcp=4 decode=sharded       4 ranks, KV sharded 4 ways
+  python -m pcpflow -m pcp=1,2,4 decode=sharded,replicated
+  python -m pcpflow draft=mtp                        speculative decoding with an MTP head
+  python -m pcpflow workload=trace workload.path=scripts/data/mooncake_conversation_head.jsonl
+  python -m pcpflow --cfg job pcp=4                  the composed config (validated first)
+"""
+
+_TAIL = """\
+exit codes:
+  0 ok   1 failed (a rank failed, or verification found a mismatch)
+  2 invalid configuration (every problem listed, no rank started)   130/143 interrupted
+
+results (a run):   outputs/<date>/<time>/ or hydra.run.dir=DIR: result.json (status, verify,
+                   metrics, outputs), metrics.jsonl (one line per step), config.json (the
+                   frozen config), load.png, logs/ (one log per rank)
+results (a sweep): multirun/<date>/<time>/ or hydra.sweep.dir=DIR: sweep.csv, sweep.md,
+                   sweep.png, and one run directory per job
+
+more: README.md; every setting with its default: docs/configuration.md; Hydra's own
+flags: --hydra-help
+"""
+
+
+def help_text() -> str:
+    return "\n".join([_HEAD, _groups(), _settings(), _TAIL])
+
+
+def _groups() -> str:
+    from omegaconf import OmegaConf
+
+    from pcpflow.driver.compose import config_groups
+
+    defaults: dict[str, str] = {}
+    for item in OmegaConf.to_container(OmegaConf.load(Path(conf_dir()) / "config.yaml")).get("defaults", []):
+        if isinstance(item, dict):
+            defaults.update({str(k): str(v) for k, v in item.items()})
+    lines = ["config groups (group=option; * = default):"]
+    for group, options in config_groups().items():
+        shown = [f"{o}*" if defaults.get(group) == o else o for o in options]
+        lines.append(f"  {group:<10} {', '.join(shown)}")
+    lines.append("  an option's own settings: group.key=value (e.g. workload.num_requests=4)")
+    return "\n".join(lines) + "\n"
+
+
+def _settings() -> str:
+    from pcpflow.config.run import RunConfig
+
+    lines = ["settings (key=value; default in brackets):"]
+    for name, field in RunConfig.model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("derived"):
+            continue
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            for key, f in sub.model_fields.items():
+                lines.append(_line(f"{name}.{key}", f.default, f.description))
+        elif name in ("model", "workload", "draft", "pipeline"):
+            lines.append(f"  {name + '.<key>':<34} the settings of the {name} option in use (config groups above)")
+        else:
+            lines.append(_line(name, field.default if field.default_factory is None else field.default_factory(), field.description))
+    return "\n".join(lines) + "\n"
+
+
+def _line(key: str, default: Any, description: str | None) -> str:
+    text = f"{_first(description)} [{_show(default)}]".strip()
+    return f"  {key:<34} {text}"
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _first(description: str | None) -> str:
+    text = " ".join((description or "").split())
+    return text if len(text) <= 70 else text[:67].rsplit(" ", 1)[0] + " ..."

@@ -1,0 +1,138 @@
+"""One job: validate everything, start the ranks, write ``result.json``.
+
+Validation happens entirely before any rank starts: the run config (pydantic +
+cross-field rules), every stage's config (after importing plugins), and the workload
+(trace readable, every request fits the KV cache). Problems are reported together,
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pcpflow import __version__
+from pcpflow.config.run import RunConfig, validate_run_config
+from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
+from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
+from pcpflow.output.rundir import (
+    failed_result,
+    live_lock_owner,
+    release_lock,
+    result_of,
+    take_lock,
+    write_frozen_config,
+    write_result,
+)
+from pcpflow.signals import Interrupted, interruptible
+from pcpflow.tokens.text import tokenize_workload
+
+
+def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
+    """The validated config of one job; raises ConfigError with every problem found
+    (``pcpflow.driver.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
+    ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
+    from pcpflow.driver.checks import check_job, feature_problems
+
+    if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
+        from pcpflow.simulate.prepare import prepare_raw
+
+        raw = prepare_raw(raw)
+    cfg, problems = validate_run_config(raw, rules=feature_problems)
+    if cfg is None:
+        raise ConfigError(problems)
+    try:
+        cfg = tokenize_workload(cfg)
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from None
+    try:
+        cfg = check_job(cfg, raw, kind=kind)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_sweep: bool = False) -> int:
+    """Validate, launch, record. Returns the exit code (0 ok, 1 failed, 2 invalid,
+    130 / 143 interrupted; a sweep says that last one itself)."""
+    from pcpflow.driver.checks import check_run_dir
+
+    try:
+        check_run_dir(run_dir)
+    except ConfigError as exc:  # no run dir to write result.json into
+        print_err(exc.report())
+        return EXIT_INVALID_CONFIG
+    owner = live_lock_owner(run_dir)
+    if owner is not None:  # that run owns result.json and metrics.jsonl: leave them alone
+        print_err(ConfigError([Problem("hydra.run.dir", str(run_dir), f"a run dir no live run uses; pid {owner} is running in it")]).report())
+        return EXIT_INVALID_CONFIG
+    take_lock(run_dir)
+    try:
+        with interruptible():
+            return _run_job(raw, run_dir, console=console, in_sweep=in_sweep)
+    except Interrupted as exc:
+        return _interrupted(exc, raw, run_dir, announce=not in_sweep)
+    finally:
+        release_lock(run_dir)
+
+
+def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool) -> int:
+    if announce:
+        print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
+    write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
+    return exc.exit_code
+
+
+def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool) -> int:
+    from pcpflow.output.report import Progress, print_summary, write_plots
+
+    started = time.time()
+    try:
+        cfg = prepare_job(raw)
+    except ConfigError as exc:
+        print_err(exc.report())
+        # NOTE: overwrites an older run's result.json, so that its "ok" never looks current
+        write_result(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
+        return EXIT_INVALID_CONFIG
+    from pcpflow.driver.checks import capacity_warnings
+
+    for warning in capacity_warnings(cfg):
+        print_err(f"pcpflow: warning: {warning}")
+    write_frozen_config(cfg, run_dir)
+    config = cfg.model_dump(mode="json")
+    try:
+        with Progress(run_dir / "metrics.jsonl", enabled=console and cfg.output.progress):
+            sections = launch_ranks(cfg, run_dir) if cfg.mode == "execute" else _simulate(cfg, run_dir)
+    except RankFailure as exc:
+        print_err(f"pcpflow: {exc}")
+        if exc.details:
+            print_err(exc.details.rstrip())
+        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank))
+        return EXIT_FAILED
+    except Interrupted as exc:
+        return _interrupted(exc, config, run_dir, announce=not in_sweep)
+    clocks = (sections.get("metrics") or {}).get("clocks")
+    if clocks is not None:
+        clocks["job_s"] = time.time() - started
+    result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
+    write_result(run_dir, result)
+    if cfg.output.plots:
+        if cfg.mode == "simulate":
+            from pcpflow.simulate.plot import write_load_plot
+
+            write_load_plot(run_dir)
+        else:
+            write_plots(run_dir)
+    if console:
+        print_summary(result)
+    return result["exit_code"]
+
+
+def _simulate(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    from pcpflow.simulate.engine import simulate_run
+
+    return simulate_run(cfg, run_dir)
+

@@ -1,0 +1,419 @@
+"""The sweep report: a Hydra callback that, after a multirun, reads every job's
+``result.json`` and writes ``sweep.csv`` (a row per job), ``sweep.md`` (the table a person
+reads) and ``sweep.png`` (the same comparison as a picture) in the sweep dir.
+
+Also usable on any directory of finished runs: ``python -m pcpflow.driver.sweep DIR``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from pcpflow.layouts.accounting import tp_share
+
+BASE_COLUMNS = [
+    "job",
+    "mode",
+    "overrides",
+    "config",
+    "status",
+    "exact",
+    "tokens_match",
+    "kv_match",
+    "max_abs_logit_diff",
+    "num_steps",
+    "num_tokens",
+    "tokens_per_s",
+    "ttft_mean_ms",
+    "ttft_p90_ms",
+    "ttft_mean_steps",
+    "tpot_mean_ms",
+    "tpot_mean_steps",
+    "tokens_max_over_mean",
+    "attention_work_max_over_mean",
+    "padding_fraction",
+    "framework_overhead_fraction",
+    "acceptance_rate",
+    "bytes_total",
+    "bytes_tp",
+    "bytes_pcp_dcp",
+    "wall_s",
+]
+"""Columns every ``sweep.csv`` has, in order; then ``bytes_<purpose>`` and
+``calls_<purpose>`` for each collective purpose seen, then ``error``."""
+
+
+class SweepReport(Callback):
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        write_sweep_report(Path(str(config.hydra.sweep.dir)))
+
+
+def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """A row per job directory holding a ``result.json``, in job order. ``config`` is
+    the job's overrides that differ between jobs (what the sweep varies)."""
+    rows, overrides, settings = [], [], []
+    for result_path in sorted(sweep_dir.glob("*/result.json"), key=_job_order):
+        result = _read_result(result_path)
+        settings.append(_headline_settings(result.get("config") or {}))
+        job_dir = result_path.parent
+        m, v = result.get("metrics") or {}, result.get("verify") or {}
+        ttft, tpot, balance = m.get("ttft") or {}, m.get("tpot") or {}, m.get("balance") or {}
+        overrides.append(_overrides(job_dir))
+        row: dict[str, Any] = {
+            "job": job_dir.name,
+            "mode": (result.get("config") or {}).get("mode"),
+            "overrides": " ".join(overrides[-1]),
+            "status": result.get("status"),
+            "exact": v.get("passed") if v else None,
+            "tokens_match": v.get("tokens_match"),
+            "kv_match": v.get("kv_match"),
+            "max_abs_logit_diff": v.get("max_abs_logit_diff"),
+            "num_steps": m.get("num_steps"),
+            "num_tokens": m.get("num_tokens"),
+            "tokens_per_s": _round(m.get("tokens_per_s"), 1),
+            "ttft_mean_ms": _ms(ttft.get("mean_s")),
+            "ttft_p90_ms": _ms(ttft.get("p90_s")),
+            "ttft_mean_steps": _round(ttft.get("mean_steps"), 2),
+            "tpot_mean_ms": _ms(tpot.get("mean_s")),
+            "tpot_mean_steps": _round(tpot.get("mean_steps"), 2),
+            "tokens_max_over_mean": _round(balance.get("tokens_max_over_mean"), 4),
+            "attention_work_max_over_mean": _round(balance.get("attention_work_max_over_mean"), 4),
+            "padding_fraction": _round(balance.get("padding_fraction"), 4),
+            "framework_overhead_fraction": _round(m.get("framework_overhead_fraction"), 4),
+            "acceptance_rate": _round(m.get("acceptance_rate"), 4),
+            "bytes_total": sum((m.get("collective_bytes") or {}).values()) if m else None,
+            "wall_s": _round(m.get("wall_s"), 2),
+        }
+        # TP bytes beside the PCP/DCP ones (blank when no TP all-reduce ran)
+        share = tp_share(m.get("collective_bytes") or {})
+        tp_ran = any(k.endswith("tp_all_reduce") for k in m.get("collective_bytes") or {})
+        row["bytes_tp"] = share["tp"] if tp_ran else None
+        row["bytes_pcp_dcp"] = share["pcp_dcp"] if tp_ran else None
+        for purpose, nbytes in (m.get("collective_bytes") or {}).items():
+            row[f"bytes_{purpose}"] = nbytes
+        for purpose, calls in (m.get("collective_calls") or {}).items():
+            row[f"calls_{purpose}"] = calls
+        if result.get("status") != "ok" and result.get("error"):
+            row["error"] = str(result["error"]).strip().splitlines()[0][:200]
+        rows.append(row)
+    common = set.intersection(*map(set, overrides)) if len(rows) > 1 else set()
+    fixed = [f"{k}={v}" for k, v in settings[0].items() if all(s.get(k) == v for s in settings)] if rows else []
+    for row, job_overrides in zip(rows, overrides):
+        row["config"] = " ".join(o for o in job_overrides if o not in common) or row["job"]
+        row["common_overrides"] = [o for o in job_overrides if o in common]
+        row["fixed_settings"] = fixed
+    return rows
+
+
+_HEADLINE = ("pcp", "dcp", "tp", "decode.mode", "decode.assignment", "model.name", "dtype",
+             "workload.kind", "draft.kind", "scheduler.max_num_batched_tokens", "kv.block_size")
+"""The settings a sweep's picture names when every job has the same value."""
+
+
+def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key in _HEADLINE:
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            out[key.replace(".mode", "").replace(".name", "").replace(".kind", "")] = node
+    return out
+
+
+def write_sweep_report(sweep_dir: Path, *, announce: bool = True) -> list[dict[str, Any]]:
+    rows = collect_rows(sweep_dir)
+    if not rows:
+        return rows
+    purposes = sorted(
+        {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")}
+        - {"total", "tp", "pcp_dcp"}
+    )
+    from pcpflow.simulate.decide import COLUMNS as DECISION_COLUMNS, decide
+
+    decision = decide(rows, sweep_dir)  # gpus, pareto, rank (by simulate.objective)
+    columns = (
+        BASE_COLUMNS
+        + DECISION_COLUMNS
+        + [f"bytes_{p}" for p in purposes]
+        + [f"calls_{p}" for p in purposes]
+        + ["error"]
+    )
+    with open(sweep_dir / "sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in columns})
+    (sweep_dir / "sweep.md").write_text(_markdown(rows, purposes) + decision)
+    _plot(rows, purposes, sweep_dir / "sweep.png")
+    if announce:
+        print(f"pcpflow: sweep report of {len(rows)} job(s): {sweep_dir / 'sweep.md'}", file=sys.stderr)
+    return rows
+
+
+# ------------------------------------------------------------------------------ sweep.md
+_HEADERS = {  # column -> (header, cell formatter)
+    "config": ("config", str),
+    "status": ("status", lambda v: v if v == "ok" else f"**{v}**"),
+    "exact": ("exact", lambda v: "yes" if v else "**NO**"),
+    "max_abs_logit_diff": ("max \\|Δlogit\\|", lambda v: f"{v:.1e}"),
+    "num_steps": ("steps", str),
+    "num_tokens": ("tokens", str),
+    "tokens_per_s": ("tokens/s", lambda v: f"{v:.0f}"),
+    "ttft_mean_ms": ("TTFT ms", lambda v: f"{v:.1f}"),
+    "tpot_mean_ms": ("TPOT ms", lambda v: f"{v:.1f}"),
+    "tokens_max_over_mean": ("token balance", lambda v: f"{v:.3f}"),
+    "attention_work_max_over_mean": ("attn balance", lambda v: f"{v:.3f}"),
+    "padding_fraction": ("padding", lambda v: f"{v:.1%}"),
+    "framework_overhead_fraction": ("overhead", lambda v: f"{v:.1%}"),
+    "acceptance_rate": ("acceptance", lambda v: f"{v:.1%}"),
+    "bytes_tp": ("TP bytes", lambda v: _human(v)),
+    "bytes_pcp_dcp": ("PCP/DCP bytes", lambda v: _human(v)),
+}
+
+
+_NOTES = {  # column shown -> what it means
+    "exact": "- **exact**: tokens, logits and every rank's KV cache match the single-rank reference "
+    "(`verify=true`; blank when not checked).",
+    "tokens_per_s": "- **tokens/s, TTFT, TPOT**: on the run clock (pipeline + scheduler time, verification "
+    "excluded); means over requests.",
+    "tokens_max_over_mean": "- **balance**: max/mean over PCP ranks of the run's tokens and attention (query, key) "
+    "pairs; 1.000 is perfect. **padding**: padded rows / all rows.",
+    "framework_overhead_fraction": "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",
+    "bytes_tp": "- **bytes**: per collective purpose, what every rank received from the others, summed over "
+    "ranks (pcpflow.parallel.comm), and the number of calls; with tp > 1 **TP bytes** (the `tp_all_reduce`s) beside "
+    "**PCP/DCP bytes** (everything else).",
+}
+
+EXECUTED_TIMES = (
+    "- **What the times mean here**: these jobs ran on this machine's CPU cores with a tiny model, "
+    "so their seconds rank how pcpflow's ranks share those cores, not what the layouts cost on GPUs. "
+    "The counts (tokens, balance, bytes, calls) are the layout's own at any scale. For GPU prices run "
+    "the same sweep with `mode=simulate model=<card> hardware=<gpu>` (docs/simulate.md)."
+)
+SIMULATED_TIMES = (
+    "- **tokens/s, TTFT, TPOT**: simulated: every step priced on the hardware profile "
+    "(docs/simulate.md); means over requests."
+)
+
+
+def _notes(rows: list[dict[str, Any]], shown: list[str], purposes: list[str]) -> list[str]:
+    simulated = all(r.get("mode") == "simulate" for r in rows)
+    notes = [text for column, text in _NOTES.items()
+             if (column in shown or (column == "bytes_tp" and purposes))
+             and not (simulated and column == "tokens_per_s")]
+    if simulated:
+        notes.insert(0, SIMULATED_TIMES)
+    elif any(r.get("mode") == "execute" for r in rows):
+        notes.append(EXECUTED_TIMES)
+    return notes
+
+
+def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
+    shown = [c for c in _HEADERS if any(r.get(c) is not None for r in rows)]
+    header = [_HEADERS[c][0] for c in shown] + [f"{p} (calls)" for p in purposes]
+    if purposes:
+        header.append("bytes total")
+    lines = ["# pcpflow sweep", ""]
+    common = _common_overrides(rows)
+    if common:
+        lines += [f"Every job: `{' '.join(common)}`.", ""]
+    fixed = rows[0].get("fixed_settings") if rows else None
+    if fixed:
+        lines += [f"Fixed in every job: `{' '.join(fixed)}`.", ""]
+    lines += [
+        "| " + " | ".join(header) + " |",
+        "|"
+        + "|".join("---" if c in ("config", "status", "exact") else "--:" for c in shown)
+        + "|--:" * (len(purposes) + bool(purposes))
+        + "|",
+    ]
+    for r in rows:
+        cells = ["" if r.get(c) is None else _HEADERS[c][1](r[c]) for c in shown]
+        cells += [
+            f"{_human(r[f'bytes_{p}'])} ({r.get(f'calls_{p}', '?')})"
+            if r.get(f"bytes_{p}") is not None
+            else "—"
+            for p in purposes
+        ]
+        if purposes:
+            cells.append(_human(r["bytes_total"]) if r.get("bytes_total") is not None else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *_notes(rows, shown, purposes)]
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- `{r['config']}`: {r['error']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# ----------------------------------------------------------------------------- sweep.png
+def _plot(rows: list[dict[str, Any]], purposes: list[str], path: Path) -> dict[str, Any]:
+    """Writes sweep.png; returns what it drew that a reader relies on (title, the value
+    labels of each panel, the balance axis) so that tests can check it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = [
+        ("✗ " if r.get("exact") is False or r["status"] != "ok" else "") + r["config"] for r in rows
+    ]
+    ok = np.array([r["status"] == "ok" for r in rows])
+    y = np.arange(len(rows))
+
+    def val(key: str) -> np.ndarray:
+        return np.array(
+            [r.get(key) if r.get(key) is not None else np.nan for r in rows], dtype=float
+        )
+
+    fig, axes = plt.subplots(1, 4, figsize=(17, 0.42 * len(rows) + 2.4), sharey=True)
+
+    def bars(ax, series, title, fmt, unit_line=None):
+        h = 0.8 / len(series)
+        for i, (key, name, color) in enumerate(series):
+            v = val(key)
+            off = (i - (len(series) - 1) / 2) * h
+            ax.barh(
+                y + off,
+                np.nan_to_num(v),
+                height=h,
+                color=color,
+                label=name if len(series) > 1 else None,
+            )
+            ax.barh(
+                (y + off)[~ok],
+                np.nan_to_num(v)[~ok],
+                height=h,
+                color="none",
+                edgecolor="tab:red",
+                hatch="//",
+            )
+            for yi, vi in zip(y + off, v):
+                if np.isfinite(vi):
+                    ax.annotate(f" {vi:{fmt}}", (vi, yi), va="center", fontsize=7)
+        top = np.nanmax([np.nanmax(np.r_[val(k), 0.0]) for k, _, _ in series])
+        ax.set_xlim(0.0, max(top * 1.22, unit_line or 0.0, 1e-9))
+        if unit_line is not None:
+            ax.axvline(unit_line, color="grey", lw=0.8, ls="--")
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+        if len(series) > 1:
+            _legend_below(ax, len(series))
+
+    bars(axes[0], [("tokens_per_s", "tokens/s", "tab:blue")], "tokens/s (run clock)", ".0f")
+    bars(
+        axes[1],
+        [("ttft_mean_ms", "TTFT", "tab:purple"), ("tpot_mean_ms", "TPOT", "tab:olive")],
+        "mean TTFT / TPOT (ms)",
+        ".1f",
+    )
+    bars(
+        axes[2],
+        [
+            ("tokens_max_over_mean", "tokens", "tab:green"),
+            ("attention_work_max_over_mean", "attention work", "tab:orange"),
+        ],
+        "balance: max/mean over ranks (1 = even)",
+        ".3f",
+        unit_line=1.0,
+    )
+    left = np.zeros(len(rows))
+    cmap = plt.get_cmap("tab10")
+    for i, purpose in enumerate(purposes):
+        v = np.nan_to_num(val(f"bytes_{purpose}")) / 2**20
+        axes[3].barh(y, v, left=left, color=cmap(i), label=purpose)
+        left += v
+    axes[3].set_title("MiB moved, by collective purpose", fontsize=10)
+    axes[3].grid(axis="x", alpha=0.3)
+    for yi, total in zip(y, left):
+        if total:
+            axes[3].annotate(f" {total:.2f}", (total, yi), va="center", fontsize=7)
+    axes[3].set_xlim(right=max(left.max(initial=0.0) * 1.18, 1e-3))
+    if purposes:
+        _legend_below(axes[3], len(purposes))
+    axes[0].set_yticks(y, labels, fontsize=8)
+    axes[0].invert_yaxis()
+    common = _common_overrides(rows)
+    fixed = rows[0].get("fixed_settings") or []
+    fig.suptitle(
+        "pcpflow sweep"
+        + (f"  ({' '.join(common)})" if common else "")
+        + "   ✗ / hatched: failed or not exact"
+        + (f"\nfixed in every job: {' '.join(fixed)}" if fixed else ""),
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    drawn = {
+        "title": fig._suptitle.get_text(),
+        "value_labels": [[t.get_text().strip() for t in ax.texts] for ax in axes],
+        "balance_xlim": axes[2].get_xlim(),
+    }
+    plt.close(fig)
+    return drawn
+
+
+def _legend_below(ax, n: int) -> None:
+    ax.legend(
+        fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.06), ncol=min(n, 3), frameon=False
+    )
+
+
+# ------------------------------------------------------------------------------ helpers
+def _read_result(path: Path) -> dict[str, Any]:
+    """A job's result.json; one that cannot be read (truncated by a crash or a full disk)
+    becomes a failed row naming the file, and the other jobs are still reported."""
+    try:
+        result = json.loads(path.read_text())
+        if isinstance(result, dict):
+            return result
+        problem = f"not a JSON object ({type(result).__name__})"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"unreadable ({exc})"
+    return {"status": "unreadable", "error": f"{path}: {problem}"}
+
+
+def _overrides(job_dir: Path) -> list[str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return []
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.load(path)]
+
+
+def _common_overrides(rows: list[dict[str, Any]]) -> list[str]:
+    return rows[0]["common_overrides"] if rows else []
+
+
+def _job_order(path: Path) -> tuple[int, str]:
+    name = path.parent.name
+    return (int(name), name) if name.isdigit() else (1 << 30, name)
+
+
+def _round(v: Any, n: int) -> Any:
+    return round(v, n) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+def _ms(v: Any) -> Any:
+    return round(v * 1e3, 2) if isinstance(v, (int, float)) else None
+
+
+if __name__ == "__main__":
+    rows = write_sweep_report(Path(sys.argv[1]))
+    sys.exit(0 if rows else 1)

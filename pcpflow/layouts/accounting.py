@@ -1,0 +1,569 @@
+"""What one step's collectives move, from the layout alone (numpy only, no torch).
+
+This is the one definition of *which* collectives a step does and *how big* they are:
+``CPAttention`` asks ``attention_rows`` which rows move and ``plan_dcp_rest`` which DCP
+path the rest of them take, the ``sampled_rows`` restore asks ``sampled_row_holders``
+which rows it sends, ``Comm`` counts bytes with ``traffic_factor``; planner-only tools
+(``scripts/compare_layouts.py``) price a layout with ``step_collectives`` without running
+a model. Per layer, on a batch of ``N`` padded rows per rank whose first ``nd`` rows are
+replicated decodes:
+
+====================  ==========  =====  =======================================
+purpose               op          group  rows sent by each rank x row width
+====================  ==========  =====  =======================================
+kv_gather             all_gather  PCP    ``N - nd`` x ``entry_dim`` (if any rank has
+                                         real rows past ``nd``)
+dcp_decode_partials   all_gather  DCP    ``nd`` x ``H*Dv + H`` (partial out + lse)
+*rest rows, queries path:*
+dcp_query_gather      all_gather  DCP    ``N - nd`` x ``H`` x ``qk_dim``
+dcp_partials          all_to_all  DCP    ``D * (N - nd)`` x ``H*Dv + H``
+*rest rows, context path:*
+dcp_context_gather    all_gather  DCP    ``M`` x ``entry_dim``
+====================  ==========  =====  =======================================
+
+where ``M`` (``context_rows``) is the most KV entries one DCP rank holds of the whole
+contexts ``[0, seq_len)`` of the requests with a rest row on any rank (every rank pads
+its part to it). The rest rows take one path per step (``plan_dcp_rest``): ``queries``
+(their queries go to every shard, partials come back and are merged), ``context`` (the
+shards of their requests' contexts are gathered and each rank attends its own rows over
+the whole context), or ``auto``: whichever moves fewer bytes, by the table above.
+Once per step ``restore``, an all_gather over PCP of ``N`` (``all_rows``) or of the
+largest rank's count of sampled rows (``sampled_rows``) hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from pcpflow.layouts.layout import BatchLayout
+from pcpflow.layouts.slots import dcp_local_seq_lens
+
+DCP_REST_POLICIES = ("auto", "queries", "context")
+"""How the rows past the replicated-decode prefix attend under DCP (``plan_dcp_rest``)."""
+
+
+def traffic_factor(op: str, group_size: int) -> int:
+    """Bytes moved per byte of one rank's tensor: what every rank receives from the
+    others, summed over the group (``pcpflow.parallel.comm`` documents the model)."""
+    s = int(group_size)
+    if s <= 1:
+        return 0
+    factors = {
+        "all_gather": s * (s - 1),
+        "all_to_all": s - 1,
+        "broadcast": s - 1,
+        "all_reduce": 2 * (s - 1),
+        "reduce_scatter": s - 1,  # of the full tensor each rank passes in
+    }
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(factors)}")
+    return factors[op]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set collective volumes (a model's ``AttentionSpec`` plus width)."""
+
+    hidden_size: int
+    num_layers: int
+    entry_dim: int  # KV cache entry per token and layer
+    num_heads: int  # query heads
+    qk_dim: int  # per-head query dim as the attention kernel sees it
+    v_dim: int  # per-head attention output dim
+    dtype_bytes: int
+
+    @property
+    def partials_width(self) -> int:
+        """One row of packed partial attention: per-head output and log-sum-exp."""
+        return self.num_heads * self.v_dim + self.num_heads
+
+    @property
+    def partials_dtype_bytes(self) -> int | None:
+        """Element size of packed partials when it differs from the model's: they travel
+        in float32 at least (``pcpflow.attention.paged.accumulation_dtype``), for the lse."""
+        return 4 if self.dtype_bytes < 4 else None
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # all_gather | all_to_all
+    purpose: str
+    group: Literal["pcp", "dcp", "tp", "dcp_heads"]
+    shape: tuple[int, ...]  # the tensor each rank passes in
+    dtype_bytes: int | None = None  # element size, when not the model dtype's
+
+    def nbytes(self, group_size: int, dtype_bytes: int) -> int:
+        size = self.dtype_bytes or dtype_bytes
+        return math.prod(self.shape) * size * traffic_factor(self.op, group_size)
+
+
+def attention_rows(layout: BatchLayout) -> tuple[int, int]:
+    """(``nd``, ``rest``): each rank's leading replicated-decode rows, which never move,
+    and the rows after them that every layer all-gathers across PCP (0 when no rank has
+    a real row past ``nd``: a batch of replicated decodes only)."""
+    nd = layout.num_replicated_decode_tokens
+    moves = bool((layout.per_rank_num_tokens > nd).any())
+    return nd, (layout.padded_num_tokens - nd) if moves else 0
+
+
+@dataclass(frozen=True)
+class DCPRest:
+    """The DCP path of one step's rest rows (the rows past the replicated-decode prefix)."""
+
+    mode: Literal["queries", "context"]
+    context_rows: int = 0  # M: rows each DCP rank sends in the context gather (context)
+
+
+QUERIES = DCPRest("queries")
+
+
+def rest_requests(layout: BatchLayout) -> np.ndarray:
+    """The requests with a real rest row on any rank (sorted batch indices): the same on
+    every rank, since the layout is."""
+    nd = layout.num_replicated_decode_tokens
+    # NOTE: replicated decodes are whole segments filling the first nd rows of every rank.
+    return np.unique(
+        np.concatenate([seg.req_idx[seg.local_start >= nd] for seg in layout.segments])
+    )
+
+
+def context_rows(seq_lens, *, dcp_size: int, interleave: int) -> int:
+    """``M``: the most KV entries one DCP rank stores of the contexts ``[0, L)`` of
+    sequences of lengths ``seq_lens`` (each rank's part of the context gather is padded
+    to it)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    return max(
+        int(dcp_local_seq_lens(lens, dcp_size, r, interleave).sum()) for r in range(dcp_size)
+    )
+
+
+def plan_dcp_rest(
+    layout: BatchLayout,
+    seq_lens,
+    *,
+    policy: str,
+    dcp_size: int,
+    interleave: int,
+    shape: ModelShape,
+) -> DCPRest:
+    """The path of this step's rest rows under ``policy`` (one of ``DCP_REST_POLICIES``).
+
+    ``seq_lens`` (int [R]) is each request's context once this step's tokens are written
+    (``num_computed + num_scheduled``). ``auto`` takes the path whose DCP collectives
+    (``layer_collectives``) move fewer bytes, ``queries`` on a tie. A function of the
+    global batch only, so every rank takes the same path (it decides which collectives
+    run). Without DCP, or without rest rows, nothing moves either way: ``queries``.
+    """
+    if policy not in DCP_REST_POLICIES:
+        raise ValueError(
+            f"unknown dcp_rest policy {policy!r}; known: {', '.join(DCP_REST_POLICIES)}"
+        )
+    _, rest = attention_rows(layout)
+    if dcp_size == 1 or not rest or policy == "queries":
+        return QUERIES
+    lens = np.asarray(seq_lens, dtype=np.int64)[rest_requests(layout)]
+    context = DCPRest("context", context_rows(lens, dcp_size=dcp_size, interleave=interleave))
+    if policy == "context":
+        return context
+
+    def dcp_bytes(r: DCPRest) -> int:
+        colls = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=r)
+        return sum(c.nbytes(dcp_size, shape.dtype_bytes) for c in colls if c.group == "dcp")
+
+    return context if dcp_bytes(context) < dcp_bytes(QUERIES) else QUERIES
+
+
+def layer_collectives(
+    layout: BatchLayout, *, dcp_size: int, shape: ModelShape, dcp_rest: DCPRest
+) -> list[Collective]:
+    """One attention layer's collectives, in the order ``CPAttention`` issues them, with
+    the rest rows on the path ``dcp_rest`` (``plan_dcp_rest``)."""
+    nd, rest = attention_rows(layout)
+    out = []
+    if rest:
+        out.append(Collective("all_gather", "kv_gather", "pcp", (rest, shape.entry_dim)))
+    if dcp_size > 1:
+        if nd:
+            out.append(
+                Collective(
+                    "all_gather",
+                    "dcp_decode_partials",
+                    "dcp",
+                    (nd, shape.partials_width),
+                    shape.partials_dtype_bytes,
+                )
+            )
+        if rest and dcp_rest.mode == "context":
+            out.append(
+                Collective(
+                    "all_gather",
+                    "dcp_context_gather",
+                    "dcp",
+                    (dcp_rest.context_rows, shape.entry_dim),
+                )
+            )
+        elif rest:
+            out.append(
+                Collective(
+                    "all_gather", "dcp_query_gather", "dcp", (rest, shape.num_heads, shape.qk_dim)
+                )
+            )
+            out.append(
+                Collective(
+                    "all_to_all",
+                    "dcp_partials",
+                    "dcp",
+                    (dcp_size * rest, shape.partials_width),
+                    shape.partials_dtype_bytes,
+                )
+            )
+    return out
+
+
+def sampled_row_holders(
+    layout: BatchLayout, logits_indices: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where each sampled token's hidden state is canonically held: (rank, local row) per
+    sample, and the largest number of samples one rank holds (the rows each rank sends
+    in a ``sampled_rows`` restore)."""
+    holder = layout.hidden_restore_idx[np.asarray(logits_indices, dtype=np.int64)]  # gathered row
+    if not len(holder):
+        return holder, holder, 0
+    rank, row = np.divmod(holder, layout.padded_num_tokens)
+    return rank, row, int(np.bincount(rank, minlength=layout.pcp_size).max())
+
+
+def restore_collective(
+    layout: BatchLayout, logits_indices: np.ndarray, *, kind: str, hidden_size: int
+) -> Collective:
+    """The restore's all_gather of hidden states: every row, or only the sampled ones."""
+    if kind == "all_rows":
+        rows = layout.padded_num_tokens
+    elif kind == "sampled_rows":
+        rows = sampled_row_holders(layout, logits_indices)[2]
+    else:
+        raise ValueError(f"unknown restore kind {kind!r}; known: all_rows, sampled_rows")
+    return Collective("all_gather", "restore", "pcp", (rows, hidden_size))
+
+
+def step_collectives(
+    layout: BatchLayout,
+    logits_indices: np.ndarray,
+    *,
+    dcp_size: int,
+    shape: ModelShape,
+    dcp_rest: DCPRest,
+    restore: str = "all_rows",
+) -> list[Collective]:
+    """Every collective of one target-model step (no drafter), in issue order, with the
+    rest rows on the path ``dcp_rest`` (``plan_dcp_rest``)."""
+    per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest)
+    return per_layer * shape.num_layers + [
+        restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
+    ]
+
+
+def step_traffic(
+    collectives: list[Collective],
+    *,
+    pcp_size: int,
+    dcp_size: int,
+    dtype_bytes: int,
+    tp_size: int = 1,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(calls, bytes) by purpose, as ``CommStats`` records them (groups of one move
+    nothing and are not counted). Bytes count every group of an axis (``Comm.copies``:
+    tp PCP groups, pcp TP groups, ...), so at tp > 1 they are the whole job's."""
+    calls: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    world = pcp_size * tp_size
+    sizes = {"pcp": pcp_size, "dcp": dcp_size, "tp": tp_size, "dcp_heads": dcp_tp_size(pcp_size, dcp_size)}
+    for c, n in Counter(collectives).items():  # every layer repeats the same calls
+        size = sizes[c.group]
+        if size > 1:
+            calls[c.purpose] += n
+            nbytes[c.purpose] += n * c.nbytes(size, dtype_bytes) * (world // size)
+    return dict(calls), dict(nbytes)
+
+
+# --- tensor parallel
+# Under TP every per-layer size above is one TP rank's (its heads: ``ModelShape`` of the
+# local ``AttentionSpec``). Per decoder layer, on N padded rows:
+#
+# ==========================  ==============  =====  =================================
+# purpose                     op              group  tensor each rank passes in
+# ==========================  ==============  =====  =================================
+# tp_all_reduce (x2)          all_reduce      TP     ``N`` x ``hidden`` (o_proj, down_proj)
+# *DCP over T = dcp_tp TP ranks, instead of the DCP rows above; R = N - nd rest rows:*
+# dcp_decode_query_gather     all_gather      heads  ``nd`` x ``H`` x ``qk_dim`` (T ranks)
+# dcp_decode_lse_gather       all_gather      DCP    ``T * nd`` x ``H`` (ag_rs; fp32 at least)
+# dcp_decode_output_r..._s... reduce_scatter  DCP    ``D * nd`` x ``H`` x ``Dv`` (ag_rs)
+# dcp_decode_partials         all_to_all      DCP    ``D * nd`` x ``H*Dv + H`` (a2a)
+# dcp_query_gather            all_gather      DCP    ``R`` x ``H`` x ``qk_dim``
+# dcp_lse_gather              all_gather      DCP    ``D * R`` x ``H`` (ag_rs)
+# dcp_output_reduce_scatter   reduce_scatter  DCP    ``D * R`` x ``H`` x ``Dv`` (ag_rs)
+# dcp_partials                all_to_all      DCP    ``D * R`` x ``H*Dv + H`` (a2a)
+# ==========================  ==============  =====  =================================
+
+DCP_COMM_BACKENDS = ("ag_rs", "a2a")
+
+
+def dcp_tp_size(pcp_size: int, dcp_size: int) -> int:
+    """TP ranks one DCP group spans (``RankGrid.dcp_tp``), from the group sizes."""
+    if dcp_size == 1:
+        return 1
+    return dcp_size // pcp_size if pcp_size > 1 else dcp_size
+
+
+def tp_layer_collectives(layout: BatchLayout, *, tp_size: int, hidden_size: int) -> list[Collective]:
+    """A decoder layer's row-parallel all-reduces: attention's ``o_proj``, the MLP's
+    ``down_proj`` (none at tp=1)."""
+    if tp_size == 1:
+        return []
+    return [Collective("all_reduce", "tp_all_reduce", "tp", (layout.padded_num_tokens, hidden_size))] * 2
+
+
+def dcp_over_tp_collectives(
+    layout: BatchLayout, *, dcp_size: int, shape: ModelShape, backend: str = "ag_rs"
+) -> list[Collective]:
+    """One attention layer's DCP collectives when the DCP group spans ``T = dcp_tp`` TP
+    ranks: replicated decode rows (the same on every PCP rank) gather their queries over
+    heads only (``dcp_heads``, the T ranks at one PCP rank); the rest rows of every member
+    over the whole group. Results go back to their heads' owners by ``backend``."""
+    if backend not in DCP_COMM_BACKENDS:
+        raise ValueError(f"unknown dcp_comm_backend {backend!r}; known: {', '.join(DCP_COMM_BACKENDS)}")
+    nd, rest = attention_rows(layout)
+    h, d, t = shape.num_heads, dcp_size, dcp_tp_size(layout.pcp_size, dcp_size)
+    wide = shape.partials_dtype_bytes  # log-sum-exps and rescaled outputs: fp32 at least
+
+    def to_owners(prefix: str, blocks: int, rows: int) -> list[Collective]:
+        if backend == "a2a":
+            return [Collective("all_to_all", f"{prefix}_partials", "dcp", (d * rows, shape.partials_width), wide)]
+        return [
+            Collective("all_gather", f"{prefix}_lse_gather", "dcp", (blocks * rows, h), wide),
+            Collective(
+                "reduce_scatter", f"{prefix}_output_reduce_scatter", "dcp", (d * rows, h, shape.v_dim), wide
+            ),
+        ]
+
+    out = []
+    if nd:
+        out.append(Collective("all_gather", "dcp_decode_query_gather", "dcp_heads", (nd, h, shape.qk_dim)))
+        out += to_owners("dcp_decode", t, nd)
+    if rest:
+        out.append(Collective("all_gather", "dcp_query_gather", "dcp", (rest, h, shape.qk_dim)))
+        out += to_owners("dcp", d, rest)
+    return out
+
+
+def tp_step_collectives(
+    layout: BatchLayout,
+    logits_indices: np.ndarray,
+    *,
+    tp_size: int,
+    dcp_size: int,
+    shape: ModelShape,
+    dcp_rest: DCPRest = QUERIES,
+    restore: str = "all_rows",
+    backend: str = "ag_rs",
+) -> list[Collective]:
+    """Every collective of one target-model step on the grid ``tp x pcp`` (the layout's
+    ``pcp_size``) with ``dcp_size`` KV shards: ``step_collectives`` with the TP all-reduces
+    and, when DCP spans TP ranks, its heads exchange. ``shape`` is one TP rank's."""
+    dcp_tp = dcp_tp_size(layout.pcp_size, dcp_size)
+    if dcp_tp > 1:
+        nd, rest = attention_rows(layout)
+        per_layer = [Collective("all_gather", "kv_gather", "pcp", (rest, shape.entry_dim))] if rest else []
+        per_layer += dcp_over_tp_collectives(layout, dcp_size=dcp_size, shape=shape, backend=backend)
+    else:
+        per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest)
+    per_layer = per_layer + tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)
+    return per_layer * shape.num_layers + [
+        restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
+    ]
+
+
+def tp_local_shape(shape: ModelShape, tp_size: int) -> ModelShape:
+    """One TP rank's ``ModelShape``: ``num_heads / tp`` heads; a GQA entry (``2 * kv *
+    qk_dim`` wide) keeps ``kv / tp`` KV heads (at least one, shared); MLA's latent entry
+    (``entry_dim == qk_dim``, absorbed queries) is whole on every rank."""
+    if tp_size == 1:
+        return shape
+    entry = shape.entry_dim
+    if entry != shape.qk_dim:
+        kv = entry // (2 * shape.qk_dim)
+        entry = 2 * max(1, kv // tp_size) * shape.qk_dim
+    return ModelShape(
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        entry_dim=entry,
+        num_heads=shape.num_heads // tp_size,
+        qk_dim=shape.qk_dim,
+        v_dim=shape.v_dim,
+        dtype_bytes=shape.dtype_bytes,
+    )
+
+
+def tp_share(nbytes: dict[str, int]) -> dict[str, int]:
+    """Bytes by axis: ``{"tp": ..., "pcp_dcp": ...}`` (TP all-reduces, and the rest but
+    verification), for tables that show TP beside PCP/DCP traffic."""
+    tp = sum(v for k, v in nbytes.items() if k.endswith("tp_all_reduce"))
+    return {"tp": tp, "pcp_dcp": sum(nbytes.values()) - tp}
+# --- mixture of experts
+# Per MoE layer (``pcpflow.parallel.moe_dispatch``), on ``N`` padded rows per PCP rank, hidden width
+# ``h``, ``k`` experts per token, over the ``W = tp * pcp`` expert ranks:
+#
+# ==================  ==============  =====  ==============================================
+# purpose             op              group  what each rank passes in
+# ==================  ==============  =====  ==============================================
+# *gather* (vLLM's moe_gathers_tokens)
+# moe_gather          all_gather      PCP    ``N`` x ``h`` (its rows, padded)
+# moe_reduce_scatter  reduce_scatter  PCP    ``P * N`` x ``h`` (partial sums of every row)
+# moe_reduce_scatter  all_reduce      TP     ``N`` x ``h`` (when tp > 1)
+# *all_to_all* (expert parallelism; ``R[s, d]`` rows rank s sends rank d)
+# moe_counts          all_gather      world  ``W`` int64 (the rows it sends each rank)
+# moe_dispatch        all_to_all (v)  world  ``R[s, d]`` x ``h``, then ``R[s, d]`` x ``2k``
+#                                            float64 (its expert ids and weights)
+# moe_combine         all_to_all (v)  world  ``R[d, s]`` x ``h`` (each row's partial sum back)
+# moe_combine         broadcast       TP     ``N`` x ``h`` (when tp > 1: TP rank 0 dispatches)
+# ==================  ==============  =====  ==============================================
+#
+# A row is sent once to each rank that owns at least one of its experts (the owner of
+# expert ``e`` is ``e // (E / W)``); rows to oneself move nothing. ``local`` moves nothing.
+
+MOE_DISPATCH_MODES = ("local", "gather", "all_to_all")
+MOE_ID_BYTES = 8  # expert ids and weights travel as float64 beside each row
+
+
+def moe_gather_collectives(
+    padded_num_tokens: int, pcp_size: int, hidden_size: int, *, tp_size: int = 1
+) -> list[Collective]:
+    """One MoE layer's collectives under ``moe.dispatch=gather``, in issue order."""
+    n, h = padded_num_tokens, hidden_size
+    out = [
+        Collective("all_gather", "moe_gather", "pcp", (n, h)),
+        Collective("reduce_scatter", "moe_reduce_scatter", "pcp", (pcp_size * n, h)),
+    ]
+    if tp_size > 1:
+        tp_sum = Collective("all_reduce", "moe_reduce_scatter", "tp", (n, h))  # type: ignore[arg-type]
+        out.append(tp_sum)
+    return out
+
+
+def moe_owner(expert_ids: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """The rank that owns each expert id (experts split into ``num_ranks`` equal runs)."""
+    return np.asarray(expert_ids) // (num_experts // num_ranks)
+
+
+def moe_all_to_all_calls(
+    send_rows: np.ndarray, *, hidden_size: int, top_k: int, dtype_bytes: int
+) -> list[tuple[str, int]]:
+    """(purpose, bytes) of each collective of one MoE layer's all_to_all dispatch and
+    combine, in issue order, from the ``[W, W]`` matrix of rows each rank sends each rank
+    (``Comm``'s model: what every rank receives from the others, summed over the group).
+    Each row travels with its ``top_k`` expert ids and weights as ``2 * top_k`` float64."""
+    r = np.asarray(send_rows, dtype=np.int64)
+    w = r.shape[0]
+    if w <= 1:
+        return []
+    moved = int(r.sum() - np.trace(r))
+    return [
+        ("moe_counts", w * (w - 1) * w * MOE_ID_BYTES),
+        ("moe_dispatch", moved * hidden_size * dtype_bytes),
+        ("moe_dispatch", moved * 2 * top_k * MOE_ID_BYTES),
+        ("moe_combine", moved * hidden_size * dtype_bytes),
+    ]
+
+
+def moe_uniform_send_rows(
+    rows_per_rank: np.ndarray, *, top_k: int, num_experts: int, num_ranks: int
+) -> np.ndarray:
+    """The expected ``[W, W]`` send matrix when every real row picks ``top_k`` distinct
+    experts uniformly at random (what a simulator prices without a router): a row reaches
+    a rank holding ``E / W`` experts with probability ``1 - C(E - E/W, k) / C(E, k)``."""
+    per_rank = num_experts // num_ranks
+    miss = math.comb(num_experts - per_rank, top_k) / math.comb(num_experts, top_k)
+    rows = np.asarray(rows_per_rank, dtype=np.float64)
+    return np.repeat(rows[:, None] * (1.0 - miss), num_ranks, axis=1)
+
+
+# --- simulate: a whole step's collectives on the tp x pcp grid, MoE layers included
+# (``pcpflow.simulate.price`` counts and prices a step with these; the executed run issues
+# the same calls from ``CPAttention``, ``RowParallelLinear`` and ``pcpflow.parallel.moe_dispatch``).
+# An MoE layer's MLP is not split over TP (``shard_mlp``): it has one ``tp_all_reduce``
+# (``o_proj``), a dense layer two.
+
+
+def grid_step_collectives(
+    layout: BatchLayout,
+    logits_indices: np.ndarray,
+    *,
+    tp_size: int,
+    dcp_size: int,
+    shape: ModelShape,
+    dcp_rest: DCPRest = QUERIES,
+    restore: str = "all_rows",
+    backend: str = "ag_rs",
+    num_moe_layers: int = 0,
+    moe_dispatch: str = "local",
+) -> list[Collective]:
+    """``tp_step_collectives`` of a model of which ``num_moe_layers`` layers are MoE
+    under ``moe_dispatch``: their down_proj all-reduce dropped, ``moe_gather_collectives``
+    added for ``gather``. ``all_to_all``'s world-group calls are not ``Collective``s of a
+    fixed shape (they depend on routing): ``moe_all_to_all_step_traffic`` counts them."""
+    if moe_dispatch not in MOE_DISPATCH_MODES:
+        raise ValueError(f"unknown moe.dispatch {moe_dispatch!r}; known: {', '.join(MOE_DISPATCH_MODES)}")
+    out = tp_step_collectives(
+        layout, logits_indices, tp_size=tp_size, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest,
+        restore=restore, backend=backend,
+    )
+    if not num_moe_layers:
+        return out
+    if tp_size > 1:
+        down = tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)[1]
+        for _ in range(num_moe_layers):
+            out.remove(down)
+    if moe_dispatch == "gather":
+        out += moe_gather_collectives(
+            layout.padded_num_tokens, layout.pcp_size, shape.hidden_size, tp_size=tp_size
+        ) * num_moe_layers
+    return out
+
+
+def moe_all_to_all_step_traffic(
+    send_rows: np.ndarray,
+    *,
+    num_moe_layers: int,
+    padded_num_tokens: int,
+    tp_size: int,
+    hidden_size: int,
+    top_k: int,
+    dtype_bytes: int,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(calls, bytes) by purpose of ``num_moe_layers`` all_to_all MoE layers that each
+    send ``send_rows`` ([W, W], ``moe_all_to_all_calls``), with the TP broadcast of the
+    combined rows when tp > 1 (bytes over all ``W / tp`` TP groups, as ``Comm`` counts)."""
+    calls: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, int] = defaultdict(int)
+    for purpose, b in moe_all_to_all_calls(send_rows, hidden_size=hidden_size, top_k=top_k, dtype_bytes=dtype_bytes):
+        calls[purpose] += num_moe_layers
+        nbytes[purpose] += num_moe_layers * b
+    if tp_size > 1:
+        w = np.asarray(send_rows).shape[0]
+        bcast = Collective("broadcast", "moe_combine", "tp", (padded_num_tokens, hidden_size))
+        calls["moe_combine"] += num_moe_layers
+        nbytes["moe_combine"] += num_moe_layers * bcast.nbytes(tp_size, dtype_bytes) * (w // tp_size)
+    return dict(calls), dict(nbytes)
+
+
+def moe_all_to_all_rows(per_rank_num_tokens: np.ndarray, tp_size: int) -> np.ndarray:
+    """Real rows each of the ``tp * pcp`` world ranks dispatches: TP rank 0 of each PCP
+    rank dispatches that rank's rows, the other TP ranks none (``AllToAllDispatch``)."""
+    rows = np.zeros((len(per_rank_num_tokens), tp_size), dtype=np.int64)
+    rows[:, 0] = per_rank_num_tokens
+    return rows.ravel()

@@ -1,0 +1,112 @@
+"""Paged-KV slot arithmetic, with the KV cache optionally sharded over DCP ranks.
+
+Pure numpy (no torch), vectorized. With DCP size D and interleave I, the positions of a
+request are dealt to the DCP ranks in runs of I: position p lives on rank (p // I) % D,
+packed densely into that rank's blocks. D=2, I=2::
+
+    position:       0 1 2 3 4 5 6 7 8 9
+    dcp owner:      0 0 1 1 0 0 1 1 0 0
+    local position: 0 1 0 1 2 3 2 3 4 5
+
+Since I divides the block size B, the owner's block index is ``p // (B*D)`` on every
+rank: one block table row ("virtual blocks" of B*D positions) serves all DCP ranks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pcpflow.layouts.layout import BatchLayout
+
+PAD_SLOT_ID = -1
+
+
+def dcp_owner(positions, dcp_size: int, interleave: int) -> np.ndarray:
+    """DCP rank that stores the KV of each position: ``(p // I) % D``."""
+    _check_dcp(dcp_size, 0, interleave)
+    return (np.asarray(positions, dtype=np.int64) // interleave) % dcp_size
+
+
+def dcp_local_positions(positions, dcp_size: int, interleave: int) -> np.ndarray:
+    """Index of each position inside its owner's dense shard: ``(p // (I*D)) * I + p % I``."""
+    _check_dcp(dcp_size, 0, interleave)
+    p = np.asarray(positions, dtype=np.int64)
+    return (p // (interleave * dcp_size)) * interleave + p % interleave
+
+
+def dcp_local_seq_lens(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarray:
+    """How many of the positions ``[0, L)`` of each sequence ``dcp_rank`` stores."""
+    _check_dcp(dcp_size, dcp_rank, interleave)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    period = interleave * dcp_size
+    tail = np.clip(lens % period - dcp_rank * interleave, 0, interleave)
+    return (lens // period) * interleave + tail
+
+
+def compute_slot_mapping(
+    positions,
+    req_indices,
+    block_tables,
+    block_size: int,
+    *,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+    interleave: int = 1,
+) -> np.ndarray:
+    """KV slot of each token on ``dcp_rank``; ``PAD_SLOT_ID`` where another rank stores it.
+
+    ``block_tables[r, v]`` is the block holding virtual block ``v`` (positions
+    ``[v*B*D, (v+1)*B*D)``) of request ``r`` on this DCP rank.
+    """
+    _check_dcp(dcp_size, dcp_rank, interleave)
+    if block_size < 1:
+        raise ValueError(f"block_size ({block_size}) must be >= 1")
+    if block_size % interleave:
+        raise ValueError(f"interleave ({interleave}) must divide block_size ({block_size})")
+    pos = np.asarray(positions, dtype=np.int64)
+    req = np.asarray(req_indices, dtype=np.int64)
+    if pos.shape != req.shape:
+        raise ValueError(f"positions {pos.shape} and req_indices {req.shape} differ in shape")
+    tables = np.asarray(block_tables)
+    if tables.ndim != 2:
+        raise ValueError(f"block_tables must be 2-D [num_reqs, max_blocks], got {tables.shape}")
+    if pos.size and pos.min() < 0:
+        raise ValueError(f"positions must be >= 0, got {int(pos.min())}")
+    if dcp_size == 1:
+        return tables[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    # NOTE: look up owned positions only: another rank's position may lie past the blocks
+    # this rank has allocated for the request.
+    owned = (pos // interleave) % dcp_size == dcp_rank
+    local = dcp_local_positions(pos[owned], dcp_size, interleave)
+    slots = np.full(pos.shape, PAD_SLOT_ID, dtype=np.int64)
+    slots[owned] = tables[req[owned], local // block_size] * block_size + local % block_size
+    return slots
+
+
+def expand_to_gathered(slot_mapping, layout: BatchLayout) -> np.ndarray:
+    """A global-batch slot mapping ``[..., T]`` in the layout's padded gathered view.
+
+    Only each token's canonical KV writer row keeps its slot; replicas and padding get
+    ``PAD_SLOT_ID``, so every token is written exactly once.
+    """
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    if slots.shape[-1:] != (layout.num_tokens,):
+        raise ValueError(
+            f"slot_mapping has {slots.shape[-1] if slots.ndim else 0} tokens, "
+            f"the layout {layout.num_tokens}"
+        )
+    if layout.num_tokens == 0:
+        return np.full(slots.shape[:-1] + layout.kv_write_mask.shape, PAD_SLOT_ID, np.int64)
+    return np.where(layout.kv_write_mask, slots[..., layout.padded_gather_idx], PAD_SLOT_ID)
+
+
+def _check_dcp(dcp_size: int, dcp_rank: int, interleave: int) -> None:
+    if dcp_size < 1:
+        raise ValueError(f"dcp_size ({dcp_size}) must be >= 1")
+    if not 0 <= dcp_rank < dcp_size:
+        raise ValueError(f"dcp_rank ({dcp_rank}) must be in [0, dcp_size ({dcp_size}))")
+    if interleave < 1:
+        raise ValueError(f"interleave ({interleave}) must be >= 1")

@@ -1,0 +1,100 @@
+"""The files of one run dir: the frozen ``config.json``, ``result.json``, and the lock that
+keeps two live runs out of one dir.
+
+Ground floor: the driver (``pcpflow.driver.job``) and the ranks (``pcpflow.rank.bootstrap``) both write
+here, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+RESULT_FILE = "result.json"
+LOCK_FILE = ".pcpflow.lock"
+
+
+def write_frozen_config(cfg: Any, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
+
+
+def load_frozen_config(run_dir: Path) -> Any:
+    from pcpflow.config.run import parse_run_config
+
+    return parse_run_config(json.loads((run_dir / CONFIG_FILE).read_text()))
+
+
+def write_result(run_dir: Path, result: dict[str, Any]) -> None:
+    """Write ``result.json`` atomically: a reader (a sweep report, a second rank) never sees
+    half of it, and a crash mid-write leaves the previous file whole."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result.setdefault("error", None)
+    tmp = run_dir / f".{RESULT_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, run_dir / RESULT_FILE)
+
+
+def result_of(sections: dict[str, Any], config: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """``result.json`` of a run whose ranks finished: ok unless verification failed."""
+    from pcpflow.errors import EXIT_FAILED, EXIT_OK
+
+    verify = sections.get("verify")
+    ok = verify is None or verify["passed"]
+    return {
+        "status": "ok" if ok else "failed",
+        "error": None if ok else "verification against the single-rank reference failed",
+        "exit_code": EXIT_OK if ok else EXIT_FAILED,
+        "config": config,
+        **sections,
+        **extra,
+    }
+
+
+def failed_result(error: str, config: dict[str, Any], exit_code: int, **extra: Any) -> dict[str, Any]:
+    return {"status": "failed", "error": error, "exit_code": exit_code, "config": config, **extra}
+
+
+def _jsonable(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+# ------------------------------------------------------------------------------ lock
+def live_lock_owner(run_dir: Path) -> int | None:
+    """The pid of a live run that holds ``run_dir`` (None: free, or its owner is gone)."""
+    try:
+        pid = int((run_dir / LOCK_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
+def take_lock(run_dir: Path) -> None:
+    (run_dir / LOCK_FILE).write_text(f"{os.getpid()} {' '.join(sys.argv)}\n")
+
+
+def release_lock(run_dir: Path) -> None:
+    path = run_dir / LOCK_FILE
+    try:
+        if int(path.read_text().split()[0]) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, IndexError):
+        pass

@@ -1,0 +1,196 @@
+"""Assemble a pipeline from the run config: one stage per slot, plus user extras.
+
+``pipeline.<slot>`` names each slot's stage (``{kind: ..., <its settings>}``); the draft
+slot takes the ``draft`` group with ``pipeline.draft`` on top. ``pipeline.extra`` adds
+user stages at a position: ``[{kind: my_pkg.probes:Probe, after: forward}, ...]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from pcpflow.config.run import pydantic_problems
+from pcpflow.rank.progress import mark_stage
+from pcpflow.errors import MISSING, ConfigError, Problem
+from pcpflow.paths import conf_dir
+from pcpflow.pipeline.stage import (
+    SLOTS,
+    Stage,
+    StageConfig,
+    UnknownStageError,
+    build_config,
+    load_stage_sources,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    from pcpflow.config.run import RunConfig
+    from pcpflow.pipeline.context import RankContext
+    from pcpflow.pipeline.state import StepState
+
+TARGET_SLOTS = tuple(s for s in SLOTS if s != "draft")
+"""The slots that compute the target model's step (the reference runs only these)."""
+
+BUILTIN_STAGES = (
+    "pcpflow.stages.validate",
+    "pcpflow.stages.plan",
+    "pcpflow.stages.buffers",
+    "pcpflow.stages.slots",
+    "pcpflow.stages.forward",
+    "pcpflow.stages.restore",
+    "pcpflow.stages.draft_none",
+    "pcpflow.stages.mtp",
+    "pcpflow.stages.dspark",
+    "pcpflow.stages.self_draft",
+)
+"""The modules of the built-in stages (the folder ``stages/``, installed as ``pcpflow.stages``)."""
+
+
+def load_stages(plugins: list[str] | tuple[str, ...] = ()) -> None:
+    """Fill the registry: the built-in stages, the entry-point group, then ``plugins``.
+    Idempotent (every rank calls it); a plugin that cannot be imported raises ImportError."""
+    for name in BUILTIN_STAGES:
+        importlib.import_module(name)
+    load_stage_sources(plugins)
+
+
+def num_speculative_tokens(specs: list[StageSpec]) -> int:
+    """Drafts per request and step of an assembled pipeline: its draft stage's
+    ``num_speculative_tokens`` (a plugin drafter's own default when not set); 0 without one."""
+    draft = next((s for s in specs if s.name == "draft"), None)
+    if draft is None or draft.cls.kind == "none":
+        return 0
+    k = getattr(draft.config, "num_speculative_tokens", 0)
+    return k if isinstance(k, int) and not isinstance(k, bool) else 0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # the slot, or "extra[i]:<kind>" for an inserted stage
+    cls: type[Stage]
+    config: StageConfig
+
+
+def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
+    """Every stage, in run order; raises ConfigError naming each bad field."""
+    problems: list[Problem] = []
+    try:
+        load_stages(cfg.plugins)
+    except ImportError as exc:
+        name = getattr(exc, "name", None) or str(exc)
+        problems.append(Problem("plugins", cfg.plugins, f"cannot import {name!r}: {exc}"))
+        raise ConfigError(problems) from None
+
+    raw = cfg.pipeline
+    for key in raw:
+        if key not in (*SLOTS, "extra"):
+            problems.append(Problem(f"pipeline.{key}", raw[key], f"unknown slot; slots: {', '.join(SLOTS)}, extra"))
+    specs: list[StageSpec] = []
+    for slot in SLOTS:
+        if slot == "draft":
+            spec = _stage(slot, cfg.draft_stage_config(), "draft", cfg, problems)
+        else:
+            spec = _stage(slot, raw.get(slot), f"pipeline.{slot}", cfg, problems)
+        if spec is not None:
+            specs.append(spec)
+
+    for i, item in enumerate(raw.get("extra") or []):
+        where = f"pipeline.extra[{i}]"
+        if not isinstance(item, dict):
+            problems.append(Problem(where, item, "a mapping {kind: ..., after|before: <slot>}"))
+            continue
+        item = dict(item)
+        anchors = {k: item.pop(k) for k in ("after", "before") if k in item}
+        if len(anchors) != 1 or next(iter(anchors.values())) not in SLOTS:
+            problems.append(Problem(where, anchors or MISSING, f"exactly one of after/before: one of {', '.join(SLOTS)}"))
+            continue
+        spec = _stage(None, item, where, cfg, problems)
+        if spec is None:
+            continue
+        (side, anchor), = anchors.items()
+        spec = StageSpec(f"extra[{i}]:{spec.cls.kind}", spec.cls, spec.config)
+        pos = next(j for j, s in enumerate(specs) if s.name == anchor)
+        specs.insert(pos + (side == "after"), spec)
+    k = num_speculative_tokens(specs)
+    if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
+        problems.append(
+            Problem(
+                "scheduler.max_num_batched_tokens",
+                cfg.scheduler.max_num_batched_tokens,
+                f"must hold a verify row of 1 + {k} speculative tokens",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+    return specs
+
+
+def _stage(slot: str | None, raw: Any, where: str, cfg: RunConfig, problems: list[Problem]) -> StageSpec | None:
+    if not isinstance(raw, dict) or not raw.get("kind"):
+        problems.append(Problem(f"{where}.kind", raw.get("kind", MISSING) if isinstance(raw, dict) else raw, "a stage kind is required"))
+        return None
+    try:
+        cls = resolve(str(raw["kind"]), slot)
+    except UnknownStageError as exc:
+        problems.append(Problem(f"{where}.kind", raw["kind"], str(exc)))
+        return None
+    if slot is not None:
+        raw = _without_unset_defaults_of_other_stages(slot, cls, raw)
+    try:
+        config = build_config(cls, raw)
+    except ValidationError as exc:
+        problems.extend(pydantic_problems(exc, prefix=where, model=cls.Config))
+        return None
+    problems.extend(cls.check_run(config, cfg))
+    return StageSpec(slot or where, cls, config)
+
+
+def _without_unset_defaults_of_other_stages(slot: str, cls: type[Stage], raw: dict[str, Any]) -> dict[str, Any]:
+    """A slot swapped to another stage must not inherit the shipped stage's options.
+
+    ``conf/pipeline/default.yaml`` lists the built-in stages' options (so that, e.g.,
+    ``pipeline.forward.dcp_rest=context`` works without a ``+``). When
+    ``pipeline.forward.kind=my_forward`` swaps the stage, options the new stage does not
+    know and the user left at their shipped value are dropped; anything the user did set
+    still reaches the new stage's validation (and fails there if it is unknown)."""
+    shipped = _shipped_pipeline().get(slot) or {}
+    known = cls.Config.model_fields
+    return {
+        k: v for k, v in raw.items() if k in known or k not in shipped or shipped[k] != v
+    }
+
+
+_SHIPPED: dict[str, Any] | None = None
+
+
+def _shipped_pipeline() -> dict[str, Any]:
+    global _SHIPPED
+    if _SHIPPED is None:
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.load(f"{conf_dir()}/pipeline/default.yaml")
+        _SHIPPED = OmegaConf.to_container(node, resolve=False)  # type: ignore[assignment]
+    return _SHIPPED
+
+
+class Pipeline:
+    """The instantiated stages of one rank; calling it runs one step."""
+
+    def __init__(self, specs: list[StageSpec], ctx: RankContext) -> None:
+        self.stages = [(spec.name, spec.cls(spec.config, ctx)) for spec in specs]
+
+    def __call__(self, state: StepState) -> StepState:
+        for name, stage in self.stages:
+            mark_stage(name)
+            t0 = time.perf_counter()
+            state = stage(state)
+            state.timings[name] = time.perf_counter() - t0
+        return state
+
+    def stage(self, name: str) -> Stage:
+        return dict(self.stages)[name]

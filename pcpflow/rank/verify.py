@@ -1,0 +1,198 @@
+"""Verification against the single-rank reference.
+
+The reference is the same pipeline (its target slots) at tp=1, pcp=1, dcp=1, run in-process
+on rank 0 in lockstep with the real run and fed the same batches — so the generated
+tokens it is fed are the real run's, and one near-tie cannot make the runs drift apart.
+Each step:
+
+- **logits and tokens** (rank 0): largest |logit - reference logit|; every sampled token
+  must equal the reference's argmax (or, sampling, its keyed draw). In float32 and bfloat16
+  a differing token is accepted as a *near-tie* only where the reference's top two logits
+  (sampling: the two tokens' perturbed scores, ``pcpflow.tokens.sampling.decision_gap``) are within
+  2 * tolerance (either could win under rounding); float64 has no such allowance.
+- **KV cache** (every rank): rank 0 broadcasts the reference's cache entries for this
+  step's tokens; each rank writes them into an *expected* cache at the slots of the
+  positions it owns (all positions without DCP, its shard with DCP), in the columns of the
+  KV heads it holds under TP, and compares its whole cache with it: same values where
+  expected, untouched (NaN) everywhere else. The slots come from the rule the ``slots``
+  stage uses (``pcpflow.attention.metadata.rank_slot_mapping``).
+
+The verifier never writes the caches of the run it checks: when a finished request's
+blocks are freed, the expected cache takes over what the run's cache holds there (checked
+already), so that a reused block is checked against its new writes and a stray write
+into a free block still differs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pcpflow.parallel.comm import Comm, CommStats
+from pcpflow.config.run import RunConfig
+from pcpflow.pipeline.context import RankContext, allocate_kv_caches
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.models import build_model
+from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
+from pcpflow.attention.metadata import rank_slot_mapping
+from pcpflow.tokens.sampling import decision_gap
+from pcpflow.pipeline.state import StepState
+from pcpflow.parallel.tensor_parallel import entry_columns
+
+_MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
+
+
+class Verifier:
+    def __init__(self, cfg: RunConfig, ctx: RankContext, specs: list[StageSpec], world: Comm) -> None:
+        self.cfg, self.ctx, self.world = cfg, ctx, world
+        self.atol = cfg.logits_atol
+        self.is_root = world.rank == 0
+        self.expected = [torch.full_like(c, float("nan")) for c in ctx.kv_caches]
+        self.max_logit_diff = 0.0
+        self.max_kv_diff = 0.0
+        self.kv_bad_slots = 0
+        self.tokens_checked = 0
+        self.steps = 0
+        self.token_mismatches: list[dict] = []
+        self.near_ties: list[dict] = []
+        self.num_token_mismatches = 0
+        # Under TP a rank's model and cache hold its heads only; the reference is whole.
+        full_spec = getattr(ctx.model, "full_attn_spec", ctx.model.attn_spec)
+        self.ref_entry_dim = full_spec.entry_dim
+        self.columns = entry_columns(full_spec, ctx.tp.rank, ctx.tp.size).to(ctx.device)
+        if self.is_root:
+            self.ref_model = ctx.model
+            if ctx.tp.size > 1:
+                self.ref_model = build_model(cfg.model, dtype=ctx.dtype, seed=cfg.seed, device=ctx.device)
+            ref_cfg = cfg.model_copy(update={"tp": 1, "pcp": 1, "dcp": 1})
+            # The reference holds the whole context on one rank: dcp times the blocks.
+            ref_blocks = cfg.kv.num_blocks * cfg.dcp
+            self.ref_kv = KVCacheManager(ref_blocks, cfg.kv.block_size, 1)
+            self.ref_ctx = RankContext(
+                config=ref_cfg,
+                pcp=Comm.solo(),
+                dcp=Comm.solo(),
+                world=Comm.solo(),
+                device=ctx.device,
+                dtype=ctx.dtype,
+                model=self.ref_model,
+                kv_caches=allocate_kv_caches(self.ref_model, ref_blocks, cfg.kv.block_size, ctx.dtype, ctx.device),
+                stats=CommStats(),
+                is_reference=True,
+                aux_layers=ctx.aux_layers,
+                requests=ctx.requests,
+            )
+            self.ref_pipeline = Pipeline([s for s in specs if s.name in TARGET_SLOTS], self.ref_ctx)
+
+    # ------------------------------------------------------------------ per step
+    def step(self, state: StepState, finished_req_ids: np.ndarray, freed_blocks: np.ndarray) -> float:
+        """Check one step; returns this step's largest logit difference (rank 0)."""
+        batch = state.batch
+        num_layers = len(self.ctx.kv_caches)
+        entry_dim = self.ref_entry_dim
+        ref_entries = torch.empty((num_layers, batch.num_tokens, entry_dim), dtype=self.ctx.dtype, device=self.ctx.device)
+        step_logit_diff = 0.0
+        if self.is_root:
+            step_logit_diff = self._reference_step(state, ref_entries)
+        self.world.broadcast(ref_entries, src=0, purpose="verify")
+        self._check_kv(state, ref_entries)
+        self._release(finished_req_ids, freed_blocks)
+        self.steps += 1
+        return step_logit_diff
+
+    def _reference_step(self, state: StepState, ref_entries: torch.Tensor) -> float:
+        batch = state.batch
+        self.ref_kv.allocate_many(batch.req_ids, batch.seq_lens)
+        ref_tables = self.ref_kv.block_tables(batch.req_ids)
+        ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
+        ref_slots = rank_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv)
+        idx = torch.from_numpy(ref_slots).to(self.ctx.device)
+        for layer, cache in enumerate(self.ref_ctx.kv_caches):
+            ref_entries[layer] = cache.index_select(0, idx)
+
+        diff = 0.0
+        if state.logits is not None and state.logits.numel():
+            diff = float((state.logits.to(torch.float64) - ref.logits.to(torch.float64)).abs().max())
+            if not math.isfinite(diff):  # NOTE: max(0.0, nan) == 0.0 would hide a NaN logit
+                diff = math.inf
+        self.max_logit_diff = max(self.max_logit_diff, diff)
+        got, want = state.sampled_token_ids, ref.sampled_token_ids
+        self.tokens_checked += len(want)
+        for i in np.flatnonzero(got != want):
+            req = int(batch.req_ids[batch.logits_req_indices[i]])
+            # greedy: the top-2 gap; sampling: the gap of the two perturbed scores
+            gap = decision_gap(ref.logits[i], int(got[i]), int(want[i]), self.cfg.sampling,
+                               self.cfg.sampling_seed, req, int(batch.positions[batch.logits_indices[i]]) + 1)
+            entry = {"step": batch.step, "req_id": req, "got": int(got[i]), "reference": int(want[i]), "top2_gap": gap}
+            if self.cfg.dtype != "float64" and gap <= 2 * self.atol:
+                self.near_ties.append(entry)
+            else:
+                self.num_token_mismatches += 1
+                if len(self.token_mismatches) < _MAX_LISTED:
+                    self.token_mismatches.append(entry)
+        return diff
+
+    def _check_kv(self, state: StepState, ref_entries: torch.Tensor) -> None:
+        batch, ctx, kv = state.batch, self.ctx, self.cfg.kv
+        slots = rank_slot_mapping(
+            batch.positions, batch.req_indices, batch.block_tables, kv, dcp_size=ctx.dcp_size, dcp_rank=ctx.dcp_rank
+        )
+        owned = torch.from_numpy(np.flatnonzero(slots >= 0)).to(ctx.device)
+        owned_slots = torch.from_numpy(slots[slots >= 0]).to(ctx.device)
+        worst, bad = 0.0, 0
+        for layer, (cache, expected) in enumerate(zip(ctx.kv_caches, self.expected)):
+            mine = ref_entries[layer].index_select(0, owned).index_select(1, self.columns)
+            expected.index_copy_(0, owned_slots, mine)
+            nan_c, nan_e = torch.isnan(cache), torch.isnan(expected)
+            both = ~(nan_c | nan_e)
+            d = (cache - expected).abs().where(both, torch.zeros((), dtype=cache.dtype, device=cache.device))
+            bad_entry = (nan_c != nan_e) | (d > self.atol)
+            bad += int(bad_entry.any(dim=1).sum())
+            worst = max(worst, float(d.max()) if d.numel() else 0.0)
+        # Every rank's worst difference and bad-slot count, on rank 0 (this traffic
+        # is verification's own and is not accounted).
+        worst_t = self.world.all_reduce(torch.tensor([worst], dtype=torch.float64, device=ctx.device), "verify", op="max")
+        bad_t = self.world.all_reduce(torch.tensor([float(bad)], dtype=torch.float64, device=ctx.device), "verify", op="sum")
+        self.max_kv_diff = max(self.max_kv_diff, float(worst_t))
+        self.kv_bad_slots += int(bad_t)
+
+    def _release(self, finished_req_ids: np.ndarray, freed_blocks: np.ndarray) -> None:
+        if len(freed_blocks):
+            b = self.cfg.kv.block_size
+            slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
+            idx = torch.from_numpy(slots).to(self.ctx.device)
+            for cache, expected in zip(self.ctx.kv_caches, self.expected):
+                expected.index_copy_(0, idx, cache.index_select(0, idx))
+        if self.is_root:
+            for req_id in np.asarray(finished_req_ids).tolist():
+                freed = self.ref_kv.free(req_id)
+                if len(freed):
+                    b = self.cfg.kv.block_size
+                    slots = torch.from_numpy((np.asarray(freed)[:, None] * b + np.arange(b)).ravel())
+                    for cache in self.ref_ctx.kv_caches:
+                        cache.index_fill_(0, slots.to(cache.device), float("nan"))
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict:
+        tokens_match = self.num_token_mismatches == 0
+        kv_match = self.kv_bad_slots == 0
+        logits_ok = self.max_logit_diff <= self.atol
+        return {
+            "passed": bool(tokens_match and kv_match and logits_ok),
+            "tokens_match": bool(tokens_match),
+            "kv_match": bool(kv_match),
+            "logits_match": bool(logits_ok),
+            "max_abs_logit_diff": self.max_logit_diff,
+            "max_abs_kv_diff": self.max_kv_diff,
+            "tolerance": self.atol,
+            "num_steps_checked": self.steps,
+            "num_tokens_checked": self.tokens_checked,
+            "num_token_mismatches": self.num_token_mismatches,
+            "token_mismatches": self.token_mismatches,
+            "near_ties": self.near_ties,
+            "kv_mismatched_slots": self.kv_bad_slots,
+            "reference": "the same pipeline at tp=1, pcp=1, dcp=1, in-process on rank 0, fed the same batches",
+        }
+

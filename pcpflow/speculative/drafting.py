@@ -1,0 +1,178 @@
+"""What a drafter works with: where drafting starts after this step's verification, the
+tokens that follow each global token, proposals in the step state, local rows and restored
+hidden states, the draft's caches and its decoder layers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from pcpflow.models.base import AttentionSpec
+from pcpflow.models.common import DecoderLayer
+from pcpflow.scheduling.scheduler import accept_drafts
+from pcpflow.pipeline.stage import StageConfig
+
+if TYPE_CHECKING:
+    from pcpflow.scheduling.batch import GlobalBatch
+    from pcpflow.pipeline.context import RankContext
+    from pcpflow.models.base import CausalLM
+    from pcpflow.pipeline.state import StepState
+
+
+class DraftConfig(StageConfig):
+    """Base of a drafter's ``Config``: the scheduler reserves room for and verifies up to
+    ``num_speculative_tokens`` drafts per request."""
+
+    num_speculative_tokens: int = Field(2, ge=1, description="tokens proposed per request and step")
+
+
+# -- what the step decided -----------------------------------------------------------------
+
+
+class DraftStart(NamedTuple):
+    """Where drafting starts, for the M batch rows that sampled this step (finishing
+    prefills and decodes with tokens scheduled), in batch order."""
+
+    rows: np.ndarray  # int64 [M]: batch rows
+    num_accepted: np.ndarray  # int64 [M]: drafts accepted this step (0 for prefills)
+    last_token_indices: np.ndarray  # int64 [M]: global token whose sample is the newest token
+    next_token_ids: np.ndarray  # int64 [M]: the newest token (the target's last sample)
+    next_positions: np.ndarray  # int64 [M]: its position (= num_computed_tokens after update)
+
+
+def draft_start(batch: GlobalBatch, sampled_token_ids: np.ndarray) -> DraftStart:
+    """Greedy verification of this step's drafts (the scheduler's own ``accept_drafts``),
+    as a drafter needs it: a decode row with drafts d_1..d_k and samples s_0..s_k that
+    accepts a drafts continues from s_a, sampled at its token a, at position c + a + 1."""
+    sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+    acc = accept_drafts(batch, sampled)
+    rows = np.flatnonzero(acc.num_new_tokens > 0)
+    accepted = acc.num_accepted[rows]
+    sample = acc.sample_start[rows] + accepted
+    last = batch.logits_indices[sample]
+    return DraftStart(rows, accepted, last, sampled[sample], batch.positions[last] + 1)
+
+
+def next_token_ids(
+    batch: GlobalBatch,
+    sampled_token_ids: np.ndarray,
+    prompts: Mapping[int, np.ndarray] | None = None,
+) -> np.ndarray:
+    """int64 ``[T]``: the token that follows each global token (what an MTP head embeds).
+
+    Where the token is sampled (a finishing prompt's last token, every token of a decode
+    row) it is the sample — for verified drafts that is the accepted draft itself, and
+    past the first rejection it is the target's correction. Elsewhere it is the next
+    input token; the last token of an unfinished prompt chunk is followed by the prompt
+    token after the chunk (from ``prompts``, req_id -> prompt ids; -1 without it).
+    """
+    sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+    out = np.full(batch.num_tokens, -1, dtype=np.int64)
+    out[:-1] = batch.input_ids[1:]
+    q, c = batch.num_scheduled_tokens, batch.num_computed_tokens
+    ends = batch.query_start_loc[1:][q > 0] - 1
+    out[ends] = -1
+    unfinished = np.flatnonzero(batch.is_prefilling & (q > 0) & (c + q < batch.prompt_lens))
+    if prompts is not None:
+        for r in unfinished.tolist():
+            out[batch.query_start_loc[r + 1] - 1] = prompts[int(batch.req_ids[r])][c[r] + q[r]]
+    out[batch.logits_indices] = sampled
+    return out
+
+
+def scatter_proposals(num_reqs: int, rows: np.ndarray, proposals: np.ndarray) -> np.ndarray:
+    """``state.draft_token_ids``: ``proposals [M, k]`` of batch ``rows``, -1 elsewhere."""
+    proposals = np.asarray(proposals, dtype=np.int64)
+    out = np.full((num_reqs, proposals.shape[1] if proposals.ndim == 2 else 0), -1, dtype=np.int64)
+    out[rows] = proposals
+    return out
+
+
+def request_prompts(ctx: RankContext) -> dict[int, np.ndarray]:
+    """req_id -> prompt token ids of the run's workload (the same on every rank)."""
+    return {r.req_id: r.prompt_token_ids for r in ctx.requests}
+
+
+# -- local rows and restored hidden states (the draft prefill runs on the PCP-local batch) --
+
+
+def to_local(state: StepState, values: np.ndarray) -> torch.Tensor:
+    """A per-global-token int array ``[T]`` as this rank's local rows (``values[gather]``,
+    0 on padding), on the local batch's device."""
+    local = state.local
+    assert local is not None, "to_local runs after buffers"
+    picked = torch.from_numpy(np.ascontiguousarray(np.asarray(values)[local.gather_idx]))
+    return picked.to(local.input_ids.device).masked_fill(local.is_padding, 0)
+
+
+def restore_hidden(
+    ctx: RankContext, state: StepState, hidden: torch.Tensor, tokens: np.ndarray | None = None
+) -> torch.Tensor:
+    """Local draft hidden states ``[N, d]`` back in global order: all-gathered over PCP
+    (accounted as ``draft_restore``) and indexed by ``hidden_restore_idx``, as the target's
+    are. ``tokens`` (global token indices) picks rows: ``[len(tokens), d]``; default all."""
+    layout = state.layout
+    assert layout is not None
+    gathered = ctx.pcp.all_gather(hidden, "draft_restore")
+    idx = layout.hidden_restore_idx if tokens is None else layout.hidden_restore_idx[tokens]
+    return gathered.index_select(0, torch.from_numpy(np.ascontiguousarray(idx)).to(gathered.device))
+
+
+def allocate_caches(ctx: RankContext, spec: AttentionSpec, num_layers: int) -> list[torch.Tensor]:
+    """A draft model's paged caches: the target's slots (``kv.num_blocks * kv.block_size``
+    per layer, so the target's block tables and slot mappings serve it), NaN-filled."""
+    shape = (ctx.config.kv.num_blocks * ctx.block_size, spec.entry_dim)
+    return [
+        torch.full(shape, float("nan"), dtype=ctx.dtype, device=ctx.device)
+        for _ in range(num_layers)
+    ]
+
+
+def greedy(model: CausalLM, hidden: torch.Tensor) -> np.ndarray:
+    """Argmax token of each normed hidden row under the target's LM head (ties: lowest id)."""
+    return model.compute_logits(hidden).argmax(dim=-1).cpu().numpy().astype(np.int64)
+
+
+class MLALayerConfig(BaseModel):
+    """A draft decoder layer with multi-head latent attention (DeepSeek-style, absorbed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_heads: int = Field(4, gt=0, description="query heads")
+    q_lora_rank: int | None = Field(
+        None, gt=0, description="query compression rank (None: full q_proj)"
+    )
+    kv_lora_rank: int = Field(32, gt=0, description="width of the cached latent")
+    qk_nope_head_dim: int = Field(16, gt=0, description="per-head query/key dims without rope")
+    qk_rope_head_dim: int = Field(16, gt=0, multiple_of=2, description="per-head rope dims")
+    v_head_dim: int = Field(16, gt=0, description="per-head value dim")
+    intermediate_size: int = Field(128, gt=0, description="MLP inner width")
+    rope_theta: float = Field(10000.0, gt=0, description="rotary base")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+
+
+def mla_decoder_layer(cfg: MLALayerConfig, hidden_size: int) -> tuple[DecoderLayer, AttentionSpec]:
+    """A pre-norm decoder layer with MLA attention, and the ``AttentionSpec`` of its cache
+    (the absorbed MLA cache of the target models: latent then rope key)."""
+    from pcpflow.models.common import RotaryEmbedding
+    from pcpflow.models.layers import MLAAttention, mla_spec
+
+    attention = MLAAttention(
+        hidden_size=hidden_size,
+        num_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        nope_dim=cfg.qk_nope_head_dim,
+        rope_dim=cfg.qk_rope_head_dim,
+        v_dim=cfg.v_head_dim,
+        rotary=RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta),
+        latent_norm_eps=cfg.rms_norm_eps,
+    )
+    layer = DecoderLayer(attention, hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    return layer, mla_spec(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, scale)

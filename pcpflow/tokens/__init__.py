@@ -1,0 +1,3 @@
+"""Tokens in and out: ``text`` (tokenizers, chats, EOS ids), ``sampling`` (keyed draws),
+``stopping`` (stop tokens).
+"""

@@ -1,0 +1,298 @@
+"""paged_attention and merge_attention_partials against a naive float64 softmax written
+row by row in numpy over explicitly gathered contexts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pcpflow.attention import paged as attention
+from pcpflow.attention.paged import merge_attention_partials, paged_attention
+from pcpflow.models.base import AttentionSpec
+
+torch.set_num_threads(2)
+
+SPECS = {
+    # 4 query heads on 2 kv heads; entry = [K | V]
+    "gqa": AttentionSpec(
+        num_heads=4, num_kv_heads=2, qk_dim=8, v_dim=8, v_offset=16, entry_dim=32, scale=0.3
+    ),
+    # MLA: one kv head, values = the first v_dim of the key (the latent)
+    "mla": AttentionSpec(
+        num_heads=4, num_kv_heads=1, qk_dim=12, v_dim=8, v_offset=0, entry_dim=12, scale=0.25
+    ),
+    # MHA with v_dim != qk_dim and trailing unused columns in the entry
+    "mha": AttentionSpec(
+        num_heads=3, num_kv_heads=3, qk_dim=6, v_dim=5, v_offset=18, entry_dim=36, scale=0.4
+    ),
+}
+
+
+def naive_attention(q, cache, spec, block_tables, req, ctx, block_size):
+    """Row by row: gather the context slot by slot, softmax in float64 (numpy)."""
+    q, cache = q.double().numpy(), cache.double().numpy()
+    n, h = q.shape[:2]
+    group = spec.num_heads // spec.num_kv_heads
+    out = np.zeros((n, h, spec.v_dim))
+    lse = np.full((n, h), -np.inf)
+    for i in range(n):
+        r, c = int(req[i]), int(ctx[i])
+        if c == 0:
+            continue
+        slots = [
+            int(block_tables[r, j // block_size]) * block_size + j % block_size for j in range(c)
+        ]
+        entries = cache[slots]
+        for head in range(h):
+            kvh = head // group
+            k = entries[:, kvh * spec.qk_dim : (kvh + 1) * spec.qk_dim]
+            v0 = spec.v_offset + kvh * spec.v_dim
+            v = entries[:, v0 : v0 + spec.v_dim]
+            s = spec.scale * (k @ q[i, head])
+            mx = s.max()
+            w = np.exp(s - mx)
+            out[i, head] = w @ v / w.sum()
+            lse[i, head] = mx + np.log(w.sum())
+    return out, lse
+
+
+def random_case(rng, spec, block_size, *, num_reqs=4, max_len=90):
+    """Requests with random lengths in shuffled, non-contiguous blocks (unused entries -1),
+    query rows that mix long prefill runs, decodes, shuffled rows and context-0 rows."""
+    lens = rng.integers(0, max_len, size=num_reqs)
+    lens[0] = max_len  # one request long enough for a run of >= _SEGMENT_ROWS rows
+    blocks_per_req = -(-lens // block_size)
+    max_blocks = int(blocks_per_req.max()) + 1
+    num_blocks = int(blocks_per_req.sum()) + 3
+    perm = rng.permutation(num_blocks)
+    block_tables = np.full((num_reqs, max_blocks), -1)
+    used = 0
+    for r in range(num_reqs):
+        block_tables[r, : blocks_per_req[r]] = perm[used : used + blocks_per_req[r]]
+        used += blocks_per_req[r]
+    req, ctx = [], []
+    # a prefill of request 0 (consecutive rows, causal contexts), then decodes of the others
+    start = int(rng.integers(0, 10))
+    for p in range(start, lens[0]):
+        req.append(0), ctx.append(p + 1)
+    for r in range(1, num_reqs):
+        req.append(r), ctx.append(int(lens[r]))
+    # random rows anywhere, some with context 0 (padding-like)
+    for _ in range(20):
+        r = int(rng.integers(0, num_reqs))
+        req.append(r), ctx.append(int(rng.integers(0, lens[r] + 1)))
+    req.extend([0] * 3), ctx.extend([0] * 3)
+    n = len(req)
+    order = np.arange(n)
+    tail = order[lens[0] - start :]
+    order[lens[0] - start :] = rng.permutation(tail)  # shuffle only the non-prefill rows
+    req, ctx = np.array(req)[order], np.array(ctx)[order]
+    cache = torch.from_numpy(rng.standard_normal((num_blocks * block_size, spec.entry_dim)))
+    q = torch.from_numpy(rng.standard_normal((n, spec.num_heads, spec.qk_dim)))
+    return q, cache, torch.from_numpy(block_tables), torch.from_numpy(req), torch.from_numpy(ctx)
+
+
+@pytest.mark.parametrize("spec_name", sorted(SPECS))
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("tile_elements", [None, 97])
+def test_paged_attention_matches_naive(spec_name, block_size, tile_elements, monkeypatch):
+    if tile_elements is not None:  # many tiny tiles: every tile boundary path
+        monkeypatch.setattr(attention, "_TILE_ELEMENTS", tile_elements)
+    spec = SPECS[spec_name]
+    rng = np.random.default_rng([block_size, len(spec_name)])
+    q, cache, bt, req, ctx = random_case(rng, spec, block_size)
+    out, lse = paged_attention(q, cache, spec, bt, req, ctx, block_size)
+    ref_out, ref_lse = naive_attention(q, cache, spec, bt, req, ctx, block_size)
+    assert out.shape == (q.shape[0], spec.num_heads, spec.v_dim) and out.dtype == torch.float64
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-13, atol=1e-12)
+    empty = (ctx == 0).numpy()
+    assert empty.any()
+    assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+
+
+def test_paged_attention_float32():
+    spec = SPECS["gqa"]
+    rng = np.random.default_rng(7)
+    q, cache, bt, req, ctx = random_case(rng, spec, 5)
+    out, lse = paged_attention(q.float(), cache.float(), spec, bt, req, ctx, 5)
+    ref_out, ref_lse = naive_attention(q, cache, spec, bt, req, ctx, 5)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    np.testing.assert_allclose(out.numpy(), ref_out, atol=2e-5)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-5, atol=2e-5)
+
+
+def test_paged_attention_no_context_and_no_rows():
+    spec = SPECS["mla"]
+    q = torch.randn(5, spec.num_heads, spec.qk_dim, dtype=torch.float64)
+    cache = torch.full((8, spec.entry_dim), float("nan"), dtype=torch.float64)  # never read
+    bt = torch.tensor([[0, 1]])
+    out, lse = paged_attention(
+        q, cache, spec, bt, torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long), 4
+    )
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    out, lse = paged_attention(
+        q[:0],
+        cache,
+        spec,
+        bt,
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        4,
+    )
+    assert out.shape == (0, spec.num_heads, spec.v_dim) and lse.shape == (0, spec.num_heads)
+
+
+@pytest.mark.parametrize("spec_name", ["gqa", "mla"])
+def test_long_runs_with_context_zero_rows(spec_name):
+    """Long runs whose first rows (a segment's head) have no context, next to runs of
+    other requests and trailing padding rows of request 0."""
+    spec = SPECS[spec_name]
+    rng = np.random.default_rng(5)
+    block_size, max_blocks = 4, 30
+    bt = torch.from_numpy(rng.permutation(3 * max_blocks).reshape(3, max_blocks))
+    cache = torch.from_numpy(rng.standard_normal((3 * max_blocks * block_size, spec.entry_dim)))
+    req = [0] + [2] * 70 + [1] * 40 + [0] * 40
+    ctx = [50] + [0] * 33 + list(range(1, 38)) + [0, 0] + list(range(80, 118)) + [0] * 40
+    req, ctx = torch.tensor(req), torch.tensor(ctx)
+    q = torch.from_numpy(rng.standard_normal((len(req), spec.num_heads, spec.qk_dim)))
+    out, lse = paged_attention(q, cache, spec, bt, req, ctx, block_size)
+    ref_out, ref_lse = naive_attention(q, cache, spec, bt, req, ctx, block_size)
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-13, atol=1e-12)
+
+
+def test_causal_prefill_equals_dense_softmax():
+    """One request in identity blocks with contexts position+1 is plain causal attention."""
+    spec = SPECS["gqa"]
+    rng = np.random.default_rng(3)
+    n, block_size = 70, 8
+    cache = torch.from_numpy(rng.standard_normal((80, spec.entry_dim)))
+    q = torch.from_numpy(rng.standard_normal((n, spec.num_heads, spec.qk_dim)))
+    bt = torch.arange(10)[None]
+    out, _ = paged_attention(
+        q, cache, spec, bt, torch.zeros(n, dtype=torch.long), torch.arange(n) + 1, block_size
+    )
+    k = spec.keys(cache[:n]).repeat_interleave(2, dim=1)  # [n, H, D]
+    v = spec.values(cache[:n]).repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * spec.scale
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+def test_dcp_shards_merge_to_full_attention():
+    """Keys of one request dealt to D ranks by (p // I) % D, each rank attending over its
+    own dense shard, merge to attention over the whole context."""
+    spec = SPECS["mla"]
+    rng = np.random.default_rng(11)
+    d, interleave, block_size, length = 3, 2, 4, 50
+    entries = torch.from_numpy(rng.standard_normal((length, spec.entry_dim)))
+    q = torch.from_numpy(rng.standard_normal((length, spec.num_heads, spec.qk_dim)))
+    req = torch.zeros(length, dtype=torch.long)
+    bt_full = torch.arange(-(-length // block_size))[None]
+    full_cache = torch.cat(
+        [entries, entries.new_zeros(bt_full.numel() * block_size - length, spec.entry_dim)]
+    )
+    ref_out, ref_lse = paged_attention(
+        q, full_cache, spec, bt_full, req, torch.arange(length) + 1, block_size
+    )
+    owner = (torch.arange(length) // interleave) % d
+    outs, lses = [], []
+    for rank in range(d):
+        mine = entries[owner == rank]
+        cache = torch.cat(
+            [mine, mine.new_zeros(bt_full.numel() * block_size - len(mine), spec.entry_dim)]
+        )
+        local_ctx = torch.cumsum((owner == rank).long(), 0)  # keys <= position on this rank
+        o, s = paged_attention(q, cache, spec, bt_full, req, local_ctx, block_size)
+        outs.append(o), lses.append(s)
+    out, lse = merge_attention_partials(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-13, atol=1e-12)
+
+
+def softmax_over(scores, values):
+    """numpy: attention of scores [N, H, K] over values [N, H, K, Dv]; empty K -> 0, -inf."""
+    n, h, k = scores.shape
+    if k == 0:
+        return np.zeros((n, h, values.shape[-1])), np.full((n, h), -np.inf)
+    mx = scores.max(-1, keepdims=True)
+    w = np.exp(scores - mx)
+    out = np.einsum("nhk,nhkd->nhd", w, values) / w.sum(-1)[..., None]
+    return out, mx[..., 0] + np.log(w.sum(-1))
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 1e3, 1e4])
+@pytest.mark.parametrize("seed", range(3))
+def test_merge_matches_softmax_over_all_keys(magnitude, seed):
+    rng = np.random.default_rng(seed)
+    n, h, k, dv, p = 6, 3, 40, 5, 4
+    scores = rng.standard_normal((n, h, k)) * magnitude
+    values = rng.standard_normal((n, h, k, dv))
+    shard = rng.integers(0, p - 1, size=k)  # shard p - 1 stays empty
+    parts = [softmax_over(scores[..., shard == i], values[..., shard == i, :]) for i in range(p)]
+    outs = torch.from_numpy(np.stack([o for o, _ in parts]))
+    lses = torch.from_numpy(np.stack([s for _, s in parts]))
+    out, lse = merge_attention_partials(outs, lses)
+    ref_out, ref_lse = softmax_over(scores, values)
+    assert np.isinf(lses[-1].numpy()).all()
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-14, atol=1e-12)
+
+
+def test_merge_empty_shards_never_nan():
+    outs = torch.randn(3, 4, 2, 5, dtype=torch.float64)
+    lses = torch.randn(3, 4, 2, dtype=torch.float64) * 1e4
+    lses[:, 0] = float("-inf")  # row 0: no shard has keys
+    lses[1, 1:] = float("-inf")  # shard 1 empty elsewhere, with garbage outputs
+    outs[1, 1:] = float("nan")
+    out, lse = merge_attention_partials(outs, lses)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    keep = [0, 2]
+    ref_out, ref_lse = merge_attention_partials(outs[keep, 1:], lses[keep, 1:])
+    torch.testing.assert_close(out[1:], ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse[1:], ref_lse, rtol=0, atol=0)
+    # a single shard passes through unchanged
+    out1, lse1 = merge_attention_partials(outs[:1, 1:], lses[:1, 1:])
+    torch.testing.assert_close(out1, outs[0, 1:], rtol=0, atol=1e-15)
+    torch.testing.assert_close(lse1, lses[0, 1:], rtol=0, atol=0)
+
+
+def test_unwritten_slots_never_leak_into_the_output():
+    """Slots past a row's context may hold anything (NaN in a fresh cache, stale KV of a
+    finished request): the result must equal attention over the written entries alone."""
+    spec = AttentionSpec(num_heads=2, num_kv_heads=1, qk_dim=4, v_dim=4, v_offset=0, entry_dim=4, scale=0.5)
+    block_size = 4
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.full((8 * block_size, 4), float("nan"), dtype=torch.float64)
+    cache[:3] = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    cache[3] = 1e300  # stale garbage in the same block, past the context
+    q = torch.randn(1, 2, 4, generator=gen, dtype=torch.float64)
+    out, lse = paged_attention(
+        q, cache, spec, torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([3]), block_size
+    )
+    keys = cache[:3]
+    scores = (q[0] @ keys.T) * spec.scale
+    torch.testing.assert_close(out[0], torch.softmax(scores, -1) @ keys, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse[0], torch.logsumexp(scores, -1), rtol=0, atol=1e-12)
+
+
+def test_bf16_accumulates_in_float32():
+    """bf16 inputs score, softmax and sum in float32: the result equals float32 attention
+    over the same (bf16-rounded) numbers, rounded once to bf16; lse stays float32."""
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, qk_dim=8, v_dim=8, v_offset=16, entry_dim=32, scale=0.35)
+    gen = torch.Generator().manual_seed(1)
+    block_size, ctx = 4, 37
+    cache = torch.randn(12 * block_size, 32, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, 4, 8, generator=gen).to(torch.bfloat16)
+    tables = torch.arange(12)[None].repeat(3, 1)
+    args = (tables, torch.zeros(3, dtype=torch.long), torch.tensor([ctx, 1, 20]), block_size)
+    out, lse = paged_attention(q, cache, spec, *args)
+    ref_out, ref_lse = paged_attention(q.float(), cache.float(), spec, *args)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)

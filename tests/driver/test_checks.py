@@ -1,0 +1,261 @@
+"""The pre-run check layer (``pcpflow.driver.checks``), in-process: every case is a ConfigError
+naming the field or file, found before any rank starts (and without building token arrays
+or allocating), or a driver outcome of ``run_job`` (exit 2, what result.json says)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pcpflow.driver.checks import capacity_warnings, check_job, host_memory_bytes, read_safetensors_header
+from pcpflow.driver.cli import compose_raw
+from pcpflow.errors import ConfigError
+from pcpflow.driver.job import prepare_job, run_job
+from pcpflow.output.rundir import LOCK_FILE
+from pcpflow.testing import compose
+from repo_scripts import load_script
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def problems_of(overrides: list[str], **kw) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as e:
+        prepare_job(compose_raw(overrides), **kw)
+    return [(p.field, p.allowed) for p in e.value.problems]
+
+
+def fields_of(overrides: list[str], **kw) -> set[str]:
+    return {f for f, _ in problems_of(overrides, **kw)}
+
+
+# ------------------------------------------------------------------------------ sizes
+def test_unallocatable_sizes_are_named_before_anything_is_allocated():
+    if host_memory_bytes() is None:
+        pytest.skip("no way to read this host's memory")
+    t0 = time.perf_counter()
+    # Each of these alone is far beyond any host: a KV cache of 10**8 blocks x 16 slots
+    # x 2 layers is ~10 TB in float64; 10**12 batched tokens of int64 columns ~ 100 TB.
+    for override, field in [
+        ("kv.num_blocks=100000000", "kv.num_blocks"),
+        ("scheduler.max_num_batched_tokens=1000000000000", "scheduler.max_num_batched_tokens"),
+        ("scheduler.max_num_seqs=1000000000", "scheduler.max_num_seqs"),
+    ]:
+        found = problems_of([override, "pcp=1"])
+        assert [f for f, _ in found] == [field], found
+        assert "this host can allocate" in found[0][1] and "GiB" in found[0][1]
+    assert time.perf_counter() - t0 < 30  # nothing of that size was built
+
+
+def test_a_simulated_kind_of_run_skips_host_memory_limits():
+    cfg = compose(["pcp=1"])  # valid
+    big = cfg.model_copy(update={"kv": cfg.kv.model_copy(update={"num_blocks": 10**8})})
+    with pytest.raises(ConfigError) as e:
+        check_job(big, kind="execute")
+    assert [p.field for p in e.value.problems] == ["kv.num_blocks"]
+    check_job(big, kind="simulate")  # sized from the hardware it prices, not from this host
+
+
+def test_a_huge_trace_reports_kv_num_blocks_from_its_lengths_alone(tmp_path):
+    trace = tmp_path / "huge.jsonl"
+    # 10**9 prompt tokens: building its token ids alone would take 8 GB per rank.
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10**9, "output_length": 10, "hash_ids": [0]}) + "\n")
+    t0 = time.perf_counter()
+    found = problems_of(["workload=trace", f"workload.path={trace}", "workload.length_scale=1"])
+    assert time.perf_counter() - t0 < 30
+    assert found[0][0] == "kv.num_blocks"
+    # the token ids of 10**9 tokens on every rank may exceed this host too: then it says so
+    assert {f for f, _ in found[1:]} <= {"workload"}
+    # hand-worked: ceil((10**9 + 10) / 16) blocks at block_size 16, dcp 1
+    assert f"needs {-(-(10**9 + 10) // 16)} blocks" in found[0][1]
+
+
+def test_request_lengths_equal_the_built_requests(tmp_path):
+    from pcpflow.scheduling.workload import build_requests, request_lengths
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 700 + 97 * i, "output_length": 30 + i, "hash_ids": [i, i + 1]}) + "\n" for i in range(5)))
+    for overrides in (["workload.num_requests=7"], ["workload=explicit", "workload.prompt_lens=[3,9,1]", "workload.output_lens=[2]"],
+                      ["workload=trace", f"workload.path={trace}", "workload.output_len_cap=31"]):
+        cfg = compose(overrides)
+        reqs = build_requests(cfg.workload, vocab_size=128, seed=cfg.seed)
+        prompt, output = request_lengths(cfg.workload, vocab_size=128, seed=cfg.seed)
+        assert prompt.tolist() == [len(r.prompt_token_ids) for r in reqs]
+        assert output.tolist() == [r.max_output_tokens for r in reqs]
+
+
+# ------------------------------------------------------------------------------ seeds, plugins
+def test_seeds_outside_what_the_rng_takes():
+    assert fields_of([f"seed={2**64}"]) == {"seed"}
+    assert fields_of([f"seed={-(2**63) - 1}"]) == {"seed"}
+    compose([f"seed={2**63 - 1}"])  # the edge itself is fine
+    assert "workload.seed" in fields_of([f"workload.seed={2**70}"])
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [("def broken(:\n", "SyntaxError"), ("raise RuntimeError('plugin exploded')\n", "RuntimeError: plugin exploded"),
+     ("import no_such_module_pcpflow\n", "ModuleNotFoundError")],
+)
+def test_a_plugin_that_fails_at_import_is_its_problem(tmp_path, monkeypatch, source, expected):
+    name = f"bad_plugin_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = problems_of([f"plugins=[{name}]"])
+    assert found[0][0] == "plugins[0]" and expected in found[0][1], found
+    assert problems_of(["plugins=[not_a_module_anywhere]"])[0][0] == "plugins[0]"
+
+
+# ------------------------------------------------------------------------------ checkpoints
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return load_script("make_tiny_hf_checkpoint").build_checkpoint(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+def _variant(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_checkpoint_files_checked_from_headers(llama, tmp_path):
+    weights = llama / "model.safetensors"
+    size = weights.stat().st_size
+    truncated = _variant(llama, tmp_path / "truncated")
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(size - 100)
+    garbage = _variant(llama, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"this is not a safetensors file at all" * 10)
+    for path, words in [(truncated, f"is truncated: its header says {size} bytes, the file has {size - 100}"),
+                        (garbage, "is not safetensors")]:
+        found = problems_of(["model=hf", f"model.path={path}", "pcp=1"])
+        assert found[0][0] == "model.path" and words in found[0][1], found
+    # config.json says 2x the hidden size: every tensor shape disagrees with it
+    wrong = _variant(llama, tmp_path / "wrong_shape")
+    config = json.loads((wrong / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (wrong / "config.json").write_text(json.dumps(config))
+    found = problems_of(["model=hf", f"model.path={wrong}", "pcp=1"])
+    assert found and all(f == "model.path" for f, _ in found)
+    assert any("mlp.down_proj.weight has shape" in a and "config.json implies" in a for _, a in found), found
+    assert "embed_tokens" not in " ".join(a for _, a in found)  # untouched by that field
+    assert read_safetensors_header(weights)  # the original reads
+
+
+def test_non_finite_weights_are_reported_by_the_loader_naming_the_tensor(llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from pcpflow.models import build_model
+
+    bad = _variant(llama, tmp_path / "nan")
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, :3] = float("nan")
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    cfg = compose(["model=hf", f"model.path={bad}", "pcp=1"])  # the driver reads headers only
+    with pytest.raises(ValueError, match=rf"non-finite .*{name} \(3 of"):
+        build_model(cfg.model, dtype=torch.float64, seed=0)
+
+
+# ------------------------------------------------------------------------------ run dir
+def test_run_dir_problems_end_the_job_with_exit_2(tmp_path, capsys):
+    raw = compose_raw(["pcp=1"])
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert run_job(raw, a_file, console=False) == 2
+    assert "hydra.run.dir" in capsys.readouterr().err and a_file.read_text() == "x"
+    assert run_job(raw, a_file / "below", console=False) == 2
+    # a live run (this test's parent process stands in for it) holds the dir
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / LOCK_FILE).write_text(f"{os.getppid()} python -m pcpflow\n")
+    (live / "result.json").write_text('{"status": "ok"}')
+    assert run_job(raw, live, console=False) == 2
+    assert "is running in it" in capsys.readouterr().err
+    assert json.loads((live / "result.json").read_text()) == {"status": "ok"}  # not ours to touch
+    # a dead owner's lock is stale; a config error there replaces the old "ok"
+    (live / LOCK_FILE).write_text("999999999 gone\n")
+    assert run_job(compose_raw(["pcp=1", "kv.num_blocks=1"]), live, console=False) == 2
+    result = json.loads((live / "result.json").read_text())
+    assert result["status"] == "failed" and "kv.num_blocks" in result["error"] and result["exit_code"] == 2
+    assert not (live / LOCK_FILE).exists()
+
+
+def test_more_ranks_than_cores_warns():
+    cores = len(os.sched_getaffinity(0))
+    cfg = compose(["pcp=1"]).model_copy(update={"pcp": 4 * cores + 1, "device": "cpu"})
+    (warning,) = capacity_warnings(cfg)
+    assert f"{4 * cores + 1} ranks" in warning and f"{cores} CPU core" in warning
+    assert capacity_warnings(compose(["pcp=1"]).model_copy(update={"device": "cpu"})) == []
+
+
+def test_sweep_report_flags_a_truncated_result_and_reports_the_rest(tmp_path):
+    for job, text in [("0", json.dumps({"status": "ok", "metrics": {"num_steps": 3}})), ("1", '{"status": "ok", "metr')]:
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "result.json").write_text(text)
+    r = subprocess.run([sys.executable, "-m", "pcpflow.driver.sweep", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert r.returncode == 0, r.stderr
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3 and ",ok," in rows[1] and ",unreadable," in rows[2] and "1/result.json" in rows[2]
+
+
+# ------------------------------------------------------------------------------ config fuzz
+_OVERRIDES = st.sampled_from([
+    "pcp=1", "pcp=2", "pcp=3", "pcp=0", "pcp=-1", "dcp=2", "dcp=3", "tp=2", "decode=sharded", "decode=bogus",
+    "dtype=float32", "dtype=int8", "seed=-5", f"seed={2**64}", "seed=abc", "verify=false", "verify=maybe",
+    "kv.block_size=0", "kv.block_size=1", "kv.num_blocks=1", "kv.num_blocks=100000000", "kv.interleave=4",
+    "scheduler.max_num_seqs=1", "scheduler.max_num_batched_tokens=1", "scheduler.max_num_batched_tokens=1000000000000",
+    "workload=explicit", "workload=trace", "workload.prompt_lens=[1,2]", "workload.output_lens=[1,2,3]",
+    "workload.num_requests=0", "workload.prompt_len=[9,3]", "draft=mtp", "draft=dspark", "draft=self",
+    "pipeline.restore.kind=sampled_rows", "pipeline.forward.kind=nope", "plugins=[no_such_plugin]",
+    "+nonsense=1", "collective_timeout_s=0", "startup_timeout_s=-1", "max_steps=0", "threads_per_rank=0",
+    "model=tiny_gqa", "model.num_layers=0", "sampling.temperature=0.5", "mode=simulate", "model=hf",
+])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_OVERRIDES, min_size=1, max_size=5, unique_by=lambda o: o.split("=")[0]))
+def test_config_fuzz_every_outcome_is_valid_or_one_clean_config_error(overrides):
+    try:
+        prepare_job(compose_raw(overrides))
+    except ConfigError as exc:
+        assert exc.problems and all(p.field and p.allowed for p in exc.problems)
+        assert "Traceback" not in exc.report()
+
+
+def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+    import runpy
+
+    from pcpflow.errors import missing_extra
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("safetensors", "transformers") else real(name, *a))
+    message = missing_extra(("safetensors", "numpy"), "hf")
+    assert message.startswith("safetensors not installed: install pcpflow's 'hf' extra") and "pip install" in message
+    assert missing_extra(("numpy",), "hf") is None
+    # the driver: model=hf without safetensors is one problem naming the extra
+    from types import SimpleNamespace
+
+    from pcpflow.driver.checks import check_checkpoint
+
+    (problem,) = check_checkpoint(SimpleNamespace(model=SimpleNamespace(name="hf", path=str(tmp_path))))
+    assert problem.field == "model" and "'hf' extra" in problem.allowed
+    # the checkpoint maker: one line naming the extra, no traceback
+    main = runpy.run_path(str(REPO / "scripts" / "make_tiny_hf_checkpoint.py"))["main"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--arch", "llama", "--out", str(tmp_path / "ckpt")])
+    assert str(exit_.value.code).startswith("make_tiny_hf_checkpoint.py: transformers and safetensors not installed")
+    assert not (tmp_path / "ckpt").exists()

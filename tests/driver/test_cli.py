@@ -1,0 +1,226 @@
+"""The framework end to end, through the real command line: every shipped YAML composes
+and validates, bad input is one report with exit code 2 and nothing started, a crashing
+rank ends the job, torchrun works. (A wheel in a clean venv: test_install.py; the
+registry: test_stage.py; pipeline assembly: test_pipeline.py; composing and its messages:
+test_compose.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pcpflow.driver.cli import compose_raw
+from pcpflow.driver.compose import config_groups as _config_groups
+from pcpflow.errors import ConfigError
+from pcpflow.driver.job import prepare_job
+from pcpflow.testing import cli as in_process
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+SMALL = ["workload.num_requests=3", "workload.output_len=[2,4]", "output.progress=false", "output.plots=false"]
+
+
+def pcpflow(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 240):
+    full_env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "pcpflow", *args],
+        cwd=cwd or REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """``python -m pcpflow ARGS`` in this process (its exit code and stderr): what the
+    driver does before any rank starts, without paying for a new Python."""
+    r = in_process(*args)
+    return r.returncode, r.stderr
+
+
+def write_trace(path: Path, n: int = 4) -> Path:
+    lines = [
+        json.dumps({"timestamp": 100 * i, "input_length": 900 + 300 * i, "output_length": 300, "hash_ids": [i]})
+        for i in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------- configs
+_CARDS = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3")
+
+
+def test_every_shipped_yaml_composes_and_validates(tmp_path):
+    needs = {("workload", "trace"): [f"workload.path={write_trace(tmp_path / 't.jsonl')}"]}
+    groups = _config_groups()
+    assert {"decode", "model", "workload", "draft", "pipeline"} <= set(groups)
+    checked = 0
+    for group, options in groups.items():
+        for option in options:
+            if (group, option) == ("model", "hf"):
+                continue  # needs a checkpoint directory: tests/test_hf_*.py build one
+            overrides = [f"{group}={option}", *needs.get((group, option), [])]
+            if group == "hardware" or (group, option) == ("mode", "simulate"):
+                # NOTE: hardware profiles and model cards price simulated runs only.
+                overrides += ["mode=simulate", "model=llama3_8b"]
+                overrides += [] if group == "hardware" else ["hardware=h100_sxm"]
+            elif option in _CARDS:
+                overrides += ["mode=simulate", "tp=8", "simulate.weights_dtype=fp8", "hardware=b200"]
+            cfg = prepare_job(compose_raw(overrides))
+            checked += 1
+            if group in ("decode", "model", "workload"):
+                node = getattr(cfg, group)
+                assert getattr(node, "name", None) == option or getattr(node, "kind", None) == option or getattr(
+                    node, "mode", None
+                ) == option
+    assert checked >= 9
+
+
+def test_defaults_are_the_documented_embedded_default():
+    cfg = prepare_job(compose_raw([]))
+    assert (cfg.pcp, cfg.dcp, cfg.tp, cfg.model.name, cfg.verify) == (2, 1, 1, "tiny_mla", True)
+    assert cfg.decode.mode == "replicated" and cfg.workload.kind == "synthetic"
+
+
+def test_field_errors_are_one_report_naming_field_value_and_allowed(tmp_path):
+    run_dir = tmp_path / "run"
+    r = pcpflow(
+        "pcp=0", "decode.assignment=diagonal", "dtype=float16", "+typo_key=1", "scheduler.max_num_seqs=-1",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert r.returncode == 2, r.stderr
+    err = r.stderr
+    assert "Traceback" not in err and "Traceback" not in r.stdout
+    assert "invalid configuration (5 problem(s))" in err
+    assert "pcp: got 0; Input should be greater than or equal to 1" in err
+    assert "decode.assignment: got 'diagonal'" in err and "'round_robin' or 'balanced'" in err
+    assert "dtype: got 'float16'" in err and "'float32', 'float64' or 'bfloat16'" in err
+    assert "typo_key: got 1; not a setting here" in err and "allowed keys:" in err
+    assert "scheduler.max_num_seqs: got -1" in err
+    assert not run_dir.exists(), "nothing may start for an invalid config"
+
+
+def test_cross_field_rules(tmp_path):
+    bad = {
+        ("pcp=2", "dcp=3"): "dcp: got 3; with pcp(2) x tp(1) dcp must be one of [1, 2]",
+        ("pcp=1", "dcp=2"): "dcp: got 2; with pcp=1 dcp must divide tp(1)",
+        ("kv.block_size=16", "kv.interleave=5"): "kv.interleave: got 5; must divide kv.block_size=16",
+        ("decode.assignment=balanced",): "'balanced' places sharded decodes",
+        ("tp=3",): "tp: got 3; must divide the model's num_heads (4)",
+        ("kv.num_blocks=2",): "kv.num_blocks: got 2",
+        ("backend=nccl", "device=cpu"): "nccl needs device=cuda",
+    }
+    for overrides, message in bad.items():
+        with pytest.raises(ConfigError) as exc:
+            prepare_job(compose_raw(list(overrides)))
+        assert message in exc.value.report(), (overrides, exc.value.report())
+
+
+def test_unknown_group_option_and_key_and_sweep_without_multirun():
+    code, err = cli("decode=shardd")
+    assert code == 2 and "decode: got 'shardd'; one of: replicated, sharded (did you mean 'sharded'?)" in err
+    code, err = cli("typo_key=1")
+    assert code == 2 and "typo_key: got '1'; not a pcpflow setting; top-level settings: pcp, dcp," in err
+    code, err = cli("pcp=1,2")
+    assert code == 2 and "pcp: got '1,2'; a sweep of values needs -m / --multirun" in err
+
+
+def test_multirun_validates_every_job_before_starting_any(tmp_path):
+    code, err = cli("-m", "pcp=2,3", "dcp=2", f"hydra.sweep.dir={tmp_path / 'sweep'}", *SMALL)
+    assert code == 2
+    assert "[pcp=3] dcp: got 2" in err and "[pcp=2]" not in err
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_missing_or_malformed_trace_names_file_and_line(tmp_path):
+    code, err = cli("workload=trace", f"workload.path={tmp_path / 'nope.jsonl'}")
+    assert code == 2 and f"workload.path: got '{tmp_path / 'nope.jsonl'}'" in err
+    bad = write_trace(tmp_path / "bad.jsonl")
+    bad.write_text(bad.read_text() + "{not json\n")
+    code, err = cli("workload=trace", f"workload.path={bad}", "workload.max_requests=10")
+    assert code == 2 and "bad.jsonl:5" in err, err
+
+
+# ------------------------------------------------------------------------- running
+def _alive_with_marker(marker: str) -> list[int]:
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                alive.append(int(proc.name))
+        except OSError:
+            continue
+    return alive
+
+
+@pytest.mark.dist
+def test_every_ranks_print_reaches_the_console_once_with_its_rank(tmp_path):
+    # docs/writing-stages.md's example stage, as documented: each rank prints every 5 steps.
+    r = pcpflow("pcp=2", "plugins=[docs.examples.token_counter]",
+                "+pipeline.extra=[{kind: token_counter, after: plan, every: 5}]",
+                f"hydra.run.dir={tmp_path}", *SMALL)
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = json.loads((tmp_path / "result.json").read_text())["metrics"]["num_steps"]
+    due = [s for s in range(steps) if s % 5 == 0]
+    assert due, steps
+    for rank in (0, 1):
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[rank{rank}]:step ")]
+        assert [int(ln.split()[1].rstrip(":")) for ln in lines] == due, r.stdout
+        assert all(f"pcp rank {rank} holds " in ln for ln in lines)
+    # and the rank's own log has them too
+    (log,) = tmp_path.glob("logs/*/attempt_0/1/stdout.log")
+    assert log.read_text().count("pcp rank 1 holds ") == len(due)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pcp", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_crashing_rank_ends_the_job_promptly_with_its_error(tmp_path, pcp):
+    marker = f"PCPFLOW_TEST_MARK_{uuid.uuid4().hex}"
+    rank = pcp - 1
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    r = pcpflow(
+        f"pcp={pcp}",
+        "plugins=[pcpflow_test_plugins.faults]",
+        f"+pipeline.extra=[{{kind: 'pcpflow_test_plugins.faults:Crash', after: forward, rank: {rank}, step: 2}}]",
+        f"hydra.run.dir={run_dir}",
+        *SMALL,
+        env={marker: "1"},
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert r.returncode == 1, r.stderr
+    assert f"rank {rank} failed" in r.stderr and "injected failure on rank" in r.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and "injected failure" in result["error"]
+    assert elapsed < 120  # NOTE: a hang would hit the subprocess timeout instead
+    time.sleep(0.5)
+    assert _alive_with_marker(marker) == [], "no rank process may outlive the job"
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # NOTE: tests/test_faults.py runs a torchrun job in the default set
+def test_torchrun_launch_runs_the_same_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pcpflow"]
+    r = subprocess.run(
+        [*cmd, "pcp=2", f"hydra.run.dir={run_dir}", *SMALL], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "ok" and result["verify"]["passed"] and result["launcher"].startswith("external")
+    r = subprocess.run([*cmd, "pcp=3", *SMALL], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode != 0 and "must equal the 2 ranks torchrun started" in r.stderr + r.stdout

@@ -1,0 +1,112 @@
+"""pcpflow.driver.compose: one command line, every problem in one report, with the hint that
+fixes each; and the help page and ``--cfg job`` of the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from pcpflow.driver.cli import planned_run_dir, main
+from pcpflow.driver.compose import compose_raw, options_having, validate_overrides
+from pcpflow.errors import ConfigError
+
+
+def problems_of(overrides: list[str]) -> dict[str, str]:
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides(overrides)
+    return {p.field: p.allowed for p in exc.value.problems}
+
+
+def test_an_unknown_key_a_bad_value_and_a_cross_field_error_are_reported_together():
+    found = problems_of(["foo=1", "pcp=0", "kv.interleave=3", "dtype=float16"])
+    assert set(found) == {"foo", "pcp", "kv.interleave", "dtype"}
+    assert found["pcp"] == "Input should be greater than or equal to 1"
+    assert found["kv.interleave"] == "must divide kv.block_size=16"
+
+
+def test_a_bad_value_does_not_hide_a_bad_stage_or_an_unfitting_workload():
+    found = problems_of(["pcp=0", "pipeline.restore.kind=sampled_row", "kv.num_blocks=2"])
+    assert {"pcp", "pipeline.restore.kind", "kv.num_blocks"} <= set(found)
+    assert "did you mean 'sampled_rows'?" in found["pipeline.restore.kind"]
+
+
+def test_a_plain_unknown_key_gets_did_you_mean():
+    found = problems_of(["pcpp=2", "workload.num_request=3", "kv.blok_size=8"])
+    assert found == {
+        "pcpp": "not a pcpflow setting (did you mean 'pcp'?)",
+        "workload.num_request": "not a pcpflow setting (did you mean 'workload.num_requests'?)",
+        "kv.blok_size": "not a pcpflow setting (did you mean 'kv.block_size'?)",
+    }
+
+
+def test_a_key_of_another_group_option_names_that_option():
+    found = problems_of(["workload.prompt_lens=[3]", "model.path=/x", "+workload.output_lens=[2]"])
+    assert found["workload.prompt_lens"].startswith("workload.prompt_lens is a setting of workload=explicit;")
+    assert found["model.path"].startswith("model.path is a setting of model=hf;")
+    assert "workload=explicit" in found["workload.output_lens"]  # refused by pydantic, same hint
+    assert options_having("workload.path") == ["workload=trace"]
+    assert options_having("workload.seed") == [f"workload={o}" for o in ("explicit", "synthetic", "trace")]
+
+
+def test_a_bad_group_option_and_a_plus_on_a_set_key():
+    found = problems_of(["decode=shard", "+pcp=3"])
+    assert found == {
+        "decode": "one of: replicated, sharded (did you mean 'sharded'?)",
+        "+pcp": "pcp is already set by the config: drop the '+'",
+    }
+
+
+def test_the_trace_error_names_the_bundled_trace_of_the_clone():
+    found = problems_of(["workload=trace"])
+    assert "scripts/data/mooncake_conversation_head.jsonl" in found["workload.path"]
+    assert "shared/" not in found["workload.path"]
+
+
+def test_a_good_command_line_composes_with_its_values():
+    raw = compose_raw(["pcp=4", "dcp=4", "decode=sharded"])
+    assert (raw["pcp"], raw["dcp"], raw["decode"]["mode"]) == (4, 4, "sharded")
+
+
+def test_help_is_pcpflow_s_own_page(capsys):
+    assert main(["--help"]) == 0
+    page = capsys.readouterr().out
+    assert page.startswith("pcpflow: run, verify, measure and sweep")
+    # groups and their options come from conf/ (defaults starred), settings from the models
+    assert "  workload   explicit, synthetic*, trace" in page
+    assert "  kv.block_size                      KV slots per physical block [16]" in page
+    assert "2 invalid configuration" in page and "result.json" in page
+    assert "num_speculative_tokens" not in page  # derived, not a setting
+
+
+def test_cfg_job_validates_like_a_run(capsys):
+    assert main(["--cfg", "job", "pcp=0"]) == 2
+    assert "pcp: got 0" in capsys.readouterr().err
+
+
+def test_planned_run_dir_without_hydra_run_dir():
+    """The default run dir resolves outside a Hydra run (it used to need hydra.job.num)."""
+    run_dir = planned_run_dir(["pcp=4"])
+    assert run_dir.parts[0] == "outputs" and len(run_dir.parts) == 3
+    assert planned_run_dir(["pcp=4", "hydra.run.dir=/tmp/x"]).as_posix() == "/tmp/x"
+
+
+def test_a_setting_of_another_mode_is_refused_naming_the_mode():
+    # hardware is read only by simulated runs; in an executed run it would be ignored
+    found = problems_of(["hardware=h200_sxm"])
+    assert list(found) == ["hardware"] and "a setting of mode=simulate" in found["hardware"]
+    assert "this run is mode=execute" in found["hardware"]
+    # simulate.* is not in an executed run's config: Hydra cannot place it, and says whose it is
+    found = problems_of(["simulate.gemm_efficiency=0.5"])
+    assert found == {"simulate.gemm_efficiency": "simulate.gemm_efficiency is a setting of mode=simulate; "
+                     "add mode=simulate to the command line"}
+    # added with '+', it composes, and the mode rule names the key that was set
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides(["+simulate.gemm_efficiency=0.5"])
+    (p,) = exc.value.problems
+    assert p.field == "simulate" and p.given == {"simulate.gemm_efficiency": 0.5} and "mode=simulate" in p.allowed
+    # in its own mode the same settings are fine
+    validate_overrides(["mode=simulate", "model=llama3_8b", "hardware=h200_sxm", "simulate.gemm_efficiency=0.5"])
+
+
+def test_a_validator_s_message_is_shown_without_pydantic_s_prefix():
+    found = problems_of(["workload.prompt_len=[9,3]"])
+    assert found["workload.prompt_len"] == "prompt_len is [min, max] with 1 <= min <= max; got [9, 3]"

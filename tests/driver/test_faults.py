@@ -1,0 +1,228 @@
+"""Faults end the job promptly, non-zero, with the root cause in result.json: a stalled
+rank, a rank that leaves early, Ctrl-C / SIGTERM, under pcpflow's launch and torchrun;
+parallel sweeps (joblib) and two torchrun agents ("two nodes") work.
+
+Faults come from ``tests/pcpflow_test_plugins/faults.py`` (raise / exit / stall / signal
+on rank R at step S). Each case is a real launch (10-40 s on a busy 2-core machine), so
+the default set is small; the rest are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+QUIET = ["output.progress=false", "output.plots=false", "workload.num_requests=3", "workload.output_len=[3,5]"]
+FAULTS = "plugins=[pcpflow_test_plugins.faults]"
+
+pytestmark = pytest.mark.dist
+
+
+def fault(cls: str, **fields) -> str:
+    """The override that inserts one fault stage (after ``forward`` unless told)."""
+    fields.setdefault("after", "forward")
+    body = ", ".join(f"{k}: {json.dumps(v) if isinstance(v, bool) else v}" for k, v in fields.items())
+    return f"+pipeline.extra=[{{kind: 'pcpflow_test_plugins.faults:{cls}', {body}}}]"
+
+
+def env(marker: str = "") -> dict[str, str]:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PCPFLOW_TEST_MARKER": marker or uuid.uuid4().hex}
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    return e
+
+
+def launch(cmd: list[str], *, timeout: float = 240, e: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=e or env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return r, time.monotonic() - t0
+
+
+def pcpflow(*args: str, **kw):
+    return launch([sys.executable, "-m", "pcpflow", *args, *QUIET], **kw)
+
+
+def torchrun(*args: str, nproc: int = 2, **kw):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "pcpflow"]
+    return launch([*cmd, *args, *QUIET], **kw)
+
+
+def result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def alive_with(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            try:
+                if f"PCPFLOW_TEST_MARKER={marker}".encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+# ------------------------------------------------------------------------------ pcpflow's launch
+@pytest.mark.parametrize("launcher", ["pcpflow", pytest.param("torchrun", marks=pytest.mark.slow)])
+def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launcher):
+    marker = uuid.uuid4().hex
+    start = pcpflow if launcher == "pcpflow" else torchrun
+    r, elapsed = start("pcp=2", "collective_timeout_s=5", f"hydra.run.dir={tmp_path}", FAULTS,
+                       fault("Stall", rank=1, step=1, seconds=200), e=env(marker))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "failed" and res["failed_rank"] == 1
+    assert res["error"].startswith("rank 1 failed: stalled") and "at step 1 (extra[0]:test_stall)" in res["error"]
+    assert "collective_timeout_s=5" in res["error"]
+    # start-up (~10-20 s here) + 5 s timeout + 3 s grace, far below the 200 s stall
+    assert elapsed < 120, elapsed
+    # NOTE: the fork server (its own log file, not the driver's pipes) leaves once it sees the
+    # driver gone, a moment after; no rank may be left at all.
+    deadline = time.monotonic() + 10
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_with(marker) == []
+
+
+@pytest.mark.slow
+def test_a_rank_leaving_with_code_0_is_the_root_cause_not_its_peer(tmp_path):
+    r, _ = pcpflow("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS, fault("Exit", rank=1, step=2, code=0))
+    assert r.returncode == 1
+    res = result(tmp_path)
+    assert res["error"] == "rank 1 failed: exited early (sys.exit(0)) at step 2 (extra[0]:test_exit)", res["error"]
+    assert "Connection closed" not in r.stderr.split("pcpflow: rank")[-1]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_without_unwinding_is_named(tmp_path):
+    r, _ = pcpflow("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS,
+                   fault("Exit", rank=1, step=2, code=0, hard=True))
+    assert r.returncode == 1
+    err = result(tmp_path)["error"]
+    assert err.startswith("rank 1 failed: died without a Python error") and "step 2" in err, err
+
+
+def test_ctrl_c_at_pcp_1_is_interrupted_with_a_result(tmp_path):
+    # pcp=1 runs in the driver's own process: the signal goes to the driver itself.
+    r, _ = pcpflow("pcp=1", f"hydra.run.dir={tmp_path}", FAULTS, fault("SendSignal", rank=0, step=1, signal="SIGINT"))
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert "pcpflow: interrupted by SIGINT" in r.stderr and "Traceback" not in r.stderr
+    res = result(tmp_path)
+    assert res["status"] == "failed" and res["error"] == "interrupted by SIGINT" and res["exit_code"] == 130
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_driver_of_ranks_is_interrupted(tmp_path):
+    r, _ = pcpflow("pcp=2", f"hydra.run.dir={tmp_path}", FAULTS,
+                   fault("SendSignal", rank=1, step=1, signal="SIGTERM", to_parent=True))
+    assert r.returncode == 143, r.stderr[-2000:]
+    assert result(tmp_path)["error"] == "interrupted by SIGTERM"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_sweep_and_the_report_lists_what_ran(tmp_path):
+    # max_steps=2 never reaches step 2; the second job is interrupted there; the third never runs
+    r, _ = pcpflow("-m", "pcp=1", "max_steps=2,3,4", f"hydra.sweep.dir={tmp_path}", FAULTS,
+                   fault("SendSignal", rank=0, step=2, signal="SIGINT"))
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert not (tmp_path / "2").exists()
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3 and ",ok," in rows[1] and "interrupted by SIGINT" in rows[2]
+    assert "sweep interrupted by SIGINT after 2 job(s)" in r.stderr
+
+
+@pytest.mark.slow
+def test_joblib_launcher_runs_multi_rank_jobs_in_parallel(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    r, _ = pcpflow("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "pcp=1,2", "max_steps=3",
+                   f"hydra.sweep.dir={tmp_path}", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        res = result(tmp_path / job)
+        assert res["status"] == "ok" and res["verify"]["passed"], res.get("error")
+    assert result(tmp_path / "1")["config"]["pcp"] == 2
+
+
+# ------------------------------------------------------------------------------ torchrun
+def test_torchrun_result_blames_the_rank_that_raised(tmp_path):
+    r, _ = torchrun("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS, fault("Crash", rank=1, step=2))
+    assert r.returncode == 1  # torchrun's own code for any failed worker
+    res = result(tmp_path)
+    assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: RuntimeError: injected failure on rank 1")
+    assert res["exit_code"] == 1 and res["launcher"].startswith("external")
+
+
+@pytest.mark.slow
+def test_torchrun_rank_0_dying_still_writes_a_result(tmp_path):
+    r, _ = torchrun("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS,
+                    fault("Exit", rank=0, step=2, code=0, hard=True))
+    assert r.returncode == 1
+    res = result(tmp_path)  # written by rank 1: rank 0 is gone
+    assert res["failed_rank"] == 0 and res["error"].startswith("rank 0 failed: died without a Python error"), res
+
+
+@pytest.mark.slow
+def test_torchrun_sigterm_workers_exit_143_and_write_interrupted(tmp_path):
+    r, _ = torchrun("pcp=2", f"hydra.run.dir={tmp_path}", FAULTS, fault("SendSignal", rank=1, step=1, signal="SIGTERM", to_parent=True))
+    assert r.returncode != 0  # torchrun's own (1, after its SignalException)
+    res = result(tmp_path)
+    assert res["exit_code"] == 143 and res["error"].startswith("interrupted by SIGTERM (rank ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pcp, per_node, extra", [(2, 1, ["dcp=2", "decode=sharded"]), (4, 2, [])])
+def test_two_torchrun_agents_rendezvous_as_two_nodes(tmp_path, pcp, per_node, extra):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex[:8],
+           "-m", "pcpflow", f"pcp={pcp}", *extra, "max_steps=6", f"hydra.run.dir={tmp_path}", *QUIET]
+    agents = [subprocess.Popen(cmd, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=400)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+    assert [a.returncode for a in agents] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "ok" and res["verify"]["passed"] and res["verify"]["tokens_match"]
+    assert res["config"]["pcp"] == pcp and res["metrics"]["num_steps"] == 6
+    assert sorted(p.name for p in tmp_path.glob("result*.json")) == ["result.json"]
+
+
+# ------------------------------------------------------------------------------ start-up
+def _slow_start_cfg(seconds: float, **top):
+    from pcpflow.testing import compose
+
+    overrides = ["pcp=2", FAULTS, fault("SlowStart", rank=1, seconds=seconds), "max_steps=2", *QUIET]
+    return compose([*overrides, *(f"{k}={v}" for k, v in top.items())])
+
+
+@pytest.mark.slow
+def test_start_up_has_its_own_timeout():
+    """A start-up longer than collective_timeout_s is fine (the first collective after it
+    would have timed out with one timeout for both); longer than startup_timeout_s is not."""
+    from pcpflow.testing import run
+
+    sys.path.insert(0, str(TESTS))
+    (ok,) = run([_slow_start_cfg(6, collective_timeout_s=2, startup_timeout_s=60)])
+    assert ok["verify"]["passed"]
+    with pytest.raises(Exception, match=r"\[rank 1\] did not finish start-up within startup_timeout_s=3 during start-up"):
+        run([_slow_start_cfg(100, collective_timeout_s=30, startup_timeout_s=3)])

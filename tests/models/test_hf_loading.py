@@ -1,0 +1,334 @@
+"""Loading Hugging Face checkpoints: what is rejected, and how (one config problem on
+``model.path``, exit code 2, nothing started); the weight name adapter; RoPE scalings
+against transformers' own; the shipped ``conf/model/hf.yaml``.
+
+Checkpoints are written by ``scripts/make_tiny_hf_checkpoint.py`` (transformers'
+``save_pretrained``); the token-for-token comparison is ``test_hf_parity.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+transformers = pytest.importorskip(
+    "transformers", reason="needs transformers to build checkpoints: pip install -e '.[test]'"
+)
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from pcpflow.errors import ConfigError  # noqa: E402
+from pcpflow.models import MODEL_CLASSES, HFModel, build_model, vocab_size_of  # noqa: E402
+from pcpflow.models.common import RopeScaling, scaled_rope  # noqa: E402
+from pcpflow.testing import cli, compose  # noqa: E402
+from repo_scripts import load_script  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+script = load_script("make_tiny_hf_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    script.main(["--arch", "deepseek_v2", "--q-lora-rank", "none", "--out", str(root / "dsv2")])
+    return {
+        "llama": script.build_checkpoint(root / "llama", "llama"),
+        "llama_tied_bias": script.build_checkpoint(
+            root / "llama_tied_bias", "llama", tie_word_embeddings=True, bias=True
+        ),
+        "dsv3": script.build_checkpoint(root / "dsv3", "deepseek_v3"),
+        "dsv2": root / "dsv2",
+    }
+
+
+def _copy(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is _DELETE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+_DELETE = object()
+
+
+def _problem(path: Path | str) -> str:
+    """The one problem ``model=hf model.path=path`` is rejected with."""
+    with pytest.raises(ConfigError) as exc:
+        compose(["model=hf", f"model.path={path}", "pcp=1"])
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path"
+    return problem.allowed
+
+
+# ------------------------------------------------------------------ validation
+def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        compose(["model=hf", "pcp=1"])
+    assert [p.field for p in exc.value.problems] == ["model.path"]
+    assert "checkpoint directory is required" in exc.value.problems[0].allowed
+
+    assert "no checkpoint directory" in _problem(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    assert "config.json is missing" in _problem(tmp_path / "empty")
+    bad_json = _copy(ckpts["llama"], tmp_path / "bad_json")
+    (bad_json / "config.json").write_text("{not json")
+    assert "not readable JSON" in _problem(bad_json)
+
+    mistral = _copy(ckpts["llama"], tmp_path / "mistral", architectures=["MistralForCausalLM"])
+    msg = _problem(mistral)
+    assert "MistralForCausalLM is not supported" in msg and "DeepseekV3ForCausalLM" in msg
+
+    # MoE checkpoints load (tests/test_moe.py); other MoE families and variants are named
+    mixtral = _copy(ckpts["llama"], tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
+    assert "MixtralForCausalLM is a mixture-of-experts variant" in _problem(mixtral)
+    freq = _copy(ckpts["dsv3"], tmp_path / "freq", first_k_dense_replace=1, moe_layer_freq=2)
+    assert "moe_layer_freq=2 is not supported" in _problem(freq)
+    dense = _copy(ckpts["dsv3"], tmp_path / "dense", n_routed_experts=None, first_k_dense_replace=0)
+    assert compose(["model=hf", f"model.path={dense}", "pcp=1"]).model.path == str(dense)
+
+    fp8 = _copy(ckpts["dsv3"], tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
+    assert "quantized checkpoints (fp8) are not supported" in _problem(fp8)
+    dynamic = _copy(
+        ckpts["llama"],
+        tmp_path / "dynamic",
+        rope_parameters=None,
+        rope_scaling={"type": "dynamic", "factor": 2.0},
+    )
+    assert "rope type 'dynamic' is not supported" in _problem(dynamic)
+    gelu = _copy(ckpts["llama"], tmp_path / "gelu", hidden_act="gelu")
+    assert "hidden_act" in _problem(gelu)
+    no_vocab = _copy(ckpts["llama"], tmp_path / "no_vocab", vocab_size=_DELETE)
+    assert "vocab_size: Field required" in _problem(no_vocab)
+    no_weights = _copy(ckpts["llama"], tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    assert "no safetensors weights" in _problem(no_weights)
+
+
+def test_cli_rejects_an_moe_checkpoint_with_exit_2_and_starts_nothing(ckpts, tmp_path):
+    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"])
+    run_dir = tmp_path / "run"
+    r = cli("model=hf", f"model.path={moe}", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2, r.stderr
+    assert "model.path" in r.stderr and "Qwen3MoeForCausalLM is a mixture-of-experts" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not run_dir.exists()
+    assert not run_dir.exists(), "nothing may start for an invalid config"
+
+
+def test_shipped_yaml_and_config(ckpts, tmp_path, monkeypatch):
+    raw = yaml.safe_load((REPO / "conf" / "model" / "hf.yaml").read_text())
+    assert raw == {"name": "hf", "path": None}
+    assert set(raw) == set(HFModel.Config.model_fields)
+    assert MODEL_CLASSES["hf"] is HFModel
+    for name, field in HFModel.Config.model_fields.items():
+        assert field.description or name == "name", name
+    # a relative path is resolved once, where the config is validated
+    monkeypatch.chdir(ckpts["llama"].parent)
+    cfg = compose(["model=hf", "model.path=llama", "pcp=1"])
+    assert cfg.model.path == str(ckpts["llama"]) and os.path.isabs(cfg.model.path)
+    assert vocab_size_of(cfg.model) == 384
+    with pytest.raises(ConfigError, match="model.path"):
+        vocab_size_of(HFModel.Config.model_construct(path=str(tmp_path / "gone")))
+
+
+# ------------------------------------------------------------------ weights
+def _hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return safetensors_torch.load_file(str(path / "model.safetensors"))
+
+
+def test_weights_land_where_the_name_adapter_says(ckpts):
+    hf = _hf_tensors(ckpts["dsv3"])
+    model = build_model(
+        compose(["model=hf", f"model.path={ckpts['dsv3']}", "pcp=1"]).model,
+        dtype=torch.float64,
+        seed=0,
+    )
+    layer = model.layers[1]
+    assert torch.equal(
+        layer.mlp.gate_up_proj.weight,
+        torch.cat(
+            [hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]]
+        ).double(),
+    )
+    assert torch.equal(
+        layer.self_attn.kv_a_proj.weight,
+        hf["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].double(),
+    )
+    assert torch.equal(
+        layer.self_attn.q_a_norm.weight,
+        hf["model.layers.1.self_attn.q_a_layernorm.weight"].double(),
+    )
+    assert torch.equal(
+        layer.self_attn.kv_a_norm.weight,
+        hf["model.layers.1.self_attn.kv_a_layernorm.weight"].double(),
+    )
+    assert torch.equal(
+        layer.input_norm.weight, hf["model.layers.1.input_layernorm.weight"].double()
+    )
+    assert torch.equal(model.lm_head.weight, hf["lm_head.weight"].double())
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    # the cache holds the latent plus the rope key, not per-head K/V
+    spec = model.attn_spec
+    assert (spec.num_kv_heads, spec.entry_dim, spec.v_dim) == (1, 32 + 16, 32)
+
+    hf = _hf_tensors(ckpts["llama_tied_bias"])
+    model = build_model(
+        compose(["model=hf", f"model.path={ckpts['llama_tied_bias']}", "pcp=1"]).model,
+        dtype=torch.float32,
+        seed=0,
+    )
+    assert model.lm_head is None and "lm_head.weight" not in hf
+    assert torch.equal(
+        model.layers[0].self_attn.k_proj.bias, hf["model.layers.0.self_attn.k_proj.bias"]
+    )
+    assert torch.equal(
+        model.layers[0].mlp.gate_up_proj.bias,
+        torch.cat([hf["model.layers.0.mlp.gate_proj.bias"], hf["model.layers.0.mlp.up_proj.bias"]]),
+    )
+    spec = model.attn_spec  # roped K of both kv heads, then V
+    assert (spec.num_kv_heads, spec.qk_dim, spec.v_offset, spec.entry_dim) == (2, 16, 32, 64)
+
+
+def _with_tensors(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    tensors = _hf_tensors(dst)
+    edit(tensors)
+    safetensors_torch.save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_unknown_missing_and_misshapen_tensors_are_errors(ckpts, tmp_path):
+    def build(path):
+        cfg = compose(["model=hf", f"model.path={path}", "pcp=1"])
+        return build_model(cfg.model, dtype=torch.float32, seed=0)
+
+    src = ckpts["llama"]
+    extra = _with_tensors(
+        src,
+        tmp_path / "extra",
+        lambda t: t.update({"model.layers.0.mlp.fc9.weight": torch.zeros(2)}),
+    )
+    with pytest.raises(ValueError, match=r"1 checkpoint tensor\(s\) have no place.*mlp.fc9"):
+        build(extra)
+    missing = _with_tensors(
+        src, tmp_path / "missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")
+    )
+    with pytest.raises(ValueError, match="does not provide layers.1.mlp.gate_up_proj.weight"):
+        build(missing)
+    shape = _with_tensors(
+        src, tmp_path / "shape", lambda t: t.update({"model.norm.weight": torch.ones(63)})
+    )
+    # The driver reads the safetensors header before any rank starts (pcpflow.driver.checks) ...
+    with pytest.raises(ConfigError, match=r"tensor model.norm.weight has shape \[63\]; config.json implies \[64\]"):
+        build(shape)
+    # ... and the loader, which a library user may call directly, says the same.
+    good = compose(["model=hf", f"model.path={src}", "pcp=1"]).model
+    with pytest.raises(
+        ValueError, match=r"model.norm.weight is \[63\], but norm.weight wants \[64\]"
+    ):
+        build_model(good.model_copy(update={"path": str(shape)}), dtype=torch.float32, seed=0)
+    twice = _with_tensors(src, tmp_path / "twice", lambda t: None)
+    (twice / "model.safetensors").rename(twice / "model-1.safetensors")
+    safetensors_torch.save_file(
+        {"model.norm.weight": torch.ones(64)}, str(twice / "model-2.safetensors")
+    )
+    with pytest.raises(ValueError, match="stored more than once: model.norm.weight"):
+        build(twice)
+    # an MTP layer past num_hidden_layers (DeepSeek-V3) and saved rotary tables are skipped
+    skipped = _with_tensors(
+        src,
+        tmp_path / "skipped",
+        lambda t: t.update(
+            {
+                "model.layers.2.self_attn.q_proj.weight": torch.zeros(3),
+                "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8),
+            }
+        ),
+    )
+    a, b = build(skipped), build(src)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ------------------------------------------------------------------ rope
+@pytest.mark.parametrize(
+    "params",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 2.0,
+            "high_freq_factor": 8.0,
+            "original_max_position_embeddings": 8192,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 1.3,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+    ids=lambda p: "-".join(f"{v}" for v in p.values()),
+)
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_scaled_rope_equals_transformers(params, dim):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(
+        hidden_size=dim * 4,
+        num_attention_heads=4,
+        head_dim=dim,
+        max_position_embeddings=16384,
+        rope_theta=10000.0,
+        rope_scaling=dict(params),
+    )
+    want_inv_freq, want_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    scaling = RopeScaling(**params)
+    inv_freq, factor = scaled_rope(dim, 10000.0, scaling)
+    assert inv_freq.dtype == torch.float64 and inv_freq.shape == want_inv_freq.shape
+    # transformers evaluates these in float32
+    torch.testing.assert_close(inv_freq, want_inv_freq.double(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(want_factor, rel=1e-12)

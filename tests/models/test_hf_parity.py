@@ -1,0 +1,312 @@
+"""Hugging Face checkpoints run token for token with transformers.
+
+Tiny random Llama and DeepSeek-V2/V3 checkpoints are written by transformers itself
+(``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
+them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
+one longer than ``scheduler.max_num_batched_tokens`` so it is prefilled in chunks — at
+pcp in {1, 2, 4}, dcp in {1, pcp}, replicated and sharded decodes, and tensor parallel
+at tp=2 pcp=2 (Llama dcp 1, 2; DeepSeek dcp 1, 2, 4). The expected values
+come from transformers alone: its forward with its own cache, prompt then one token at a
+time (the logits at the last prompt token and at every decode step), and
+``model.generate(do_sample=False)`` for the tokens. pcpflow must match them within 1e-5
+in float32 and 1e-10 in float64, and its own single-rank verification must pass.
+
+float64: transformers computes RMSNorm and RoPE (and eager softmax) in float32 even for a
+float64 model — an upcast meant for half precision, a downcast here — so its float64
+forward is only float32-accurate. The float64 reference therefore runs transformers'
+unmodified code under ``PromoteFloat32``, a torch function mode that turns each float32 it
+asks for into float64 (the model is loaded by ``from_pretrained`` outside it; its rotary
+embedding is rebuilt inside it); ``test_float64_reference_is_transformers_at_float64``
+checks that this changes precision only.
+
+All configs run in one ``pcpflow.testing.run`` call: ranks start once per world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers",
+    minversion="5.15",  # the first whose DeepSeek-V2 applies YaRN's mscale to the softmax
+    reason="parity tests need transformers>=5.15: pip install -e '.[test]'",
+)
+pytest.importorskip("safetensors", reason="parity tests need safetensors: pip install -e '.[test]'")
+
+import shared_ranks  # noqa: E402
+from float64_compute import float64_compute  # noqa: E402
+
+from pcpflow.testing import compose  # noqa: E402
+from repo_scripts import load_script  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = {"float32": 1e-5, "float64": 1e-10}
+MAX_BATCHED = 32
+PROMPT_LENS = [1, 6, 19, 45, 70]  # 45 and 70 are chunked (> MAX_BATCHED)
+OUTPUT_LENS = [5, 3, 6, 4, 2]
+
+# name -> make_tiny_hf_checkpoint.build_checkpoint options
+CHECKPOINTS = {
+    "llama": dict(arch="llama", rope_scaling="llama3"),
+    "llama_tied_bias_sharded": dict(
+        arch="llama",
+        rope_scaling="none",
+        tie_word_embeddings=True,
+        bias=True,
+        max_shard_size="100KB",
+    ),
+    "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
+    "dsv3_rotate_half": dict(
+        arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
+    ),
+    "dsv2_no_q_lora": dict(arch="deepseek_v2", q_lora_rank=None, rope_scaling="yarn"),
+}
+
+# (checkpoint, dtype, pcp, dcp, decode, extra overrides): both main families see pcp 1/2/4,
+# dcp 1 and = pcp, both decode modes and both dtypes; the variants add one feature each.
+MATRIX = [
+    ("llama", "float32", 1, 1, "replicated", []),
+    ("llama", "float64", 2, 1, "replicated", []),
+    ("llama", "float32", 2, 2, "sharded", ["kv.interleave=2"]),
+    ("llama", "float64", 4, 4, "replicated", ["pipeline.restore.kind=sampled_rows"]),
+    ("llama", "float32", 4, 1, "sharded", []),
+    ("dsv3", "float64", 1, 1, "replicated", []),
+    ("dsv3", "float32", 2, 1, "sharded", []),
+    ("dsv3", "float64", 2, 2, "replicated", ["kv.block_size=8"]),
+    ("dsv3", "float32", 4, 4, "sharded", ["pipeline.restore.kind=sampled_rows"]),
+    ("dsv3", "float64", 4, 1, "replicated", []),
+    ("llama_tied_bias_sharded", "float64", 1, 1, "replicated", []),
+    ("llama_tied_bias_sharded", "float32", 2, 2, "replicated", []),
+    ("dsv3_rotate_half", "float32", 2, 2, "sharded", []),
+    ("dsv2_no_q_lora", "float32", 1, 1, "replicated", []),
+    ("dsv2_no_q_lora", "float64", 4, 4, "sharded", []),
+    # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
+    # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
+    ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
+    ("llama", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("dsv3", "float64", 2, 1, "sharded", ["tp=2"]),
+    ("dsv3", "float32", 2, 2, "replicated", ["tp=2"]),
+    ("dsv3", "float64", 2, 4, "sharded", ["tp=2"]),
+    ("dsv2_no_q_lora", "float32", 2, 4, "replicated", ["tp=2"]),
+]
+
+
+# NOTE: a representative default set (Llama and DeepSeek, pcp 2/4, dcp, both decode modes,
+# both dtypes, tp); the rest of the matrix runs with the slow set (.ci/run runs both).
+DEFAULT_CASES = {
+    ("llama", "float64", 4, 4, "replicated"),
+    ("dsv3", "float64", 2, 2, "replicated"),
+    ("dsv3", "float32", 4, 4, "sharded"),
+}
+DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
+
+
+def _is_default(case) -> bool:
+    ckpt, dtype, pcp, dcp, decode, extra = case
+    return (ckpt, dtype, pcp, dcp, decode) in (DEFAULT_TP_CASES if "tp=2" in extra else DEFAULT_CASES)
+
+
+def _matrix_of(case) -> str:
+    return "hf_parity" if _is_default(case) else "hf_parity/slow"
+
+
+def _case_id(case) -> str:
+    ckpt, dtype, pcp, dcp, decode, extra = case
+    return f"{ckpt}-{dtype}-pcp{pcp}-dcp{dcp}-{decode}" + "".join(f"-{e}" for e in extra)
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(1234)
+    return [rng.integers(0, vocab_size, n).tolist() for n in PROMPT_LENS]
+
+
+# ----------------------------------------------------------------- the reference
+def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
+    """``from_pretrained`` in ``dtype``. With ``promote`` (float64 only), the rotary
+    embedding — whose frequencies transformers computes in float32 at construction — is
+    built again under ``PromoteFloat32``; forwards must then run under it too."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.eval()
+    if promote and dtype == "float64":
+        # NOTE: only construction and compute run promoted, never weight loading (which
+        # may view raw bytes as float32).
+        base = model.model
+        with float64_compute():
+            base.rotary_emb = type(base.rotary_emb)(config=model.config)
+    return model
+
+
+def transformers_reference(path: Path, prompts, output_lens, dtype: str, *, promote=True):
+    """Per prompt: (logits [n, vocab] of the prompt's last token and of each decode step,
+    the greedy tokens from those logits, ``model.generate``'s tokens), from transformers."""
+    model = load_transformers_model(path, dtype, promote=promote)
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    promoted = promote and dtype == "float64"
+    out = []
+    with float64_compute() if promoted else contextlib.nullcontext(), torch.no_grad():
+        for prompt, n in zip(prompts, output_lens):
+            cache = transformers.DynamicCache(config=model.config)
+            step = model(torch.tensor([prompt]), use_cache=True, **{cache_kw: cache})
+            rows, tokens = [], []
+            for i in range(n):
+                rows.append(step.logits[0, -1].double())
+                tokens.append(int(rows[-1].argmax()))
+                if i < n - 1:
+                    step = model(torch.tensor([[tokens[-1]]]), use_cache=True, **{cache_kw: cache})
+            generated = model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n
+            )
+            out.append((torch.stack(rows), tokens, generated[0, len(prompt) :].tolist()))
+    return out
+
+
+# ----------------------------------------------------------------- fixtures
+_CHECKPOINTS: dict[str, Path] = {}
+
+
+def _build_checkpoints() -> dict[str, Path]:
+    """The tiny checkpoints, built once per session (the shared matrix and the references
+    read the same files)."""
+    if not _CHECKPOINTS:
+        script = load_script("make_tiny_hf_checkpoint")
+        root = Path(tempfile.mkdtemp(prefix="pcpflow-hf-"))
+        for name, options in CHECKPOINTS.items():
+            options = dict(options)
+            arch = options.pop("arch")
+            _CHECKPOINTS[name] = script.build_checkpoint(root / name, arch, seed=0, **options)
+    return _CHECKPOINTS
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return _build_checkpoints()
+
+
+@pytest.fixture(scope="module")
+def vocab_size(checkpoints):
+    sizes = {
+        json.loads((p / "config.json").read_text())["vocab_size"] for p in checkpoints.values()
+    }
+    assert len(sizes) == 1
+    return sizes.pop()
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints, vocab_size):
+    cache = {}
+
+    def get(ckpt: str, dtype: str, promote: bool = True):
+        key = (ckpt, dtype, promote)
+        if key not in cache:
+            cache[key] = transformers_reference(
+                checkpoints[ckpt], _prompts(vocab_size), OUTPUT_LENS, dtype, promote=promote
+            )
+        return cache[key]
+
+    return get
+
+
+def _parity_configs(cases):
+    checkpoints = _build_checkpoints()
+    sizes = {json.loads((p / "config.json").read_text())["vocab_size"] for p in checkpoints.values()}
+    (vocab_size,) = sizes
+    prompts = json.dumps(_prompts(vocab_size)).replace(" ", "")
+    configs = [
+        compose(
+            [
+                "model=hf",
+                f"model.path={checkpoints[ckpt]}",
+                f"dtype={dtype}",
+                f"pcp={pcp}",
+                f"dcp={dcp}",
+                f"decode={decode}",
+                "verify=true",
+                "workload=explicit",
+                f"workload.prompts={prompts}",
+                f"workload.output_lens={json.dumps(OUTPUT_LENS).replace(' ', '')}",
+                f"scheduler.max_num_batched_tokens={MAX_BATCHED}",
+                "output.save_logits=true",
+                "output.plots=false",
+                "output.progress=false",
+                *extra,
+            ]
+        )
+        for ckpt, dtype, pcp, dcp, decode, extra in cases
+    ]
+    return configs
+
+
+shared_ranks.matrix("hf_parity")(lambda: _parity_configs([c for c in MATRIX if _is_default(c)]))
+shared_ranks.matrix("hf_parity/slow")(lambda: _parity_configs([c for c in MATRIX if not _is_default(c)]))
+
+
+@pytest.fixture(scope="module")
+def pcpflow_results(shared_runs):
+    def get(case):
+        name = _matrix_of(case)
+        cases = [c for c in MATRIX if _matrix_of(c) == name]
+        return dict(zip(map(_case_id, cases), (r for _, r in shared_runs[name])))[_case_id(case)]
+
+    return get
+
+
+def _param(case):
+    marks = [pytest.mark.matrix(_matrix_of(case))] + ([] if _is_default(case) else [pytest.mark.slow])
+    return pytest.param(case, marks=marks, id=_case_id(case))
+
+
+# ----------------------------------------------------------------- tests
+@pytest.mark.dist
+@pytest.mark.parametrize("case", [_param(c) for c in MATRIX])
+def test_pcpflow_matches_transformers(case, pcpflow_results, references, vocab_size):
+    ckpt, dtype, *_ = case
+    result = pcpflow_results(case)
+    ref = references(ckpt, dtype)
+    prompts = _prompts(vocab_size)
+
+    assert result["verify"]["passed"], result["verify"]
+    assert [r["prompt_token_ids"] for r in result["requests"]] == prompts
+    for i, (ref_logits, ref_tokens, generated) in enumerate(ref):
+        assert ref_tokens == generated, f"request {i}: transformers' cache forward vs generate"
+        assert result["outputs"][i] == ref_tokens, f"request {i}: tokens"
+        got = torch.tensor(result["logits"][i], dtype=torch.float64)
+        assert got.shape == ref_logits.shape == (OUTPUT_LENS[i], vocab_size)
+        diff = float((got - ref_logits).abs().max())
+        assert diff <= TOL[dtype], f"request {i}: max |logit diff| {diff:.3e} > {TOL[dtype]}"
+
+
+@pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
+def test_float64_reference_is_transformers_at_float64(ckpt, references):
+    """``PromoteFloat32`` changes precision only: the promoted reference agrees with
+    transformers' plain float32 and float64 runs to float32 rounding (same tokens, logits
+    within 1e-4), and differs from both by more than float64 rounding (without it,
+    transformers' float64 run is only float32-accurate)."""
+    promoted = references(ckpt, "float64")
+    for plain in (references(ckpt, "float32"), references(ckpt, "float64", promote=False)):
+        assert [toks for _, toks, _ in promoted] == [toks for _, toks, _ in plain]
+        diff = max(float((a - b).abs().max()) for (a, _, _), (b, _, _) in zip(promoted, plain))
+        assert 1e-9 < diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
+def test_tiny_checkpoints_have_decisive_logits(ckpt, references):
+    """Token equality is robust only if greedy choices are not near-ties: logits within
+    ``tol`` of the reference cannot change an argmax whose top-2 gap exceeds ``2 * tol``;
+    every gap here is several times that in float32. Greedy output does not collapse
+    (except with tied random embeddings, where a token's own embedding dominates its
+    logits and greedy repeats it: that checkpoint is there for loading, not diversity)."""
+    ref = references(ckpt, "float64")
+    gaps = torch.cat([lg.topk(2, dim=-1).values.diff(dim=-1).abs()[:, 0] for lg, _, _ in ref])
+    assert float(gaps.min()) > 10 * TOL["float32"], sorted(gaps.tolist())[:5]
+    tokens = [t for _, toks, _ in ref for t in toks]
+    if not CHECKPOINTS[ckpt].get("tie_word_embeddings"):
+        assert len(set(tokens)) >= len(tokens) // 2, tokens

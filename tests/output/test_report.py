@@ -1,0 +1,79 @@
+"""pcpflow.output.report: the console summary names its clocks, load.png names its config, tells
+ranks apart and shows the prefill phases."""
+
+from __future__ import annotations
+
+import json
+
+from pcpflow.output.report import config_title, print_summary, write_plots
+
+CFG = {"pcp": 3, "dcp": 3, "tp": 1, "dtype": "float32", "decode": {"mode": "sharded", "assignment": "balanced"},
+       "model": {"name": "tiny_gqa"}, "workload": {"kind": "explicit"}, "draft": {"kind": "mtp"}}
+
+
+def _record(step, tokens, prefill):
+    return {"step": step, "per_rank_tokens": tokens, "per_rank_attention_work": [t * 10 for t in tokens],
+            "num_prefill_tokens": prefill}
+
+
+def test_load_png_names_the_config_styles_each_rank_and_shades_prefill_steps(tmp_path):
+    records = [_record(0, [8, 8, 7], 23), _record(1, [9, 8, 8], 25), _record(2, [1, 1, 1], 0),
+               _record(3, [5, 4, 4], 10), _record(4, [1, 1, 1], 0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "result.json").write_text(json.dumps({"config": CFG}))
+    drawn = write_plots(tmp_path)
+    assert drawn["title"] == (
+        "per-rank load per step: pcp=3 dcp=3  decode=sharded/balanced  model=tiny_gqa  workload=explicit  "
+        "draft=mtp  float32"
+    )
+    assert drawn["ranks"] == 3 and len(set(drawn["styles"])) == 3  # solid, dashed, dotted
+    assert drawn["prefill_steps"] == [0, 1, 3]
+    assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _metrics(**extra):
+    base = {
+        "num_steps": 6, "num_tokens": 240, "num_generated_tokens": 9, "tokens_per_s": 1800.0,
+        "run_s": 0.13, "wall_s": 0.38, "clocks": {"run_s": 0.13, "loop_s": 0.38, "job_s": 17.2},
+        "ttft": {"mean_s": None}, "tpot": {"mean_s": None},
+        "balance": {"tokens_max_over_mean": 1.0, "attention_work_max_over_mean": 1.0, "padding_fraction": 0.0},
+        "collective_bytes": {}, "framework_overhead_s": 0.001, "framework_overhead_fraction": 0.01,
+    }
+    return {**base, **extra}
+
+
+
+def test_summary_names_the_run_clock_the_engine_loop_and_the_job(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one line per row: no wrapping inside a cell
+    print_summary({"config": CFG, "metrics": _metrics(), "status": "ok", "run_dir": "/r"})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1800 tokens/s on the run clock" in text
+    for clock in ("run clock 0.13 s", "engine loop 0.38 s", "job 17.20 s"):
+        assert clock in text, clock
+    assert " ".join(config_title(CFG).split()) in text
+
+def test_a_simulated_summary_claims_no_verification_and_no_framework_time(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    sim = {"hardware": "h200_sxm", "gpus": 8, "nodes": 1, "weights_dtype": "bf16", "overlap": "ring", "tflops_per_gpu": 300.0}
+    metrics = _metrics(simulate=sim, framework_overhead_s=None, framework_overhead_fraction=None)
+    print_summary({"config": {**CFG, "draft": {"kind": "none"}, "mode": "simulate"}, "metrics": metrics, "status": "ok",
+                   "run_dir": "/r", "verification": "off"})
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("verification") == 1  # the row that says it is off
+    assert "framework overhead" not in text and "1800 tokens/s on the simulated clock" in text
+    assert "simulated 0.130 s" in text and "simulator 0.38 s" in text and "rank start-up" not in text
+
+
+def test_the_results_path_is_printed_whole_on_a_narrow_or_piped_console(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    run_dir = "/a/rather/long/path/" + "x" * 90 + "/2026-12-01/21-03-25-123456"
+    print_summary({"config": CFG, "metrics": _metrics(), "status": "ok", "run_dir": run_dir})
+    assert f"results: {run_dir}/result.json\n" in capsys.readouterr().out
+
+
+def test_an_untrained_draft_head_says_why_it_accepts_nothing(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    metrics = _metrics(acceptance_rate=0.0, mean_accepted_per_step=0.0, draft_time_fraction=0.2)
+    print_summary({"config": CFG, "metrics": metrics, "status": "ok", "run_dir": "/r"})  # CFG drafts with mtp
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the mtp head is random weights (not trained)" in text and "draft=self" in text
