@@ -2,7 +2,12 @@
 What they are and how a drafter uses them: ``pcpflow.speculative``'s docstring and
 docs/writing-stages.md."""
 
-from pcpflow.speculative.attention import KVWriter, prefill_attention, replicated_attention, replicated_layout
+from pcpflow.speculative.attention import (
+    KVWriter,
+    prefill_attention,
+    replicated_attention,
+    replicated_layout,
+)
 from pcpflow.speculative.comm import DraftComm, draft_comm, shard_drafter
 from pcpflow.speculative.drafting import (
     DraftConfig,

@@ -30,8 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pcpflow.rank.bootstrap import rank_start_method
 from pcpflow.config.run import RunConfig, parse_run_config
+from pcpflow.rank.bootstrap import rank_start_method
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

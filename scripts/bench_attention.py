@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from pcpflow.attention.paged import paged_attention  # noqa: E402
 from pcpflow.attention.fused import fused_paged_attention  # noqa: E402
+from pcpflow.attention.paged import paged_attention  # noqa: E402
 from pcpflow.models.layers import gqa_spec  # noqa: E402
 
 

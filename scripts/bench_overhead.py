@@ -43,13 +43,13 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from compare_layouts import DEFAULT_TRACE, trace_batches
 
-from pcpflow.scheduling.batch import GlobalBatch
-from pcpflow.parallel.comm import Comm, CommStats
-from pcpflow.pipeline.context import RankContext
-from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.models import build_model
+from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.pipeline.assemble import resolve_pipeline
+from pcpflow.pipeline.context import RankContext
 from pcpflow.pipeline.state import StepState
+from pcpflow.scheduling.batch import GlobalBatch
+from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.testing import compose
 
 BLOCK_SIZE = 16

@@ -47,6 +47,7 @@ from pcpflow.layouts.accounting import (
     DCP_REST_POLICIES,
     ModelShape,
     attention_rows,
+    attention_work,
     layer_collectives,
     plan_dcp_rest,
     restore_collective,
@@ -55,10 +56,9 @@ from pcpflow.layouts.accounting import (
     tp_layer_collectives,
     tp_local_shape,
 )
-from pcpflow.scheduling.batch import GlobalBatch
-from pcpflow.attention.context_parallel import attention_work
-from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.layouts.layout import plan_layout
+from pcpflow.scheduling.batch import GlobalBatch
+from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.scheduling.workload import TraceWorkload, build_requests
 

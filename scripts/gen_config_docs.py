@@ -39,7 +39,7 @@ def render() -> str:
     sys.path.insert(0, str(ROOT))
     from pcpflow.config.run import RunConfig
     from pcpflow.pipeline.assemble import load_stages
-    from pcpflow.pipeline.stage import SLOTS, _REGISTRY
+    from pcpflow.pipeline.stage import _REGISTRY, SLOTS
 
     load_stages()
     out = [_HEAD, "## Run settings\n", _table(_rows(RunConfig, "", skip={"model", "workload", "draft", "pipeline"}))]

@@ -172,8 +172,8 @@ class Check:
         return torch.cuda.get_device_name(0).lower().replace(" ", "_").replace("nvidia_", "")
 
     def attention(self, e: dict) -> None:
-        from pcpflow.attention.paged import paged_attention
         from pcpflow.attention.fused import fused_paged_attention
+        from pcpflow.attention.paged import paged_attention
         from pcpflow.models.layers import gqa_spec, mla_spec
 
         ctx_len, chunk, decodes = (40, 16, 2) if self.dry else (8192, 2048, 16)

@@ -90,15 +90,10 @@ class DSparkDraft(Stage):
     def check_run(cls, config, run) -> list[Problem]:
         n = getattr(run.model, "num_layers", None)
         bad = [i for i in config.target_layers or () if n is not None and not -n <= i < n]
+        problems = config.layer.tp_problems(run.grid)
         if bad:
-            return [
-                Problem(
-                    "draft.target_layers",
-                    config.target_layers,
-                    f"layers of a {n}-layer target: -{n}..{n - 1}",
-                )
-            ]
-        return []
+            problems.append(Problem("draft.target_layers", config.target_layers, f"layers of a {n}-layer target: -{n}..{n - 1}"))
+        return problems
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)

@@ -19,8 +19,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pcpflow.attention.fused import attention_kernel, resolve_attention
 from pcpflow.attention.context_parallel import CPAttention
+from pcpflow.attention.fused import attention_kernel, resolve_attention
+from pcpflow.errors import Problem
 from pcpflow.parallel.moe_dispatch import moe_forward
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
@@ -43,6 +44,15 @@ class ModelForward(Stage):
             description="paged-attention kernel: reference (plain torch) | fused "
             "(flex_attention / SDPA with log-sum-exp) | auto (fused on CUDA, else reference)",
         )
+
+    @classmethod
+    def check_run(cls, config, run) -> list[Problem]:
+        # NOTE: DCP over TP ranks gathers queries: a rank's contexts live on other PCP ranks' TP shards too.
+        if config.dcp_rest == "context" and run.dcp > 1 and run.grid.dcp_tp > 1:
+            return [Problem("pipeline.forward.dcp_rest", config.dcp_rest,
+                            f"the context path needs DCP inside PCP only; dcp={run.dcp} spans "
+                            f"{run.grid.dcp_tp} TP ranks: use queries or auto")]
+        return []
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)

@@ -60,6 +60,10 @@ class MTPDraft(Stage):
         seed_offset: int = Field(1, description="the head's weights come from seed + seed_offset")
         layer: spec.MLALayerConfig = Field(default_factory=spec.MLALayerConfig)
 
+    @classmethod
+    def check_run(cls, config, run) -> list:
+        return config.layer.tp_problems(run.grid)
+
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
         self.head = (

@@ -9,10 +9,15 @@ from __future__ import annotations
 from functools import partial
 from typing import Literal
 
-from pcpflow.rank.cudagraph import capture_sizes, dispatch, is_uniform_decode, num_tokens_for_dispatch
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
+from pcpflow.rank.cudagraph import (
+    capture_sizes,
+    dispatch,
+    is_uniform_decode,
+    num_tokens_for_dispatch,
+)
 
 
 @register

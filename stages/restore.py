@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from pcpflow.layouts.accounting import sampled_row_holders
-from pcpflow.tokens.sampling import sample_batch
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
+from pcpflow.tokens.sampling import sample_batch
 
 
 def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor, config=None) -> StepState:

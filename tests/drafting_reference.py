@@ -8,13 +8,13 @@ import math
 import tempfile
 
 import torch
+from pcpflow.stages.dspark import DSparkDraft, DSparkModel
+from pcpflow.stages.mtp import MTPDraft, MTPHead
 from pcpflow_test_plugins import draft_probe
 from reference import reference_forward, rms, rope
 
 from pcpflow.models import build_model
 from pcpflow.models.common import build_seeded
-from pcpflow.stages.dspark import DSparkDraft, DSparkModel
-from pcpflow.stages.mtp import MTPDraft, MTPHead
 from pcpflow.testing import compose
 
 OUTPUT_LEN = 7

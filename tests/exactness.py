@@ -4,9 +4,9 @@ tests/rank/test_engine.py and its neighbours run, and the assertions they share.
 from __future__ import annotations
 
 import torch
+from reference import greedy_matches
 
 from pcpflow.models import build_model
-from reference import greedy_matches
 
 OUTPUT_LEN = 6
 

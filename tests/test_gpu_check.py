@@ -14,8 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
-from pcpflow.rank.devices import pick_backend, pick_device
 from pcpflow.errors import ConfigError
+from pcpflow.rank.devices import pick_backend, pick_device
 from pcpflow.testing import compose
 
 ROOT = Path(__file__).resolve().parent.parent

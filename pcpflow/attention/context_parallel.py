@@ -34,9 +34,10 @@ padded to N (``pcpflow.layouts.layout``). Per layer:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from pcpflow.attention.metadata import AttentionMetadata
+from pcpflow.attention.paged import merge_attention_partials, paged_attention
 from pcpflow.layouts.accounting import (
     QUERIES,
     ModelShape,
@@ -44,12 +45,9 @@ from pcpflow.layouts.accounting import (
     dcp_tp_size,
     plan_dcp_rest,
 )
-from pcpflow.attention.paged import merge_attention_partials, paged_attention
-from pcpflow.parallel.comm import Comm
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.models.base import AttentionSpec
-from pcpflow.layouts.slots import dcp_local_seq_lens
-from pcpflow.pipeline.state import AttentionMetadata
+from pcpflow.parallel.comm import Comm
 
 
 class CPAttention:
@@ -253,46 +251,3 @@ def _write(cache: torch.Tensor, write: tuple[torch.Tensor, torch.Tensor], kv: to
     rows, slots = write
     if rows.numel():
         cache.index_copy_(0, slots, kv.index_select(0, rows).to(cache.dtype))
-
-
-def attention_work(
-    layout: BatchLayout,
-    positions: np.ndarray,
-    *,
-    dcp_size: int,
-    interleave: int,
-    token_mask: np.ndarray | None = None,
-    dcp_rest: str = "queries",
-) -> np.ndarray:
-    """(query, key) pairs each rank scores this step, from the layout alone.
-
-    Without DCP a rank scores its own rows over their whole context (position + 1 keys).
-    With DCP it scores the replicated decode rows over its shard, and the rest rows by
-    their path (``dcp_rest``, the mode ``plan_dcp_rest`` chose): every gathered row over
-    its shard (``queries``), or its own rows over their whole context (``context``).
-    ``token_mask`` (bool [T]) counts only the rows of those global tokens (e.g. decodes).
-    """
-    p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
-    rows_ctx = positions[layout.padded_gather_idx] + 1
-    skip = layout.is_padding
-    if token_mask is not None:
-        skip = skip | ~np.asarray(token_mask, dtype=bool)[layout.padded_gather_idx]
-    rows_ctx = np.where(skip, 0, rows_ctx).reshape(p, n)
-    if dcp_size == 1:
-        return rows_ctx.sum(axis=1)
-    decode_ctx, rest_ctx = rows_ctx[0, :nd], rows_ctx[:, nd:]
-    work = np.array(
-        [dcp_local_seq_lens(decode_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
-        dtype=np.int64,
-    )
-    if dcp_rest == "context":
-        # NOTE: dcp > 1 means dcp == pcp (tp = 1): DCP rank r holds PCP rank r's rows.
-        assert dcp_size == p, f"dcp ({dcp_size}) != pcp ({p})"
-        return work + rest_ctx.sum(axis=1)
-    if dcp_rest != "queries":
-        raise ValueError(f"dcp_rest must be 'queries' or 'context', got {dcp_rest!r}")
-    rest_ctx = rest_ctx.ravel()
-    return work + np.array(
-        [dcp_local_seq_lens(rest_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
-        dtype=np.int64,
-    )

@@ -5,7 +5,8 @@ rows it makes up, and the verifier places the reference's KV with the same slot 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,17 +14,46 @@ import torch
 from pcpflow.layouts.dcp_context import ContextGather
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.slots import compute_slot_mapping, dcp_local_seq_lens, expand_to_gathered
-from pcpflow.pipeline.state import AttentionMetadata
 
-if TYPE_CHECKING:
-    from pcpflow.config.run import KVConfig
+
+class KVGeometry(Protocol):
+    """What the slot rule reads of the KV settings (``kv.*``)."""
+
+    block_size: int
+    interleave: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Where KV goes and what each query reads, written by ``slots``.
+
+    ``gathered_slot_mapping`` covers the PCP-gathered view (rank-major, each rank padded):
+    the slot this rank writes for each gathered row, or -1 (not the canonical writer,
+    not this DCP rank's position, or padding). Row metadata (``row_*``) covers the rows
+    whose attention this rank computes.
+    """
+
+    gathered_slot_mapping: torch.Tensor  # int64 [pcp_size * num_padded_tokens]
+    block_tables: torch.Tensor  # int64 [R, max_blocks]: the global batch's block tables
+    local_row_req_indices: torch.Tensor  # int64 [num_padded_tokens]
+    local_row_context_lens: torch.Tensor  # int64 [num_padded_tokens]: keys each local row
+    # reads from this rank's cache (its DCP shard when dcp > 1); 0 on padding rows
+    gathered_row_req_indices: torch.Tensor | None = None  # [pcp*N] when dcp > 1
+    gathered_row_context_lens: torch.Tensor | None = None  # [pcp*N] when dcp > 1
+    # What the DCP context path of the rest rows gathers (dcp > 1; None: queries path only).
+    dcp_context: ContextGather | None = None
+    # The rest rows' DCP path the target's forward took ("queries" | "context"), set by
+    # ``forward``: attention work is counted by it, a draft prefill over these rows follows it.
+    dcp_rest: str | None = None
+
+
 
 
 def rank_slot_mapping(
     positions: np.ndarray,
     req_indices: np.ndarray,
     block_tables: np.ndarray,
-    kv: KVConfig,
+    kv: KVGeometry,
     *,
     dcp_size: int = 1,
     dcp_rank: int = 0,
@@ -48,7 +78,7 @@ def build_attention_metadata(
     block_tables: np.ndarray,
     context_lens: np.ndarray | None = None,
     *,
-    kv: KVConfig,
+    kv: KVGeometry,
     pcp_rank: int,
     dcp_size: int,
     dcp_rank: int,

@@ -15,14 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pcpflow.errors import ConfigError, Problem
-from pcpflow.parallel.grid import RankGrid
-from pcpflow.models import ModelConfig
-from pcpflow.parallel.moe_dispatch import MoERunConfig
-from pcpflow.tokens.sampling import SamplingConfig
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.errors import ConfigError, Problem
+from pcpflow.models import ModelConfig
+from pcpflow.parallel.grid import RankGrid
+from pcpflow.parallel.moe_dispatch import MoERunConfig
 from pcpflow.scheduling.workload import WorkloadConfig
-
+from pcpflow.tokens.sampling import SamplingConfig
 
 BF16_LOGITS_ATOL = 0.25
 """bf16 keeps 8 mantissa bits: a logit of magnitude ~4-8 is only resolved to ~0.03, and a
@@ -268,10 +267,32 @@ def mode_problems(cfg: RunConfig) -> list[Problem]:
     return p
 
 
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""What every RNG of a run takes: torch.manual_seed wants a 64-bit integer (numpy's
+SeedSequence takes the low 64 bits of it)."""
+
+
+def seed_problems(cfg: RunConfig) -> list[Problem]:
+    lo, hi = SEED_RANGE
+    problems = []
+    for field, value in _seeds(cfg):
+        if value is not None and not lo <= int(value) <= hi:
+            problems.append(Problem(field, value, "an integer in [-2**63, 2**63 - 1] (what the RNGs take)"))
+    return problems
+
+
+def _seeds(cfg: Any) -> list[tuple[str, Any]]:
+    out = [("seed", cfg.seed), ("workload.seed", getattr(cfg.workload, "seed", None))]
+    sampling = getattr(cfg, "sampling", None)
+    if sampling is not None:
+        out.append(("sampling.seed", getattr(sampling, "seed", None)))
+    return out
+
+
 def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
     pcpflow's own)."""
-    p: list[Problem] = mode_problems(cfg)
+    p: list[Problem] = mode_problems(cfg) + seed_problems(cfg)
     p.extend(cfg.grid.problems())
     if cfg.kv.block_size % cfg.kv.interleave:
         p.append(

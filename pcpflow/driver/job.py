@@ -14,8 +14,8 @@ from typing import Any
 
 from pcpflow import __version__
 from pcpflow.config.run import RunConfig, validate_run_config
-from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
+from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
 from pcpflow.output.rundir import (
     failed_result,
     live_lock_owner,

@@ -23,8 +23,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from pcpflow.rank.bootstrap import RankError, RankSession, elastic_rank, rank_start_method
 from pcpflow.config.run import RunConfig
+from pcpflow.rank.bootstrap import RankError, RankSession, elastic_rank, rank_start_method
 from pcpflow.rank.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
 

@@ -135,7 +135,8 @@ def write_sweep_report(sweep_dir: Path, *, announce: bool = True) -> list[dict[s
         {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")}
         - {"total", "tp", "pcp_dcp"}
     )
-    from pcpflow.simulate.decide import COLUMNS as DECISION_COLUMNS, decide
+    from pcpflow.simulate.decide import COLUMNS as DECISION_COLUMNS
+    from pcpflow.simulate.decide import decide
 
     decision = decide(rows, sweep_dir)  # gpus, pareto, rank (by simulate.objective)
     columns = (

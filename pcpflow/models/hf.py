@@ -15,17 +15,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pcpflow.errors import ConfigError, Problem
+from pcpflow.errors import ConfigError, Problem, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_llama import LlamaCheckpoint
-from pcpflow.models.hf_weights import checkpoint_files, load_checkpoint
+from pcpflow.models.hf_weights import checkpoint_files, load_checkpoint, read_safetensors_header
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "LlamaForCausalLM": LlamaCheckpoint,
@@ -151,3 +151,57 @@ class HFModel(DecoderLM):
             return read_checkpoint(config.path or "").vocab_size
         except ValueError as exc:
             raise ConfigError([Problem("model.path", config.path, str(exc))]) from None
+
+
+# ------------------------------------------------------------------------------ before a run
+def checkpoint_problems(model_config: Any) -> list[Problem]:
+    """A Hugging Face checkpoint's safetensors files are whole, are safetensors, and hold
+    tensors of the shapes its config.json implies: all from the headers (a few kB each)."""
+    if getattr(model_config, "name", None) != "hf" or not model_config.path:
+        return []
+    from pcpflow.tokens.text import has_tokenizer
+
+    missing = missing_extra(("safetensors", *(("transformers",) if has_tokenizer(model_config) else ())), "hf")
+    if missing:
+        return [Problem("model", "hf", f"a checkpoint needs {missing}")]
+
+    path = Path(model_config.path)
+    try:
+        files = checkpoint_files(path)
+    except (ValueError, OSError) as exc:
+        return [Problem("model.path", str(path), str(exc))]
+    problems, shapes = [], {}
+    for f in files:
+        try:
+            header = read_safetensors_header(f)
+        except ValueError as exc:
+            problems.append(Problem("model.path", str(f), f"a whole safetensors file; {exc}"))
+            continue
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    if problems:
+        return problems
+    return _shape_problems(path, shapes)
+
+
+def _shape_problems(path: Path, shapes: dict[str, tuple[int, ...]]) -> list[Problem]:
+    """Tensors whose shape differs from the parameter config.json gives them."""
+    try:
+        checkpoint = read_checkpoint(path)
+        model = build_uninitialized(lambda: HFModel(checkpoint), "meta")
+    except Exception:  # config.json problems are the model's own validation's to report
+        return []
+    params = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    problems = []
+    for hf_name, shape in shapes.items():
+        for rename in checkpoint.renames:
+            m = rename.pattern().fullmatch(hf_name)
+            if m is None:
+                continue
+            ours = rename.ours.replace("{i}", m.groupdict().get("i") or "").replace("{wb}", m.groupdict().get("wb") or "")
+            want = params.get(ours)
+            if want is not None and rename.part is not None:
+                want = (want[0] // rename.part[1], *want[1:])
+            if want is not None and tuple(shape) != want:
+                problems.append(Problem("model.path", str(path), f"tensor {hf_name} has shape {list(shape)}; config.json implies {list(want)}"))
+            break
+    return problems[:10]

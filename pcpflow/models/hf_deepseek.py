@@ -28,10 +28,10 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding, yarn_mscale
-from pcpflow.models.layers import MLAAttention, mla_spec
 from pcpflow.models.hf_checkpoint import CheckpointConfig
-from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.hf_moe import MOE_DEFAULTS, MOE_RENAMES, moe_settings
+from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
+from pcpflow.models.layers import MLAAttention, mla_spec
 from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 

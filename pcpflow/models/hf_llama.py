@@ -13,9 +13,9 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding
-from pcpflow.models.layers import GQAAttention, gqa_spec
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
+from pcpflow.models.layers import GQAAttention, gqa_spec
 
 
 class LlamaCheckpoint(CheckpointConfig):

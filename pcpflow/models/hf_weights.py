@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -194,3 +196,26 @@ def _copy(
         )
     with torch.no_grad():
         target.copy_(tensor.to(dtype=target.dtype))
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file; ValueError if the file is not safetensors or
+    is shorter than its header says (truncated)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path.name} has {size} bytes: too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 * 2**20):
+            raise ValueError(f"{path.name} is not safetensors (its first 8 bytes give a header of {n} bytes; the file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path.name} is not safetensors (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} is not safetensors (its header is not a JSON object)")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"{path.name} is truncated: its header says {8 + n + end} bytes, the file has {size}")
+    return header

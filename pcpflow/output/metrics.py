@@ -32,6 +32,27 @@ SIMULATED_CLOCKS = {
 }
 
 
+def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str, int], nbytes: dict[str, int],
+                step_s: float, generated: int, to_generate: int, stage_s: dict[str, float] | None = None) -> dict[str, Any]:
+    """The metrics.jsonl line of one step, as an executed and a simulated run both write it
+    (each adds its own fields: verification, drafting and experts; prices)."""
+    return {
+        "step": batch.step,
+        "num_reqs": batch.num_reqs,
+        "num_tokens": batch.num_tokens,
+        "num_prefill_tokens": int(batch.num_scheduled_tokens[batch.is_prefilling].sum()),
+        "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
+        "padded_num_tokens": layout.padded_num_tokens,
+        "per_rank_attention_work": np.asarray(attention_work).tolist(),
+        "collective_calls": calls,
+        "collective_bytes": nbytes,
+        "stage_s": stage_s or {},
+        "step_s": step_s,
+        "num_generated": generated,
+        "num_to_generate": to_generate,
+    }
+
+
 class MetricsRecorder:
     def __init__(self, path: Path | None, *, pcp_size: int, num_to_generate: int) -> None:
         self.file: IO[str] | None = open(path, "w") if path is not None else None  # noqa: SIM115

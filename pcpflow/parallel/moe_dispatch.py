@@ -28,11 +28,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from pcpflow.layouts.accounting import moe_all_to_all_calls
-from pcpflow.parallel.comm import Comm
 from pcpflow.errors import Problem
+from pcpflow.layouts.accounting import moe_all_to_all_calls
 from pcpflow.models.moe import LocalDispatch, MoEMLP, moe_config_problems, use_dispatch
 from pcpflow.models.moe_config import MoEConfig
+from pcpflow.parallel.comm import Comm
 
 STATS_KEY = "moe_stats"
 

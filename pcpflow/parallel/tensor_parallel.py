@@ -22,6 +22,7 @@ cache columns a rank owns with the single-rank reference's).
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 from torch import nn
 
@@ -164,6 +165,18 @@ def _row_parallel(linear: nn.Linear, cols: torch.Tensor, comm) -> RowParallelLin
 
 
 # -------------------------------------------------------------------- what is allowed
+
+
+def run_tp_problems(cfg) -> list[Problem]:
+    """``tp_problems`` of a run's target model (a drafter checks its own layers, and the
+    forward stage its DCP path: their stages' ``check_run``)."""
+    if cfg.tp == 1:
+        return []
+    try:
+        heads, kv, inner = model_shape(cfg.model)
+    except ValueError:
+        return []  # the model's own validation reports an unreadable checkpoint
+    return tp_problems(cfg.grid, num_heads=heads, num_kv_heads=kv, intermediate_size=inner)
 
 
 def tp_problems(

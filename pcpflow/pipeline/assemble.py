@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from pcpflow.config.run import pydantic_problems
-from pcpflow.rank.progress import mark_stage
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.pipeline.stage import (
@@ -27,11 +27,11 @@ from pcpflow.pipeline.stage import (
     load_stage_sources,
     resolve,
 )
+from pcpflow.pipeline.state import StepState
 
 if TYPE_CHECKING:
     from pcpflow.config.run import RunConfig
     from pcpflow.pipeline.context import RankContext
-    from pcpflow.pipeline.state import StepState
 
 TARGET_SLOTS = tuple(s for s in SLOTS if s != "draft")
 """The slots that compute the target model's step (the reference runs only these)."""
@@ -179,18 +179,39 @@ def _shipped_pipeline() -> dict[str, Any]:
 
 
 class Pipeline:
-    """The instantiated stages of one rank; calling it runs one step."""
+    """The instantiated stages of one rank; calling it runs one step. ``on_stage(name)`` is
+    told each stage as it starts (the rank's progress board: where a failure happened)."""
 
-    def __init__(self, specs: list[StageSpec], ctx: RankContext) -> None:
+    def __init__(self, specs: list[StageSpec], ctx: RankContext, on_stage: Callable[[str], None] | None = None) -> None:
         self.stages = [(spec.name, spec.cls(spec.config, ctx)) for spec in specs]
+        self.on_stage = on_stage
 
     def __call__(self, state: StepState) -> StepState:
         for name, stage in self.stages:
-            mark_stage(name)
+            if self.on_stage is not None:
+                self.on_stage(name)
             t0 = time.perf_counter()
-            state = stage(state)
+            out = stage(state)
+            if not isinstance(out, StepState):
+                raise TypeError(f"stage {name} ({type(stage).__module__}.{type(stage).__qualname__}) returned "
+                                f"{type(out).__name__}: a stage returns the step state it was given (or a new one)")
+            state = out
             state.timings[name] = time.perf_counter() - t0
         return state
 
     def stage(self, name: str) -> Stage:
         return dict(self.stages)[name]
+
+
+def stage_problems(cfg: RunConfig, raw: dict[str, Any]) -> tuple[list[Problem], RunConfig]:
+    """The pipeline's problems, and ``cfg`` with ``num_speculative_tokens`` taken from its
+    draft stage (the scheduler must reserve exactly what the stage will propose)."""
+    try:
+        k = num_speculative_tokens(resolve_pipeline(cfg))
+    except ConfigError as exc:
+        return exc.problems, cfg
+    given = raw.get("num_speculative_tokens")
+    if given is not None and given != k:
+        problem = Problem("num_speculative_tokens", given, f"derived from the draft stage ({k}); set draft.num_speculative_tokens")
+        return [problem], cfg
+    return [], cfg.model_copy(update={"num_speculative_tokens": k})

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.config.run import RunConfig
 from pcpflow.models.base import CausalLM
+from pcpflow.parallel.comm import Comm, CommStats
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

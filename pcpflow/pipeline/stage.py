@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pcpflow.errors import Problem
+
 if TYPE_CHECKING:
     from pcpflow.pipeline.context import RankContext
     from pcpflow.pipeline.state import StepState
@@ -185,3 +187,26 @@ def build_config(kind_cls: type[Stage], raw: dict[str, Any]) -> StageConfig:
     data = dict(raw)
     data["kind"] = kind_cls.kind
     return kind_cls.Config.model_validate(data)
+
+
+def plugin_problems(plugins: list[str]) -> list[Problem]:
+    """Each plugin module imports: any error it raises at import (a SyntaxError, a
+    NameError, an ImportError of its own) is its problem, named with the module."""
+    problems = []
+    for i, name in enumerate(plugins):
+        try:
+            import_plugins([name])
+        except ModuleNotFoundError as exc:
+            if exc.name and name.startswith(exc.name):
+                problems.append(Problem(f"plugins[{i}]", name, "an importable module (it is not on sys.path / PYTHONPATH)"))
+            else:
+                problems.append(Problem(f"plugins[{i}]", name, f"a module that imports; importing it failed: {_short(exc)}"))
+        except Exception as exc:  # noqa: BLE001 - a user module may raise anything at import
+            problems.append(Problem(f"plugins[{i}]", name, f"a module that imports; importing it failed: {_short(exc)}"))
+    return problems
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    return f"{type(exc).__name__}: {exc}"

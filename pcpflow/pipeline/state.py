@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from pcpflow.attention.metadata import AttentionMetadata
+
 if TYPE_CHECKING:
     import torch
 
-    from pcpflow.scheduling.batch import GlobalBatch
-    from pcpflow.layouts.dcp_context import ContextGather
     from pcpflow.layouts.layout import BatchLayout
+    from pcpflow.scheduling.batch import GlobalBatch
 
 
 @dataclass(frozen=True)
@@ -47,30 +48,6 @@ class LocalBatch:
     seq_lens: torch.Tensor  # int64 [num_segments]: segment's last position + 1
     segment_req_indices: torch.Tensor  # int64 [num_segments]: global batch row
     gather_idx: np.ndarray  # int64 [num_padded_tokens]: global token of each local row
-
-
-@dataclass
-class AttentionMetadata:
-    """Where KV goes and what each query reads, written by ``slots``.
-
-    ``gathered_slot_mapping`` covers the PCP-gathered view (rank-major, each rank padded):
-    the slot this rank writes for each gathered row, or -1 (not the canonical writer,
-    not this DCP rank's position, or padding). Row metadata (``row_*``) covers the rows
-    whose attention this rank computes.
-    """
-
-    gathered_slot_mapping: torch.Tensor  # int64 [pcp_size * num_padded_tokens]
-    block_tables: torch.Tensor  # int64 [R, max_blocks]: the global batch's block tables
-    local_row_req_indices: torch.Tensor  # int64 [num_padded_tokens]
-    local_row_context_lens: torch.Tensor  # int64 [num_padded_tokens]: keys each local row
-    # reads from this rank's cache (its DCP shard when dcp > 1); 0 on padding rows
-    gathered_row_req_indices: torch.Tensor | None = None  # [pcp*N] when dcp > 1
-    gathered_row_context_lens: torch.Tensor | None = None  # [pcp*N] when dcp > 1
-    # What the DCP context path of the rest rows gathers (dcp > 1; None: queries path only).
-    dcp_context: ContextGather | None = None
-    # The rest rows' DCP path the target's forward took ("queries" | "context"), set by
-    # ``forward``: attention work is counted by it, a draft prefill over these rows follows it.
-    dcp_rest: str | None = None
 
 
 @dataclass

@@ -26,10 +26,10 @@ from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG
-from pcpflow.rank.progress import Blame, RankBoard, store_timeout
-from pcpflow.output.rundir import failed_result, load_frozen_config, result_of, write_result
 from pcpflow import signals
+from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG
+from pcpflow.output.rundir import failed_result, load_frozen_config, result_of, write_result
+from pcpflow.rank.progress import Blame, RankBoard, store_timeout
 from pcpflow.signals import Interrupted, interruptible
 
 STARTUP_STORE_TIMEOUT_S = 900  # rank 0 composing and checking the config, before any cfg exists
@@ -163,8 +163,8 @@ class RankSession:
         """Run one job's engine on this rank; rank 0's result sections (others None).
         Raises RankError naming the root cause; with ``writes_result`` exactly one rank
         writes the failed result.json (torchrun: no driver is there to do it)."""
-        from pcpflow.rank.engine import run_rank
         from pcpflow.pipeline.stage import load_stage_sources
+        from pcpflow.rank.engine import run_rank
 
         self.init_group(cfg)
         self.jobs += 1

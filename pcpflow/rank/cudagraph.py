@@ -28,11 +28,11 @@ from pcpflow.errors import Problem
 from pcpflow.pipeline.state import BatchDescriptor
 
 if TYPE_CHECKING:
-    from pcpflow.scheduling.batch import GlobalBatch
     from pcpflow.config.run import RunConfig
-    from pcpflow.pipeline.context import RankContext
     from pcpflow.layouts.layout import BatchLayout
+    from pcpflow.pipeline.context import RankContext
     from pcpflow.pipeline.state import StepState
+    from pcpflow.scheduling.batch import GlobalBatch
 
 CUDAGRAPH_MODES = ("none", "piecewise", "full_decode_only", "full_and_piecewise", "full")
 CUDAGraphMode = Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"]

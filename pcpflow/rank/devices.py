@@ -11,8 +11,10 @@ run with more ranks on a node than visible GPUs is refused before any rank start
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pcpflow.errors import Problem
@@ -82,3 +84,86 @@ def ranks_on_this_node(cfg: RunConfig) -> int:
     """``LOCAL_WORLD_SIZE`` under torchrun / srun wrappers; every rank under pcpflow's
     own launch (one node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+
+
+# ------------------------------------------------------------------------------ host memory
+HOST_MEMORY_FRACTION = 0.8
+"""An executed run may plan to use this much of the host's available memory."""
+
+_BUFFER_BYTES_PER_TOKEN = 16 * 8  # a step's int64 columns (ids, positions, slots, indices ...)
+_BUFFER_BYTES_PER_SEQ = 2 * 8 * 8  # 2 * max_num_seqs rows of per-request int64 columns
+
+
+def host_memory_problems(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndarray) -> list[Problem]:
+    """An executed run's allocations on this host (every rank of it, and the reference on
+    rank 0) fit in its available memory. Each size that alone is too big is named."""
+    available = host_memory_bytes()
+    if available is None:
+        return []
+    budget = int(available * HOST_MEMORY_FRACTION)
+    ranks = cfg.world_size + (1 if cfg.verify else 0)  # the reference keeps a full cache
+    entry_bytes, hidden_bytes = _kv_entry_bytes(cfg)
+    sizes = {
+        "kv.num_blocks": ranks * cfg.kv.num_blocks * cfg.kv.block_size * entry_bytes,
+        "scheduler.max_num_batched_tokens": ranks * cfg.scheduler.max_num_batched_tokens * (_BUFFER_BYTES_PER_TOKEN + 4 * hidden_bytes),
+        "scheduler.max_num_seqs": ranks * cfg.scheduler.max_num_seqs * _BUFFER_BYTES_PER_SEQ,
+        "workload": ranks * 3 * 8 * int(prompt_lens.sum() + output_lens.sum()),  # token ids: requests, scheduler
+    }
+    problems = []
+    for field, nbytes in sizes.items():
+        if nbytes > budget:
+            given = _given(cfg, field)
+            problems.append(
+                Problem(
+                    field,
+                    given,
+                    f"a size this host can allocate: {ranks} rank(s) would need {_gib(nbytes)} for it alone, "
+                    f"and {_gib(budget)} of memory is available to the run "
+                    f"({HOST_MEMORY_FRACTION:.0%} of {_gib(available)})",
+                )
+            )
+    total = sum(sizes.values())
+    if not problems and total > budget:
+        problems.append(Problem("kv.num_blocks", cfg.kv.num_blocks, f"a run that fits this host: KV caches, buffers and workload together need {_gib(total)}, {_gib(budget)} is available"))
+    return problems
+
+
+def _given(cfg: Any, field: str) -> Any:
+    if field == "workload":
+        return getattr(cfg.workload, "path", None) or cfg.workload.kind
+    section, key = field.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _kv_entry_bytes(cfg: Any) -> tuple[int, int]:
+    """(bytes of one token's KV entries over all layers, bytes of one hidden row), from the
+    model built on the meta device (no memory, no weights read)."""
+    import torch
+
+    from pcpflow.models import build_model
+    from pcpflow.pipeline.context import DTYPES
+
+    dtype = DTYPES[cfg.dtype]
+    try:
+        model = build_model(cfg.model, dtype=dtype, seed=0, device="meta")
+    except Exception:  # a model that cannot be built on meta: price it as 1 kB per layer
+        return 1024, 1024
+    size = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * model.attn_spec.entry_dim * size, model.hidden_size * size
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

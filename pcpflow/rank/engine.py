@@ -14,23 +14,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.config.run import RunConfig
-from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches, build_comms
-from pcpflow.rank.devices import pick_device
-from pcpflow.attention.context_parallel import attention_work
-from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.output.metrics import MetricsRecorder
+from pcpflow.layouts.accounting import attention_work
 from pcpflow.models import build_model
+from pcpflow.output.metrics import MetricsRecorder, step_record
+from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.parallel.moe_dispatch import moe_run_summary, moe_step_record
-from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
-from pcpflow.rank.progress import mark_stage, mark_step, startup_done
-from pcpflow.scheduling.scheduler import Scheduler
-from pcpflow.pipeline.state import StepState
 from pcpflow.parallel.tensor_parallel import shard_model
-from pcpflow.tokens.text import decode_outputs, stop_token_ids
+from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
+from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches, build_comms
+from pcpflow.pipeline.state import StepState
+from pcpflow.rank.devices import pick_device
+from pcpflow.rank.progress import mark_stage, mark_step, startup_done
 from pcpflow.rank.verify import Verifier
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.loop import StepLoop
+from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.scheduling.workload import build_requests
+from pcpflow.tokens.text import decode_outputs, stop_token_ids
 
 
 def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
@@ -92,7 +93,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         dcp_heads=comms["dcp_heads"],
     )
     specs = resolve_pipeline(cfg)
-    pipeline = Pipeline(specs, ctx)
+    pipeline = Pipeline(specs, ctx, on_stage=mark_stage)
     unaccounted_world = Comm(world.group, world.rank, world.size, None)
     verifier = Verifier(cfg, ctx, specs, unaccounted_world) if cfg.verify else None
     is_root = world.rank == 0
@@ -101,17 +102,17 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         pcp_size=pcp.size,
         num_to_generate=sum(r.max_output_tokens for r in requests),
     )
-    loop = _Loop(cfg, ctx, scheduler, pipeline, verifier, recorder)
+    steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder)
     startup_done(cfg)  # start-up has its own timeout (startup_timeout_s); steps the collective one
     t0 = time.perf_counter()
     try:
-        loop.run()
+        steps.run()
     finally:
         recorder.close()
     wall_s = time.perf_counter() - t0
     if not is_root:
         return None
-    req_rows = loop.request_rows(requests)
+    req_rows = steps.loop.request_rows(requests)
     result: dict[str, Any] = {
         "outputs": [scheduler.outputs().get(r.req_id, []) for r in requests],
         "requests": req_rows,
@@ -125,51 +126,37 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     if verifier is not None:
         result["verify"] = verifier.summary()
     if cfg.output.save_logits:
-        result["logits"] = [loop.logits.get(r.req_id, []) for r in requests]
+        result["logits"] = [steps.logits.get(r.req_id, []) for r in requests]
     return result
 
 
-class _Loop:
+class _Steps:
+    """This rank's steps over the shared loop (``pcpflow.scheduling.loop``): each batch runs
+    through the pipeline on the run clock; verification and metrics follow, off it."""
+
     def __init__(self, cfg, ctx, scheduler, pipeline, verifier, recorder) -> None:
         self.cfg, self.ctx, self.scheduler = cfg, ctx, scheduler
         self.pipeline, self.verifier, self.recorder = pipeline, verifier, recorder
-        self.clock = 0.0  # run clock: pipeline + scheduler time only (see metrics.py)
-        self.step_start: dict[int, float] = {}
-        self.step_end: dict[int, float] = {}
-        self.generated = 0
+        self.loop = StepLoop(scheduler, max_steps=cfg.max_steps, on_step=mark_step)
         self.logits: dict[int, list[list[float]]] = {}  # req_id -> sampled rows (save_logits)
 
     def run(self) -> None:
-        cfg, sched = self.cfg, self.scheduler
-        executed = 0
-        while not sched.done:
-            if cfg.max_steps is not None and executed >= cfg.max_steps:
-                break
-            step = sched.step
-            mark_step(step)
-            self.step_start[step] = self.clock
-            t0 = time.perf_counter()
-            batch = sched.schedule()
-            if batch is None:  # waiting for arrivals: an idle step
-                self.step_end[step] = self.clock
-                continue
+        sched, loop = self.scheduler, self.loop
+        for batch in loop.batches():
             state = self.pipeline(StepState(batch))
             outcome = sched.update(batch, state.sampled_token_ids)
             if state.draft_token_ids is not None:
                 sched.set_draft_tokens(batch, state.draft_token_ids)
-            step_s = time.perf_counter() - t0
-            self.clock += step_s
-            self.step_end[step] = self.clock
+            step_s = loop.elapsed()
+            loop.advance(batch, step_s, outcome.num_new_tokens)
             calls, nbytes = self.ctx.stats.end_step()
             logit_diff = None
             if self.verifier is not None:
                 mark_stage("verify")
                 logit_diff = self.verifier.step(state, outcome.finished_req_ids, outcome.freed_blocks)
-            self.generated += outcome.num_new_tokens
-            if cfg.output.save_logits:
+            if self.cfg.output.save_logits:
                 self._save_logits(state)
             self.recorder.step(self._record(state, outcome, calls, nbytes, step_s, logit_diff))
-            executed += 1
 
     def _save_logits(self, state: StepState) -> None:
         rows = state.logits.to(torch.float64).cpu().tolist()
@@ -178,28 +165,16 @@ class _Loop:
             self.logits.setdefault(req_id, []).append(row)
 
     def _record(self, state: StepState, outcome, calls, nbytes, step_s, logit_diff) -> dict[str, Any]:
-        b, layout, kv = state.batch, state.layout, self.cfg.kv
-        record = {
-            "step": b.step,
-            "num_reqs": b.num_reqs,
-            "num_tokens": b.num_tokens,
-            "num_prefill_tokens": int(b.num_scheduled_tokens[b.is_prefilling].sum()),
-            "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
-            "padded_num_tokens": layout.padded_num_tokens,
-            "per_rank_attention_work": attention_work(
-                layout,
-                b.positions,
-                dcp_size=self.ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
-                interleave=kv.interleave,
-                dcp_rest=state.attn.dcp_rest or "queries",
-            ).tolist(),
-            "collective_calls": calls,
-            "collective_bytes": nbytes,
-            "stage_s": state.timings,
-            "step_s": step_s,
-            "num_generated": self.generated,
-            "num_to_generate": self.recorder.num_to_generate,
-        }
+        b, layout = state.batch, state.layout
+        work = attention_work(
+            layout,
+            b.positions,
+            dcp_size=self.ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
+            interleave=self.cfg.kv.interleave,
+            dcp_rest=state.attn.dcp_rest or "queries",
+        )
+        record = step_record(b, layout, attention_work=work, calls=calls, nbytes=nbytes, stage_s=state.timings,
+                             step_s=step_s, generated=self.loop.generated, to_generate=self.recorder.num_to_generate)
         proposed = int(np.sum(outcome.num_proposed))
         if proposed:
             record["draft_proposed"] = proposed
@@ -209,35 +184,3 @@ class _Loop:
             record["max_abs_logit_diff"] = logit_diff
         record.update(moe_step_record(self.ctx))
         return record
-
-    def request_rows(self, requests, with_token_ids: bool = True) -> list[dict[str, Any]]:
-        rows = []
-        timing = self.scheduler.request_timing()
-        outputs = self.scheduler.outputs()
-        for r in requests:
-            t = timing.get(r.req_id, {})
-            arrival, first, finish = t.get("arrival_step"), t.get("first_token_step"), t.get("finish_step")
-            n_out = len(outputs.get(r.req_id, []))
-            ttft_s = ttft_steps = tpot_s = tpot_steps = None
-            if first is not None and arrival is not None:
-                ttft_steps = first - arrival + 1
-                ttft_s = self.step_end[first] - self.step_start[arrival]
-            if finish is not None and first is not None and n_out > 1:
-                tpot_steps = (finish - first) / (n_out - 1)
-                tpot_s = (self.step_end[finish] - self.step_end[first]) / (n_out - 1)
-            rows.append(
-                {
-                    "req_id": r.req_id,
-                    "prompt_len": len(r.prompt_token_ids),
-                    "prompt_token_ids": r.prompt_token_ids.tolist() if with_token_ids else None,
-                    "output_len": n_out,
-                    "arrival_step": arrival,
-                    "first_token_step": first,
-                    "finish_step": finish,
-                    "ttft_steps": ttft_steps,
-                    "ttft_s": ttft_s,
-                    "tpot_steps": tpot_steps,
-                    "tpot_s": tpot_s,
-                }
-            )
-        return rows

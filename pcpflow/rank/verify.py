@@ -30,16 +30,16 @@ import math
 import numpy as np
 import torch
 
-from pcpflow.parallel.comm import Comm, CommStats
-from pcpflow.config.run import RunConfig
-from pcpflow.pipeline.context import RankContext, allocate_kv_caches
-from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.models import build_model
-from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.attention.metadata import rank_slot_mapping
-from pcpflow.tokens.sampling import decision_gap
-from pcpflow.pipeline.state import StepState
+from pcpflow.config.run import RunConfig
+from pcpflow.models import build_model
+from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.parallel.tensor_parallel import entry_columns
+from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
+from pcpflow.pipeline.context import RankContext, allocate_kv_caches
+from pcpflow.pipeline.state import StepState
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.tokens.sampling import decision_gap
 
 _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
 

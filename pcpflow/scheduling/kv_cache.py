@@ -11,6 +11,46 @@ from __future__ import annotations
 
 import numpy as np
 
+from pcpflow.errors import Problem
+
+SHOWN_PROBLEMS = 5
+
+
+def fit_problems(
+    prompt_lens,
+    output_lens,
+    *,
+    num_speculative_tokens: int,
+    block_size: int,
+    dcp_size: int,
+    num_blocks: int,
+    max_blocks_per_req: int | None = None,
+) -> list[Problem]:
+    """The one rule for "can this request ever fit": its prompt, every output token and the
+    speculative lookahead, alone in the cache (``num_blocks``, or ``max_blocks_per_req`` when
+    smaller). A request that cannot would wait forever. Problems (``kv.num_blocks``) name the
+    first few such requests and count the rest; arrays of lengths in, no cache built."""
+    tokens_per_block = block_size * dcp_size
+    limit = num_blocks if max_blocks_per_req is None else min(num_blocks, max_blocks_per_req)
+    prompt = np.asarray(prompt_lens, dtype=np.int64)
+    output = np.asarray(output_lens, dtype=np.int64)
+    need = -(-(prompt + output + num_speculative_tokens) // tokens_per_block)
+    bad = np.flatnonzero(need > limit)
+    problems = []
+    for i in bad[:SHOWN_PROBLEMS].tolist():
+        extra = (f" (and max_blocks_per_req, {max_blocks_per_req}, too)"
+                 if max_blocks_per_req is not None and need[i] > max_blocks_per_req else "")
+        problems.append(Problem(
+            "kv.num_blocks", num_blocks,
+            f"workload request {i} needs {need[i]} blocks ({prompt[i]} prompt + {output[i]} output + "
+            f"{num_speculative_tokens} speculative tokens at {tokens_per_block} tokens per block); "
+            f"kv.num_blocks must be >= {need[i]}{extra}",
+        ))
+    if len(bad) > SHOWN_PROBLEMS:
+        problems.append(Problem("kv.num_blocks", num_blocks, f"... and {len(bad) - SHOWN_PROBLEMS} more requests do not "
+                                f"fit; the largest needs {int(need.max())} blocks"))
+    return problems
+
 
 class KVCacheManager:
     """Block allocator over ``num_blocks`` blocks (ids ``0..num_blocks-1``).
@@ -66,6 +106,12 @@ class KVCacheManager:
         """Blocks currently held by ``req_id`` (0 if it holds none)."""
         row = self._row(req_id)
         return 0 if row < 0 else int(self._row_num_blocks[row])
+
+    def fit_problems(self, prompt_lens, output_lens, num_speculative_tokens: int = 0) -> list[Problem]:
+        """``fit_problems`` of this cache (the module's one rule)."""
+        return fit_problems(prompt_lens, output_lens, num_speculative_tokens=num_speculative_tokens,
+                            block_size=self.block_size, dcp_size=self.dcp_size, num_blocks=self.num_blocks,
+                            max_blocks_per_req=self.max_blocks_per_req)
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a request holding no blocks yet could get room for ``num_tokens``."""

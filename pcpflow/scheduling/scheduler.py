@@ -29,11 +29,11 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from pcpflow.errors import ConfigError
 from pcpflow.scheduling.batch import GlobalBatch
-from pcpflow.errors import ConfigError, Problem
 from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.tokens.stopping import cut_at_stop
 from pcpflow.scheduling.workload import Request
+from pcpflow.tokens.stopping import cut_at_stop
 
 
 class Acceptance(NamedTuple):
@@ -111,40 +111,6 @@ class StepOutcome:
         }
 
 
-def _kv_tokens(req: Request, num_speculative_tokens: int) -> int:
-    return len(req.prompt_token_ids) + req.max_output_tokens + num_speculative_tokens
-
-
-def check_fits(
-    requests: list[Request], kv: KVCacheManager, num_speculative_tokens: int = 0
-) -> list[Problem]:
-    """One problem per request whose reservation exceeds the whole cache: it would wait forever."""
-    limit = min(kv.num_blocks, kv.max_blocks_per_req)
-    problems = []
-    for i, req in enumerate(requests):
-        tokens = _kv_tokens(req, num_speculative_tokens)
-        need = kv.blocks_needed(tokens)
-        if need > limit:
-            problems.append(
-                Problem(
-                    field="kv.num_blocks",
-                    given=kv.num_blocks,
-                    allowed=(
-                        f"workload request {i} needs {need} blocks ({len(req.prompt_token_ids)} "
-                        f"prompt + {req.max_output_tokens} output + {num_speculative_tokens} "
-                        f"speculative tokens at {kv.tokens_per_block} tokens per block); "
-                        f"kv.num_blocks must be >= {need}"
-                        + (
-                            f" (and max_blocks_per_req, {kv.max_blocks_per_req}, too)"
-                            if need > kv.max_blocks_per_req
-                            else ""
-                        )
-                    ),
-                )
-            )
-    return problems
-
-
 class Scheduler:
     """See the module docstring for the policy and the call order.
 
@@ -176,7 +142,8 @@ class Scheduler:
             raise ValueError(
                 f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1"
             )
-        problems = check_fits(requests, kv, num_speculative_tokens)
+        problems = kv.fit_problems([len(r.prompt_token_ids) for r in requests],
+                                   [r.max_output_tokens for r in requests], num_speculative_tokens)
         if problems:
             raise ConfigError(problems, header="requests that can never fit the KV cache")
         self.max_num_batched_tokens = int(max_num_batched_tokens)

@@ -1,9 +1,9 @@
 """A simulated run: the executed run's loop in one process, with every step priced.
 
-The loop is ``pcpflow.rank.engine``'s: the same ``Scheduler`` on the same requests, the same
-plan stage (``plan_layout``), the same counts (``attention_work``, and the collectives
-``pcpflow.layouts.accounting`` lists for the layout, which ``CPAttention`` issues and ``Comm``
-counts), the same ``MetricsRecorder`` and request timing. What it leaves out is only
+The loop is the executed run's (``pcpflow.scheduling.loop``): the same ``Scheduler`` on the
+same requests, the same plan stage (``plan_layout``), the same counts (``attention_work``,
+and the collectives ``pcpflow.layouts.accounting`` lists for the layout, which
+``CPAttention`` issues and ``Comm`` counts), the same step records and request timing. What it leaves out is only
 what needs tensors: the forward's arithmetic and the collectives' data, replaced by
 their price (``pcpflow.simulate.price``), and the sampled token ids (every request
 samples token 0: without drafting and EOS stops no count depends on them).
@@ -11,7 +11,7 @@ samples token 0: without drafting and EOS stops no count depends on them).
 Slot mappings and block tables are not materialised: no count reads them (the KV-write
 masks and DCP owners they encode are what ``attention_work`` and ``context_rows`` compute
 through ``pcpflow.layouts.slots.dcp_local_seq_lens``); the KV manager still allocates and frees
-every block, so admission waits for blocks as executed. ``tests/test_simulate_equality.py``
+every block, so admission waits for blocks as executed. ``tests/simulate/test_simulate_equality.py``
 checks the counts against executed runs step by step.
 """
 
@@ -24,18 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from pcpflow.layouts.accounting import QUERIES, plan_dcp_rest
 from pcpflow.config.run import RunConfig
-from pcpflow.rank.engine import _Loop
-from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.output.metrics import MetricsRecorder
+from pcpflow.layouts.accounting import QUERIES, plan_dcp_rest
 from pcpflow.models import vocab_size_of
+from pcpflow.output.metrics import MetricsRecorder, step_record
 from pcpflow.pipeline.assemble import resolve_pipeline
+from pcpflow.pipeline.state import StepState
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.loop import StepLoop
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Placement, price_step, step_counts
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
-from pcpflow.pipeline.state import StepState
 
 VERIFICATION_OFF = "off: mode=simulate computes nothing, so there is nothing to verify (counts and prices only)"
 
@@ -78,35 +78,24 @@ class SimulatedRun:
             num_to_generate=sum(r.max_output_tokens for r in self.requests),
         )
         self.records: list[dict[str, Any]] = []
-        # What engine._Loop.request_rows reads: the scheduler and the run clock per step.
-        self.clock = 0.0
-        self.step_start: dict[int, float] = {}
-        self.step_end: dict[int, float] = {}
-        self.generated = 0
+        self.loop = StepLoop(self.scheduler, max_steps=cfg.max_steps)
         self.totals = {k: np.zeros(cfg.pcp) for k in ("compute_s", "memory_s", "communication_s", "flops", "hbm_bytes")}
         self.purpose_s: dict[str, float] = {}
         self.dcp_rest_steps: dict[str, int] = {}
 
+    @property
+    def clock(self) -> float:
+        return self.loop.clock
+
     def run(self) -> dict[str, Any]:
-        cfg, sched = self.cfg, self.scheduler
         t0 = time.perf_counter()
-        executed = 0
         try:
-            while not sched.done:
-                if cfg.max_steps is not None and executed >= cfg.max_steps:
-                    break
-                step = sched.step
-                self.step_start[step] = self.clock
-                batch = sched.schedule()
-                if batch is None:
-                    self.step_end[step] = self.clock
-                    continue
+            for batch in self.loop.batches():
                 self._step(batch)
-                executed += 1
         finally:
             self.recorder.close()
         wall_s = time.perf_counter() - t0
-        rows = _Loop.request_rows(self, self.requests, with_token_ids=False)  # type: ignore[arg-type]
+        rows = self.loop.request_rows(self.requests, with_token_ids=False)
         metrics = self.recorder.summary(rows, wall_s, simulated=True)
         metrics["simulate"] = self._summary()
         return {"outputs": None, "requests": rows, "metrics": metrics, "verification": VERIFICATION_OFF}
@@ -142,31 +131,17 @@ class SimulatedRun:
             if q.step_s <= p.step_s:
                 rest, counts, p = QUERIES, q_counts, q
         outcome = self.scheduler.update(batch, np.zeros(len(batch.logits_indices), dtype=np.int64))
-        self.clock += p.step_s
-        self.step_end[batch.step] = self.clock
-        self.generated += outcome.num_new_tokens
-        pairs, calls, nbytes = counts.pairs, counts.calls, counts.nbytes
-        record = {
-            "step": batch.step,
-            "num_reqs": batch.num_reqs,
-            "num_tokens": batch.num_tokens,
-            "num_prefill_tokens": int(batch.num_scheduled_tokens[batch.is_prefilling].sum()),
-            "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
-            "padded_num_tokens": layout.padded_num_tokens,
-            "per_rank_attention_work": pairs.tolist(),
-            "collective_calls": calls,
-            "collective_bytes": nbytes,
-            "stage_s": {},
-            "step_s": p.step_s,
-            "num_generated": self.generated,
-            "num_to_generate": self.recorder.num_to_generate,
+        self.loop.advance(batch, p.step_s, outcome.num_new_tokens)
+        record = step_record(batch, layout, attention_work=counts.pairs, calls=counts.calls, nbytes=counts.nbytes,
+                             step_s=p.step_s, generated=self.loop.generated, to_generate=self.recorder.num_to_generate)
+        record.update({
             "dcp_rest": rest.mode,
             **({"expected_bytes": list(counts.expected)} if counts.expected else {}),
             "per_rank_compute_s": p.compute_s.tolist(),
             "per_rank_memory_s": p.memory_s.tolist(),
             "per_rank_communication_s": p.communication_s.tolist(),
             "purpose_s": p.purpose_s,
-        }
+        })
         self.recorder.step(record)
         self.records.append(record)
         for k, v in (("compute_s", p.compute_s), ("memory_s", p.memory_s), ("communication_s", p.communication_s),

@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
-from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes, model_sizes
 
 GIB = 2**30
@@ -24,8 +24,9 @@ SIMULATED_RESTORES = ("all_rows", "sampled_rows")
 
 
 def hardware_names() -> list[str]:
-    from pcpflow.paths import conf_dir
     from pathlib import Path
+
+    from pcpflow.paths import conf_dir
 
     return sorted(p.stem for p in (Path(conf_dir()) / "hardware").glob("*.yaml"))
 

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pcpflow.config.hardware import HardwareConfig, Link, SimulateConfig
 from pcpflow.layouts.accounting import (
+    attention_work,
     grid_step_collectives,
     moe_all_to_all_calls,
     moe_all_to_all_rows,
@@ -43,10 +45,8 @@ from pcpflow.layouts.accounting import (
     moe_uniform_send_rows,
     step_traffic,
 )
-from pcpflow.attention.context_parallel import attention_work
-from pcpflow.parallel.grid import RankGrid
 from pcpflow.layouts.slots import dcp_local_seq_lens
-from pcpflow.config.hardware import HardwareConfig, Link, SimulateConfig
+from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 EXCHANGE_PURPOSES = ("kv_gather", "dcp_query_gather", "dcp_context_gather")

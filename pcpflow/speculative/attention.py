@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pcpflow.attention.metadata import build_attention_metadata
 from pcpflow.attention.context_parallel import CPAttention
+from pcpflow.attention.metadata import build_attention_metadata
 from pcpflow.layouts.layout import BatchLayout, plan_layout
 from pcpflow.models.base import AttentionSpec
 from pcpflow.speculative.comm import draft_comm

@@ -14,14 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
-from pcpflow.scheduling.scheduler import accept_drafts
 from pcpflow.pipeline.stage import StageConfig
+from pcpflow.scheduling.scheduler import accept_drafts
 
 if TYPE_CHECKING:
-    from pcpflow.scheduling.batch import GlobalBatch
-    from pcpflow.pipeline.context import RankContext
     from pcpflow.models.base import CausalLM
+    from pcpflow.pipeline.context import RankContext
     from pcpflow.pipeline.state import StepState
+    from pcpflow.scheduling.batch import GlobalBatch
 
 
 class DraftConfig(StageConfig):
@@ -154,6 +154,13 @@ class MLALayerConfig(BaseModel):
     intermediate_size: int = Field(128, gt=0, description="MLP inner width")
     rope_theta: float = Field(10000.0, gt=0, description="rotary base")
     rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+
+    def tp_problems(self, grid) -> list:
+        """What stops this layer from splitting over ``grid.tp`` ranks (MLA: any DCP)."""
+        from pcpflow.parallel.tensor_parallel import tp_problems
+
+        return tp_problems(grid, num_heads=self.num_heads, num_kv_heads=None,
+                           intermediate_size=self.intermediate_size, what="the drafter (draft.layer)")
 
 
 def mla_decoder_layer(cfg: MLALayerConfig, hidden_size: int) -> tuple[DecoderLayer, AttentionSpec]:

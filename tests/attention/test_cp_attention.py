@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import shared_ranks
+from exactness import OUTPUT_LEN, assert_exact, corner_case_workload
 
 from pcpflow.testing import compose
-from exactness import OUTPUT_LEN, assert_exact, corner_case_workload
 
 BLOCK = 6  # interleave in {1, 2, BLOCK} must divide it
 INTERLEAVES = (1, 2, BLOCK)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from pcpflow.attention.paged import merge_attention_partials, paged_attention
 from pcpflow.attention.fused import fused_decode_attention, fused_paged_attention
-from pcpflow.models.base import AttentionSpec
+from pcpflow.attention.paged import merge_attention_partials, paged_attention
 from pcpflow.layouts.slots import dcp_local_seq_lens
+from pcpflow.models.base import AttentionSpec
 
 torch.set_num_threads(2)
 

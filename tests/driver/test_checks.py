@@ -16,14 +16,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from repo_scripts import load_script
 
-from pcpflow.driver.checks import capacity_warnings, check_job, host_memory_bytes, read_safetensors_header
+from pcpflow.driver.checks import capacity_warnings, check_job
+from pcpflow.models.hf_weights import read_safetensors_header
+from pcpflow.rank.devices import host_memory_bytes
 from pcpflow.driver.cli import compose_raw
-from pcpflow.errors import ConfigError
 from pcpflow.driver.job import prepare_job, run_job
+from pcpflow.errors import ConfigError
 from pcpflow.output.rundir import LOCK_FILE
 from pcpflow.testing import compose
-from repo_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
@@ -249,9 +251,9 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
     # the driver: model=hf without safetensors is one problem naming the extra
     from types import SimpleNamespace
 
-    from pcpflow.driver.checks import check_checkpoint
+    from pcpflow.models.hf import checkpoint_problems
 
-    (problem,) = check_checkpoint(SimpleNamespace(model=SimpleNamespace(name="hf", path=str(tmp_path))))
+    (problem,) = checkpoint_problems(SimpleNamespace(name="hf", path=str(tmp_path)))
     assert problem.field == "model" and "'hf' extra" in problem.allowed
     # the checkpoint maker: one line naming the extra, no traceback
     main = runpy.run_path(str(REPO / "scripts" / "make_tiny_hf_checkpoint.py"))["main"]

@@ -18,8 +18,8 @@ import pytest
 
 from pcpflow.driver.cli import compose_raw
 from pcpflow.driver.compose import config_groups as _config_groups
-from pcpflow.errors import ConfigError
 from pcpflow.driver.job import prepare_job
+from pcpflow.errors import ConfigError
 from pcpflow.testing import cli as in_process
 
 REPO = Path(__file__).resolve().parents[2]

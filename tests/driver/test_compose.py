@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pcpflow.driver.cli import planned_run_dir, main
+from pcpflow.driver.cli import main, planned_run_dir
 from pcpflow.driver.compose import compose_raw, options_having, validate_overrides
 from pcpflow.errors import ConfigError
 

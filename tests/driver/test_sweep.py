@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_scripts import load_script as _script
 
 from pcpflow.driver.sweep import BASE_COLUMNS, write_sweep_report
-from repo_scripts import load_script as _script
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

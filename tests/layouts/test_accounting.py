@@ -35,8 +35,14 @@ import numpy as np
 import pytest
 import shared_ranks
 
-from pcpflow.layouts.accounting import QUERIES, ModelShape, plan_dcp_rest, step_collectives, step_traffic
 from pcpflow.config.run import parse_run_config
+from pcpflow.layouts.accounting import (
+    QUERIES,
+    ModelShape,
+    plan_dcp_rest,
+    step_collectives,
+    step_traffic,
+)
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.pipeline.stage import Stage, StageConfig
 from pcpflow.testing import compose

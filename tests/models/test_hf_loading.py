@@ -22,11 +22,12 @@ transformers = pytest.importorskip(
 )
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from repo_scripts import load_script  # noqa: E402
+
 from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.models import MODEL_CLASSES, HFModel, build_model, vocab_size_of  # noqa: E402
 from pcpflow.models.common import RopeScaling, scaled_rope  # noqa: E402
 from pcpflow.testing import cli, compose  # noqa: E402
-from repo_scripts import load_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -43,9 +43,9 @@ pytest.importorskip("safetensors", reason="parity tests need safetensors: pip in
 
 import shared_ranks  # noqa: E402
 from float64_compute import float64_compute  # noqa: E402
+from repo_scripts import load_script  # noqa: E402
 
 from pcpflow.testing import compose  # noqa: E402
-from repo_scripts import load_script  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = {"float32": 1e-5, "float64": 1e-10}

@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 from pydantic import TypeAdapter, ValidationError
+from reference import reference_forward
 
 from pcpflow.attention.paged import paged_attention
 from pcpflow.models import MODEL_CLASSES, ModelConfig, TinyGQA, TinyMLA, build_model
-from reference import reference_forward
 
 torch.set_num_threads(2)
 

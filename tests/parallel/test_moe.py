@@ -31,13 +31,13 @@ transformers = pytest.importorskip(
     "transformers", reason="builds tiny checkpoints: pip install -e '.[test]'"
 )
 
+from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.layouts.accounting import (  # noqa: E402
     moe_all_to_all_calls,
     moe_gather_collectives,
     moe_uniform_send_rows,
     traffic_factor,
 )
-from pcpflow.errors import ConfigError  # noqa: E402
 from pcpflow.layouts.layout import plan_layout  # noqa: E402
 from pcpflow.models.common import GatedMLP  # noqa: E402
 from pcpflow.models.moe import LocalDispatch, MoEMLP, expert_slice, route, sliced_mlp  # noqa: E402

@@ -25,8 +25,11 @@ from typing import Literal
 
 import numpy as np
 import pytest
+import shared_ranks
 import torch
+from exactness import dense_reference_agrees
 
+from pcpflow.errors import ConfigError
 from pcpflow.layouts.accounting import (
     ModelShape,
     dcp_over_tp_collectives,
@@ -35,15 +38,12 @@ from pcpflow.layouts.accounting import (
     tp_layer_collectives,
     tp_step_collectives,
 )
-from pcpflow.errors import ConfigError
-from pcpflow.parallel.grid import RankGrid
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.models.layers import gqa_spec, mla_spec
-from pcpflow.pipeline.stage import Stage, StageConfig
+from pcpflow.parallel.grid import RankGrid
 from pcpflow.parallel.tensor_parallel import entry_columns, kv_heads_of, local_spec
+from pcpflow.pipeline.stage import Stage, StageConfig
 from pcpflow.testing import cli, compose
-import shared_ranks
-from exactness import dense_reference_agrees
 
 WORKLOAD = [
     "workload=explicit",

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pcpflow.attention.context_parallel import attention_work
+from pcpflow.layouts.accounting import attention_work
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
 

@@ -12,8 +12,8 @@ import pytest
 import shared_ranks
 
 from pcpflow.driver.compose import compose_raw, validate_overrides
-from pcpflow.errors import ConfigError
 from pcpflow.driver.job import prepare_job
+from pcpflow.errors import ConfigError
 from pcpflow.pipeline.assemble import BUILTIN_STAGES, SLOTS, resolve_pipeline
 from pcpflow.testing import compose
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from pcpflow.pipeline.assemble import load_stages
-from pcpflow.pipeline.stage import Stage, UnknownStageError, known_kinds, load_entry_points, register, resolve
+from pcpflow.pipeline.stage import (
+    Stage,
+    UnknownStageError,
+    known_kinds,
+    load_entry_points,
+    register,
+    resolve,
+)
 
 
 def test_registry_builtins_plugins_module_class_and_idempotence():

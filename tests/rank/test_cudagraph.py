@@ -4,11 +4,11 @@ runs in every mode that pad and dispatch like graphs do, exact against the singl
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from pcpflow.scheduling.batch import GlobalBatch
+from pcpflow.errors import ConfigError
+from pcpflow.layouts.layout import plan_layout
 from pcpflow.rank.cudagraph import (
     FULL_WITH_PCP,
     default_capture_sizes,
@@ -16,8 +16,7 @@ from pcpflow.rank.cudagraph import (
     is_uniform_decode,
     num_tokens_for_dispatch,
 )
-from pcpflow.errors import ConfigError
-from pcpflow.layouts.layout import plan_layout
+from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.testing import cli, compose, run
 
 
@@ -159,8 +158,8 @@ def test_pad_slot_is_outside_the_cache_view():
     verifier and every kernel read) never sees it."""
     import torch
 
-    from pcpflow.pipeline.context import allocate_kv_caches, with_pad_slot
     from pcpflow.models.base import AttentionSpec
+    from pcpflow.pipeline.context import allocate_kv_caches, with_pad_slot
 
     class Model:
         attn_spec = AttentionSpec(num_heads=2, num_kv_heads=1, qk_dim=4, v_dim=4, v_offset=0, entry_dim=4, scale=1.0)

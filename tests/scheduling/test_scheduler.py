@@ -3,10 +3,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.errors import ConfigError
+from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.scheduling.scheduler import Scheduler, accept_drafts, check_fits
+from pcpflow.scheduling.scheduler import Scheduler, accept_drafts
 from pcpflow.scheduling.workload import Request
 
 
@@ -259,12 +259,17 @@ def test_accept_drafts_on_a_mixed_batch():
 def test_requests_that_never_fit_are_reported_up_front():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     reqs = requests([5, 6, 1], [3, 3, 1])  # 8, 9 (> 8 = 2 blocks) and 2 tokens
-    (p,) = check_fits(reqs, kv)
+    lens = ([len(r.prompt_token_ids) for r in reqs], [r.max_output_tokens for r in reqs])
+    (p,) = kv.fit_problems(*lens)
     assert p.field == "kv.num_blocks" and p.given == 2
     assert "request 1 needs 3 blocks" in p.allowed
-    assert check_fits(reqs[:1], kv, num_speculative_tokens=1)[0].allowed.startswith(
+    assert kv.fit_problems([5], [3], num_speculative_tokens=1)[0].allowed.startswith(
         "workload request 0 needs 3 blocks"
     )
+    # a per-request cap below the cache is the limit too, and is named
+    capped = KVCacheManager(num_blocks=10, block_size=4, max_blocks_per_req=2)
+    (p,) = capped.fit_problems(*lens)
+    assert "request 1 needs 3 blocks" in p.allowed and "max_blocks_per_req, 2" in p.allowed
     with pytest.raises(ConfigError, match="kv.num_blocks"):
         Scheduler(reqs, max_num_batched_tokens=8, max_num_seqs=2, kv=kv)
 

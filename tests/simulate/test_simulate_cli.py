@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from pcpflow.driver.cli import compose_raw
-from pcpflow.errors import ConfigError
 from pcpflow.driver.job import prepare_job
+from pcpflow.errors import ConfigError
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.scheduler import Scheduler
+from pcpflow.scheduling.workload import Request
 from pcpflow.simulate.engine import simulate_run
 from pcpflow.testing import cli
-from pcpflow.scheduling.workload import Request
 
 REPO = Path(__file__).resolve().parents[2]
 SIM = ["mode=simulate", "output.plots=false", "output.progress=false"]

@@ -7,7 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from pcpflow.layouts.accounting import ModelShape, grid_step_collectives, moe_all_to_all_step_traffic, step_traffic
+from pcpflow.layouts.accounting import (
+    ModelShape,
+    grid_step_collectives,
+    moe_all_to_all_step_traffic,
+    step_traffic,
+)
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.simulate.engine import SimulatedRun
 from pcpflow.simulate.sizes import model_sizes

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from pcpflow.config.hardware import HardwareConfig, Link
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate.engine import SimulatedRun
 from pcpflow.simulate.price import Placement, collective_seconds
-from pcpflow.config.hardware import HardwareConfig, Link
 from pcpflow.simulate.sizes import model_sizes
 from pcpflow.testing import compose
 

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import validate_meta_cp as v  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def rows():
     return {(r["nodes"], r["context"]): r for r in v.table()}

@@ -3,7 +3,6 @@ scheduler's own state over random spec-decode runs."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings

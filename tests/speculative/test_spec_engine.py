@@ -23,11 +23,10 @@ import tempfile
 
 import pytest
 import shared_ranks
+from drafting_reference import DRAFTERS, OUTPUT_LEN, PROBE, PROMPT_LENS, WORKLOAD  # noqa: E402
 from pcpflow_test_plugins import draft_probe
 
 from pcpflow.testing import compose
-
-from drafting_reference import DRAFTERS, OUTPUT_LEN, PROBE, PROMPT_LENS, WORKLOAD  # noqa: E402
 
 
 def modes(pcp: int) -> list[list[str]]:

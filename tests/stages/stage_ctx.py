@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from pcpflow.parallel.comm import Comm, CommStats
-from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
-from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.models import build_model
+from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.pipeline.assemble import load_stages
-from pcpflow.scheduling.scheduler import Scheduler
+from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
 from pcpflow.pipeline.stage import build_config, resolve
 from pcpflow.pipeline.state import StepState
-from pcpflow.testing import compose
+from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.scheduling.workload import build_requests
+from pcpflow.testing import compose
 
 
 def context(overrides: list[str], *, rank: int = 0) -> RankContext:

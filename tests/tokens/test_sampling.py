@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import shared_ranks
 import torch
 
-import shared_ranks
-
-from pcpflow.tokens.sampling import SamplingConfig, decision_gap, keyed_uniform, sample
 from pcpflow.testing import compose
+from pcpflow.tokens.sampling import SamplingConfig, decision_gap, keyed_uniform, sample
 
 ROW = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, 1.5])  # a fixed logits row
 N_DRAWS = 40_000

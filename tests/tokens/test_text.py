@@ -24,15 +24,15 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.15")
 
-from pcpflow.errors import ConfigError  # noqa: E402
-from pcpflow.scheduling.kv_cache import KVCacheManager  # noqa: E402
-from pcpflow.output.report import first_outputs  # noqa: E402
-from pcpflow.scheduling.scheduler import Scheduler  # noqa: E402
-from pcpflow.testing import cli, compose  # noqa: E402
-from pcpflow.scheduling.workload import Request  # noqa: E402
-
 import shared_ranks  # noqa: E402
 from repo_scripts import load_script  # noqa: E402
+
+from pcpflow.errors import ConfigError  # noqa: E402
+from pcpflow.output.report import first_outputs  # noqa: E402
+from pcpflow.scheduling.kv_cache import KVCacheManager  # noqa: E402
+from pcpflow.scheduling.scheduler import Scheduler  # noqa: E402
+from pcpflow.scheduling.workload import Request  # noqa: E402
+from pcpflow.testing import cli, compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["The capital of France is", "What is the capital", "Context parallelism splits a long prompt"]
