@@ -63,16 +63,16 @@ def test_a_cut_run_still_reports(tmp_path):
 
 def test_rank_to_device_follows_local_rank():
     cfg = compose(["pcp=1", "device=cpu"])
-    assert pick_device(cfg) == torch.device("cpu") and pick_backend(cfg, torch.device("cpu")) == "gloo"
+    assert pick_device(cfg.device) == torch.device("cpu") and pick_backend(cfg.backend, torch.device("cpu")) == "gloo"
     with mock.patch.object(torch.cuda, "is_available", return_value=True), mock.patch.object(
         torch.cuda, "device_count", return_value=4
     ):
         cfg = compose(["pcp=4"])
         with mock.patch.dict(os.environ, {"LOCAL_RANK": "3"}):
-            assert pick_device(cfg) == torch.device("cuda", 3)
-        assert pick_backend(cfg, torch.device("cuda", 0)) == "nccl"
+            assert pick_device(cfg.device) == torch.device("cuda", 3)
+        assert pick_backend(cfg.backend, torch.device("cuda", 0)) == "nccl"
         with mock.patch.dict(os.environ, {"LOCAL_RANK": "5"}), pytest.raises(RuntimeError, match="no GPU of its own"):
-            pick_device(cfg)
+            pick_device(cfg.device)
 
 
 def test_single_gpu_runs_pcp1_and_refuses_more_ranks():

@@ -82,14 +82,62 @@ def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def folder_of(module: str) -> str:
+    """The room a module lives in: its folder under pcpflow (``pcpflow.rank``), or itself
+    for a face module at the top (``pcpflow.stage``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        folders.setdefault(folder_of(mod), set()).update(folder_of(d) for d in deps)
+    return {f: deps - {f} for f, deps in folders.items()}
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    """Folders stand on floors: no import runs back up (a folder cycle is one)."""
+    assert cycles(folder_graph(import_graph())) == []
+
+
 def test_the_ground_floor_imports_nothing_of_pcpflow():
     graph = import_graph()
-    for ground in ("pcpflow.paths", "pcpflow.errors", "pcpflow.layouts.layout"):
+    for ground in ("pcpflow.paths", "pcpflow.errors", "pcpflow.signals"):
         assert graph[ground] == set(), (ground, graph[ground])
+    # The layout arithmetic is numpy only: it imports nothing else of pcpflow but errors.
+    for mod in (m for m in graph if m.startswith("pcpflow.layouts")):
+        assert {folder_of(d) for d in graph[mod]} <= {"pcpflow.layouts", "pcpflow.errors"}, (mod, graph[mod])
     # Only the entry points import the driver's command line: `python -m pcpflow` and the
     # in-process one of pcpflow.testing, which nothing in the package imports.
     assert sorted(m for m, deps in graph.items() if "pcpflow.driver.cli" in deps) == ["pcpflow.__main__", "pcpflow.testing"]
     assert not [m for m, deps in graph.items() if "pcpflow.testing" in deps]
-    # The protocol names no stage; the config imports no registry.
+    # The protocol names no stage; the config imports no registry and no simulator.
     assert not any(d.startswith("pcpflow.stages") for d in graph["pcpflow.pipeline.stage"])
-    assert not graph["pcpflow.config.run"] & {"pcpflow.pipeline.stage", "pcpflow.pipeline.assemble"}
+    for mod in (m for m in graph if m.startswith("pcpflow.config")):
+        assert not {folder_of(d) for d in graph[mod]} & {"pcpflow.pipeline", "pcpflow.simulate", "pcpflow.rank"}, mod
+    # The priced run drives the public step loop, not the executed engine's internals.
+    assert not any(d.startswith("pcpflow.rank") for m in graph if m.startswith("pcpflow.simulate") for d in graph[m])
+
+
+def test_the_package_top_holds_folders_and_a_few_faces():
+    top = sorted(p.name for p in (REPO / "pcpflow").glob("*.py"))
+    assert len(top) <= 11, top
+    for face in ("stage.py", "state.py", "layout.py", "slots.py", "spec.py"):
+        assert face in top
+
+
+def test_the_public_faces_keep_their_names():
+    """What stage and plugin authors import, and the numpy-only library entry points."""
+    import pcpflow.layout
+    import pcpflow.slots
+    import pcpflow.spec
+    import pcpflow.stage
+    import pcpflow.state
+
+    assert {"Stage", "StageConfig", "register"} <= set(vars(pcpflow.stage))
+    assert "StepState" in vars(pcpflow.state)
+    assert "plan_layout" in vars(pcpflow.layout)
+    assert {"PAD_SLOT_ID", "compute_slot_mapping", "dcp_local_seq_lens"} <= set(vars(pcpflow.slots))
+    assert pcpflow.slots.PAD_SLOT_ID == -1
+    assert {"MLALayerConfig", "draft_start", "scatter_proposals", "prefill_attention"} <= set(vars(pcpflow.spec))

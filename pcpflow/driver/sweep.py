@@ -16,6 +16,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from pcpflow.layouts.accounting import tp_share
+from pcpflow.output.report import human_bytes
 
 BASE_COLUMNS = [
     "job",
@@ -174,8 +175,8 @@ _HEADERS = {  # column -> (header, cell formatter)
     "padding_fraction": ("padding", lambda v: f"{v:.1%}"),
     "framework_overhead_fraction": ("overhead", lambda v: f"{v:.1%}"),
     "acceptance_rate": ("acceptance", lambda v: f"{v:.1%}"),
-    "bytes_tp": ("TP bytes", lambda v: _human(v)),
-    "bytes_pcp_dcp": ("PCP/DCP bytes", lambda v: _human(v)),
+    "bytes_tp": ("TP bytes", lambda v: human_bytes(v)),
+    "bytes_pcp_dcp": ("PCP/DCP bytes", lambda v: human_bytes(v)),
 }
 
 
@@ -238,27 +239,19 @@ def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
     for r in rows:
         cells = ["" if r.get(c) is None else _HEADERS[c][1](r[c]) for c in shown]
         cells += [
-            f"{_human(r[f'bytes_{p}'])} ({r.get(f'calls_{p}', '?')})"
+            f"{human_bytes(r[f'bytes_{p}'])} ({r.get(f'calls_{p}', '?')})"
             if r.get(f"bytes_{p}") is not None
             else "—"
             for p in purposes
         ]
         if purposes:
-            cells.append(_human(r["bytes_total"]) if r.get("bytes_total") is not None else "")
+            cells.append(human_bytes(r["bytes_total"]) if r.get("bytes_total") is not None else "")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *_notes(rows, shown, purposes)]
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "## Failures", ""] + [f"- `{r['config']}`: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 # ----------------------------------------------------------------------------- sweep.png

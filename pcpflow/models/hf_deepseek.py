@@ -31,7 +31,7 @@ from pcpflow.models.common import DecoderLayer, RotaryEmbedding, yarn_mscale
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_moe import MOE_DEFAULTS, MOE_RENAMES, moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
-from pcpflow.models.layers import MLAAttention, mla_spec
+from pcpflow.models.layers import MLAAttention, mla_attention, mla_cache_spec
 from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 
@@ -93,7 +93,7 @@ class DeepseekCheckpoint(CheckpointConfig):
         return scale
 
     def attn_spec(self) -> AttentionSpec:
-        return mla_spec(self.num_attention_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.softmax_scale())
+        return mla_cache_spec(self, num_heads=self.num_attention_heads, scale=self.softmax_scale())
 
     def build_layers(self) -> list[DecoderLayer]:
         return [
@@ -108,17 +108,8 @@ class DeepseekCheckpoint(CheckpointConfig):
         ]
 
     def _attention(self) -> MLAAttention:
-        return MLAAttention(
-            hidden_size=self.hidden_size,
-            num_heads=self.num_attention_heads,
-            q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank,
-            nope_dim=self.qk_nope_head_dim,
-            rope_dim=self.qk_rope_head_dim,
-            v_dim=self.v_head_dim,
-            rotary=RotaryEmbedding(
-                self.qk_rope_head_dim, self.rope_theta, scaling=self.rope_scaling, interleaved=self.interleaved_rope
-            ),
-            latent_norm_eps=LATENT_NORM_EPS,
-            bias=self.attention_bias,
+        rotary = RotaryEmbedding(
+            self.qk_rope_head_dim, self.rope_theta, scaling=self.rope_scaling, interleaved=self.interleaved_rope
         )
+        return mla_attention(self, self.hidden_size, num_heads=self.num_attention_heads, rotary=rotary,
+                             latent_norm_eps=LATENT_NORM_EPS, bias=self.attention_bias)

@@ -12,10 +12,10 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
-from pcpflow.models.common import DecoderLayer, RotaryEmbedding
+from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
-from pcpflow.models.layers import GQAAttention, gqa_spec
+from pcpflow.models.layers import gqa_layers, gqa_spec
 
 
 class LlamaCheckpoint(CheckpointConfig):
@@ -56,20 +56,9 @@ class LlamaCheckpoint(CheckpointConfig):
         return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
 
     def build_layers(self) -> list[DecoderLayer]:
-        return [
-            DecoderLayer(
-                GQAAttention(
-                    hidden_size=self.hidden_size,
-                    num_heads=self.num_attention_heads,
-                    num_kv_heads=self.kv_heads,
-                    head_dim=self.dim,
-                    rotary=RotaryEmbedding(self.dim, self.rope_theta, scaling=self.rope_scaling),
-                    bias=self.attention_bias,
-                ),
-                self.hidden_size,
-                self.intermediate_size,
-                self.rms_norm_eps,
-                mlp_bias=self.mlp_bias,
-            )
-            for _ in range(self.num_hidden_layers)
-        ]
+        return gqa_layers(
+            self.num_hidden_layers, hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
+            num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
+            eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            bias=self.attention_bias, mlp_bias=self.mlp_bias,
+        )

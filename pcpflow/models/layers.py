@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec
-from pcpflow.models.common import RMSNorm, RotaryEmbedding
+from pcpflow.models.common import DecoderLayer, RMSNorm, RopeScaling, RotaryEmbedding
 
 
 def gqa_spec(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionSpec:
@@ -135,3 +135,72 @@ class MLAAttention(nn.Module):
         out_latent = attn(layer, torch.cat([q_latent, q_pe], dim=-1), kv)
         out = torch.einsum("nhl,hvl->nhv", out_latent, w_uv)
         return self.o_proj(out.flatten(1))
+
+
+# ------------------------------------------------------------------------------ builders
+def gqa_layers(
+    num_layers: int,
+    *,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    eps: float,
+    rope_theta: float,
+    rope_scaling: RopeScaling | None = None,
+    bias: bool = False,
+    mlp_bias: bool = False,
+) -> list[DecoderLayer]:
+    """``num_layers`` pre-norm decoder layers with GQA attention (Llama; the tiny GQA model)."""
+    return [
+        DecoderLayer(
+            GQAAttention(
+                hidden_size=hidden_size,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                rotary=RotaryEmbedding(head_dim, rope_theta, scaling=rope_scaling),
+                bias=bias,
+            ),
+            hidden_size,
+            intermediate_size,
+            eps,
+            mlp_bias=mlp_bias,
+        )
+        for _ in range(num_layers)
+    ]
+
+
+def mla_attention(
+    c,
+    hidden_size: int,
+    *,
+    num_heads: int | None = None,
+    rotary: RotaryEmbedding | None = None,
+    latent_norm_eps: float | None = None,
+    bias: bool = False,
+) -> MLAAttention:
+    """MLA attention of a config that names its dims as DeepSeek's config.json does
+    (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+    ``v_head_dim``, ``num_heads``, ``rope_theta``, ``rms_norm_eps``): the tiny MLA model, the
+    drafters' layers and DeepSeek checkpoints (which pass their own heads, RoPE and eps)."""
+    return MLAAttention(
+        hidden_size=hidden_size,
+        num_heads=c.num_heads if num_heads is None else num_heads,
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=c.kv_lora_rank,
+        nope_dim=c.qk_nope_head_dim,
+        rope_dim=c.qk_rope_head_dim,
+        v_dim=c.v_head_dim,
+        rotary=rotary or RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta),
+        latent_norm_eps=c.rms_norm_eps if latent_norm_eps is None else latent_norm_eps,
+        bias=bias,
+    )
+
+
+def mla_cache_spec(c, *, num_heads: int | None = None, scale: float | None = None) -> AttentionSpec:
+    """The cache of ``mla_attention(c)``: latent then rope key, softmax scale 1/sqrt(qk dims)
+    unless given (DeepSeek's YaRN mscale)."""
+    scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim) if scale is None else scale
+    return mla_spec(c.num_heads if num_heads is None else num_heads, c.kv_lora_rank, c.qk_rope_head_dim, scale)

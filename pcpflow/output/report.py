@@ -110,7 +110,7 @@ def print_summary(result: dict[str, Any]) -> None:
         if m["collective_bytes"]:
             table.add_row(
                 "collective bytes",
-                " · ".join(f"{k} {_human(v)} ({m['collective_calls'][k]} calls)" for k, v in m["collective_bytes"].items()),
+                " · ".join(f"{k} {human_bytes(v)} ({m['collective_calls'][k]} calls)" for k, v in m["collective_bytes"].items()),
             )
         if m.get("framework_overhead_s") is not None:
             table.add_row("framework overhead", f"{m['framework_overhead_s'] * 1e3:.1f} ms ({m['framework_overhead_fraction']:.1%} of stage time)")
@@ -171,7 +171,8 @@ def _clocks(m: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """A byte count as people read it: 512 B, 3.0 MiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from pcpflow.config.run import RunConfig
 from pcpflow.models.base import CausalLM
 from pcpflow.parallel.comm import Comm, CommStats
+from pcpflow.parallel.grid import RankGrid
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -83,15 +84,9 @@ def with_pad_slot(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((rows + 1, width), cache.stride())
 
 
-def build_groups(cfg: RunConfig, stats: CommStats) -> tuple[Comm, Comm, Comm]:
-    """World, PCP and DCP groups of this rank (see ``pcpflow.parallel.grid.RankGrid``)."""
-    comms = build_comms(cfg, stats)
-    return comms["world"], comms["pcp"], comms["dcp"]
-
-
-def build_comms(cfg: RunConfig, stats: CommStats) -> dict[str, Comm]:
+def build_comms(grid: RankGrid, stats: CommStats, *, timeout_s: float) -> dict[str, Comm]:
     """``{"world", "tp", "pcp", "dcp", "dcp_heads"}`` groups of this rank (solo ones in one
     process; see ``RankGrid.build``)."""
     if not dist.is_initialized():
         return {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp", "dcp_heads")}
-    return cfg.grid.build(dist.get_rank(), stats, timeout_s=cfg.collective_timeout_s)
+    return grid.build(dist.get_rank(), stats, timeout_s=timeout_s)

@@ -128,11 +128,11 @@ class RankSession:
 
         if self.store is None or dist.is_initialized():
             return
-        device = pick_device(cfg)
+        device = pick_device(cfg.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(
-            backend=pick_backend(cfg, device),
+            backend=pick_backend(cfg.backend, device),
             store=self.store,
             rank=self.rank,
             world_size=self.world_size,
@@ -163,7 +163,6 @@ class RankSession:
         """Run one job's engine on this rank; rank 0's result sections (others None).
         Raises RankError naming the root cause; with ``writes_result`` exactly one rank
         writes the failed result.json (torchrun: no driver is there to do it)."""
-        from pcpflow.pipeline.stage import load_stage_sources
         from pcpflow.rank.engine import run_rank
 
         self.init_group(cfg)
@@ -172,8 +171,7 @@ class RankSession:
         try:
             with interruptible():
                 try:
-                    load_stage_sources(cfg.plugins)
-                    sections = run_rank(cfg, run_dir)
+                    sections = run_rank(cfg, run_dir)  # it loads the plugins (resolve_pipeline)
                     if board is not None:
                         board.post("done")
                         board.barrier("end", cfg.collective_timeout_s, what=f"the run within collective_timeout_s={cfg.collective_timeout_s:g} of its peers")

@@ -28,12 +28,14 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def uses_cuda(cfg: RunConfig) -> bool:
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+def uses_cuda(device: str) -> bool:
+    """``device`` (cpu | cuda | auto) means CUDA here."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def pick_device(cfg: RunConfig) -> torch.device:
-    if not uses_cuda(cfg):
+def pick_device(device: str) -> torch.device:
+    """This rank's device for the run's ``device`` setting."""
+    if not uses_cuda(device):
         return torch.device("cpu")
     rank, count = local_rank(), torch.cuda.device_count()
     if rank >= count:
@@ -44,9 +46,10 @@ def pick_device(cfg: RunConfig) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def pick_backend(cfg: RunConfig, device: torch.device) -> str:
-    if cfg.backend != "auto":
-        return cfg.backend
+def pick_backend(backend: str, device: torch.device) -> str:
+    """The collective backend for the run's ``backend`` setting on ``device``."""
+    if backend != "auto":
+        return backend
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -65,7 +68,7 @@ def device_problems(cfg: RunConfig) -> list[Problem]:
             )
             return p
     if cfg.device != "cpu" and torch.cuda.is_available():
-        count, needed = torch.cuda.device_count(), ranks_on_this_node(cfg)
+        count, needed = torch.cuda.device_count(), ranks_on_this_node(cfg.world_size)
         if count < needed:
             p.append(
                 Problem(
@@ -80,10 +83,10 @@ def device_problems(cfg: RunConfig) -> list[Problem]:
     return p
 
 
-def ranks_on_this_node(cfg: RunConfig) -> int:
+def ranks_on_this_node(world_size: int) -> int:
     """``LOCAL_WORLD_SIZE`` under torchrun / srun wrappers; every rank under pcpflow's
     own launch (one node)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world_size))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 # ------------------------------------------------------------------------------ host memory

@@ -64,9 +64,10 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
             )
     elif cfg.world_size != 1:
         raise RuntimeError(f"pcp={cfg.pcp} needs torch.distributed with {cfg.world_size} ranks")
-    comms = build_comms(cfg, stats)
+    specs = resolve_pipeline(cfg)  # first: it imports the plugins
+    comms = build_comms(cfg.grid, stats, timeout_s=cfg.collective_timeout_s)
     world, pcp, dcp, tp = comms["world"], comms["pcp"], comms["dcp"], comms["tp"]
-    device, dtype = pick_device(cfg), DTYPES[cfg.dtype]
+    device, dtype = pick_device(cfg.device), DTYPES[cfg.dtype]
     model = build_model(cfg.model, dtype=dtype, seed=cfg.seed, device=device)
     shard_model(model, tp, tp.rank, tp.size)  # tensor parallel: keep this rank's slice
     requests = build_requests(cfg.workload, vocab_size=model.vocab_size, seed=cfg.seed)
@@ -76,7 +77,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         max_num_seqs=cfg.scheduler.max_num_seqs,
         kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp),
         num_speculative_tokens=cfg.num_speculative_tokens,
-        stop_token_ids=stop_token_ids(cfg),
+        stop_token_ids=stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True)),
     )
     ctx = RankContext(
         config=cfg,
@@ -92,7 +93,6 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         tp=tp,
         dcp_heads=comms["dcp_heads"],
     )
-    specs = resolve_pipeline(cfg)
     pipeline = Pipeline(specs, ctx, on_stage=mark_stage)
     unaccounted_world = Comm(world.group, world.rank, world.size, None)
     verifier = Verifier(cfg, ctx, specs, unaccounted_world) if cfg.verify else None
@@ -103,7 +103,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         num_to_generate=sum(r.max_output_tokens for r in requests),
     )
     steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder)
-    startup_done(cfg)  # start-up has its own timeout (startup_timeout_s); steps the collective one
+    startup_done(cfg.startup_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
     t0 = time.perf_counter()
     try:
         steps.run()

@@ -54,12 +54,12 @@ def where() -> tuple[int, str]:
     return _STEP, _STAGE
 
 
-def startup_done(cfg: Any) -> None:
+def startup_done(timeout_s: float) -> None:
     """The engine's hook between start-up (model load, reference build) and the first step:
     every rank waits here up to ``startup_timeout_s``, so a slow load is not a stalled
     collective and a rank that never finishes loading is named."""
     if _BOARD is not None:
-        _BOARD.barrier("startup", cfg.startup_timeout_s, what=f"start-up within startup_timeout_s={cfg.startup_timeout_s:g}")
+        _BOARD.barrier("startup", timeout_s, what=f"start-up within startup_timeout_s={timeout_s:g}")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ hidden states, the draft's caches and its decoder layers."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -166,20 +165,7 @@ class MLALayerConfig(BaseModel):
 def mla_decoder_layer(cfg: MLALayerConfig, hidden_size: int) -> tuple[DecoderLayer, AttentionSpec]:
     """A pre-norm decoder layer with MLA attention, and the ``AttentionSpec`` of its cache
     (the absorbed MLA cache of the target models: latent then rope key)."""
-    from pcpflow.models.common import RotaryEmbedding
-    from pcpflow.models.layers import MLAAttention, mla_spec
+    from pcpflow.models.layers import mla_attention, mla_cache_spec
 
-    attention = MLAAttention(
-        hidden_size=hidden_size,
-        num_heads=cfg.num_heads,
-        q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank,
-        nope_dim=cfg.qk_nope_head_dim,
-        rope_dim=cfg.qk_rope_head_dim,
-        v_dim=cfg.v_head_dim,
-        rotary=RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta),
-        latent_norm_eps=cfg.rms_norm_eps,
-    )
-    layer = DecoderLayer(attention, hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
-    scale = 1.0 / math.sqrt(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    return layer, mla_spec(cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, scale)
+    layer = DecoderLayer(mla_attention(cfg, hidden_size), hidden_size, cfg.intermediate_size, cfg.rms_norm_eps)
+    return layer, mla_cache_spec(cfg)

@@ -127,7 +127,6 @@ def decode_outputs(model_config: Any, outputs: list[list[int]]) -> list[str] | N
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
 
 
-def stop_token_ids(cfg) -> list[int]:
-    """The ids that end a request in this run: the checkpoint's EOS ids, or none with
-    ``workload.ignore_eos``."""
-    return [] if getattr(cfg.workload, "ignore_eos", True) else eos_token_ids(cfg.model)
+def stop_token_ids(model_config: Any, *, ignore_eos: bool) -> list[int]:
+    """The ids that end a request: the checkpoint's EOS ids, or none with ``ignore_eos``."""
+    return [] if ignore_eos else eos_token_ids(model_config)

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from repo_scripts import load_script
 
 from pcpflow.driver.checks import capacity_warnings, check_job
-from pcpflow.models.hf_weights import read_safetensors_header
-from pcpflow.rank.devices import host_memory_bytes
 from pcpflow.driver.cli import compose_raw
 from pcpflow.driver.job import prepare_job, run_job
 from pcpflow.errors import ConfigError
+from pcpflow.models.hf_weights import read_safetensors_header
 from pcpflow.output.rundir import LOCK_FILE
+from pcpflow.rank.devices import host_memory_bytes
 from pcpflow.testing import compose
 
 REPO = Path(__file__).resolve().parents[2]

@@ -211,7 +211,7 @@ def test_a_crashing_rank_ends_the_job_promptly_with_its_error(tmp_path, pcp):
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # NOTE: tests/test_faults.py runs a torchrun job in the default set
+@pytest.mark.slow  # NOTE: tests/driver/test_faults.py runs a torchrun job in the default set
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}

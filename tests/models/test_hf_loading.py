@@ -91,7 +91,7 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     msg = _problem(mistral)
     assert "MistralForCausalLM is not supported" in msg and "DeepseekV3ForCausalLM" in msg
 
-    # MoE checkpoints load (tests/test_moe.py); other MoE families and variants are named
+    # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
     mixtral = _copy(ckpts["llama"], tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
     assert "MixtralForCausalLM is a mixture-of-experts variant" in _problem(mixtral)
     freq = _copy(ckpts["dsv3"], tmp_path / "freq", first_k_dense_replace=1, moe_layer_freq=2)

@@ -1,6 +1,6 @@
 """stages/dspark.py (``dspark``): at one rank, every block of proposals is what a dense,
 cache-free forward of the drafter's weights over the fused target layers proposes (at
-pcp 2-4 the slow matrix of tests/test_spec_engine.py checks that ranks propose alike)."""
+pcp 2-4 the slow matrix of tests/speculative/test_spec_engine.py checks that ranks propose alike)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """stages/mtp.py (``mtp``): at one rank, every proposal is what a dense, cache-free
 forward of the MTP head's weights proposes (at pcp 2-4 the slow
-matrix of tests/test_spec_engine.py checks that every rank proposes what one rank does)."""
+matrix of tests/speculative/test_spec_engine.py checks that every rank proposes what one rank does)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """stages/slots.py (``paged``): the gathered slot mapping and row metadata of the step,
-worked by hand (the arithmetic is pcpflow.attention.metadata's: tests/test_attn_metadata.py)."""
+worked by hand (the arithmetic is pcpflow.attention.metadata's: tests/attention/test_attn_metadata.py)."""
 
 from __future__ import annotations
 
