@@ -148,6 +148,9 @@ class _Steps:
     def run(self) -> None:
         sched, loop = self.scheduler, self.loop
         for batch in loop.batches():
+            # NOTE: what the scheduler did this step (preemptions, prefix hits, blocks in
+            # use), for stages that record it
+            self.ctx.extras["step_stats"] = sched.stats
             state = self.pipeline(StepState(batch))
             outcome = sched.update(batch, state.sampled_token_ids)
             if state.draft_token_ids is not None:

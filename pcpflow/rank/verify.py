@@ -140,23 +140,46 @@ class Verifier:
         return rows, np.repeat(start, n) + offsets
 
     def _catch_up(self, batch, rows: np.ndarray, positions: np.ndarray, out: torch.Tensor) -> None:
-        """The reference computes ``rows``' missing prefixes in a step of its own (no logits)."""
+        """The reference computes ``rows``' missing prefixes in steps of its own (no logits),
+        each within the run's token budget and seats."""
         req_ids = batch.req_ids[rows]
         start, end = self.ref_len[req_ids], batch.num_computed_tokens[rows]
-        ids = np.concatenate([self.scheduler.token_ids(int(r), int(a), int(b)) for r, a, b in zip(req_ids, start, end)])
         self.ref_kv.allocate_many(req_ids, end)
+        budget, seats = self.cfg.scheduler.max_num_batched_tokens, self.cfg.scheduler.max_num_seqs
+        chunks: list[tuple[int, int, int]] = []  # (request, first position, end), in order
+        for r, a, e in zip(req_ids.tolist(), start.tolist(), end.tolist()):
+            chunks += [(r, p, min(p + budget, e)) for p in range(a, e, budget)]
+        done = 0
+        while chunks:
+            step, used = [], 0
+            while chunks and len(step) < seats and used < budget:
+                r, a, e = chunks.pop(0)
+                take = min(e - a, budget - used)
+                step.append((r, a, a + take))
+                if a + take < e:
+                    chunks.insert(0, (r, a + take, e))
+                used += take
+            done += self._reference_prefill(batch.step, step, out[:, done:done + used])
+
+    def _reference_prefill(self, step: int, chunks: list[tuple[int, int, int]], out: torch.Tensor) -> int:
+        """One reference step prefilling ``(request, start, end)`` chunks; their entries into ``out``."""
+        req_ids = np.array([c[0] for c in chunks], dtype=np.int64)
+        start = np.array([c[1] for c in chunks], dtype=np.int64)
+        end = np.array([c[2] for c in chunks], dtype=np.int64)
+        ids = np.concatenate([self.scheduler.token_ids(int(r), int(a), int(e)) for r, a, e in chunks])
         tables = self.ref_kv.block_tables(req_ids)
         catch = GlobalBatch(
-            step=batch.step, req_ids=req_ids, num_scheduled_tokens=end - start, num_computed_tokens=start,
-            is_prefilling=np.ones(len(rows), dtype=bool), prompt_lens=end + 1, input_ids=ids,
+            step=step, req_ids=req_ids, num_scheduled_tokens=end - start, num_computed_tokens=start,
+            is_prefilling=np.ones(len(chunks), dtype=bool), prompt_lens=end + 1, input_ids=ids,
             block_tables=tables, logits_indices=np.zeros(0, dtype=np.int64),
-            num_draft_tokens=np.zeros(len(rows), dtype=np.int64),
+            num_draft_tokens=np.zeros(len(chunks), dtype=np.int64),
         )
         self.ref_pipeline(StepState(catch))
         ref_slots = rank_slot_mapping(catch.positions, catch.req_indices, tables, self.cfg.kv)
         idx = torch.from_numpy(ref_slots).to(self.ctx.device)
         for layer, cache in enumerate(self.ref_ctx.kv_caches):
             out[layer] = cache.index_select(0, idx)
+        return catch.num_tokens
 
     def _reference_step(self, state: StepState, ref_entries: torch.Tensor) -> float:
         batch = state.batch
