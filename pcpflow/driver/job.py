@@ -35,10 +35,11 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
     from pcpflow.driver.checks import check_job, feature_problems
 
+    placeholders: set[str] = set()
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
         from pcpflow.simulate.prepare import prepare_raw
 
-        raw = prepare_raw(raw)
+        raw, placeholders = prepare_raw(raw)
     cfg, problems = validate_run_config(raw, rules=feature_problems)
     if cfg is None:
         raise ConfigError(problems)
@@ -50,6 +51,8 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
         cfg = check_job(cfg, raw, kind=kind)
     except ConfigError as exc:
         problems += exc.problems
+    # NOTE: a setting derived from an invalid one holds a placeholder: only the real problem is reported
+    problems = [p for p in problems if p.field not in placeholders]
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -25,6 +25,8 @@ are array operations; Python loops run per evicted or newly cached block only.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from pcpflow.errors import Problem
@@ -186,17 +188,19 @@ class KVCacheManager:
 
     def find_cached(self, hashes, max_blocks: int) -> np.ndarray:
         """The blocks of the longest cached prefix of a request whose full blocks have the
-        chained ``hashes`` (at most ``max_blocks``): one dict lookup per block, stopping at
-        the first miss. Changes nothing (``allocate(..., cached=...)`` takes them)."""
-        if not self.prefix_caching or not self._cached:
+        chained ``hashes`` (at most ``max_blocks``): one dict lookup per block, up to the
+        first miss. Changes nothing (``allocate(..., cached=...)`` takes them)."""
+        if not self.prefix_caching or not self._cached or max_blocks <= 0:
             return np.zeros(0, dtype=np.int64)
-        found = []
-        get = self._cached.get
-        for h in hashes[:max_blocks].tolist():
-            b = get(h)
-            if b is None:
+        found: list[int] = []
+        start, size = 0, 16
+        while start < max_blocks:  # NOTE: in growing chunks, so that a miss stops the lookups early
+            chunk = list(map(self._cached.get, hashes[start:min(start + size, max_blocks)].tolist()))
+            if None in chunk:
+                found += chunk[:chunk.index(None)]
                 break
-            found.append(b)
+            found += chunk
+            start, size = start + size, 2 * size
         return np.asarray(found, dtype=np.int64)
 
     def evictable(self, blocks: np.ndarray) -> int:
@@ -208,19 +212,31 @@ class KVCacheManager:
         """Register ``req_id``'s full blocks ``first, first+1, ...`` under ``hashes`` (their
         chained hashes); a block already cached, or a hash another block holds, is left as
         it is. Returns the number of blocks newly cached."""
+        n = len(hashes)
+        return self.cache_block_ids(self.block_ids(np.full(n, req_id), np.arange(first, first + n)), hashes)
+
+    def block_ids(self, req_ids: np.ndarray, entries: np.ndarray) -> np.ndarray:
+        """The block at table entry ``entries[k]`` of request ``req_ids[k]``."""
+        return self._table[self._row_of[np.asarray(req_ids, dtype=np.int64)], entries]
+
+    def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray) -> int:
+        """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
+        that hash to it; the dict is updated in bulk (a Python step per duplicate only)."""
         if not self.prefix_caching or not len(hashes):
             return 0
-        row = self._row(req_id)
-        blocks = self._table[row, first:first + len(hashes)]
         todo = np.flatnonzero(self._hash[blocks] == 0)
-        added = 0
-        cached = self._cached
-        for b, h in zip(blocks[todo].tolist(), np.asarray(hashes, dtype=np.uint64)[todo].tolist()):
-            if h not in cached:
-                cached[h] = b
-                self._hash[b] = h
-                added += 1
-        return added
+        if not len(todo):
+            return 0
+        blocks, hashes = blocks[todo], np.asarray(hashes, dtype=np.uint64)[todo]
+        # NOTE: reversed, so that the first block of a hash computed twice in one call wins
+        new = dict(zip(hashes[::-1].tolist(), blocks[::-1].tolist()))
+        taken = new.keys() & self._cached.keys()
+        for h in taken:
+            del new[h]
+        self._cached.update(new)
+        registered = np.fromiter(new.values(), dtype=np.int64, count=len(new))
+        self._hash[registered] = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
+        return len(new)
 
     # -- mutation --------------------------------------------------------------------------
 
@@ -363,9 +379,7 @@ class KVCacheManager:
         if self.prefix_caching:
             hashed = blocks[self._hash[blocks] != 0]
             if len(hashed):
-                for b, h in zip(hashed.tolist(), self._hash[hashed].tolist()):
-                    if self._cached.get(h) == b:
-                        del self._cached[h]
+                deque(map(self._cached.pop, self._hash[hashed].tolist()), maxlen=0)  # evicted: forgotten
                 self._hash[hashed] = 0
                 self.num_evicted += len(hashed)
         return blocks

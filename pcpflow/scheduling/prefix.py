@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_R = np.uint64(0x9E3779B97F4A7C15)
+R = np.uint64(0x9E3779B97F4A7C15)
+"""The chain's multiplier: ``P_j = R * P_{j-1} + c_j``."""
+_R = R
 _RINV = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))
 _TOKEN_MUL = np.uint64(0xBF58476D1CE4E5B9)
 _OUT_SALT = np.uint64(0x94D049BB133111EB)
@@ -45,6 +47,20 @@ def mix(*parts) -> np.ndarray:
     return h
 
 
+_POWERS = {"up": np.ones(1, dtype=np.uint64), "down": np.ones(1, dtype=np.uint64)}  # R^i and R^-i, grown as needed
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """R^0..R^n and R^-0..R^-n (mod 2^64)."""
+    if len(_POWERS["up"]) <= n:
+        size = max(n + 1, 2 * len(_POWERS["up"]))
+        for name, base in (("up", _R), ("down", _RINV)):
+            pw = np.full(size, base, dtype=np.uint64)
+            pw[0] = 1
+            _POWERS[name] = np.cumprod(pw, dtype=np.uint64)
+    return _POWERS["up"], _POWERS["down"]
+
+
 def chain(contents: np.ndarray, start=ROOT) -> np.ndarray:
     """``P_j = R * P_{j-1} + c_j`` (mod 2^64) for j = 0..n-1, from ``P_{-1} = start``:
     the chain values of a run of blocks with contents ``c``."""
@@ -52,15 +68,10 @@ def chain(contents: np.ndarray, start=ROOT) -> np.ndarray:
     n = len(c)
     if not n:
         return np.zeros(0, dtype=np.uint64)
+    up, down = _powers(n)
     with np.errstate(over="ignore"):
-        pw = np.full(n + 1, _R, dtype=np.uint64)
-        pw[0] = 1
-        pw = np.cumprod(pw, dtype=np.uint64)  # R^0 .. R^n
-        inv = np.full(n, _RINV, dtype=np.uint64)
-        inv[0] = 1
-        inv = np.cumprod(inv, dtype=np.uint64)  # R^-0 .. R^-(n-1)
-        s = np.cumsum(c * inv, dtype=np.uint64)
-        return pw[:n] * s + pw[1:] * np.uint64(start)
+        s = np.cumsum(c * down[:n], dtype=np.uint64)
+        return up[:n] * s + up[1:n + 1] * np.uint64(start)
 
 
 def keys(chain_values: np.ndarray) -> np.ndarray:
@@ -78,8 +89,12 @@ def token_contents(tokens: np.ndarray, tokens_per_block: int) -> np.ndarray:
         return splitmix64((splitmix64(t + np.uint64(1)) * weights).sum(axis=1, dtype=np.uint64))
 
 
-def output_contents(prompt_key, first_block: int, count: int) -> np.ndarray:
-    """``c_j`` of blocks ``first_block ..`` that hold generated tokens, in a run that knows
-    no token ids: their content follows from the whole prompt (``prompt_key``) and j."""
+def output_contents(prompt_key, first_block, count: int | None = None) -> np.ndarray:
+    """``c_j`` of blocks that hold generated tokens, in a run that knows no token ids: their
+    content follows from the whole prompt (``prompt_key``) and j. Blocks ``first_block ..
+    first_block + count - 1`` of one prompt, or (``count`` None) block ``first_block[r]`` of
+    prompt ``prompt_key[r]`` for each r."""
+    if count is None:
+        return mix(np.asarray(prompt_key, dtype=np.uint64), _OUT_SALT, np.asarray(first_block, dtype=np.uint64))
     j = np.arange(first_block, first_block + count, dtype=np.uint64)
     return mix(np.uint64(prompt_key), _OUT_SALT, j)

@@ -18,7 +18,9 @@ Policy, with budget = max_num_batched_tokens, running requests in admission orde
    budget); a decode left without budget stays in the batch with 0 tokens;
 2. prefills: a chunk of min(remaining prompt, budget) tokens;
 3. KV blocks, as vLLM allocates them: each running request gets the blocks that the tokens
-   it writes this step need (``pcpflow.scheduling.kv_cache``), nothing reserved ahead. When
+   it writes this step need (``pcpflow.scheduling.kv_cache``), and, drafting, the
+   ``num_speculative_tokens`` positions its drafter may write next (vLLM's lookahead);
+   nothing more is reserved ahead. When
    the free blocks do not suffice, the last admitted running request is preempted (FCFS):
    its blocks are freed (with prefix caching, full ones stay cached), it goes back to the
    front of the waiting queue keeping its outputs, and readmitted it prefills its prompt
@@ -291,9 +293,11 @@ class Scheduler:
         self._updated_batch = None
         self._preempted, self._freed = [], []
         run = self._running
+        la = self.num_speculative_tokens
         while True:
             q = self._running_tokens(run)
-            grow = self.kv.blocks_needed(self._num_computed[run] + q) - self.kv.num_blocks_of_many(run)
+            written = self._num_computed[run] + q + la * (q > 0)
+            grow = self.kv.blocks_needed(written) - self.kv.num_blocks_of_many(run)
             if int(np.maximum(grow, 0).sum()) <= self.kv.num_free_blocks or not len(run):
                 break
             # FCFS: the last admitted gives its blocks back, and recomputes later.
@@ -302,7 +306,7 @@ class Scheduler:
         self._running = run
         more = np.flatnonzero(grow > 0)
         if len(more):
-            self.kv.allocate_many(run[more], self._num_computed[run[more]] + q[more])
+            self.kv.allocate_many(run[more], written[more])
         hits = queries = 0
         if not self._preempted:  # NOTE: as vLLM: a step that preempted admits no one
             run, q, hits, queries = self._admit(step, run, q)
@@ -348,15 +352,20 @@ class Scheduler:
             if kv.prefix_caching:
                 # NOTE: at most total - 1 tokens: the last one is computed for its logits.
                 longest = (total - 1) // U
-                hit_blocks = kv.find_cached(prefix.keys(self._chain_values(i, longest)), longest)
+                chain, keys = self._lookup_keys(i, longest)
+                hit_blocks = kv.find_cached(keys, longest)
             hit = len(hit_blocks) * U
             cached = int(self._cached[i])
             take = min((cached if hit < cached else total) - hit, budget)
-            new = kv.blocks_needed(hit + take) - len(hit_blocks) + kv.evictable(hit_blocks)
+            written = hit + take + self.num_speculative_tokens
+            new = kv.blocks_needed(written) - len(hit_blocks) + kv.evictable(hit_blocks)
             if new > kv.num_free_blocks:
                 break  # FCFS: the head waits for blocks, and so does everyone behind it
-            kv.allocate(i, hit + take, cached=hit_blocks)
+            kv.allocate(i, written, cached=hit_blocks)
             self._waiting.popleft()
+            if kv.prefix_caching:
+                self._keys.pop(i, None)
+                self._chain_last[i] = chain[len(hit_blocks) - 1] if len(hit_blocks) else prefix.ROOT
             self._num_computed[i] = hit
             self._hashed[i] = len(hit_blocks)
             if self._admitted_step[i] < 0:
@@ -382,6 +391,7 @@ class Scheduler:
         self._prefill_end[i] = self._prompt_len[i] + self._num_out[i]
         self._num_drafts[i] = 0
         self._hashed[i] = 0
+        self._chain_last[i] = prefix.ROOT
         self._num_preempted[i] += 1
         self._waiting.appendleft(i)
 
@@ -408,13 +418,13 @@ class Scheduler:
 
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
-        token_rows = np.repeat(np.arange(R), num_sched)
-        offset = np.arange(qsl[-1]) - qsl[token_rows]
         # A prefill row reads its prompt (and, readmitted, its outputs) from its first
         # uncomputed position; a decode row is its newest output token, then its drafts.
         if self._outputs is None:
-            input_ids = np.zeros(len(token_rows), dtype=np.int64)
+            input_ids = np.zeros(int(qsl[-1]), dtype=np.int64)
         else:
+            token_rows = np.repeat(np.arange(R), num_sched)
+            offset = np.arange(qsl[-1]) - qsl[token_rows]
             token_req = run[token_rows]
             input_ids = self._sequence(token_req, num_computed[token_rows] + offset)
             at = np.flatnonzero(~is_prefilling[token_rows] & (offset > 0))
@@ -422,13 +432,10 @@ class Scheduler:
 
         # Sampled: the last prompt token of a chunk that completes the prompt, and every
         # token of a decode row (the target's choice after each draft, plus the bonus).
-        samples_row = np.where(
-            is_prefilling, (num_computed + num_sched == prefill_end) & (num_sched > 0), True
-        )
-        sampled = samples_row[token_rows]
-        pre = is_prefilling[token_rows]
-        if pre.any():
-            sampled &= ~pre | (offset == num_sched[token_rows] - 1)
+        completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
+        samples = np.where(is_prefilling, completes, num_sched)
+        first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
+        logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
@@ -438,7 +445,7 @@ class Scheduler:
             prompt_lens=prefill_end,
             input_ids=input_ids,
             block_tables=self.kv.block_tables(run),
-            logits_indices=np.flatnonzero(sampled).astype(np.int64),
+            logits_indices=logits_indices,
             num_draft_tokens=drafts,
         )
 
@@ -486,7 +493,7 @@ class Scheduler:
         self._finish_step[finished] = batch.step
         freed = list(self._freed) + [self.kv.free(i) for i in finished.tolist()]
         for i in finished.tolist():
-            self._chains.pop(i, None)
+            self._prompt_contents.pop(i, None)
         if len(finished):
             self._running = rows[~done]
             self._num_finished += len(finished)
@@ -509,44 +516,78 @@ class Scheduler:
     # -- prefix caching ------------------------------------------------------------------------
 
     def _cache_full_blocks(self, rows: np.ndarray) -> None:
-        """Register the blocks each row filled this step under their chained hashes."""
-        full = self._num_computed[rows] // self.kv.tokens_per_block
-        for i, n in zip(rows[full > self._hashed[rows]].tolist(), full[full > self._hashed[rows]].tolist()):
-            first = int(self._hashed[i])
-            values = self._chain_values(i, n)
-            self.kv.cache_blocks(i, first, prefix.keys(values[first:n]))
+        """Register the blocks each row filled this step under their chained hashes: rows
+        that filled one block at once (decodes), the others (prefill chunks) one by one."""
+        U = self.kv.tokens_per_block
+        full = self._num_computed[rows] // U
+        have = self._hashed[rows]
+        new = full > have
+        if not new.any():
+            return
+        rows, full, have = rows[new], full[new], have[new]
+        one = full == have + 1
+        if self._outputs is not None:
+            fast = one
+        else:  # NOTE: without token ids, a block past the prompt is keyed by the prompt's key
+            fast = one & (have >= self._prompt_len[rows] // U) & (self._prompt_key[rows] != 0)
+        if fast.any():
+            r, j = rows[fast], have[fast]
+            with np.errstate(over="ignore"):
+                values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)
+            self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
+            self._chain_last[r] = values
+            self._hashed[r] = j + 1
+        for i, first, n in zip(rows[~fast].tolist(), have[~fast].tolist(), full[~fast].tolist()):
+            values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
+            self.kv.cache_block_ids(self.kv.block_ids(np.full(n - first, i), np.arange(first, n)), prefix.keys(values))
+            self._chain_last[i] = values[-1]
             self._hashed[i] = n
 
-    def _chain_values(self, i: int, n: int) -> np.ndarray:
-        """Chain values (``pcpflow.scheduling.prefix``) of request i's first n blocks, kept
-        while it runs or waits: from its token ids (prompt, then outputs), or, without
-        them, from the workload's identity of its prompt and that prompt's key for the
-        blocks holding outputs."""
-        have = self._chains.get(i)
-        if have is not None and len(have) >= n:
-            return have
-        U = self.kv.tokens_per_block
-        if have is None:
-            have = np.zeros(0, dtype=np.uint64)
-        start = len(have)
-        last = have[-1] if start else prefix.ROOT
-        if self._outputs is not None:
-            req = np.full((n - start) * U, i, dtype=np.int64)
-            tokens = self._sequence(req, np.arange(start * U, n * U, dtype=np.int64))
-            more = prefix.chain(prefix.token_contents(tokens, U), last)
-        else:
-            prompt_chain, key = self._prompt_chains.get(i) or self.table.prompt_chain(i, U)
-            self._prompt_chains[i] = (prompt_chain, key)
-            from_prompt = prompt_chain[start:n]
-            values = [from_prompt]
-            if start + len(from_prompt) < n:
-                first_out = start + len(from_prompt)
-                tail_start = from_prompt[-1] if len(from_prompt) else last
-                values.append(prefix.chain(prefix.output_contents(key, first_out, n - first_out), tail_start))
-            more = np.concatenate(values) if len(values) > 1 else values[0]
-        have = np.concatenate([have, more])
-        self._chains[i] = have
+    def _lookup_keys(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(chain values, cache keys) of request i's first n blocks, kept while it waits at
+        the head of the queue (a request waiting for blocks looks up its prefix each step)."""
+        have = self._keys.get(i)
+        if have is None or len(have[0]) != n:
+            values = self.chain_values(i, n)
+            have = self._keys[i] = (values, prefix.keys(values))
         return have
+
+    def chain_values(self, i: int, n: int) -> np.ndarray:
+        """Chain values (``pcpflow.scheduling.prefix``) of request i's first n blocks."""
+        return prefix.chain(self._block_contents(i, 0, n))
+
+    def _block_contents(self, i: int, first: int, n: int) -> np.ndarray:
+        """Contents ``c_j`` of request i's blocks [first, n): its token ids (its prompt, then
+        its outputs), or, without them, the workload's identity of its prompt and that
+        prompt's key for the blocks holding outputs (greedy outputs follow from the prompt)."""
+        U = self.kv.tokens_per_block
+        if self._outputs is not None:
+            tokens = self._sequence(np.full((n - first) * U, i, dtype=np.int64), np.arange(first * U, n * U, dtype=np.int64))
+            return prefix.token_contents(tokens, U)
+        contents, key = self._prompt_info(i)
+        pf = len(contents)
+        parts = [contents[first:min(n, pf)]]
+        if n > pf:
+            start = max(first, pf)
+            parts.append(prefix.output_contents(key, start, n - start))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _prompt_info(self, i: int) -> tuple[np.ndarray, int]:
+        """(contents of request i's full prompt blocks, its prompt key), kept while it lives."""
+        info = self._prompt_contents.get(i)
+        if info is None:
+            info = self.table.prompt_contents(i, self.kv.tokens_per_block)
+            self._prompt_contents[i] = info
+            self._prompt_key[i] = info[1] or 1
+        return info
+
+    def _contents_of_one(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Contents of block ``j[r]`` of each request ``rows[r]`` (one block each)."""
+        U = self.kv.tokens_per_block
+        if self._outputs is not None:
+            pos = (j[:, None] * U + np.arange(U)).ravel()
+            return prefix.token_contents(self._sequence(np.repeat(rows, U), pos), U)
+        return prefix.output_contents(self._prompt_key[rows], j)
 
     def set_draft_tokens(self, batch: GlobalBatch, draft_token_ids: np.ndarray | None) -> None:
         """Proposals ``[R, k]`` (-1 = none) for the next step, one row per batch row, each
@@ -603,8 +644,10 @@ class _Columns:
         self.num_preempted = col(0)
         self.hit_tokens = col(0)
         self.hashed = col(0)  # blocks of its table cached (registered) so far
-        self.chains: dict[int, np.ndarray] = {}
-        self.prompt_chains: dict[int, tuple[np.ndarray, int]] = {}
+        self.chain_last = np.full(n, prefix.ROOT, dtype=np.uint64)  # chain value of its block hashed - 1
+        self.prompt_key = np.zeros(n, dtype=np.uint64)  # 0: not known yet
+        self.prompt_contents: dict[int, tuple[np.ndarray, int]] = {}  # of the requests alive
+        self.keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # lookup keys of waiting requests
         if table.tokens is not None:
             # Prompts and outputs live in flat buffers, request i's at [start[i], start[i+1]).
             self.prompts = table.tokens

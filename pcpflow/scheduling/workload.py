@@ -73,13 +73,14 @@ class _WorkloadBase(BaseModel):
 class _RateChecks(_WorkloadBase):
     """``request_rate`` is arrivals in time: not beside arrivals in steps."""
 
-    @model_validator(mode="after")
-    def _rate_alone(self):
-        steps = "arrival_every" if isinstance(self, SyntheticWorkload) else "arrival_steps"
-        if self.request_rate is not None and getattr(self, steps) is not None:
+    @field_validator("request_rate", check_fields=False)
+    @classmethod
+    def _rate_alone(cls, rate, info: ValidationInfo):
+        steps = "arrival_every" if "arrival_every" in cls.model_fields else "arrival_steps"
+        if rate is not None and info.data.get(steps) is not None:
             raise ValueError(f"request_rate (arrivals in time) and {steps} (arrivals in steps) exclude "
-                             f"each other: give one; got request_rate={self.request_rate} and {steps}")
-        return self
+                             f"each other: leave {steps} out (null) to give a rate")
+        return rate
 
 
 class SyntheticWorkload(_RateChecks):
@@ -416,39 +417,36 @@ class RequestTable:
             tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
         )
 
-    def prompt_chain(self, i: int, tokens_per_block: int) -> tuple[np.ndarray, int]:
-        """(chain values of request i's full prompt blocks, a key of its whole prompt):
-        ``pcpflow.scheduling.prefix``; from its token ids, else from its ``identity``."""
+    def prompt_contents(self, i: int, tokens_per_block: int) -> tuple[np.ndarray, int]:
+        """(contents ``c_j`` of request i's full prompt blocks, a key of its whole prompt)
+        for its chained block hashes (``pcpflow.scheduling.prefix``): from its token ids,
+        else from its ``identity``."""
         n = int(self.prompt_lens[i])
         full = n // tokens_per_block
         if self.tokens is not None:
             ids = self.prompt(i)
-            values = prefix.chain(prefix.token_contents(ids[:full * tokens_per_block], tokens_per_block))
-            last = values[-1] if full else prefix.ROOT
-            tail = ids[full * tokens_per_block:]
-            tail_key = prefix.mix(last, n, *(tail.astype(np.uint64) + np.uint64(1))) if len(tail) else prefix.mix(last, n)
-            return values, int(tail_key[0])
+            contents = prefix.token_contents(ids[:full * tokens_per_block], tokens_per_block)
+            return contents, int(prefix.mix(n, *(ids.astype(np.uint64) + np.uint64(1)))[0])
         ident = self.identity
         assert ident is not None, "a table without token ids has a BlockIdentity"
         salt = ident.salts[i]
         j = np.arange(full, dtype=np.uint64)
         if ident.hash_ids is None:
-            return prefix.chain(prefix.mix(salt, j)), int(prefix.mix(salt, n)[0])
+            return prefix.mix(salt, j), int(prefix.mix(salt, n)[0])
         ids = ident.hash_ids[ident.hash_starts[i]:ident.hash_starts[i + 1]]
+        # A block whose positions all lie in hash blocks holds the tokens of those hash
+        # blocks, which the chain of hash ids up to its last position identifies.
         trace_chain = prefix.chain(prefix.splitmix64(ids))
         bounds = np.floor(np.arange(len(ids) + 1) * ident.trace_block_tokens).astype(np.int64)
         hashed_end = min(int(bounds[-1]), n)
         last_pos = (np.arange(full, dtype=np.int64) + 1) * tokens_per_block - 1
-        k = np.searchsorted(bounds, last_pos, side="right") - 1
-        inside = last_pos < hashed_end
-        contents = np.where(inside, prefix.mix(trace_chain[np.minimum(k, len(ids) - 1)] if len(ids) else salt, j),
-                            prefix.mix(salt, j))
+        k = np.minimum(np.searchsorted(bounds, last_pos, side="right") - 1, max(len(ids) - 1, 0))
+        own = prefix.mix(salt, j)
+        contents = np.where(last_pos < hashed_end, prefix.mix(trace_chain[k], j), own) if len(ids) else own
         if n <= hashed_end:
             k_last = int(np.searchsorted(bounds, n - 1, side="right") - 1)
-            key = prefix.mix(trace_chain[k_last], n)
-        else:
-            key = prefix.mix(salt, n)
-        return prefix.chain(contents), int(key[0])
+            return contents, int(prefix.mix(trace_chain[k_last], n)[0])
+        return contents, int(prefix.mix(salt, n)[0])
 
 
 def build_requests(config: WorkloadConfig, *, vocab_size: int, seed: int) -> list[Request]:

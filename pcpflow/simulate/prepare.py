@@ -53,7 +53,10 @@ def requests_of(workload, vocab_size: int, seed: int):
     return _REQUESTS[key]
 
 
-def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
+def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """The composed dict with the simulated defaults filled in, and the settings that got a
+    placeholder instead (something they derive from is invalid, and is reported itself):
+    their own checks would only report that placeholder."""
     raw = copy.deepcopy(raw)
     model = raw.get("model") or {}
     if model.get("name") == "hf":
@@ -69,7 +72,7 @@ def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError([Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")])
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})
     if sched.get("max_num_batched_tokens") is not None and kv.get("num_blocks") is not None:
-        return raw
+        return raw, set()
     try:
         from pcpflow.models import ModelConfig
         from pcpflow.scheduling.workload import WorkloadConfig
@@ -83,10 +86,11 @@ def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
         block_size, seqs = int(kv.get("block_size", 16)), int(sched.get("max_num_seqs", 256))
     except (ValidationError, ValueError, TypeError, KeyError, ConfigError):
         # NOTE: validation proper reports what is wrong; placeholders only let it run.
-        sched.setdefault("max_num_batched_tokens", None)
-        sched["max_num_batched_tokens"] = sched["max_num_batched_tokens"] or 1
+        placeholders = {f for f, v in (("scheduler.max_num_batched_tokens", sched.get("max_num_batched_tokens")),
+                                       ("kv.num_blocks", kv.get("num_blocks"))) if v is None}
+        sched["max_num_batched_tokens"] = sched.get("max_num_batched_tokens") or 1
         kv["num_blocks"] = kv.get("num_blocks") or 1
-        return raw
+        return raw, placeholders
     if sched.get("max_num_batched_tokens") is None:
         # A prompt prefilled unchunked, beside a decode on every other seat.
         sched["max_num_batched_tokens"] = int(requests.prompt_lens.max()) + seqs
@@ -95,7 +99,7 @@ def prepare_raw(raw: dict[str, Any]) -> dict[str, Any]:
         free = kv_budget_bytes(sizes, hw, sim, tp=tp)
         need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
-    return raw
+    return raw, set()
 
 
 def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str, tp: int) -> float:
@@ -148,8 +152,24 @@ def simulate_problems(cfg) -> list[Problem]:
         requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     except ConfigError as exc:  # the workload's own problems (a trace, its size)
         return p + exc.problems
+    p += serving_problems(cfg, requests)
     p += simulated_host_problems(cfg, requests)
     p += _hbm_problems(cfg, sizes)
+    return p
+
+
+def serving_problems(cfg, requests) -> list[Problem]:
+    """What replicas behind a router need: arrivals in time (a router sends a request the
+    moment it arrives), and a prefix cache for ``prefix_aware`` to look in."""
+    p = []
+    serving = cfg.serving
+    if serving.replicas > 1 and not requests.timed:
+        p.append(Problem("serving.replicas", serving.replicas, "replicas behind a router take requests as they arrive "
+                         "in time: give workload.request_rate (inf: all at once), or replay a trace's timestamps "
+                         "(workload.step_ms=null); or serving.replicas=1"))
+    if serving.router == "prefix_aware" and serving.replicas > 1 and not cfg.kv.prefix_caching:
+        p.append(Problem("serving.router", "prefix_aware", "prefix_aware routes by the prefix cache: set "
+                         "kv.prefix_caching=true, or use round_robin or least_loaded"))
     return p
 
 
