@@ -36,6 +36,11 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     from pcpflow.driver.checks import check_job, feature_problems
 
     placeholders: set[str] = set()
+    workload = raw.get("workload")
+    if isinstance(workload, dict) and workload.get("kind") == "trace" and workload.get("path"):
+        from pcpflow.scheduling.workload import read_once
+
+        raw = {**raw, "workload": {**workload, "path": read_once(workload["path"])}}  # a pipe is read once
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
         from pcpflow.simulate.prepare import prepare_raw
 

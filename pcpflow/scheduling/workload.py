@@ -689,6 +689,35 @@ def _read_trace_file(cfg: TraceWorkload) -> _TraceColumns:
     )
 
 
+_STREAMS: dict[str, str] = {}
+
+
+def read_once(path: str) -> str:
+    """A trace path that is not a regular file (a pipe: a process substitution ``<(...)``,
+    which can be read once) as a regular file holding what it gave, the same one for every
+    later reader in this process (validation, the run, an executed run's ranks); a regular
+    file (or a path that does not exist: reported elsewhere) as it is."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    if path in _STREAMS:
+        return _STREAMS[path]
+    try:
+        if stat.S_ISREG(os.stat(path).st_mode) or stat.S_ISDIR(os.stat(path).st_mode):
+            return path
+        with open(path, "rb") as src:
+            data = src.read()
+    except OSError:
+        return path
+    import atexit
+    import tempfile
+
+    fd, copy = tempfile.mkstemp(prefix="pcpflow-trace-", suffix=".jsonl")
+    with os.fdopen(fd, "wb") as dst:
+        dst.write(data)
+    atexit.register(lambda: os.path.exists(copy) and os.unlink(copy))
+    _STREAMS[path] = copy
+    return copy
+
+
 def trace_has_timestamps(cfg: TraceWorkload) -> bool:
     return not math.isnan(_read_trace(cfg).timestamps[0])
 

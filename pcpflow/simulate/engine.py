@@ -48,7 +48,7 @@ from pcpflow.simulate.serving import Router, run_replicas
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 
 REQUEST_ROWS_IN_RESULT = 20_000
-"""result.json lists each request up to this many; beyond, requests.jsonl in the run dir does."""
+"""result.json lists each request up to this many; beyond, requests.csv in the run dir does."""
 
 VERIFICATION_OFF = "off: mode=simulate computes nothing, so there is nothing to verify (counts and prices only)"
 
@@ -141,11 +141,12 @@ class SimulatedRun:
         metrics["simulate"] = self._summary()
         metrics["serving"] = self._serving_summary(cols)
         out = {"outputs": None, "metrics": metrics, "verification": VERIFICATION_OFF}
-        if len(self.requests) <= REQUEST_ROWS_IN_RESULT or self.run_dir is None:
+        if len(self.requests) <= REQUEST_ROWS_IN_RESULT:
             out["requests"] = request_rows(cols, self.requests)
-        else:
+        else:  # NOTE: a row per request as Python objects would cost ~1 KB each
             out["requests"] = None
-            out["requests_file"] = _write_request_rows(self.run_dir / "requests.jsonl", cols, self.requests)
+            if self.run_dir is not None:
+                out["requests_file"] = _write_request_rows(self.run_dir / "requests.csv", cols, self.requests)
         return out
 
     def _request_columns(self) -> dict[str, np.ndarray]:
@@ -279,14 +280,19 @@ def simulate_run(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any]:
     return SimulatedRun(cfg, run_dir, keep_records=False).run()
 
 
-def _write_request_rows(path: Path, cols: dict[str, np.ndarray], requests) -> str:
-    """Every request's row, one JSON line each, a chunk at a time (bounded memory)."""
-    import json
+REQUEST_COLUMNS = ("req_id", "prompt_len", "output_len", "arrival_step", "first_token_step", "finish_step",
+                   "arrival_s", "first_token_s", "finish_s", "ttft_s", "ttft_steps", "tpot_s", "tpot_steps", "queue_s",
+                   "num_preemptions", "prefix_hit_tokens")
 
-    chunk = 10_000
-    with open(path, "w") as f:
-        for start in range(0, len(cols["req_id"]), chunk):
-            part = {k: v[start:start + chunk] for k, v in cols.items()}
-            for row in request_rows(part, requests):
-                f.write(json.dumps(row) + "\n")
+
+def _write_request_rows(path: Path, cols: dict[str, np.ndarray], requests) -> str:
+    """Every request's row, a CSV line each (-1 / nan: not yet), written column-wise by
+    numpy: bounded memory, no Python object per request."""
+    path = path.with_suffix(".csv")
+    table = {**cols, "prompt_len": requests.prompt_lens[cols["req_id"]]}
+    ints = {"req_id", "prompt_len", "output_len", "arrival_step", "first_token_step", "finish_step",
+            "num_preemptions", "prefix_hit_tokens"}
+    data = np.column_stack([table[c].astype(np.float64) for c in REQUEST_COLUMNS])
+    np.savetxt(path, data, delimiter=",", header=",".join(REQUEST_COLUMNS), comments="",
+               fmt=["%d" if c in ints else "%.9g" for c in REQUEST_COLUMNS])
     return path.name
