@@ -128,12 +128,15 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
     result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
     if cfg.output.plots:
+        from pcpflow.output.serving_plot import write_serving_plot
+
         if cfg.mode == "simulate":
             from pcpflow.simulate.plot import write_load_plot
 
             write_load_plot(run_dir)
         else:
             write_plots(run_dir)
+        write_serving_plot(run_dir)
     if console:
         print_summary(result)
     return result["exit_code"]
