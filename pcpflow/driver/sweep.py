@@ -133,23 +133,24 @@ _HEADLINE = ("pcp", "dcp", "tp", "decode.mode", "decode.assignment", "model.name
 """The settings a sweep's picture names when every job has the same value."""
 
 
+_SERVING_COLUMNS = (  # column, where in metrics, decimals
+    ("requests_s", "throughput.requests_s", 4), ("output_tok_s", "throughput.output_tok_s", 1),
+    ("output_tok_s_per_gpu", "throughput.output_tok_s_per_gpu", 1), ("total_tok_s", "throughput.total_tok_s", 1),
+    ("goodput_req_s", "goodput.req_s", 4), ("goodput_share", "goodput.share", 4),
+    ("kv_usage_mean", "kv_usage.mean", 4), ("kv_usage_max", "kv_usage.max", 4),
+    ("prefix_hit_rate", "prefix_cache.hit_rate", 4), ("preemptions", "preemptions", 0),
+)
+
+
 def _serving_columns(m: dict[str, Any]) -> dict[str, Any]:
     """The serving metrics of a job (blank where a run predates them)."""
-    t, kv = m.get("throughput") or {}, m.get("kv_usage") or {}
-    g, prefix = m.get("goodput") or {}, m.get("prefix_cache") or {}
-    return {
-        "requests_s": _round(t.get("requests_s"), 4),
-        "output_tok_s": _round(t.get("output_tok_s"), 1),
-        "output_tok_s_per_gpu": _round(t.get("output_tok_s_per_gpu"), 1),
-        "total_tok_s": _round(t.get("total_tok_s"), 1),
-        "goodput_req_s": _round(g.get("req_s"), 4),
-        "goodput_share": _round(g.get("share"), 4),
-        "kv_usage_mean": _round(kv.get("mean"), 4),
-        "kv_usage_max": _round(kv.get("max"), 4),
-        "prefix_hit_rate": _round(prefix.get("hit_rate"), 4),
-        "preemptions": m.get("preemptions"),
-        "queue_mean_ms": _ms(m.get("queue_s")),
-    }
+    def at(path: str) -> Any:
+        node: Any = m
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    return {**{col: _round(at(path), n) for col, path, n in _SERVING_COLUMNS}, "queue_mean_ms": _ms(m.get("queue_s"))}
 
 
 def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:

@@ -213,7 +213,7 @@ SIM_BYTES_PER_BLOCK = 96
 
 
 def _host_budget() -> tuple[int, int] | None:
-    from pcpflow.rank.devices import HOST_MEMORY_FRACTION, host_memory_bytes
+    from pcpflow.scheduling.memory import HOST_MEMORY_FRACTION, host_memory_bytes
 
     available = host_memory_bytes()
     return None if available is None else (int(available * HOST_MEMORY_FRACTION), available)
