@@ -38,7 +38,7 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     placeholders: set[str] = set()
     workload = raw.get("workload")
     if isinstance(workload, dict) and workload.get("kind") == "trace" and workload.get("path"):
-        from pcpflow.scheduling.workload import read_once
+        from pcpflow.scheduling.trace import read_once
 
         raw = {**raw, "workload": {**workload, "path": read_once(workload["path"])}}  # a pipe is read once
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)

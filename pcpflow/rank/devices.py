@@ -11,7 +11,6 @@ run with more ranks on a node than visible GPUs is refused before any rank start
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
