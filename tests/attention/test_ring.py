@@ -217,3 +217,17 @@ def test_workload_has_every_cached_size_and_a_chunked_continuation():
         prompts, cached = workload(pcp)
         short = prompts[0]
         assert cached[:short] == list(range(short)) and prompts[-1] - cached[-1] > 32
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_bench_ring_runs_every_path_and_reports_what_ran():
+    from repo_scripts import load_script
+
+    text = load_script("bench_ring").main(["--lengths", "64", "--repeats", "1"])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    ran = {(r[0].strip("| "), r[2]): r[3] for r in rows}
+    assert len(rows) == 3 * 4
+    assert ran[("prefill", "ring_auto")] == "pass_kv"  # nothing cached: Meta's rule passes KV
+    assert ran[("cached", "ring_auto")] == "pass_q"  # 4 new of 64 tokens (6%) < 1/4 (tiny_mla)
+    assert ran[("decode", "ring_pass_kv")] == "pass_kv" and ran[("prefill", "allgather")] == "allgather"
