@@ -95,15 +95,14 @@ def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launche
     assert alive_with(marker) == []
 
 
-RING = ("pcp=3", "dcp=3", "pipeline.forward.cp_attention=ring_pass_kv", "collective_timeout_s=5")
-
-
 @pytest.mark.parametrize("die", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_rank_that_stalls_or_dies_inside_the_ring_is_named(tmp_path, die):
     # A point-to-point wait is a collective like the others: its peers time out (or see the
-    # connection close), and the progress board names the rank, in the forward stage.
-    marker = uuid.uuid4().hex
-    r, elapsed = pcpflow(*RING, f"hydra.run.dir={tmp_path}", FAULTS,
+    # connection close), and the progress board names the rank, in the forward stage. The
+    # death runs in a ring of three, where the failed rank's two neighbours differ.
+    marker, p = uuid.uuid4().hex, 3 if die else 2
+    ring = (f"pcp={p}", f"dcp={p}", "pipeline.forward.cp_attention=ring_pass_kv", "collective_timeout_s=5")
+    r, elapsed = pcpflow(*ring, f"hydra.run.dir={tmp_path}", FAULTS,
                          fault("RingFault", after="slots", rank=1, step=1, hop=1, seconds=200, die=die), e=env(marker))
     assert r.returncode == 1, r.stderr[-2000:]
     res = result(tmp_path)

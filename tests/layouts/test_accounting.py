@@ -580,7 +580,7 @@ def test_auto_gathers_queries_for_a_short_chunk_of_a_long_context():
 # ----------------------------------------------------------------------------- rings
 # Ring counts (pcpflow.layouts.accounting's ring table) on layouts worked by hand, at the
 # tiny_mla sizes above; the executed runs' own counts are compared with these functions
-# every step in tests/attention/test_ring.py.
+# every step in tests/attention/test_ring_attention.py.
 SHAPE = ModelShape(HIDDEN, LAYERS, ENTRY, HEADS, QK, LATENT, F64)
 
 

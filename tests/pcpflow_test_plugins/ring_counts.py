@@ -1,7 +1,7 @@
 """Records, on every rank and every step, what the rank's rings sent (its ``CommStats``
 point-to-point counts, read before the engine closes the step) beside what is needed to
 recompute them (the batch, the layout settings, the model's per-rank sizes), for
-tests/attention/test_ring.py to compare with ``pcpflow.layouts.accounting.ring_step_traffic``."""
+tests/attention/test_ring_attention.py to compare with ``pcpflow.layouts.accounting.ring_step_traffic``."""
 
 from __future__ import annotations
 
