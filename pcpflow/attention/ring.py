@@ -36,10 +36,11 @@ def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class _HopTensors:
-    """One ``Hop``'s index arrays on the device."""
+    """One ``Hop``: its sizes, and its index arrays on the device."""
 
     def __init__(self, hop, device: torch.device) -> None:
-        self.hop = hop
+        self.origin, self.recv_kv, self.recv_q = hop.origin, hop.recv_kv, hop.recv_q
+        self.send_kv, self.send_q = hop.send_kv, hop.send_q
         self.block_tables = _tensor(hop.block_tables, device)
         self.stay_lens = _tensor(hop.stay_lens, device)
         self.write_at = _tensor(hop.write_at, device)
@@ -98,9 +99,9 @@ class RingAttention:
         for h, hop in enumerate(self.hops):
             pending = None
             if h < p - 1:
-                nxt = self.hops[h + 1].hop
+                nxt = self.hops[h + 1]
                 pending = self.dcp.ring_exchange(
-                    [(package[: hop.hop.send_kv], "ring_send_kv"), (queries[: hop.hop.send_q], "ring_send_q")],
+                    [(package[: hop.send_kv], "ring_send_kv"), (queries[: hop.send_q], "ring_send_q")],
                     [package.new_empty((nxt.recv_kv, spec.entry_dim)),
                      queries.new_empty((nxt.recv_q, spec.num_heads, spec.qk_dim))],
                 )
@@ -109,7 +110,7 @@ class RingAttention:
             if self.stay_rows.numel():
                 stays.append(self.kernel(q_stay, package, spec, hop.block_tables, self.stay_req, hop.stay_lens, 1))
             if hop.visit_req.numel():
-                visits[hop.hop.origin] = self._visit(queries, cache, own_keys, hop)
+                visits[hop.origin] = self._visit(queries, cache, own_keys, hop)
             if pending is not None:
                 package, queries = pending.wait()
 

@@ -5,7 +5,8 @@ This is the one definition of *which* collectives a step does and *how big* they
 path the rest of them take, the ``sampled_rows`` restore asks ``sampled_row_holders``
 which rows it sends, ``Comm`` counts bytes with ``traffic_factor``; planner-only tools
 (``scripts/compare_layouts.py``) price a layout with ``step_collectives`` without running
-a model. Per layer, on a batch of ``N`` padded rows per rank whose first ``nd`` rows are
+a model; ``ring_step_traffic`` lists what a ring (``pipeline.forward.cp_attention``) sends,
+per rank (the table near the end). Per layer, on a batch of ``N`` padded rows per rank whose first ``nd`` rows are
 replicated decodes:
 
 ====================  ==========  =====  =======================================
