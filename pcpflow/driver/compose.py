@@ -36,10 +36,13 @@ def validate_overrides(overrides: list[str]) -> None:
 
     raw, problems = compose_checked(overrides)
     if raw is not None:
+        refused = {p.field for p in problems}
         try:
             prepare_job(raw)
         except ConfigError as exc:
-            problems += exc.problems
+            # NOTE: an override that could not be placed left its default behind; what the
+            # default then breaks is the same problem again (hardware=h100: "no hardware")
+            problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
 
