@@ -73,6 +73,8 @@ class MetricsRecorder:
         self.draft_accepted = 0
         self.draft_steps = 0
         self.draft_rows = 0
+        self.cp_attention_steps: dict[str, int] = defaultdict(int)
+        self.per_rank_collective_bytes: dict[str, np.ndarray] = {}
 
     def step(self, record: dict[str, Any]) -> None:
         """Fold one step's record in and append it to metrics.jsonl."""
@@ -96,6 +98,10 @@ class MetricsRecorder:
         self.draft_accepted += record.get("draft_accepted", 0)
         self.draft_steps += 1 if record.get("draft_proposed", 0) else 0
         self.draft_rows += record.get("draft_rows", 0)
+        if "cp_attention" in record:
+            self.cp_attention_steps[record["cp_attention"]] += 1
+        for k, v in record.get("per_rank_collective_bytes", {}).items():
+            self.per_rank_collective_bytes[k] = self.per_rank_collective_bytes.get(k, 0) + np.asarray(v, dtype=np.int64)
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -151,6 +157,10 @@ class MetricsRecorder:
             "framework_overhead_s": None if simulated else framework,
             "framework_overhead_fraction": None if simulated else (framework / stage_total if stage_total else 0.0),
         }
+        if self.cp_attention_steps:
+            out["cp_attention_steps"] = dict(sorted(self.cp_attention_steps.items()))
+        if self.per_rank_collective_bytes:  # point-to-point purposes (rings): what each rank sent
+            out["per_rank_collective_bytes"] = {k: v.tolist() for k, v in sorted(self.per_rank_collective_bytes.items())}
         if self.draft_proposed:
             out["acceptance_rate"] = self.draft_accepted / self.draft_proposed
             out["draft_proposed"] = self.draft_proposed

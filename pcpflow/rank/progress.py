@@ -38,7 +38,8 @@ GRACE_S = 3.0  # how long a rank whose error is a consequence waits for the caus
 CONSEQUENCE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|[Gg]loo.*(timed out|[Tt]imeout|closed|reset)|"
     r"NCCL (error|communicator was aborted)|Socket Timeout|terminated with signal|Signal \d+|"
-    r"got signal: |Timed out waiting|timed out after|connection refused|interrupted by SIG"
+    r"got signal: |Timed out waiting|timed out after|connection refused|interrupted by SIG|"
+    r"caused pair closure"  # gloo, a point-to-point wait after its pair timed out (rings)
 )
 """Errors that a rank sees *because* another rank failed, stalled or left."""
 

@@ -95,6 +95,29 @@ def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launche
     assert alive_with(marker) == []
 
 
+@pytest.mark.parametrize("die", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_rank_that_stalls_or_dies_inside_the_ring_is_named(tmp_path, die):
+    # A point-to-point wait is a collective like the others: its peers time out (or see the
+    # connection close), and the progress board names the rank, in the forward stage. The
+    # death runs in a ring of three, where the failed rank's two neighbours differ.
+    marker, p = uuid.uuid4().hex, 3 if die else 2
+    ring = (f"pcp={p}", f"dcp={p}", "pipeline.forward.cp_attention=ring_pass_kv", "collective_timeout_s=5")
+    r, elapsed = pcpflow(*ring, f"hydra.run.dir={tmp_path}", FAULTS,
+                         fault("RingFault", after="slots", rank=1, step=1, hop=1, seconds=200, die=die), e=env(marker))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "failed" and res["failed_rank"] == 1, res["error"]
+    # NOTE: a rank that dies is placed by its last heartbeat (twice a second, and at each step's
+    # start): the step is certain, the stage may be an earlier one.
+    what, where = ("died without a Python error", "at step 1") if die else ("stalled", "at step 1 (forward)")
+    assert res["error"].startswith(f"rank 1 failed: {what}") and where in res["error"], res["error"]
+    assert elapsed < 120, elapsed  # start-up + 5 s timeout + 3 s grace, far below the 200 s stall
+    deadline = time.monotonic() + 10
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_with(marker) == []
+
+
 @pytest.mark.slow
 def test_a_frozen_rank_is_named_as_stalled_within_the_timeout_and_a_few_seconds(tmp_path):
     """A rank stopped by SIGSTOP (a debugger, a hung driver) beats no heartbeat and never
