@@ -39,7 +39,10 @@ def validate_overrides(overrides: list[str]) -> None:
         try:
             prepare_job(raw)
         except ConfigError as exc:
-            problems += exc.problems
+            # NOTE: an override left out falls back to its default; what validation then says
+            # of that field is not news (hardware=h100: unknown option, then "no hardware").
+            seen = {p.field for p in problems}
+            problems += [p for p in exc.problems if p.field not in seen]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
 
@@ -160,10 +163,14 @@ def _derived(field: Any) -> bool:
 
 
 def unknown_key_problem(key: str, given: Any) -> Problem:
+    from pcpflow.config.run import RunConfig, removed_note
+
+    note = removed_note(key.lstrip("+~"))
+    if note:
+        return Problem(key, given, note)
     owners = options_having(key)
     if owners:
         return Problem(key, given, _belongs(key, owners))
-    from pcpflow.config.run import RunConfig
 
     close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.75)
     if close:
