@@ -141,11 +141,10 @@ def held_out() -> str:
     for name, ring in (("pass-KV", "ring_pass_kv"), ("pass-Q", "ring_pass_q")):
         cells = []
         for t in miss:
-            m, _ = simulated(4, CONTEXT_CACHED, ring=ring, cached=CONTEXT_CACHED - t)
+            m, run = simulated(4, CONTEXT_CACHED, ring=ring, cached=CONTEXT_CACHED - t)
             cells.append(f"{m['ttft']['mean_s'] * 1e3:,.0f}")
-            if name == "pass-KV":
-                steps = m["simulate"].get("dcp_rest_meta_rule_steps", {})
-                rule.append("pass-KV" if steps.get("context") else "pass-Q")
+            if name == "pass-KV":  # the continued prefill: the run's last step
+                rule.append("pass-KV" if run.records[-1].get("dcp_rest_meta_rule") == "context" else "pass-Q")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out.append("| Meta's Algorithm 1 | " + " | ".join(rule) + " |")
     out += ["", "Decode, batch 1, time per output token over 16 tokens (ms; CP > 1: ring pass-Q):", "",

@@ -68,6 +68,9 @@ class SimulatedRun:
         self.plan = specs["plan"].cls(specs["plan"].config, plan_ctx)
         self.dcp_rest_policy = getattr(specs["forward"].config, "dcp_rest", "queries")
         self.cp_attention = cp_attention or getattr(specs["forward"].config, "cp_attention", "allgather")
+        if self.cp_attention in RING_PREFILL and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
+            raise ValueError(f"cp_attention={self.cp_attention} runs a ring over a KV cache sharded over the ring: "
+                             f"it needs dcp = pcp > 1 (pcp={cfg.pcp}, dcp={cfg.dcp})")
         self.restore = specs["restore"].cls.kind
         self.moe_dispatch = cfg.moe.dispatch or "local"
         self.pricer = _pricer(cfg, self.sizes, self.moe_dispatch)
@@ -134,10 +137,11 @@ class SimulatedRun:
         self._accumulate(rest, p, meta)
 
     def _priced(self, batch, layout, mode: str):
-        """The step's DCP path, counts and price: ``dcp_rest=auto`` (and ``ring_auto``) take
-        the path with the smaller simulated step time (executed, auto takes fewer bytes);
-        Meta's closed-form rule (its Algorithm 1) is computed beside, as a reference."""
+        """The step's DCP path, counts and price: ``dcp_rest=auto`` takes the path with the
+        smaller simulated step time (executed, auto takes fewer bytes), Meta's closed-form
+        rule (its Algorithm 1) computed beside as a reference; ``ring_auto`` follows that rule."""
         ring = self.cp_attention if self.cp_attention in RING_PREFILL else None
+        meta = self._meta_rule(batch, layout)
         candidates = [QUERIES]
         # NOTE: DCP over TP ranks always takes the queries path (CPAttention).
         if self.grid.dcp > 1 and self.grid.dcp_tp == 1:
@@ -145,11 +149,12 @@ class SimulatedRun:
                 layout, batch.seq_lens, policy="context", dcp_size=self.grid.dcp,
                 interleave=self.cfg.kv.interleave, shape=self.sizes.shape_per_rank(self.grid.tp, self.dtype_bytes),
             )
-            policy = {"ring_pass_kv": "context", "ring_pass_q": "queries"}.get(ring or "", self.dcp_rest_policy)
-            candidates = {"queries": [QUERIES], "context": [context]}.get(policy, [QUERIES, context])
+            # NOTE: ring_auto follows Meta's rule; the engine's auto, the simulated time.
+            policy = {"ring_pass_kv": "context", "ring_pass_q": "queries", "ring_auto": meta}.get(
+                ring or "", self.dcp_rest_policy)
+            candidates = {"queries": [QUERIES], "context": [context]}.get(policy or "queries", [QUERIES, context])
             if context.mode != "context":
                 candidates = [QUERIES]
-        meta = self._meta_rule(batch, layout)
         priced = []
         for rest in candidates:
             kind = None if ring is None else ("ring_pass_kv" if rest.mode == "context" else "ring_pass_q")
