@@ -36,13 +36,13 @@ def validate_overrides(overrides: list[str]) -> None:
 
     raw, problems = compose_checked(overrides)
     if raw is not None:
+        refused = {p.field for p in problems}
         try:
             prepare_job(raw)
         except ConfigError as exc:
-            # NOTE: an override left out falls back to its default; what validation then says
-            # of that field is not news (hardware=h100: unknown option, then "no hardware").
-            seen = {p.field for p in problems}
-            problems += [p for p in exc.problems if p.field not in seen]
+            # NOTE: an override that could not be placed left its default behind; what the
+            # default then breaks is the same problem again (hardware=h100: "no hardware")
+            problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
 

@@ -8,6 +8,7 @@ exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,12 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
             return _run_job(raw, run_dir, console=console, in_sweep=in_sweep)
     except Interrupted as exc:
         return _interrupted(exc, raw, run_dir, announce=not in_sweep)
+    except OSError as exc:  # the run dir went away, filled up or turned read-only mid-run
+        where = exc.filename2 or exc.filename or run_dir  # os.replace names its target second
+        print_err(f"pcpflow: the run dir {run_dir} cannot be written: {exc.strerror or exc} ({where}); the run stopped")
+        with contextlib.suppress(OSError):
+            write_result(run_dir, failed_result(f"the run dir cannot be written: {exc}", raw, EXIT_FAILED))
+        return EXIT_FAILED
     finally:
         release_lock(run_dir)
 
@@ -94,7 +101,8 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
 def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool) -> int:
     if announce:
         print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
-    write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
+    with contextlib.suppress(OSError):  # a run dir that cannot be written: the line above says it all
+        write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
     return exc.exit_code
 
 

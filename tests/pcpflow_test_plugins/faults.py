@@ -144,11 +144,14 @@ class SendSignal(_Fault):
 
     class Config(_FaultConfig):
         kind: Literal["test_signal"] = "test_signal"
-        signal: Literal["SIGINT", "SIGTERM", "SIGKILL"] = "SIGINT"
+        signal: Literal["SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP"] = "SIGINT"
         to_parent: bool = False
+        stamp: str | None = Field(None, description="a file to write the time of the signal to")
 
     def __call__(self, state: StepState) -> StepState:
         if self._due(state):
+            if self.config.stamp:
+                Path(self.config.stamp).write_text(repr(time.time()))
             pid = _launcher_pid() if self.config.to_parent else os.getpid()
             os.kill(pid, getattr(signal, self.config.signal))
             time.sleep(30)  # the signal ends the job; a step that went on would hide that
@@ -186,4 +189,21 @@ class SlowStart(_Fault):
             time.sleep(config.seconds)
 
     def __call__(self, state: StepState) -> StepState:
+        return state
+
+
+@register
+class BlockResult(_Fault):
+    """Anywhere: makes ``<path>/result.json`` a directory, so that the run dir cannot take its
+    result any more (as a run dir that fills up or turns read-only mid-run)."""
+
+    kind = "test_block_result"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_block_result"] = "test_block_result"
+        path: str
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            (Path(self.config.path) / "result.json").mkdir(parents=True, exist_ok=True)
         return state
