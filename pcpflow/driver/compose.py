@@ -163,10 +163,14 @@ def _derived(field: Any) -> bool:
 
 
 def unknown_key_problem(key: str, given: Any) -> Problem:
+    from pcpflow.config.run import RunConfig, removed_note
+
+    note = removed_note(key.lstrip("+~"))
+    if note:
+        return Problem(key, given, note)
     owners = options_having(key)
     if owners:
         return Problem(key, given, _belongs(key, owners))
-    from pcpflow.config.run import RunConfig
 
     close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.75)
     if close:

@@ -34,12 +34,24 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     """The validated config of one job; raises ConfigError with every problem found
     (``pcpflow.driver.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
-    from pcpflow.driver.checks import check_job, feature_problems
-
+    placeholders: frozenset[str] = frozenset()
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
         from pcpflow.simulate.prepare import prepare_raw
 
-        raw = prepare_raw(raw)
+        raw, placeholders = prepare_raw(raw)
+    try:
+        cfg = _prepared(raw, kind)
+    except ConfigError as exc:
+        # NOTE: a derived setting holding a placeholder is not the user's problem: its inputs are.
+        raise ConfigError([p for p in exc.problems if p.field not in placeholders] or exc.problems) from None
+    if placeholders:  # nothing said why they could not be derived: never run on a placeholder
+        raise ConfigError([Problem(f, None, "could not be derived from the hardware and workload; set it") for f in sorted(placeholders)])
+    return cfg
+
+
+def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
+    from pcpflow.driver.checks import check_job, feature_problems
+
     cfg, problems = validate_run_config(raw, rules=feature_problems)
     if cfg is None:
         raise ConfigError(problems)
