@@ -31,6 +31,7 @@ from pcpflow.layouts.ring import RankRing
 from pcpflow.models.base import AttentionSpec
 from pcpflow.parallel.comm import Comm
 
+
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 

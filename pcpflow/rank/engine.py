@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 
 from pcpflow.config.run import RunConfig
-from pcpflow.layouts.accounting import RING_PURPOSES, attention_work, ring_attention_work, ring_totals
+from pcpflow.layouts.accounting import (
+    RING_PURPOSES,
+    attention_work,
+    ring_attention_work,
+    ring_totals,
+)
 from pcpflow.models import build_model
 from pcpflow.output.metrics import MetricsRecorder, step_record
 from pcpflow.parallel.comm import Comm, CommStats, gather_sent

@@ -26,7 +26,13 @@ import numpy as np
 
 from pcpflow.config.hardware import PEAK_OF_DTYPE
 from pcpflow.config.run import RunConfig
-from pcpflow.layouts.accounting import QUERIES, DCPRest, attention_rows, plan_dcp_rest, rest_requests
+from pcpflow.layouts.accounting import (
+    QUERIES,
+    DCPRest,
+    attention_rows,
+    plan_dcp_rest,
+    rest_requests,
+)
 from pcpflow.models import vocab_size_of
 from pcpflow.output.metrics import MetricsRecorder, step_record
 from pcpflow.pipeline.assemble import resolve_pipeline

@@ -26,7 +26,7 @@ import shared_ranks
 from exactness import dense_reference_agrees
 from pcpflow_test_plugins import ring_counts
 
-from pcpflow.layouts.accounting import RING_PURPOSES, ModelShape, ring_step_traffic, ring_totals
+from pcpflow.layouts.accounting import RING_PURPOSES, ModelShape, ring_step_traffic
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.testing import compose
 

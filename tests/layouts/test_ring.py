@@ -28,7 +28,6 @@ from pcpflow.layouts.layout import plan_layout
 from pcpflow.layouts.ring import (
     REPLICATED,
     STAYS,
-    TRAVELS,
     plan_ring,
     rank_ring,
     request_num_computed,
