@@ -55,35 +55,37 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["pcpflow", *args], code, out.getvalue(), err.getvalue())
 
 
-def run(configs: list[RunConfig], *, timeout_s: float = 600) -> list[dict[str, Any]]:
-    """Rank 0's result of each config, in order (ranks started once per world size)."""
+def run(configs: list[RunConfig], *, timeout_s: float = 600, run_dirs: list[Path | None] | None = None) -> list[dict[str, Any]]:
+    """Rank 0's result of each config, in order (ranks started once per world size).
+    ``run_dirs``: where each run's rank 0 writes ``metrics.jsonl`` (None: nowhere)."""
     by_world: dict[int, list[int]] = defaultdict(list)
     for i, cfg in enumerate(configs):
         by_world[cfg.world_size].append(i)
+    dirs = [None] * len(configs) if run_dirs is None else [None if d is None else str(d) for d in run_dirs]
     results: list[dict[str, Any] | None] = [None] * len(configs)
     for world_size, idx in by_world.items():
-        batch = [configs[i] for i in idx]
+        batch = [(configs[i], dirs[i]) for i in idx]
         outs = _run_in_process(batch) if world_size == 1 else _run_spawned(batch, world_size, timeout_s)
         for i, out in zip(idx, outs):
             results[i] = out
     return results  # type: ignore[return-value]
 
 
-def _run_in_process(configs: list[RunConfig]) -> list[dict[str, Any]]:
+def _run_in_process(configs: list[tuple[RunConfig, str | None]]) -> list[dict[str, Any]]:
     from pcpflow.rank.bootstrap import RankSession
 
     session = RankSession.solo()
-    return [session.run(cfg, None) for cfg in configs]  # type: ignore[misc]
+    return [session.run(cfg, None if d is None else Path(d)) for cfg, d in configs]  # type: ignore[misc]
 
 
-def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) -> list[dict[str, Any]]:
+def _run_spawned(configs: list[tuple[RunConfig, str | None]], world_size: int, timeout_s: float) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="pcpflow-test-") as tmp:
-        payload = [cfg.model_dump(mode="json") for cfg in configs]
+        payload = [(cfg.model_dump(mode="json"), d) for cfg, d in configs]
         out_path = Path(tmp) / "results.pkl"
         saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(max(cfg.threads_per_rank for cfg in configs))
+        os.environ["OMP_NUM_THREADS"] = str(max(cfg.threads_per_rank for cfg, _ in configs))
         try:
             mp.start_processes(
                 _worker,
@@ -100,14 +102,14 @@ def _run_spawned(configs: list[RunConfig], world_size: int, timeout_s: float) ->
         return pickle.loads(out_path.read_bytes())
 
 
-def _worker(rank: int, world_size: int, port: int, payload: list[dict], out_path: str, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, payload: list, out_path: str, timeout_s: float) -> None:
     from pcpflow.rank.bootstrap import RankSession
 
     session = RankSession.connect(f"tcp://127.0.0.1:{port}", rank, world_size)
-    cfgs = [parse_run_config(raw) for raw in payload]
-    session.init_group(cfgs[0], timeout_s=timeout_s)
+    cfgs = [(parse_run_config(raw), None if d is None else Path(d)) for raw, d in payload]
+    session.init_group(cfgs[0][0], timeout_s=timeout_s)
     try:
-        outs = [session.run(cfg, None) for cfg in cfgs]
+        outs = [session.run(cfg, d) for cfg, d in cfgs]
         if rank == 0:
             Path(out_path).write_bytes(pickle.dumps(outs))
     finally:

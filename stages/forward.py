@@ -5,6 +5,13 @@
 (gather their requests' KV shards, attend locally) or ``auto`` (per step, the one that
 moves fewer bytes, priced by ``pcpflow.layouts.accounting.plan_dcp_rest``). Every path is exact.
 
+``cp_attention`` picks how attention crosses the ranks: ``allgather`` (the paths above,
+vLLM's), or a ring over a KV cache sharded over it (dcp = pcp; ``pcpflow.attention.ring``):
+``ring_pass_kv`` (keys travel), ``ring_pass_q`` (queries travel, partials come back in one
+all-to-all) or ``ring_auto`` (per step, Meta's rule: ``pcpflow.layouts.accounting.
+choose_ring_variant``). Decode rows always take pass-Q. The variant a step ran is
+``state.attn.cp_attention`` (metrics.jsonl ``cp_attention``).
+
 ``attention`` picks the paged-attention kernel: ``reference`` (plain torch, any device),
 ``fused`` (``pcpflow.attention.fused``: flex_attention / SDPA with log-sum-exp) or
 ``auto`` (fused on CUDA). Steps the plan dispatched as ``full`` CUDA-graph steps run
@@ -19,9 +26,12 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pcpflow.attention.context_parallel import CPAttention
+from pcpflow.attention.context_parallel import CPAttention, layer_shape
 from pcpflow.attention.fused import attention_kernel, resolve_attention
+from pcpflow.attention.ring import RingAttention
 from pcpflow.errors import Problem
+from pcpflow.layouts.accounting import choose_ring_variant
+from pcpflow.layouts.ring import CP_ATTENTION, plan_ring, rank_ring
 from pcpflow.parallel.moe_dispatch import moe_forward
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
@@ -39,6 +49,11 @@ class ModelForward(Stage):
             description="DCP path of the rest rows (prefill chunks, sharded decodes): "
             "queries | context | auto (per step, fewer bytes moved)",
         )
+        cp_attention: Literal[CP_ATTENTION] = Field(  # type: ignore[valid-type]
+            "allgather",
+            description="how attention crosses the ranks: allgather (vLLM's paths) | ring_pass_kv | "
+            "ring_pass_q | ring_auto (Meta's rule per step); rings need dcp = pcp > 1",
+        )
         attention: Literal["reference", "fused", "auto"] = Field(
             "auto",
             description="paged-attention kernel: reference (plain torch) | fused "
@@ -47,12 +62,23 @@ class ModelForward(Stage):
 
     @classmethod
     def check_run(cls, config, run) -> list[Problem]:
+        problems = []
         # NOTE: DCP over TP ranks gathers queries: a rank's contexts live on other PCP ranks' TP shards too.
         if config.dcp_rest == "context" and run.dcp > 1 and run.grid.dcp_tp > 1:
-            return [Problem("pipeline.forward.dcp_rest", config.dcp_rest,
-                            f"the context path needs DCP inside PCP only; dcp={run.dcp} spans "
-                            f"{run.grid.dcp_tp} TP ranks: use queries or auto")]
-        return []
+            problems.append(Problem("pipeline.forward.dcp_rest", config.dcp_rest,
+                                    f"the context path needs DCP inside PCP only; dcp={run.dcp} spans "
+                                    f"{run.grid.dcp_tp} TP ranks: use queries or auto"))
+        if config.cp_attention != "allgather":
+            if run.pcp == 1 or run.dcp != run.pcp:
+                problems.append(Problem("pipeline.forward.cp_attention", config.cp_attention,
+                                        f"a ring needs the KV sharded over the ring: pcp > 1 and dcp = pcp; "
+                                        f"got pcp={run.pcp} dcp={run.dcp} (use dcp={max(run.pcp, 2)} "
+                                        f"pcp={max(run.pcp, 2)}, or cp_attention=allgather)"))
+            if run.mode != "execute":
+                problems.append(Problem("pipeline.forward.cp_attention", config.cp_attention,
+                                        f"mode={run.mode} does not price the executed ring yet: "
+                                        "use allgather (pass-KV / pass-Q there: pipeline.forward.dcp_rest)"))
+        return problems
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
@@ -80,6 +106,18 @@ class ModelForward(Stage):
             counts["graph_forward_steps"] += 1
             counts["captured"], counts["replayed"] = self.graphs.num_captured, self.graphs.num_replayed
             return state
+        if self.config.cp_attention != "allgather" and ctx.dcp.size > 1:
+            backend = self._ring(state)
+        else:
+            backend = self._allgather(state)
+        with torch.no_grad(), moe_forward(ctx, state):
+            state.hidden, state.aux_hidden = ctx.model(
+                local.input_ids, local.positions, backend, tuple(sorted(ctx.aux_layers))
+            )
+        return state
+
+    def _allgather(self, state: StepState) -> CPAttention:
+        ctx = self.ctx
         backend = CPAttention(
             layout=state.layout,
             meta=state.attn,
@@ -94,11 +132,28 @@ class ModelForward(Stage):
             dcp_heads=ctx.dcp_heads,
         )
         state.attn.dcp_rest = backend.dcp_rest.mode
-        with torch.no_grad(), moe_forward(ctx, state):
-            state.hidden, state.aux_hidden = ctx.model(
-                local.input_ids, local.positions, backend, tuple(sorted(ctx.aux_layers))
-            )
-        return state
+        state.attn.cp_attention = "allgather"
+        return backend
+
+    def _ring(self, state: StepState) -> RingAttention:
+        ctx, b, layout = self.ctx, state.batch, state.layout
+        # NOTE: dcp = pcp (check_run): the DCP group is the PCP group, ranks in the same order.
+        assert ctx.dcp.rank == ctx.pcp_rank and ctx.dcp.size == ctx.pcp_size
+        spec = ctx.model.attn_spec
+        variant = choose_ring_variant(
+            self.config.cp_attention, layout, b.positions, shape=layer_shape(spec, ctx.kv_caches)
+        )
+        plan = plan_ring(layout, b.positions, variant=variant, interleave=ctx.config.kv.interleave)
+        state.attn.cp_attention = f"ring_{variant}"
+        return RingAttention(
+            ring=rank_ring(plan, ctx.pcp_rank, b.block_tables, ctx.block_size),
+            caches=ctx.kv_caches,
+            spec=spec,
+            block_size=ctx.block_size,
+            block_tables=state.attn.block_tables,
+            dcp=ctx.dcp,
+            kernel=self.kernel,
+        )
 
 
 def is_uniform_decode_only(state: StepState) -> bool:

@@ -109,7 +109,7 @@ class CPAttention:
                     policy=dcp_rest,
                     dcp_size=dcp.size,
                     interleave=plan.interleave,
-                    shape=_layer_shape(spec, caches),
+                    shape=layer_shape(spec, caches),
                 )
             elif dcp_rest == "context":
                 raise ValueError("dcp_rest='context' needs AttentionMetadata.dcp_context")
@@ -223,7 +223,7 @@ class CPAttention:
         return out
 
 
-def _layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
+def layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
     """The per-layer sizes that price the DCP paths (hidden size and depth do not)."""
     return ModelShape(
         hidden_size=0,

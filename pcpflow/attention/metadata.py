@@ -45,8 +45,9 @@ class AttentionMetadata:
     # The rest rows' DCP path the target's forward took ("queries" | "context"), set by
     # ``forward``: attention work is counted by it, a draft prefill over these rows follows it.
     dcp_rest: str | None = None
-
-
+    # How the target's attention crossed the ranks ("allgather" | "ring_pass_kv" |
+    # "ring_pass_q"), set by ``forward``: attention work and metrics.jsonl follow it.
+    cp_attention: str | None = None
 
 
 def rank_slot_mapping(

@@ -226,7 +226,7 @@ def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseMo
         field = ".".join(filter(None, [prefix.rstrip("."), *loc])) or prefix or "<config>"
         given = err.get("input")
         if err["type"] == "extra_forbidden":
-            allowed = "not a setting here" + _known_keys_hint(model, loc)
+            allowed = _removed_note(model, loc) or "not a setting here" + _known_keys_hint(model, loc)
         elif err["type"] == "missing":
             allowed = "this setting is required"
             given = "<missing>"
@@ -252,17 +252,34 @@ def _union_tags() -> frozenset[str]:
     return frozenset(tags)
 
 
-def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
-    if model is None or not loc:
-        return ""
+def _node(model: type[BaseModel] | None, loc: list[str]) -> Any:
+    """The model that holds the field at ``loc`` (None when the path leaves the models)."""
     node: Any = model
     for part in loc[:-1]:
         fields = getattr(node, "model_fields", None)
         if not fields or part not in fields:
-            return ""
+            return None
         node = fields[part].annotation
         if not (isinstance(node, type) and issubclass(node, BaseModel)):
-            return ""
+            return None
+    return node
+
+
+def _removed_note(model: type[BaseModel] | None, loc: list[str]) -> str:
+    """A removed setting's note naming what replaced it (a model's ``REMOVED``), or ''."""
+    node = _node(model, loc) if loc else None
+    return (getattr(node, "REMOVED", None) or {}).get(loc[-1], "") if node is not None else ""
+
+
+def removed_note(key: str) -> str:
+    """What replaced the removed setting ``key`` (dotted, e.g. ``simulate.ring_step_us``), or ''."""
+    return _removed_note(RunConfig, key.split("."))
+
+
+def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
+    if model is None or not loc:
+        return ""
+    node = _node(model, loc)
     keys = sorted(getattr(node, "model_fields", {}))
     if not keys:
         return ""

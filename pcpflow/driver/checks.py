@@ -90,9 +90,10 @@ def feature_problems(cfg: Any) -> list[Problem]:
     return p
 
 
-def check_run_dir(run_dir: Path, *, create: bool = True) -> None:
+def check_run_dir(run_dir: Path, *, create: bool = True, field: str = "hydra.run.dir") -> None:
     """The run dir is a directory this process can create and write (``create=False``:
-    could create, without creating it: nothing may appear for an invalid command)."""
+    could create, without creating it: nothing may appear for an invalid command).
+    ``field``: the setting that names it (a sweep's is ``hydra.sweep.dir``)."""
     problem = None
     if run_dir.exists() and not run_dir.is_dir():
         problem = "a directory; it is an existing file"
@@ -111,7 +112,7 @@ def check_run_dir(run_dir: Path, *, create: bool = True) -> None:
         except OSError as exc:
             problem = f"a directory pcpflow can create and write; {exc.strerror or exc}"
     if problem:
-        raise ConfigError([Problem("hydra.run.dir", str(run_dir), problem)])
+        raise ConfigError([Problem(field, str(run_dir), problem)])
 
 
 def capacity_warnings(cfg: Any) -> list[str]:

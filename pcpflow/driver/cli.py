@@ -85,12 +85,12 @@ def _check_output_dir(overrides: list[str], multirun: bool) -> None:
     from pcpflow.driver.checks import check_run_dir
     from pcpflow.output.rundir import live_lock_owner
 
-    key = "hydra.sweep.dir=" if multirun else "hydra.run.dir="
-    given = [o.split("=", 1)[1] for o in overrides if o.startswith(key)]
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
     if not given or "${" in given[-1]:
         return
     path = Path(given[-1])
-    check_run_dir(path, create=False)
+    check_run_dir(path, create=False, field=key)
     owner = None if multirun else live_lock_owner(path)
     if owner is not None:
         raise ConfigError([Problem("hydra.run.dir", str(path), f"a run dir no live run uses; pid {owner} is running in it")])
@@ -174,14 +174,22 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         else:
             choices.append([o.input_line])
     jobs = list(itertools.product(*choices)) or [()]
-    problems: list[Problem] = []
+    found: list[list[Problem]] = []
     for job in jobs:
         try:
             validate_overrides(list(job))
+            found.append([])
         except ConfigError as exc:
-            # A job is named by its swept values only: what tells it apart from the others.
-            label = " ".join(o for o, is_swept in zip(job, swept) if is_swept)
-            for p in exc.problems:
+            found.append(exc.problems)
+    # A problem every job has is said once; the others name their job by its swept values.
+    everywhere = set.intersection(*(set(map(str, f)) for f in found)) if len(jobs) > 1 else set()
+    problems: list[Problem] = []
+    for job, job_problems in zip(jobs, found):
+        label = " ".join(o for o, is_swept in zip(job, swept) if is_swept)
+        for p in job_problems:
+            if str(p) in everywhere:
+                problems.append(p)
+            else:
                 problems.append(Problem(f"[{label}] {p.field}" if len(jobs) > 1 else p.field, p.given, p.allowed))
     if problems:
         raise ConfigError(_dedupe(problems))

@@ -36,10 +36,13 @@ def validate_overrides(overrides: list[str]) -> None:
 
     raw, problems = compose_checked(overrides)
     if raw is not None:
+        refused = {p.field for p in problems}
         try:
             prepare_job(raw)
         except ConfigError as exc:
-            problems += exc.problems
+            # NOTE: an override that could not be placed left its default behind; what the
+            # default then breaks is the same problem again (hardware=h100: "no hardware")
+            problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
 
@@ -160,10 +163,14 @@ def _derived(field: Any) -> bool:
 
 
 def unknown_key_problem(key: str, given: Any) -> Problem:
+    from pcpflow.config.run import RunConfig, removed_note
+
+    note = removed_note(key.lstrip("+~"))
+    if note:
+        return Problem(key, given, note)
     owners = options_having(key)
     if owners:
         return Problem(key, given, _belongs(key, owners))
-    from pcpflow.config.run import RunConfig
 
     close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.75)
     if close:

@@ -8,6 +8,7 @@ exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,7 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     """The validated config of one job; raises ConfigError with every problem found
     (``pcpflow.driver.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
-    from pcpflow.driver.checks import check_job, feature_problems
-
-    placeholders: set[str] = set()
+    placeholders: frozenset[str] = frozenset()
     workload = raw.get("workload")
     if isinstance(workload, dict) and workload.get("kind") == "trace" and workload.get("path"):
         from pcpflow.scheduling.trace import read_once
@@ -45,6 +44,19 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
         from pcpflow.simulate.prepare import prepare_raw
 
         raw, placeholders = prepare_raw(raw)
+    try:
+        cfg = _prepared(raw, kind)
+    except ConfigError as exc:
+        # NOTE: a derived setting holding a placeholder is not the user's problem: its inputs are.
+        raise ConfigError([p for p in exc.problems if p.field not in placeholders] or exc.problems) from None
+    if placeholders:  # nothing said why they could not be derived: never run on a placeholder
+        raise ConfigError([Problem(f, None, "could not be derived from the hardware and workload; set it") for f in sorted(placeholders)])
+    return cfg
+
+
+def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
+    from pcpflow.driver.checks import check_job, feature_problems
+
     cfg, problems = validate_run_config(raw, rules=feature_problems)
     if cfg is None:
         raise ConfigError(problems)
@@ -56,8 +68,6 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
         cfg = check_job(cfg, raw, kind=kind)
     except ConfigError as exc:
         problems += exc.problems
-    # NOTE: a setting derived from an invalid one holds a placeholder: only the real problem is reported
-    problems = [p for p in problems if p.field not in placeholders]
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -83,6 +93,12 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
             return _run_job(raw, run_dir, console=console, in_sweep=in_sweep)
     except Interrupted as exc:
         return _interrupted(exc, raw, run_dir, announce=not in_sweep)
+    except OSError as exc:  # the run dir went away, filled up or turned read-only mid-run
+        where = exc.filename2 or exc.filename or run_dir  # os.replace names its target second
+        print_err(f"pcpflow: the run dir {run_dir} cannot be written: {exc.strerror or exc} ({where}); the run stopped")
+        with contextlib.suppress(OSError):
+            write_result(run_dir, failed_result(f"the run dir cannot be written: {exc}", raw, EXIT_FAILED))
+        return EXIT_FAILED
     finally:
         release_lock(run_dir)
 
@@ -90,7 +106,8 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
 def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool) -> int:
     if announce:
         print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
-    write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
+    with contextlib.suppress(OSError):  # a run dir that cannot be written: the line above says it all
+        write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
     return exc.exit_code
 
 

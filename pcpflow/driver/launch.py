@@ -28,6 +28,8 @@ from pcpflow.rank.bootstrap import RankError, RankSession, elastic_rank, rank_st
 from pcpflow.rank.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
 
+SHUTDOWN_GRACE_S = 3
+
 
 def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     """Run the job's ranks; returns rank 0's result sections. Raises RankFailure."""
@@ -58,6 +60,9 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         # exception (an Exception) parts of its teardown swallow. Ours stay: they raise
         # Interrupted, and the agent's own cleanup stops the ranks on the way out.
         signals_to_handle="",
+        # NOTE: once the job has failed, a rank gets this long to leave after SIGTERM; one
+        # blocked in a collective or stopped (SIGSTOP) would otherwise hold the job 30 s.
+        shutdown_timeout=SHUTDOWN_GRACE_S,
         start_method=rank_start_method(log=log_dir / "forkserver.log"),
         # Every rank's stdout (a stage's print) and rank 0's stderr reach the console too,
         # prefixed by the rank ("[rank1]:"); everything is in the rank's log.
@@ -165,7 +170,8 @@ def _agent_log(path: Path):
     ``logs/launcher.log``, not the console: pcpflow's one line says what happened."""
     import logging
 
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    names = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logging.getLogger(n) for n in names]
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     saved = [logger.propagate for logger in loggers]

@@ -173,12 +173,13 @@ def write_sweep_report(sweep_dir: Path, *, announce: bool = True) -> list[dict[s
         - {"total", "tp", "pcp_dcp"}
     )
     from pcpflow.simulate.decide import COLUMNS as DECISION_COLUMNS
-    from pcpflow.simulate.decide import decide
+    from pcpflow.simulate.decide import decide, term_columns
 
-    decision = decide(rows, sweep_dir)  # gpus, pareto, rank (by simulate.objective)
+    decision = decide(rows, sweep_dir)  # gpus, pareto, rank (by simulate.objective), <term>_s
     columns = (
         BASE_COLUMNS
         + DECISION_COLUMNS
+        + term_columns(rows)
         + [f"bytes_{p}" for p in purposes]
         + [f"calls_{p}" for p in purposes]
         + ["error"]

@@ -5,7 +5,8 @@ This is the one definition of *which* collectives a step does and *how big* they
 path the rest of them take, the ``sampled_rows`` restore asks ``sampled_row_holders``
 which rows it sends, ``Comm`` counts bytes with ``traffic_factor``; planner-only tools
 (``scripts/compare_layouts.py``) price a layout with ``step_collectives`` without running
-a model. Per layer, on a batch of ``N`` padded rows per rank whose first ``nd`` rows are
+a model; ``ring_step_traffic`` lists what a ring (``pipeline.forward.cp_attention``) sends,
+per rank (the table near the end). Per layer, on a batch of ``N`` padded rows per rank whose first ``nd`` rows are
 replicated decodes:
 
 ====================  ==========  =====  =======================================
@@ -41,6 +42,7 @@ from typing import Literal
 import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
+from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, plan_ring, request_num_computed
 from pcpflow.layouts.slots import dcp_local_seq_lens
 
 DCP_REST_POLICIES = ("auto", "queries", "context")
@@ -610,3 +612,147 @@ def attention_work(
         [dcp_local_seq_lens(rest_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
         dtype=np.int64,
     )
+
+
+# --- ring attention (``pipeline.forward.cp_attention``: ``pcpflow.layouts.ring`` plans it,
+# ``pcpflow.attention.ring`` runs it). Point to point: each rank sends a different amount,
+# so these count per rank (``Comm`` counts what each rank sends to the others). Per layer, on
+# rank j of the ring of P (``RingPlan``: b_o entries in rank o's block, t_o its travelling
+# rows, d_o(h) its travelling rows' new KV entries with at least h hops to go, r the rows
+# every rank holds), at iteration h = 0..P-2, sending the package of origin o = (j - h) % P:
+#
+# ============  ==========  ================================================================
+# purpose       op          rows rank j sends x row width
+# ============  ==========  ================================================================
+# ring_send_kv  isend       ``b_o + d_o(h + 1)`` x ``entry_dim`` (a call when > 0)
+# ring_send_q   isend       ``t_o`` x ``H`` x ``qk_dim`` (a call when > 0)
+# ring_all2all  all_to_all  ``sum_{i != j} (t_i + r)`` x ``H*Dv + H`` (fp32 at least), once
+#                           after the loop when any rank has t or r rows
+# ============  ==========  ================================================================
+
+RING_PURPOSES = ("ring_send_kv", "ring_send_q", "ring_all2all")
+
+
+def choose_ring_variant(
+    policy: str,
+    layout: BatchLayout,
+    positions,
+    *,
+    shape: ModelShape,
+    peak_flops: float | None = None,
+    bandwidth: float | None = None,
+) -> str:
+    """The ring variant of one step, ``"pass_kv"`` or ``"pass_q"``, under ``policy``
+    (``ring_pass_kv`` | ``ring_pass_q`` | ``ring_auto``).
+
+    ``ring_auto`` is Meta's rule (arXiv 2411.01783, Algorithm 1) over the step's split
+    prefills: T new tokens, P cached ones. Pass-KV sends every key of the context once per
+    hop, ``2 * N_KV`` head-vectors a token, pass-Q the new queries, ``N_H``: pass-KV when
+    ``T / (T + P) >= 2 * N_KV / N_H`` (here ``entry_dim / (H * qk_dim)``: MLA's latent is one
+    entry for all heads). With a machine's ``peak_flops`` and ``bandwidth`` (bytes/s), also
+    when pass-KV's hop hides behind its attention: ``T >= P_ring * C * entry_bytes /
+    (2 * H * (qk_dim + v_dim) * BW)`` (Meta's ``N * C * N_KV * e / (2 * N_H * BW)``). A step
+    without split prefills (decodes only) runs pass-Q, as Meta's decode does."""
+    if policy in ("ring_pass_kv", "ring_pass_q"):
+        return policy[len("ring_"):]
+    if policy != "ring_auto":
+        raise ValueError(f"unknown ring policy {policy!r}; known: ring_pass_kv, ring_pass_q, ring_auto")
+    q = np.diff(layout.query_start_loc)
+    split = ~layout.replicated & (q > 0)
+    new = int(q[split].sum())
+    if not new:
+        return "pass_q"
+    cached = int(request_num_computed(layout, positions)[split].sum())
+    if new / (new + cached) >= shape.entry_dim / (shape.num_heads * shape.qk_dim):
+        return "pass_kv"
+    if peak_flops and bandwidth:
+        flops_per_pair = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim)
+        if new * flops_per_pair * bandwidth >= layout.pcp_size * peak_flops * shape.entry_dim * shape.dtype_bytes:
+            return "pass_kv"
+    return "pass_q"
+
+
+@dataclass(frozen=True)
+class RingTraffic:
+    """(calls, bytes) of each ring purpose this step, per global rank (``rank = pcp_rank *
+    tp + tp_rank``): int64 arrays of ``tp * pcp``."""
+
+    calls: dict[str, np.ndarray]
+    bytes: dict[str, np.ndarray]
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        return ring_totals(self.calls, self.bytes)
+
+
+def ring_step_traffic(
+    layout: BatchLayout,
+    positions,
+    *,
+    variant: str,
+    shape: ModelShape,
+    interleave: int,
+    tp_size: int = 1,
+) -> RingTraffic:
+    """What every rank sends in one step's rings (the table above, times
+    ``shape.num_layers``), from the layout and the positions alone. ``shape`` is one TP
+    rank's (``tp_local_shape``); each of a PCP rank's TP ranks runs its own ring over its
+    heads, the same rows."""
+    plan = plan_ring(layout, positions, variant=variant, interleave=interleave)
+    p, layers = plan.pcp_size, shape.num_layers
+    hop = np.arange(p - 1, dtype=np.int64)
+    origin = (np.arange(p, dtype=np.int64)[:, None] - hop[None, :]) % p  # [P, P-1]
+    kv_rows = plan.kv_rows_sent(origin, hop[None, :])
+    q_rows = plan.num_travel[origin]
+    partial_bytes = shape.partials_dtype_bytes or shape.dtype_bytes
+    rows_back = plan.num_travel + plan.num_replicated  # partial rows each rank receives from each other
+    a2a = int(plan.has_all2all)
+    calls = {
+        "ring_send_kv": (kv_rows > 0).sum(axis=1) * layers,
+        "ring_send_q": (q_rows > 0).sum(axis=1) * layers,
+        "ring_all2all": np.full(p, a2a * layers, dtype=np.int64),
+    }
+    nbytes = {
+        "ring_send_kv": kv_rows.sum(axis=1) * shape.entry_dim * shape.dtype_bytes * layers,
+        "ring_send_q": q_rows.sum(axis=1) * shape.num_heads * shape.qk_dim * shape.dtype_bytes * layers,
+        "ring_all2all": a2a * (rows_back.sum() - rows_back) * shape.partials_width * partial_bytes * layers,
+    }
+    per_rank = lambda d: {k: np.repeat(v.astype(np.int64), tp_size) for k, v in d.items()}  # noqa: E731
+    return RingTraffic(per_rank(calls), per_rank(nbytes))
+
+
+def ring_totals(per_rank_calls, per_rank_bytes) -> tuple[dict[str, int], dict[str, int]]:
+    """The job's figures of the ring purposes from every rank's: bytes summed (what every
+    rank receives from the others, as for a collective); calls of the busiest rank (hops
+    follow one another; the ranks' sends of one hop run at once). Purposes nobody used are
+    left out, as ``CommStats`` leaves them."""
+    calls, nbytes = {}, {}
+    for purpose in per_rank_calls:
+        c = int(np.max(per_rank_calls[purpose])) if len(per_rank_calls[purpose]) else 0
+        if c:
+            calls[purpose] = c
+            nbytes[purpose] = int(np.sum(per_rank_bytes[purpose]))
+    return calls, nbytes
+
+
+def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interleave: int) -> np.ndarray:
+    """(query, key) pairs each PCP rank scores in one step's ring: a staying row all of its
+    ``position + 1`` keys, on its rank; a travelling row, on every rank, that rank's cached
+    shard of its request and that rank's new keys of it at or before its position; a row
+    every rank holds, on every rank, that rank's shard of its ``position + 1`` keys."""
+    plan = plan_ring(layout, positions, variant=variant, interleave=interleave)
+    p, n = plan.pcp_size, plan.padded_num_tokens
+    rank = np.arange(p * n, dtype=np.int64) // max(n, 1)
+    work = np.zeros(p, dtype=np.int64)
+    stays = plan.kind == STAYS
+    np.add.at(work, rank[stays], plan.pos[stays] + 1)
+    rep = (plan.kind == REPLICATED) & (rank == 0)
+    travels = plan.kind == TRAVELS
+    t_req, t_pos = plan.req[travels], plan.pos[travels]
+    scale = int(plan.pos.max(initial=0)) + 2
+    for r in range(p):
+        work[r] += dcp_local_seq_lens(plan.pos[rep] + 1, p, r, interleave).sum()
+        work[r] += dcp_local_seq_lens(plan.cache_limit[t_req], p, r, interleave).sum()
+        mine = np.sort(t_req[rank[travels] == r] * scale + t_pos[rank[travels] == r])
+        seen = np.searchsorted(mine, t_req * scale + t_pos, side="right") - np.searchsorted(mine, t_req * scale)
+        work[r] += seen.sum()
+    return work

@@ -37,6 +37,14 @@ def dcp_local_positions(positions, dcp_size: int, interleave: int) -> np.ndarray
     return (p // (interleave * dcp_size)) * interleave + p % interleave
 
 
+def dcp_global_positions(local_positions, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarray:
+    """The position of each entry ``lp`` of ``dcp_rank``'s dense shard (the inverse of
+    ``dcp_local_positions`` on that rank): ``(lp // I) * I*D + rank * I + lp % I``."""
+    _check_dcp(dcp_size, dcp_rank, interleave)
+    lp = np.asarray(local_positions, dtype=np.int64)
+    return (lp // interleave) * (interleave * dcp_size) + dcp_rank * interleave + lp % interleave
+
+
 def dcp_local_seq_lens(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarray:
     """How many of the positions ``[0, L)`` of each sequence ``dcp_rank`` stores."""
     _check_dcp(dcp_size, dcp_rank, interleave)

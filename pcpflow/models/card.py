@@ -54,52 +54,28 @@ class ModelCard(BaseModel):
 
 def card_from_hf_config(path: str | Path) -> dict:
     """The card (as a plain dict) of a Hugging Face checkpoint directory's config.json
-    (Llama or DeepSeek V2/V3, MoE included); ValueError saying what is wrong."""
-    from pcpflow.models.hf import read_config_json
+    (Llama-style GQA or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
+    executed run loads it with; ValueError saying what is wrong."""
+    from pcpflow.models.hf import read_checkpoint_config
 
     path = Path(path).expanduser().resolve()
-    file = path / "config.json"
-    raw = read_config_json(path)
-    model_type = str(raw.get("model_type", ""))
-    try:
-        card = {
-            "name": "hf_card",
-            "source": str(file),
-            "vocab_size": raw["vocab_size"],
-            "hidden_size": raw["hidden_size"],
-            "num_layers": raw["num_hidden_layers"],
-            "num_heads": raw["num_attention_heads"],
-            "intermediate_size": raw["intermediate_size"],
-            "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
-            "weights_dtype": "fp8" if (raw.get("quantization_config") or {}).get("quant_method") == "fp8" else "bf16",
-        }
-        if model_type.startswith("deepseek"):
-            card.update(
-                attention="mla",
-                q_lora_rank=raw.get("q_lora_rank"),
-                kv_lora_rank=raw["kv_lora_rank"],
-                qk_nope_head_dim=raw["qk_nope_head_dim"],
-                qk_rope_head_dim=raw["qk_rope_head_dim"],
-                v_head_dim=raw["v_head_dim"],
-            )
-            if raw.get("n_routed_experts"):
-                card["moe"] = {
-                    "num_experts": raw["n_routed_experts"],
-                    "top_k": raw["num_experts_per_tok"],
-                    "intermediate_size": raw.get("moe_intermediate_size"),
-                    "num_shared_experts": raw.get("n_shared_experts") or 0,
-                    "first_k_dense_replace": raw.get("first_k_dense_replace", 0),
-                    "moe_layer_freq": raw.get("moe_layer_freq", 1),
-                }
-        elif model_type in ("llama", "mistral", "qwen2"):
-            heads = raw["num_attention_heads"]
-            card.update(
-                attention="gqa",
-                num_kv_heads=raw.get("num_key_value_heads", heads),
-                head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            )
-        else:
-            raise ValueError(f"model_type={model_type!r} is not supported; supported: llama, deepseek_v2, deepseek_v3")
-    except KeyError as exc:
-        raise ValueError(f"{file} has no {exc.args[0]!r}") from None
+    c = read_checkpoint_config(path, sizes_only=True)
+    card = {
+        "name": "hf_card",
+        "source": str(path / "config.json"),
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_layers": c.num_hidden_layers,
+        "num_heads": c.num_attention_heads,
+        "intermediate_size": c.intermediate_size,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "weights_dtype": "fp8" if c.quant_method == "fp8" else "bf16",
+    }
+    if hasattr(c, "kv_lora_rank"):  # DeepSeek: latent attention
+        card.update(attention="mla", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                    qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim)
+        if c.moe is not None:
+            card["moe"] = c.moe.model_dump()
+    else:
+        card.update(attention="gqa", num_kv_heads=c.kv_heads, head_dim=c.dim)
     return card

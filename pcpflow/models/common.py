@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
@@ -36,10 +36,11 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return theta**-exponents
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True))
 class RopeScaling:
     """A RoPE frequency scaling, with Hugging Face's names and defaults (``rope_scaling`` /
-    ``rope_parameters`` of a config.json)."""
+    ``rope_parameters`` of a config.json). Validated (strictly: a number is a JSON number)
+    when made, so that a bad config.json is refused before any rank starts."""
 
     rope_type: Literal["linear", "llama3", "yarn"]
     factor: float

@@ -53,6 +53,39 @@ def read_config_json(path: str | Path) -> dict:
     return raw
 
 
+SIZES_ONLY = {"MistralForCausalLM": LlamaCheckpoint, "Qwen2ForCausalLM": LlamaCheckpoint}
+"""Architectures a simulated run can size from config.json (GQA decoders with Llama's
+fields), though pcpflow does not load their weights."""
+
+
+def architecture_of(raw: dict) -> str:
+    """The architecture a config.json names (``architectures[0]``, else its ``model_type``)."""
+    archs = raw.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"architectures must be a list of class names; got {archs!r}")
+    if archs:
+        return archs[0]
+    model_type = raw.get("model_type")
+    return _MODEL_TYPES.get(model_type, f"model_type={model_type!r}") if isinstance(model_type, str) else f"model_type={model_type!r}"
+
+
+def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> CheckpointConfig:
+    """The checkpoint config of ``path``'s config.json alone (strictly validated); ValueError
+    saying what is wrong. ``sizes_only`` (a simulated run): quantized checkpoints and the
+    architectures of ``SIZES_ONLY`` are read too."""
+    raw = read_config_json(path)
+    arch = architecture_of(raw)
+    known = {**ARCHITECTURES, **SIZES_ONLY} if sizes_only else ARCHITECTURES
+    if arch not in known and _is_moe(raw, arch):
+        raise ValueError(
+            f"unsupported architecture {arch}: a mixture-of-experts variant whose router is not "
+            "DeepSeek's; supported MoE checkpoints: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"
+        )
+    if arch not in known:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(known)}")
+    return known[arch].parse(raw, arch, allow_quantized=sizes_only)
+
+
 def read_checkpoint(path: str | Path) -> CheckpointConfig:
     """The checkpoint config of the directory ``path``; ValueError saying what is wrong
     (no directory, no/invalid config.json, unsupported architecture or feature, no
@@ -60,19 +93,7 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"no checkpoint directory at {path}")
-    raw = read_config_json(path)
-    archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type", ""), "")]
-    arch = archs[0] if archs and archs[0] else f"model_type={raw.get('model_type')!r}"
-    if arch not in ARCHITECTURES and _is_moe(raw, arch):
-        raise ValueError(
-            f"{arch} is a mixture-of-experts variant pcpflow does not run (its router is not "
-            "DeepSeek's); supported MoE checkpoints: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"
-        )
-    if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"architecture {arch} is not supported; supported: {', '.join(ARCHITECTURES)}"
-        )
-    checkpoint = ARCHITECTURES[arch].parse(raw, arch)
+    checkpoint = read_checkpoint_config(path)
     checkpoint_files(path)  # raises if there are no weights
     return checkpoint
 

@@ -21,9 +21,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class CheckpointConfig(BaseModel):
-    """The decoder fields shared by Llama and DeepSeek config.json files."""
+    """The decoder fields shared by Llama and DeepSeek config.json files. Strict: a number
+    given as a string (``"hidden_size": "64"``) is refused, as transformers would misread it."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     architecture: str
     vocab_size: int = Field(gt=0)
@@ -38,6 +39,8 @@ class CheckpointConfig(BaseModel):
     attention_bias: bool = False
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
+    quantization_config: dict[str, Any] | None = None
+    allow_quantized: bool = False  # a simulated run reads the sizes of quantized checkpoints too
 
     renames: ClassVar[tuple[Rename, ...]] = ()
 
@@ -47,8 +50,15 @@ class CheckpointConfig(BaseModel):
         if not isinstance(raw, dict):
             return raw
         raw = dict(raw)
-        params = dict(raw.pop("rope_parameters", None) or raw.pop("rope_scaling", None) or {})
+        quant = raw.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ValueError(f"quantization_config must be a mapping (quant_method, ...); got {type(quant).__name__} {quant!r}")
+        key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
+        params = raw.pop("rope_parameters", None) or raw.pop("rope_scaling", None) or {}
         raw.pop("rope_scaling", None)
+        if not isinstance(params, dict):
+            raise ValueError(f"{key} must be a mapping (rope_type, factor, ...); got {type(params).__name__} {params!r}")
+        params = dict(params)
         theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
         raw["rope_theta"] = theta
         rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -70,25 +80,37 @@ class CheckpointConfig(BaseModel):
                     raw.get("original_max_position_embeddings")
                     or raw.get("max_position_embeddings", 2048),
                 )
-            raw["rope_scaling"] = RopeScaling(**kwargs)
-        if raw.get("quantization_config"):
-            method = raw["quantization_config"].get("quant_method", "?")
-            raise ValueError(
-                f"quantized checkpoints ({method}) are not supported; use an unquantized "
-                "(bf16/fp16/fp32) checkpoint"
-            )
+            try:
+                raw["rope_scaling"] = RopeScaling(**kwargs)
+            except ValidationError as exc:
+                bad = "; ".join(f"{key}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+                raise ValueError(bad) from None
         return raw
 
+    @model_validator(mode="after")
+    def _not_quantized(self) -> CheckpointConfig:
+        if self.quant_method is not None and not self.allow_quantized:
+            raise ValueError(f"quantized checkpoints ({self.quant_method}) are not supported; use an unquantized "
+                             "(bf16/fp16/fp32) checkpoint")
+        return self
+
+    @property
+    def quant_method(self) -> str | None:
+        q = self.quantization_config
+        return None if not q else str(q.get("quant_method", "?"))
+
     @classmethod
-    def parse(cls, raw: dict[str, Any], architecture: str) -> CheckpointConfig:
+    def parse(cls, raw: dict[str, Any], architecture: str, *, allow_quantized: bool = False) -> CheckpointConfig:
         """The checkpoint config of a config.json dict; ValueError naming every problem."""
         try:
-            return cls.model_validate({**raw, "architecture": architecture})
+            return cls.model_validate({**raw, "architecture": architecture, "allow_quantized": allow_quantized})
         except ValidationError as exc:
             problems = []
             for err in exc.errors(include_url=False):
                 where = ".".join(str(p) for p in err["loc"])
                 msg = err["msg"].removeprefix("Value error, ")
+                if where and err["type"] != "value_error":
+                    msg += f" (got {err.get('input')!r})"
                 problems.append(f"{where}: {msg}" if where else msg)
             raise ValueError(f"config.json of a {architecture}: " + "; ".join(problems)) from None
 

@@ -78,7 +78,10 @@ class DeepseekCheckpoint(CheckpointConfig):
                 raw["first_k_dense_replace"] = _FIRST_K_DENSE_DEFAULT.get(
                     raw.get("architecture"), 0
                 )
-            raw["moe"] = moe_settings(raw)
+            try:
+                raw["moe"] = moe_settings(raw)
+            except TypeError:  # a field of the wrong type: the field's own validation names it
+                raw["moe"] = None
         return raw
 
     @property

@@ -95,6 +95,8 @@ class MetricsRecorder:
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.num_preempted = 0
+        self.cp_attention_steps: dict[str, int] = defaultdict(int)
+        self.per_rank_collective_bytes: dict[str, np.ndarray] = {}
 
     def step(self, record: dict[str, Any]) -> None:
         """Fold one step's record in and append it to metrics.jsonl."""
@@ -125,6 +127,10 @@ class MetricsRecorder:
             self.prefix_hit_tokens += record["prefix_hit_tokens"]
             self.prefix_query_tokens += record["prefix_query_tokens"]
             self.num_preempted += record["num_preempted"]
+        if "cp_attention" in record:
+            self.cp_attention_steps[record["cp_attention"]] += 1
+        for k, v in record.get("per_rank_collective_bytes", {}).items():
+            self.per_rank_collective_bytes[k] = self.per_rank_collective_bytes.get(k, 0) + np.asarray(v, dtype=np.int64)
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -181,6 +187,10 @@ class MetricsRecorder:
         }
         if serving is not None:
             out.update(self.serving_metrics(requests, **serving))
+        if self.cp_attention_steps:
+            out["cp_attention_steps"] = dict(sorted(self.cp_attention_steps.items()))
+        if self.per_rank_collective_bytes:  # point-to-point purposes (rings): what each rank sent
+            out["per_rank_collective_bytes"] = {k: v.tolist() for k, v in sorted(self.per_rank_collective_bytes.items())}
         if self.draft_proposed:
             out["acceptance_rate"] = self.draft_accepted / self.draft_proposed
             out["draft_proposed"] = self.draft_proposed

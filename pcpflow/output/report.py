@@ -65,6 +65,14 @@ class Progress:
                     bar.update(task, completed=rec["num_generated"], total=rec["num_to_generate"], step=rec["step"])
 
 
+def _breakdown(breakdown: dict[str, dict[str, float]], top: int = 5) -> str:
+    """The largest exposed terms of a simulated run, with their share (and what hid)."""
+    total = sum(v["exposed_s"] for v in breakdown.values()) or 1.0
+    ranked = sorted(breakdown.items(), key=lambda kv: -kv[1]["exposed_s"])[:top]
+    return " · ".join(f"{k} {v['exposed_s']:.3g} s ({v['exposed_s'] / total:.0%})"
+                      + (f" +{v['hidden_s']:.2g} s hidden" if v["hidden_s"] else "") for k, v in ranked)
+
+
 def print_summary(result: dict[str, Any]) -> None:
     cfg, m = result["config"], result.get("metrics", {})
     console = Console()
@@ -81,8 +89,10 @@ def print_summary(result: dict[str, Any]) -> None:
         table.add_row(
             "simulated on",
             f"{sim['hardware']} · {sim['gpus']} GPUs ({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
-            f" · overlap {sim['overlap']} · {sim['tflops_per_gpu']:.0f} TF/s per GPU",
+            f" · KV {sim.get('kv_dtype', 'bf16')} · {sim['tflops_per_gpu']:.0f} TF/s per GPU",
         )
+        if sim.get("breakdown_s"):
+            table.add_row("where the time goes", _breakdown(sim["breakdown_s"]))
     v = result.get("verify")
     if v:
         table.add_row(

@@ -17,6 +17,11 @@ the group (the traffic of an ideal point-to-point network):
 A Comm made by ``RankGrid.build`` also knows ``copies``: how many groups of its axis run
 the same collective at once (tp PCP groups, pcp TP groups, ...); bytes are counted for all
 of them, so a step's figure is the traffic of the whole job (at tp=1 nothing changes).
+
+Point-to-point traffic (the ring's ``ring_send_kv``, ``ring_send_q``, and its all-to-all of
+uneven partials ``ring_all2all``) differs by rank, so each rank counts what *it* sends
+(``CommStats.step_sent``: calls and bytes to other ranks); ``gather_sent`` collects every
+rank's count once per step, and ``ring_totals`` folds them into the job's figures.
 """
 
 from __future__ import annotations
@@ -39,6 +44,21 @@ class CommStats:
     total_calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     total_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     log: list[tuple[str, str, tuple[int, ...]]] | None = None  # (op, purpose, shape) if tracing
+    # This rank's own sends (point-to-point purposes): purpose -> [calls, bytes].
+    step_sent: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+
+    def add_sent(self, op: str, purpose: str, nbytes: int, shape: tuple[int, ...]) -> None:
+        sent = self.step_sent[purpose]
+        sent[0] += 1
+        sent[1] += nbytes
+        if self.log is not None:
+            self.log.append((op, purpose, shape))
+
+    def take_sent(self) -> dict[str, tuple[int, int]]:
+        """This rank's (calls, bytes) by purpose sent this step; the next step starts empty."""
+        out = {k: (v[0], v[1]) for k, v in self.step_sent.items()}
+        self.step_sent.clear()
+        return out
 
     def add(self, op: str, purpose: str, nbytes: int, shape: tuple[int, ...]) -> None:
         self.step_calls[purpose] += 1
@@ -56,6 +76,32 @@ class CommStats:
         self.step_calls.clear()
         self.step_bytes.clear()
         return calls, nbytes
+
+
+class RingHop:
+    """A hop in flight (``Comm.ring_exchange``)."""
+
+    def __init__(self, works: list, recvs: list[torch.Tensor]) -> None:
+        self.works, self.recvs = works, recvs
+
+    def wait(self) -> list[torch.Tensor]:
+        for w in self.works:
+            w.wait()
+        return self.recvs
+
+
+def gather_sent(world: Comm, sent: dict[str, tuple[int, int]], purposes: tuple[str, ...],
+                device: torch.device | str = "cpu") -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Every rank's ``CommStats.take_sent`` of ``purposes``, gathered over ``world`` (one
+    small all-gather; pass an unaccounted Comm): (calls, bytes) by purpose, a list per global
+    rank. Every rank must call it at the same point of the step."""
+    mine = torch.tensor([list(sent.get(p, (0, 0))) for p in purposes], dtype=torch.int64, device=device)
+    mine = mine.reshape(len(purposes), 2)
+    every = world.all_gather(mine[None], "sent").reshape(world.size, len(purposes), 2)
+    return (
+        {p: every[:, i, 0].tolist() for i, p in enumerate(purposes)},
+        {p: every[:, i, 1].tolist() for i, p in enumerate(purposes)},
+    )
 
 
 # torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
@@ -141,18 +187,41 @@ class Comm:
         return out
 
     def all_to_all_v(
-        self, t: torch.Tensor, send: list[int], recv: list[int], purpose: str, nbytes: int
+        self, t: torch.Tensor, send: list[int], recv: list[int], purpose: str, nbytes: int | None = None
     ) -> torch.Tensor:
         """Rows ``t[sum(send[:j]) : sum(send[:j+1])]`` go to rank ``j``; the result holds
         ``recv[i]`` rows from each rank ``i``, in rank order. Uneven sizes: the caller, who
-        knows every rank's counts, says what the group moved (``nbytes``)."""
+        knows every rank's counts, says what the group moved (``nbytes``); without it this
+        rank counts what it sends to the others (``CommStats.step_sent``)."""
         if self.size == 1:
             return t
         out = t.new_empty((sum(recv), *t.shape[1:]))
         dist.all_to_all_single(out, t.contiguous(), recv, send, group=self.group)
-        if self.stats is not None:
+        if self.stats is not None and nbytes is not None:
             self.stats.add("all_to_all", purpose, nbytes, tuple(t.shape))
+        elif self.stats is not None:
+            row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+            self.stats.add_sent("all_to_all", purpose, (sum(send) - send[self.rank]) * row, tuple(t.shape))
         return out
+
+    def ring_exchange(self, sends: list[tuple[torch.Tensor, str]], recvs: list[torch.Tensor]) -> RingHop:
+        """One hop of a ring: ``sends[i]`` goes to the next rank of the group while
+        ``recvs[i]`` (preallocated) is filled from the previous one, as one batch of
+        isend/irecv that runs while the caller computes; ``RingHop.wait`` finishes it.
+        Empty tensors are skipped on both sides (each side knows the other's sizes). A wait
+        fails like a collective: after the group's timeout, or when a peer leaves."""
+        if self.size == 1:
+            raise ValueError("a ring needs a group of at least two ranks")
+        nxt = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        prv = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        ops = []
+        for tag, (t, purpose) in enumerate(sends):
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t, nxt, self.group, tag=tag))
+                if self.stats is not None:
+                    self.stats.add_sent("send", purpose, t.numel() * t.element_size(), tuple(t.shape))
+        ops += [dist.P2POp(dist.irecv, buf, prv, self.group, tag=tag) for tag, buf in enumerate(recvs) if buf.numel()]
+        return RingHop(dist.batch_isend_irecv(ops) if ops else [], recvs)
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -201,6 +201,8 @@ def plugin_problems(plugins: list[str]) -> list[Problem]:
                 problems.append(Problem(f"plugins[{i}]", name, "an importable module (it is not on sys.path / PYTHONPATH)"))
             else:
                 problems.append(Problem(f"plugins[{i}]", name, f"a module that imports; importing it failed: {_short(exc)}"))
+        except SystemExit as exc:  # NOTE: else the driver would exit with the plugin's code, silently
+            problems.append(Problem(f"plugins[{i}]", name, f"a module that imports; importing it called sys.exit({exc.code!r})"))
         except Exception as exc:  # noqa: BLE001 - a user module may raise anything at import
             problems.append(Problem(f"plugins[{i}]", name, f"a module that imports; importing it failed: {_short(exc)}"))
     return problems

@@ -15,10 +15,15 @@ import torch
 import torch.distributed as dist
 
 from pcpflow.config.run import RunConfig
-from pcpflow.layouts.accounting import attention_work
+from pcpflow.layouts.accounting import (
+    RING_PURPOSES,
+    attention_work,
+    ring_attention_work,
+    ring_totals,
+)
 from pcpflow.models import build_model
 from pcpflow.output.metrics import MetricsRecorder, step_record
-from pcpflow.parallel.comm import Comm, CommStats
+from pcpflow.parallel.comm import Comm, CommStats, gather_sent
 from pcpflow.parallel.moe_dispatch import moe_run_summary, moe_step_record
 from pcpflow.parallel.tensor_parallel import shard_model
 from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
@@ -104,7 +109,9 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         pcp_size=pcp.size,
         num_to_generate=sum(r.max_output_tokens for r in requests),
     )
-    steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder)
+    forward = next((s for s in specs if s.name == "forward"), None)
+    rings = getattr(forward.config, "cp_attention", "allgather") != "allgather" and cfg.pcp > 1
+    steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder, unaccounted_world if rings else None)
     startup_done(cfg.startup_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
     t0 = time.perf_counter()
     try:
@@ -139,9 +146,10 @@ class _Steps:
     """This rank's steps over the shared loop (``pcpflow.scheduling.loop``): each batch runs
     through the pipeline on the run clock; verification and metrics follow, off it."""
 
-    def __init__(self, cfg, ctx, scheduler, pipeline, verifier, recorder) -> None:
+    def __init__(self, cfg, ctx, scheduler, pipeline, verifier, recorder, ring_world: Comm | None = None) -> None:
         self.cfg, self.ctx, self.scheduler = cfg, ctx, scheduler
         self.pipeline, self.verifier, self.recorder = pipeline, verifier, recorder
+        self.ring_world = ring_world  # rings: every rank's point-to-point counts are gathered over it
         self.loop = StepLoop(scheduler, max_steps=cfg.max_steps, on_step=mark_step)
         self.logits: dict[int, list[list[float]]] = {}  # req_id -> sampled rows (save_logits)
 
@@ -158,13 +166,29 @@ class _Steps:
             step_s = loop.elapsed()
             loop.advance(batch, step_s, outcome.num_new_tokens)
             calls, nbytes = self.ctx.stats.end_step()
+            per_rank = self._per_rank_sent(calls, nbytes)
             logit_diff = None
             if self.verifier is not None:
                 mark_stage("verify")
                 logit_diff = self.verifier.step(state, outcome)
             if self.cfg.output.save_logits:
                 self._save_logits(state)
-            self.recorder.step(self._record(state, outcome, calls, nbytes, step_s, logit_diff))
+            record = self._record(state, outcome, calls, nbytes, step_s, logit_diff)
+            if per_rank is not None:
+                record["per_rank_collective_calls"], record["per_rank_collective_bytes"] = per_rank
+            self.recorder.step(record)
+
+    def _per_rank_sent(self, calls, nbytes):
+        """The ring's point-to-point counts: every rank's, gathered (off the run clock), and
+        the job's figures folded into ``calls`` / ``nbytes``; None without rings."""
+        sent = self.ctx.stats.take_sent()
+        if self.ring_world is None:
+            return None
+        per_calls, per_bytes = gather_sent(self.ring_world, sent, RING_PURPOSES, self.ctx.device)
+        more_calls, more_bytes = ring_totals(per_calls, per_bytes)
+        calls.update(more_calls)
+        nbytes.update(more_bytes)
+        return per_calls, per_bytes
 
     def _save_logits(self, state: StepState) -> None:
         rows = state.logits.to(torch.float64).cpu().tolist()
@@ -174,13 +198,17 @@ class _Steps:
 
     def _record(self, state: StepState, outcome, calls, nbytes, step_s, logit_diff) -> dict[str, Any]:
         b, layout = state.batch, state.layout
-        work = attention_work(
-            layout,
-            b.positions,
-            dcp_size=self.ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
-            interleave=self.cfg.kv.interleave,
-            dcp_rest=state.attn.dcp_rest or "queries",
-        )
+        ran = state.attn.cp_attention or "allgather"
+        if ran.startswith("ring_"):
+            work = ring_attention_work(layout, b.positions, variant=ran[len("ring_"):], interleave=self.cfg.kv.interleave)
+        else:
+            work = attention_work(
+                layout,
+                b.positions,
+                dcp_size=self.ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
+                interleave=self.cfg.kv.interleave,
+                dcp_rest=state.attn.dcp_rest or "queries",
+            )
         record = step_record(b, layout, attention_work=work, calls=calls, nbytes=nbytes, stage_s=state.timings,
                              step_s=step_s, generated=self.loop.generated, to_generate=self.recorder.num_to_generate,
                              serving=self.scheduler.stats, num_blocks=self.cfg.kv.num_blocks,
@@ -192,5 +220,6 @@ class _Steps:
             record["draft_rows"] = int(np.count_nonzero(outcome.num_proposed))  # verify rows
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
+        record["cp_attention"] = ran
         record.update(moe_step_record(self.ctx))
         return record

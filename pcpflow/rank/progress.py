@@ -7,7 +7,8 @@ the root cause. So every rank keeps its progress on a board in the rendezvous st
 heartbeat thread pushes it twice a second; the step loop only writes two module
 variables), and posts how it ended. A rank whose own error is only a consequence reads
 the board: a peer that posted an error of its own is the root cause; a peer that posted
-nothing is stalled (its heartbeat still beats) or dead (it stopped).
+nothing is stalled (its heartbeat still beats, or its process is there but frozen: stopped
+by SIGSTOP, a debugger, a hung driver) or dead (its process is gone).
 
 ``mark_step`` / ``mark_stage`` are the engine's and the pipeline's hooks; they cost two
 assignments and do nothing in a process without a board (the in-process single rank).
@@ -15,8 +16,12 @@ assignments and do nothing in a process without a board (the in-process single r
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +38,8 @@ GRACE_S = 3.0  # how long a rank whose error is a consequence waits for the caus
 CONSEQUENCE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|[Gg]loo.*(timed out|[Tt]imeout|closed|reset)|"
     r"NCCL (error|communicator was aborted)|Socket Timeout|terminated with signal|Signal \d+|"
-    r"got signal: |Timed out waiting|timed out after|connection refused|interrupted by SIG"
+    r"got signal: |Timed out waiting|timed out after|connection refused|interrupted by SIG|"
+    r"caused pair closure"  # gloo, a point-to-point wait after its pair timed out (rings)
 )
 """Errors that a rank sees *because* another rank failed, stalled or left."""
 
@@ -121,7 +127,9 @@ class RankBoard:
     def push(self) -> None:
         with self._lock:
             self._beat += 1
-            self.store.set(self._key("progress", self.rank), json.dumps({"step": _STEP, "stage": _STAGE, "beat": self._beat}))
+            self.store.set(self._key("progress", self.rank), json.dumps(
+                {"step": _STEP, "stage": _STAGE, "beat": self._beat, "pid": os.getpid(), "host": _HOST,
+                 "started": _process_start(os.getpid())}))
 
     def post(self, kind: str, message: str = "") -> None:
         with self._lock:
@@ -219,19 +227,58 @@ class RankBoard:
         silent = [r for r, s in statuses.items() if s is None]
         for r in silent:
             p = self.read("progress", r) or {}
-            alive = p.get("beat") != beats.get(r)
-            what = (
-                f"stalled: it stopped taking part in collectives; its peers waited "
-                f"collective_timeout_s={collective_timeout_s:g}"
-                if alive
-                else "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
-            )
+            waited = f"its peers waited collective_timeout_s={collective_timeout_s:g}"
+            if p.get("beat") != beats.get(r):
+                what = f"stalled: it stopped taking part in collectives; {waited}"
+            else:
+                what = _silent_peer(p, waited)
             return Blame(r, what, p.get("step", -1), p.get("stage", ""))
         done = [r for r, s in statuses.items() if s and s["kind"] == "done"]
         if done:
             s = statuses[done[0]]
             return Blame(done[0], "left the job early (its engine returned while peers still ran)", s["step"], s["stage"])
         return mine
+
+
+_HOST = socket.gethostname()
+
+
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot): tells a process from a later one that
+    reuses its pid."""
+    stat = _process_stat(pid)
+    return stat[19] if stat and len(stat) > 19 else None
+
+
+def _silent_peer(progress: dict[str, Any], waited: str) -> str:
+    """What became of a peer whose heartbeat stopped, from its process where it can be seen
+    (the same host): frozen (stopped, or alive with a dead heartbeat) is a stall, gone is a death."""
+    pid = progress.get("pid")
+    if progress.get("host") != _HOST or pid is None:
+        return (f"stopped responding: no heartbeat and no error (on another host: killed, crashed or frozen); "
+                f"{waited}; last seen")
+    stat = _process_stat(pid)
+    if stat is None or _process_start(pid) != progress.get("started"):
+        return "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
+    state = stat[0]
+    if state in ("Z", "X"):
+        return "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
+    # NOTE: a frozen process cannot act on the launcher's SIGTERM, which would hold the job
+    # ~30 s more (torch's own grace) before its SIGKILL: the job is failing, end it now.
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+    if state in ("T", "t"):
+        return f"stalled: its process is stopped (SIGSTOP or a debugger); {waited}; last seen"
+    return f"stalled: its process is alive but frozen (no heartbeat); {waited}; last seen"
 
 
 def classify(exc: BaseException) -> str:

@@ -1,6 +1,8 @@
 """Decision support for sweeps: rank the jobs by an objective and mark the Pareto front
-of (TTFT, TPOT, GPUs), all three lower-is-better. ``pcpflow.driver.sweep`` calls ``decide`` on its
-rows; the objective is the sweep's ``simulate.objective`` (one for the whole sweep)."""
+of (TTFT, TPOT, GPUs), all three lower-is-better; give each simulated row its priced terms
+(``<term>_s``: exposed seconds of ``metrics.simulate.breakdown_s``) and say, for the top jobs,
+which terms decide their order. ``pcpflow.driver.sweep`` calls ``decide`` on its rows; the
+objective is the sweep's ``simulate.objective`` (one for the whole sweep)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ OBJECTIVES = {
 }
 FRONT = ("ttft_mean_ms", "tpot_mean_ms", "gpus")
 COLUMNS = ["gpus", "pareto", "rank"]
+TOP = 3  # the top jobs whose order sweep.md explains
+
+
+def term_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``<term>_s`` columns ``decide`` added (gemm, attention, memory_ops, host_launch
+    first, then collective purposes by name)."""
+    first = ["gemm_s", "attention_s", "memory_ops_s", "host_launch_s"]
+    seen = {k for r in rows for k in r.get("_terms", ())}
+    return [c for c in first if c in seen] + sorted(seen - set(first))
 
 
 def pareto_front(points: list[tuple[float, ...]]) -> list[bool]:
@@ -35,6 +46,10 @@ def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
         cfg = result.get("config") or {}
         r["gpus"] = int(cfg.get("tp", 1)) * int(cfg.get("pcp", 1)) if cfg else None
         objective = (cfg.get("simulate") or {}).get("objective", objective)
+        breakdown = ((result.get("metrics") or {}).get("simulate") or {}).get("breakdown_s") or {}
+        r["_terms"] = tuple(f"{t}_s" for t in breakdown)
+        for term, v in breakdown.items():
+            r[f"{term}_s"] = round(v["exposed_s"], 6)
     ok = [r for r in rows if r.get("status") == "ok" and r.get("gpus")]
     dims = [k for k in FRONT if all(r.get(k) is not None for r in ok)]
     for r, on in zip(ok, pareto_front([tuple(r[k] for k in dims) for r in ok])):
@@ -50,7 +65,26 @@ def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
         lines.append(f"| {r['rank']} | {r['config']} | {fmt(r.get('ttft_mean_ms'))} | "
                      f"{fmt(r.get('tpot_mean_ms'))} | {r['gpus']} | {'yes' if r.get('pareto') else ''} |")
     lines += ["", "- **Pareto**: no other job is at least as good in every one of those and better in one."]
+    lines += _deciding_terms(sorted(ranked, key=key)[:TOP])
     return "\n".join(lines) + "\n"
+
+
+def _deciding_terms(top: list[dict[str, Any]]) -> list[str]:
+    """For each pair of neighbours among the top jobs, the priced terms whose exposed
+    seconds differ the most between them (summed over each run's steps)."""
+    terms = term_columns(top)
+    if len(top) < 2 or not terms:
+        return []
+    out = ["", f"## What decides the order of the top {len(top)}", "",
+           "Exposed seconds of each priced term (metrics.simulate.breakdown_s), summed over the run's steps; "
+           "the terms that differ the most between neighbours:", ""]
+    for a, b in zip(top, top[1:]):
+        diff = sorted(((b.get(t) or 0.0) - (a.get(t) or 0.0), t) for t in terms)
+        big = sorted(diff, key=lambda d: -abs(d[0]))[:3]
+        cells = ", ".join(f"{t.removesuffix('_s')} {d * 1e3:+.1f} ms" for d, t in big if d)
+        out.append(f"- #{a['rank']} `{a['config']}` before #{b['rank']} `{b['config']}`: "
+                   f"#{b['rank']} spends {cells or 'the same in every term'}")
+    return out
 
 
 def _needs(objective: str) -> tuple[str, ...]:

@@ -2,7 +2,9 @@
 
 ``prepare_raw`` (on the composed dict): ``model=hf`` becomes a card read from
 ``config.json`` alone; the scheduler budget and the KV blocks left ``null`` get their
-simulated defaults (a prompt prefilled unchunked, the HBM left after the weights).
+simulated defaults (a prompt prefilled unchunked, the HBM left after the weights). When the
+settings they derive from are themselves invalid, placeholders stand in and are named
+(``PLACEHOLDERS``), so that validation reports the real problem and not the placeholder.
 ``simulate_problems`` (on the validated config): everything a simulation cannot price,
 each as a ``Problem`` with the numbers.
 """
@@ -16,13 +18,15 @@ import numpy as np
 
 from pydantic import TypeAdapter, ValidationError
 
-from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes, model_sizes
 
 GIB = 2**30
 SIMULATED_RESTORES = ("all_rows", "sampled_rows")
+DERIVED = ("scheduler.max_num_batched_tokens", "kv.num_blocks")
+"""The settings a simulated run derives when left null."""
 
 
 def hardware_names() -> list[str]:
@@ -53,10 +57,9 @@ def requests_of(workload, vocab_size: int, seed: int):
     return _REQUESTS[key]
 
 
-def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    """The composed dict with the simulated defaults filled in, and the settings that got a
-    placeholder instead (something they derive from is invalid, and is reported itself):
-    their own checks would only report that placeholder."""
+def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
+    """The composed dict with its simulated defaults, and the derived settings that hold a
+    placeholder (their inputs are invalid: validation reports those, not the placeholder)."""
     raw = copy.deepcopy(raw)
     model = raw.get("model") or {}
     if model.get("name") == "hf":
@@ -71,8 +74,10 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     if raw.get("hardware") is None:
         raise ConfigError([Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")])
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})
-    if sched.get("max_num_batched_tokens") is not None and kv.get("num_blocks") is not None:
-        return raw, set()
+    derive = [f for f, node, key in (("scheduler.max_num_batched_tokens", sched, "max_num_batched_tokens"),
+                                     ("kv.num_blocks", kv, "num_blocks")) if node.get(key) is None]
+    if not derive:
+        return raw, frozenset()
     try:
         from pcpflow.models import ModelConfig
         from pcpflow.scheduling.workload import WorkloadConfig
@@ -81,30 +86,38 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
         hw = HardwareConfig.model_validate(raw["hardware"])
         sim = SimulateConfig.model_validate(raw.get("simulate") or {})
         workload = TypeAdapter(WorkloadConfig).validate_python(raw["workload"])
+        tp, dcp = _positive(raw.get("tp", 1)), _positive(raw.get("dcp", 1))
+        block_size, seqs = _positive(kv.get("block_size", 16)), _positive(sched.get("max_num_seqs", 256))
         requests = requests_of(workload, sizes.vocab_size, int(raw.get("seed", 0)))
-        tp, dcp = int(raw.get("tp", 1)), int(raw.get("dcp", 1))
-        block_size, seqs = int(kv.get("block_size", 16)), int(sched.get("max_num_seqs", 256))
-    except (ValidationError, ValueError, TypeError, KeyError, ConfigError):
+        per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype)
+        free = kv_budget_bytes(sizes, hw, sim, tp=tp)
+        if free < per_block:  # NOTE: simulate_problems names what does not fit (weights, or one block)
+            raise ValueError("no block fits")
+    except (ValidationError, ValueError, TypeError, KeyError, ConfigError, ZeroDivisionError, OverflowError):
         # NOTE: validation proper reports what is wrong; placeholders only let it run.
-        placeholders = {f for f, v in (("scheduler.max_num_batched_tokens", sched.get("max_num_batched_tokens")),
-                                       ("kv.num_blocks", kv.get("num_blocks"))) if v is None}
-        sched["max_num_batched_tokens"] = sched.get("max_num_batched_tokens") or 1
-        kv["num_blocks"] = kv.get("num_blocks") or 1
-        return raw, placeholders
+        for field in derive:
+            section, key = field.split(".")
+            raw[section][key] = 1
+        return raw, frozenset(derive)
     if sched.get("max_num_batched_tokens") is None:
         # A prompt prefilled unchunked, beside a decode on every other seat.
         sched["max_num_batched_tokens"] = int(requests.prompt_lens.max()) + seqs
     if kv.get("num_blocks") is None:
-        per_block = block_bytes(sizes, tp=tp, block_size=block_size, dtype=str(raw.get("dtype", "bfloat16")))
-        free = kv_budget_bytes(sizes, hw, sim, tp=tp)
         need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
-    return raw, set()
+    return raw, frozenset()
 
 
-def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str, tp: int) -> float:
+def _positive(value: Any) -> int:
+    v = int(value)
+    if v < 1:
+        raise ValueError(f"{value} < 1")
+    return v
+
+
+def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str | None, tp: int) -> float:
     """Every linear weight in ``weights_dtype``, embedding and LM head in bf16, split by tp."""
-    return (sizes.total_weight_params() * DTYPE_BYTES[weights_dtype] + sizes.embedding_params * 2) / tp
+    return (sizes.total_weight_params() * DTYPE_BYTES[weights_dtype or "bf16"] + sizes.embedding_params * 2) / tp
 
 
 def kv_budget_bytes(sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig, *, tp: int) -> float:
@@ -112,9 +125,9 @@ def kv_budget_bytes(sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig, 
     return hw.hbm_gib * GIB * sim.hbm_utilization - weight_bytes_per_gpu(sizes, sim.weights_dtype, tp)
 
 
-def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, dtype: str) -> int:
-    """One KV block of one rank, every layer."""
-    return block_size * sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[dtype]
+def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str) -> float:
+    """One KV block of one rank, every layer, in ``simulate.kv_dtype``."""
+    return block_size * sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[kv_dtype]
 
 
 def simulate_problems(cfg) -> list[Problem]:
@@ -148,13 +161,38 @@ def simulate_problems(cfg) -> list[Problem]:
     restore = (pipeline.get("restore") or {}).get("kind", "all_rows")
     if restore not in SIMULATED_RESTORES:
         p.append(Problem("pipeline.restore.kind", restore, f"mode=simulate prices one of: {', '.join(SIMULATED_RESTORES)}"))
+    if pipeline.get("extra"):
+        kinds = [(e or {}).get("kind") if isinstance(e, dict) else e for e in pipeline["extra"]]
+        p.append(Problem("pipeline.extra", kinds, "mode=simulate prices the shipped stages only; an extra stage "
+                         "would not run: leave +pipeline.extra out"))
+    p += dtype_problems(cfg)
+    if cfg.simulate.cp_decode == "ring_pass_q" and cfg.dcp == 1:
+        p.append(Problem("simulate.cp_decode", "ring_pass_q", "a ring passes queries over KV shards: it needs "
+                         "dcp > 1 (dcp=1 holds the whole cache on every rank); use engine, or raise dcp"))
     try:
         requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     except ConfigError as exc:  # the workload's own problems (a trace, its size)
         return p + exc.problems
     p += serving_problems(cfg, requests)
     p += simulated_host_problems(cfg, requests)
-    p += _hbm_problems(cfg, sizes)
+    if not any(x.field.startswith(("dtype", "simulate.weights_dtype")) for x in p):
+        p += _hbm_problems(cfg, sizes)
+    return p
+
+
+def dtype_problems(cfg) -> list[Problem]:
+    """Every dtype a simulated run prices must have a peak on its hardware: the activations'
+    (the ``PEAK_OF_DTYPE`` mapping) and the weights' (``simulate.weights_dtype``)."""
+    hw, p = cfg.hardware, []
+    known = [f"{k} ({v})" for k, v in PEAK_OF_DTYPE.items() if hw.peak(v) is not None]
+    if cfg.dtype not in PEAK_OF_DTYPE or hw.peak(PEAK_OF_DTYPE[cfg.dtype]) is None:
+        p.append(Problem("dtype", cfg.dtype, f"{hw.name} prices activations at a peak of hardware.peak_tflops: "
+                         f"{' | '.join(known)}"))
+    weights = cfg.simulate.weights_dtype
+    if weights is not None and hw.peak(weights) is None:
+        have = [k for k in ("bf16", "fp8", "fp4") if hw.peak(k) is not None]
+        p.append(Problem("simulate.weights_dtype", weights, f"{hw.name} has no {weights} tensor-core peak "
+                         f"(hardware.peak_tflops.{weights}: null); one of: {' | '.join(have)}"))
     return p
 
 
@@ -182,7 +220,12 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
     if weights >= usable:
         return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp or use simulate.weights_dtype=fp8")]
     free = usable - weights
-    per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[cfg.dtype]
+    per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[sim.kv_dtype]
+    per_block = block_bytes(sizes, tp=tp, block_size=cfg.kv.block_size, kv_dtype=sim.kv_dtype)
+    if per_block > free:
+        return [Problem("kv.block_size", cfg.kv.block_size,
+                        f"one block of {cfg.kv.block_size} tokens needs {per_block / GIB:.1f} GiB per GPU "
+                        f"({per_token} B a token), {free / GIB:.1f} GiB are left ({where}); vLLM's blocks are 16 tokens")]
     requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     tokens = requests.prompt_lens + requests.output_lens + cfg.num_speculative_tokens
     i = int(np.argmax(tokens))
@@ -194,7 +237,7 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
                            f"its KV cache needs {need / GIB:.1f} GiB per GPU ({-(-tokens[i] // dcp)} tokens per DCP shard "
                            f"x {per_token} B), {free / GIB:.1f} GiB are left ({where}); shard it over more ranks "
                            f"(dcp), raise tp, or shorten the request"))
-    blocks = cfg.kv.num_blocks * block_bytes(sizes, tp=tp, block_size=cfg.kv.block_size, dtype=cfg.dtype)
+    blocks = cfg.kv.num_blocks * per_block
     if blocks > free and not out:
         out.append(Problem("kv.num_blocks", cfg.kv.num_blocks,
                            f"{cfg.kv.num_blocks} blocks need {blocks / GIB:.1f} GiB per GPU, {free / GIB:.1f} GiB are left "

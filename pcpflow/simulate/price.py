@@ -1,31 +1,28 @@
-"""The price of one step on one hardware profile: a roofline per rank for the GEMMs and
-the attention, an alpha-beta model per collective, the step as long as its slowest rank.
+"""The price of one step: a sum of operators, each from a cited source, the step as long as
+its slowest rank (docs/simulate.md, "Operators").
 
-Per PCP rank (its TP ranks hold the same rows and split heads and MLP, so they cost the
-same) and step, with N the rank's padded rows and S the sampled rows:
+Per PCP rank (its TP ranks hold the same rows and cost the same; ``N`` its padded rows):
 
-- GEMMs: ``2 * dense_params * N / tp`` FLOPs (+ the LM head on S rows, + MLA's expansion
-  of the cached context a prefill reads, + the MoE blocks where ``moe.dispatch`` runs
-  them: ``_moe_gemm``) at ``peak[weights_dtype] * gemm_efficiency``; HBM: every weight the
-  step touches once (MoE: the experts the routed rows reach, in expectation), at
-  ``hbm_tbps * hbm_efficiency``; the slower of the two.
-- attention: the (query, key) pairs of the rank's busiest DCP shard (``_busiest_shard``;
-  ``attention_work`` with DCP inside PCP), ``2 * heads/tp * dcp_tp * (qk + v)`` FLOPs
-  each at ``peak.bf16 * attention_efficiency``; HBM: a decode row reads its keys once, a prefill row once per
-  128-row query tile (FlashAttention); the slower of the two.
-- collectives: the executed run's own list (``pcpflow.layouts.accounting.grid_step_collectives``:
-  PCP/DCP, TP and MoE; ``all_to_all`` MoE rows from uniform routing), each
-  ``hops * latency + group_bytes / (n * busbw)`` (nccl-tests' bus bandwidth: (n-1)/n of
-  the data for all-gather and all-to-all, 2(n-1)/n for all-reduce; hops n-1, 2(n-1)) on
-  NVLink when the group sits in one node, else through the NICs of its GPUs in each node
-  (``Placement``: TP innermost, one NIC per GPU).
-- overlap ``ring``: the exchange before attention (kv_gather, dcp_query_gather,
-  dcp_context_gather) runs as n-1 ring hops, hop i hidden behind the attention of chunk
-  i-1; the n partial outputs are written and merged once at the end (HBM-bound, Meta's
-  sec. 3.5.2), and each iteration of every layer costs ``ring_step_us`` that nothing
-  hides (fitted; not in a replayed full CUDA graph):
-  ``attention/n + max(exchange, attention*(n-1)/n) + merges + ring steps``; ``none``:
-  attention and exchange one after the other (one attention over the gathered KV).
+- ``gemm``: every projection of every layer by its ``M x N x K`` (``ModelSizes``' lists; MoE
+  experts where ``moe.dispatch`` runs them; the LM head on the sampled rows), priced by
+  ``pcpflow.simulate.kernels`` (tiles, waves, roofline, floor);
+- ``attention``: the pairs of the rank's busiest DCP shard (``attention_work``, the executed
+  count), prefill rows through FlashAttention-3's kernel, decode rows through split-KV;
+- ``memory_ops``: norms, RoPE, residual adds, the activation, KV writes, DCP and ring merges
+  (HBM-bound; every kernel of pcpflow's forward that is neither a GEMM nor attention costs at
+  least the kernel floor);
+- each collective purpose: the executed run's own list (``grid_step_collectives``), each call
+  priced and picked as NCCL v2.29.7 does (``pcpflow.simulate.collectives``); all-to-all as
+  point-to-point; Meta's ring variants as SendRecv steps (``pcpflow.simulate.ring``);
+- ``host_launch``: the host launching the step's kernels (``pcpflow.simulate.host``).
+
+Overlap, per mechanism. The engine (pcpflow's executed path, vLLM's) runs everything on one
+stream: its collectives wait for their inputs and the next kernel waits for them, so all are
+exposed. A ring's SendRecv runs on its own stream while the partial attention of the step
+before it runs: a step exposes ``max(0, sendrecv - attention step)`` and hides the rest; its
+all-to-all and the merge of its ``n`` partials follow the loop, exposed. The host runs ahead of
+the GPU and waits for it once per step (sampling reads the logits): the host's time hides
+behind the GPU's, and what it takes beyond is exposed (``host_launch``).
 """
 
 from __future__ import annotations
@@ -35,116 +32,116 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pcpflow.config.hardware import HardwareConfig, Link, SimulateConfig
+from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.layouts.accounting import (
+    DCPRest,
+    attention_rows,
     attention_work,
+    context_rows,
     grid_step_collectives,
     moe_all_to_all_calls,
     moe_all_to_all_rows,
     moe_all_to_all_step_traffic,
     moe_uniform_send_rows,
+    rest_requests,
     step_traffic,
 )
 from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
+from pcpflow.simulate import ring as rings
+from pcpflow.simulate.collectives import Comm, all_to_all_seconds, sendrecv_seconds, tuner
+from pcpflow.simulate.host import Host
+from pcpflow.simulate.kernels import Kernels
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
-EXCHANGE_PURPOSES = ("kv_gather", "dcp_query_gather", "dcp_context_gather")
-"""Collectives that bring a layer's attention its inputs: what a ring overlaps."""
+KV_PURPOSES = ("kv_gather", "dcp_context_gather", "ring_send_kv")
+"""Collectives that move KV-cache entries: sized by ``simulate.kv_dtype``."""
 FLASH_QUERY_TILE = 128  # query rows that share one read of a key tile (FlashAttention-2/3)
-ACTIVATION_BYTES = 2  # KV reads and ring merges in bf16 (as a GPU serves); collectives at the run dtype
-
-
-class Placement:
-    """Which links each group crosses: TP innermost, ``gpus_per_node`` per node, one NIC per
-    GPU. A group whose ranks share a node talks over NVLink. A group spread over nodes with
-    ``k`` of its ranks in each drives those ``k`` GPUs' NICs at once: NCCL runs one ring per
-    NIC, so a ring collective's bus bandwidth is ``k`` NICs' (nccl-tests#160: on several
-    nodes "the busbw is going to reflect exactly what's going through the NICs"), at most
-    NVLink's; an all-to-all sends the ``(n-k)/n`` of its data bound off the node through the
-    sender's NIC and the rest over NVLink, at once (``_spread_link``). A CP group (one GPU
-    per node, ``k = 1``) gets one NIC."""
-
-    def __init__(self, grid: RankGrid, hw: HardwareConfig) -> None:
-        self.grid, self.hw = grid, hw
-        members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
-                   "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
-        self.sizes = {g: len(m) for g, m in members.items()}
-        self.per_node = {g: Counter(r // hw.gpus_per_node for r in m) for g, m in members.items()}
-        self._links: dict[tuple[str, str], Link] = {}
-
-    def link(self, group: str, op: str = "all_gather") -> Link:
-        """The link (bus bandwidth and per-hop latency) one ``op`` over ``group`` runs at."""
-        key = (group, "all_to_all" if op == "all_to_all" else "ring")
-        if key not in self._links:
-            nodes = self.per_node[group]
-            self._links[key] = (self.hw.nvlink if len(nodes) == 1
-                                else _spread_link(op, self.sizes[group], max(nodes.values()), self.hw))
-        return self._links[key]
-
-    def size(self, group: str) -> int:
-        return self.sizes[group]
-
-
-def _spread_link(op: str, n: int, k: int, hw: HardwareConfig) -> Link:
-    """nccl-tests' bus bandwidth of ``op`` over ``n`` ranks on several nodes, ``k`` per node.
-    Ring collectives: ``min(k * NIC, NVLink)``. All-to-all (busbw = (n-1)/n of the data over
-    the time): off-node ``(n-k)/n`` through the NIC while ``(k-1)/n`` crosses NVLink."""
-    net, nvl = hw.network.busbw_gbps, hw.nvlink.busbw_gbps
-    if op == "all_to_all":
-        bw = (n - 1) / (n - k) * net if k == 1 else min((n - 1) / (n - k) * net, (n - 1) / (k - 1) * nvl)
-    else:
-        bw = min(k * net, nvl) if k > 1 else net
-    return Link(busbw_gbps=bw, latency_us=hw.network.latency_us)
-
-
-@dataclass
-class StepPrice:
-    step_s: float
-    compute_s: np.ndarray  # [P] per PCP rank: roofline parts bound by FLOPs
-    memory_s: np.ndarray  # [P]: parts bound by HBM
-    communication_s: np.ndarray  # [P]: collective time not hidden
-    purpose_s: dict[str, float] = field(default_factory=dict)  # slowest rank: gemm, attention, each collective
-    flops: np.ndarray | None = None  # [P]
-    hbm_bytes: np.ndarray | None = None  # [P]
-
-
-def collective_seconds(op: str, group_bytes: float, n: int, link) -> float:
-    """nccl-tests' alpha-beta time of one collective moving ``group_bytes`` (pcpflow's
-    count: what every rank receives, summed over the group) among ``n`` ranks."""
-    if n <= 1:
-        return 0.0
-    hops = 2 * (n - 1) if op == "all_reduce" else n - 1
-    return hops * link.latency_us * 1e-6 + group_bytes / (n * link.busbw_gbps * 1e9)
-
-
-@dataclass
-class StepCounts:
-    """One step as the executed run counts it, and what pricing needs beside."""
-
-    pairs: np.ndarray  # per-rank attention pairs as the executed run records them (per PCP rank, layout_dcp)
-    work: np.ndarray  # [P] pairs the busiest DCP shard of each PCP rank scores (what its time waits for)
-    decode_work: np.ndarray  # [P] their decode part
-    calls: dict[str, int]  # collective calls by purpose (one TP rank's view: every rank issues the same)
-    nbytes: dict[str, int]  # bytes by purpose, the whole job's (as ``CommStats`` counts them)
-    priced: list[tuple[str, str, str, int, int]]  # (purpose, op, group, calls, bytes of one group)
-    expected: tuple[str, ...] = ()  # purposes whose bytes are the expected-uniform routing's, not a count
-
-
+NCCL_FUNC = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
+             "broadcast": "broadcast"}
+PREFILL_RING_REPLACES = ("kv_gather", "dcp_query_gather", "dcp_partials", "dcp_context_gather")
 ROUTED_PURPOSES = ("moe_dispatch", "moe_combine")
 """all_to_all purposes whose executed bytes follow the router's choices (data-dependent)."""
 
 
-def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest,
-                interleave: int, restore: str, dcp_comm_backend: str = "ag_rs",
-                moe_dispatch: str = "local") -> StepCounts:
+class Placement:
+    """Each group of the ``tp x pcp`` grid as NCCL sees it (TP innermost, ``gpus_per_node`` per
+    node, one NIC per GPU): ranks, nodes, ranks in one node."""
+
+    def __init__(self, grid: RankGrid, hw: HardwareConfig, p2p_efficiency: float = 1.0) -> None:
+        self.grid, self.hw, self.p2p_efficiency = grid, hw, p2p_efficiency
+        members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
+                   "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
+        self.comms: dict[str, Comm] = {}
+        for g, m in members.items():
+            nodes = Counter(r // hw.gpus_per_node for r in m)
+            self.comms[g] = Comm(len(m), len(nodes), max(nodes.values()))
+        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()}
+        self._seconds: dict[tuple[str, str, float], tuple[float, str]] = {}
+
+    def comm(self, group: str) -> Comm:
+        return self.comms[group]
+
+    def size(self, group: str) -> int:
+        return self.comms[group].nranks
+
+    def network(self, group: str) -> bool:
+        return self.comms[group].nnodes > 1
+
+    def seconds(self, op: str, group: str, tensor_bytes: float) -> tuple[float, str]:
+        """One call: (seconds, what ran: NCCL's algorithm/protocol, or p2p)."""
+        key = (op, group, tensor_bytes)
+        hit = self._seconds.get(key)
+        if hit is None:
+            if len(self._seconds) > 65536:
+                self._seconds.clear()
+            hit = self._seconds[key] = self._price(op, group, tensor_bytes)
+        return hit
+
+    def _price(self, op: str, group: str, tensor_bytes: float) -> tuple[float, str]:
+        comm = self.comms[group]
+        if comm.nranks <= 1 or tensor_bytes <= 0:
+            return 0.0, "-"
+        if op == "all_to_all":
+            return all_to_all_seconds(self.hw, comm, tensor_bytes, efficiency=self.p2p_efficiency), "p2p"
+        if op == "sendrecv":
+            return sendrecv_seconds(self.hw, comm, tensor_bytes, network=comm.nnodes > 1,
+                                    efficiency=self.p2p_efficiency), "p2p"
+        nbytes = tensor_bytes * comm.nranks if op == "all_gather" else tensor_bytes
+        algo, proto, s = self._tuners[group].pick(NCCL_FUNC[op], nbytes)
+        return s, f"{algo}/{proto}"
+
+
+@dataclass
+class StepCounts:
+    """One step as the executed run counts it (or, for a ring, as it would), and what
+    pricing needs beside."""
+
+    pairs: np.ndarray  # per-rank attention pairs as the executed run records them
+    work: np.ndarray  # [P] pairs the busiest DCP shard of each PCP rank scores
+    decode_work: np.ndarray  # [P] their decode part
+    calls: dict[str, int]  # collective calls by purpose
+    nbytes: dict[str, int]  # bytes by purpose, the whole job's (as ``CommStats`` counts them)
+    priced: list[tuple[str, str, str, int, float]]  # (purpose, op, group, calls, one rank's tensor bytes)
+    expected: tuple[str, ...] = ()  # purposes whose bytes are uniform routing's expectation
+    ring: str | None = None  # ring_pass_kv | ring_pass_q when a prefill ring ran
+    decode_ring: bool = False  # decodes ran Meta's ring pass-Q
+    ring_sends: list = field(default_factory=list)  # per layer: RingSend of the prefill ring
+    decode_sends: list = field(default_factory=list)  # per layer: RingSend of the decode ring
+
+
+def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest: DCPRest,
+                interleave: int, restore: str, dcp_comm_backend: str = "ag_rs", moe_dispatch: str = "local",
+                kv_bytes: float | None = None, prefill_ring: str | None = None,
+                decode_ring: bool = False) -> StepCounts:
     """What the executed run counts for this step, through ``pcpflow.layouts.accounting``
-    (``grid_step_collectives``: PCP/DCP, TP and MoE layers). ``all_to_all`` MoE bytes
-    depend on the routing a simulation does not have: they are the expected bytes of
-    uniform top-k routing (``moe_uniform_send_rows``), flagged in ``expected``."""
+    (``grid_step_collectives``: PCP/DCP, TP and MoE layers). ``all_to_all`` MoE bytes are
+    uniform routing's expectation (flagged in ``expected``). ``prefill_ring`` /
+    ``decode_ring``: Meta's ring variants replace the attention's collectives (priced only:
+    ``pcpflow.simulate.ring``). ``kv_bytes``: KV entries' element size when it differs."""
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
-    layout_dcp = grid.layout_dcp
-    pairs = attention_work(layout, batch.positions, dcp_size=layout_dcp, interleave=interleave, dcp_rest=dcp_rest.mode)
+    pairs = attention_work(layout, batch.positions, dcp_size=grid.layout_dcp, interleave=interleave,
+                           dcp_rest=dcp_rest.mode)
     decode = ~batch.is_prefilling[batch.req_indices]
     work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, None)
     decode_work = (work if decode.all() else np.zeros_like(work) if not decode.any()
@@ -154,10 +151,36 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         layout, batch.logits_indices, tp_size=grid.tp, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
         restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch,
     )
+    nd, rest = attention_rows(layout)
+    replaced: set[str] = set()
+    ring_sends, decode_sends = [], []
+    if prefill_ring and rest and grid.dcp > 1:
+        replaced.update(PREFILL_RING_REPLACES)
+        n = grid.dcp
+        if prefill_ring == "ring_pass_kv":
+            m = dcp_rest.context_rows or context_rows(np.asarray(batch.seq_lens)[rest_requests(layout)],
+                                                      dcp_size=n, interleave=interleave)
+            ring_sends = rings.pass_kv(n, m, shape, kv_bytes or dtype_bytes)
+        else:
+            ring_sends = rings.pass_q(n, rest, shape)
+    if decode_ring and nd and grid.dcp > 1:
+        replaced.update(c.purpose for c in colls if c.purpose.startswith("dcp_decode"))
+        decodes = int(np.count_nonzero(decode))
+        decode_sends = rings.decode_pass_q(grid.dcp, decodes, shape)
+    colls = [c for c in colls if c.purpose not in replaced]
     calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes, tp_size=grid.tp)
     group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
-    priced = [(c.purpose, c.op, c.group, n, c.nbytes(group_size[c.group], dtype_bytes))
-              for c, n in Counter(colls).items() if group_size[c.group] > 1]
+    priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
+              for c, k in Counter(colls).items() if group_size[c.group] > 1]
+    copies = grid.world_size // grid.dcp  # ring groups in the job (one per TP rank)
+    for send in ring_sends + decode_sends:
+        k = send.calls * sizes.num_layers
+        calls[send.purpose] = calls.get(send.purpose, 0) + k
+        nbytes[send.purpose] = nbytes.get(send.purpose, 0) + k * send.group_bytes(grid.dcp) * copies
+    if kv_bytes is not None and kv_bytes != dtype_bytes:
+        scale = kv_bytes / dtype_bytes
+        priced = [(p, op, g, k, b * scale if p in KV_PURPOSES else b) for p, op, g, k, b in priced]
+        nbytes = {p: int(b * scale) if p in KV_PURPOSES[:2] else b for p, b in nbytes.items()}
     expected: tuple[str, ...] = ()
     if moe_layers and moe_dispatch == "all_to_all" and grid.world_size > 1:
         send = moe_uniform_send_rows(
@@ -171,99 +194,268 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         for k in a2a_calls:
             calls[k] = calls.get(k, 0) + a2a_calls[k]
             nbytes[k] = nbytes.get(k, 0) + a2a_bytes[k]
+        w = grid.world_size
         for k, b in moe_all_to_all_calls(np.rint(send), hidden_size=sizes.hidden_size, top_k=sizes.top_k,
                                          dtype_bytes=dtype_bytes):
-            priced.append((k, "all_gather" if k == "moe_counts" else "all_to_all", "world", moe_layers, b))
+            # NOTE: Comm's bytes are what every rank receives, summed: one rank's tensor is
+            # b / (w (w - 1)) gathered, b / (w - 1) sent all-to-all (uniform rows).
+            if k == "moe_counts":
+                priced.append((k, "all_gather", "world", moe_layers, b / (w * (w - 1))))
+            else:
+                priced.append((k, "all_to_all", "world", moe_layers, b / (w - 1)))
         if grid.tp > 1:  # TP rank 0 broadcasts the combined rows (counted exactly: N x hidden)
-            bcast = layout.padded_num_tokens * sizes.hidden_size * dtype_bytes * (grid.tp - 1)
-            priced.append(("moe_combine", "broadcast", "tp", moe_layers, bcast))
+            priced.append(("moe_combine", "broadcast", "tp", moe_layers,
+                           layout.padded_num_tokens * sizes.hidden_size * dtype_bytes))
         expected = ROUTED_PURPOSES
-    return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected)
+    return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected,
+                      ring=prefill_ring if ring_sends else None, decode_ring=bool(decode_sends),
+                      ring_sends=ring_sends, decode_sends=decode_sends)
 
 
-def price_step(batch, layout, counts: StepCounts, *, place: Placement, sizes: ModelSizes, sim: SimulateConfig,
-               moe_dispatch: str = "local", graphed: bool = False) -> StepPrice:
-    """``graphed``: the step replays a full CUDA graph (``cudagraph.dispatch``), so its
-    ring loop pays no ``ring_step_us``."""
-    grid, hw = place.grid, place.hw
-    P, tp = grid.pcp, grid.tp
-    pairs = counts.work.astype(np.float64)
-    decode_pairs = counts.decode_work.astype(np.float64)
-    prefill_pairs = pairs - decode_pairs
-    rows = float(layout.padded_num_tokens)
-    samples = float(len(batch.logits_indices))
+def _tensor_bytes(c, dtype_bytes: int) -> float:
+    """One rank's tensor of collective ``c`` (NCCL's send count; a reduce-scatter's is whole)."""
+    return float(np.prod(c.shape)) * (c.dtype_bytes or dtype_bytes)
 
-    # GEMMs (every rank computes its padded rows; the LM head runs on the sampled rows;
-    # MoE layers where moe.dispatch puts their experts).
-    w_bytes = DTYPE_BYTES[sim.weights_dtype]
-    gemm_flops = 2.0 * (sizes.dense_params_per_row() * rows + sizes.vocab_size * sizes.hidden_size * samples) / tp
-    gemm_flops = np.full(P, gemm_flops) + 2.0 * sizes.num_layers * sizes.kv_b_params * _prefill_context(batch, layout, grid) / tp
-    moe_flops, moe_params = _moe_gemm(sizes, moe_dispatch, layout, grid)
-    gemm_flops = gemm_flops + moe_flops
-    weight_bytes = (sizes.dense_params_per_row() * w_bytes + sizes.vocab_size * sizes.hidden_size * 2) / tp
-    weight_bytes = weight_bytes + moe_params * w_bytes
-    gemm_c = gemm_flops / (hw.peak_tflops.fp8 if sim.weights_dtype == "fp8" else hw.peak_tflops.bf16) / 1e12 / sim.gemm_efficiency
-    gemm_m = weight_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency)
 
-    # Attention (bf16 kernel); heads split by tp, gathered back over a DCP group's TP part.
-    heads = sizes.num_heads / tp * grid.dcp_tp
-    attn_flops = 2.0 * heads * sizes.num_layers * (
-        prefill_pairs * (sizes.prefill_qk_dim + sizes.prefill_v_dim)
-        + decode_pairs * (sizes.decode_qk_dim + sizes.decode_v_dim)
-    )
-    entry = sizes.entry_dim_per_rank(tp) * ACTIVATION_BYTES * sizes.num_layers
-    kv_bytes = entry * (decode_pairs + prefill_pairs / FLASH_QUERY_TILE)
-    attn_c = attn_flops / (hw.peak_tflops.bf16 * 1e12 * sim.attention_efficiency)
-    attn_m = kv_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency)
-    t_attn = np.maximum(attn_c, attn_m)
+@dataclass
+class StepPrice:
+    step_s: float
+    terms: dict[str, list[float]]  # slowest rank: term -> [exposed_s, hidden_s]
+    compute_s: np.ndarray  # [P]: FLOP-bound kernel time
+    memory_s: np.ndarray  # [P]: HBM-bound kernel time
+    communication_s: np.ndarray  # [P]: exposed collective and host time
+    fitted_s: dict[str, float]  # slowest rank: exposed seconds each fitted factor scales
+    picks: dict[str, str]  # purpose -> what NCCL picked (algorithm/protocol) or p2p
+    flops: np.ndarray
+    hbm_bytes: np.ndarray
 
-    # Collectives: one synchronized sequence, the same on every rank.
-    purpose_s: dict[str, float] = {}
-    groups: dict[str, str] = {}
-    for purpose, op, group, n, group_bytes in counts.priced:
-        t = n * collective_seconds(op, group_bytes, place.size(group), place.link(group, op))
-        purpose_s[purpose] = purpose_s.get(purpose, 0.0) + t
-        groups[purpose] = group
-    exchange = sum(v for k, v in purpose_s.items() if k in EXCHANGE_PURPOSES)
-    exposed = sum(v for k, v in purpose_s.items() if k not in EXCHANGE_PURPOSES)
-    merge = np.zeros(P)
-    ring_fixed = 0.0
-    if sim.overlap == "ring" and exchange > 0:
-        n = max(place.size(groups[k]) for k in purpose_s if k in EXCHANGE_PURPOSES)
-        # NOTE: a ring attends chunk by chunk: each of its n partial outputs (and its fp32
-        # log-sum-exp) is written, and one merge reads all n and writes the output (arXiv
-        # 2411.01783 sec. 3.5.2): 2n + 1 passes, 2n beyond the one output a single call writes.
-        merge_bytes = 2 * n * rows * sizes.num_heads / tp * sizes.num_layers * (
-            sizes.decode_v_dim * ACTIVATION_BYTES + 4
+    @property
+    def purpose_s(self) -> dict[str, float]:
+        """Exposed seconds by term (the step record's short form)."""
+        return {k: v[0] for k, v in self.terms.items()}
+
+
+class Pricer:
+    """Prices steps of one run: its grid on its hardware, its model, its ``simulate`` settings."""
+
+    def __init__(self, grid: RankGrid, hw: HardwareConfig, sizes: ModelSizes, sim: SimulateConfig, *,
+                 act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local") -> None:
+        self.grid, self.hw, self.sizes, self.sim = grid, hw, sizes, sim
+        self.place = Placement(grid, hw, sim.p2p_efficiency)
+        self.kern = Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency,
+                            attention_efficiency=sim.attention_efficiency)
+        self.act_key, self.act_bytes = act_key, DTYPE_BYTES[act_key]
+        self.kv_bytes = DTYPE_BYTES[kv_key]
+        self.w_key = sim.weights_dtype or "bf16"
+        self.w_bytes = DTYPE_BYTES[self.w_key]
+        self.host, self.moe_dispatch = host, moe_dispatch
+        self._dense = self._gemm_set()
+        self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+
+    def _gemm_set(self):
+        s, tp = self.sizes, self.grid.tp
+        attn = s.attention_gemms(tp)
+        mlp = s.mlp_gemms(tp) if s.num_dense_layers else []
+        return attn, mlp
+
+    # ------------------------------------------------------------------ compute
+    def _gemms(self, layout, batch, samples: float):
+        """[P] GEMM seconds, [P] of them compute-bound seconds, [P] FLOPs, [P] weight bytes."""
+        s, grid = self.sizes, self.grid
+        P = grid.pcp
+        out = [np.zeros(P) for _ in range(4)]
+
+        def add(m, N, K, count, key=None, wb=None):
+            kk = dict(peak_key=key or self.w_key, w_bytes=self.w_bytes if wb is None else wb, a_bytes=self.act_bytes)
+            sec, bound = self.kern.gemm(m, N, K, count=count, **kk)
+            m = np.asarray(m, dtype=np.float64)
+            for i, v in enumerate((sec, np.where(bound, sec, 0.0), 2.0 * count * m * N * K,
+                                   count * N * K * kk["w_bytes"] * (m > 0))):
+                out[i] = out[i] + v
+
+        for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), int(samples))):
+            out[i] = out[i] + v
+        if s.attention == "mla" and s.kv_b_params:
+            ctx = _prefill_context(batch, layout, grid)
+            if ctx.any():
+                _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
+                add(ctx, N, K, s.num_layers)
+        if s.num_experts and s.num_moe_layers:
+            self._moe(layout, add)
+        return tuple(out)
+
+    def _dense_cost(self, rows: int, samples: int) -> tuple[float, float, float, float]:
+        """Every rank's projections and dense MLPs on ``rows`` padded rows, the LM head on
+        ``samples`` rows: (seconds, compute-bound seconds, FLOPs, weight bytes), cached."""
+        key = (rows, samples)
+        hit = self._dense_cache.get(key)
+        if hit is not None:
+            return hit
+        s = self.sizes
+        attn, mlp = self._dense
+        parts = [(rows, N, K, s.num_layers, self.w_key, self.w_bytes) for _, N, K in attn]
+        parts += [(rows, N, K, s.num_dense_layers, self.w_key, self.w_bytes) for _, N, K in mlp]
+        parts.append((samples, s.vocab_size // self.grid.tp, s.hidden_size, 1, "bf16", 2))
+        t = tc = flops = wbytes = 0.0
+        for m, N, K, count, key, wb in parts:
+            sec, bound = self.kern.gemm_scalar(m, N, K, peak_key=key, w_bytes=wb, a_bytes=self.act_bytes)
+            sec *= count
+            t += sec
+            tc += sec if bound else 0.0
+            flops += 2.0 * count * m * N * K
+            wbytes += count * N * K * wb if m > 0 else 0.0
+        if len(self._dense_cache) > 4096:
+            self._dense_cache.clear()
+        self._dense_cache[key] = (t, tc, flops, wbytes)
+        return t, tc, flops, wbytes
+
+    def _moe(self, layout, add) -> None:
+        """MoE layers (not split over TP): router and shared experts on every row; routed rows
+        where ``moe.dispatch`` puts them (uniform top-k routing): ``local`` each rank's real
+        rows x top-k over the experts they reach, ``gather`` / ``all_to_all`` a ``1/W`` share
+        of all routed rows and of the experts (``W = tp * pcp``)."""
+        s, grid = self.sizes, self.grid
+        L, n = s.num_moe_layers, float(layout.padded_num_tokens)
+        rows = n * (grid.pcp if self.moe_dispatch == "gather" else 1)
+        add(rows, s.num_experts, s.hidden_size, L, key=self.act_key, wb=self.act_bytes)  # router
+        for _, N, K in s.expert_gemms():
+            add(n, N, K, L * s.num_shared_experts)
+        real = layout.per_rank_num_tokens.astype(np.float64)
+        if self.moe_dispatch == "local":
+            routed, experts = real * s.top_k, _experts_touched(s, real)
+        else:
+            total = real.sum()
+            w = grid.world_size
+            routed = np.full(grid.pcp, total * s.top_k / w)
+            experts = np.full(grid.pcp, float(_experts_touched(s, total)) / w)
+        per_expert = np.where(experts > 0, routed / np.maximum(experts, 1e-9), 0.0)
+        for _, N, K in s.expert_gemms():
+            # NOTE: a grouped GEMM: each reached expert's rows tiled apart
+            add(per_expert, N, K, L * experts)
+
+    # ------------------------------------------------------------------ the step
+    def price(self, batch, layout, counts: StepCounts, *, runtime_mode: str = "none") -> StepPrice:
+        s, grid, k, place = self.sizes, self.grid, self.kern, self.place
+        P, L = grid.pcp, s.num_layers
+        nd, rest = attention_rows(layout)
+        samples = float(len(batch.logits_indices))
+        g_t, g_c, g_flops, w_bytes = self._gemms(layout, batch, samples)
+
+        # Attention: heads split by tp, gathered back over a DCP group's TP part.
+        heads = s.num_heads / grid.tp * grid.dcp_tp
+        decode_pairs = counts.decode_work.astype(np.float64)
+        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        entry = s.entry_dim_per_rank(grid.tp) * self.kv_bytes * L
+        p_flops = 2.0 * heads * L * prefill_pairs * (s.prefill_qk_dim + s.prefill_v_dim)
+        d_flops = 2.0 * heads * L * decode_pairs * (s.decode_qk_dim + s.decode_v_dim)
+        p_rows = np.full(P, float(max(layout.padded_num_tokens - nd, 0)))
+        t_pre = k.prefill_attention(p_flops, p_rows, entry * prefill_pairs / FLASH_QUERY_TILE,
+                                    peak_key=self.act_key)
+        t_dec = k.decode_attention(d_flops, entry * decode_pairs, peak_key=self.act_key)
+        t_pre = np.where(p_flops > 0, np.maximum(t_pre, L * k.floor), 0.0)
+        t_dec = np.where(d_flops > 0, np.maximum(t_dec, L * k.floor), 0.0)
+        t_attn = t_pre + t_dec
+        attn_c = t_pre + np.where(d_flops / k.peak(self.act_key) >= entry * decode_pairs / k.hbm, t_dec, 0.0)
+
+        # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
+        mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
+        merge_bytes = self._merge_bytes(layout, counts, nd, rest)
+        small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
+        t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
+
+        # Collectives: the engine's all exposed; a ring's SendRecv hides behind its steps.
+        terms: dict[str, list] = {}
+        picks: dict[str, str] = {}
+        comm = np.zeros(P)
+        for purpose, op, group, n_calls, tensor in counts.priced:
+            sec, pick = place.seconds(op, group, tensor)
+            _add(terms, purpose, np.full(P, n_calls * sec), np.zeros(P))
+            comm = comm + n_calls * sec
+            picks[purpose] = pick
+        ring_kernels = 0
+        for sends, t_phase in ((counts.ring_sends, t_pre), (counts.decode_sends, t_dec)):
+            if not sends:
+                continue
+            n = grid.dcp
+            step_attn = t_phase / L / n  # the partial attention of one ring step, one layer
+            for send in sends:
+                sec, pick = place.seconds(send.op, "dcp", send.tensor_bytes)
+                picks[send.purpose] = pick
+                if send.op == "sendrecv":
+                    exposed = L * send.calls * np.maximum(sec - step_attn, 0.0)
+                    hidden = L * send.calls * np.minimum(sec, step_attn)
+                else:
+                    exposed, hidden = np.full(P, L * send.calls * sec), np.zeros(P)
+                _add(terms, send.purpose, exposed, hidden)
+                comm = comm + exposed
+                ring_kernels += L * send.calls
+        gpu = g_t + t_attn + t_mem + comm
+        calls = sum(n for *_, n, _ in counts.priced) + ring_kernels
+        host = self.host.step(runtime_mode, calls)
+        if counts.ring_sends or counts.decode_sends:
+            host += (0 if runtime_mode == "full" else ring_kernels * self.host.layer.attention * self.host.launch_s)
+        total = np.maximum(gpu, host)
+        slow = int(np.argmax(total))
+        out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
+               "memory_ops": [float(t_mem[slow]), 0.0]}
+        out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
+        out["host_launch"] = [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
+        fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
+        return StepPrice(
+            step_s=float(total[slow]),
+            terms=out,
+            compute_s=g_c + attn_c,
+            memory_s=(g_t - g_c) + (t_attn - attn_c) + t_mem,
+            communication_s=total - g_t - t_attn - t_mem,
+            fitted_s=fitted,
+            picks=picks,
+            flops=g_flops + p_flops + d_flops,
+            hbm_bytes=w_bytes + entry * decode_pairs + mem_bytes + merge_bytes,
         )
-        merge = np.full(P, merge_bytes / (hw.hbm_tbps * 1e12 * sim.hbm_efficiency))
-        # NOTE: each of the n-1 ring iterations of every layer costs a fixed time nothing
-        # hides (the fitted ring_step_us); a replayed full graph does not pay it.
-        ring_fixed = 0.0 if graphed else (n - 1) * sizes.num_layers * sim.ring_step_us * 1e-6
-        attn_phase = t_attn / n + np.maximum(exchange, t_attn * (n - 1) / n) + merge + ring_fixed
-    else:
-        attn_phase = t_attn + exchange
-    t_gemm = np.maximum(gemm_c, gemm_m)
-    total = t_gemm + attn_phase + exposed
 
-    compute = np.where(attn_c >= attn_m, t_attn, 0.0) + np.where(gemm_c >= gemm_m, t_gemm, 0.0)
-    memory = np.where(attn_c >= attn_m, 0.0, t_attn) + np.where(gemm_c >= gemm_m, 0.0, t_gemm) + merge
-    comm = total - compute - memory
-    slow = int(np.argmax(total))
-    purpose_s = {"gemm": float(t_gemm[slow]), "attention": float(t_attn[slow]), **purpose_s}
-    if merge.any():
-        purpose_s["ring_merge"] = float(merge[slow])
-    if ring_fixed:
-        purpose_s["ring_step"] = ring_fixed
-    return StepPrice(
-        step_s=float(total[slow]),
-        compute_s=compute,
-        memory_s=memory,
-        communication_s=comm,
-        purpose_s=purpose_s,
-        flops=gemm_flops + attn_flops,
-        hbm_bytes=weight_bytes + kv_bytes,
-    )
+    def _gemm_kernels(self) -> int:
+        """GEMM kernels pcpflow's forward launches per layer (the rest are small kernels)."""
+        a, m = self._dense
+        return len(a) + 2 + (1 if self.sizes.attention == "gqa" else 0)
+
+    def _row_bytes(self) -> float:
+        """Bytes one row moves through a layer's memory-bound ops: two RMSNorms (read, write
+        ``h``), two residual adds (read ``2h``, write ``h``), RoPE on its query and key heads'
+        rotary dims (read, write), the MLP's activation (read ``2I``, write ``I``, per TP
+        rank; an MoE layer's on its shared and top-k experts), its KV write."""
+        s, tp = self.sizes, self.grid.tp
+        h = s.hidden_size
+        rope = s.head_dims[0] if s.attention == "gqa" else s.head_dims[3]
+        rot = 2 * (s.num_heads // tp + s.kv_heads_per_rank(tp)) * rope
+        if s.num_experts:
+            inter = (s.num_dense_layers * s.dense_intermediate / tp
+                     + s.num_moe_layers * (s.top_k + s.num_shared_experts) * s.moe_intermediate) / s.num_layers
+        else:
+            inter = s.dense_intermediate / tp
+        act = self.act_bytes * (4 * h + 6 * h + rot + 3 * inter)
+        return act + s.entry_dim_per_rank(tp) * self.kv_bytes
+
+    def _merge_bytes(self, layout, counts: StepCounts, nd: int, rest: int) -> float:
+        """HBM bytes of merging partial outputs: DCP merges read ``n`` packed partials of each
+        merged row and write it; a ring writes its ``n`` partials and merges them once
+        (arXiv 2411.01783 sec. 3.5.2)."""
+        s, grid = self.sizes, self.grid
+        if grid.dcp <= 1:
+            return 0.0
+        heads = s.num_heads / grid.tp
+        width = heads * (s.decode_v_dim * self.act_bytes + 4)
+        rows = float(nd) + (float(rest) if counts.ring or "dcp_partials" in counts.calls
+                            or "dcp_output_reduce_scatter" in counts.calls else 0.0)
+        passes = 2 * grid.dcp + 1 if (counts.ring or counts.decode_ring) else grid.dcp + 1
+        return passes * rows * width * s.num_layers
+
+
+def _add(terms: dict, name: str, exposed: np.ndarray, hidden: np.ndarray) -> None:
+    if name in terms:
+        terms[name] = (terms[name][0] + exposed, terms[name][1] + hidden)
+    else:
+        terms[name] = (exposed, hidden)
 
 
 def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, token_mask) -> np.ndarray:
@@ -300,28 +492,3 @@ def _experts_touched(sizes: ModelSizes, rows):
         return 0.0 * np.asarray(rows, dtype=np.float64)
     e, k = sizes.num_experts, sizes.top_k
     return e * (1.0 - (1.0 - k / e) ** np.asarray(rows, dtype=np.float64))
-
-
-def _moe_gemm(sizes: ModelSizes, dispatch: str, layout, grid: RankGrid) -> tuple[np.ndarray, np.ndarray]:
-    """[P] FLOPs and weight parameters read of the MoE layers on one rank of each PCP rank.
-    An MoE block is not split over TP (``shard_mlp``): the router and the shared experts
-    run whole on every rank's rows. ``local``: each rank runs its real rows through all
-    the experts they reach; ``gather``: every rank runs all real rows with a ``1/W`` share
-    of each expert; ``all_to_all``: each rank runs the rows sent to its ``E/W`` experts
-    (uniform routing: ``1/W`` of all routed rows). ``W = tp * pcp``."""
-    P = grid.pcp
-    if not sizes.num_experts or not sizes.num_moe_layers:
-        return np.zeros(P), np.zeros(P)
-    L, x, w = sizes.num_moe_layers, sizes.expert_params, grid.world_size
-    real = layout.per_rank_num_tokens.astype(np.float64)
-    rows = float(layout.padded_num_tokens) * (P if dispatch == "gather" else 1)  # rows the router scores
-    always = (sizes.num_shared_experts * x * float(layout.padded_num_tokens)
-              + sizes.hidden_size * sizes.num_experts * rows)
-    if dispatch == "local":
-        routed, reached = real * sizes.top_k * x, _experts_touched(sizes, real) * x
-    else:
-        total = real.sum()
-        routed = np.full(P, total * sizes.top_k * x / w)
-        reached = np.full(P, float(_experts_touched(sizes, total)) * x / w)
-    fixed = sizes.num_shared_experts * x + sizes.hidden_size * sizes.num_experts
-    return 2.0 * L * (always + routed), L * (fixed + reached)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pcpflow.layouts.accounting import ModelShape
 from pcpflow.models.card import ModelCard
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "bf16": 2, "fp8": 1}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2, "fp8": 1, "fp4": 0.5}
+"""Bytes per element of the run's ``dtype`` and of the ``simulate.*_dtype`` keys (fp4: two per byte)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelSizes:
     top_k: int
     num_shared_experts: int
     tie_word_embeddings: bool
+    head_dims: tuple[int, ...] = ()  # gqa: (head_dim,); mla: (q_lora, kv_lora, nope, rope, v)
+    dense_intermediate: int = 0  # a dense MLP's inner width
+    moe_intermediate: int = 0  # one expert's inner width
 
     @property
     def num_moe_layers(self) -> int:
@@ -88,6 +92,32 @@ class ModelSizes:
     def total_weight_params(self) -> int:
         return int(self.layer_weight_params(self.num_experts))
 
+    def attention_gemms(self, tp: int) -> list[tuple[str, int, int]]:
+        """One layer's attention projections on one TP rank: (name, N, K) of ``[rows, K] x
+        [K, N]``. GQA: fused QKV (its K/V heads, at least one), o. MLA: q_a and kv_a whole
+        (replicated, as ``shard_attention`` leaves them), q_b, kv_b (absorbed into the queries
+        and outputs per row: the same multiply-adds), o."""
+        h, heads = self.hidden_size, self.num_heads // tp
+        if self.attention == "gqa":
+            (d,) = self.head_dims
+            kv = self.kv_heads_per_rank(tp)
+            return [("qkv_proj", (heads + 2 * kv) * d, h), ("o_proj", h, heads * d)]
+        q_lora, kv_lora, nope, rope, v = self.head_dims
+        q = [("q_a_proj", q_lora, h), ("q_b_proj", heads * (nope + rope), q_lora)] if q_lora else \
+            [("q_proj", heads * (nope + rope), h)]
+        return q + [("kv_a_proj", kv_lora + rope, h), ("kv_b_proj", heads * (nope + v), kv_lora),
+                    ("o_proj", h, heads * v)]
+
+    def mlp_gemms(self, tp: int) -> list[tuple[str, int, int]]:
+        """A dense layer's MLP on one TP rank (column-parallel gate_up, row-parallel down)."""
+        i = self.dense_intermediate // tp
+        return [("gate_up_proj", 2 * i, self.hidden_size), ("down_proj", self.hidden_size, i)]
+
+    def expert_gemms(self) -> list[tuple[str, int, int]]:
+        """One expert (routed or shared), never split over TP (``shard_mlp``)."""
+        i = self.moe_intermediate
+        return [("expert_gate_up", 2 * i, self.hidden_size), ("expert_down", self.hidden_size, i)]
+
     @property
     def embedding_params(self) -> int:
         """Embedding plus LM head (one matrix when tied)."""
@@ -100,6 +130,7 @@ def model_sizes(model) -> ModelSizes:
     if isinstance(model, ModelCard) or name in ("tiny_gqa", "tiny_mla"):
         c = model
         common = dict(
+            dense_intermediate=c.intermediate_size,
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
             num_layers=c.num_layers,
@@ -123,12 +154,14 @@ def _moe_sizes(moe, num_layers: int, hidden: int, intermediate: int) -> dict:
     dense): layers ``>= first_k_dense_replace``, every ``moe_layer_freq``-th, are MoE
     (``pcpflow.models.moe.is_moe_layer``), each expert a gated MLP of its width."""
     if moe is None:
-        return dict(num_dense_layers=num_layers, expert_params=0, num_experts=0, top_k=0, num_shared_experts=0)
+        return dict(num_dense_layers=num_layers, expert_params=0, num_experts=0, top_k=0, num_shared_experts=0,
+                    moe_intermediate=0)
     past = max(0, num_layers - moe.first_k_dense_replace)
     num_moe = -(-past // moe.moe_layer_freq)
     return dict(
         num_dense_layers=num_layers - num_moe,
         expert_params=3 * hidden * (moe.intermediate_size or intermediate),
+        moe_intermediate=moe.intermediate_size or intermediate,
         num_experts=moe.num_experts,
         top_k=moe.top_k,
         num_shared_experts=moe.num_shared_experts,
@@ -146,6 +179,7 @@ def _gqa(h: int, heads: int, kv_heads: int, d: int, **common) -> ModelSizes:
         prefill_v_dim=d,
         attn_params=h * heads * d + 2 * h * kv_heads * d + heads * d * h,
         kv_b_params=0,
+        head_dims=(d,),
         **common,
     )
 
@@ -163,5 +197,6 @@ def _mla(h, heads, q_lora, kv_lora, nope, rope, v, **common) -> ModelSizes:
         prefill_v_dim=v,
         attn_params=q + h * (kv_lora + rope) + kv_b + heads * v * h,
         kv_b_params=kv_b,
+        head_dims=(q_lora or 0, kv_lora, nope, rope, v),
         **common,
     )

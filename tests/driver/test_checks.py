@@ -25,7 +25,7 @@ from pcpflow.errors import ConfigError
 from pcpflow.models.hf_weights import read_safetensors_header
 from pcpflow.output.rundir import LOCK_FILE
 from pcpflow.scheduling.memory import host_memory_bytes
-from pcpflow.testing import compose
+from pcpflow.testing import cli, compose
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
@@ -107,7 +107,8 @@ def test_seeds_outside_what_the_rng_takes():
 @pytest.mark.parametrize(
     "source, expected",
     [("def broken(:\n", "SyntaxError"), ("raise RuntimeError('plugin exploded')\n", "RuntimeError: plugin exploded"),
-     ("import no_such_module_pcpflow\n", "ModuleNotFoundError")],
+     ("import no_such_module_pcpflow\n", "ModuleNotFoundError"),
+     ("import sys\nsys.exit(3)\n", "importing it called sys.exit(3)")],
 )
 def test_a_plugin_that_fails_at_import_is_its_problem(tmp_path, monkeypatch, source, expected):
     name = f"bad_plugin_{abs(hash(source)) % 10**8}"
@@ -116,6 +117,9 @@ def test_a_plugin_that_fails_at_import_is_its_problem(tmp_path, monkeypatch, sou
     found = problems_of([f"plugins=[{name}]"])
     assert found[0][0] == "plugins[0]" and expected in found[0][1], found
     assert problems_of(["plugins=[not_a_module_anywhere]"])[0][0] == "plugins[0]"
+    # through the command line: exit 2 and the one message, whatever code the module exits with
+    r = cli(f"plugins=[{name}]")
+    assert r.returncode == 2 and f"plugins[0]: got '{name}'" in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------ checkpoints

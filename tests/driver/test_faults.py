@@ -95,6 +95,52 @@ def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launche
     assert alive_with(marker) == []
 
 
+@pytest.mark.slow  # NOTE: the default set's stall test above covers the board; this is the ring's p2p wait
+@pytest.mark.parametrize("die", [False, True])
+def test_a_rank_that_stalls_or_dies_inside_the_ring_is_named(tmp_path, die):
+    # A point-to-point wait is a collective like the others: its peers time out (or see the
+    # connection close), and the progress board names the rank, in the forward stage. The
+    # death runs in a ring of three, where the failed rank's two neighbours differ.
+    marker, p = uuid.uuid4().hex, 3 if die else 2
+    ring = (f"pcp={p}", f"dcp={p}", "pipeline.forward.cp_attention=ring_pass_kv", "collective_timeout_s=5")
+    r, elapsed = pcpflow(*ring, f"hydra.run.dir={tmp_path}", FAULTS,
+                         fault("RingFault", after="slots", rank=1, step=1, hop=1, seconds=200, die=die), e=env(marker))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "failed" and res["failed_rank"] == 1, res["error"]
+    # NOTE: a rank that dies is placed by its last heartbeat (twice a second, and at each step's
+    # start): the step is certain, the stage may be an earlier one.
+    what, where = ("died without a Python error", "at step 1") if die else ("stalled", "at step 1 (forward)")
+    assert res["error"].startswith(f"rank 1 failed: {what}") and where in res["error"], res["error"]
+    assert elapsed < 120, elapsed  # start-up + 5 s timeout + 3 s grace, far below the 200 s stall
+    deadline = time.monotonic() + 10
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_with(marker) == []
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_as_stalled_within_the_timeout_and_a_few_seconds(tmp_path):
+    """A rank stopped by SIGSTOP (a debugger, a hung driver) beats no heartbeat and never
+    answers SIGTERM: its peers time out, the board sees its process stopped, and the agent
+    kills it after a short grace instead of waiting 30 s."""
+    marker, stamp = uuid.uuid4().hex, tmp_path / "stopped_at"
+    run_dir = tmp_path / "run"
+    r, _ = pcpflow("pcp=2", "collective_timeout_s=5", f"hydra.run.dir={run_dir}", FAULTS,
+                   fault("SendSignal", rank=1, step=1, signal="SIGSTOP", stamp=str(stamp)), e=env(marker))
+    ended = time.time()
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(run_dir)
+    assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: stalled: its process is stopped"), res["error"]
+    assert "collective_timeout_s=5" in res["error"] and "at step 1" in res["error"]
+    # 5 s timeout + the board's 3 s grace + the agent's 3 s shutdown grace + a busy machine
+    assert ended - float(stamp.read_text()) < 5 + 15, ended - float(stamp.read_text())
+    deadline = time.monotonic() + 10
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_with(marker) == []
+
+
 @pytest.mark.slow
 def test_a_rank_leaving_with_code_0_is_the_root_cause_not_its_peer(tmp_path):
     r, _ = pcpflow("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS, fault("Exit", rank=1, step=2, code=0))

@@ -575,3 +575,101 @@ def test_auto_gathers_queries_for_a_short_chunk_of_a_long_context():
         "dcp_context_gather": LAYERS * 2 * 20 * ENTRY * F64,
         "restore": 2 * 20 * HIDDEN * F64,
     }
+
+
+# ----------------------------------------------------------------------------- rings
+# Ring counts (pcpflow.layouts.accounting's ring table) on layouts worked by hand, at the
+# tiny_mla sizes above; the executed runs' own counts are compared with these functions
+# every step in tests/attention/test_ring_attention.py.
+SHAPE = ModelShape(HIDDEN, LAYERS, ENTRY, HEADS, QK, LATENT, F64)
+
+
+def test_ring_pass_kv_full_prefill_by_hand():
+    from pcpflow.layouts.accounting import ring_step_traffic
+
+    # P=2, I=1, one 8-token prefill, nothing cached: rank 0 holds positions 0 1 6 7, rank 1
+    # 2 3 4 5; each block is its rank's 4 new entries. One hop per layer: each rank sends
+    # its block; no query travels, no partial comes back.
+    layout = plan_layout([8], [True], pcp_size=2, dcp_size=2)
+    t = ring_step_traffic(layout, np.arange(8), variant="pass_kv", shape=SHAPE, interleave=1)
+    block = 4 * ENTRY * F64
+    assert {k: v.tolist() for k, v in t.calls.items()} == {
+        "ring_send_kv": [LAYERS, LAYERS], "ring_send_q": [0, 0], "ring_all2all": [0, 0]}
+    assert t.bytes["ring_send_kv"].tolist() == [LAYERS * block] * 2
+    assert t.totals() == ({"ring_send_kv": LAYERS}, {"ring_send_kv": 2 * LAYERS * block})
+    # at tp=2 each PCP rank's two TP ranks run a ring each: global ranks 0, 1 | 2, 3
+    assert ring_step_traffic(layout, np.arange(8), variant="pass_kv", shape=SHAPE, interleave=1,
+                             tp_size=2).bytes["ring_send_kv"].tolist() == [LAYERS * block] * 4
+
+
+def test_ring_pass_q_cached_continuation_by_hand():
+    from pcpflow.layouts.accounting import ring_step_traffic
+
+    # P=4, I=1: 2 new tokens after 10 cached, held by rank 0 (sharded decodes keep the short
+    # prefill on one rank). Positions 10 and 11 belong to ranks 2 and 3. Rank 0's package
+    # travels 0 -> 1 -> 2 -> 3: both queries every hop; their KV: both entries to rank 1,
+    # both to rank 2 (which keeps position 10), position 11 alone to rank 3.
+    layout = plan_layout([2], [True], pcp_size=4, dcp_size=4, shard_decodes=True, num_computed_tokens=[10])
+    t = ring_step_traffic(layout, np.array([10, 11]), variant="pass_q", shape=SHAPE, interleave=1)
+    q_bytes = 2 * HEADS * QK * F64
+    assert t.calls["ring_send_kv"].tolist() == [LAYERS, LAYERS, LAYERS, 0]
+    assert t.bytes["ring_send_kv"].tolist() == [LAYERS * 2 * ENTRY * F64, LAYERS * 2 * ENTRY * F64,
+                                                LAYERS * 1 * ENTRY * F64, 0]
+    assert t.calls["ring_send_q"].tolist() == [LAYERS, LAYERS, LAYERS, 0]
+    assert t.bytes["ring_send_q"].tolist() == [LAYERS * q_bytes] * 3 + [0]
+    # the all-to-all: ranks 1-3 return the two rows' partials to rank 0; everyone calls it
+    assert t.calls["ring_all2all"].tolist() == [LAYERS] * 4
+    assert t.bytes["ring_all2all"].tolist() == [0] + [LAYERS * 2 * PARTIAL * F64] * 3
+
+
+def test_ring_replicated_decodes_only_exchange_partials():
+    from pcpflow.layouts.accounting import ring_step_traffic
+
+    # P=3: two replicated decodes: nothing travels; each rank sends its partials of both
+    # rows to the two others.
+    layout = plan_layout([1, 1], [False, False], pcp_size=3, dcp_size=3, num_computed_tokens=[5, 9])
+    t = ring_step_traffic(layout, np.array([5, 9]), variant="pass_kv", shape=SHAPE, interleave=1)
+    assert t.calls["ring_send_kv"].sum() == t.calls["ring_send_q"].sum() == 0
+    assert t.bytes["ring_all2all"].tolist() == [LAYERS * 2 * 2 * PARTIAL * F64] * 3
+    assert t.totals() == ({"ring_all2all": LAYERS}, {"ring_all2all": 3 * LAYERS * 4 * PARTIAL * F64})
+
+
+def test_ring_attention_work_by_hand():
+    from pcpflow.layouts.accounting import ring_attention_work
+
+    layout = plan_layout([8], [True], pcp_size=2, dcp_size=2)
+    # pass-KV: each rank scores its own rows over all their keys: 1+2+7+8 and 3+4+5+6
+    assert ring_attention_work(layout, np.arange(8), variant="pass_kv", interleave=1).tolist() == [18, 18]
+    # pass-Q: every query scores, on each rank, that rank's new keys at or before it:
+    # rank 0 holds keys 0 1 6 7 (queries 0..7 see 1 2 2 2 2 2 3 4 of them), rank 1 keys
+    # 2..5 (0 0 1 2 3 4 4 4)
+    assert ring_attention_work(layout, np.arange(8), variant="pass_q", interleave=1).tolist() == [18, 18]
+    # a replicated decode at position 9 (10 keys), I=2: rank 0 holds 0 1 4 5 8 9, rank 1 2 3 6 7
+    layout = plan_layout([1], [False], pcp_size=2, dcp_size=2, num_computed_tokens=[9])
+    assert ring_attention_work(layout, np.array([9]), variant="pass_q", interleave=2).tolist() == [6, 4]
+
+
+def test_meta_rule_picks_pass_kv_at_a_high_miss_rate():
+    from pcpflow.layouts.accounting import choose_ring_variant
+
+    # GQA, 8 query heads over 2 KV heads of 16: an entry is 2*2*16, a query row 8*16:
+    # pass-KV when T / (T + P) >= 2 * 2 / 8 = 1/2
+    gqa = ModelShape(hidden_size=64, num_layers=1, entry_dim=64, num_heads=8, qk_dim=16, v_dim=16, dtype_bytes=2)
+
+    def pick(new, cached, shape=gqa, **hw):
+        layout = plan_layout([new], [True], pcp_size=2, dcp_size=2, num_computed_tokens=[cached])
+        return choose_ring_variant("ring_auto", layout, cached + np.arange(new), shape=shape, **hw)
+
+    assert pick(100, 100) == "pass_kv" and pick(100, 101) == "pass_q" and pick(100, 0) == "pass_kv"
+    # MLA (tiny_mla): one latent entry for all 4 heads: pass-KV from a miss rate of 1/4
+    assert pick(100, 300, SHAPE) == "pass_kv" and pick(100, 301, SHAPE) == "pass_q"
+    # with a machine: pass-KV also when its hop hides behind its attention,
+    # T >= P * C * entry_bytes / (2 * H * (qk + dv) * BW) = 2 * 1000 * 128 / (2*8*32 * 1) = 500
+    assert pick(500, 10**6, peak_flops=1000.0, bandwidth=1.0) == "pass_kv"
+    assert pick(499, 10**6, peak_flops=1000.0, bandwidth=1.0) == "pass_q"
+    # decodes only: pass-Q (Meta's decode); the fixed variants are what they say
+    decodes = plan_layout([1, 1], [False, False], pcp_size=2, dcp_size=2, num_computed_tokens=[4, 7])
+    assert choose_ring_variant("ring_auto", decodes, np.array([4, 7]), shape=gqa) == "pass_q"
+    assert choose_ring_variant("ring_pass_kv", decodes, np.array([4, 7]), shape=gqa) == "pass_kv"
+    with pytest.raises(ValueError, match="ring_pass_kv, ring_pass_q, ring_auto"):
+        choose_ring_variant("allgather", decodes, np.array([4, 7]), shape=gqa)

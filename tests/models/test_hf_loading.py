@@ -89,11 +89,11 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
 
     mistral = _copy(ckpts["llama"], tmp_path / "mistral", architectures=["MistralForCausalLM"])
     msg = _problem(mistral)
-    assert "MistralForCausalLM is not supported" in msg and "DeepseekV3ForCausalLM" in msg
+    assert "unsupported architecture MistralForCausalLM" in msg and "DeepseekV3ForCausalLM" in msg
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
     mixtral = _copy(ckpts["llama"], tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
-    assert "MixtralForCausalLM is a mixture-of-experts variant" in _problem(mixtral)
+    assert "unsupported architecture MixtralForCausalLM: a mixture-of-experts variant" in _problem(mixtral)
     freq = _copy(ckpts["dsv3"], tmp_path / "freq", first_k_dense_replace=1, moe_layer_freq=2)
     assert "moe_layer_freq=2 is not supported" in _problem(freq)
     dense = _copy(ckpts["dsv3"], tmp_path / "dense", n_routed_experts=None, first_k_dense_replace=0)
@@ -117,12 +117,41 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     assert "no safetensors weights" in _problem(no_weights)
 
 
+BROKEN_CONFIGS = {
+    # name: (arch, config.json changes, what the one problem says)
+    "a number as a string": ("llama", {"hidden_size": "64"}, "hidden_size: Input should be a valid integer (got '64')"),
+    "a float where an int belongs": ("dsv3", {"vocab_size": 384.5}, "vocab_size: Input should be a valid integer"),
+    "zero heads": ("dsv3", {"num_attention_heads": 0}, "num_attention_heads: Input should be greater than 0"),
+    "quantization_config not a mapping": ("llama", {"quantization_config": "fp8"}, "quantization_config must be a mapping"),
+    "an unsupported architecture": ("llama", {"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture GPT2LMHeadModel"),
+    "architectures not a list": ("llama", {"architectures": "LlamaForCausalLM"}, "architectures must be a list of class names"),
+    "a rope factor of the wrong type": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": "eight",
+                                                                      "original_max_position_embeddings": 64}},
+                                        "rope_parameters.factor: Input should be a valid number"),
+    "rope_parameters not a mapping": ("dsv3", {"rope_parameters": "yarn"}, "rope_parameters must be a mapping"),
+}
+
+
+@pytest.mark.parametrize("mode", ["execute", "simulate"])
+@pytest.mark.parametrize("case", sorted(BROKEN_CONFIGS))
+def test_a_broken_config_json_is_one_problem_in_both_kinds_of_run(ckpts, tmp_path, case, mode):
+    """A config.json with a value of the wrong type or shape is refused before anything starts,
+    by the one strict parser both an executed and a simulated run read it with."""
+    arch, changes, says = BROKEN_CONFIGS[case]
+    broken = _copy(ckpts[arch], tmp_path / "broken", **changes)
+    extra = ["mode=simulate", "hardware=h200_sxm"] if mode == "simulate" else ["pcp=1"]
+    with pytest.raises(ConfigError) as exc:
+        compose(["model=hf", f"model.path={broken}", *extra])
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path" and says in problem.allowed, problem
+
+
 def test_cli_rejects_an_moe_checkpoint_with_exit_2_and_starts_nothing(ckpts, tmp_path):
     moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"])
     run_dir = tmp_path / "run"
     r = cli("model=hf", f"model.path={moe}", f"hydra.run.dir={run_dir}")
     assert r.returncode == 2, r.stderr
-    assert "model.path" in r.stderr and "Qwen3MoeForCausalLM is a mixture-of-experts" in r.stderr
+    assert "model.path" in r.stderr and "Qwen3MoeForCausalLM: a mixture-of-experts" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert not run_dir.exists()
     assert not run_dir.exists(), "nothing may start for an invalid config"

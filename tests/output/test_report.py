@@ -54,7 +54,9 @@ def test_summary_names_the_run_clock_the_engine_loop_and_the_job(capsys, monkeyp
 
 def test_a_simulated_summary_claims_no_verification_and_no_framework_time(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
-    sim = {"hardware": "h200_sxm", "gpus": 8, "nodes": 1, "weights_dtype": "bf16", "overlap": "ring", "tflops_per_gpu": 300.0}
+    sim = {"hardware": "h200_sxm", "gpus": 8, "nodes": 1, "weights_dtype": "bf16", "kv_dtype": "bf16", "tflops_per_gpu": 300.0,
+           "breakdown_s": {"gemm": {"exposed_s": 0.3, "hidden_s": 0.0},
+                           "kv_gather": {"exposed_s": 0.1, "hidden_s": 0.05}}}
     metrics = _metrics(simulate=sim, framework_overhead_s=None, framework_overhead_fraction=None)
     print_summary({"config": {**CFG, "draft": {"kind": "none"}, "mode": "simulate"}, "metrics": metrics, "status": "ok",
                    "run_dir": "/r", "verification": "off"})
@@ -62,6 +64,8 @@ def test_a_simulated_summary_claims_no_verification_and_no_framework_time(capsys
     assert text.count("verification") == 1  # the row that says it is off
     assert "framework overhead" not in text and "1800 tokens/s on the simulated clock" in text
     assert "simulated 0.130 s" in text and "simulator 0.38 s" in text and "rank start-up" not in text
+    # the largest exposed terms first, with their share of the exposed time (0.3 of 0.4 s)
+    assert "gemm 0.3 s (75%) · kv_gather 0.1 s (25%) +0.05 s hidden" in text
 
 
 def test_the_results_path_is_printed_whole_on_a_narrow_or_piped_console(capsys, monkeypatch):

@@ -59,3 +59,40 @@ def test_a_group_of_one_is_the_identity_and_moves_nothing():
     assert stats.end_step() == ({}, {})
     with pytest.raises(ValueError, match="a Comm of size 2 needs a process group"):
         Comm(None, 0, 2)
+
+
+def test_a_ring_hop_counts_what_this_rank_sends_and_skips_empty_tensors(monkeypatch):
+    """Rank 1 of a ring of 3: it sends to rank 2 and receives from rank 0; an empty tensor
+    is neither sent nor received (both sides know the sizes), and the bytes are this rank's
+    own (point-to-point purposes are per rank, not the group's collective figure)."""
+    posted = []
+
+    class Op:
+        def __init__(self, op, t, peer, group, tag=0):
+            posted.append((op.__name__, tuple(t.shape), peer, tag))
+
+    class Work:
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(comm_module.dist, "P2POp", Op)
+    monkeypatch.setattr(comm_module.dist, "batch_isend_irecv", lambda ops: [Work() for _ in ops])
+    monkeypatch.setattr(comm_module.dist, "get_global_rank", lambda group, r: 10 + r)
+    stats = CommStats()
+    comm = Comm(object(), 1, 3, stats)
+    kv, q = torch.zeros((5, 4), dtype=torch.float64), torch.zeros((0, 2, 3), dtype=torch.float64)
+    bufs = [torch.empty((2, 4), dtype=torch.float64), torch.empty((0, 2, 3), dtype=torch.float64)]
+    assert comm.ring_exchange([(kv, "ring_send_kv"), (q, "ring_send_q")], bufs).wait() == bufs
+    assert posted == [("isend", (5, 4), 12, 0), ("irecv", (2, 4), 10, 0)]
+    assert stats.take_sent() == {"ring_send_kv": (1, 5 * 4 * 8)}
+    assert stats.take_sent() == {} and stats.end_step() == ({}, {})
+
+
+def test_an_uneven_all_to_all_counts_the_rows_sent_to_others(fake_group, monkeypatch):
+    comm, stats = fake_group
+    monkeypatch.setattr(comm_module.dist, "all_to_all_single", lambda out, t, recv, send, group=None: out.copy_(t))
+    # rank 1 of 3 sends 2 rows to rank 0, 1 to itself, 3 to rank 2; a row is 4 float32
+    comm.all_to_all_v(torch.zeros((6, 4), dtype=torch.float32), [2, 1, 3], [2, 1, 3], "ring_all2all")
+    assert stats.take_sent() == {"ring_all2all": (1, (2 + 3) * 16)}
+    comm.all_to_all_v(torch.zeros((6, 4), dtype=torch.float32), [2, 1, 3], [2, 1, 3], "moe_dispatch", nbytes=7)
+    assert stats.end_step() == ({"moe_dispatch": 1}, {"moe_dispatch": 7})

@@ -522,9 +522,9 @@ def _edit(src: Path, dst: Path, **changes) -> Path:
 def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     v3 = moe_checkpoints["dsv3_moe"]
     mixtral = _edit(v3, tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
-    assert "MixtralForCausalLM is a mixture-of-experts variant" in _checkpoint_problem(mixtral)
+    assert "unsupported architecture MixtralForCausalLM: a mixture-of-experts variant" in _checkpoint_problem(mixtral)
     qwen = _edit(v3, tmp_path / "qwen", architectures=["Qwen3MoeForCausalLM"])
-    assert "Qwen3MoeForCausalLM is a mixture-of-experts variant" in _checkpoint_problem(qwen)
+    assert "unsupported architecture Qwen3MoeForCausalLM: a mixture-of-experts variant" in _checkpoint_problem(qwen)
     greedy = _edit(v3, tmp_path / "greedy", topk_method="greedy")
     assert "topk_method='greedy'" in _checkpoint_problem(greedy)
     freq = _edit(v3, tmp_path / "freq", moe_layer_freq=2)

@@ -3,7 +3,8 @@
 Each fault fires on one rank at one step; inserted with
 ``+pipeline.extra=[{kind: pcpflow_test_plugins.faults:<Class>, after: <slot>, rank: R, step: S}]``
 (``rank`` is the global rank). Raise (``Crash``), leave (``Exit``), stall (``Stall``) or signal
-(``SendSignal``) on rank R at step S, or slow its start-up (``SlowStart``).
+(``SendSignal``) on rank R at step S, or slow its start-up (``SlowStart``); stall or die inside
+a ring's point-to-point exchange (``RingFault``).
 """
 
 from __future__ import annotations
@@ -145,11 +146,14 @@ class SendSignal(_Fault):
 
     class Config(_FaultConfig):
         kind: Literal["test_signal"] = "test_signal"
-        signal: Literal["SIGINT", "SIGTERM", "SIGKILL"] = "SIGINT"
+        signal: Literal["SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP"] = "SIGINT"
         to_parent: bool = False
+        stamp: str | None = Field(None, description="a file to write the time of the signal to")
 
     def __call__(self, state: StepState) -> StepState:
         if self._due(state):
+            if self.config.stamp:
+                Path(self.config.stamp).write_text(repr(time.time()))
             pid = _launcher_pid() if self.config.to_parent else os.getpid()
             os.kill(pid, getattr(signal, self.config.signal))
             time.sleep(30)  # the signal ends the job; a step that went on would hide that
@@ -213,4 +217,54 @@ class WrongPrefixBlock(_Fault):
             b = state.batch
             row = int(np.flatnonzero(b.is_prefilling & (b.num_computed_tokens > 0))[0])
             b.block_tables[row, 0] = (b.block_tables[row, 0] + 1) % self.ctx.config.kv.num_blocks
+        return state
+
+
+@register
+class BlockResult(_Fault):
+    """Anywhere: makes ``<path>/result.json`` a directory, so that the run dir cannot take its
+    result any more (as a run dir that fills up or turns read-only mid-run)."""
+
+    kind = "test_block_result"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_block_result"] = "test_block_result"
+        path: str
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            (Path(self.config.path) / "result.json").mkdir(parents=True, exist_ok=True)
+        return state
+
+
+@register
+class RingFault(_Fault):
+    """Before ``forward``: this rank's ``hop``-th ring exchange of the step (0 = the first)
+    stalls for ``seconds`` or, with ``die``, ends the process (``os._exit``: no Python error,
+    as a crash does), while its peers wait on their point-to-point transfers."""
+
+    kind = "test_ring_fault"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_ring_fault"] = "test_ring_fault"
+        hop: int = Field(1, ge=0)
+        seconds: float = Field(100.0, gt=0)
+        die: bool = False
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            from pcpflow.parallel.comm import Comm
+
+            original, calls, cfg = Comm.ring_exchange, [0], self.config
+
+            def faulty(comm, sends, recvs):
+                if calls[0] == cfg.hop:
+                    sys.stdout.flush()
+                    if cfg.die:
+                        os._exit(0)
+                    time.sleep(cfg.seconds)
+                calls[0] += 1
+                return original(comm, sends, recvs)
+
+            Comm.ring_exchange = faulty
         return state

@@ -35,8 +35,9 @@ def problems(overrides) -> dict[str, str]:
 
 def test_contract_names_compose():
     cfg = prepare_job(compose_raw(LLAMA + ["pcp=2", "dcp=2", "workload.prompt_lens=[8192]", "workload.output_lens=[1]",
-                                           "simulate.overlap=none"]))
-    assert (cfg.mode, cfg.simulate.weights_dtype, cfg.simulate.overlap, cfg.hardware.name) == ("simulate", "fp8", "none", "gtt_h100")
+                                           "simulate.kv_dtype=fp8", "simulate.cp_decode=ring_pass_q"]))
+    assert (cfg.mode, cfg.simulate.weights_dtype, cfg.hardware.name) == ("simulate", "fp8", "gtt_h100")
+    assert (cfg.simulate.kv_dtype, cfg.simulate.cp_decode) == ("fp8", "ring_pass_q")
     assert cfg.verify is False
     # simulated defaults: the prompt unchunked (+ a decode per seat), the HBM left for KV
     assert cfg.scheduler.max_num_batched_tokens == 8192 + cfg.scheduler.max_num_seqs
@@ -91,7 +92,11 @@ def test_a_simulated_run_writes_results_and_says_it_is_not_verified(tmp_path):
     assert m["ttft"]["mean_s"] > 0 and m["tpot"]["mean_s"] > 0
     per_rank = m["simulate"]["per_rank"]
     assert len(per_rank["compute_s"]) == 2 and len(per_rank["communication_s"]) == 2
-    assert "kv_gather" in m["simulate"]["purpose_s"] and "tp_all_reduce" in m["collective_bytes"]
+    assert "tp_all_reduce" in m["collective_bytes"]
+    breakdown = m["simulate"]["breakdown_s"]
+    assert {"gemm", "attention", "memory_ops", "host_launch", "kv_gather", "tp_all_reduce"} <= set(breakdown)
+    assert all(set(v) == {"exposed_s", "hidden_s"} for v in breakdown.values())
+    assert set(m["simulate"]["fitted"]) == {"gemm_efficiency", "p2p_efficiency"}
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == m["num_steps"]
     assert (tmp_path / "load.png").exists()

@@ -14,6 +14,7 @@ from pcpflow.layouts.accounting import (
     step_traffic,
 )
 from pcpflow.layouts.layout import plan_layout
+from pcpflow.pipeline.state import StepState
 from pcpflow.simulate.engine import SimulatedRun
 from pcpflow.simulate.sizes import model_sizes
 from pcpflow.testing import compose
@@ -85,21 +86,25 @@ def test_uniform_routing_moves_the_expected_rows():
 
 
 def test_local_experts_are_not_split_by_tp_and_gather_splits_them_by_world():
-    def gemm(extra):
-        run = SimulatedRun(compose(BASE + MOE + ["hardware.peak_tflops.bf16=1", "simulate.gemm_efficiency=1"] + extra))
-        run.run()
-        return run.records[0]["purpose_s"]["gemm"]
+    """The GEMM FLOPs of the prefill step (12 rows, 1 sampled) on one rank of each PCP rank."""
+    def flops(extra):
+        run = SimulatedRun(compose(BASE + MOE + extra))
+        batch = run.scheduler.schedule()
+        layout = run.plan(StepState(batch)).layout
+        return float(run.pricer._gemms(layout, batch, 1.0)[2][0])
 
     # tp=2 halves the attention and LM head, not the MoE block (router, 2 routed and 1
     # shared expert per row) under local dispatch
     sizes = model_sizes(compose(BASE + MOE).model)
     moe_part = 2 * sizes.num_moe_layers * 12 * ((sizes.top_k + 1) * sizes.expert_params + 64 * 8)
-    t1, t2 = gemm(["pcp=1", "tp=1"]), gemm(["pcp=1", "tp=2"])
-    assert (t1 - moe_part / 1e12) == pytest.approx(2 * (t2 - moe_part / 1e12), rel=1e-6)
+    f1, f2 = flops(["pcp=1", "tp=1"]), flops(["pcp=1", "tp=2"])
+    # MLA's q_a and kv_a projections are not split over TP either (replicated)
+    replicated = 2 * sizes.num_layers * 12 * 64 * (sizes.head_dims[0] + sizes.head_dims[1] + sizes.head_dims[3])
+    assert (f1 - moe_part - replicated) == pytest.approx(2 * (f2 - moe_part - replicated), rel=1e-9)
     # gather over tp=2: each rank runs all 12 rows with half of every expert, the shared one whole
-    g2 = gemm(["pcp=1", "tp=2", "moe.dispatch=gather"])
+    g2 = flops(["pcp=1", "tp=2", "moe.dispatch=gather"])
     routed = 2 * sizes.num_moe_layers * 12 * sizes.top_k * sizes.expert_params
-    assert t2 - g2 == pytest.approx(routed / 2 / 1e12, rel=1e-6)
+    assert f2 - g2 == pytest.approx(routed / 2, rel=1e-9)
 
 
 def test_dcp_over_tp_prices_every_gathered_row_on_each_shard():

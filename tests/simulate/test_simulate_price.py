@@ -1,192 +1,191 @@
-"""The price of a step, against hand-worked numbers and the model's own invariants."""
+"""The operators of a simulated step, against hand-worked numbers (NCCL v2.29.7's tuning.cc
+and paths.cc read by hand, tiles counted by hand) and the model's own invariants."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from pcpflow.config.hardware import HardwareConfig, Link
 from pcpflow.parallel.grid import RankGrid
+from pcpflow.simulate.collectives import Comm, NcclTuner, net_peer_channels, p2p_rate_gbps
 from pcpflow.simulate.engine import SimulatedRun
-from pcpflow.simulate.price import Placement, collective_seconds
+from pcpflow.simulate.host import kernels_per_layer
+from pcpflow.simulate.kernels import Kernels
+from pcpflow.simulate.price import Placement
 from pcpflow.simulate.sizes import model_sizes
 from pcpflow.testing import compose
 
-# Round numbers, every efficiency 1: prices come out in closed form.
+# Round numbers, every efficiency 1, no floor and no launch cost: prices come out in closed form.
 UNIT = [
-    "mode=simulate", "hardware=h100_sxm", "hardware.peak_tflops.bf16=1", "hardware.hbm_tbps=1",
-    "simulate.gemm_efficiency=1", "simulate.attention_efficiency=1", "simulate.hbm_efficiency=1",
-    "simulate.ring_step_us=0.5", "output.plots=false", "output.progress=false",
+    "mode=simulate", "hardware=h100_sxm", "hardware.peak_tflops.bf16=1", "hardware.hbm_tbps=1", "hardware.sm_count=1",
+    "hardware.kernel_floor_us=0", "hardware.host.launch_us=1e-9", "simulate.gemm_efficiency=1",
+    "simulate.attention_efficiency=1", "simulate.hbm_efficiency=1", "output.plots=false", "output.progress=false",
 ]
-HW = HardwareConfig(
-    name="x", gpus_per_node=8, hbm_gib=80, hbm_tbps=3, peak_tflops={"bf16": 1000, "fp8": 2000},
-    nvlink={"busbw_gbps": 400, "latency_us": 1}, network={"busbw_gbps": 40, "latency_us": 5},
-)
 
 
-def test_collectives_follow_nccl_tests_bus_bandwidth():
-    link = Link(busbw_gbps=100, latency_us=2)
-    s = 1e6  # bytes each rank passes in
-    # all_gather of 4 ranks: pcpflow counts 4*3*s received; nccl-tests: (n-1)/n of the 4s output
-    assert collective_seconds("all_gather", 4 * 3 * s, 4, link) == pytest.approx(3 * 2e-6 + 3 * s / 100e9)
-    # all_to_all of an s-byte buffer per rank: (n-1)/n of it
-    assert collective_seconds("all_to_all", 3 * s, 4, link) == pytest.approx(3 * 2e-6 + 0.75 * s / 100e9)
-    # all_reduce of s bytes over 8: 2(n-1)/n of it, 2(n-1) hops
-    assert collective_seconds("all_reduce", 2 * 7 * s, 8, link) == pytest.approx(14 * 2e-6 + 2 * 7 / 8 * s / 100e9)
-    assert collective_seconds("all_gather", 0, 1, link) == 0
+@pytest.fixture(scope="module")
+def h100():
+    return compose(["mode=simulate", "hardware=h100_sxm"]).hardware
 
 
-@pytest.mark.parametrize(
-    "tp, pcp, dcp, expect",
-    [
-        (8, 2, 2, {"tp": "nvlink", "pcp": "network", "dcp": "network"}),  # CP across nodes
-        (16, 1, 1, {"tp": "network", "pcp": "nvlink", "dcp": "nvlink"}),  # TP spans two nodes
-        (2, 4, 4, {"tp": "nvlink", "pcp": "nvlink", "dcp": "nvlink"}),  # 8 ranks, one node
-        (4, 4, 16, {"tp": "nvlink", "pcp": "network", "dcp": "network"}),
-    ],
-)
-def test_a_group_crosses_the_network_only_when_its_ranks_span_nodes(tp, pcp, dcp, expect):
-    place = Placement(RankGrid(tp=tp, pcp=pcp, dcp=dcp), HW)
-    links = {g: "nvlink" if place.link(g) is HW.nvlink else "network" for g in expect}
-    assert links == expect
-    for g, kind in expect.items():
-        if kind == "network":
-            assert place.link(g).latency_us == HW.network.latency_us
+def test_ring_and_nvls_inside_a_node_as_tuning_cc_prices_them(h100):
+    """8 H100s, one node: the ring graph 12 x 30 GB/s, NVLS 8 x 40 (profile). All-reduce:
+    ring Simple bus bandwidth 360, algorithm bandwidth x 8/14, latency base 8.4 + 14 steps x
+    3.4 (NVLink Ring Simple); LL: min(llMaxBw 141 (Hopper, one node), 360 x .5); NVLS: 8 x
+    min(40 x .85 x 7/8 x 2, 40), latency 25 (NVLink NVLS Simple), no base."""
+    t = NcclTuner(h100, Comm(8, 1, 8))
+    ar, ring, nvls = 2, 1, 4  # FUNCS.index("all_reduce"), RING, NVLS
+    assert t.bandwidth[ar][ring][2] == pytest.approx(360 * 8 / 14)
+    assert t.latency[ar][ring][2] == pytest.approx(8.4 + 14 * 3.4)
+    assert t.bandwidth[ar][ring][0] == pytest.approx(141 * 8 / 14)
+    assert t.latency[ar][ring][0] == pytest.approx(6.6 + 14 * 0.6)
+    assert t.bandwidth[ar][nvls][2] == pytest.approx(8 * 40 * 8 / 14)
+    assert t.latency[ar][nvls][2] == pytest.approx(25.0)
+    # a 32 KiB all-reduce (a decode's hidden state): ring LL, 15 us + 32768 / (1000 x 80.57) us
+    algo, proto, s = t.pick("all_reduce", 32768)
+    assert (algo, proto) == ("ring", "LL") and s == pytest.approx((15.0 + 32768 / (1000 * 141 * 8 / 14)) * 1e-6)
+    # an all-gather's nBytes is the whole output (ncclFuncMaxSendRecvCount): ring Simple of 8 x 1 GiB
+    algo, proto, s = t.pick("all_gather", 8 * 2**30)
+    busbw = min(360, 8 * 40 * .85 * 7 / 8 * 7 / 8)  # NVLS all-gather: (ppn-1)/ppn, no algbw conversion
+    assert (algo, proto) == ("ring", "Simple") and busbw < 360 * 8 / 7
+    assert s == pytest.approx((8.4 + 7 * 3.4 + 8 * 2**30 / (1000 * 360 * 8 / 7)) * 1e-6)
 
 
-@pytest.mark.parametrize(
-    "tp, pcp, group, op, busbw",
-    [
-        (8, 2, "pcp", "all_gather", 40),  # a CP group: one GPU per node, its own NIC
-        (8, 4, "pcp", "all_to_all", 40),
-        (16, 1, "tp", "all_reduce", 320),  # 8 GPUs per node drive 8 NICs: 8 x 40
-        (16, 1, "tp", "all_gather", 320),
-        (2, 8, "pcp", "all_reduce", 160),  # ranks 0, 2, .., 14: 4 per node, 4 NICs
-        (32, 1, "tp", "all_reduce", 320),  # 4 nodes, still 8 NICs each
-        # all-to-all over 16 ranks, 8 per node: 8/16 of each rank's data leaves the node through
-        # its NIC while 7/16 crosses NVLink; busbw = (15/16) S / max(8/16 S/40, 7/16 S/400)
-        (16, 1, "tp", "all_to_all", 15 / 8 * 40),
-        (2, 4, "pcp", "all_reduce", 400),  # one node: NVLink
-    ],
-)
-def test_a_spread_group_drives_the_nics_of_its_gpus_in_each_node(tp, pcp, group, op, busbw):
-    """One NIC per GPU: a ring over k GPUs of each node runs k rings, one per NIC (at most
-    NVLink's bandwidth); an all-to-all sends what leaves the node through the sender's NIC."""
-    assert Placement(RankGrid(tp=tp, pcp=pcp, dcp=1), HW).link(group, op).busbw_gbps == pytest.approx(busbw)
+def test_a_cp_group_gathers_with_pat_when_small_and_the_ring_when_large(h100):
+    """16 ranks, one per node (a CP group): PAT is on (ncclPatEnable). PAT all-gather: bus
+    bandwidth 2 x 24 x .75, no algorithm-bandwidth conversion, latency 8 + log2(16) x 14/3.5
+    + 16 x 2.8; the ring: 2 x 24 x 16/15, latency 8.4 + 15 inter-node steps x 14 (NET Tree
+    Simple, ppn = 1): PAT wins small messages, the ring large ones."""
+    t = NcclTuner(h100, Comm(16, 16, 1))
+    ag, ring, pat = 0, 1, 6
+    assert t.bandwidth[ag][pat][2] == pytest.approx(36.0)
+    assert t.latency[ag][pat][2] == pytest.approx(8.0 + 4 * 14 / 3.5 + 16 * 2.8)
+    assert t.bandwidth[ag][ring][2] == pytest.approx(48 * 16 / 15)
+    assert t.latency[ag][ring][2] == pytest.approx(8.4 + 15 * 14.0)
+    assert t.pick("all_gather", 2**20)[:2] == ("pat", "Simple")
+    assert t.pick("all_gather", 2**30)[:2] == ("ring", "Simple")
+    assert NcclTuner(h100, Comm(16, 2, 8)).bandwidth[ag][pat] == [0.0, 0.0, 0.0]  # 8 GPUs a node: no PAT
 
 
-def test_spreading_tp_over_two_nodes_costs_what_its_nics_carry():
-    """TP16 on two 8-GPU nodes: an all-reduce moves 2(n-1)/n of the data at 8 NICs' bus
-    bandwidth (h100_sxm: 8 x 45 GB/s = its NVLink's 360), not one NIC's."""
-    hw = compose(["mode=simulate", "hardware=h100_sxm"]).hardware
-    place = Placement(RankGrid(tp=16, pcp=1, dcp=1), hw)
-    s = 256e6
-    t = collective_seconds("all_reduce", 2 * 15 * s, 16, place.link("tp", "all_reduce"))
-    assert t == pytest.approx(30 * hw.network.latency_us * 1e-6 + 2 * 15 / 16 * s / (8 * hw.network.busbw_gbps * 1e9))
+def test_a_spread_group_drives_one_nic_per_gpu(h100):
+    """TP16 on two nodes: 8 GPUs per node bring 8 NICs, each the one-GPU graph (2 x 24), capped
+    by the node's NVLink ring (360): ring all-reduce at 360 x 16/30, never one NIC's 48."""
+    t = NcclTuner(h100, Comm(16, 2, 8))
+    assert t.bandwidth[2][1][2] == pytest.approx(360 * 16 / 30)
+    assert NcclTuner(h100, Comm(2, 2, 1)).bandwidth[2][1][2] == pytest.approx(48 * 2 / 2)
 
 
-def test_one_gemm_bound_prefill_by_hand():
-    """tiny_gqa (L=2, h=64, 4 heads, 2 KV heads, d=16, MLP 128, vocab 256), one 64-token
-    prompt on one rank at 1 TFLOP/s and 1 TB/s: the TTFT is the one prefill step."""
-    run = SimulatedRun(compose(UNIT + ["model=tiny_gqa", "pcp=1", "workload=explicit",
-                                       "workload.prompt_lens=[64]", "workload.output_lens=[1]"]))
+def test_point_to_point_channels_follow_paths_cc(h100):
+    """Channels to a network peer: max(1 NIC, ceil(50 / 14)) = 4, a power of two; halved while
+    4 x ceil(nranks / 8) exceeds the p2p channels (the 2-channel ring doubled: 4)."""
+    assert net_peer_channels(h100, Comm(4, 4, 1)) == 4
+    assert net_peer_channels(h100, Comm(16, 16, 1)) == 2
+    assert net_peer_channels(h100, Comm(32, 32, 1)) == 1
+    assert p2p_rate_gbps(h100, Comm(4, 4, 1), network=True) == pytest.approx(50)  # 56, at most the NIC
+    assert p2p_rate_gbps(h100, Comm(16, 16, 1), network=True, efficiency=0.5) == pytest.approx(2 * 14 * 0.5)
+    assert p2p_rate_gbps(h100, Comm(4, 4, 1), network=True, efficiency=0.5, peers=3) == pytest.approx(50)
+
+
+def test_groups_are_placed_on_nodes_tp_innermost(h100):
+    place = Placement(RankGrid(tp=8, pcp=4, dcp=4), h100)
+    assert place.comm("tp") == Comm(8, 1, 8) and place.comm("pcp") == Comm(4, 4, 1)
+    assert not place.network("tp") and place.network("dcp")
+    assert Placement(RankGrid(tp=2, pcp=4, dcp=4), h100).comm("pcp") == Comm(4, 1, 4)  # 8 GPUs: one node
+
+
+def test_a_gemm_runs_in_tiles_and_waves(h100):
+    """sm_count 4, 1 TFLOP/s: a wave lasts one 128 x 128 tile on one SM. 256 x 256 x 64 is 4
+    tiles, one wave: 4 SMs x 128 x 128 x 2 x 64 FLOP-slots; one row more makes 6 tiles, two
+    waves; one row takes an 8-row tile (wgmma's smallest N) and stays memory-bound."""
+    hw = h100.model_copy(update={"sm_count": 4, "kernel_floor_us": 0.0,
+                                 "peak_tflops": h100.peak_tflops.model_copy(update={"bf16": 1.0})})
+    k = Kernels(hw, gemm_efficiency=1.0, hbm_efficiency=1.0, attention_efficiency=1.0)
+    kw = dict(peak_key="bf16", w_bytes=2, a_bytes=2)
+    wave = 4 * 128 * 128 * 2 * 64 / 1e12
+    assert float(k.gemm(256, 256, 64, **kw)[0]) == pytest.approx(wave)
+    assert float(k.gemm(257, 256, 64, **kw)[0]) == pytest.approx(2 * wave)
+    t, compute = k.gemm(1, 256, 64, **kw)
+    assert float(t) == pytest.approx(max(4 * 8 * 128 * 2 * 64 / 1e12, (64 + 256 * 64 + 256) * 2 / (3.35e12)))
+    assert k.gemm_scalar(257, 256, 64, **kw)[0] == pytest.approx(float(k.gemm(257, 256, 64, **kw)[0]))
+
+
+def test_one_prefill_by_hand():
+    """tiny_gqa (2 layers, h=64, 4 heads, 2 KV heads, d=16, MLP 128, vocab 256), one 64-token
+    prompt at pcp=1, one SM at 1 TFLOP/s and 1 TB/s, no floors. GEMMs, 64 rows in a 64-row
+    tile: qkv (N=128, K=64) and o (N=64, K=64) one tile each, gate_up (N=256) two, down (K=128)
+    one tile of twice the K; the LM head on 1 row, an 8-row tile, N=256: two tiles."""
+    run = SimulatedRun(compose(UNIT + ["model=tiny_gqa", "pcp=1", "workload=explicit", "workload.prompt_lens=[64]",
+                                       "workload.output_lens=[1]"]))
     m = run.run()["metrics"]
-    attn_params = 64 * 64 + 2 * 64 * 2 * 16 + 64 * 64  # q, k, v, o
-    mlp = 3 * 64 * 128
-    gemm = 2 * (2 * (attn_params + mlp) * 64 + 256 * 64 * 1)  # 64 rows, 1 sampled row
-    weights = (2 * (attn_params + mlp) + 256 * 64) * 2  # bf16, lm head; read once
+    layer = 64 * 128 * 2 * (64 + 64 + 2 * 64 + 128)
+    gemm = (2 * layer + 2 * 8 * 128 * 2 * 64) / 1e12
     pairs = 64 * 65 // 2
-    attn = 2 * 4 * 2 * pairs * (16 + 16)  # heads, layers
-    kv = 2 * 2 * 16 * 2 * 2 * pairs / 128  # entry bytes x layers, once per 128-row query tile
-    assert gemm / 1e12 > weights / 1e12 and attn / 1e12 > kv / 1e12  # both compute-bound
-    assert m["ttft"]["mean_s"] == pytest.approx(gemm / 1e12 + attn / 1e12, rel=1e-12)
+    attention = 2 * 4 * 2 * pairs * (16 + 16) * (128 / 64) / 1e12  # 64 rows fill half a 128-row query tile
+    row_bytes = 2 * (10 * 64 + 2 * (4 + 2) * 16 + 3 * 128) + 2 * 2 * 16 * 2  # activations, and the KV write
+    memory = 64 * 2 * row_bytes / 1e12
+    terms = m["simulate"]["breakdown_s"]
+    assert terms["gemm"]["exposed_s"] == pytest.approx(gemm, rel=1e-9)
+    assert terms["attention"]["exposed_s"] == pytest.approx(attention, rel=1e-9)
+    assert terms["memory_ops"]["exposed_s"] == pytest.approx(memory, rel=1e-9)
+    assert m["ttft"]["mean_s"] == pytest.approx(gemm + attention + memory, rel=1e-6)
     assert m["per_rank_attention_work"] == [pairs]
 
 
-def test_decode_reads_weights_and_kv_from_hbm():
-    """A 1-row decode is HBM-bound: weights once plus the KV it reads, at 1 TB/s."""
-    run = SimulatedRun(compose(UNIT + ["model=tiny_gqa", "pcp=1", "workload=explicit",
-                                       "workload.prompt_lens=[64]", "workload.output_lens=[2]",
-                                       "hardware.peak_tflops.bf16=1000"]))
-    run.run()
-    decode = run.records[1]
-    weights = (2 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128) + 256 * 64) * 2
-    kv = 65 * 2 * 2 * 16 * 2 * 2  # 65 keys x entry (K and V, 2 heads, d=16) x bf16 x 2 layers
-    assert decode["step_s"] == pytest.approx((weights + kv) / 1e12, rel=1e-12)
-    assert decode["per_rank_memory_s"] == [pytest.approx(decode["step_s"])]
-
-
-def test_step_lasts_as_long_as_its_slowest_rank():
-    run = SimulatedRun(compose(UNIT + ["model=tiny_gqa", "pcp=2", "decode=sharded", "workload=explicit",
-                                       "workload.prompt_lens=[40,9]", "workload.output_lens=[3]"]))
-    run.run()
+def test_every_step_is_the_sum_of_its_exposed_terms():
+    run = SimulatedRun(compose(["mode=simulate", "hardware=h200_sxm", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2",
+                                "decode=sharded", "workload=explicit", "workload.prompt_lens=[20000,3000]",
+                                "workload.output_lens=[4]", "output.plots=false"]))
+    m = run.run()["metrics"]
     for r in run.records:
+        assert sum(r["purpose_s"].values()) == pytest.approx(r["step_s"], rel=1e-9)
         totals = [sum(x) for x in zip(r["per_rank_compute_s"], r["per_rank_memory_s"], r["per_rank_communication_s"])]
         assert r["step_s"] == pytest.approx(max(totals))
-    assert any(len({round(t, 15) for t in r["per_rank_compute_s"]}) > 1 for r in run.records)  # ranks differ
+    exposed = sum(v["exposed_s"] for v in m["simulate"]["breakdown_s"].values())
+    assert exposed == pytest.approx(run.clock, rel=1e-9)
 
 
-def test_ring_hides_the_exchange_behind_attention():
-    """With the KV exchange far slower than attention, a ring hides (n-1)/n of the
-    attention behind it; with it far faster, it hides the exchange entirely; it pays for
-    writing its n = 2 partial outputs and merging them: 2 written, 2 read, 1 written, which
-    is 2n = 4 passes beyond the one output a single call writes, over 256 rows x 4 heads x
-    (16 x 2 + 4) bytes in each of 2 layers, at 1 TB/s."""
-    base = UNIT + ["model=tiny_gqa", "pcp=2", "workload=explicit", "workload.prompt_lens=[512]",
-                   "workload.output_lens=[1]", "hardware.nvlink.latency_us=0"]
-    for bw in (1e-6, 1e6):
-        ring, none = (SimulatedRun(compose(base + [f"hardware.nvlink.busbw_gbps={bw}", f"simulate.overlap={o}"]))
-                      for o in ("ring", "none"))
-        ring.run(), none.run()
-        p = none.records[0]["purpose_s"]
-        hidden = min(p["kv_gather"], p["attention"] * (2 - 1) / 2)
-        merge = 4 * 256 * 4 * 2 * (16 * 2 + 4) / 1e12
-        steps = 1 * 2 * 0.5e-6  # n-1 = 1 ring iteration in each of 2 layers, 0.5 us each
-        assert ring.records[0]["purpose_s"]["ring_merge"] == pytest.approx(merge)
-        assert ring.records[0]["purpose_s"]["ring_step"] == pytest.approx(steps)
-        assert ring.records[0]["step_s"] == pytest.approx(none.records[0]["step_s"] - hidden + merge + steps,
-                                                          rel=1e-9)
+def test_host_launches_every_kernel_eagerly_and_one_graph_when_replayed():
+    """A decode of llama3_8b at batch 1 on h100 is host-bound eagerly (~100 kernels a layer
+    at 6.4 us each) and GPU-bound replayed as a full CUDA graph (one launch)."""
+    base = ["mode=simulate", "hardware=h100_sxm", "model=llama3_8b", "pcp=1", "workload=explicit",
+            "workload.prompt_lens=[512]", "workload.output_lens=[3]", "output.plots=false"]
+    eager, graphed = (SimulatedRun(compose(base + extra)) for extra in ([], ["cudagraph_mode=full_decode_only"]))
+    eager.run(), graphed.run()
+    host = eager.pricer.host
+    kernels = host.kernels()
+    assert kernels == 32 * host.per_layer + host.layer.norm + 3
+    decode = eager.records[-1]
+    gpu = sum(v for k, v in decode["purpose_s"].items() if k != "host_launch")
+    assert decode["step_s"] == pytest.approx(kernels * 6.4e-6)  # no collective at tp=1
+    assert decode["purpose_s"]["host_launch"] == pytest.approx(kernels * 6.4e-6 - gpu)
+    g = graphed.records[-1]
+    assert g["purpose_s"]["host_launch"] == 0 and g["hidden_s"]["host_launch"] == pytest.approx(15e-6)
+    assert g["step_s"] < decode["step_s"]
 
 
-def test_each_ring_iteration_costs_ring_step_us_unless_a_full_graph_replays_it():
-    """pcp=4 runs 3 ring iterations in each of tiny_gqa's 2 layers: 6 x ring_step_us more
-    per step, prefill or decode; a decode step replayed as a full CUDA graph pays none."""
-    base = UNIT + ["model=tiny_gqa", "pcp=4", "dcp=4", "decode=sharded", "workload=explicit",
-                   "workload.prompt_lens=[512]", "workload.output_lens=[3]"]
-
-    def steps(*extra):
-        run = SimulatedRun(compose(base + list(extra)))
-        run.run()
-        return [r["step_s"] for r in run.records]
-
-    free, paid = steps("simulate.ring_step_us=0"), steps("simulate.ring_step_us=7")
-    assert [p - f for f, p in zip(free, paid)] == pytest.approx([6 * 7e-6] * 3, rel=1e-6)
-    graphs = ["cudagraph_mode=full_decode_only", "cudagraph_capture_sizes=[1,2,4]"]
-    free, paid = steps("simulate.ring_step_us=0", *graphs), steps("simulate.ring_step_us=7", *graphs)
-    assert [p - f for f, p in zip(free, paid)] == pytest.approx([6 * 7e-6, 0, 0], abs=1e-12)
+def test_kernels_per_layer_are_counted_from_pcpflows_forward():
+    """The count is the forward's, not the card's sizes: the same at 8B and 405B shapes (one
+    TP rank), and it holds the layer's six GEMMs (q, k, v, o, gate_up, down) and its attention
+    backend's write and kernel."""
+    small = kernels_per_layer(model_sizes(compose(["mode=simulate", "hardware=b200", "model=llama3_8b"]).model), 1)
+    big = kernels_per_layer(model_sizes(compose(["mode=simulate", "hardware=b200", "model=llama3_405b", "tp=8"]).model), 8)
+    assert small == big
+    assert small.total > 6 + small.attention and small.attention >= 2
+    mla = kernels_per_layer(model_sizes(compose(["mode=simulate", "hardware=b200", "model=deepseek_v3", "tp=8"]).model), 8)
+    assert mla.total != small.total  # MLA's own forward (latent norms, absorbed queries)
 
 
-def test_moe_reads_the_experts_its_rows_reach():
-    from pcpflow.simulate.price import _experts_touched
-
-    sizes = model_sizes(compose(["mode=simulate", "hardware=b200", "model=deepseek_v3", "tp=8",
-                                 "simulate.weights_dtype=fp8"]).model)
-    assert (sizes.num_experts, sizes.top_k, sizes.num_shared_experts, sizes.num_dense_layers) == (256, 8, 1, 3)
-    assert _experts_touched(sizes, 1) == pytest.approx(8)
-    assert _experts_touched(sizes, 10**5) == pytest.approx(256)
-    # active parameters of DeepSeek-V3: ~37B (its model card), of 671B
-    assert sizes.active_params_per_row() + sizes.embedding_params / 2 == pytest.approx(37e9, rel=0.05)
-    assert sizes.total_weight_params() + sizes.embedding_params == pytest.approx(671e9, rel=0.02)
+def test_a_profile_may_override_the_kernel_count():
+    base = ["mode=simulate", "hardware=h100_sxm", "model=llama3_8b", "pcp=1", "workload=explicit",
+            "workload.prompt_lens=[512]", "workload.output_lens=[2]", "output.plots=false"]
+    run = SimulatedRun(compose(base + ["hardware.host.kernels_per_layer=15"]))
+    run.run()
+    assert run.pricer.host.kernels() == 32 * 15 + run.pricer.host.layer.norm + 3
 
 
-def test_llama3_405b_card_has_405b_parameters():
-    sizes = model_sizes(compose(["mode=simulate", "hardware=b200", "model=llama3_405b", "tp=8"]).model)
-    assert sizes.total_weight_params() + sizes.embedding_params == pytest.approx(405.8e9, rel=0.01)
-    assert math.isclose(sizes.entry_dim_per_rank(8), 2 * 128)  # 1 of 8 KV heads, K and V
-
-
-def test_auto_dcp_rest_takes_the_faster_path_per_step():
+def test_auto_dcp_rest_takes_the_faster_path_and_shows_metas_rule_beside():
     base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=4", "dcp=4", "workload=explicit",
             "workload.prompt_lens=[65536,3000]", "workload.cached_lens=[64000,0]", "workload.output_lens=[3]",
             "output.plots=false"]
@@ -196,4 +195,92 @@ def test_auto_dcp_rest_takes_the_faster_path_per_step():
         runs[rest].run()
     for a, q, c in zip(*(runs[k].records for k in ("auto", "queries", "context"))):
         assert a["step_s"] == pytest.approx(min(q["step_s"], c["step_s"]))
+        if a["dcp_rest"] == "context":
+            assert c["step_s"] < q["step_s"]
     assert {r["dcp_rest"] for r in runs["auto"].records} == {"queries", "context"}  # both win somewhere
+    assert all(r.get("dcp_rest_meta_rule") in ("queries", "context") for r in runs["auto"].records if r["num_prefill_tokens"])
+
+
+def test_metas_algorithm_1_by_hand():
+    """N = 4, C = 540 TF/s, NKV / NH = 8 / 128, e = 2, BW = 25 GB/s: pass-KV hides once
+    T >= 4 x 540e12 x 8 x 2 / (2 x 128 x 25e9) = 5,400 tokens; below that, pass-KV when the miss
+    rate reaches 2 x 8 / 128 - 4 T BW / (N C e)."""
+    from pcpflow.simulate.ring import meta_algorithm1
+
+    kw = dict(n=4, num_heads=128, num_kv_heads=8, compute_flops=540e12, bandwidth=25e9, elem_bytes=2)
+    assert meta_algorithm1(new_tokens=5_400, cached_tokens=10**9, **kw) == "context"
+    assert meta_algorithm1(new_tokens=5_399, cached_tokens=10**9, **kw) == "queries"
+    t = 1_000
+    threshold = 2 * 8 / 128 - 4 * t * 25e9 / (4 * 540e12 * 2)
+    p_at = math.floor(t / threshold - t)  # cached tokens at which the miss rate is the threshold
+    assert meta_algorithm1(new_tokens=t, cached_tokens=p_at, **kw) == "context"
+    assert meta_algorithm1(new_tokens=t, cached_tokens=p_at + 100, **kw) == "queries"
+
+
+def test_a_ring_hides_its_sendrecv_behind_the_step_before():
+    """pass-KV at pcp=dcp=2: each layer's one SendRecv hides behind half the layer's attention.
+    With a slow network it is exposed beyond that; hidden + exposed is its whole time."""
+    base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2", "workload=explicit",
+            "workload.prompt_lens=[32768]", "workload.output_lens=[1]", "output.plots=false"]
+
+    def step(*extra):
+        run = SimulatedRun(compose(base + list(extra)), cp_attention="ring_pass_kv")
+        run.run()
+        return run.records[0]
+
+    fast, slow = step(), step("simulate.p2p_efficiency=0.001")
+    for r in (fast, slow):
+        assert "ring_send_kv" in r["collective_calls"] and "kv_gather" not in r["collective_calls"]
+        assert r["cp_attention"] == "ring_pass_kv"
+    assert fast["purpose_s"]["ring_send_kv"] == 0 and fast["hidden_s"]["ring_send_kv"] > 0
+    layers, half = 80, slow["purpose_s"]["attention"] / 2
+    assert slow["hidden_s"]["ring_send_kv"] == pytest.approx(half, rel=1e-6)  # all it can hide behind
+    assert slow["purpose_s"]["ring_send_kv"] > 100 * fast["hidden_s"]["ring_send_kv"]
+    assert slow["collective_calls"]["ring_send_kv"] == layers  # n - 1 = 1 step per layer
+
+
+def test_decode_ring_pass_q_replaces_the_engines_partials_and_is_priced_only():
+    base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2", "workload=explicit",
+            "workload.prompt_lens=[8192]", "workload.output_lens=[3]", "output.plots=false"]
+    engine = SimulatedRun(compose(base))
+    ring = SimulatedRun(compose(base + ["simulate.cp_decode=ring_pass_q"]))
+    m_engine, m_ring = engine.run()["metrics"], ring.run()["metrics"]
+    assert "dcp_decode_partials" in engine.records[-1]["collective_calls"]
+    calls = ring.records[-1]["collective_calls"]
+    assert "dcp_decode_partials" not in calls
+    assert calls["ring_send_q"] == 80 and calls["ring_all2all"] == 80  # (n - 1) and 1 per layer
+    assert m_ring["simulate"]["priced_only"] == ["ring_all2all", "ring_send_q"]
+    assert "priced_only" not in m_engine["simulate"]
+
+
+def test_kv_dtype_sizes_the_kv_that_moves_and_is_read():
+    base = ["mode=simulate", "hardware=h200_sxm", "model=llama3_70b", "tp=8", "pcp=2", "workload=explicit",
+            "workload.prompt_lens=[65536]", "workload.output_lens=[2]", "output.plots=false"]
+    bf16, fp8 = (SimulatedRun(compose(base + [f"simulate.kv_dtype={d}"])) for d in ("bf16", "fp8"))
+    bf16.run(), fp8.run()
+    assert fp8.records[0]["collective_bytes"]["kv_gather"] * 2 == bf16.records[0]["collective_bytes"]["kv_gather"]
+    assert fp8.records[0]["collective_bytes"]["restore"] == bf16.records[0]["collective_bytes"]["restore"]
+    # the decode reads its 65,537 keys once (above the per-layer floor): half the bytes, half the time
+    assert fp8.records[1]["purpose_s"]["attention"] == pytest.approx(bf16.records[1]["purpose_s"]["attention"] / 2)
+
+
+def test_fp4_weights_price_their_gemms_at_the_fp4_peak():
+    """B200's FP4 peak is twice its FP8 one: compute-bound GEMMs take half the time."""
+    base = ["mode=simulate", "hardware=b200", "model=llama3_70b", "tp=8", "workload=explicit",
+            "workload.prompt_lens=[16384]", "workload.output_lens=[1]", "output.plots=false", "hardware.kernel_floor_us=0"]
+    fp8, fp4 = (SimulatedRun(compose(base + [f"simulate.weights_dtype={d}"])) for d in ("fp8", "fp4"))
+    fp8.run(), fp4.run()
+    ratio = fp4.records[0]["purpose_s"]["gemm"] / fp8.records[0]["purpose_s"]["gemm"]
+    assert 0.5 <= ratio < 0.55  # the LM head stays bf16
+
+
+def test_the_fitted_factors_are_two_and_say_their_share():
+    m = SimulatedRun(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", "tp=8", "pcp=4", "dcp=4",
+                              "simulate.weights_dtype=fp8", "workload=explicit", "workload.prompt_lens=[131072]",
+                              "workload.output_lens=[1]", "output.plots=false"]), cp_attention="ring_pass_kv").run()["metrics"]
+    fitted = m["simulate"]["fitted"]
+    assert set(fitted) == {"gemm_efficiency", "p2p_efficiency"}
+    for f in fitted.values():
+        assert 0 <= f["share"] <= 1 and f["fitted_on"] and 0 < f["value"] <= 1
+    assert fitted["gemm_efficiency"]["share"] > 0.3  # a 128K prefill is mostly GEMMs and attention
+    assert np.isclose(fitted["p2p_efficiency"]["share"], 0.0)  # the ring's SendRecv all hides

@@ -1,6 +1,7 @@
-"""The simulator against Meta's published TTFTs (scripts/validate_meta_cp.py): the two
-fitted figures are reproduced by the shipped factors, and the eight predictions hold
-within 15%."""
+"""The simulator against Meta's given figures (scripts/validate_meta_cp.py): the two fitted
+factors reproduce their figures and the fit gives the shipped values; every predicted
+figure is within 10%, except the ones listed in ``MISSES`` (docs/simulate.md says why),
+which are strict expected failures: should the model come to predict them, the test says so."""
 
 from __future__ import annotations
 
@@ -12,45 +13,80 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import validate_meta_cp as v  # noqa: E402
 
+MISSES = {
+    "TTFT CP2 x TP8, 8,192": "-10%: every CP row with little work per rank is low; no mechanism found",
+    "TTFT CP16 x TP8, 131,072": "-27%: ~0.55 ms per ring step and layer the operators do not explain",
+}
+OPERATOR_MISSES = {
+    (3_200, "pass-Q", "sendrecv"): "-14%: one fitted share for four transfer sizes",
+    (3_200, "pass-Q", "all2all"): "-50%: the all-to-all's fixed cost is not modelled",
+    (12_800, "pass-Q", "all2all"): "-21%",
+}
+
 
 @pytest.fixture(scope="module")
 def rows():
-    return {(r["nodes"], r["context"]): r for r in v.table()}
+    return {r["what"]: r for r in v.table()}
 
 
-def test_two_figures_are_fitted_and_reproduced(rows):
-    assert len(v.FITTED) == 2
-    for key in v.FITTED:
-        assert abs(rows[key]["error"]) < 0.005, rows[key]
+@pytest.fixture(scope="module")
+def operators():
+    return {(r["new"], r["algorithm"]): r for r in v.operators()}
 
 
-def test_the_fit_gives_the_shipped_efficiencies():
+def test_two_factors_are_fitted_and_reproduce_their_figures(rows):
+    from pcpflow.config.hardware import SimulateConfig
+
+    assert set(SimulateConfig.FITTED) == {"gemm_efficiency", "p2p_efficiency"}
+    assert abs(rows["TTFT CP1 x TP8, 8,192"]["error"]) < 0.005
+    assert [r["role"] for r in rows.values()].count("predicted") == len(rows) - 1
+
+
+def test_the_fit_gives_the_shipped_factors():
     from pcpflow.config.hardware import SimulateConfig
 
     fitted, shipped = v.fit(), SimulateConfig()
     assert fitted["gemm_efficiency"] == pytest.approx(shipped.gemm_efficiency, rel=0.01)
-    assert fitted["ring_step_us"] == pytest.approx(shipped.ring_step_us, rel=0.01)
+    assert fitted["p2p_efficiency"] == pytest.approx(shipped.p2p_efficiency, rel=0.01)
     # not fitted: the paper's FlashAttention-3 figure, 540 TF/s of the 800 TF/s peak (sec. 4.2.3)
     assert shipped.attention_efficiency == pytest.approx(540 / 800)
 
 
-@pytest.mark.parametrize("key", [(n, c) for n, c, _, _ in v.PUBLISHED if (n, c) not in v.FITTED])
-def test_predictions_within_15_percent(rows, key):
-    r = rows[key]
-    assert abs(r["error"]) <= v.TOLERANCE, r
+def _case(what: str):
+    reason = MISSES.get(what)
+    return pytest.param(what, marks=pytest.mark.xfail(strict=True, reason=reason)) if reason else what
+
+
+@pytest.mark.parametrize("what", [_case(f"TTFT CP{n} x TP8, {c:,}") for n, c, _, _ in v.PUBLISHED
+                                  if (n, c) != (1, 8_192)] + [_case(f"TTIT TP8, {v.TTIT[1]:,}")])
+def test_predicted_figures_within_10_percent(rows, what):
+    assert abs(rows[what]["error"]) <= v.TOLERANCE, rows[what]
+
+
+def _op(new, algo, column):
+    reason = OPERATOR_MISSES.get((new, algo, column))
+    return pytest.param(new, algo, column, marks=pytest.mark.xfail(strict=True, reason=reason)) if reason else (new, algo, column)
+
+
+@pytest.mark.parametrize("new, algo, column", [_op(n, a, c) for n, a, s, t, x in v.OPERATORS
+                                               for c, pub in (("sendrecv", s), ("attention", t), ("all2all", x)) if pub])
+def test_operator_table_within_10_percent(operators, new, algo, column):
+    published, simulated = operators[(new, algo)][column]
+    assert simulated == pytest.approx(published, rel=v.TOLERANCE)
 
 
 @pytest.mark.slow
 def test_held_out_shapes_show_the_physics_the_paper_describes():
     """The held-out shapes' predictions (no published value here): pass-Q wins at a 1% miss
-    rate and pass-KV at 100% (Equation 1's side of 2 * 8/128), and TP spread over nodes
-    loses to CP on the same GPUs at every length."""
+    rate and pass-KV at 100%, Meta's rule picks pass-Q at 1%, and TP spread over nodes loses
+    to CP on the same GPUs at every length."""
     text = v.held_out().splitlines()
     kv = [float(c.replace(",", "")) for c in text[4].strip("|").split("|")[1:]]
     q = [float(c.replace(",", "")) for c in text[5].strip("|").split("|")[1:]]
     assert text[4].startswith("| pass-KV") and text[5].startswith("| pass-Q")
     assert q[0] < kv[0] and kv[-1] < q[-1]
-    tp_rows = [r for r in text if r.startswith("| 8,192 |") or r.startswith("| 32,768 |") or r.startswith("| 131,072 |")]
-    for row in tp_rows[-3:]:
+    assert text[6].split("|")[2].strip() == "pass-Q"
+    tp_rows = [r for r in text if r.startswith(("| 8,192 |", "| 32,768 |", "| 131,072 |"))][-3:]
+    for row in tp_rows:
         cp2, tp16, cp4, tp32 = (float(c.replace(",", "")) for c in row.strip("|").split("|")[1:])
         assert cp2 < tp16 and cp4 < tp32

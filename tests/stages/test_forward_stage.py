@@ -23,3 +23,24 @@ def test_hidden_states_equal_the_dense_reference():
     for cache in ctx.kv_caches:
         assert not torch.isnan(cache[slots]).any()
         assert int((~torch.isnan(cache).all(dim=1)).sum()) == len(PROMPT)
+
+
+def test_a_ring_without_the_kv_sharded_over_it_is_refused_before_anything_starts(tmp_path):
+    from pcpflow.testing import cli
+
+    rule = "a ring needs the KV sharded over the ring: pcp > 1 and dcp = pcp"
+    for args, got in {
+        ("pcp=1", "pipeline.forward.cp_attention=ring_pass_q"): "pcp=1 dcp=1",
+        ("pcp=2", "pipeline.forward.cp_attention=ring_pass_kv"): "pcp=2 dcp=1",
+        ("tp=2", "pcp=2", "dcp=4", "pipeline.forward.cp_attention=ring_auto"): "pcp=2 dcp=4",
+    }.items():
+        run_dir = tmp_path / "_".join(args).replace("=", "")
+        r = cli(*args, f"hydra.run.dir={run_dir}")
+        assert r.returncode == 2, (args, r.stderr)
+        assert f"pipeline.forward.cp_attention: got '{args[-1].split('=')[1]}'" in r.stderr, r.stderr
+        assert rule in r.stderr and f"got {got}" in r.stderr and "Traceback" not in r.stderr
+        assert not run_dir.exists()
+    r = cli("mode=simulate", "hardware=h100_sxm", "pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv")
+    assert r.returncode == 2 and "mode=simulate does not price the executed ring yet" in r.stderr, r.stderr
+    r = cli("pcp=2", "pipeline.forward.cp_attention=ring", f"hydra.run.dir={tmp_path / 'typo'}")
+    assert r.returncode == 2 and "ring_pass_kv" in r.stderr and "ring_auto" in r.stderr, r.stderr

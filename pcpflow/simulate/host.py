@@ -1,0 +1,133 @@
+"""The host side of a step: the kernels a layer launches, counted from pcpflow's own forward.
+
+``kernels_per_layer`` builds one decoder layer of the model card at one TP rank's shapes on
+the ``meta`` device (no memory, no arithmetic), runs it through the path a CUDA device takes
+(the fused attention kernel, ``pcpflow.attention.fused``, in its static form: the paged write
+and ``fused_decode_attention`` with the SDPA kernel) under a ``TorchDispatchMode``, and counts
+the ATen ops that launch a kernel: every op but views (``OpOverload.is_view``). The count is
+pcpflow's own: its RMSNorm is several kernels (cast, square, mean, rsqrt, scale), its RoPE
+computes cos/sin and rotates with slicing arithmetic, its GEMMs are plain ``mm``. A
+production engine fuses norms with the residual add, RoPE into one kernel and quantizes
+activations for FP8 GEMMs in the GEMM's prologue: around 15 kernels per layer (docs/simulate.md
+lists both). ``hardware.host.kernels_per_layer`` overrides the count for such an engine.
+
+Per step (``Host.step``): eager, every kernel and every collective costs ``launch_us`` of
+host time; a full CUDA graph replays the whole forward for one ``graph_launch_us``;
+piecewise graphs (vLLM: everything but attention) replay one piece per layer plus one and
+launch the attention kernels eagerly. The host runs ahead of the GPU and waits once per
+step (sampling reads the logits), so a step takes the longer of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pcpflow.simulate.sizes import ModelSizes
+
+EMBED_AND_SAMPLE = 3  # embedding lookup, LM head, greedy sample: one kernel each
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    total: int  # kernels one decoder layer launches
+    attention: int  # of which the attention backend's (write, attend)
+    norm: int  # one RMSNorm (the final norm outside the layers)
+
+
+def kernels_per_layer(sizes: ModelSizes, tp: int) -> LayerKernels:
+    """pcpflow's forward of one decoder layer of ``sizes`` at one TP rank's shapes."""
+    return _count(sizes.attention, sizes.hidden_size, sizes.num_heads // tp, max(1, sizes.num_kv_heads // tp),
+                  sizes.head_dims, max(1, sizes.dense_intermediate // tp))
+
+
+@lru_cache(maxsize=32)
+def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int) -> LayerKernels:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pcpflow.attention.fused import fused_decode_attention
+    from pcpflow.models.common import DecoderLayer, RMSNorm, RotaryEmbedding, build_uninitialized
+    from pcpflow.models.layers import GQAAttention, MLAAttention, gqa_spec, mla_spec
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    if attention == "gqa":
+        (d,) = dims
+        spec = gqa_spec(heads, kv_heads, d)
+
+        def make_attn():
+            return GQAAttention(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                                rotary=RotaryEmbedding(d, 10000.0))
+    else:
+        q_lora, kv_lora, nope, rope, v = dims
+        spec = mla_spec(heads, kv_lora, rope, 1.0)
+
+        def make_attn():
+            return MLAAttention(hidden_size=hidden, num_heads=heads, q_lora_rank=q_lora or None,
+                                kv_lora_rank=kv_lora, nope_dim=nope, rope_dim=rope, v_dim=v,
+                                rotary=RotaryEmbedding(rope, 10000.0), latent_norm_eps=1e-6)
+
+    meta, dt, n, block = "meta", torch.bfloat16, 4, 16
+    layer = build_uninitialized(lambda: DecoderLayer(make_attn(), hidden, inter, 1e-6), device=meta).to(dt)
+    norm = build_uninitialized(lambda: RMSNorm(hidden, 1e-6), device=meta).to(dt)
+
+    class StaticAttention:
+        """The backend's static (CUDA-graph) form: paged write, one fused decode kernel."""
+
+        calls = 0
+
+        def __call__(self, layer_idx, q, kv):
+            cache = torch.empty(8 * block, spec.entry_dim, device=meta, dtype=dt)
+            slots = torch.empty(n, dtype=torch.long, device=meta)
+            with Count() as c:
+                cache.index_copy_(0, slots, kv)
+                out, _ = fused_decode_attention(q, cache, spec, torch.empty(n, 4, dtype=torch.long, device=meta),
+                                                torch.empty(n, dtype=torch.long, device=meta), block, kernel="sdpa")
+            StaticAttention.calls += c.n
+            return out
+
+    x = torch.empty(n, hidden, device=meta, dtype=dt)
+    positions = torch.empty(n, dtype=torch.long, device=meta)
+    with torch.no_grad():
+        with Count() as c:
+            layer(x, positions, 0, StaticAttention())
+        with Count() as cn:
+            norm(x)
+    return LayerKernels(total=c.n, attention=StaticAttention.calls, norm=cn.n)
+
+
+@dataclass(frozen=True)
+class Host:
+    """Host seconds of one step, by how it runs (``cudagraph`` dispatch)."""
+
+    launch_s: float
+    graph_launch_s: float
+    layer: LayerKernels
+    num_layers: int
+    override: int | None = None
+
+    @property
+    def per_layer(self) -> int:
+        return self.override or self.layer.total
+
+    def kernels(self) -> int:
+        """Kernels of one forward (every layer, the final norm, embedding, LM head, sample)."""
+        return self.num_layers * self.per_layer + self.layer.norm + EMBED_AND_SAMPLE
+
+    def step(self, runtime_mode: str, collective_calls: int) -> float:
+        """``runtime_mode``: full (a graph replays it all), piecewise (attention eager), none."""
+        if runtime_mode == "full":
+            return self.graph_launch_s
+        if runtime_mode == "piecewise":
+            attention = self.num_layers * self.layer.attention
+            return (self.num_layers + 1) * self.graph_launch_s + (attention + collective_calls) * self.launch_s
+        return (self.kernels() + collective_calls) * self.launch_s

@@ -1,0 +1,121 @@
+"""Bad simulated settings (issues 25 and 26): one line per real problem, exit 2, nothing run,
+never a traceback; every problem of a command listed together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pcpflow.driver.compose import validate_overrides
+from pcpflow.errors import ConfigError
+from pcpflow.testing import cli, compose
+
+RUN = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[1000]",
+       "workload.output_lens=[2]", "output.plots=false", "output.progress=false"]
+
+
+def problems(*overrides: str) -> dict[str, str]:
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides([*RUN, *overrides])
+    found = {}
+    for p in exc.value.problems:
+        assert p.field not in found, f"{p.field} reported twice"
+        found[p.field] = f"{p.given} | {p.allowed}"
+    return found
+
+
+def test_fp4_weights_need_an_fp4_peak():
+    found = problems("simulate.weights_dtype=fp4")
+    assert list(found) == ["simulate.weights_dtype"]
+    assert "h100_sxm has no fp4 tensor-core peak" in found["simulate.weights_dtype"] and "bf16 | fp8" in found["simulate.weights_dtype"]
+    assert compose([*RUN, "hardware=b200", "simulate.weights_dtype=fp4"]).simulate.weights_dtype == "fp4"
+
+
+def test_fp4_in_a_sweep_refuses_the_sweep_in_one_line(tmp_path):
+    r = cli("-m", *RUN, "simulate.weights_dtype=fp8,fp4", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "KeyError" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert len(lines) == 1 and lines[0].strip().startswith("- [simulate.weights_dtype=fp4] simulate.weights_dtype")
+    assert "fp4 tensor-core peak" in lines[0]
+
+
+def test_a_zero_block_size_is_one_clean_problem(tmp_path):
+    assert list(problems("kv.block_size=0")) == ["kv.block_size"]
+    r = cli(*RUN, "kv.block_size=0", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2 and "ZeroDivisionError" not in r.stderr and "Traceback" not in r.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize("key", ["simulate.gemm_efficiency", "simulate.p2p_efficiency", "simulate.hbm_utilization",
+                                 "hardware.hbm_tbps", "hardware.peak_tflops.bf16", "hardware.nvlink.ring.channel_gbps",
+                                 "hardware.network.nic_gbps", "hardware.host.launch_us", "hardware.kernel_floor_us"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_values_are_refused(key, value):
+    found = problems(f"{key}={value}")
+    assert list(found) == [key], found  # and no false kv.num_blocks line beside it
+    assert "finite" in found[key] or "greater than" in found[key]
+
+
+def test_an_inf_never_gives_an_ok_run_or_nan_in_result_json(tmp_path):
+    r = cli(*RUN, "hardware.hbm_tbps=inf", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2
+    text = (tmp_path / "result.json").read_text()
+    assert json.loads(text)["status"] == "failed" and "NaN" not in text and "Infinity" not in text
+
+
+@pytest.mark.parametrize("override, field", [
+    ("simulate.gemm_efficiency=2", "simulate.gemm_efficiency"),
+    ("simulate.hbm_utilization=0", "simulate.hbm_utilization"),
+    ("hardware.hbm_gib=-1", "hardware.hbm_gib"),
+    ("simulate.kv_dtype=fp16", "simulate.kv_dtype"),
+])
+def test_one_invalid_setting_reports_only_itself(override, field):
+    assert list(problems(override)) == [field]
+
+
+def test_an_unknown_hardware_is_reported_once():
+    found = problems("hardware=h100")
+    assert list(found) == ["hardware"] and "h100_sxm" in found["hardware"]
+
+
+def test_a_huge_block_size_blames_the_block_size():
+    found = problems("kv.block_size=1e9")
+    assert list(found) == ["kv.block_size"], found
+    assert "one block of 1000000000 tokens needs" in found["kv.block_size"]
+
+
+def test_an_extra_stage_is_refused_in_a_simulated_run():
+    found = problems("plugins=[pcpflow_test_plugins.probes]",
+                     "+pipeline.extra=[{kind: 'pcpflow_test_plugins.step_counts:StepCounts', after: draft, path: x}]")
+    assert "pipeline.extra" in found and "an extra stage would not run" in found["pipeline.extra"]
+
+
+@pytest.mark.parametrize("override, replacement", [
+    ("simulate.ring_step_us=543", "hardware.host.launch_us"),
+    ("+simulate.ring_step_us=543", "hardware.host.launch_us"),
+    ("simulate.overlap=ring", "simulate.cp_decode"),
+])
+def test_removed_settings_name_their_replacement(override, replacement):
+    found = problems(override)
+    (field,) = found
+    assert field == override.lstrip("+").split("=")[0] and "removed" in found[field] and replacement in found[field]
+
+
+def test_a_decode_ring_needs_kv_shards():
+    found = problems("simulate.cp_decode=ring_pass_q")
+    assert list(found) == ["simulate.cp_decode"] and "dcp > 1" in found["simulate.cp_decode"]
+    assert compose([*RUN, "pcp=2", "dcp=2", "simulate.cp_decode=ring_pass_q"]).simulate.cp_decode == "ring_pass_q"
+
+
+def test_a_dtype_without_a_peak_is_refused():
+    found = problems("dtype=float64")
+    assert list(found) == ["dtype"] and "bfloat16 (bf16)" in found["dtype"] and "float32 (fp32)" in found["dtype"]
+    assert compose([*RUN, "dtype=float32"]).dtype == "float32"
+
+
+def test_every_problem_is_listed_together():
+    found = problems("simulate.weights_dtype=fp4", "simulate.gemm_efficiency=nan", "kv.block_size=0",
+                     "simulate.ring_step_us=1", "pcp=2")
+    assert {"simulate.weights_dtype", "simulate.gemm_efficiency", "kv.block_size", "simulate.ring_step_us"} <= set(found)
+    assert "kv.num_blocks" not in found and "scheduler.max_num_batched_tokens" not in found
