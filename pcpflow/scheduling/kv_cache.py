@@ -234,8 +234,11 @@ class KVCacheManager:
         for h in taken:
             del new[h]
         self._cached.update(new)
-        registered = np.fromiter(new.values(), dtype=np.int64, count=len(new))
-        self._hash[registered] = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
+        if len(new) == len(blocks):  # every block holds its own new hash (the usual case)
+            self._hash[blocks] = hashes
+        else:
+            registered = np.fromiter(new.values(), dtype=np.int64, count=len(new))
+            self._hash[registered] = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
         return len(new)
 
     # -- mutation --------------------------------------------------------------------------

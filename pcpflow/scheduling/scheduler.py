@@ -364,7 +364,6 @@ class Scheduler:
             kv.allocate(i, written, cached=hit_blocks)
             self._waiting.popleft()
             if kv.prefix_caching:
-                self._keys.pop(i, None)
                 self._chain_last[i] = chain[len(hit_blocks) - 1] if len(hit_blocks) else prefix.ROOT
             self._num_computed[i] = hit
             self._hashed[i] = len(hit_blocks)
@@ -494,6 +493,7 @@ class Scheduler:
         freed = list(self._freed) + [self.kv.free(i) for i in finished.tolist()]
         for i in finished.tolist():
             self._prompt_contents.pop(i, None)
+            self._keys.pop(i, None)
         if len(finished):
             self._running = rows[~done]
             self._num_finished += len(finished)
@@ -538,14 +538,20 @@ class Scheduler:
             self._chain_last[r] = values
             self._hashed[r] = j + 1
         for i, first, n in zip(rows[~fast].tolist(), have[~fast].tolist(), full[~fast].tolist()):
-            values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
-            self.kv.cache_block_ids(self.kv.block_ids(np.full(n - first, i), np.arange(first, n)), prefix.keys(values))
+            looked_up = self._keys.get(i)
+            if looked_up is not None and len(looked_up[0]) >= n:  # the admission's lookup has them
+                values, keys = looked_up[0][first:n], looked_up[1][first:n]
+            else:
+                values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
+                keys = prefix.keys(values)
+            self.kv.cache_block_ids(self.kv.block_ids(np.full(n - first, i), np.arange(first, n)), keys)
             self._chain_last[i] = values[-1]
             self._hashed[i] = n
 
     def _lookup_keys(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(chain values, cache keys) of request i's first n blocks, kept while it waits at
-        the head of the queue (a request waiting for blocks looks up its prefix each step)."""
+        """(chain values, cache keys) of request i's first n blocks, kept while it lives: a
+        request waiting for blocks looks up its prefix each step, and its prompt's blocks are
+        cached under them as it prefills."""
         have = self._keys.get(i)
         if have is None or len(have[0]) != n:
             values = self.chain_values(i, n)
@@ -647,7 +653,7 @@ class _Columns:
         self.chain_last = np.full(n, prefix.ROOT, dtype=np.uint64)  # chain value of its block hashed - 1
         self.prompt_key = np.zeros(n, dtype=np.uint64)  # 0: not known yet
         self.prompt_contents: dict[int, tuple[np.ndarray, int]] = {}  # of the requests alive
-        self.keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # lookup keys of waiting requests
+        self.keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # its admission's lookup (chain values, keys)
         if table.tokens is not None:
             # Prompts and outputs live in flat buffers, request i's at [start[i], start[i+1]).
             self.prompts = table.tokens

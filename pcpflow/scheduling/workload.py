@@ -440,8 +440,10 @@ class RequestTable:
         hashed_end = min(int(bounds[-1]), n)
         last_pos = (np.arange(full, dtype=np.int64) + 1) * tokens_per_block - 1
         k = np.minimum(np.searchsorted(bounds, last_pos, side="right") - 1, max(len(ids) - 1, 0))
-        own = prefix.mix(salt, j)
-        contents = np.where(last_pos < hashed_end, prefix.mix(trace_chain[k], j), own) if len(ids) else own
+        inside = last_pos < hashed_end
+        contents = prefix.mix(trace_chain[k], j) if len(ids) else prefix.mix(salt, j)
+        if len(ids) and not inside.all():  # NOTE: blocks reaching the request's own tail are its own
+            contents[~inside] = prefix.mix(salt, j[~inside])
         if n <= hashed_end:
             k_last = int(np.searchsorted(bounds, n - 1, side="right") - 1)
             return contents, int(prefix.mix(trace_chain[k_last], n)[0])
