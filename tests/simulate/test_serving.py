@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -117,3 +119,18 @@ def test_serving_metrics_by_hand():
     assert m["queue_s"] == pytest.approx(0.15)
     none = rec.serving_metrics(cols, prompt_lens=np.array([100, 200, 50, 10]), gpus=2)
     assert none["goodput"]["req_s"] is None  # no SLO: no goodput
+
+
+def test_serving_plot_draws_what_the_run_measured(tmp_path):
+    from pcpflow.output.serving_plot import write_serving_plot
+    from pcpflow.testing import cli
+
+    run = tmp_path / "run"
+    r = cli(*SIM, "workload.num_requests=12", "workload.request_rate=20", f"hydra.run.dir={run}", "output.plots=true")
+    assert r.returncode == 0, r.stderr
+    assert (run / "serving.png").exists()
+    drawn = write_serving_plot(run)
+    m = json.loads((run / "result.json").read_text())["metrics"]
+    assert drawn["replicas"] == [0]
+    assert drawn["quantiles"]["ttft_s"] == pytest.approx((m["ttft"]["p50_s"], m["ttft"]["p99_s"]))
+    assert drawn["quantiles"]["tpot_s"] == pytest.approx((m["tpot"]["p50_s"], m["tpot"]["p99_s"]))
