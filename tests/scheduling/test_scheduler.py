@@ -390,7 +390,9 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
     holds exactly the request's own prefix); a block being written belongs to its writer
     alone; every block comes back."""
     prompts = _prompts([(p, s) for p, _, _, s in spec], shared=prefix_caching)
-    reqs = [Request(i, prompts[i], o, a) for i, (_, o, a, _) in enumerate(spec)]
+    # every third request has a cached_lens prefix (prefilled first, then its clock starts)
+    reqs = [Request(i, prompts[i], o, a, cached_len=(len(prompts[i]) - 1) // 2 if i % 3 == 2 else 0)
+            for i, (_, o, a, _) in enumerate(spec)]
     need = max(-(-(len(r.prompt_token_ids) + r.max_output_tokens + k) // block_size) for r in reqs)
     kv = KVCacheManager(num_blocks=need + extra_blocks, block_size=block_size, prefix_caching=prefix_caching)
     s = Scheduler(reqs, max_num_batched_tokens=budget, max_num_seqs=seqs, kv=kv,
@@ -453,4 +455,5 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
     assert kv.num_free_blocks == kv.num_blocks and not kv.ref_counts().any()
     for rid, t in s.request_timing().items():
         assert t["num_output_tokens"] == reqs[rid].max_output_tokens
-        assert t["arrival_step"] <= t["admitted_step"] <= t["first_token_step"] <= t["finish_step"]
+        assert t["admitted_step"] <= t["first_token_step"] <= t["finish_step"]
+        assert t["arrival_step"] <= t["first_token_step"]
