@@ -1,6 +1,8 @@
 """Records what an executed step counted, as the engine records it, on rank 0: per-rank
-tokens and attention pairs, and this step's collective calls and bytes by purpose (read
-from the rank's CommStats before the engine closes the step). For the simulate tests."""
+tokens and attention pairs, this step's collective calls and bytes by purpose (read
+from the rank's CommStats before the engine closes the step), and what the scheduler did
+(preemptions, prefix hits, KV blocks in use, running and waiting requests). For the
+simulate tests."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class StepCounts(Stage):
             "dcp_rest": rest,
             "collective_calls": dict(ctx.stats.step_calls),
             "collective_bytes": dict(ctx.stats.step_bytes),
+            **ctx.extras["step_stats"]._asdict(),
         }
         with open(Path(self.config.path), "a") as f:
             f.write(json.dumps(line) + "\n")
