@@ -35,6 +35,8 @@ def validate_overrides(overrides: list[str]) -> None:
     from pcpflow.driver.job import prepare_job
 
     raw, problems = compose_checked(overrides)
+    if raw is not None and raw.get("mode") == "search":
+        problems += _search_group_problems(overrides)
     if raw is not None:
         refused = {p.field for p in problems}
         try:
@@ -45,6 +47,14 @@ def validate_overrides(overrides: list[str]) -> None:
             problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
+
+
+def _search_group_problems(overrides: list[str]) -> list[Problem]:
+    """In mode=search the decode mode is a searched key (null: searched), which the decode
+    group's options would set and mode=search then nulls again: say so rather than drop it."""
+    return [Problem("decode", o.split("=", 1)[1], "in mode=search the decode mode is searched; fix it with "
+                    f"decode.mode={o.split('=', 1)[1]} (or search.candidates=['... decode=...'])")
+            for o in overrides if _key(o) == "decode" and "=" in o]
 
 
 def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[dict[str, Any] | None, list[Problem]]:

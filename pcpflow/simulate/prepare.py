@@ -12,6 +12,7 @@ each as a ``Problem`` with the numbers.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import numpy as np
@@ -81,10 +82,10 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         from pcpflow.models import ModelConfig
         from pcpflow.scheduling.workload import WorkloadConfig
 
-        sizes = model_sizes(TypeAdapter(ModelConfig).validate_python(raw["model"]))
+        sizes = model_sizes(_adapter(ModelConfig).validate_python(raw["model"]))
         hw = HardwareConfig.model_validate(raw["hardware"])
         sim = SimulateConfig.model_validate(raw.get("simulate") or {})
-        workload = TypeAdapter(WorkloadConfig).validate_python(raw["workload"])
+        workload = _adapter(WorkloadConfig).validate_python(raw["workload"])
         tp, dcp = _positive(raw.get("tp", 1)), _positive(raw.get("dcp", 1))
         block_size, seqs = _positive(kv.get("block_size", 16)), _positive(sched.get("max_num_seqs", 256))
         requests = requests_of(workload, sizes.vocab_size, int(raw.get("seed", 0)))
@@ -105,6 +106,12 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
     return raw, frozenset()
+
+
+@functools.cache
+def _adapter(annotation: Any) -> TypeAdapter:
+    """One adapter per type (building one costs ~1 ms: a search validates thousands of layouts)."""
+    return TypeAdapter(annotation)
 
 
 def _positive(value: Any) -> int:
