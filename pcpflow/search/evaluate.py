@@ -117,12 +117,14 @@ def _evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: floa
     wl = raw["workload"]
     burst_now = (wl.get("kind") != "trace" and wl.get("request_rate") is not None and math.isinf(wl["request_rate"]))
     burst = m if burst_now else _run(at_rate(raw, math.inf, own), prepare)[1]
+    warm = start_rate is not None and 0 < start_rate < math.inf  # a screen's answer: bracket it closely
     found = max_rate(lambda r: _run(at_rate(raw, r, own), prepare)[1]["goodput"]["share"],
                      burst_attainment=burst["goodput"]["share"], burst_rate=burst["throughput"]["requests_s"],
-                     target=settings.attainment, tolerance=settings.tolerance, start=start_rate,
-                     step=2.0 if start_rate is None else 1 + 2 * settings.tolerance, lowest=settings.lowest)
+                     target=settings.attainment, tolerance=settings.tolerance, start=start_rate if warm else None,
+                     step=1 + 2 * settings.tolerance if warm else 2.0, lowest=settings.lowest)
+    # NOTE: found.tried starts with the burst, which is this run itself when the workload is a burst
     out.update(goodput_req_s=found.rate, goodput_per_gpu=found.rate / out["gpus"], goodput_bound=found.bound,
-               goodput_tried=found.tried, runs=1 + (not burst_now) + found.runs - 1)
+               goodput_tried=found.tried, runs=found.runs + (not burst_now))
     return out
 
 

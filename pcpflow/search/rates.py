@@ -31,9 +31,10 @@ def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst
              highest: float = 64.0) -> RateSearch:
     """``attain(rate)``: the share of requests meeting the SLOs at ``rate``. The burst's
     attainment and served rate (requests per second of its span) are given (one run the
-    caller made). ``start``: a first guess (a screen's answer); ``step``: the bracketing
-    factor; the search gives up below ``lowest x burst_rate`` (rate 0, bound "below") and
-    above ``highest x burst_rate`` (bound "at least")."""
+    caller made). ``start``: a first guess (a screen's answer); ``step``: the first
+    bracketing factor (squared after each step that does not bracket); the search gives up
+    below ``lowest x burst_rate`` (rate 0, bound "below": it tried that rate) and above
+    ``highest x burst_rate`` (bound "at least")."""
     found = RateSearch(0.0, "below", [(math.inf, burst_attainment)])
     if burst_attainment >= target:
         found.rate, found.bound = burst_rate, "burst"
@@ -46,18 +47,20 @@ def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst
 
     r = start if start is not None and 0 < start < math.inf else burst_rate
     lo, hi = (r, None) if ok(r) else (None, r)
-    while lo is None:
+    while lo is None:  # NOTE: the step squares each time it fails to bracket: a far guess costs few runs
         assert hi is not None
-        r = hi / step
-        if r < burst_rate * lowest:
+        r = max(hi / step, burst_rate * lowest) if hi > burst_rate * lowest else 0.0
+        if r <= 0.0:
             return found
         lo, hi = (r, hi) if ok(r) else (None, r)
+        step *= step
     while hi is None:
         r = lo * step
         if r > burst_rate * highest:
             found.rate, found.bound = lo, "at least"
             return found
         lo, hi = (r, None) if ok(r) else (lo, r)
+        step *= step
     while hi / lo > 1 + tolerance:
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)

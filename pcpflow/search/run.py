@@ -142,7 +142,7 @@ class Search:
         top = [r for r in self.ranked() if self.value(r) is not None][: self.plan.search.top_k]
         same = self.sample is None and not self.full_settings.goodput and not self.screen_settings.goodput
         if same:  # NOTE: the screen priced the whole workload with the same quantities: that is the full price
-            for r in top:
+            for r in self.rows.values():
                 r["priced"] = "full"
             return
         candidates = [Candidate(r["layout"], r["raw"]) for r in top]

@@ -172,6 +172,7 @@ def simulate_problems(cfg) -> list[Problem]:
         p.append(Problem("pipeline.extra", kinds, "mode=simulate prices the shipped stages only; an extra stage "
                          "would not run: leave +pipeline.extra out"))
     p += dtype_problems(cfg)
+    p += objective_problems(cfg)
     if cfg.simulate.cp_decode == "ring_pass_q" and cfg.dcp == 1:
         p.append(Problem("simulate.cp_decode", "ring_pass_q", "a ring passes queries over KV shards: it needs "
                          "dcp > 1 (dcp=1 holds the whole cache on every rank); use engine, or raise dcp"))
@@ -184,6 +185,18 @@ def simulate_problems(cfg) -> list[Problem]:
     if not any(x.field.startswith(("dtype", "simulate.weights_dtype")) for x in p):
         p += _hbm_problems(cfg, sizes)
     return p
+
+
+def objective_problems(cfg) -> list[Problem]:
+    """An objective that counts requests meeting the SLOs needs an SLO."""
+    from pcpflow.simulate.decide import OBJECTIVES
+
+    name = cfg.simulate.objective
+    if OBJECTIVES[name].needs_slo and cfg.slo.ttft_s is None and cfg.slo.tpot_s is None:
+        return [Problem("simulate.objective", name, "goodput counts the requests that meet every SLO: set "
+                        "slo.ttft_s and/or slo.tpot_s, or rank by another objective (ttft, tpot, gpus, ttft_x_gpus, "
+                        "tpot_x_gpus, throughput_per_gpu)")]
+    return []
 
 
 def dtype_problems(cfg) -> list[Problem]:
