@@ -167,7 +167,8 @@ def held_out() -> str:
     rule = [simulated(4, CONTEXT_CACHED, ring="ring_auto", cached=CONTEXT_CACHED - t)[1].records[-1]["cp_attention"]
             for t in miss]
     out.append("| ring_auto | " + " | ".join({"ring_pass_kv": "pass-KV", "ring_pass_q": "pass-Q"}[r] for r in rule) + " |")
-    out += ["", "Decode, batch 1, time per output token over 16 tokens (ms; CP > 1: ring pass-Q):", "",
+    out += ["", "Decode, batch 1, time per output token over 16 tokens (ms; CP > 1: the ring's pass-Q, the "
+            "replicated query staying on every rank, its partials moving):", "",
             "| context | CP1 x TP8 | CP2 x TP8 | CP4 x TP8 |", "|---|--:|--:|--:|"]
     for context in (8_192, 131_072):
         cells = []
