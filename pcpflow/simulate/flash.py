@@ -171,8 +171,8 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     st = np.flatnonzero(kind == STAYS)
     origin = (rank[st, None] - h[None, :]) % p
     cached = plan.block_cached[origin, req[st, None]]
-    kv = _runs_over(st, st, rank, req, a, n, iteration=lambda qi, kj: (rank[qi] - rank[kj]) % p, p=p)
-    stays = _blocks(st, rank[st, None] + 0 * h, h, n, cached, kv, p)
+    kv = _runs_over(st, rank, req, a, n, iteration=lambda qi, kj: (rank[qi] - rank[kj]) % p)
+    stays = _blocks(st, np.broadcast_to(rank[st, None], origin.shape), h, n, cached, kv, p)
 
     # pass-Q: travelling run i visits rank (rank_i + h) % P at iteration h: that rank's cached
     # shard of the request (every entry before the run) and its own travelling runs' new KV.
@@ -181,7 +181,7 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     cached = np.stack([dcp_local_seq_lens(plan.num_computed[req[tr]], p, r, inter) for r in range(p)], axis=1) \
         if tr.shape[0] else np.zeros((0, p), dtype=np.int64)
     cached = np.take_along_axis(cached, host, axis=1)
-    q = _runs_over(tr, tr, rank, req, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p, p=p)
+    q = _runs_over(tr, rank, req, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p)
     visits = _blocks(tr, host, h, n, cached, q, p)
 
     pre_parts, dec = [], np.zeros(p * p)
@@ -194,15 +194,12 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
 
     # Rows every rank holds: after the loop, each rank over its shard of [0, p] (rank 0's copies).
     rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
+    ar, nr, pre = a[rp], n[rp], prefill[rp]
     after_parts, after_dec = [], np.zeros(p)
-    for r in range(p):
-        if not rp.shape[0]:
-            break
-        ar, nr = a[rp], n[rp]
+    for r in range(p if rp.shape[0] else 0):
         kf = dcp_local_seq_lens(ar + 1, p, r, inter)
         kl = dcp_local_seq_lens(ar + nr, p, r, inter)
         pairs = local_len_sum(ar + nr, p, r, inter) - local_len_sum(ar, p, r, inter)
-        pre = prefill[rp]
         after_parts.append(Blocks(np.full(int(pre.sum()), r, dtype=np.int64), nr[pre], kf[pre], kl[pre], pairs[pre]))
         after_dec[r] = float(pairs[~pre].sum())
     return RingBlocks(_concat(pre_parts), dec.reshape(p, p), _concat(after_parts), after_dec)
@@ -215,13 +212,14 @@ def _concat(parts: list[Blocks]) -> Blocks:
     return Blocks(*(np.concatenate([getattr(b, f) for b in parts]) for f in ("bin", "rows", "k_first", "k_last", "pairs")))
 
 
-def _runs_over(queries, keys, rank, req, a, n, *, iteration, p: int):
-    """Each (query run, key run) of one request: (query run, iteration, keys its first row
-    sees, keys its last row sees, pairs), the key run contiguous ``[b, b + m)``."""
-    if not queries.shape[0] or not keys.shape[0]:
+def _runs_over(runs, rank, req, a, n, *, iteration):
+    """Each (query run, key run) pair of ``runs`` of one request: (query run, iteration, keys
+    its first row sees, keys its last row sees, pairs), the key run contiguous ``[b, b + m)``."""
+    if not runs.shape[0]:
         return None
-    order = np.argsort(req[keys], kind="stable")
-    keys = keys[order]
+    queries = runs
+    order = np.argsort(req[runs], kind="stable")
+    keys = runs[order]
     kreq = req[keys]
     lo = np.searchsorted(kreq, req[queries], side="left")
     hi = np.searchsorted(kreq, req[queries], side="right")
@@ -253,7 +251,7 @@ def _blocks(rows, rank_at, h, n, cached, runs, p: int) -> Blocks | None:
     k = rows.shape[0]
     index = np.full(int(rows.max()) + 1, -1, dtype=np.int64)
     index[rows] = np.arange(k, dtype=np.int64)
-    nq = n[rows][:, None] + 0 * h[None, :]
+    nq = np.repeat(n[rows][:, None], p, axis=1)
     kf = cached.astype(np.int64).copy()
     kl = kf.copy()
     pairs = nq * kf
