@@ -130,7 +130,7 @@ class SimulateConfig(_Strict):
         "dcp_rest) | ring_pass_q (a step of decodes only runs the executed ring pass-Q; needs dcp = pcp > 1)",
     )
     gemm_efficiency: float = Field(
-        0.4549, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
+        0.4553, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
     )
     p2p_efficiency: float = Field(
         0.4646, gt=0, le=1,

@@ -1,7 +1,8 @@
 """Records what an executed step counted, as the engine records it, on rank 0: per-rank
-tokens and attention pairs (a ring's, on a ring step), the attention that ran, and this
-step's collective calls and bytes by purpose (read from the rank's CommStats before the
-engine closes the step; a ring's point-to-point sends are in the run's metrics.jsonl). For
+tokens and attention pairs (a ring's, on a ring step), the attention that ran, this step's
+collective calls and bytes by purpose (read from the rank's CommStats before the engine
+closes the step; a ring's point-to-point sends are in the run's metrics.jsonl), and what the
+scheduler did (preemptions, prefix hits, KV blocks in use, running and waiting requests). For
 the simulate tests."""
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class StepCounts(Stage):
             "cp_attention": ran,
             "collective_calls": dict(ctx.stats.step_calls),
             "collective_bytes": dict(ctx.stats.step_bytes),
+            **ctx.extras["step_stats"]._asdict(),
         }
         with open(Path(self.config.path), "a") as f:
             f.write(json.dumps(line) + "\n")
