@@ -42,7 +42,14 @@ from typing import Literal
 import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
-from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, RingPlan, plan_ring, request_num_computed
+from pcpflow.layouts.ring import (
+    REPLICATED,
+    STAYS,
+    TRAVELS,
+    RingPlan,
+    plan_ring,
+    request_num_computed,
+)
 from pcpflow.layouts.slots import dcp_local_seq_lens
 
 DCP_REST_POLICIES = ("auto", "queries", "context")

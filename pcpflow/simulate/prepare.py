@@ -15,7 +15,6 @@ import copy
 from typing import Any
 
 import numpy as np
-
 from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig

@@ -14,10 +14,10 @@ counts changes without them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pcpflow_test_plugins import step_counts
-
-from pathlib import Path
 
 from pcpflow.simulate.engine import SimulatedRun
 from pcpflow.testing import compose, run
