@@ -173,9 +173,10 @@ def simulate_problems(cfg) -> list[Problem]:
                          "would not run: leave +pipeline.extra out"))
     p += dtype_problems(cfg)
     p += objective_problems(cfg)
-    if cfg.simulate.cp_decode == "ring_pass_q" and cfg.dcp == 1:
-        p.append(Problem("simulate.cp_decode", "ring_pass_q", "a ring passes queries over KV shards: it needs "
-                         "dcp > 1 (dcp=1 holds the whole cache on every rank); use engine, or raise dcp"))
+    if cfg.simulate.cp_decode == "ring_pass_q" and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
+        p.append(Problem("simulate.cp_decode", "ring_pass_q", "the executed ring passes queries over the KV "
+                         f"shards of its ring: it needs pcp > 1 and dcp = pcp; got pcp={cfg.pcp} dcp={cfg.dcp} "
+                         f"(use engine, or pcp=dcp={max(cfg.pcp, 2)})"))
     try:
         requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     except ConfigError as exc:  # the workload's own problems (a trace, its size)
