@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['priced_in_full']:7d} {r['wall_s']:7.1f} {r['cpu_s']:6.1f} {r['search_wall_s'].get('screen', 0):8.1f} {r['search_wall_s'].get('full', 0):7.1f} "
               f"{'>=' + str(r['target_n']) + ' in ' + str(int(r['target_s'])) + 's':>12s} {r['load']:5.2f}  {rec}"
               + ("" if met else "   (target missed)"))
-        print(f"          screened on {r['screened_on']} ({r['method']}, {r['jobs']} workers); cpu s: the "
+        print(f"          screened on {r['screened_on']} ({r['method']}, up to {r['jobs']} workers); cpu s: the "
               "processes' CPU time (workers included)")
     return 0 if ok else 1
 

@@ -30,6 +30,9 @@ END_TO_END = {
     # a simulated run starts no ranks: the 1M-token layout of the published figures, priced
     "python -m pcpflow mode=simulate model=llama3_405b hardware=gtt_h100 simulate.weights_dtype=fp8 "
     "tp=8 pcp=16 dcp=16 workload=explicit 'workload.prompt_lens=[1048576]' 'workload.output_lens=[1]'",
+    # a search of the layouts of 32 GPUs with tp fixed: screened in process, nothing started
+    "python -m pcpflow mode=search model=llama3_70b hardware=h200_sxm search.gpus=16 tp=8 "
+    "cudagraph_mode=full_and_piecewise workload=explicit 'workload.prompt_lens=[32768]' 'workload.output_lens=[8]'",
 }
 
 
@@ -126,6 +129,10 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert sim["status"] == "ok" and sim["config"]["verify"] is False
     # Meta's CP paper: 77 s for this 1M-token prefill on 16 nodes x 8 H100 (shared/published)
     assert sim["metrics"]["num_tokens"] == 1048576 and abs(sim["metrics"]["ttft"]["mean_s"] / 77.0 - 1) < 0.15
+    (search,) = [p for p in (clone / "outputs").rglob("result.json") if json.loads(p.read_text())["config"]["mode"] == "search"]
+    found = json.loads(search.read_text())
+    assert found["status"] == "ok" and found["metrics"]["search"]["recommended"]["layout"].startswith("tp=8 ")
+    assert (search.parent / "search.csv").is_file() and (search.parent / "search.md").is_file()
     (result_file,) = [p for p in (clone / "outputs").rglob("result.json")
                       if json.loads(p.read_text())["config"]["mode"] == "execute"]  # the default run
     result = json.loads(result_file.read_text())

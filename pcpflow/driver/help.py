@@ -29,6 +29,9 @@ commands people run:
   python -m pcpflow mode=simulate model=llama3_70b hardware=h200_sxm tp=8 pcp=2 workload=trace
       workload.path=scripts/data/mooncake_conversation_head.jsonl workload.length_scale=1
       slo.ttft_s=2 slo.tpot_s=0.1                serving: arrivals in time, prefix cache, goodput
+  python -m pcpflow mode=search model=llama3_405b hardware=gtt_h100 search.gpus=32
+      workload=explicit 'workload.prompt_lens=[131072]' simulate.objective=ttft
+                                                 the best layouts of 32 GPUs (docs/search.md)
   python -m pcpflow --cfg job pcp=4                  the composed config (validated first)
 """
 
@@ -43,6 +46,7 @@ results (a run):   outputs/<date>/<time>/ or hydra.run.dir=DIR: result.json (sta
                    requests.csv for a simulated run of more than 20,000 requests
 results (a sweep): multirun/<date>/<time>/ or hydra.sweep.dir=DIR: sweep.csv, sweep.md,
                    sweep.png, and one run directory per job
+results (a search): search.csv (a row per priced layout), pruned.csv, search.md, search.png
 
 more: README.md; every setting with its default: docs/configuration.md; Hydra's own
 flags: --hydra-help

@@ -14,6 +14,7 @@ without them, ``search.*`` outside ``mode=search`` (``pcpflow.config.run.MODE_SE
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import re
@@ -155,6 +156,11 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     else:
         layouts = space.enumerate()
     optuna = search.candidates is None and len(layouts) > search.exhaustive_limit
+    if optuna and importlib.util.find_spec("optuna") is None:
+        raise ConfigError([Problem("search.exhaustive_limit", search.exhaustive_limit,
+                                   f"the space holds {len(layouts)} layouts: more than this is searched by Optuna, "
+                                   "which is not installed (pip install -e '.[search]'); or enumerate them all "
+                                   f"(search.exhaustive_limit={len(layouts)}), or fix some keys on the command line")])
     feasible, pruned = _screenable(layouts, base, space, prepare, gpus=search.gpus, stop_at_first=optuna)
     if not feasible:
         raise ConfigError(_none_feasible(pruned, base, space, prepare, search))
@@ -174,9 +180,10 @@ _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mo
 
 def _fixed(base: dict[str, Any]) -> dict[str, Any]:
     """The dimensions the command line fixed: those not null in the composed config."""
-    from pcpflow.search.space import DIMS, REPLICAS
+    from pcpflow.search.space import DIMS, REPLICAS, pool_dims
 
-    return {d.name: get_path(base, d.path) for d in (*DIMS, REPLICAS) if get_path(base, d.path) is not None}
+    dims = (*DIMS, *pool_dims("disagg" in RunConfig.model_fields), REPLICAS)
+    return {d.name: get_path(base, d.path) for d in dims if get_path(base, d.path) is not None}
 
 
 def _has_experts(base: dict[str, Any]) -> bool:
@@ -285,11 +292,9 @@ def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus:
     seen: set[tuple] = set()
     g = gpus * 2
     while g <= gpus * SMALLEST_UP_TO:
-        from pcpflow.search.space import DIMS
-
-        skeleton_fixed = {d.name: d.default for d in DIMS if d.name not in ("tp", "pcp", "dcp")}
+        skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
         wide = Space(g, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
-                     pools_available=len(space.dims) > len(DIMS))
+                     pools_available=space.pools)
         for layout in wide.enumerate():
             if layout.world <= gpus or layout.values in seen:
                 continue

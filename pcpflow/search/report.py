@@ -260,7 +260,8 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
     lines += [f"- **Space**: {summary['space']} layouts ({summary['method']}); **pruned** before any pricing: "
               f"{summary['pruned']} (pruned.csv); **screened**: {summary['screened']} on {summary['screened_on']}; "
               f"**priced in full** (whole workload): {summary['priced_in_full']}.",
-              f"- Workers: {summary['jobs']} (joblib); wall time {summary['wall_s'].get('total', 0):.1f} s "
+              f"- Workers: up to {summary['jobs']} (joblib; less work than a worker's start-up is priced in this "
+              f"process); wall time {summary['wall_s'].get('total', 0):.1f} s "
               f"(screen {summary['wall_s'].get('screen', 0):.1f}, full {summary['wall_s'].get('full', 0):.1f}, "
               f"fitted factors {summary['wall_s'].get('sensitivity', 0):.1f}).",
               "- TTFT and TPOT are p90 over the workload's requests at its own arrivals; throughput is output "
@@ -432,7 +433,7 @@ def print_console(search: Search, summary: dict[str, Any], run_dir: Path | None)
     rec, run = summary["recommended"], summary["runner_up"]
     lines = [f"pcpflow search: {summary['space']} layouts ({summary['method']}), {summary['pruned']} pruned before "
              f"pricing, {summary['screened']} screened on {summary['screened_on']}, {summary['priced_in_full']} "
-             f"priced in full; {summary['wall_s'].get('total', 0):.1f} s on {summary['jobs']} worker(s)"]
+             f"priced in full; {summary['wall_s'].get('total', 0):.1f} s (up to {summary['jobs']} joblib worker(s))"]
     if rec is None:
         lines.append("no layout could be priced (search.csv says why)")
     else:

@@ -28,7 +28,6 @@ from typing import Any
 
 from pcpflow.search.evaluate import Settings, evaluate
 from pcpflow.search.plan import Candidate, SearchPlan, candidate, plan_search
-from pcpflow.signals import Interrupted
 from pcpflow.simulate.decide import OBJECTIVES
 
 SCREEN_TOLERANCE, FULL_TOLERANCE = 0.25, 0.05
@@ -42,17 +41,28 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+WORKER_START_S = 6.0
+"""About what a joblib worker costs to start on 2 loaded cores (imports torch, counts a layer's
+kernels once): less work than this left is priced in this process."""
+
+
 def parallel(tasks: list[tuple], jobs: int):
-    """``(i, evaluate(*tasks[i]))`` as each finishes, over ``jobs`` joblib workers (in this
-    process when one)."""
-    if jobs <= 1 or len(tasks) <= 1:
-        for i, args in enumerate(tasks):
-            yield i, evaluate(*args)
+    """``(i, evaluate(*tasks[i]))`` as each finishes: in this process while the work left
+    looks smaller than starting workers would cost (judged by the last task's time; the first
+    pays this process's one-off costs), then over ``jobs`` joblib workers."""
+    i = 0
+    while i < len(tasks):
+        t = time.perf_counter()
+        yield i, evaluate(*tasks[i])
+        i += 1
+        if jobs > 1 and i >= 2 and (time.perf_counter() - t) * (len(tasks) - i) > WORKER_START_S:
+            break
+    if i == len(tasks):
         return
     from joblib import Parallel, delayed
 
-    with Parallel(n_jobs=min(jobs, len(tasks)), return_as="generator_unordered") as pool:
-        yield from pool(delayed(_indexed)(i, args) for i, args in enumerate(tasks))
+    with Parallel(n_jobs=min(jobs, len(tasks) - i), return_as="generator_unordered") as pool:
+        yield from pool(delayed(_indexed)(k, tasks[k]) for k in range(i, len(tasks)))
 
 
 def _indexed(i: int, args: tuple) -> tuple[int, dict[str, Any]]:

@@ -56,7 +56,7 @@ DIMS: tuple[Dim, ...] = (
 )
 REPLICAS = Dim("replicas", "serving.replicas", ("serving", "replicas"), None)
 ALIASES = {"decode.mode": "decode", "dcp_rest": "dcp_rest", "cp_attention": "cp_attention",
-           "replicas": "replicas"}
+           "replicas": "replicas", "disagg.kind": "disagg"}
 """Other spellings a candidate string may use for a dimension's key."""
 
 
@@ -143,6 +143,7 @@ class Space:
     def __init__(self, gpus: int, *, fixed: dict[str, Any], experts: bool, fill: bool,
                  pools_available: bool = False) -> None:
         self.gpus, self.fixed, self.experts, self.fill = gpus, dict(fixed), experts, fill
+        self.pools = pools_available
         self.dims = DIMS + pool_dims(pools_available)
 
     # -- enumeration --------------------------------------------------------------------------
@@ -177,19 +178,36 @@ class Space:
                     yield {"tp": tp, "pcp": pcp, "dcp": dcp}
 
     def _variants(self, base: dict[str, Any]):
-        rest = [d for d in self.dims if d.name not in base]
+        rest = [d for d in self.dims if d.name not in base and not d.name.startswith("decode_pool")]
         choices = []
         for d in rest:
             if d.name in self.fixed:
                 choices.append([self.fixed[d.name]])
             elif d.name == "moe_dispatch":
                 choices.append(list(d.values) if self.experts else [None])
-            elif d.name.startswith("decode_pool"):
-                choices.append(list(powers_of_two(self.gpus)) if d.name != "decode_pool_pcp" else [1])
             else:
                 choices.append(list(d.values))
         for combo in itertools.product(*choices):
-            yield {**base, **dict(zip((d.name for d in rest), combo))}
+            values = {**base, **dict(zip((d.name for d in rest), combo))}
+            if values.get("disagg") != "pd":
+                yield values
+                continue
+            for pool in self._decode_pools(base["tp"] * base["pcp"]):
+                yield {**values, **pool}
+
+    def _decode_pools(self, prefill_gpus: int):
+        """The decode pool's grids beside a prefill pool of ``prefill_gpus`` GPUs: tp a power
+        of two, pcp 1 (a decode pool recomputes no prefill it could shard), dcp dividing tp,
+        both pools within ``search.gpus``; what the command line fixed stays."""
+        left = self.gpus - prefill_gpus
+        tps = [self.fixed["decode_pool_tp"]] if "decode_pool_tp" in self.fixed else powers_of_two(max(left, 0))
+        pcps = [self.fixed["decode_pool_pcp"]] if "decode_pool_pcp" in self.fixed else [1]
+        for tp in tps:
+            for pcp in pcps:
+                dcps = ([self.fixed["decode_pool_dcp"]] if "decode_pool_dcp" in self.fixed
+                        else [d for d in range(1, tp + 1) if tp % d == 0] if pcp == 1 else sorted({1, pcp, tp * pcp}))
+                for dcp in dcps:
+                    yield {"decode_pool_tp": tp, "decode_pool_pcp": pcp, "decode_pool_dcp": dcp}
 
     def canonical(self, values: dict[str, Any], gpus: int | None = None) -> Layout | None:
         """The layout ``values`` stand for, each setting that changes nothing at its default,
@@ -198,9 +216,13 @@ class Space:
         gpus = self.gpus if gpus is None else gpus
         v = {d.name: values.get(d.name, d.default) for d in self.dims}
         pcp, dcp = v["pcp"], v["dcp"]
-        if pcp == 1:
+        pools = v.get("disagg", "none") == "pd"
+        # NOTE: with pools the decode mode is the decode pool's (the prefill pool runs prefills only)
+        if (v["decode_pool_pcp"] if pools else pcp) == 1:
             v["decode"] = self._unless_fixed("decode", "replicated", v)
         ring = v["cp_attention"] != "allgather"
+        if pools and ring and "cp_attention" not in self.fixed:  # rings inside a pool are not run with disagg=pd
+            return None
         if ring and not (pcp > 1 and dcp == pcp) and "cp_attention" not in self.fixed:
             return None
         if not (dcp > 1 and pcp > 1 and dcp == pcp) or ring:
@@ -210,7 +232,7 @@ class Space:
                 v["moe_dispatch"] = self._unless_fixed("moe_dispatch", None, v)
             elif pcp == 1 and v["moe_dispatch"] == "gather":
                 v["moe_dispatch"] = self._unless_fixed("moe_dispatch", "local", v)
-        if v.get("disagg", "none") != "pd":
+        if not pools:
             for name in ("decode_pool_tp", "decode_pool_pcp", "decode_pool_dcp"):
                 if name in v:
                     v[name] = 1
@@ -225,8 +247,9 @@ class Space:
         world = Layout(v + (("replicas", 1),)).world
         if replicas is None:
             replicas = self.fixed.get("replicas")
-        if replicas is None:
-            replicas = max(1, (self.gpus if gpus is None else gpus) // world) if self.fill else 1
+        if replicas is None:  # NOTE: one prefill and one decode pool per instance: pools are not replicated
+            pools = values.get("disagg") == "pd"
+            replicas = max(1, (self.gpus if gpus is None else gpus) // world) if self.fill and not pools else 1
         return Layout(v + (("replicas", replicas),), extra)
 
     def _unless_fixed(self, name: str, value: Any, v: dict[str, Any]) -> Any:

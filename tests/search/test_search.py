@@ -49,11 +49,31 @@ def test_a_search_over_candidates_writes_its_report_and_each_row_is_its_layouts_
         assert section in md
     assert "gemm_efficiency" in md and "p2p_efficiency" in md
     assert (tmp_path / "search.png").is_file()
+    _assert_the_front_is_the_undominated_rows(rows)
+    # the runner-up sentence: the best beats the next by the ratio of their TTFT p90s in search.csv
+    best_row, runner_row = rows[0], rows[1]
+    ratio = float(runner_row["ttft_p90_s"]) / float(best_row["ttft_p90_s"])
+    assert ratio > 1
+    assert f"`{best_row['overrides']}` beats `{runner_row['overrides']}` by {ratio:.3g}x on TTFT p90" in md
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "ok" and result["metrics"]["search"]["pruned"] == 1
     best = rows[0]["overrides"]
     assert f"recommended (ttft): {best}" in r.stdout
     assert "python -m pcpflow mode=simulate model=llama3_405b hardware=gtt_h100" in r.stdout
+
+
+def _assert_the_front_is_the_undominated_rows(rows):
+    """Pareto by definition: a row is on the front iff no other row is at least as good on
+    every measure (TTFT and TPOT p90, GPUs lower; goodput per GPU higher, where counted) and
+    better on one."""
+    def measures(r):
+        out = [float(r["ttft_p90_s"]), float(r["tpot_p90_s"]), float(r["gpus"])]
+        return out + ([-float(r["goodput_per_gpu"])] if r["goodput_per_gpu"] else [])
+
+    for r in rows:
+        dominated = any(all(a <= b for a, b in zip(measures(o), measures(r))) and measures(o) != measures(r)
+                        for o in rows if o is not r)
+        assert (r["pareto"] == "True") == (not dominated), (r["overrides"], r["pareto"])
 
 
 @pytest.mark.slow
@@ -96,6 +116,8 @@ def test_goodput_per_gpu_is_a_rate_whose_attainment_holds(tmp_path):
     (["search.gpus=8"], "search.gpus", ["at least 16", "tp=16 pcp=1 dcp=1", "the weights do not fit"]),
     pytest.param(["search.gpus=32", "simulate.objective=goodput_per_gpu"], "simulate.objective", ["slo.ttft_s"],
                  marks=pytest.mark.slow),
+    (["search.gpus=32", "simulate.objective=goodput_per_gpu", "search.candidates=['tp=16','tp=32']"],
+     "simulate.objective", ["slo.ttft_s", "slo.tpot_s"]),
     (["search.gpus=32", "search.candidates=['tp=2','tp=4 pcp=2']"], "search.candidates",
      ["no candidate can run (2 pruned)", "2 x tp"]),
     pytest.param(["search.gpus=32", "decode=sharded"], "decode", ["decode.mode=sharded"], marks=pytest.mark.slow),
