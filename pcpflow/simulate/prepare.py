@@ -47,7 +47,8 @@ def requests_of(workload, vocab_size: int, seed: int):
     requests alone would not fit in this host's memory."""
     from pcpflow.scheduling.workload import request_table
 
-    key = (workload.model_dump_json(), vocab_size, seed)
+    # NOTE: JSON writes inf as null: request_rate=inf (all at once, in time) and null (in steps) apart
+    key = (workload.model_dump_json(), repr(getattr(workload, "request_rate", None)), vocab_size, seed)
     if key not in _REQUESTS:
         problems = workload_host_problems(workload)
         if problems:
