@@ -30,7 +30,7 @@ END_TO_END = {
     # a simulated run starts no ranks: the 1M-token layout of the published figures, priced
     "python -m pcpflow mode=simulate model=llama3_405b hardware=gtt_h100 simulate.weights_dtype=fp8 "
     "tp=8 pcp=16 dcp=16 workload=explicit 'workload.prompt_lens=[1048576]' 'workload.output_lens=[1]'",
-    # a search of the layouts of 32 GPUs with tp fixed: screened in process, nothing started
+    # a search of the layouts of 16 GPUs with tp fixed: screened in process, nothing started
     "python -m pcpflow mode=search model=llama3_70b hardware=h200_sxm search.gpus=16 tp=8 "
     "cudagraph_mode=full_and_piecewise workload=explicit 'workload.prompt_lens=[32768]' 'workload.output_lens=[8]'",
 }
