@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.config.profile import ProfileConfig
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.models import ModelConfig
 from pcpflow.parallel.grid import RankGrid
@@ -150,10 +151,13 @@ class RunConfig(_Strict):
     )
     moe: MoERunConfig = Field(default_factory=MoERunConfig)
     # --- simulate (pcpflow.simulate, docs/simulate.md)
-    mode: Literal["execute", "simulate"] = Field(
-        "execute", description="execute: ranks compute (verified); simulate: price every step on `hardware`"
+    mode: Literal["execute", "simulate", "profile"] = Field(
+        "execute",
+        description="execute: ranks compute (verified); simulate: price every step on `hardware`; profile: "
+        "measure this machine on the run's ranks into <run dir>/hardware.yaml",
     )
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
     hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
 
     @property
@@ -260,7 +264,7 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
     return f"{hint}; allowed keys: {', '.join(keys)}"
 
 
-MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",)}
+MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",), "profile": ("profile",)}
 """Settings that only some modes read (the section -> those modes). Set in another mode they
 would be silently ignored, so they are refused there."""
 

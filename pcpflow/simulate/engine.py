@@ -40,8 +40,8 @@ from pcpflow.pipeline.state import StepState
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import StepLoop
 from pcpflow.scheduling.scheduler import Scheduler
-from pcpflow.simulate.collectives import NCCL_VERSION, p2p_rate_gbps
-from pcpflow.simulate.host import Host, kernels_per_layer
+from pcpflow.simulate.collectives import NCCL_VERSION
+from pcpflow.simulate.host import Host, kernels_per_layer, moe_ops
 from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_counts
 from pcpflow.simulate.ring import RING_PREFILL, RING_PURPOSES, meta_algorithm1
@@ -124,7 +124,7 @@ class SimulatedRun:
             batch, layout, grid=self.grid, sizes=self.sizes, dtype_bytes=self.dtype_bytes,
             dcp_rest=rest, interleave=self.cfg.kv.interleave, restore=self.restore,
             dcp_comm_backend=self.cfg.dcp_comm_backend, moe_dispatch=self.moe_dispatch,
-            kv_bytes=DTYPE_BYTES[self.sim.kv_dtype], prefill_ring=ring,
+            kv_bytes=DTYPE_BYTES[kv_key(self.cfg)], prefill_ring=ring,
             decode_ring=self.sim.cp_decode == "ring_pass_q",
         )
 
@@ -177,11 +177,10 @@ class SimulatedRun:
         new = int(batch.num_scheduled_tokens[req].sum())
         cached = int(batch.num_computed_tokens[req].sum())
         s, hw = self.sizes, self.hw
-        comm = self.pricer.place.comm("dcp")
         return meta_algorithm1(
             new_tokens=new, cached_tokens=cached, n=self.grid.dcp, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
             compute_flops=hw.peak(self.pricer.act_key) * 1e12 * self.sim.attention_efficiency,
-            bandwidth=p2p_rate_gbps(hw, comm, network=comm.nnodes > 1, efficiency=self.sim.p2p_efficiency) * 1e9,
+            bandwidth=self.pricer.place.p2p_gbps("dcp", self.sim.p2p_efficiency) * 1e9,
             elem_bytes=self.pricer.act_bytes,
         )
 
@@ -209,11 +208,22 @@ class SimulatedRun:
 def _pricer(cfg: RunConfig, sizes, moe_dispatch: str) -> Pricer:
     hw, sim = cfg.hardware, cfg.simulate
     assert hw is not None
-    host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=hw.host.graph_launch_us * 1e-6,
+    measured = hw.tables is not None and bool(hw.tables.gemm)
+    host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=(hw.host.graph_launch_us or hw.host.launch_us) * 1e-6,
                 layer=kernels_per_layer(sizes, cfg.tp), num_layers=sizes.num_layers,
-                override=hw.host.kernels_per_layer)
-    return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=sim.kv_dtype, host=host,
+                override=hw.host.kernels_per_layer,
+                moe_ops=moe_ops(sizes.num_experts, sizes.top_k, sizes.num_shared_experts)
+                if measured and sizes.num_experts else (0.0, 0.0))
+    return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=kv_key(cfg), host=host,
                   moe_dispatch=moe_dispatch)
+
+
+def kv_key(cfg: RunConfig) -> str:
+    """The KV cache's element: ``simulate.kv_dtype``; an executed model priced on a measured
+    profile keeps its cache in the run's dtype, as it executes."""
+    if cfg.hardware is not None and cfg.hardware.tables is not None and cfg.model.name in ("tiny_mla", "tiny_gqa"):
+        return PEAK_OF_DTYPE[cfg.dtype]
+    return cfg.simulate.kv_dtype
 
 
 def _step_fields(rest: DCPRest, counts, p: StepPrice, meta: str | None) -> dict[str, Any]:

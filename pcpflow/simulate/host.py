@@ -105,6 +105,43 @@ def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[i
     return LayerKernels(total=c.n, attention=StaticAttention.calls, norm=cn.n)
 
 
+@lru_cache(maxsize=32)
+def moe_ops(num_experts: int, top_k: int, num_shared: int) -> tuple[float, float]:
+    """Ops an MoE layer of pcpflow's forward launches, beside those its dense counterpart
+    would: (fixed, per reached expert). Routing depends on the data, so the layer runs on
+    real minimal tensors (CPU) for one row (``top_k`` experts reached) and for enough rows to
+    reach them all; the difference over the experts it adds is the cost of one."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pcpflow.models.moe import MoEMLP
+    from pcpflow.models.moe_config import MoEConfig
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 0 if func.is_view else 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    moe = MoEMLP(8, 8, MoEConfig(num_experts=num_experts, top_k=top_k, num_shared_experts=num_shared), 0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_()
+        counts, reached = [], []
+        for rows in (1, 64 * num_experts):
+            x = torch.randn(rows, 8)
+            ids = moe.gate(x)[1]
+            reached.append(len(torch.unique(ids)))
+            Count.n = 0
+            with Count():
+                moe(x)
+            counts.append(Count.n)
+    per_expert = (counts[1] - counts[0]) / max(reached[1] - reached[0], 1)
+    return counts[0] - per_expert * reached[0], per_expert
+
+
 @dataclass(frozen=True)
 class Host:
     """Host seconds of one step, by how it runs (``cudagraph`` dispatch)."""
@@ -114,6 +151,7 @@ class Host:
     layer: LayerKernels
     num_layers: int
     override: int | None = None
+    moe_ops: tuple[float, float] = (0.0, 0.0)  # an MoE layer's ops: fixed, per reached expert (``moe_ops``)
 
     @property
     def per_layer(self) -> int:

@@ -49,9 +49,18 @@ from pcpflow.layouts.accounting import (
 from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import ring as rings
-from pcpflow.simulate.collectives import Comm, all_to_all_seconds, sendrecv_seconds, tuner
+from pcpflow.simulate.collectives import Comm, all_to_all_seconds, p2p_rate_gbps, sendrecv_seconds, tuner
 from pcpflow.simulate.host import Host
 from pcpflow.simulate.kernels import Kernels
+from pcpflow.simulate.measured import (
+    MeasuredCollectives,
+    MeasuredKernels,
+    attended_rows,
+    attention_weights,
+    dtype_of,
+    host_seconds,
+    launch_us,
+)
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 KV_PURPOSES = ("kv_gather", "dcp_context_gather", "ring_send_kv")
@@ -70,13 +79,15 @@ class Placement:
 
     def __init__(self, grid: RankGrid, hw: HardwareConfig, p2p_efficiency: float = 1.0) -> None:
         self.grid, self.hw, self.p2p_efficiency = grid, hw, p2p_efficiency
+        # NOTE: a measured profile's collectives come from its tables; NCCL's model prices the rest.
+        self.measured = MeasuredCollectives(hw.tables) if hw.tables is not None else None
         members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
                    "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
         self.comms: dict[str, Comm] = {}
         for g, m in members.items():
             nodes = Counter(r // hw.gpus_per_node for r in m)
             self.comms[g] = Comm(len(m), len(nodes), max(nodes.values()))
-        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()}
+        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()} if hw.nccl else {}
         self._seconds: dict[tuple[str, str, float], tuple[float, str]] = {}
 
     def comm(self, group: str) -> Comm:
@@ -102,6 +113,8 @@ class Placement:
         comm = self.comms[group]
         if comm.nranks <= 1 or tensor_bytes <= 0:
             return 0.0, "-"
+        if self.measured is not None and self.measured.has(op, comm.nranks):
+            return self.measured.seconds(op, comm.nranks, tensor_bytes), "measured"
         if op == "all_to_all":
             return all_to_all_seconds(self.hw, comm, tensor_bytes, efficiency=self.p2p_efficiency), "p2p"
         if op == "sendrecv":
@@ -110,6 +123,14 @@ class Placement:
         nbytes = tensor_bytes * comm.nranks if op == "all_gather" else tensor_bytes
         algo, proto, s = self._tuners[group].pick(NCCL_FUNC[op], nbytes)
         return s, f"{algo}/{proto}"
+
+    def p2p_gbps(self, group: str, efficiency: float) -> float:
+        """What one rank sends a peer of ``group`` per second (GB/s): the measured send/recv's
+        fitted bandwidth, else NCCL's point-to-point rate."""
+        comm = self.comms[group]
+        if self.measured is not None and self.measured.has("sendrecv", comm.nranks):
+            return self.measured.rate_gbps("sendrecv", comm.nranks)
+        return p2p_rate_gbps(self.hw, comm, network=comm.nnodes > 1, efficiency=efficiency)
 
 
 @dataclass
@@ -128,6 +149,7 @@ class StepCounts:
     decode_ring: bool = False  # decodes ran Meta's ring pass-Q
     ring_sends: list = field(default_factory=list)  # per layer: RingSend of the prefill ring
     decode_sends: list = field(default_factory=list)  # per layer: RingSend of the decode ring
+    dcp_rest: str = "queries"  # the DCP path of the rest rows (DCPRest.mode)
 
 
 def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest: DCPRest,
@@ -209,7 +231,7 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         expected = ROUTED_PURPOSES
     return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected,
                       ring=prefill_ring if ring_sends else None, decode_ring=bool(decode_sends),
-                      ring_sends=ring_sends, decode_sends=decode_sends)
+                      ring_sends=ring_sends, decode_sends=decode_sends, dcp_rest=dcp_rest.mode)
 
 
 def _tensor_bytes(c, dtype_bytes: int) -> float:
@@ -242,8 +264,13 @@ class Pricer:
                  act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local") -> None:
         self.grid, self.hw, self.sizes, self.sim = grid, hw, sizes, sim
         self.place = Placement(grid, hw, sim.p2p_efficiency)
-        self.kern = Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency,
-                            attention_efficiency=sim.attention_efficiency)
+        # NOTE: a measured profile prices pcpflow's own forward from its tables (pcpflow.simulate.measured).
+        self.measured = hw.tables is not None and bool(hw.tables.gemm)
+        if self.measured:
+            self.kern = MeasuredKernels(hw, dtype=dtype_of(act_key))
+        else:
+            self.kern = Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency,
+                                attention_efficiency=sim.attention_efficiency)
         self.act_key, self.act_bytes = act_key, DTYPE_BYTES[act_key]
         self.kv_bytes = DTYPE_BYTES[kv_key]
         self.w_key = sim.weights_dtype or "bf16"
@@ -275,7 +302,7 @@ class Pricer:
 
         for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), int(samples))):
             out[i] = out[i] + v
-        if s.attention == "mla" and s.kv_b_params:
+        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
             ctx = _prefill_context(batch, layout, grid)
             if ctx.any():
                 _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
@@ -348,20 +375,29 @@ class Pricer:
         entry = s.entry_dim_per_rank(grid.tp) * self.kv_bytes * L
         p_flops = 2.0 * heads * L * prefill_pairs * (s.prefill_qk_dim + s.prefill_v_dim)
         d_flops = 2.0 * heads * L * decode_pairs * (s.decode_qk_dim + s.decode_v_dim)
-        p_rows = np.full(P, float(max(layout.padded_num_tokens - nd, 0)))
-        t_pre = k.prefill_attention(p_flops, p_rows, entry * prefill_pairs / FLASH_QUERY_TILE,
-                                    peak_key=self.act_key)
-        t_dec = k.decode_attention(d_flops, entry * decode_pairs, peak_key=self.act_key)
-        t_pre = np.where(p_flops > 0, np.maximum(t_pre, L * k.floor), 0.0)
-        t_dec = np.where(d_flops > 0, np.maximum(t_dec, L * k.floor), 0.0)
+        if self.measured:
+            t_pre, t_dec = self._measured_attention(batch, layout, counts, heads, prefill_pairs, decode_pairs)
+            attn_c = t_pre + t_dec
+        else:
+            p_rows = np.full(P, float(max(layout.padded_num_tokens - nd, 0)))
+            t_pre = k.prefill_attention(p_flops, p_rows, entry * prefill_pairs / FLASH_QUERY_TILE,
+                                        peak_key=self.act_key)
+            t_dec = k.decode_attention(d_flops, entry * decode_pairs, peak_key=self.act_key)
+            t_pre = np.where(p_flops > 0, np.maximum(t_pre, L * k.floor), 0.0)
+            t_dec = np.where(d_flops > 0, np.maximum(t_dec, L * k.floor), 0.0)
+            attn_c = t_pre + np.where(d_flops / k.peak(self.act_key) >= entry * decode_pairs / k.hbm, t_dec, 0.0)
         t_attn = t_pre + t_dec
-        attn_c = t_pre + np.where(d_flops / k.peak(self.act_key) >= entry * decode_pairs / k.hbm, t_dec, 0.0)
 
         # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
         mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
         small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
-        t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
+        inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
+        if inline:
+            op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
+            t_mem = np.full(P, float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes)))
+        else:
+            t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
 
         # Collectives: the engine's all exposed; a ring's SendRecv hides behind its steps.
         terms: dict[str, list] = {}
@@ -381,7 +417,7 @@ class Pricer:
             for send in sends:
                 sec, pick = place.seconds(send.op, "dcp", send.tensor_bytes)
                 picks[send.purpose] = pick
-                if send.op == "sendrecv":
+                if send.op == "sendrecv" and self.hw.overlap.p2p:
                     exposed = L * send.calls * np.maximum(sec - step_attn, 0.0)
                     hidden = L * send.calls * np.minimum(sec, step_attn)
                 else:
@@ -394,12 +430,24 @@ class Pricer:
         host = self.host.step(runtime_mode, calls)
         if counts.ring_sends or counts.decode_sends:
             host += (0 if runtime_mode == "full" else ring_kernels * self.host.layer.attention * self.host.launch_s)
-        total = np.maximum(gpu, host)
+        # pcpflow's own per-step work (scheduler, plan, buffers, slots, sampling): measured
+        # profiles only; it runs before the step's first op and after its last, exposed.
+        work = host_seconds(self.hw.tables, len(batch.num_scheduled_tokens), int(batch.num_tokens)) if self.measured else 0.0
+        if inline:
+            host = self._inline_ops(layout) * self.launch_s
+            total = gpu + host + work
+            launch = [host, 0.0]
+        else:
+            total = np.maximum(gpu, host) + work
         slow = int(np.argmax(total))
+        if not inline:
+            launch = [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
         out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
                "memory_ops": [float(t_mem[slow]), 0.0]}
         out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
-        out["host_launch"] = [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        out["host_launch"] = launch
+        if self.measured:
+            out["host_work"] = [work, 0.0]
         p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
         fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
         return StepPrice(
@@ -407,12 +455,51 @@ class Pricer:
             terms=out,
             compute_s=g_c + attn_c,
             memory_s=(g_t - g_c) + (t_attn - attn_c) + t_mem,
-            communication_s=total - g_t - t_attn - t_mem,
+            communication_s=total - g_t - t_attn - t_mem,  # exposed collectives and host
             fitted_s=fitted,
             picks=picks,
             flops=g_flops + p_flops + d_flops,
             hbm_bytes=w_bytes + entry * decode_pairs + mem_bytes + merge_bytes,
         )
+
+    # ------------------------------------------------------------------ measured profiles
+    def _measured_attention(self, batch, layout, counts: StepCounts, heads: float, prefill_pairs, decode_pairs):
+        """[P] prefill and [P] decode attention seconds from the profile's tables: one call
+        per layer of pcpflow's backend (with DCP, the decode rows' call and the rest rows'
+        apart), at the executed head shape (MLA absorbed for every row)."""
+        s, grid, k = self.sizes, self.grid, self.kern
+        w = attention_weights(self.hw.tables.attention.basis, s.entry_dim_per_rank(grid.tp), heads,
+                              heads * (s.decode_qk_dim + s.decode_v_dim))
+        dec_rows, pre_rows = attended_rows(layout, batch, dcp=grid.dcp, dcp_rest=counts.dcp_rest)
+        t_pre, t_dec = np.zeros(grid.pcp), np.zeros(grid.pcp)
+        for r in range(grid.pcp):
+            if pre_rows[r] and prefill_pairs[r] > 0:
+                t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w)
+            if dec_rows[r] and decode_pairs[r] > 0:
+                t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w)
+            if grid.dcp == 1 and t_pre[r] and t_dec[r]:  # one call holds both: one fixed cost
+                t_dec[r] = max(t_dec[r] - k.attention_fixed(w), 0.0)
+        L = s.num_layers
+        return L * t_pre, L * t_dec
+
+    @property
+    def launch_s(self) -> float:
+        """One op of pcpflow's forward on a host that runs its ops itself (measured)."""
+        return launch_us(self.hw, self.sizes.attention) * 1e-6
+
+    def _inline_ops(self, layout) -> float:
+        """The ops of one step that are neither a GEMM nor the attention backend's call (those
+        are measured with their launch), on a host that runs them: every layer's (pcpflow's
+        forward counted, ``pcpflow.simulate.host``), an MoE layer's per reached expert. The
+        step's own ops outside the layers are in the host table (``host_work``)."""
+        s = self.sizes
+        per_layer = max(self.host.per_layer - self._gemm_kernels() - self.host.layer.attention, 0)
+        ops = float(s.num_layers * per_layer)
+        if s.num_experts and s.num_moe_layers:
+            fixed, per_expert = self.host.moe_ops
+            reached = float(np.max(_experts_touched(s, layout.per_rank_num_tokens.astype(np.float64) * 1.0)))
+            ops += s.num_moe_layers * (fixed + per_expert * reached)
+        return ops
 
     def _gemm_kernels(self) -> int:
         """GEMM kernels pcpflow's forward launches per layer (the rest are small kernels)."""

@@ -1,0 +1,156 @@
+"""Pricing on a measured profile (``pcpflow.simulate.measured``), on hand-made tables whose
+answers are worked by hand: power laws that log-log interpolation must reproduce exactly
+between grid points, attention linear in what a call moves, the roofline outside the tables,
+collectives by their fit, and a whole step of a tiny model summed term by term."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from pcpflow.config.hardware import HardwareConfig, HeadShape
+from pcpflow.simulate.measured import MeasuredCollectives, MeasuredKernels, attention_weights, interpolate
+from pcpflow.testing import compose
+
+BASIS = [(1, 1, 16), (8, 1, 16), (8, 8, 16), (2, 2, 64)]
+GEMM_RATE = 1e11  # FLOP/s: every GEMM of the table takes 2 m n k / GEMM_RATE
+COPY_RATE = 2e10  # B/s moved by a copy (read + written)
+C_E, C_H, C_F = 3e-9, 5e-9, 7e-10  # seconds per pair: per entry element, per head, per product
+
+
+def _pair_cost(entry: float, heads: float, products: float) -> float:
+    return C_E * entry + C_H * heads + C_F * products
+
+
+def profile_dict(**over) -> dict:
+    """A CPU profile whose every table is a law written down here."""
+    axis = [1, 64, 4096]
+    gemm = [[[2 * m * n * k / GEMM_RATE for k in axis] for n in axis] for m in axis]
+    rows, keys = [1, 32, 1024], [1, 64, 4096]
+    per_basis = [_pair_cost(2 * kv * d, h, 2 * h * d) for h, kv, d in BASIS]
+    attention = [[[r * k * u for u in per_basis] for k in keys] for r in rows]
+    sizes = [1024, 2**20, 2**28]
+    doc = {
+        "name": "measured", "device": "cpu", "cpu": "intel", "gpus_per_node": 2, "hbm_gib": 16.0,
+        "hbm_tbps": COPY_RATE / 1e12,
+        "peak_tflops": {"fp32": GEMM_RATE / 1e12, "bf16": None, "fp8": None},
+        "kernel_floor_us": 1.0,
+        "host": {"launch_us": 10.0, "graph_launch_us": None, "kernels_per_layer": 40},
+        "overlap": {"host": False, "p2p": False},
+        "measured": {"date": "2026-12-01", "device": "cpu: hand-made", "torch": "2.13.0", "backend": "gloo",
+                     "tp": 1, "pcp": 2, "threads_per_rank": 1, "dtypes": ["float32"], "quick": True,
+                     "status": "complete", "elapsed_s": 1.0},
+        "tables": {
+            "gemm": {"float32": {"m": axis, "n": axis, "k": axis, "seconds": gemm}},
+            "attention": {"backend": "reference",
+                          "basis": [{"heads": h, "kv_heads": kv, "head_dim": d} for h, kv, d in BASIS],
+                          "prefill": {"float32": {"rows": rows, "keys": keys, "seconds": attention}},
+                          "decode": {"float32": {"rows": rows, "keys": keys, "seconds": attention}}},
+            "memory": {"bytes": sizes, "seconds": [2 * b / COPY_RATE for b in sizes]},
+            "launch": {"op_us": 1.0, "layer_op_us": {"gqa": 10.0, "mla": 10.0}},
+            "host": {"requests": [1], "tokens": [1], "seconds": [0.0], "fixed_us": 1000.0, "per_request_us": 100.0,
+                     "per_token_us": 10.0},
+            "collectives": [{"group": "pcp", "ranks": 2, "op": op, "bytes": [1000, 10**6],
+                             "seconds": [1e-4 + 1000 / 1e9, 1e-4 + 10**6 / 1e9], "latency_us": 100.0, "gbps": 1.0}
+                            for op in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast",
+                                       "sendrecv")],
+        },
+    }
+    doc.update(over)
+    return doc
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "hardware.yaml"
+    path.write_text(yaml.safe_dump(profile_dict()))
+    return path
+
+
+def test_interpolation_is_exact_on_a_power_law_between_and_clamped_outside():
+    axes = [np.array([1.0, 4.0, 16.0]), np.array([2.0, 8.0])]
+    values = np.array([[m * n**2 for n in axes[1]] for m in axes[0]])
+    assert interpolate(axes, values, [2.0, 4.0]) == pytest.approx(2.0 * 16.0)  # off both grids
+    assert interpolate(axes, values, [16.0, 8.0]) == pytest.approx(16.0 * 64.0)  # a corner
+    assert interpolate(axes, values, [100.0, 1.0]) == pytest.approx(16.0 * 4.0)  # clamped to (16, 2)
+
+
+def test_a_head_shape_is_the_linear_combination_of_the_basis():
+    basis = [HeadShape(heads=h, kv_heads=kv, head_dim=d) for h, kv, d in BASIS]
+    # A basis shape takes its own table: weight 1 on itself.
+    assert attention_weights(basis, 2 * 8 * 16, 8, 2 * 8 * 16) == pytest.approx([0, 0, 1, 0], abs=1e-12)
+    # Llama-ish GQA 12 heads / 4 KV heads of 48: entry 2*4*48, 12 heads, 12*96 products per pair.
+    w = attention_weights(basis, 384, 12, 1152)
+    per_basis = np.array([_pair_cost(2 * kv * d, h, 2 * h * d) for h, kv, d in BASIS])
+    assert float(w @ per_basis) == pytest.approx(C_E * 384 + C_H * 12 + C_F * 1152)
+    assert w.sum() == pytest.approx(1.0)  # the constant column: a fixed cost is kept once
+
+
+def test_gemms_interpolate_inside_and_take_the_roofline_outside():
+    hw = HardwareConfig.model_validate(profile_dict())
+    k = MeasuredKernels(hw, dtype="float32")
+    assert k.gemm_scalar(100, 300, 2000)[0] == pytest.approx(2 * 100 * 300 * 2000 / GEMM_RATE)
+    # 8192 rows is past the table: FLOPs at the peak (1.3 s) against bytes at the copy rate.
+    flops = 2 * 8192 * 4096 * 4096
+    moved = (8192 * 4096 + 4096 * 4096 + 8192 * 4096) * 4
+    assert k.gemm_scalar(8192, 4096, 4096)[0] == pytest.approx(max(flops / GEMM_RATE, moved / COPY_RATE))
+    secs, _ = k.gemm(np.array([0, 10]), 64, 64, count=3)
+    assert secs.tolist() == pytest.approx([0.0, 3 * 2 * 10 * 64 * 64 / GEMM_RATE])
+
+
+def test_attention_by_rows_and_keys_and_per_pair_past_the_table():
+    hw = HardwareConfig.model_validate(profile_dict())
+    k = MeasuredKernels(hw, dtype="float32")
+    w = attention_weights(hw.tables.attention.basis, 64, 4, 128)  # tiny_gqa: 4 heads, 2 KV heads of 16
+    u = C_E * 64 + C_H * 4 + C_F * 128
+    assert k.attention("prefill", 300, 150.5, w) == pytest.approx(300 * 150.5 * u)
+    assert k.attention("decode", 8, 40, w) == pytest.approx(8 * 40 * u)
+    assert k.attention("decode", 2048, 8192, w) == pytest.approx(2048 * 8192 * u)  # the edge's rate per pair
+
+
+def test_memory_ops_move_at_the_rate_of_a_copy_their_size():
+    hw = HardwareConfig.model_validate(profile_dict())
+    k = MeasuredKernels(hw, dtype="float32")
+    assert float(k.memory(1e6, op_bytes=4096)) == pytest.approx(1e6 / COPY_RATE)
+
+
+def test_collectives_interpolate_their_points_and_use_their_fit_outside():
+    c = MeasuredCollectives(HardwareConfig.model_validate(profile_dict()).tables)
+    assert c.seconds("all_gather", 2, 1000) == pytest.approx(1e-4 + 1e-6)
+    assert c.seconds("all_gather", 2, 10**8) == pytest.approx(1e-4 + 0.1)  # the fit: 100 us + bytes / 1 GB/s
+    assert not c.has("all_gather", 4)
+
+
+def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
+    """tiny_gqa (hidden 64, 4 heads / 2 KV heads of 16, MLP 128, 2 layers, vocab 256) at pcp=1:
+    one prompt of 16 tokens, then one decode; every term of each step worked by hand."""
+    from pcpflow.simulate.engine import simulate_run
+    from pcpflow.simulate.host import kernels_per_layer
+    from pcpflow.simulate.sizes import model_sizes
+
+    cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={profile_path}", "dtype=float32", "pcp=1",
+                   "model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[16]", "workload.output_lens=[2]",
+                   "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64", "output.plots=false"])
+    simulate_run(cfg, tmp_path)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The ops of a layer that are neither a GEMM (5 kernels: qkv, o, gate_up, down, + the split
+    # k/v) nor the attention backend's: the profile's 40 per layer less those.
+    attention_ops = kernels_per_layer(model_sizes(cfg.model), 1).attention
+    inline_ops = 2 * (40 - 5 - attention_ops)
+    u = C_E * 64 + C_H * 4 + C_F * 128  # attention seconds per pair (entry 64, 4 heads, 128 products)
+    row_bytes = 4 * (4 * 64 + 6 * 64 + 2 * (4 + 2) * 16 + 3 * 128) + 64 * 4  # norms, adds, RoPE, MLP act, KV write
+
+    def gemms(rows: int) -> float:
+        per_layer = 2 * rows * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) / GEMM_RATE
+        return 2 * per_layer + 2 * 1 * 256 * 64 / GEMM_RATE  # 2 layers, the LM head on the sampled row
+
+    def step(rows: int, pairs: int, tokens: int) -> float:
+        return (gemms(rows) + 2 * pairs * u + rows * 2 * row_bytes / COPY_RATE + inline_ops * 10e-6
+                + (1000 + 100 * 1 + 10 * tokens) * 1e-6)
+
+    assert steps[0]["step_s"] == pytest.approx(step(16, 16 * 17 // 2, 16), rel=1e-9)
+    assert steps[1]["step_s"] == pytest.approx(step(1, 17, 1), rel=1e-9)
+    assert steps[1]["purpose_s"]["host_work"] == pytest.approx((1000 + 100 + 10) * 1e-6)
