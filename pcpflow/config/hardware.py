@@ -23,7 +23,7 @@ attention, the KV cache at ``simulate.kv_dtype=bf16``). The GPU profiles have no
 class Peaks(_Strict):
     """Dense (not sparse) peaks of one GPU, TFLOP/s, keyed by the operand dtype."""
 
-    fp32: float = Field(gt=0, description="FP32 (no tensor cores: torch's float32 matmul), TFLOP/s")
+    fp32: float | None = Field(gt=0, description="FP32 (no tensor cores: torch's float32 matmul), TFLOP/s; null: not measured")
     bf16: float | None = Field(gt=0, description="dense BF16 tensor-core peak, TFLOP/s; null: not measured")
     fp8: float | None = Field(gt=0, description="dense FP8 tensor-core peak, TFLOP/s; null: none (a CPU)")
     fp4: float | None = Field(None, gt=0, description="dense FP4 tensor-core peak, TFLOP/s; null: no FP4 tensor cores")
@@ -258,9 +258,8 @@ class HardwareConfig(_Strict):
         nccl = [k for k in ("arch", "nvlink", "network") if getattr(self, k) is None]
         if nccl and len(nccl) < 3:
             raise ValueError(f"NCCL's model needs arch, nvlink and network together; missing: {', '.join(nccl)}")
-        if nccl and not (self.tables and self.tables.collectives):
-            raise ValueError("no way to price collectives: set arch, nvlink and network (NCCL's model), or "
-                             "measure them (tables.collectives, mode=profile)")
+        # NOTE: without NCCL's graphs, collectives come from the tables; a run with a group the
+        # profile did not measure is refused (pcpflow.simulate.prepare.measured_problems).
         if self.sm_count is None and not (self.tables and self.tables.gemm):
             raise ValueError("no way to price GEMMs: set sm_count (tiles in waves) or measure them (tables.gemm)")
         return self
@@ -287,7 +286,7 @@ def load_profile(path: str | None) -> dict:
                          "(python -m pcpflow mode=profile writes one)")
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ValueError(f"a profile file that exists ({file} does not); python -m pcpflow mode=profile writes "
+        raise ValueError(f"a profile file that exists ({file} does not exist); python -m pcpflow mode=profile writes "
                          "<run dir>/hardware.yaml")
     try:
         values = yaml.safe_load(file.read_text())

@@ -19,7 +19,7 @@ class ProfileConfig(BaseModel):
     dtypes: list[Literal[PROFILE_DTYPES]] | None = Field(  # type: ignore[valid-type]
         None,
         description="the dtypes its GEMM and attention tables cover; null: the device's (CPU: float32, "
-        "float64; CUDA: bfloat16, float32; quick: the first)",
+        "float64, bfloat16; CUDA: bfloat16, float32; quick: the first)",
     )
     collectives_from: str = Field(
         "h200_sxm",

@@ -158,7 +158,9 @@ class RunConfig(_Strict):
     )
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
-    hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
+    hardware: HardwareConfig | None = Field(
+        None, description="the hardware profile a simulated run prices on (hardware=measured hardware.path=FILE: "
+        "one mode=profile measured)")
 
     @property
     def grid(self) -> RankGrid:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pcpflow.driver.compose import compose_raw, validate_overrides, with_measured_overrides
+from pcpflow.driver.compose import compose_raw, uses_measured, validate_overrides, with_measured_overrides
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
@@ -77,7 +77,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
                 _record_refusal(run_dir[0], exc, overrides)
             return EXIT_INVALID_CONFIG
     argv = with_measured_overrides(argv)
-    if no_run and _shows_job(argv) and with_measured_overrides(overrides) != overrides:
+    if no_run and _shows_job(argv) and uses_measured(overrides):
         return _print_job(overrides)
     return run_hydra(argv)
 

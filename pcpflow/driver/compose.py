@@ -78,10 +78,15 @@ def with_measured_overrides(args: list[str]) -> list[str]:
     """With ``hardware=measured`` the profile's keys come from its file (``hardware.path``),
     after Hydra has composed: the command line's other ``hardware.*`` keys are added on top
     of it (``++``) instead of overriding keys ``conf/hardware/measured.yaml`` does not have."""
-    if not any(_key(a) == "hardware" and a.partition("=")[2] == "measured" for a in args):
+    if not uses_measured(args):
         return args
     return [f"++{a}" if a[:1] not in "+~-" and _key(a).startswith("hardware.") and _key(a) != "hardware.path"
             else a for a in args]
+
+
+def uses_measured(args: list[str]) -> bool:
+    """``hardware=measured`` is on the command line."""
+    return any(_key(a) == "hardware" and a.partition("=")[2] == "measured" for a in args)
 
 
 def is_hydra_override(o: str) -> bool:

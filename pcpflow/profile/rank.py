@@ -27,8 +27,7 @@ PROGRESS_FILE = "progress.jsonl"
 
 def default_dtypes(device: str, quick: bool) -> list[str]:
     """The dtypes a profile covers when ``profile.dtypes`` is null."""
-    # NOTE: bfloat16 on a CPU is slow and seldom run: profile.dtypes=[bfloat16] adds it.
-    full = ["bfloat16", "float32"] if device == "cuda" else ["float32", "float64"]
+    full = ["bfloat16", "float32"] if device == "cuda" else ["float32", "float64", "bfloat16"]
     return full[:1] if quick else full
 
 
@@ -76,6 +75,7 @@ def measure(cfg, run_dir: Path | None) -> dict[str, Any] | None:
                 doc.write(elapsed_s=time.perf_counter() - t0)
         if doc is None:
             return None
+        mark_stage("profile: the file")
         final = doc.write(elapsed_s=time.perf_counter() - t0, complete=True)
         return {"profile": {"path": str(run_dir / PROFILE_FILE), "status": final["measured"]["status"],
                             "dtypes": dtypes, "sections": names, "elapsed_s": final["measured"]["elapsed_s"],
