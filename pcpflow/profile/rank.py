@@ -151,8 +151,8 @@ def _run(b: S.Bench, name: str) -> Any:
 
 def _reduce(name: str, mine: Any) -> Any:
     """Every rank's figures on rank 0: compute times averaged over the ranks, a collective's
-    the slowest rank's (a call ends when its last rank is done), host points rank 0's (the
-    only one that records its steps); then the fits."""
+    the slowest rank's (a call ends when its last rank is done), host points every rank's;
+    then the fits."""
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
@@ -160,14 +160,17 @@ def _reduce(name: str, mine: Any) -> Any:
     if name == "collectives":
         out = []
         for i, c in enumerate(every[0]):
-            seconds = np.max([e[i]["seconds"] for e in every], axis=0).tolist()
+            seconds = S.monotone(np.max([e[i]["seconds"] for e in every], axis=0).tolist())
             lat, gbps = S.fit_collective(c["bytes"], seconds)
             out.append({**c, "seconds": seconds, "latency_us": lat, "gbps": gbps})
         return out
     if name == "host":
         points = [p for e in every for p in e["points"]]
         return S.fit_host(points)
-    return _mean(every)
+    out = _mean(every)
+    if name == "memory":
+        out["seconds"] = S.monotone(out["seconds"])
+    return out
 
 
 def _mean(values: list[Any]) -> Any:

@@ -249,10 +249,11 @@ def _attention_call(kernel, spec, requests, block_size: int, dtype: torch.dtype,
 
 # ------------------------------------------------------------------------------ host
 def host(b: Bench) -> dict[str, Any]:
-    """The engine itself (``pcpflow.rank.engine.run_rank``) on the profile's ranks, a minimal
-    model with one and two layers, a prefill step of ``B`` prompts then decodes of ``B`` rows:
-    per step its requests, tokens, layers, the seconds outside the forward (the restore's
-    collective taken out: it is priced as one) and the forward's."""
+    """The engine itself (``pcpflow.rank.engine.run_rank``), one rank on each of the profile's
+    ranks at once, a minimal model with one and two layers: a prefill step of ``B`` prompts,
+    then decodes of ``B`` rows; one long prompt alone. Per step its requests, tokens, layers,
+    the seconds outside the forward and the forward's. One rank: no collective in them (the
+    run's are priced as collectives)."""
     from pcpflow.rank.engine import run_rank
 
     g, points = b.grid, []
@@ -264,9 +265,8 @@ def host(b: Bench) -> dict[str, Any]:
                 run_dir = Path(tmp) / f"{i}-{layers}"
                 run_dir.mkdir()
                 run_rank(cfg, run_dir)
-                if i == 0:
-                    continue
-                points += _host_points(run_dir / "metrics.jsonl", layers)
+                if i:
+                    points += _host_points(run_dir / "metrics.jsonl", layers)
             b.tick(1)
     return {"points": points}
 
@@ -275,11 +275,10 @@ def _host_config(run_cfg, batch: int, prompt: int, layers: int):
     from pcpflow.config.run import RunConfig
 
     raw = run_cfg.model_dump(mode="json")
-    tp = run_cfg.tp
     raw.update(
-        mode="execute", verify=False, dtype="float32", max_steps=None,
-        model=minimal_model_config("gqa", layers=layers, tp=tp),
-        workload={"kind": "explicit", "prompt_lens": [prompt] * batch, "output_lens": [4]},
+        mode="execute", verify=False, dtype="float32", max_steps=None, tp=1, pcp=1, dcp=1,
+        model=minimal_model_config("gqa", layers=layers),
+        workload={"kind": "explicit", "prompt_lens": [prompt] * batch, "output_lens": [6]},
         scheduler={"max_num_batched_tokens": max(prompt * batch, 64), "max_num_seqs": max(batch, 1)},
         kv={"block_size": run_cfg.kv.block_size, "num_blocks": 2 * batch * (-(-(prompt + 8) // run_cfg.kv.block_size)) + 8,
             "interleave": 1},
@@ -292,25 +291,25 @@ def _host_config(run_cfg, batch: int, prompt: int, layers: int):
 def _host_points(metrics: Path, layers: int) -> list[list[float]]:
     import json
 
-    if not metrics.exists():  # ranks other than 0 write no metrics
-        return []
     out = []
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
-        stage = rec.get("stage_s") or {}
-        restore = stage.get("restore", 0.0)
-        kept = stage.get("restore.indexing", 0.0) + stage.get("restore.sample", 0.0)
-        outside = rec["step_s"] - stage.get("forward", 0.0) - max(restore - kept, 0.0)
-        out.append([rec["num_reqs"], rec["num_tokens"], layers, outside, stage.get("forward", 0.0)])
+        forward = (rec.get("stage_s") or {}).get("forward", 0.0)
+        out.append([rec["num_reqs"], rec["num_tokens"], layers, rec["step_s"] - forward, forward])
     return out
 
 
 def fit_host(points: list[list[float]]) -> dict[str, Any]:
     """``outside = a + b requests + c tokens`` and ``forward = a' + b' requests + c' tokens +
-    layers (d + e requests + f tokens)`` by least squares: the host table's fit is the sum of
-    the part outside the forward and the forward's per-step part (``a'``, ``b'``, ``c'``); the
-    layers are priced by their ops (``launch``) and kernels."""
-    p = np.asarray(points, dtype=np.float64)
+    layers (d + e requests + f tokens)`` by least squares on each shape's least time (steps and
+    ranks alike: other work only adds): the host table's fit is the part outside the forward
+    plus the forward's per-step part (``a'``, ``b'``, ``c'``); the layers are priced by their
+    ops (``launch``) and kernels. Its points: each one-layer shape, less the fitted layer."""
+    shapes: dict[tuple[float, float, float], list[float]] = {}
+    for reqs, toks, layers, outside, forward in points:
+        best = shapes.setdefault((reqs, toks, layers), [outside, forward])
+        best[0], best[1] = min(best[0], outside), min(best[1], forward)
+    p = np.asarray([[*k, *v] for k, v in sorted(shapes.items())], dtype=np.float64)
     reqs, toks, layers, outside, forward = p.T
     one = np.ones_like(reqs)
     a = nonneg_lstsq(np.stack([one, reqs, toks], 1), outside)
@@ -375,7 +374,7 @@ def _collective_seconds(b: Bench, comm, op: str, nbytes: int) -> float:
         "broadcast": lambda: comm.broadcast(t, 0, "profile"),
         "sendrecv": lambda: comm.ring_exchange([(t, "profile")], [recv]).wait(),
     }[op]
-    repeats = 3 if nbytes >= 1 << 20 else max(3, min(b.grid.max_repeats, 10))
+    repeats = 3 if nbytes >= 1 << 20 else max(3, b.grid.max_repeats)
     call()
     times = []
     for _ in range(repeats):
@@ -386,6 +385,16 @@ def _collective_seconds(b: Bench, comm, op: str, nbytes: int) -> float:
         b.sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def monotone(seconds: list[float]) -> list[float]:
+    """Each size's time no more than any larger size's: a larger message never costs less, so
+    a small one that took longer waited for something else (a descheduled peer)."""
+    out, least = [], float("inf")
+    for t in reversed(seconds):
+        least = min(least, t)
+        out.append(least)
+    return out[::-1]
 
 
 def fit_collective(nbytes: list[int], seconds: list[float]) -> tuple[float, float]:

@@ -13,7 +13,7 @@ import yaml
 from pcpflow.config.hardware import HardwareConfig
 from pcpflow.errors import ConfigError
 from pcpflow.profile.document import Document, borrowed_sections
-from pcpflow.profile.sections import attention_requests, fit_collective, fit_host
+from pcpflow.profile.sections import attention_requests, fit_collective, fit_host, monotone
 from pcpflow.testing import cli, compose
 
 from measured_profile import profile_dict
@@ -150,8 +150,16 @@ def test_fits_recover_the_laws_they_were_made_from():
     fit = fit_host(points)
     assert fit["fixed_us"] == pytest.approx(1200, rel=1e-6)
     assert fit["per_request_us"] == pytest.approx(50, rel=1e-6) and fit["per_token_us"] == pytest.approx(3, rel=1e-6)
-    one = [p for p in points if p[2] == 1]
+    one = sorted(p for p in points if p[2] == 1)
+    assert list(zip(fit["requests"], fit["tokens"])) == [(p[0], p[1]) for p in one]
     assert np.allclose(fit["seconds"], [p[3] + p[4] - (3e-4 + 1e-5 * p[0]) for p in one])
+    # Each shape's least time counts: a slower repeat of a step changes nothing.
+    slower = [[*p[:3], p[3] * 3, p[4] * 2] for p in points]
+    assert fit_host(points + slower)["fixed_us"] == pytest.approx(fit["fixed_us"])
+
+
+def test_a_larger_message_never_costs_less():
+    assert monotone([3e-3, 2e-4, 5e-4, 4e-4, 1e-3]) == [2e-4, 2e-4, 4e-4, 4e-4, 1e-3]
 
 
 def test_every_profile_key_is_in_help():
