@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-BASIS = [(1, 1, 16), (8, 1, 16), (8, 8, 16), (2, 2, 64)]
+BASIS = [(1, 1, 16), (8, 1, 16), (8, 8, 16), (2, 2, 64), (4, 1, 128), (8, 8, 64)]
 GEMM_RATE = 1e11  # FLOP/s: every GEMM of the table takes 2 m n k / GEMM_RATE
 COPY_RATE = 2e10  # B/s moved by a copy (read + written)
 C_E, C_H, C_F = 3e-9, 5e-9, 7e-10  # seconds per pair: per entry element, per head, per product

@@ -139,7 +139,7 @@ class AttentionTable(_Strict):
 
 class AttentionTables(_Strict):
     backend: str = Field(description="the paged-attention kernel measured (pipeline.forward.attention resolved)")
-    basis: list[HeadShape] = Field(min_length=4, max_length=4)
+    basis: list[HeadShape] = Field(min_length=4, description="the head shapes measured (at least four)")
     prefill: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one request's chunk")
     decode: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one row per request")
 

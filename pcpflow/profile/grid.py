@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The attention price is a linear combination of these head shapes' tables (heads, kv heads,
-# head dim): per key a gathered entry, per pair and head the scores, per pair the products
-# (``pcpflow.simulate.measured.attention_weights``). Four shapes, four unknowns.
-ATTENTION_BASIS = ((1, 1, 16), (8, 1, 16), (8, 8, 16), (2, 2, 64))
+# The attention price is linear in what a call moves per key (the cache entry), per pair and
+# head (the scores) and per pair (the products): four coefficients, fitted without a negative
+# one on these head shapes (heads, kv heads, head dim) at every point of the grid
+# (``pcpflow.simulate.measured``). Six shapes for four unknowns: a least-squares fit, not a
+# solve that amplifies each measure's noise.
+ATTENTION_BASIS = ((1, 1, 16), (8, 1, 16), (8, 8, 16), (2, 2, 64), (4, 1, 128), (8, 8, 64))
 
 
 @dataclass(frozen=True)
@@ -31,9 +33,9 @@ class Grid:
 FULL = Grid(
     gemm_m=(1, 4, 16, 64, 256, 1024, 4096),
     gemm_nk=(64, 256, 1024, 4096),
-    prefill_rows=(32, 128, 512, 2048),
+    prefill_rows=(32, 256, 2048),
     prefill_keys=(64, 512, 2048),
-    decode_rows=(1, 4, 16, 64),
+    decode_rows=(1, 8, 32),
     decode_keys=(64, 512, 2048),
     memory_bytes=tuple(4 ** i for i in range(6, 14)),  # 4 KiB .. 64 MiB
     collective_bytes=tuple(4 ** i for i in range(3, 13)),  # 64 B .. 16 MiB

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pcpflow.profile.grid import ATTENTION_BASIS, Grid
+from pcpflow.simulate.measured import nonneg_lstsq
 
 LONG_S = 0.25
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -323,22 +324,6 @@ def fit_host(points: list[list[float]]) -> dict[str, Any]:
         "fixed_us": float(total[0] * 1e6), "per_request_us": float(total[1] * 1e6),
         "per_token_us": float(total[2] * 1e6),
     }
-
-
-def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (a negative one is dropped, the rest refit)."""
-    keep = np.ones(a.shape[1], dtype=bool)
-    x = np.zeros(a.shape[1])
-    for _ in range(a.shape[1]):
-        sol, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
-        if (sol >= 0).all():
-            x[keep] = sol
-            return x
-        idx = np.flatnonzero(keep)
-        keep[idx[np.argmin(sol)]] = False
-        if not keep.any():
-            break
-    return x
 
 
 # ------------------------------------------------------------------------------ collectives

@@ -12,11 +12,12 @@ what the profile measured it to.
   (seconds per pair); a collective by the latency and bandwidth fitted on its own points.
 - **GEMMs** by ``(m, n, k)`` at the run's dtype (``F.linear``, as pcpflow's layers run).
 - **Attention** by (query rows, mean keys per row), prefill and decode apart, for the run's
-  head shape: the tables hold four head shapes (``basis``); one call's seconds are linear in
-  what it moves per key (the cache entry, ``E``), scores per pair and head (``H``) and
-  products per pair (``F = heads x (qk + v)``), so a head shape's seconds are the linear
-  combination of the four tables with the weights ``[1, E, H, F] A^-1`` (``A``: the basis'
-  rows). One layer's call with decodes and prefill rows pays one call's fixed cost.
+  head shape: one call's seconds are linear in what it moves per key (the cache entry,
+  ``E``), scores per pair and head (``H``) and products per pair (``F = heads x (qk + v)``),
+  beside a fixed part: ``[1, E, H, F] . c``. The tables hold several head shapes (``basis``);
+  at every grid point ``c`` is their least-squares fit with no negative coefficient (relative
+  error), and the run's head shape is priced on it. One layer's call with decodes and prefill
+  rows pays one call's fixed cost.
 - **Memory-bound ops**: their bytes at the streaming rate of a copy their size.
 - **Collectives**: the table of the same op on a group of as many ranks.
 - **Host**: pcpflow's per-step work outside the layers, ``fixed + per_request x requests +
@@ -51,11 +52,39 @@ def interpolate(axes: list[np.ndarray], values: np.ndarray, point: list[float]) 
     return float(np.exp(logs))
 
 
-def attention_weights(basis, entry: float, heads: float, products: float) -> np.ndarray:
-    """The weights of the four basis tables for a head shape with cache entry ``entry``
-    (elements per key), ``heads`` and ``products`` (``heads x (qk + v)``) per pair."""
-    a = np.array([[1.0, 2.0 * b.kv_heads * b.head_dim, b.heads, 2.0 * b.heads * b.head_dim] for b in basis])
-    return np.array([1.0, entry, heads, products]) @ np.linalg.inv(a)
+def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (a negative one is dropped, the rest refit)."""
+    keep = np.ones(a.shape[1], dtype=bool)
+    x = np.zeros(a.shape[1])
+    for _ in range(a.shape[1]):
+        sol, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (sol >= 0).all():
+            x[keep] = sol
+            return x
+        idx = np.flatnonzero(keep)
+        keep[idx[np.argmin(sol)]] = False
+        if not keep.any():
+            break
+    return x
+
+
+def head_features(entry: float, heads: float, products: float) -> np.ndarray:
+    """``[1, E, H, F]``: a call's fixed part, the cache entry gathered per key, the scores per
+    pair (one per head), the products per pair (``heads x (qk + v)``)."""
+    return np.array([1.0, entry, heads, products])
+
+
+def attention_coefficients(basis, seconds: np.ndarray) -> np.ndarray:
+    """``c`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the basis head
+    shapes' seconds fitted by ``[1, E, H, F] . c``, no coefficient negative, each shape's
+    relative error weighing alike."""
+    a = np.array([head_features(2.0 * b.kv_heads * b.head_dim, b.heads, 2.0 * b.heads * b.head_dim) for b in basis])
+    flat = seconds.reshape(-1, seconds.shape[-1])
+    out = np.empty((flat.shape[0], 4))
+    for i, t in enumerate(flat):
+        w = 1.0 / np.maximum(t, 1e-12)
+        out[i] = nonneg_lstsq(a * w[:, None], np.ones_like(t))
+    return out.reshape(*seconds.shape[:-1], 4)
 
 
 class MeasuredKernels:
@@ -112,32 +141,32 @@ class MeasuredKernels:
     # ------------------------------------------------------------------ attention
     @cached_property
     def _attention(self) -> dict[str, tuple[list[np.ndarray], np.ndarray]]:
+        """Per phase: the grid's axes and the fitted coefficients at every point."""
         att = self.tables.attention
         out = {}
         for phase in ("prefill", "decode"):
             t: AttentionTable | None = getattr(att, phase).get(self.dtype) if att else None
             if t is not None:
-                out[phase] = ([np.asarray(t.rows, float), np.asarray(t.keys, float)], np.asarray(t.seconds, float))
+                coef = attention_coefficients(att.basis, np.asarray(t.seconds, float))
+                out[phase] = ([np.asarray(t.rows, float), np.asarray(t.keys, float)], coef)
         return out
 
-    def attention(self, phase: str, rows: float, keys: float, weights: np.ndarray) -> float:
+    def attention(self, phase: str, rows: float, keys: float, features: np.ndarray) -> float:
         """One call's seconds: ``rows`` query rows attending ``keys`` keys each on average,
-        for the head shape of ``weights`` (``attention_weights``). Outside the table, the
+        for the head shape of ``features`` (``head_features``). Outside the table, the
         nearest point's seconds per pair."""
         if rows <= 0 or keys <= 0:
             return 0.0
-        axes, table = self._attention[phase]
+        axes, coef = self._attention[phase]
         r = float(np.clip(rows, axes[0][0], axes[0][-1]))
         kk = float(np.clip(keys, axes[1][0], axes[1][-1]))
-        per_basis = np.array([interpolate(axes, table[..., b], [r, kk]) for b in range(table.shape[-1])])
-        t = max(float(per_basis @ weights), float(per_basis.min()))
-        scale = max(rows * keys / (r * kk), 1.0) if (rows > r or keys > kk) else 1.0
-        return t * scale
+        t = interpolate(axes, np.maximum(coef @ features, 1e-12), [r, kk])
+        return t * max(rows * keys / (r * kk), 1.0)
 
-    def attention_fixed(self, weights: np.ndarray) -> float:
+    def attention_fixed(self, features: np.ndarray) -> float:
         """The seconds of the smallest decode call measured: one call's fixed cost."""
-        axes, table = self._attention["decode"]
-        return max(float(table[0, 0] @ weights), float(table[0, 0].min()))
+        _, coef = self._attention["decode"]
+        return float(coef[0, 0] @ features)
 
     # ------------------------------------------------------------------ memory
     def memory(self, nbytes, op_bytes: float | None = None):

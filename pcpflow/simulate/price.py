@@ -56,8 +56,8 @@ from pcpflow.simulate.measured import (
     MeasuredCollectives,
     MeasuredKernels,
     attended_rows,
-    attention_weights,
     dtype_of,
+    head_features,
     host_seconds,
     launch_us,
 )
@@ -468,8 +468,7 @@ class Pricer:
         per layer of pcpflow's backend (with DCP, the decode rows' call and the rest rows'
         apart), at the executed head shape (MLA absorbed for every row)."""
         s, grid, k = self.sizes, self.grid, self.kern
-        w = attention_weights(self.hw.tables.attention.basis, s.entry_dim_per_rank(grid.tp), heads,
-                              heads * (s.decode_qk_dim + s.decode_v_dim))
+        w = head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
         dec_rows, pre_rows = attended_rows(layout, batch, dcp=grid.dcp, dcp_rest=counts.dcp_rest)
         t_pre, t_dec = np.zeros(grid.pcp), np.zeros(grid.pcp)
         for r in range(grid.pcp):

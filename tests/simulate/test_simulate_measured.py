@@ -12,7 +12,13 @@ import pytest
 import yaml
 
 from pcpflow.config.hardware import HardwareConfig, HeadShape
-from pcpflow.simulate.measured import MeasuredCollectives, MeasuredKernels, attention_weights, interpolate
+from pcpflow.simulate.measured import (
+    MeasuredCollectives,
+    MeasuredKernels,
+    attention_coefficients,
+    head_features,
+    interpolate,
+)
 from pcpflow.testing import compose
 
 from measured_profile import BASIS, C_E, C_F, C_H, COPY_RATE, GEMM_RATE, pair_cost, profile_dict
@@ -32,15 +38,19 @@ def test_interpolation_is_exact_on_a_power_law_between_and_clamped_outside():
     assert interpolate(axes, values, [100.0, 1.0]) == pytest.approx(16.0 * 4.0)  # clamped to (16, 2)
 
 
-def test_a_head_shape_is_the_linear_combination_of_the_basis():
+def test_a_head_shape_is_priced_on_the_coefficients_fitted_to_the_basis():
     basis = [HeadShape(heads=h, kv_heads=kv, head_dim=d) for h, kv, d in BASIS]
-    # A basis shape takes its own table: weight 1 on itself.
-    assert attention_weights(basis, 2 * 8 * 16, 8, 2 * 8 * 16) == pytest.approx([0, 0, 1, 0], abs=1e-12)
+    # Seconds of each basis shape at two grid points: 40 us fixed + the per-pair law, x pairs.
+    law = [4e-5 + 1000 * pair_cost(2 * kv * d, h, 2 * h * d) for h, kv, d in BASIS]
+    coef = attention_coefficients(basis, np.array([law, [2 * t for t in law]]))
+    assert coef[0] == pytest.approx([4e-5, 1000 * C_E, 1000 * C_H, 1000 * C_F], rel=1e-6)
+    assert coef[1] == pytest.approx(2 * coef[0], rel=1e-6)
     # Llama-ish GQA 12 heads / 4 KV heads of 48: entry 2*4*48, 12 heads, 12*96 products per pair.
-    w = attention_weights(basis, 384, 12, 1152)
-    per_basis = np.array([pair_cost(2 * kv * d, h, 2 * h * d) for h, kv, d in BASIS])
-    assert float(w @ per_basis) == pytest.approx(C_E * 384 + C_H * 12 + C_F * 1152)
-    assert w.sum() == pytest.approx(1.0)  # the constant column: a fixed cost is kept once
+    assert float(coef[0] @ head_features(384, 12, 1152)) == pytest.approx(
+        4e-5 + 1000 * (C_E * 384 + C_H * 12 + C_F * 1152))
+    # Noise never makes a coefficient negative (a price below zero): such a fit drops it.
+    noisy = np.array([law]) * np.array([1.3, 0.7, 1.2, 0.8, 1.1, 0.9])
+    assert (attention_coefficients(basis, noisy) >= 0).all()
 
 
 def test_gemms_interpolate_inside_and_take_the_roofline_outside():
@@ -58,7 +68,7 @@ def test_gemms_interpolate_inside_and_take_the_roofline_outside():
 def test_attention_by_rows_and_keys_and_per_pair_past_the_table():
     hw = HardwareConfig.model_validate(profile_dict())
     k = MeasuredKernels(hw, dtype="float32")
-    w = attention_weights(hw.tables.attention.basis, 64, 4, 128)  # tiny_gqa: 4 heads, 2 KV heads of 16
+    w = head_features(64, 4, 128)  # tiny_gqa: 4 heads, 2 KV heads of 16
     u = C_E * 64 + C_H * 4 + C_F * 128
     assert k.attention("prefill", 300, 150.5, w) == pytest.approx(300 * 150.5 * u)
     assert k.attention("decode", 8, 40, w) == pytest.approx(8 * 40 * u)
