@@ -253,9 +253,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="where the profile and the table go (default outputs/validate_measured/<time>)")
     ap.add_argument("--check", action="store_true", help="compose and validate every configuration, run nothing")
+    ap.add_argument("--wait-load", type=float, default=None, metavar="L",
+                    help="first wait (at most --wait-max-s) until the 1-min load average is below L")
+    ap.add_argument("--wait-max-s", type=float, default=3600.0)
     args = ap.parse_args(argv)
     if args.check:
         return check(args.profile)
+    if args.wait_load is not None:
+        deadline = time.monotonic() + args.wait_max_s
+        while os.getloadavg()[0] >= args.wait_load and time.monotonic() < deadline:
+            time.sleep(10)
     out = Path(args.out or ROOT / "outputs" / "validate_measured" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

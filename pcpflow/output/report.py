@@ -95,7 +95,8 @@ def print_summary(result: dict[str, Any]) -> None:
     if sim:
         table.add_row(
             "simulated on",
-            f"{sim['hardware']} · {sim['gpus']} GPUs ({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
+            f"{sim['hardware']} · {sim['gpus']} {'CPU ranks' if sim.get('device') == 'cpu' else 'GPUs'} "
+            f"({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
             f" · KV {sim.get('kv_dtype', 'bf16')} · {sim['tflops_per_gpu']:.0f} TF/s per GPU",
         )
         if sim.get("breakdown_s"):

@@ -253,6 +253,7 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
     priced_only = sorted(k for k in run.breakdown if k in RING_PURPOSES)
     return {
         "hardware": hw.name,
+        "device": hw.device,
         "gpus": gpus,
         "nodes": -(-gpus // hw.gpus_per_node),
         "weights_dtype": sim.weights_dtype,
