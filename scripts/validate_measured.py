@@ -69,32 +69,32 @@ MLA = _mla(320, 6, 96, 640, 2)
 MOE = _mla(192, 4, 64, 256, 2, experts=8)
 
 MATRIX: list[tuple[str, list[str]]] = [
-    ("gemm 1x1500 pcp=1", ["pcp=1", *WIDE, *_work([1500], 12, budget=1536)]),
-    ("gemm 1x1500 pcp=2", ["pcp=2", *WIDE, *_work([1500], 12, budget=1536)]),
+    ("gemm 1x1200 pcp=1", ["pcp=1", *WIDE, *_work([1200], 12, budget=1280)]),
+    ("gemm 1x1200 pcp=2", ["pcp=2", *WIDE, *_work([1200], 12, budget=1280)]),
     ("gemm 3x600 tp=2", ["tp=2", "pcp=1", *WIDE, *_work([600, 600, 600], 8, budget=1800)]),
-    ("attention 1x3000 pcp=1", ["pcp=1", *HEADS, *_work([3000], 10, budget=3072)]),
-    ("attention 1x3000 pcp=2", ["pcp=2", *HEADS, *_work([3000], 10, budget=3072)]),
-    ("attention 2x1800 pcp=2 dcp=2 replicated", ["pcp=2", "dcp=2", "decode=replicated",
+    ("attention 1x2200 pcp=1", ["pcp=1", *HEADS, *_work([2200], 10, budget=2304)]),
+    ("attention 1x2200 pcp=2", ["pcp=2", *HEADS, *_work([2200], 10, budget=2304)]),
+    ("attention 2x1300 pcp=2 dcp=2 replicated", ["pcp=2", "dcp=2", "decode=replicated",
                                                  "pipeline.forward.dcp_rest=queries", *HEADS,
-                                                 *_work([1800, 1700], 10, budget=3584)]),
-    ("attention 2x1800 pcp=2 dcp=2 sharded", ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=queries",
-                                              *HEADS, *_work([1800, 1700], 10, budget=3584)]),
+                                                 *_work([1300, 1200], 10, budget=2560)]),
+    ("attention 2x1300 pcp=2 dcp=2 sharded", ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=queries",
+                                              *HEADS, *_work([1300, 1200], 10, budget=2560)]),
     ("collectives 1x900 pcp=2", ["pcp=2", *NARROW, *_work([900], 6, budget=1024)]),
     ("collectives 6x40 tp=2", ["tp=2", "pcp=1", *TINY, *_work([40] * 6, 24, budget=256)]),
     ("host 8x24 pcp=1", ["pcp=1", *TINY, *_work([24] * 8, 24, budget=256)]),
     ("host 8x24 pcp=2", ["pcp=2", *TINY, *_work([24] * 8, 24, budget=256)]),
-    ("chunked 1x2200 + 4 decodes pcp=2", ["pcp=2", *WIDE, *_work([60, 60, 60, 60, 2200], 12, budget=512,
+    ("chunked 1x1800 + 4 decodes pcp=2", ["pcp=2", *WIDE, *_work([60, 60, 60, 60, 1800], 12, budget=512,
                                                                   arrivals=[0, 0, 0, 0, 2])]),
     ("mla 1x1200 pcp=2 dcp=2", ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=context", *MLA,
                                 *_work([1200], 12, budget=1280)]),
     ("moe 4x300 pcp=2", ["pcp=2", *MOE, *_work([300] * 4, 10, budget=1280)]),
 ]
 PAIRS = [
-    ("gemm 1x1500 pcp=1", "gemm 1x1500 pcp=2"),
-    ("attention 1x3000 pcp=1", "attention 1x3000 pcp=2"),
-    ("attention 2x1800 pcp=2 dcp=2 replicated", "attention 2x1800 pcp=2 dcp=2 sharded"),
+    ("gemm 1x1200 pcp=1", "gemm 1x1200 pcp=2"),
+    ("attention 1x2200 pcp=1", "attention 1x2200 pcp=2"),
+    ("attention 2x1300 pcp=2 dcp=2 replicated", "attention 2x1300 pcp=2 dcp=2 sharded"),
     ("host 8x24 pcp=1", "host 8x24 pcp=2"),
-    ("gemm 1x1500 pcp=2", "gemm 3x600 tp=2"),
+    ("gemm 1x1200 pcp=2", "gemm 3x600 tp=2"),
 ]
 METRICS = ("ttft", "tpot", "step")
 

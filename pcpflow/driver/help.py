@@ -26,6 +26,8 @@ commands people run:
   python -m pcpflow -m pcp=1,2,4 decode=sharded,replicated
   python -m pcpflow draft=mtp                        speculative decoding with an MTP head
   python -m pcpflow workload=trace workload.path=scripts/data/mooncake_conversation_head.jsonl
+  python -m pcpflow mode=profile pcp=2               measure this machine -> DIR/hardware.yaml
+  python -m pcpflow mode=simulate hardware=measured hardware.path=DIR/hardware.yaml dtype=float32 ...
   python -m pcpflow --cfg job pcp=4                  the composed config (validated first)
 """
 

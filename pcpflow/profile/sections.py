@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +50,13 @@ class Bench:
     comms: dict[str, Any]  # distinct groups of the grid with more than one rank: name -> Comm
     tick: Callable[[int], None] = lambda n: None
     run_cfg: Any = None  # the profile's RunConfig (the host section derives its runs from it)
-    notes: dict[str, Any] = field(default_factory=dict)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def timed(self, fn: Callable[[], Any]) -> float:
-        """Median seconds of one ``fn()``: one warm-up, then repeated until ``min_time_s``
+        """The least seconds of one ``fn()``: one warm-up, then repeated until ``min_time_s``
         has passed (at most ``max_repeats``). A call of more than ``LONG_S`` is its own
         measure (its warm-up would double the section)."""
         t = time.perf_counter()
