@@ -318,6 +318,8 @@ REMOVED_SIMULATE = {
     "ring_step_us": "removed: a ring iteration is priced by its operators (its SendRecv as point-to-point "
     "transfers, its partial attention by shape, the host launching its kernels: hardware.host.launch_us); "
     "nothing replaces the fixed time",
+    "attention_efficiency": "removed: prefill attention runs at FlashAttention-3's published throughput for "
+    "the shapes of its calls (arXiv 2407.08608 Figure 5, pcpflow.simulate.flash), not one share of the peak",
     "overlap": "removed: what hides behind what is decided per mechanism; the algorithm that runs is "
     "simulate.cp_decode (engine | ring_pass_q) for decodes and pipeline.forward.cp_attention for prefills",
 }
@@ -346,23 +348,19 @@ class SimulateConfig(_Strict):
     cp_decode: Literal["engine", "ring_pass_q"] = Field(
         "engine",
         description="the algorithm decodes run under DCP: engine (the executed path: dcp_comm_backend, "
-        "dcp_rest) | ring_pass_q (Meta's ring pass-Q, priced only; needs dcp > 1)",
+        "dcp_rest) | ring_pass_q (a step of decodes only runs the executed ring pass-Q; needs dcp = pcp > 1)",
     )
     gemm_efficiency: float = Field(
-        0.4526, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
+        0.4553, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
     )
     p2p_efficiency: float = Field(
-        0.4540, gt=0, le=1,
+        0.4646, gt=0, le=1,
         description="share of NCCL's point-to-point rate (its channels to a peer, at most the link) a "
         "send/recv or all-to-all reaches (fitted)",
     )
     hbm_efficiency: float = Field(
         0.9, gt=0, le=1,
         description="share of HBM bandwidth memory-bound kernels reach (not fitted: H100 STREAM triad)",
-    )
-    attention_efficiency: float = Field(
-        0.675, gt=0, le=1,
-        description="share of the peak a prefill attention kernel's tiles reach (FlashAttention-3, not fitted)",
     )
     objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
         "ttft", description="what a sweep report ranks jobs by (lower is better; x_gpus: GPU-seconds)"

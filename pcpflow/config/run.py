@@ -57,6 +57,32 @@ class KVConfig(_Strict):
     interleave: int = Field(
         1, ge=1, description="DCP interleave: position p lives on DCP rank (p // I) % dcp"
     )
+    prefix_caching: bool = Field(
+        False,
+        description="automatic prefix caching: full blocks found again by the chained hash of their "
+        "tokens (vLLM's); false in executed runs, true in simulated ones unless set",
+    )
+
+
+class ServingConfig(_Strict):
+    """Copies of the instance behind a router (simulated runs)."""
+
+    replicas: int = Field(1, ge=1, description="copies of the tp x pcp instance, each with its own KV cache")
+    router: Literal["round_robin", "least_loaded", "prefix_aware"] = Field(
+        "round_robin",
+        description="where an arriving request goes: in turn; to the replica with the fewest queued "
+        "plus running tokens; to the one holding its longest cached prefix (ties: least loaded)",
+    )
+
+
+class SLOConfig(_Strict):
+    """Latency targets a request must meet to count in ``metrics.goodput``."""
+
+    ttft_s: float | None = Field(None, gt=0, description="time to first token, seconds; null: no target")
+    tpot_s: float | None = Field(
+        None, gt=0, description="time per output token after the first, seconds (a one-token request "
+        "meets it); null: no target",
+    )
 
 
 class VerifyConfig(_Strict):
@@ -150,6 +176,8 @@ class RunConfig(_Strict):
         json_schema_extra={"derived": True},
     )
     moe: MoERunConfig = Field(default_factory=MoERunConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
+    slo: SLOConfig = Field(default_factory=SLOConfig)
     # --- simulate (pcpflow.simulate, docs/simulate.md)
     mode: Literal["execute", "simulate", "profile"] = Field(
         "execute",
@@ -266,9 +294,10 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
     return f"{hint}; allowed keys: {', '.join(keys)}"
 
 
-MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",), "profile": ("profile",)}
-"""Settings that only some modes read (the section -> those modes). Set in another mode they
-would be silently ignored, so they are refused there."""
+MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",), "serving": ("simulate",),
+                 "workload.request_rate": ("simulate",), "profile": ("profile",)}
+"""Settings that only some modes read (a section or a dotted key -> those modes). Set in
+another mode they would be silently ignored, so they are refused there."""
 
 
 def mode_problems(cfg: RunConfig) -> list[Problem]:
@@ -277,7 +306,11 @@ def mode_problems(cfg: RunConfig) -> list[Problem]:
     for name, modes in MODE_SETTINGS.items():
         if cfg.mode in modes:
             continue
-        value, default = getattr(cfg, name), RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if "." in name:  # a key inside a section: refused when set (its default is null)
+            section, key = name.split(".", 1)
+            value, default = getattr(getattr(cfg, section), key, None), None
+        else:
+            value, default = getattr(cfg, name), RunConfig.model_fields[name].get_default(call_default_factory=True)
         if value == default:
             continue
         if isinstance(value, BaseModel) and isinstance(default, BaseModel):  # name the keys set

@@ -53,14 +53,22 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
 
 
 def _request_lengths(cfg: Any, problems: list[Problem]):
-    """(prompt_lens, output_lens) of the workload, or None with its problems added."""
+    """(prompt_lens, output_lens) of the workload, or None with its problems added. The
+    number of requests is checked against the host's memory before any is built."""
     from pcpflow.models import vocab_size_of
     from pcpflow.scheduling.workload import request_lengths
+    from pcpflow.simulate.prepare import requests_of, workload_host_problems
 
     try:
+        if getattr(cfg, "mode", "execute") == "simulate":
+            table = requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
+            return table.prompt_lens, table.output_lens
+        too_many = workload_host_problems(cfg.workload)
+        if too_many:
+            raise ConfigError(too_many)
         return request_lengths(cfg.workload, seed=cfg.seed, vocab_size=vocab_size_of(cfg.model))
     except ConfigError as exc:
-        problems += exc.problems
+        problems += [p for p in exc.problems if p not in problems]
         return None
 
 

@@ -26,6 +26,9 @@ commands people run:
   python -m pcpflow -m pcp=1,2,4 decode=sharded,replicated
   python -m pcpflow draft=mtp                        speculative decoding with an MTP head
   python -m pcpflow workload=trace workload.path=scripts/data/mooncake_conversation_head.jsonl
+  python -m pcpflow mode=simulate model=llama3_70b hardware=h200_sxm tp=8 pcp=2 workload=trace
+      workload.path=scripts/data/mooncake_conversation_head.jsonl workload.length_scale=1
+      slo.ttft_s=2 slo.tpot_s=0.1                serving: arrivals in time, prefix cache, goodput
   python -m pcpflow mode=profile pcp=2               measure this machine -> DIR/hardware.yaml
   python -m pcpflow mode=simulate hardware=measured hardware.path=DIR/hardware.yaml dtype=float32 ...
   python -m pcpflow --cfg job pcp=4                  the composed config (validated first)
@@ -38,7 +41,8 @@ exit codes:
 
 results (a run):   outputs/<date>/<time>/ or hydra.run.dir=DIR: result.json (status, verify,
                    metrics, outputs), metrics.jsonl (one line per step), config.json (the
-                   frozen config), load.png, logs/ (one log per rank)
+                   frozen config), load.png, serving.png, logs/ (one log per rank);
+                   requests.csv for a simulated run of more than 20,000 requests
 results (a sweep): multirun/<date>/<time>/ or hydra.sweep.dir=DIR: sweep.csv, sweep.md,
                    sweep.png, and one run directory per job
 

@@ -36,6 +36,11 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
     placeholders: frozenset[str] = frozenset()
     raw = load_measured_hardware(raw)
+    workload = raw.get("workload")
+    if isinstance(workload, dict) and workload.get("kind") == "trace" and workload.get("path"):
+        from pcpflow.scheduling.trace import read_once
+
+        raw = {**raw, "workload": {**workload, "path": read_once(workload["path"])}}  # a pipe is read once
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
         from pcpflow.simulate.prepare import prepare_raw
 
@@ -166,12 +171,15 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
     result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
     if cfg.output.plots and cfg.mode != "profile":
+        from pcpflow.output.serving_plot import write_serving_plot
+
         if cfg.mode == "simulate":
             from pcpflow.simulate.plot import write_load_plot
 
             write_load_plot(run_dir)
         else:
             write_plots(run_dir)
+        write_serving_plot(run_dir)
     if console:
         print_summary(result)
     return result["exit_code"]

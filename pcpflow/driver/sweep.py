@@ -33,9 +33,22 @@ BASE_COLUMNS = [
     "tokens_per_s",
     "ttft_mean_ms",
     "ttft_p90_ms",
+    "ttft_p99_ms",
     "ttft_mean_steps",
     "tpot_mean_ms",
+    "tpot_p99_ms",
     "tpot_mean_steps",
+    "requests_s",
+    "output_tok_s",
+    "output_tok_s_per_gpu",
+    "total_tok_s",
+    "goodput_req_s",
+    "goodput_share",
+    "kv_usage_mean",
+    "kv_usage_max",
+    "prefix_hit_rate",
+    "preemptions",
+    "queue_mean_ms",
     "tokens_max_over_mean",
     "attention_work_max_over_mean",
     "padding_fraction",
@@ -80,9 +93,12 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "tokens_per_s": _round(m.get("tokens_per_s"), 1),
             "ttft_mean_ms": _ms(ttft.get("mean_s")),
             "ttft_p90_ms": _ms(ttft.get("p90_s")),
+            "ttft_p99_ms": _ms(ttft.get("p99_s")),
             "ttft_mean_steps": _round(ttft.get("mean_steps"), 2),
             "tpot_mean_ms": _ms(tpot.get("mean_s")),
+            "tpot_p99_ms": _ms(tpot.get("p99_s")),
             "tpot_mean_steps": _round(tpot.get("mean_steps"), 2),
+            **_serving_columns(m),
             "tokens_max_over_mean": _round(balance.get("tokens_max_over_mean"), 4),
             "attention_work_max_over_mean": _round(balance.get("attention_work_max_over_mean"), 4),
             "padding_fraction": _round(balance.get("padding_fraction"), 4),
@@ -115,6 +131,26 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 _HEADLINE = ("pcp", "dcp", "tp", "decode.mode", "decode.assignment", "model.name", "dtype",
              "workload.kind", "draft.kind", "scheduler.max_num_batched_tokens", "kv.block_size")
 """The settings a sweep's picture names when every job has the same value."""
+
+
+_SERVING_COLUMNS = (  # column, where in metrics, decimals
+    ("requests_s", "throughput.requests_s", 4), ("output_tok_s", "throughput.output_tok_s", 1),
+    ("output_tok_s_per_gpu", "throughput.output_tok_s_per_gpu", 1), ("total_tok_s", "throughput.total_tok_s", 1),
+    ("goodput_req_s", "goodput.req_s", 4), ("goodput_share", "goodput.share", 4),
+    ("kv_usage_mean", "kv_usage.mean", 4), ("kv_usage_max", "kv_usage.max", 4),
+    ("prefix_hit_rate", "prefix_cache.hit_rate", 4), ("preemptions", "preemptions", 0),
+)
+
+
+def _serving_columns(m: dict[str, Any]) -> dict[str, Any]:
+    """The serving metrics of a job (blank where a run predates them)."""
+    def at(path: str) -> Any:
+        node: Any = m
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    return {**{col: _round(at(path), n) for col, path, n in _SERVING_COLUMNS}, "queue_mean_ms": _ms(m.get("queue_s"))}
 
 
 def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +207,13 @@ _HEADERS = {  # column -> (header, cell formatter)
     "tokens_per_s": ("tokens/s", lambda v: f"{v:.0f}"),
     "ttft_mean_ms": ("TTFT ms", lambda v: f"{v:.1f}"),
     "tpot_mean_ms": ("TPOT ms", lambda v: f"{v:.1f}"),
+    "ttft_p99_ms": ("TTFT p99 ms", lambda v: f"{v:.1f}"),
+    "tpot_p99_ms": ("TPOT p99 ms", lambda v: f"{v:.1f}"),
+    "output_tok_s_per_gpu": ("out tok/s/GPU", lambda v: f"{v:,.0f}"),
+    "goodput_req_s": ("goodput req/s", lambda v: f"{v:.2f}"),
+    "kv_usage_mean": ("KV use", lambda v: f"{v:.0%}"),
+    "prefix_hit_rate": ("prefix hits", lambda v: f"{v:.0%}"),
+    "preemptions": ("preempted", str),
     "tokens_max_over_mean": ("token balance", lambda v: f"{v:.3f}"),
     "attention_work_max_over_mean": ("attn balance", lambda v: f"{v:.3f}"),
     "padding_fraction": ("padding", lambda v: f"{v:.1%}"),
@@ -186,6 +229,10 @@ _NOTES = {  # column shown -> what it means
     "(`verify=true`; blank when not checked).",
     "tokens_per_s": "- **tokens/s, TTFT, TPOT**: on the run clock (pipeline + scheduler time, verification "
     "excluded); means over requests.",
+    "output_tok_s_per_gpu": "- **out tok/s/GPU**: output tokens per second per GPU over the requests' span (first "
+    "arrival to last finish); **goodput**: requests per second meeting every SLO (`slo.ttft_s`, `slo.tpot_s`); "
+    "**KV use**: the time-weighted share of KV blocks in use; **prefix hits**: cached prompt tokens / prompt tokens; "
+    "**preempted**: running requests preempted for blocks (docs/serving.md).",
     "tokens_max_over_mean": "- **balance**: max/mean over PCP ranks of the run's tokens and attention (query, key) "
     "pairs; 1.000 is perfect. **padding**: padded rows / all rows.",
     "framework_overhead_fraction": "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",
@@ -218,8 +265,26 @@ def _notes(rows: list[dict[str, Any]], shown: list[str], purposes: list[str]) ->
     return notes
 
 
+def _shown(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns sweep.md shows: those with a value; the serving ones where they say
+    something (throughput per GPU and KV use for simulated sweeps, hits and preemptions
+    where any happened)."""
+    simulated = all(r.get("mode") == "simulate" for r in rows)
+    shown = []
+    for c in _HEADERS:
+        values = [r.get(c) for r in rows if r.get(c) is not None]
+        if not values:
+            continue
+        if c in ("output_tok_s_per_gpu", "kv_usage_mean", "ttft_p99_ms", "tpot_p99_ms") and not simulated:
+            continue
+        if c in ("prefix_hit_rate", "preemptions") and not any(values):
+            continue
+        shown.append(c)
+    return shown
+
+
 def _markdown(rows: list[dict[str, Any]], purposes: list[str]) -> str:
-    shown = [c for c in _HEADERS if any(r.get(c) is not None for r in rows)]
+    shown = _shown(rows)
     header = [_HEADERS[c][0] for c in shown] + [f"{p} (calls)" for p in purposes]
     if purposes:
         header.append("bytes total")

@@ -33,9 +33,24 @@ SIMULATED_CLOCKS = {
 
 
 def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str, int], nbytes: dict[str, int],
-                step_s: float, generated: int, to_generate: int, stage_s: dict[str, float] | None = None) -> dict[str, Any]:
+                step_s: float, generated: int, to_generate: int, stage_s: dict[str, float] | None = None,
+                serving: Any = None, num_blocks: int = 0, time_s: float | None = None) -> dict[str, Any]:
     """The metrics.jsonl line of one step, as an executed and a simulated run both write it
-    (each adds its own fields: verification, drafting and experts; prices)."""
+    (each adds its own fields: verification, drafting and experts; prices). ``serving``:
+    the scheduler's ``StepStats`` of the step (preemptions, prefix hits, KV blocks in use
+    of ``num_blocks``, running and waiting requests); ``time_s``: the run clock at its start."""
+    extra: dict[str, Any] = {}
+    if serving is not None:
+        extra = {
+            "time_s": time_s,
+            "num_running": serving.num_running,
+            "num_waiting": serving.num_waiting,
+            "kv_blocks_used": serving.kv_blocks_used,
+            "kv_usage": serving.kv_blocks_used / num_blocks if num_blocks else 0.0,
+            "prefix_hit_tokens": serving.prefix_hit_tokens,
+            "prefix_query_tokens": serving.prefix_query_tokens,
+            "num_preempted": serving.num_preempted,
+        }
     return {
         "step": batch.step,
         "num_reqs": batch.num_reqs,
@@ -50,6 +65,7 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
         "step_s": step_s,
         "num_generated": generated,
         "num_to_generate": to_generate,
+        **extra,
     }
 
 
@@ -73,6 +89,12 @@ class MetricsRecorder:
         self.draft_accepted = 0
         self.draft_steps = 0
         self.draft_rows = 0
+        self.kv_usage_s = 0.0  # sum of usage x step seconds (time-weighted mean)
+        self.kv_usage_max = 0.0
+        self.kv_usage_sum = 0.0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        self.num_preempted = 0
         self.cp_attention_steps: dict[str, int] = defaultdict(int)
         self.per_rank_collective_bytes: dict[str, np.ndarray] = {}
 
@@ -98,6 +120,13 @@ class MetricsRecorder:
         self.draft_accepted += record.get("draft_accepted", 0)
         self.draft_steps += 1 if record.get("draft_proposed", 0) else 0
         self.draft_rows += record.get("draft_rows", 0)
+        if "kv_usage" in record:
+            self.kv_usage_s += record["kv_usage"] * record["step_s"]
+            self.kv_usage_sum += record["kv_usage"]
+            self.kv_usage_max = max(self.kv_usage_max, record["kv_usage"])
+            self.prefix_hit_tokens += record["prefix_hit_tokens"]
+            self.prefix_query_tokens += record["prefix_query_tokens"]
+            self.num_preempted += record["num_preempted"]
         if "cp_attention" in record:
             self.cp_attention_steps[record["cp_attention"]] += 1
         for k, v in record.get("per_rank_collective_bytes", {}).items():
@@ -111,10 +140,13 @@ class MetricsRecorder:
             self.file.close()
             self.file = None
 
-    def summary(self, requests: list[dict[str, Any]], wall_s: float, *, simulated: bool = False) -> dict[str, Any]:
-        """The run's metrics. ``simulated``: the run clock is the priced steps' time, the loop
-        is the simulator's own, and no stage is timed (no framework overhead to report)."""
-        generated = sum(r["output_len"] for r in requests)
+    def summary(self, requests: dict[str, np.ndarray], wall_s: float, *, simulated: bool = False,
+                serving: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The run's metrics from its request columns (``pcpflow.scheduling.loop.request_columns``).
+        ``simulated``: the run clock is the priced steps' time, the loop is the simulator's
+        own, and no stage is timed (no framework overhead to report). ``serving``: what the
+        serving metrics need (``serving_metrics``: prompt lengths, GPUs, SLOs)."""
+        generated = int(np.sum(requests["output_len"]))
         stage_total = sum(v for k, v in self.stage_s.items() if "." not in k)
         framework = sum(v for k, v in self.stage_s.items() if k in FRAMEWORK_STAGES)
         out: dict[str, Any] = {
@@ -136,14 +168,8 @@ class MetricsRecorder:
             "collective_bytes": dict(sorted(self.collective_bytes.items())),
             "collective_calls": dict(sorted(self.collective_calls.items())),
             # NOTE: a run cut short (max_steps) leaves requests without a first token.
-            "ttft": _latency(
-                [r["ttft_s"] for r in requests if r["ttft_s"] is not None],
-                [r["ttft_steps"] for r in requests if r["ttft_steps"] is not None],
-            ),
-            "tpot": _latency(
-                [r["tpot_s"] for r in requests if r["tpot_s"] is not None],
-                [r["tpot_steps"] for r in requests if r["tpot_steps"] is not None],
-            ),
+            "ttft": _latency(requests["ttft_s"], requests["ttft_steps"]),
+            "tpot": _latency(requests["tpot_s"], requests["tpot_steps"]),
             "run_s": self.run_s,
             "wall_s": wall_s,
             "clocks": {
@@ -151,12 +177,16 @@ class MetricsRecorder:
                 "loop_s": wall_s,
                 "meaning": SIMULATED_CLOCKS if simulated else EXECUTED_CLOCKS,
             },
+            # NOTE: per second of the run clock (steps only), every scheduled token (prefills,
+            # recomputed ones included); metrics.throughput counts requests over their span.
             "tokens_per_s": self.num_tokens / self.run_s if self.run_s else 0.0,
             "generated_tokens_per_s": generated / self.run_s if self.run_s else 0.0,
             "stage_s": dict(self.stage_s),
             "framework_overhead_s": None if simulated else framework,
             "framework_overhead_fraction": None if simulated else (framework / stage_total if stage_total else 0.0),
         }
+        if serving is not None:
+            out.update(self.serving_metrics(requests, **serving))
         if self.cp_attention_steps:
             out["cp_attention_steps"] = dict(sorted(self.cp_attention_steps.items()))
         if self.per_rank_collective_bytes:  # point-to-point purposes (rings): what each rank sent
@@ -175,19 +205,70 @@ class MetricsRecorder:
             out["draft_time_fraction"] = self.stage_s.get("draft", 0.0) / self.run_s if self.run_s else 0.0
         return out
 
+    def serving_metrics(self, requests: dict[str, np.ndarray], *, prompt_lens: np.ndarray, gpus: int,
+                        ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> dict[str, Any]:
+        """What a service cares about: throughput over the requests' span (first arrival to
+        last finish, idle time included, as ``vllm bench serve`` counts), KV usage, prefix
+        hits, preemptions, queueing, and goodput under the SLOs."""
+        done = ~np.isnan(requests["finish_s"])
+        span = float(np.nanmax(requests["finish_s"]) - np.nanmin(requests["arrival_s"])) if done.any() else 0.0
+        out_tokens = float(np.sum(requests["output_len"][done]))
+        in_tokens = float(np.sum(np.asarray(prompt_lens)[requests["req_id"][done]]))
+
+        def per_s(x: float) -> float:
+            return x / span if span > 0 else 0.0
+
+        good = done.copy()
+        if ttft_slo_s is not None:
+            good &= requests["ttft_s"] <= ttft_slo_s
+        if tpot_slo_s is not None:  # NOTE: a one-token request has no TPOT: it meets the SLO
+            good &= np.isnan(requests["tpot_s"]) | (requests["tpot_s"] <= tpot_slo_s)
+        has_slo = ttft_slo_s is not None or tpot_slo_s is not None
+        queue = requests["queue_s"][~np.isnan(requests["queue_s"])]
+        return {
+            "throughput": {
+                "span_s": span,
+                "requests_s": per_s(float(done.sum())),
+                "output_tok_s": per_s(out_tokens),
+                "output_tok_s_per_gpu": per_s(out_tokens) / gpus,
+                "total_tok_s": per_s(in_tokens + out_tokens),
+            },
+            "kv_usage": {
+                "mean": self.kv_usage_s / self.run_s if self.run_s else (self.kv_usage_sum / max(1, self.num_steps)),
+                "max": self.kv_usage_max,
+            },
+            "prefix_cache": {
+                "hit_rate": self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0,
+                "hit_tokens": self.prefix_hit_tokens,
+                "query_tokens": self.prefix_query_tokens,
+            },
+            "preemptions": self.num_preempted,
+            "queue_s": float(queue.mean()) if len(queue) else None,
+            "goodput": {
+                "req_s": per_s(float(good.sum())) if has_slo else None,
+                "share": float(good.sum() / done.sum()) if has_slo and done.any() else None,
+                "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s},
+            },
+        }
+
 
 def _max_over_mean(x: np.ndarray) -> float:
     x = np.asarray(x, dtype=np.float64)
     return float(x.max() / x.mean()) if len(x) and x.mean() > 0 else 1.0
 
 
-def _latency(seconds: list[float], steps: list[float]) -> dict[str, float | None]:
-    if not seconds:
-        return {"mean_s": None, "p50_s": None, "p90_s": None, "mean_steps": None}
-    s = np.asarray(seconds)
+def _latency(seconds: np.ndarray, steps: np.ndarray) -> dict[str, float | None]:
+    s = np.asarray(seconds, dtype=np.float64)
+    s = s[~np.isnan(s)]
+    st = np.asarray(steps, dtype=np.float64)
+    st = st[~np.isnan(st)]
+    if not len(s):
+        return {"mean_s": None, "p50_s": None, "p90_s": None, "p99_s": None, "mean_steps": None}
+    p50, p90, p99 = np.percentile(s, [50, 90, 99])
     return {
         "mean_s": float(s.mean()),
-        "p50_s": float(np.percentile(s, 50)),
-        "p90_s": float(np.percentile(s, 90)),
-        "mean_steps": float(np.mean(steps)),
+        "p50_s": float(p50),
+        "p90_s": float(p90),
+        "p99_s": float(p99),
+        "mean_steps": float(st.mean()) if len(st) else None,
     }

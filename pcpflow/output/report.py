@@ -116,9 +116,13 @@ def print_summary(result: dict[str, Any]) -> None:
         table.add_row("clocks", _clocks(m))
         ttft, tpot = m["ttft"], m["tpot"]
         if ttft["mean_s"] is not None:
-            table.add_row("TTFT", f"mean {ttft['mean_s'] * 1e3:.1f} ms · p90 {ttft['p90_s'] * 1e3:.1f} ms · {ttft['mean_steps']:.1f} steps")
+            table.add_row("TTFT", f"mean {ttft['mean_s'] * 1e3:.1f} ms · p90 {ttft['p90_s'] * 1e3:.1f} ms · "
+                          f"p99 {ttft['p99_s'] * 1e3:.1f} ms · {ttft['mean_steps']:.1f} steps")
         if tpot["mean_s"] is not None:
-            table.add_row("TPOT", f"mean {tpot['mean_s'] * 1e3:.1f} ms · {tpot['mean_steps']:.2f} steps")
+            table.add_row("TPOT", f"mean {tpot['mean_s'] * 1e3:.1f} ms · p99 {tpot['p99_s'] * 1e3:.1f} ms · "
+                          f"{tpot['mean_steps']:.2f} steps")
+        for label, shown in serving_rows(m):
+            table.add_row(label, shown)
         b = m["balance"]
         table.add_row(
             "balance (max/mean)",
@@ -143,6 +147,26 @@ def print_summary(result: dict[str, Any]) -> None:
     console.print(table)
     # NOTE: outside the table, unstyled: a path cut to the terminal's width ("…") is no path.
     print(f"results: {Path(result['run_dir']) / 'result.json'}", flush=True)
+
+
+def serving_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary's serving lines: throughput over the requests' span, KV cache, goodput."""
+    t = m.get("throughput")
+    if not t:
+        return []
+    rows = [("served", f"{t['requests_s']:.2f} req/s · {t['output_tok_s']:,.0f} output tok/s "
+                       f"({t['output_tok_s_per_gpu']:,.0f} per GPU) · {t['total_tok_s']:,.0f} total tok/s over "
+                       f"{t['span_s']:.2f} s (first arrival to last finish)")]
+    queue = m.get("queue_s")
+    rows.append(("KV cache", f"usage mean {m['kv_usage']['mean']:.1%} · max {m['kv_usage']['max']:.1%} · "
+                             f"prefix hits {m['prefix_cache']['hit_rate']:.1%} of prompt tokens · "
+                             f"{m['preemptions']} preemption(s)"
+                 + (f" · queued {queue * 1e3:.1f} ms on average" if queue is not None else "")))
+    g = m.get("goodput") or {}
+    if g.get("req_s") is not None:
+        slo = " and ".join(f"{k.split('_')[0].upper()} <= {v * 1e3:.0f} ms" for k, v in g["slo"].items() if v is not None)
+        rows.append(("goodput", f"{g['req_s']:.2f} req/s · {g['share']:.1%} of requests meet {slo}"))
+    return rows
 
 
 def _random_head_note(cfg: dict[str, Any]) -> str:

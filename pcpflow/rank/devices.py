@@ -11,13 +11,13 @@ run with more ranks on a node than visible GPUs is refused before any rank start
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from pcpflow.errors import Problem
+from pcpflow.scheduling.memory import HOST_MEMORY_FRACTION, host_memory_bytes
 
 if TYPE_CHECKING:
     from pcpflow.config.run import RunConfig
@@ -90,8 +90,6 @@ def ranks_on_this_node(world_size: int) -> int:
 
 
 # ------------------------------------------------------------------------------ host memory
-HOST_MEMORY_FRACTION = 0.8
-"""An executed run may plan to use this much of the host's available memory."""
 
 _BUFFER_BYTES_PER_TOKEN = 16 * 8  # a step's int64 columns (ids, positions, slots, indices ...)
 _BUFFER_BYTES_PER_SEQ = 2 * 8 * 8  # 2 * max_num_seqs rows of per-request int64 columns
@@ -153,19 +151,6 @@ def _kv_entry_bytes(cfg: Any) -> tuple[int, int]:
         return 1024, 1024
     size = torch.empty((), dtype=dtype).element_size()
     return model.num_layers * model.attn_spec.entry_dim * size, model.hidden_size * size
-
-
-def host_memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
 
 
 def _gib(n: int) -> str:

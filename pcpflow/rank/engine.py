@@ -33,9 +33,9 @@ from pcpflow.rank.devices import pick_device
 from pcpflow.rank.progress import mark_stage, mark_step, startup_done
 from pcpflow.rank.verify import Verifier
 from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.scheduling.loop import StepLoop
+from pcpflow.scheduling.loop import StepLoop, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
-from pcpflow.scheduling.workload import build_requests
+from pcpflow.scheduling.workload import RequestTable, build_requests
 from pcpflow.tokens.text import decode_outputs, stop_token_ids
 
 
@@ -76,11 +76,13 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     model = build_model(cfg.model, dtype=dtype, seed=cfg.seed, device=device)
     shard_model(model, tp, tp.rank, tp.size)  # tensor parallel: keep this rank's slice
     requests = build_requests(cfg.workload, vocab_size=model.vocab_size, seed=cfg.seed)
+    table = RequestTable.from_requests(requests)
+    table.max_concurrency = cfg.workload.max_concurrency
     scheduler = Scheduler(
-        requests,
+        table,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
         max_num_seqs=cfg.scheduler.max_num_seqs,
-        kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp),
+        kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
         num_speculative_tokens=cfg.num_speculative_tokens,
         stop_token_ids=stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True)),
     )
@@ -100,7 +102,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     )
     pipeline = Pipeline(specs, ctx, on_stage=mark_stage)
     unaccounted_world = Comm(world.group, world.rank, world.size, None)
-    verifier = Verifier(cfg, ctx, specs, unaccounted_world) if cfg.verify else None
+    verifier = Verifier(cfg, ctx, specs, unaccounted_world, scheduler) if cfg.verify else None
     is_root = world.rank == 0
     recorder = MetricsRecorder(
         run_dir / "metrics.jsonl" if (is_root and run_dir is not None) else None,
@@ -123,11 +125,14 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     wall_s = time.perf_counter() - t0
     if not is_root:
         return None
-    req_rows = steps.loop.request_rows(requests)
+    cols = steps.loop.request_columns()
+    serving = {"prompt_lens": table.prompt_lens, "gpus": cfg.world_size, "ttft_slo_s": cfg.slo.ttft_s,
+               "tpot_slo_s": cfg.slo.tpot_s}
+    outputs = scheduler.outputs()
     result: dict[str, Any] = {
-        "outputs": [scheduler.outputs().get(r.req_id, []) for r in requests],
-        "requests": req_rows,
-        "metrics": {**recorder.summary(req_rows, wall_s), **moe_run_summary(ctx)},
+        "outputs": [outputs.get(r.req_id, []) for r in requests],
+        "requests": request_rows(cols, requests),
+        "metrics": {**recorder.summary(cols, wall_s, serving=serving), **moe_run_summary(ctx)},
     }
     texts = decode_outputs(cfg.model, result["outputs"])
     if texts is not None:
@@ -155,6 +160,9 @@ class _Steps:
     def run(self) -> None:
         sched, loop = self.scheduler, self.loop
         for batch in loop.batches():
+            # NOTE: what the scheduler did this step (preemptions, prefix hits, blocks in
+            # use), for stages that record it
+            self.ctx.extras["step_stats"] = sched.stats
             state = self.pipeline(StepState(batch))
             outcome = sched.update(batch, state.sampled_token_ids)
             if state.draft_token_ids is not None:
@@ -166,7 +174,7 @@ class _Steps:
             logit_diff = None
             if self.verifier is not None:
                 mark_stage("verify")
-                logit_diff = self.verifier.step(state, outcome.finished_req_ids, outcome.freed_blocks)
+                logit_diff = self.verifier.step(state, outcome)
             if self.cfg.output.save_logits:
                 self._save_logits(state)
             record = self._record(state, outcome, calls, nbytes, step_s, logit_diff)
@@ -206,7 +214,9 @@ class _Steps:
                 dcp_rest=state.attn.dcp_rest or "queries",
             )
         record = step_record(b, layout, attention_work=work, calls=calls, nbytes=nbytes, stage_s=state.timings,
-                             step_s=step_s, generated=self.loop.generated, to_generate=self.recorder.num_to_generate)
+                             step_s=step_s, generated=self.loop.generated, to_generate=self.recorder.num_to_generate,
+                             serving=self.scheduler.stats, num_blocks=self.cfg.kv.num_blocks,
+                             time_s=float(self.loop.step_start[b.step]))
         proposed = int(np.sum(outcome.num_proposed))
         if proposed:
             record["draft_proposed"] = proposed

@@ -17,10 +17,18 @@ Each step:
   expected, untouched (NaN) everywhere else. The slots come from the rule the ``slots``
   stage uses (``pcpflow.attention.metadata.rank_slot_mapping``).
 
-The verifier never writes the caches of the run it checks: when a finished request's
-blocks are freed, the expected cache takes over what the run's cache holds there (checked
-already), so that a reused block is checked against its new writes and a stray write
-into a free block still differs.
+The verifier never writes the caches of the run it checks: when a request's blocks are
+freed (it finished, or was preempted), the expected cache takes over what the run's cache
+holds there (checked already), so that a reused block is checked against its new writes
+and a stray write into a free block still differs.
+
+Prefix hits and preemptions: a request that starts past what the reference holds for it
+(a prefix found in the cache, or a readmission after preemption, whose outputs are
+prefilled again) is first *recomputed* by the reference from what it holds (nothing, for a
+readmitted request: the reference freed it when it was preempted) up to where the run
+starts it, in a step of the reference's own. Those entries go into the expected cache at
+the run's slots of those positions: a block the run reuses must hold exactly what
+recomputation writes, on every rank and every DCP shard.
 """
 
 from __future__ import annotations
@@ -38,15 +46,21 @@ from pcpflow.parallel.tensor_parallel import entry_columns
 from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.pipeline.context import RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
+from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
 from pcpflow.tokens.sampling import decision_gap
 
 _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
 
 
 class Verifier:
-    def __init__(self, cfg: RunConfig, ctx: RankContext, specs: list[StageSpec], world: Comm) -> None:
-        self.cfg, self.ctx, self.world = cfg, ctx, world
+    def __init__(self, cfg: RunConfig, ctx: RankContext, specs: list[StageSpec], world: Comm,
+                 scheduler: Scheduler) -> None:
+        self.cfg, self.ctx, self.world, self.scheduler = cfg, ctx, world, scheduler
+        # per request: positions [0, n) the reference holds (every rank keeps the count)
+        self.ref_len = np.zeros(len(scheduler.table), dtype=np.int64)
+        self.positions_recomputed = 0
         self.atol = cfg.logits_atol
         self.is_root = world.rank == 0
         self.expected = [torch.full_like(c, float("nan")) for c in ctx.kv_caches]
@@ -67,8 +81,12 @@ class Verifier:
             if ctx.tp.size > 1:
                 self.ref_model = build_model(cfg.model, dtype=ctx.dtype, seed=cfg.seed, device=ctx.device)
             ref_cfg = cfg.model_copy(update={"tp": 1, "pcp": 1, "dcp": 1})
-            # The reference holds the whole context on one rank: dcp times the blocks.
-            ref_blocks = cfg.kv.num_blocks * cfg.dcp
+            # The reference holds the whole context on one rank (dcp times the blocks), and
+            # a prefix the run shares once, once per request: room for every seat's longest.
+            table = scheduler.table
+            longest = int((table.prompt_lens + table.output_lens).max(initial=1)) + cfg.num_speculative_tokens
+            per_seat = -(-longest // cfg.kv.block_size)
+            ref_blocks = max(cfg.kv.num_blocks * cfg.dcp, cfg.scheduler.max_num_seqs * per_seat)
             self.ref_kv = KVCacheManager(ref_blocks, cfg.kv.block_size, 1)
             self.ref_ctx = RankContext(
                 config=ref_cfg,
@@ -87,20 +105,81 @@ class Verifier:
             self.ref_pipeline = Pipeline([s for s in specs if s.name in TARGET_SLOTS], self.ref_ctx)
 
     # ------------------------------------------------------------------ per step
-    def step(self, state: StepState, finished_req_ids: np.ndarray, freed_blocks: np.ndarray) -> float:
+    def step(self, state: StepState, outcome: StepOutcome) -> float:
         """Check one step; returns this step's largest logit difference (rank 0)."""
         batch = state.batch
         num_layers = len(self.ctx.kv_caches)
-        entry_dim = self.ref_entry_dim
-        ref_entries = torch.empty((num_layers, batch.num_tokens, entry_dim), dtype=self.ctx.dtype, device=self.ctx.device)
+        rows, catch_pos = self._catch_up_rows(batch)
+        n_catch = len(catch_pos)
+        ref_entries = torch.empty((num_layers, n_catch + batch.num_tokens, self.ref_entry_dim),
+                                  dtype=self.ctx.dtype, device=self.ctx.device)
         step_logit_diff = 0.0
         if self.is_root:
-            step_logit_diff = self._reference_step(state, ref_entries)
+            if n_catch:
+                self._catch_up(batch, rows, catch_pos, ref_entries[:, :n_catch])
+            step_logit_diff = self._reference_step(state, ref_entries[:, n_catch:])
         self.world.broadcast(ref_entries, src=0, purpose="verify")
-        self._check_kv(state, ref_entries)
-        self._release(finished_req_ids, freed_blocks)
+        catch_req = np.repeat(rows, batch.num_computed_tokens[rows] - self.ref_len[batch.req_ids[rows]])
+        self._check_kv(state, ref_entries, catch_pos, catch_req)
+        self.ref_len[batch.req_ids] = batch.seq_lens
+        self.positions_recomputed += n_catch
+        self._release(outcome)
         self.steps += 1
         return step_logit_diff
+
+    def _catch_up_rows(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """Batch rows that start past what the reference holds for them, and the positions
+        the reference recomputes for them (row by row)."""
+        have = self.ref_len[batch.req_ids]
+        rows = np.flatnonzero(batch.num_computed_tokens > have)
+        if not len(rows):
+            return rows, np.zeros(0, dtype=np.int64)
+        start, end = have[rows], batch.num_computed_tokens[rows]
+        n = end - start
+        offsets = np.arange(int(n.sum())) - np.repeat(n.cumsum() - n, n)
+        return rows, np.repeat(start, n) + offsets
+
+    def _catch_up(self, batch, rows: np.ndarray, positions: np.ndarray, out: torch.Tensor) -> None:
+        """The reference computes ``rows``' missing prefixes in steps of its own (no logits),
+        each within the run's token budget and seats."""
+        req_ids = batch.req_ids[rows]
+        start, end = self.ref_len[req_ids], batch.num_computed_tokens[rows]
+        self.ref_kv.allocate_many(req_ids, end)
+        budget, seats = self.cfg.scheduler.max_num_batched_tokens, self.cfg.scheduler.max_num_seqs
+        chunks: list[tuple[int, int, int]] = []  # (request, first position, end), in order
+        for r, a, e in zip(req_ids.tolist(), start.tolist(), end.tolist()):
+            chunks += [(r, p, min(p + budget, e)) for p in range(a, e, budget)]
+        done = 0
+        while chunks:
+            step, used = [], 0
+            while chunks and len(step) < seats and used < budget:
+                r, a, e = chunks.pop(0)
+                take = min(e - a, budget - used)
+                step.append((r, a, a + take))
+                if a + take < e:
+                    chunks.insert(0, (r, a + take, e))
+                used += take
+            done += self._reference_prefill(batch.step, step, out[:, done:done + used])
+
+    def _reference_prefill(self, step: int, chunks: list[tuple[int, int, int]], out: torch.Tensor) -> int:
+        """One reference step prefilling ``(request, start, end)`` chunks; their entries into ``out``."""
+        req_ids = np.array([c[0] for c in chunks], dtype=np.int64)
+        start = np.array([c[1] for c in chunks], dtype=np.int64)
+        end = np.array([c[2] for c in chunks], dtype=np.int64)
+        ids = np.concatenate([self.scheduler.token_ids(int(r), int(a), int(e)) for r, a, e in chunks])
+        tables = self.ref_kv.block_tables(req_ids)
+        catch = GlobalBatch(
+            step=step, req_ids=req_ids, num_scheduled_tokens=end - start, num_computed_tokens=start,
+            is_prefilling=np.ones(len(chunks), dtype=bool), prompt_lens=end + 1, input_ids=ids,
+            block_tables=tables, logits_indices=np.zeros(0, dtype=np.int64),
+            num_draft_tokens=np.zeros(len(chunks), dtype=np.int64),
+        )
+        self.ref_pipeline(StepState(catch))
+        ref_slots = rank_slot_mapping(catch.positions, catch.req_indices, tables, self.cfg.kv)
+        idx = torch.from_numpy(ref_slots).to(self.ctx.device)
+        for layer, cache in enumerate(self.ref_ctx.kv_caches):
+            out[layer] = cache.index_select(0, idx)
+        return catch.num_tokens
 
     def _reference_step(self, state: StepState, ref_entries: torch.Tensor) -> float:
         batch = state.batch
@@ -134,10 +213,13 @@ class Verifier:
                     self.token_mismatches.append(entry)
         return diff
 
-    def _check_kv(self, state: StepState, ref_entries: torch.Tensor) -> None:
+    def _check_kv(self, state: StepState, ref_entries: torch.Tensor, catch_pos: np.ndarray, catch_rows: np.ndarray) -> None:
+        """The whole cache against the expected one, once the reference's entries of this
+        step (recomputed prefixes first, then the step's tokens) are in it at their slots."""
         batch, ctx, kv = state.batch, self.ctx, self.cfg.kv
         slots = rank_slot_mapping(
-            batch.positions, batch.req_indices, batch.block_tables, kv, dcp_size=ctx.dcp_size, dcp_rank=ctx.dcp_rank
+            np.concatenate([catch_pos, batch.positions]), np.concatenate([catch_rows, batch.req_indices]),
+            batch.block_tables, kv, dcp_size=ctx.dcp_size, dcp_rank=ctx.dcp_rank,
         )
         owned = torch.from_numpy(np.flatnonzero(slots >= 0)).to(ctx.device)
         owned_slots = torch.from_numpy(slots[slots >= 0]).to(ctx.device)
@@ -158,15 +240,22 @@ class Verifier:
         self.max_kv_diff = max(self.max_kv_diff, float(worst_t))
         self.kv_bad_slots += int(bad_t)
 
-    def _release(self, finished_req_ids: np.ndarray, freed_blocks: np.ndarray) -> None:
+    def _release(self, outcome: StepOutcome) -> None:
+        """Blocks the run freed this step: the expected cache takes over what the run left
+        there. The reference frees what it held for finished and preempted requests."""
+        freed_blocks = outcome.freed_blocks
         if len(freed_blocks):
             b = self.cfg.kv.block_size
             slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
             idx = torch.from_numpy(slots).to(self.ctx.device)
             for cache, expected in zip(self.ctx.kv_caches, self.expected):
                 expected.index_copy_(0, idx, cache.index_select(0, idx))
+        gone = np.concatenate([outcome.preempted_req_ids, outcome.finished_req_ids]).astype(np.int64)
+        self.ref_len[gone] = 0
         if self.is_root:
-            for req_id in np.asarray(finished_req_ids).tolist():
+            for req_id in gone.tolist():
+                if not self.ref_kv.num_blocks_of(req_id):
+                    continue
                 freed = self.ref_kv.free(req_id)
                 if len(freed):
                     b = self.cfg.kv.block_size
@@ -193,6 +282,7 @@ class Verifier:
             "token_mismatches": self.token_mismatches,
             "near_ties": self.near_ties,
             "kv_mismatched_slots": self.kv_bad_slots,
+            "positions_recomputed": self.positions_recomputed,
             "reference": "the same pipeline at tp=1, pcp=1, dcp=1, in-process on rank 0, fed the same batches",
         }
 

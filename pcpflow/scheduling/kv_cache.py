@@ -1,13 +1,31 @@
-"""Paged KV-cache bookkeeping: a deterministic block allocator and per-request block tables.
+"""Paged KV-cache bookkeeping, as vLLM's KV cache manager does it: a block pool with reference
+counts, a least-recently-used free queue and (``prefix_caching``) full blocks found again by
+the chained hash of their tokens.
 
-Every rank runs the same allocator on the same call sequence, so every rank hands out the
-same block ids: free blocks are taken lowest id first. Under DCP a block-table entry is a
-*virtual block* of ``block_size * dcp_size`` positions; each DCP rank stores its
-``block_size`` of them in its own physical block with the same id, so one table serves
-every DCP rank (``pcpflow.layouts.slots`` maps a position to its rank and slot).
+Every rank runs the same manager on the same call sequence, so every rank hands out the same
+block ids. Under DCP a block-table entry is a *virtual block* of ``block_size * dcp_size``
+positions; each DCP rank stores its ``block_size`` of them in its own physical block with
+the same id, so one table serves every DCP rank (``pcpflow.layouts.slots`` maps a position to
+its rank and slot), and one hash covers every DCP shard of the entry.
+
+The pool (vLLM's ``BlockPool``):
+- a block is *in use* while a request holds it (``ref_count > 0``; a prefix hit shares a
+  block between requests), else *free*;
+- free blocks wait in a queue, oldest first: blocks never used in id order, then blocks in
+  the order they were freed (a request frees its blocks last block first, so that a
+  prompt's tail is evicted before its head). Allocation takes from the front;
+- with prefix caching, a full block keeps its hash while free: a later request whose
+  prefix has that hash takes it back out of the queue (a *hit*), until allocation reaches
+  it at the front of the queue and evicts it (the hash is forgotten).
+
+The queue is an array with lazy deletion (a hit leaves its stale entry behind; an entry is
+live while its sequence number is the block's), so taking k blocks and freeing a request
+are array operations; Python loops run per evicted or newly cached block only.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -28,7 +46,8 @@ def fit_problems(
 ) -> list[Problem]:
     """The one rule for "can this request ever fit": its prompt, every output token and the
     speculative lookahead, alone in the cache (``num_blocks``, or ``max_blocks_per_req`` when
-    smaller). A request that cannot would wait forever. Problems (``kv.num_blocks``) name the
+    smaller). A request that cannot would wait forever; one that can always runs, since
+    the scheduler preempts every later request for it. Problems (``kv.num_blocks``) name the
     first few such requests and count the rest; arrays of lengths in, no cache built."""
     tokens_per_block = block_size * dcp_size
     limit = num_blocks if max_blocks_per_req is None else min(num_blocks, max_blocks_per_req)
@@ -53,7 +72,8 @@ def fit_problems(
 
 
 class KVCacheManager:
-    """Block allocator over ``num_blocks`` blocks (ids ``0..num_blocks-1``).
+    """Block pool over ``num_blocks`` blocks (ids ``0..num_blocks-1``) and the requests'
+    block tables.
 
     Block tables live in one persistent ``[rows, width]`` array; each request holding
     blocks owns a row (rows are recycled), so ``block_tables`` is a single gather.
@@ -66,6 +86,8 @@ class KVCacheManager:
         block_size: int,
         dcp_size: int = 1,
         max_blocks_per_req: int | None = None,
+        *,
+        prefix_caching: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1 or dcp_size < 1:
             raise ValueError(
@@ -78,11 +100,21 @@ class KVCacheManager:
         self.block_size = int(block_size)
         self.dcp_size = int(dcp_size)
         self.tokens_per_block = self.block_size * self.dcp_size
+        self.prefix_caching = bool(prefix_caching)
         self.max_blocks_per_req = (
             self.num_blocks if max_blocks_per_req is None else int(max_blocks_per_req)
         )
-        self._is_free = np.ones(self.num_blocks, dtype=bool)
-        self._num_free = self.num_blocks
+        n = self.num_blocks
+        self._ref = np.zeros(n, dtype=np.int64)  # requests holding each block
+        self._hash = np.zeros(n, dtype=np.uint64)  # 0 = not cached
+        self._cached: dict[int, int] = {}  # block hash -> the block holding it
+        # The free queue: entries [head, tail) of _queue, live while _qseq matches _seq_of.
+        self._queue = np.arange(n, dtype=np.int64)
+        self._qseq = np.arange(n, dtype=np.int64)
+        self._seq_of = np.arange(n, dtype=np.int64)  # a free block's live entry; -1 in use
+        self._head, self._tail, self._next_seq = 0, n, n
+        self._num_free = n
+        self.num_evicted = 0
         # NOTE: the table grows by doubling (rows and width) so that memory follows the
         # live requests, not num_blocks x every request id ever seen.
         self._table = np.zeros((4, 4), dtype=np.int64)
@@ -100,12 +132,46 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are evicted when needed)."""
         return self._num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self._num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a hash, in use or free."""
+        return len(self._cached)
 
     def num_blocks_of(self, req_id: int) -> int:
         """Blocks currently held by ``req_id`` (0 if it holds none)."""
         row = self._row(req_id)
         return 0 if row < 0 else int(self._row_num_blocks[row])
+
+    def num_blocks_of_many(self, req_ids) -> np.ndarray:
+        """``num_blocks_of`` each of ``req_ids`` (int64 array)."""
+        ids = np.asarray(req_ids, dtype=np.int64)
+        known = ids < len(self._row_of)
+        rows = np.where(known, self._row_of[np.where(known, ids, 0)], -1)
+        return np.where(rows >= 0, self._row_num_blocks[rows], 0)
+
+    def blocks_of(self, req_id: int) -> np.ndarray:
+        """The blocks ``req_id`` holds, in table order (a copy)."""
+        row = self._row(req_id)
+        return np.zeros(0, np.int64) if row < 0 else self._table[row, : self._row_num_blocks[row]].copy()
+
+    def ref_counts(self) -> np.ndarray:
+        return self._ref.copy()
+
+    def free_queue(self) -> np.ndarray:
+        """The free blocks in eviction order (front first)."""
+        ids, seqs = self._queue[self._head:self._tail], self._qseq[self._head:self._tail]
+        return ids[self._seq_of[ids] == seqs]
+
+    def block_hash(self, block: int) -> int | None:
+        h = int(self._hash[block])
+        return h or None
 
     def fit_problems(self, prompt_lens, output_lens, num_speculative_tokens: int = 0) -> list[Problem]:
         """``fit_problems`` of this cache (the module's one rule)."""
@@ -118,10 +184,69 @@ class KVCacheManager:
         need = self.blocks_needed(num_tokens)
         return need <= self._num_free and need <= self.max_blocks_per_req
 
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def find_cached(self, hashes, max_blocks: int) -> np.ndarray:
+        """The blocks of the longest cached prefix of a request whose full blocks have the
+        chained ``hashes`` (at most ``max_blocks``): one dict lookup per block, up to the
+        first miss. Changes nothing (``allocate(..., cached=...)`` takes them)."""
+        if not self.prefix_caching or not self._cached or max_blocks <= 0:
+            return np.zeros(0, dtype=np.int64)
+        found: list[int] = []
+        start, size = 0, 16
+        while start < max_blocks:  # NOTE: in growing chunks, so that a miss stops the lookups early
+            chunk = list(map(self._cached.get, hashes[start:min(start + size, max_blocks)].tolist()))
+            if None in chunk:
+                found += chunk[:chunk.index(None)]
+                break
+            found += chunk
+            start, size = start + size, 2 * size
+        return np.asarray(found, dtype=np.int64)
+
+    def evictable(self, blocks: np.ndarray) -> int:
+        """How many of ``blocks`` (cached ones found by ``find_cached``) are free: taking them
+        uses up free capacity as new blocks would."""
+        return int(np.count_nonzero(self._ref[blocks] == 0)) if len(blocks) else 0
+
+    def cache_blocks(self, req_id: int, first: int, hashes: np.ndarray) -> int:
+        """Register ``req_id``'s full blocks ``first, first+1, ...`` under ``hashes`` (their
+        chained hashes); a block already cached, or a hash another block holds, is left as
+        it is. Returns the number of blocks newly cached."""
+        n = len(hashes)
+        return self.cache_block_ids(self.block_ids(np.full(n, req_id), np.arange(first, first + n)), hashes)
+
+    def block_ids(self, req_ids: np.ndarray, entries: np.ndarray) -> np.ndarray:
+        """The block at table entry ``entries[k]`` of request ``req_ids[k]``."""
+        return self._table[self._row_of[np.asarray(req_ids, dtype=np.int64)], entries]
+
+    def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray) -> int:
+        """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
+        that hash to it; the dict is updated in bulk (a Python step per duplicate only)."""
+        if not self.prefix_caching or not len(hashes):
+            return 0
+        todo = np.flatnonzero(self._hash[blocks] == 0)
+        if not len(todo):
+            return 0
+        blocks, hashes = blocks[todo], np.asarray(hashes, dtype=np.uint64)[todo]
+        # NOTE: reversed, so that the first block of a hash computed twice in one call wins
+        new = dict(zip(hashes[::-1].tolist(), blocks[::-1].tolist()))
+        taken = new.keys() & self._cached.keys()
+        for h in taken:
+            del new[h]
+        self._cached.update(new)
+        if len(new) == len(blocks):  # every block holds its own new hash (the usual case)
+            self._hash[blocks] = hashes
+        else:
+            registered = np.fromiter(new.values(), dtype=np.int64, count=len(new))
+            self._hash[registered] = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
+        return len(new)
+
     # -- mutation --------------------------------------------------------------------------
 
-    def allocate(self, req_id: int, num_tokens: int) -> None:
-        """Grow ``req_id``'s table to hold ``num_tokens`` positions (no-op if it already does)."""
+    def allocate(self, req_id: int, num_tokens: int, cached: np.ndarray | None = None) -> None:
+        """Grow ``req_id``'s table to hold ``num_tokens`` positions (no-op if it already does).
+        ``cached``: blocks found by ``find_cached`` for a request holding none yet; they
+        become its first table entries (shared, their reference counts raised)."""
         req_id = int(req_id)
         if req_id < 0:
             raise ValueError(f"req_id must be >= 0, got {req_id}")
@@ -133,23 +258,26 @@ class KVCacheManager:
             )
         row = self._row(req_id)
         have = 0 if row < 0 else int(self._row_num_blocks[row])
-        extra = need - have
-        if extra <= 0:
-            if row < 0:
-                self._claim_row(req_id)
-            return
-        if extra > self._num_free:
+        hits = np.zeros(0, np.int64) if cached is None else np.asarray(cached, dtype=np.int64)
+        if len(hits) and (have or len(hits) > need):
+            raise ValueError(f"cached blocks go first into an empty table of {need} blocks; "
+                             f"request {req_id} holds {have}, {len(hits)} cached given")
+        extra = need - have - len(hits)
+        if extra + self.evictable(hits) > self._num_free:
             raise RuntimeError(
-                f"request {req_id} needs {extra} more blocks for {num_tokens} tokens, "
-                f"only {self._num_free} of {self.num_blocks} are free"
+                f"request {req_id} needs {extra + self.evictable(hits)} more blocks for {num_tokens} "
+                f"tokens, only {self._num_free} of {self.num_blocks} are free"
             )
         if row < 0:
             row = self._claim_row(req_id)
+        if need <= have:
+            return
         self._ensure_width(need)
-        new_blocks = np.flatnonzero(self._is_free)[:extra]
-        self._is_free[new_blocks] = False
-        self._num_free -= extra
-        self._table[row, have:need] = new_blocks
+        if len(hits):
+            self._touch(hits)
+            self._table[row, :len(hits)] = hits
+        new_blocks = self._take(extra)
+        self._table[row, have + len(hits):need] = new_blocks
         self._row_num_blocks[row] = need
 
     def allocate_many(self, req_ids, num_tokens) -> None:
@@ -183,25 +311,28 @@ class KVCacheManager:
             )
         for i in np.flatnonzero(rows < 0).tolist():
             rows[i] = self._claim_row(int(ids[i]))
+        if not total:
+            return
         self._ensure_width(int(need.max()))
-        # Lowest free ids first, handed out in request order: what allocate() in a loop does.
-        new_blocks = np.flatnonzero(self._is_free)[:total]
-        self._is_free[new_blocks] = False
-        self._num_free -= total
+        # Handed out from the front of the free queue, in request order: what allocate() in a loop does.
+        new_blocks = self._take(total)
         owner = np.repeat(np.arange(len(ids)), extra)
         column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
         self._table[rows[owner], column] = new_blocks
         self._row_num_blocks[rows] = np.maximum(need, have)
 
     def free(self, req_id: int) -> np.ndarray:
-        """Release every block of ``req_id``; returns their ids in table order."""
+        """Release every block of ``req_id``: blocks no other request holds go to the back of
+        the free queue, last table entry first (cached ones keep their hash). Returns the
+        blocks that became free, in that order."""
         row = self._row(req_id)
         if row < 0:
             raise KeyError(f"request {req_id} holds no KV blocks")
         n = int(self._row_num_blocks[row])
-        freed = self._table[row, :n].copy()
-        self._is_free[freed] = True
-        self._num_free += n
+        blocks = self._table[row, :n][::-1].copy()
+        self._ref[blocks] -= 1
+        freed = blocks[self._ref[blocks] == 0]
+        self._push(freed)
         self._table[row, :n] = 0
         self._row_num_blocks[row] = 0
         self._row_of[req_id] = -1
@@ -220,6 +351,72 @@ class KVCacheManager:
             raise KeyError(f"requests {ids[rows < 0].tolist()} hold no KV blocks")
         width = max(1, int(self._row_num_blocks[rows].max(initial=0)))
         return self._table[rows, :width].copy()
+
+    # -- the pool --------------------------------------------------------------------------
+
+    def _take(self, k: int) -> np.ndarray:
+        """The first ``k`` live blocks of the free queue, now in use by one request (a cached
+        one is evicted: its hash forgotten)."""
+        if k <= 0:
+            return np.zeros(0, dtype=np.int64)
+        out, need, head = [], k, self._head
+        while need:
+            end = min(self._tail, head + max(2 * need, 64))
+            ids = self._queue[head:end]
+            live = np.flatnonzero(self._seq_of[ids] == self._qseq[head:end])
+            if len(live) >= need:
+                out.append(ids[live[:need]])
+                head += int(live[need - 1]) + 1
+                need = 0
+            else:
+                out.append(ids[live])
+                need -= len(live)
+                head = end
+                if end == self._tail and need:
+                    raise AssertionError("the free queue holds fewer blocks than counted")
+        self._head = head
+        blocks = out[0] if len(out) == 1 else np.concatenate(out)
+        self._seq_of[blocks] = -1
+        self._ref[blocks] = 1
+        self._num_free -= k
+        if self.prefix_caching:
+            hashed = blocks[self._hash[blocks] != 0]
+            if len(hashed):
+                deque(map(self._cached.pop, self._hash[hashed].tolist()), maxlen=0)  # evicted: forgotten
+                self._hash[hashed] = 0
+                self.num_evicted += len(hashed)
+        return blocks
+
+    def _touch(self, blocks: np.ndarray) -> None:
+        """Cached blocks taken by a hit: out of the free queue if free, one more holder."""
+        free = blocks[self._ref[blocks] == 0]
+        self._seq_of[free] = -1
+        self._num_free -= len(free)
+        self._ref[blocks] += 1
+
+    def _push(self, blocks: np.ndarray) -> None:
+        n = len(blocks)
+        if not n:
+            return
+        if self._tail + n > len(self._queue):
+            self._compact(n)
+        seqs = np.arange(self._next_seq, self._next_seq + n, dtype=np.int64)
+        self._queue[self._tail:self._tail + n] = blocks
+        self._qseq[self._tail:self._tail + n] = seqs
+        self._seq_of[blocks] = seqs
+        self._tail += n
+        self._next_seq += n
+        self._num_free += n
+
+    def _compact(self, room: int) -> None:
+        ids, seqs = self._queue[self._head:self._tail], self._qseq[self._head:self._tail]
+        live = self._seq_of[ids] == seqs
+        ids, seqs = ids[live], seqs[live]
+        size = max(2 * (len(ids) + room), self.num_blocks + room)
+        self._queue = np.zeros(size, dtype=np.int64)
+        self._qseq = np.zeros(size, dtype=np.int64)
+        self._queue[:len(ids)], self._qseq[:len(ids)] = ids, seqs
+        self._head, self._tail = 0, len(ids)
 
     # -- internals -------------------------------------------------------------------------
 

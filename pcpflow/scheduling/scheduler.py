@@ -17,22 +17,42 @@ Policy, with budget = max_num_batched_tokens, running requests in admission orde
 1. decodes: 1 + d tokens each (d = pending drafts, cut to the remaining outputs and the
    budget); a decode left without budget stays in the batch with 0 tokens;
 2. prefills: a chunk of min(remaining prompt, budget) tokens;
-3. admission, FIFO by arrival: while there are free seats, budget and free blocks for
-   prompt + max outputs + num_speculative_tokens, which are reserved at once, so that
-   a running request never runs out of blocks (no preemption).
+3. KV blocks, as vLLM allocates them: each running request gets the blocks that the tokens
+   it writes this step need (``pcpflow.scheduling.kv_cache``), and, drafting, the
+   ``num_speculative_tokens`` positions its drafter may write next (vLLM's lookahead);
+   nothing more is reserved ahead. When
+   the free blocks do not suffice, the last admitted running request is preempted (FCFS):
+   its blocks are freed (with prefix caching, full ones stay cached), it goes back to the
+   front of the waiting queue keeping its outputs, and readmitted it prefills its prompt
+   and those outputs; the budget is shared again among the rest. A step that preempted
+   admits no one;
+4. admission, first come first served (preempted requests first): while there are seats,
+   budget and free blocks for the tokens it prefills this step. With prefix caching, the
+   longest run of its full blocks found in the cache (at most all its tokens but the
+   last) is taken instead of computed: it becomes a continued prefill of the rest (as a
+   ``workload.cached_lens`` prefix does). A request's ``cached_lens`` prefix is prefilled
+   alone first (its warm-up; what hits already cover is skipped), and its clock starts
+   after it.
+After each step, the blocks a request filled are cached under their chained hashes
+(``pcpflow.scheduling.prefix``): later requests can find them from the next step on.
+Every request fits alone (``kv_cache.fit_problems``, checked before the run), so the
+first-admitted running request always progresses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from pcpflow.errors import ConfigError
+from pcpflow.scheduling import prefix
+from pcpflow.scheduling.arrivals import Arrivals
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.scheduling.workload import Request
+from pcpflow.scheduling.workload import Request, RequestTable
 from pcpflow.tokens.stopping import cut_at_stop
 
 
@@ -92,8 +112,9 @@ class StepOutcome:
     num_accepted: np.ndarray  # int64 [R]: drafts accepted
     num_proposed: np.ndarray  # int64 [R]: drafts scheduled (batch.num_draft_tokens)
     finished_req_ids: np.ndarray  # int64: requests that reached max_output_tokens or a stop token
-    freed_blocks: np.ndarray  # int64: KV blocks released by the finished requests
+    freed_blocks: np.ndarray  # int64: KV blocks that became free this step (preemptions, then finishes)
     first_token: np.ndarray  # int64: req_ids that produced their first token this step
+    preempted_req_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # preempted when scheduled
 
     @property
     def num_new_tokens(self) -> int:
@@ -111,41 +132,51 @@ class StepOutcome:
         }
 
 
+class StepStats(NamedTuple):
+    """What the KV cache and the queues did when a step was scheduled (metrics.jsonl)."""
+
+    num_preempted: int  # running requests preempted to make room
+    prefix_hit_tokens: int  # tokens found in the prefix cache by the requests admitted
+    prefix_query_tokens: int  # tokens those admissions looked up (first admissions only)
+    kv_blocks_used: int  # blocks held by requests once the step is scheduled
+    num_running: int
+    num_waiting: int  # arrived, not running (preempted ones included)
+
+
 class Scheduler:
     """See the module docstring for the policy and the call order.
 
-    State is kept as arrays over the requests in arrival order (``arrival_step``, then
-    ``req_id``), so a step costs a fixed number of array operations; Python loops run
-    only per admitted and per finished request.
+    State is kept as arrays over every request of the workload (index = ``req_id``), so a
+    step costs a fixed number of array operations; Python loops run only per admitted,
+    preempted and finished request, and per request that fills a block (prefix caching).
+
+    ``requests``: a ``RequestTable`` (or ``Request`` objects). A table without token ids
+    (a simulated run) schedules by lengths: input ids are 0, outputs are not kept.
+    Requests enter by themselves at their arrival (``feed=True``: ``pcpflow.scheduling.arrivals``,
+    by step, or by the time ``schedule(now)`` is given for a timed table), or through
+    ``add`` (``feed=False``: a router's replicas, which share the per-request columns of the
+    scheduler given as ``share``).
     """
 
     def __init__(
         self,
-        requests: list[Request],
+        requests: RequestTable | list[Request],
         *,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         kv: KVCacheManager,
         num_speculative_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
+        feed: bool = True,
+        share: Scheduler | None = None,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or num_speculative_tokens < 0:
             raise ValueError(
                 f"need max_num_batched_tokens >= 1 ({max_num_batched_tokens}), max_num_seqs >= 1 "
                 f"({max_num_seqs}), num_speculative_tokens >= 0 ({num_speculative_tokens})"
             )
-        ids = [r.req_id for r in requests]
-        if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-            raise ValueError(f"request ids must be unique and >= 0, got {ids}")
-        bad = [r.req_id for r in requests if len(r.prompt_token_ids) < 1 or r.max_output_tokens < 1]
-        if bad:
-            raise ValueError(
-                f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1"
-            )
-        problems = kv.fit_problems([len(r.prompt_token_ids) for r in requests],
-                                   [r.max_output_tokens for r in requests], num_speculative_tokens)
-        if problems:
-            raise ConfigError(problems, header="requests that can never fit the KV cache")
+        table = requests if isinstance(requests, RequestTable) else _table_of(requests)
+        self.table = table
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
         self.num_speculative_tokens = int(num_speculative_tokens)
@@ -153,204 +184,295 @@ class Scheduler:
         self.step = 0
         # a request that appends one of these (its checkpoint's EOS ids) finishes there
         self.stop_token_ids = np.unique(np.asarray(list(stop_token_ids), dtype=np.int64))
-
-        # Per request, in arrival order (index i below); admission takes them in order.
-        order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_step, ids[i]))
-        reqs = [requests[i] for i in order]
-        self._input_order = np.argsort(np.asarray(order, dtype=np.int64)).astype(np.int64)
-        n = len(reqs)
-
-        def column(values) -> np.ndarray:
-            return np.fromiter(values, dtype=np.int64, count=n)
-
-        self._req_id = column(r.req_id for r in reqs)
-        self._arrival = column(r.arrival_step for r in reqs)
-        self._prompt_len = column(len(r.prompt_token_ids) for r in reqs)
-        self._max_out = column(r.max_output_tokens for r in reqs)
-        self._kv_tokens = self._prompt_len + self._max_out + self.num_speculative_tokens
-        # --- cached prefixes: a prompt's first cached_len tokens are prefilled in steps
-        # of their own, and its clock starts the step after (``request_timing``).
-        self._cached = column(getattr(r, "cached_len", 0) for r in reqs)
-        self._ready_step = np.full(n, -1, dtype=np.int64)
-        # Prompts and outputs live in flat buffers, request i's at [start[i], start[i+1]).
-        self._prompts = np.concatenate(
-            [np.asarray(r.prompt_token_ids, dtype=np.int64) for r in reqs] or [np.zeros(0, np.int64)]
-        )
-        self._prompt_start = self._prompt_len.cumsum() - self._prompt_len
-        self._outputs = np.zeros(int(self._max_out.sum()), dtype=np.int64)
-        self._output_start = self._max_out.cumsum() - self._max_out
-        self._num_computed = np.zeros(n, dtype=np.int64)
-        self._num_out = np.zeros(n, dtype=np.int64)
-        self._drafts = np.zeros((n, self.num_speculative_tokens), dtype=np.int64)
-        self._num_drafts = np.zeros(n, dtype=np.int64)
-        self._admitted_step = np.full(n, -1, dtype=np.int64)
-        self._first_token_step = np.full(n, -1, dtype=np.int64)
-        self._finish_step = np.full(n, -1, dtype=np.int64)
-        self._next_waiting = 0  # requests [0, _next_waiting) have been admitted
+        self.arrivals = (Arrivals(table.arrival_s if table.timed else table.arrival_steps, table.max_concurrency)
+                         if feed else None)
+        self._waiting: deque[int] = deque()  # arrived, not running: FCFS, preempted ones in front
         self._running = np.zeros(0, dtype=np.int64)  # request indices, admission order
         self._num_finished = 0
+        self._num_added = 0
         self._last_batch: GlobalBatch | None = None  # scheduled, not yet updated
         self._updated_batch: GlobalBatch | None = None  # updated, drafts not yet set
         self._batch_rows = self._running  # the request index of each row of the last batch
+        self._preempted: list[int] = []  # by the latest schedule()
+        self._freed: list[np.ndarray] = []  # blocks freed by the latest schedule()'s preemptions
+        self.stats = StepStats(0, 0, 0, 0, 0, 0)
+        if share is None:
+            n = len(table)
+            if n and (table.prompt_lens.min() < 1 or table.output_lens.min() < 1):
+                bad = np.flatnonzero((table.prompt_lens < 1) | (table.output_lens < 1)).tolist()
+                raise ValueError(f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1")
+            problems = kv.fit_problems(table.prompt_lens, table.output_lens, num_speculative_tokens)
+            if problems:
+                raise ConfigError(problems, header="requests that can never fit the KV cache")
+        self.columns = _Columns(table, self.num_speculative_tokens) if share is None else share.columns
+        # NOTE: self._<name> is the shared column <name> (arrays and dicts are never rebound).
+        for name, value in vars(self.columns).items():
+            setattr(self, f"_{name}", value)
 
     @property
     def done(self) -> bool:
-        return self._num_finished == len(self._req_id)
+        """Nothing running or waiting, and (feeding itself) every request arrived."""
+        return not self.has_work and (self.arrivals is None or self.arrivals.exhausted)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(len(self._running) or self._waiting)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._req_id) - self._next_waiting
+        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
         return len(self._running)
 
-    def outputs(self) -> dict[int, list[int]]:
-        """Generated tokens per req_id (copies), in the order the requests were given."""
+    def add(self, req_indices) -> None:
+        """Requests that arrived (in arrival order) join the back of the waiting queue."""
+        idx = np.asarray(req_indices, dtype=np.int64)
+        if len(idx):
+            self._entry_step[idx] = self.step
+            self._waiting.extend(idx.tolist())
+            self._num_added += len(idx)
+
+    def outputs(self) -> dict[int, list[int]] | None:
+        """Generated tokens per req_id (copies), in request order; None for a run without
+        token ids (a simulated run samples no real token)."""
+        if self._outputs is None:
+            return None
         start, end = self._output_start, self._output_start + self._num_out
+        return {i: self._outputs[start[i]:end[i]].tolist() for i in range(len(start))}
+
+    def timing_columns(self) -> dict[str, np.ndarray]:
+        """Per request (index = req_id), -1 where not yet: the step it arrived at (entered,
+        or later: the step after its ``cached_lens`` prefix was in the cache), was first
+        admitted, sampled its first and its last token; its outputs, preemptions and
+        prefix-cache hit. The first-token and finish steps are those of the batches that
+        sampled the first and the last output."""
+        ready = self._ready_step
         return {
-            int(self._req_id[i]): self._outputs[start[i] : end[i]].tolist()
-            for i in self._input_order.tolist()
+            "arrival_step": np.where(ready >= 0, np.maximum(self._entry_step, ready), self._entry_step),
+            "entry_step": self._entry_step.copy(),
+            "ready_step": ready.copy(),
+            "admitted_step": self._admitted_step.copy(),
+            "first_token_step": self._first_token_step.copy(),
+            "finish_step": self._finish_step.copy(),
+            "num_output_tokens": self._num_out.copy(),
+            "num_preemptions": self._num_preempted.copy(),
+            "prefix_hit_tokens": self._hit_tokens.copy(),
         }
 
     def request_timing(self) -> dict[int, dict[str, int | None]]:
-        """Per req_id: arrival / admitted / first-token / finish steps (None: not yet) and
-        num_output_tokens, as plain dicts, for metrics. The first-token and finish steps
-        are those of the batches that sampled the first and the last output. A request
-        with a cached prefix arrives (its clock starts) the step after that prefix is in
-        the KV cache: what it is timed on is the continued prefill."""
-        columns = {
-            "arrival_step": np.where(self._ready_step >= 0, np.maximum(self._arrival, self._ready_step), self._arrival),
-            "admitted_step": self._admitted_step,
-            "first_token_step": self._first_token_step,
-            "finish_step": self._finish_step,
-        }
-        lists = {name: col.tolist() for name, col in columns.items()}
+        """``timing_columns`` as plain dicts per req_id (None: not yet), for metrics. A
+        request with a cached prefix arrives (its clock starts) the step after that prefix
+        is in the KV cache: what it is timed on is the continued prefill."""
+        cols = {k: self.timing_columns()[k].tolist() for k in
+                ("arrival_step", "admitted_step", "first_token_step", "finish_step")}
         num_out = self._num_out.tolist()
         return {
-            int(self._req_id[i]): {
-                **{name: (None if v[i] < 0 else v[i]) for name, v in lists.items()},
-                "num_output_tokens": num_out[i],
-            }
-            for i in self._input_order.tolist()
+            i: {**{name: (None if v[i] < 0 else v[i]) for name, v in cols.items()}, "num_output_tokens": num_out[i]}
+            for i in range(len(num_out))
         }
+
+    def token_ids(self, req_id: int, start: int, end: int) -> np.ndarray:
+        """Request ``req_id``'s tokens at positions [start, end): its prompt, then its outputs."""
+        return self._sequence(np.full(end - start, req_id, dtype=np.int64), np.arange(start, end, dtype=np.int64))
 
     # -- schedule --------------------------------------------------------------------------
 
-    def schedule(self) -> GlobalBatch | None:
+    def schedule(self, now: float | None = None) -> GlobalBatch | None:
+        """The next step's batch (None: nothing to run). ``now``: the run's clock, for a
+        timed table's arrivals."""
         if self._last_batch is not None:
             raise RuntimeError(f"step {self._last_batch.step} was scheduled but not updated")
         step = self.step
+        if self.arrivals is not None:
+            if self.arrivals.timed and now is None:
+                raise ValueError("requests arriving in time need schedule(now=the run's clock)")
+            self.add(self.arrivals.due(now if self.arrivals.timed else step))
         self.step += 1
         self._updated_batch = None
+        self._preempted, self._freed = [], []
         run = self._running
-        computed, prompt_len = self._num_computed[run], self._prompt_len[run]
-        in_prompt = computed < prompt_len
-        # A decode wants its newest token plus its drafts, cut to the outputs left after
-        # the newest token's own; a prefill wants the rest of its prompt.
-        room = self._max_out[run] - self._num_out[run] - 1
-        prompt_end = np.where(computed < self._cached[run], self._cached[run], prompt_len)
-        want = np.where(in_prompt, prompt_end - computed, 1 + np.minimum(self._num_drafts[run], room))
-        q = np.zeros(len(run), dtype=np.int64)
-        budget = self.max_num_batched_tokens
-        for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
-            q[rows] = _take_in_order(want[rows], budget)
-            budget -= int(q[rows].sum())
-        admitted, admitted_q = [], []
-        i = self._next_waiting
-        while (
-            i < len(self._req_id)
-            and self._arrival[i] <= step
-            and len(run) + len(admitted) < self.max_num_seqs
-            and budget > 0
-        ):
-            tokens = int(self._kv_tokens[i])
-            if not self.kv.can_allocate(tokens):
-                break  # FIFO: the head waits for blocks, and so does everyone behind it
-            self.kv.allocate(int(self._req_id[i]), tokens)
-            self._admitted_step[i] = step
-            admitted.append(i)
-            admitted_q.append(min(int(self._cached[i] or self._prompt_len[i]), budget))
-            budget -= admitted_q[-1]
-            i += 1
-        self._next_waiting = i
-        if admitted:
-            run = self._running = np.concatenate([run, np.asarray(admitted, dtype=np.int64)])
-            q = np.concatenate([q, np.asarray(admitted_q, dtype=np.int64)])
+        la = self.num_speculative_tokens
+        while True:
+            q = self._running_tokens(run)
+            written = self._num_computed[run] + q + la * (q > 0)
+            grow = self.kv.blocks_needed(written) - self.kv.num_blocks_of_many(run)
+            if int(np.maximum(grow, 0).sum()) <= self.kv.num_free_blocks or not len(run):
+                break
+            # FCFS: the last admitted gives its blocks back, and recomputes later.
+            self._preempt(int(run[-1]))
+            run = run[:-1]
+        self._running = run
+        more = np.flatnonzero(grow > 0)
+        if len(more):
+            self.kv.allocate_many(run[more], written[more])
+        hits = queries = 0
+        if not self._preempted:  # NOTE: as vLLM: a step that preempted admits no one
+            run, q, hits, queries = self._admit(step, run, q)
+            self._running = run
+        self.stats = StepStats(len(self._preempted), hits, queries, self.kv.num_used_blocks, len(run),
+                               len(self._waiting))
         if not len(run):
             return None
         batch = self._build_batch(step, run, q)
         self._last_batch, self._batch_rows = batch, run
         return batch
 
+    def _running_tokens(self, run: np.ndarray) -> np.ndarray:
+        """Tokens each running request gets this step: decodes first (their newest token and
+        drafts), then prefill chunks, in admission order, within the budget."""
+        computed, end = self._num_computed[run], self._prefill_end[run]
+        in_prompt = computed < end
+        # A decode wants its newest token plus its drafts, cut to the outputs left after
+        # the newest token's own; a prefill wants the rest of its prompt (first its
+        # cached_lens prefix, alone).
+        room = self._max_out[run] - self._num_out[run] - 1
+        cached = self._cached[run]
+        prompt_end = np.where(computed < cached, cached, end)
+        want = np.where(in_prompt, prompt_end - computed, 1 + np.minimum(self._num_drafts[run], room))
+        q = np.zeros(len(run), dtype=np.int64)
+        budget = self.max_num_batched_tokens
+        for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
+            q[rows] = _take_in_order(want[rows], budget)
+            budget -= int(q[rows].sum())
+        return q
+
+    def _admit(self, step: int, run: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Waiting requests join, first come first served, while there are seats, budget
+        and blocks; a prefix-cache hit makes the request a continued prefill."""
+        budget = self.max_num_batched_tokens - int(q.sum())
+        admitted, admitted_q = [], []
+        hits_total = queries = 0
+        kv, U = self.kv, self.kv.tokens_per_block
+        while self._waiting and len(run) + len(admitted) < self.max_num_seqs and budget > 0:
+            i = self._waiting[0]
+            total = int(self._prefill_end[i])  # its prompt, or prompt + outputs when preempted
+            hit_blocks = np.zeros(0, dtype=np.int64)
+            if kv.prefix_caching:
+                # NOTE: at most total - 1 tokens: the last one is computed for its logits.
+                longest = (total - 1) // U
+                chain, keys = self._lookup_keys(i, longest)
+                hit_blocks = kv.find_cached(keys, longest)
+            hit = len(hit_blocks) * U
+            cached = int(self._cached[i])
+            take = min((cached if hit < cached else total) - hit, budget)
+            written = hit + take + self.num_speculative_tokens
+            new = kv.blocks_needed(written) - len(hit_blocks) + kv.evictable(hit_blocks)
+            if new > kv.num_free_blocks:
+                break  # FCFS: the head waits for blocks, and so does everyone behind it
+            kv.allocate(i, written, cached=hit_blocks)
+            self._waiting.popleft()
+            if kv.prefix_caching:
+                self._chain_last[i] = chain[len(hit_blocks) - 1] if len(hit_blocks) else prefix.ROOT
+            self._num_computed[i] = hit
+            self._hashed[i] = len(hit_blocks)
+            if self._admitted_step[i] < 0:
+                self._admitted_step[i] = step
+                self._hit_tokens[i] = hit
+                hits_total += hit
+                queries += total
+            admitted.append(i)
+            admitted_q.append(take)
+            budget -= take
+        if admitted:
+            run = np.concatenate([run, np.asarray(admitted, dtype=np.int64)])
+            q = np.concatenate([q, np.asarray(admitted_q, dtype=np.int64)])
+        return run, q, hits_total, queries
+
+    def _preempt(self, i: int) -> None:
+        """Request i gives back its blocks (full cached ones stay findable) and goes to the
+        front of the waiting queue, keeping its outputs: readmitted, it prefills its prompt
+        and those outputs."""
+        self._freed.append(self.kv.free(i))
+        self._preempted.append(i)
+        self._num_computed[i] = 0
+        self._prefill_end[i] = self._prompt_len[i] + self._num_out[i]
+        self._num_drafts[i] = 0
+        self._hashed[i] = 0
+        self._chain_last[i] = prefix.ROOT
+        self._num_preempted[i] += 1
+        self._waiting.appendleft(i)
+
+    def _sequence(self, req: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Token ids at positions ``pos`` of requests ``req`` (prompt, then outputs); 0 in a
+        run without token ids."""
+        if self._outputs is None:
+            return np.zeros(len(pos), dtype=np.int64)
+        plen = self._prompt_len[req]
+        in_prompt = pos < plen
+        out = np.empty(len(pos), dtype=np.int64)
+        at = np.flatnonzero(in_prompt)
+        out[at] = self._prompts[self._prompt_start[req[at]] + pos[at]]
+        at = np.flatnonzero(~in_prompt)
+        out[at] = self._outputs[self._output_start[req[at]] + pos[at] - plen[at]]
+        return out
+
     def _build_batch(self, step: int, run: np.ndarray, num_sched: np.ndarray) -> GlobalBatch:
         R = len(run)
         num_computed = self._num_computed[run]
-        prompt_lens = self._prompt_len[run]
-        is_prefilling = num_computed < prompt_lens
+        prefill_end = self._prefill_end[run]
+        is_prefilling = num_computed < prefill_end
         drafts = np.where(is_prefilling, 0, np.maximum(num_sched - 1, 0))
 
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
-        token_rows = np.repeat(np.arange(R), num_sched)
-        offset = np.arange(qsl[-1]) - qsl[token_rows]
-        token_req = run[token_rows]
-        # A prefill row reads its prompt from its first uncomputed position; a decode row
-        # is its newest output token, then its drafts.
-        input_ids = np.empty(len(token_rows), dtype=np.int64)
-        pre = is_prefilling[token_rows]
-        at = np.flatnonzero(pre)
-        input_ids[at] = self._prompts[
-            self._prompt_start[token_req[at]] + num_computed[token_rows[at]] + offset[at]
-        ]
-        at = np.flatnonzero(~pre & (offset == 0))
-        input_ids[at] = self._outputs[
-            self._output_start[token_req[at]] + self._num_out[token_req[at]] - 1
-        ]
-        at = np.flatnonzero(~pre & (offset > 0))
-        input_ids[at] = self._drafts[token_req[at], offset[at] - 1]
+        # A prefill row reads its prompt (and, readmitted, its outputs) from its first
+        # uncomputed position; a decode row is its newest output token, then its drafts.
+        if self._outputs is None:
+            input_ids = np.zeros(int(qsl[-1]), dtype=np.int64)
+        else:
+            token_rows = np.repeat(np.arange(R), num_sched)
+            offset = np.arange(qsl[-1]) - qsl[token_rows]
+            token_req = run[token_rows]
+            input_ids = self._sequence(token_req, num_computed[token_rows] + offset)
+            at = np.flatnonzero(~is_prefilling[token_rows] & (offset > 0))
+            input_ids[at] = self._drafts[token_req[at], offset[at] - 1]
 
         # Sampled: the last prompt token of a chunk that completes the prompt, and every
         # token of a decode row (the target's choice after each draft, plus the bonus).
-        samples_row = np.where(
-            is_prefilling, (num_computed + num_sched == prompt_lens) & (num_sched > 0), True
-        )
-        is_last = offset == num_sched[token_rows] - 1
-        sampled = np.where(pre, is_last, True) & samples_row[token_rows]
-        req_ids = self._req_id[run]
+        completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
+        samples = np.where(is_prefilling, completes, num_sched)
+        first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
+        logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
         return GlobalBatch(
             step=step,
-            req_ids=req_ids,
+            req_ids=run.copy(),
             num_scheduled_tokens=num_sched,
             num_computed_tokens=num_computed,
             is_prefilling=is_prefilling,
-            prompt_lens=prompt_lens,
+            prompt_lens=prefill_end,
             input_ids=input_ids,
-            block_tables=self.kv.block_tables(req_ids),
-            logits_indices=np.flatnonzero(sampled).astype(np.int64),
+            block_tables=self.kv.block_tables(run),
+            logits_indices=logits_indices,
             num_draft_tokens=drafts,
         )
 
     # -- update ----------------------------------------------------------------------------
 
-    def update(self, batch: GlobalBatch, sampled_token_ids: np.ndarray) -> StepOutcome:
-        """Apply one step's samples: verify drafts, append tokens, finish and free requests.
-        Clears every pending draft."""
+    def update(self, batch: GlobalBatch, sampled_token_ids: np.ndarray, end: float | None = None) -> StepOutcome:
+        """Apply one step's samples: verify drafts, append tokens, cache the blocks that
+        filled, finish and free requests. Clears every pending draft. ``end``: the run's
+        clock when the step ended (a timed table's freed slots)."""
         if batch is not self._last_batch:
             raise RuntimeError("update() takes the batch of the latest schedule(), once")
         self._last_batch = None
-        acc = accept_drafts(batch, sampled_token_ids)
-        sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
         rows = self._batch_rows
         n_sched = batch.num_scheduled_tokens
-        self._num_drafts[rows] = 0
         before = self._num_computed[rows]
+        if self.num_speculative_tokens and int(batch.num_draft_tokens.sum()):
+            acc = accept_drafts(batch, sampled_token_ids)
+        else:
+            acc = _no_drafts(batch, sampled_token_ids)
+        sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
+        self._num_drafts[rows] = 0
         # A decode row's KV now holds its newest token and its accepted drafts.
         self._num_computed[rows] += np.where(
             batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted)
         )
         cached = self._cached[rows]
-        self._ready_step[rows[(before < cached) & (self._num_computed[rows] >= cached)]] = batch.step + 1
+        ready = rows[(before < cached) & (self._num_computed[rows] >= cached)]
+        self._ready_step[ready[self._ready_step[ready] < 0]] = batch.step + 1
         num_out = self._num_out[rows]
         take = np.minimum(acc.num_new_tokens, self._max_out[rows] - num_out)
         # Append row r's tokens sampled[start_r : start_r + take_r] to its outputs.
@@ -358,18 +480,25 @@ class Scheduler:
         j = np.arange(len(row_of)) - (take.cumsum() - take)[row_of]
         appended = sampled[acc.sample_start[row_of] + j]
         take, row_of, j, appended, stopped = cut_at_stop(self.stop_token_ids, take, row_of, j, appended)
-        self._outputs[self._output_start[rows[row_of]] + num_out[row_of] + j] = appended
+        if self._outputs is not None:
+            self._outputs[self._output_start[rows[row_of]] + num_out[row_of] + j] = appended
         self._num_out[rows] = num_out + take
         first = rows[(take > 0) & (num_out == 0)]
         self._first_token_step[first] = batch.step
+        if self.kv.prefix_caching:
+            self._cache_full_blocks(rows)
         done = (take > 0) & ((num_out + take >= self._max_out[rows]) | stopped)
         finished = rows[done]
         self._finish_step[finished] = batch.step
-        finished_ids = self._req_id[finished]
-        freed = [self.kv.free(rid) for rid in finished_ids.tolist()]
+        freed = list(self._freed) + [self.kv.free(i) for i in finished.tolist()]
+        for i in finished.tolist():
+            self._prompt_contents.pop(i, None)
+            self._keys.pop(i, None)
         if len(finished):
             self._running = rows[~done]
             self._num_finished += len(finished)
+            if self.arrivals is not None:
+                self.arrivals.finished(len(finished), end if self.arrivals.timed else batch.step + 1)
         self._updated_batch = batch
         return StepOutcome(
             step=batch.step,
@@ -378,10 +507,93 @@ class Scheduler:
             appended_token_ids=appended,
             num_accepted=acc.num_accepted,
             num_proposed=np.asarray(batch.num_draft_tokens, dtype=np.int64).copy(),
-            finished_req_ids=finished_ids,
+            finished_req_ids=finished,
             freed_blocks=np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64),
-            first_token=self._req_id[first],
+            first_token=first,
+            preempted_req_ids=np.asarray(self._preempted, dtype=np.int64),
         )
+
+    # -- prefix caching ------------------------------------------------------------------------
+
+    def _cache_full_blocks(self, rows: np.ndarray) -> None:
+        """Register the blocks each row filled this step under their chained hashes: rows
+        that filled one block at once (decodes), the others (prefill chunks) one by one."""
+        U = self.kv.tokens_per_block
+        full = self._num_computed[rows] // U
+        have = self._hashed[rows]
+        new = full > have
+        if not new.any():
+            return
+        rows, full, have = rows[new], full[new], have[new]
+        one = full == have + 1
+        if self._outputs is not None:
+            fast = one
+        else:  # NOTE: without token ids, a block past the prompt is keyed by the prompt's key
+            fast = one & (have >= self._prompt_len[rows] // U) & (self._prompt_key[rows] != 0)
+        if fast.any():
+            r, j = rows[fast], have[fast]
+            with np.errstate(over="ignore"):
+                values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)
+            self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
+            self._chain_last[r] = values
+            self._hashed[r] = j + 1
+        for i, first, n in zip(rows[~fast].tolist(), have[~fast].tolist(), full[~fast].tolist()):
+            looked_up = self._keys.get(i)
+            if looked_up is not None and len(looked_up[0]) >= n:  # the admission's lookup has them
+                values, keys = looked_up[0][first:n], looked_up[1][first:n]
+            else:
+                values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
+                keys = prefix.keys(values)
+            self.kv.cache_block_ids(self.kv.block_ids(np.full(n - first, i), np.arange(first, n)), keys)
+            self._chain_last[i] = values[-1]
+            self._hashed[i] = n
+
+    def _lookup_keys(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(chain values, cache keys) of request i's first n blocks, kept while it lives: a
+        request waiting for blocks looks up its prefix each step, and its prompt's blocks are
+        cached under them as it prefills."""
+        have = self._keys.get(i)
+        if have is None or len(have[0]) != n:
+            values = self.chain_values(i, n)
+            have = self._keys[i] = (values, prefix.keys(values))
+        return have
+
+    def chain_values(self, i: int, n: int) -> np.ndarray:
+        """Chain values (``pcpflow.scheduling.prefix``) of request i's first n blocks."""
+        return prefix.chain(self._block_contents(i, 0, n))
+
+    def _block_contents(self, i: int, first: int, n: int) -> np.ndarray:
+        """Contents ``c_j`` of request i's blocks [first, n): its token ids (its prompt, then
+        its outputs), or, without them, the workload's identity of its prompt and that
+        prompt's key for the blocks holding outputs (greedy outputs follow from the prompt)."""
+        U = self.kv.tokens_per_block
+        if self._outputs is not None:
+            tokens = self._sequence(np.full((n - first) * U, i, dtype=np.int64), np.arange(first * U, n * U, dtype=np.int64))
+            return prefix.token_contents(tokens, U)
+        contents, key = self._prompt_info(i)
+        pf = len(contents)
+        parts = [contents[first:min(n, pf)]]
+        if n > pf:
+            start = max(first, pf)
+            parts.append(prefix.output_contents(key, start, n - start))
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _prompt_info(self, i: int) -> tuple[np.ndarray, int]:
+        """(contents of request i's full prompt blocks, its prompt key), kept while it lives."""
+        info = self._prompt_contents.get(i)
+        if info is None:
+            info = self.table.prompt_contents(i, self.kv.tokens_per_block)
+            self._prompt_contents[i] = info
+            self._prompt_key[i] = info[1] or 1
+        return info
+
+    def _contents_of_one(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Contents of block ``j[r]`` of each request ``rows[r]`` (one block each)."""
+        U = self.kv.tokens_per_block
+        if self._outputs is not None:
+            pos = (j[:, None] * U + np.arange(U)).ravel()
+            return prefix.token_contents(self._sequence(np.repeat(rows, U), pos), U)
+        return prefix.output_contents(self._prompt_key[rows], j)
 
     def set_draft_tokens(self, batch: GlobalBatch, draft_token_ids: np.ndarray | None) -> None:
         """Proposals ``[R, k]`` (-1 = none) for the next step, one row per batch row, each
@@ -403,7 +615,7 @@ class Scheduler:
             )
         rows = self._batch_rows
         decoding = (
-            (self._num_computed[rows] >= self._prompt_len[rows])
+            (self._num_computed[rows] >= self._prefill_end[rows])
             & (self._num_out[rows] < self._max_out[rows])
             & (self._finish_step[rows] < 0)
         )
@@ -411,6 +623,69 @@ class Scheduler:
         self._drafts[rows, : drafts.shape[1]] = drafts
         # the number of leading non-negative entries per row
         self._num_drafts[rows] = np.cumprod(drafts >= 0, axis=1).sum(axis=1)
+
+
+class _Columns:
+    """Every request's scheduling state, index = req_id (shared by a router's replicas)."""
+
+    def __init__(self, table: RequestTable, num_speculative_tokens: int) -> None:
+        n = len(table)
+
+        def col(value=-1) -> np.ndarray:
+            return np.full(n, value, dtype=np.int64)
+
+        self.prompt_len = table.prompt_lens
+        self.max_out = table.output_lens
+        self.cached = table.cached_lens
+        self.prefill_end = table.prompt_lens.copy()  # prompt; prompt + outputs once preempted
+        self.num_computed = col(0)
+        self.num_out = col(0)
+        self.drafts = np.zeros((n, num_speculative_tokens), dtype=np.int64)
+        self.num_drafts = col(0)
+        self.entry_step = col()
+        self.ready_step = col()  # the step after its cached_lens prefix was in the cache
+        self.admitted_step = col()
+        self.first_token_step = col()
+        self.finish_step = col()
+        self.num_preempted = col(0)
+        self.hit_tokens = col(0)
+        self.hashed = col(0)  # blocks of its table cached (registered) so far
+        self.chain_last = np.full(n, prefix.ROOT, dtype=np.uint64)  # chain value of its block hashed - 1
+        self.prompt_key = np.zeros(n, dtype=np.uint64)  # 0: not known yet
+        self.prompt_contents: dict[int, tuple[np.ndarray, int]] = {}  # of the requests alive
+        self.keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # its admission's lookup (chain values, keys)
+        if table.tokens is not None:
+            # Prompts and outputs live in flat buffers, request i's at [start[i], start[i+1]).
+            self.prompts = table.tokens
+            self.prompt_start = table.token_starts[:-1]
+            self.outputs = np.zeros(int(table.output_lens.sum()), dtype=np.int64)
+            self.output_start = table.output_lens.cumsum() - table.output_lens
+        else:
+            self.prompts = self.prompt_start = self.outputs = self.output_start = None
+
+
+def _table_of(requests: list[Request]) -> RequestTable:
+    ids = [r.req_id for r in requests]
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise ValueError(f"request ids must be unique and >= 0, got {ids}")
+    by_id = sorted(requests, key=lambda r: r.req_id)
+    if [r.req_id for r in by_id] != list(range(len(by_id))):
+        raise ValueError(f"request ids must be 0..{len(by_id) - 1} (indices into the workload), got {ids}")
+    bad = [r.req_id for r in by_id if len(r.prompt_token_ids) < 1 or r.max_output_tokens < 1]
+    if bad:
+        raise ValueError(f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1")
+    return RequestTable.from_requests(by_id)
+
+
+def _no_drafts(batch: GlobalBatch, sampled_token_ids: np.ndarray) -> Acceptance:
+    """``accept_drafts`` of a batch without drafts: one sample per sampling row."""
+    n = len(batch.logits_indices)
+    if np.asarray(sampled_token_ids).size != n:
+        raise ValueError(f"expected one sampled token per logits index ({n}), got {np.asarray(sampled_token_ids).size}")
+    samples = np.zeros(batch.num_reqs, dtype=np.int64)
+    samples[batch.logits_req_indices] = 1
+    start = np.cumsum(samples) - samples
+    return Acceptance(np.zeros(batch.num_reqs, dtype=np.int64), samples, start)
 
 
 def _take_in_order(want: np.ndarray, budget: int) -> np.ndarray:

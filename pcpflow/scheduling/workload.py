@@ -1,13 +1,23 @@
 """Requests from config: synthetic, explicit, or read from a Mooncake-format trace.
 
-``build_requests`` turns the run's ``workload:`` config into a list of ``Request`` specs
-(prompt token ids, output budget, arrival step); the scheduler owns everything that
-changes while they run. Every rank builds the identical list from the same seed.
+``request_table`` turns the run's ``workload:`` config into a ``RequestTable``: columns of
+lengths and arrivals, and either the prompts' token ids (executed runs, which compute on
+them) or only what keys their KV blocks for prefix caching (simulated runs: a trace's
+``hash_ids``, a random prompt's identity), so that a simulated run holds a few numbers per
+request and never a token array. ``build_requests`` lists the same requests as
+``Request`` objects with token ids (what an executed rank's stages read). The scheduler
+owns everything that changes while they run. Every rank builds the identical requests
+from the same seed.
+
+Arrivals: in scheduler steps (``arrival_every``, ``arrival_steps``, a trace's timestamps
+over ``step_ms``), or, in simulated runs, in time (``request_rate``: Poisson; a trace's
+timestamps x ``time_scale``). ``max_concurrency`` caps the requests in flight on every
+workload (``pcpflow.scheduling.arrivals``).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -17,15 +27,24 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pcpflow.errors import ConfigError, Problem
+from pcpflow.scheduling import prefix
+from pcpflow.scheduling.trace import TraceColumns, read_trace, trace_problem
 
 TRACE_BLOCK_TOKENS = 512
 """Prompt tokens behind one ``hash_ids`` entry of a Mooncake trace."""
+MAX_TOKENS = 2**53
+"""Largest length a workload may give (exact in float64, far from int64's end)."""
+DEFAULT_STEP_MS = 50.0
+"""A trace's ms per scheduler step when it arrives in steps and ``step_ms`` is null."""
 
 # NOTE: stream tags keep the random streams of different uses independent for one seed.
 _SYNTHETIC_STREAM = 1
 _PROMPT_STREAM = 2
 _TRACE_BLOCK_STREAM = 3
 _TRACE_TAIL_STREAM = 4
+_ARRIVAL_STREAM = 5
+
+INT64_MAX = 2**63 - 1
 
 Seed = Annotated[
     int | None,
@@ -33,26 +52,55 @@ Seed = Annotated[
 ]
 
 
+RequestRate = Annotated[
+    float | None,
+    Field(gt=0, description="simulated runs: requests per second, Poisson arrivals in time "
+          "(inf: all at once); null: arrivals in steps"),
+]
+MaxConcurrency = Annotated[
+    int | None,
+    Field(ge=1, description="most requests in flight (arrived, not finished): a later one "
+          "waits for a finish, as `vllm bench serve --max-concurrency` (a closed loop with "
+          "request_rate=inf); null: no cap"),
+]
+
+
 class _WorkloadBase(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class SyntheticWorkload(_WorkloadBase):
+class _RateChecks(_WorkloadBase):
+    """``request_rate`` is arrivals in time: not beside arrivals in steps."""
+
+    @field_validator("request_rate", check_fields=False)
+    @classmethod
+    def _rate_alone(cls, rate, info: ValidationInfo):
+        steps = "arrival_every" if "arrival_every" in cls.model_fields else "arrival_steps"
+        if rate is not None and info.data.get(steps) is not None:
+            raise ValueError(f"request_rate (arrivals in time) and {steps} (arrivals in steps) exclude "
+                             f"each other: leave {steps} out (null) to give a rate")
+        return rate
+
+
+class SyntheticWorkload(_RateChecks):
     """Random prompts and output lengths, drawn uniformly from inclusive ranges."""
 
     kind: Literal["synthetic"] = "synthetic"
-    num_requests: int = Field(8, ge=1, description="number of requests")
-    prompt_len: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
+    num_requests: int = Field(8, ge=1, le=MAX_TOKENS, description="number of requests")
+    prompt_len: tuple[Annotated[int, Field(ge=1, le=MAX_TOKENS)], Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(
         (5, 96), description="[min, max] prompt length in tokens (inclusive)"
     )
-    output_len: tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]] = Field(
+    output_len: tuple[Annotated[int, Field(ge=1, le=MAX_TOKENS)], Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(
         (4, 24), description="[min, max] generated tokens per request (inclusive)"
     )
-    arrival_every: float = Field(
-        1.0,
+    arrival_every: float | None = Field(
+        None,
         ge=0,
-        description="request i arrives at step floor(i * arrival_every); 0 = all at step 0",
+        description="request i arrives at step floor(i * arrival_every); 0 = all at step 0; "
+        "null: 1, or arrivals in time with request_rate",
     )
+    request_rate: RequestRate = None
+    max_concurrency: MaxConcurrency = None
     seed: Seed = None
     ignore_eos: bool = Field(True, description="generate every output_len token, past any EOS")
 
@@ -74,11 +122,11 @@ class ChatMessage(_WorkloadBase):
     content: str
 
 
-class ExplicitWorkload(_WorkloadBase):
+class ExplicitWorkload(_RateChecks):
     """Requests spelled out: prompt lengths (random token ids) or the token ids themselves."""
 
     kind: Literal["explicit"] = "explicit"
-    prompt_lens: list[Annotated[int, Field(ge=1)]] | None = Field(
+    prompt_lens: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] | None = Field(
         None, description="prompt length of each request (token ids drawn at random)"
     )
     # --- text in (pcpflow.tokens.text): texts / chats, tokenized by the driver into text_token_ids
@@ -95,20 +143,22 @@ class ExplicitWorkload(_WorkloadBase):
         "the checkpoint's chat template with the generation prompt; replace prompt_lens",
     )
     # --- end text in
-    prompts: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+    prompts: list[list[Annotated[int, Field(ge=0, le=2**63 - 1)]]] | None = Field(
         None,
         validate_default=True,
         description="token ids of each prompt; when given, prompt_lens is ignored; each in [0, vocab_size)",
     )
-    output_lens: list[Annotated[int, Field(ge=1)]] = Field(
+    output_lens: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] = Field(
         default_factory=lambda: [4],
         min_length=1,
         description="tokens to generate per request: one per prompt, or one value for all",
     )
-    arrival_steps: list[Annotated[int, Field(ge=0)]] | None = Field(
+    arrival_steps: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] | None = Field(
         None, description="arrival step of each request (one per prompt); null = all at step 0"
     )
-    cached_lens: list[Annotated[int, Field(ge=0)]] | None = Field(
+    request_rate: RequestRate = None
+    max_concurrency: MaxConcurrency = None
+    cached_lens: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] | None = Field(
         None,
         description="tokens of each prompt already in the KV cache (a prefix-cache hit): "
         "prefilled before the request's clock starts; each < its prompt length; null = none",
@@ -235,7 +285,7 @@ class TraceWorkload(_WorkloadBase):
             "working directory when the config is validated"
         ),
     )
-    max_requests: int = Field(16, ge=1, description="requests read from the trace")
+    max_requests: int = Field(16, ge=1, le=MAX_TOKENS, description="requests read from the trace")
     skip: int = Field(0, ge=0, description="requests (non-blank lines) skipped before reading")
     length_scale: float = Field(
         0.01,
@@ -246,13 +296,22 @@ class TraceWorkload(_WorkloadBase):
     output_len_cap: int | None = Field(
         None, ge=1, description="upper bound on scaled output lengths; null = none"
     )
-    step_ms: float = Field(
-        50.0,
+    step_ms: float | None = Field(
+        None,
         gt=0,
-        description="ms per scheduler step: arrival step = floor((ts - first ts) / step_ms)",
+        description="ms per scheduler step: arrival step = floor((ts - first ts) * time_scale / "
+        "step_ms); null: 50 in executed runs, and simulated runs replay the timestamps in time",
     )
+    time_scale: float = Field(
+        1.0, gt=0, description="timestamps are multiplied by this (2 = half the request rate)"
+    )
+    max_concurrency: MaxConcurrency = None
     seed: Seed = None
     ignore_eos: bool = Field(True, description="generate every output length token, past any EOS")
+
+    @property
+    def ms_per_step(self) -> float:
+        return DEFAULT_STEP_MS if self.step_ms is None else self.step_ms
 
     @field_validator("path")
     @classmethod
@@ -286,19 +345,151 @@ class Request:
         return len(self.prompt_token_ids)
 
 
+@dataclass
+class BlockIdentity:
+    """What keys a request's full prompt blocks when no token ids are held (simulated runs):
+    a random prompt is its own (``salts``, one per request); a trace prompt's positions
+    inside its hash blocks hold the tokens of those blocks (``hash_ids``, flat, request i's
+    at ``hash_starts[i]:hash_starts[i+1]``, ``trace_block_tokens`` scaled tokens each), the
+    rest is its own. Equal keys exactly where an executed run's token ids are equal."""
+
+    salts: np.ndarray  # uint64 [N]
+    hash_ids: np.ndarray | None = None  # uint64, flat
+    hash_starts: np.ndarray | None = None  # int64 [N+1]
+    trace_block_tokens: float = float(TRACE_BLOCK_TOKENS)
+
+
+@dataclass
+class RequestTable:
+    """The workload's requests as columns (request i has ``req_id`` i): what a scheduler
+    needs, a few numbers per request. ``tokens`` (every prompt's ids, flat, in order) where
+    the run computes on them or the user gave them; else ``identity`` keys the blocks."""
+
+    prompt_lens: np.ndarray  # int64 [N]
+    output_lens: np.ndarray  # int64 [N]: max output tokens
+    arrival_steps: np.ndarray  # int64 [N]: arrival step (when not timed)
+    cached_lens: np.ndarray  # int64 [N]: explicit cached prefix (``workload.cached_lens``)
+    arrival_s: np.ndarray | None = None  # float64 [N]: arrival time in seconds (timed); None: in steps
+    max_concurrency: int | None = None
+    tokens: np.ndarray | None = None  # int64 flat prompt ids
+    identity: BlockIdentity | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def timed(self) -> bool:
+        return self.arrival_s is not None
+
+    @functools.cached_property
+    def token_starts(self) -> np.ndarray:
+        starts = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(self.prompt_lens, out=starts[1:])
+        return starts
+
+    def prompt(self, i: int) -> np.ndarray:
+        if self.tokens is None:
+            raise ValueError("this workload holds lengths only (a simulated run builds no token ids)")
+        return self.tokens[self.token_starts[i]:self.token_starts[i + 1]]
+
+    def requests(self) -> list[Request]:
+        """The same requests as ``Request`` objects (token ids included)."""
+        return [Request(i, self.prompt(i), int(self.output_lens[i]), int(self.arrival_steps[i]), int(self.cached_lens[i]))
+                for i in range(len(self))]
+
+    @classmethod
+    def from_requests(cls, requests: list[Request]) -> RequestTable:
+        """Columns of ``requests`` (listed by ``req_id`` = index, as ``build_requests`` makes them)."""
+        if [r.req_id for r in requests] != list(range(len(requests))):
+            raise ValueError("requests must be listed by req_id = 0, 1, ... (as build_requests makes them)")
+        n = len(requests)
+
+        def column(values) -> np.ndarray:
+            return np.fromiter(values, dtype=np.int64, count=n)
+
+        tokens = [np.asarray(r.prompt_token_ids, dtype=np.int64) for r in requests]
+        return cls(
+            prompt_lens=column(len(t) for t in tokens),
+            output_lens=column(r.max_output_tokens for r in requests),
+            arrival_steps=column(r.arrival_step for r in requests),
+            cached_lens=column(getattr(r, "cached_len", 0) for r in requests),
+            tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
+        )
+
+    def prompt_contents(self, i: int, tokens_per_block: int) -> tuple[np.ndarray, int]:
+        """(contents ``c_j`` of request i's full prompt blocks, a key of its whole prompt)
+        for its chained block hashes (``pcpflow.scheduling.prefix``): from its token ids,
+        else from its ``identity``."""
+        n = int(self.prompt_lens[i])
+        full = n // tokens_per_block
+        if self.tokens is not None:
+            ids = self.prompt(i)
+            contents = prefix.token_contents(ids[:full * tokens_per_block], tokens_per_block)
+            return contents, int(prefix.mix(n, *(ids.astype(np.uint64) + np.uint64(1)))[0])
+        ident = self.identity
+        assert ident is not None, "a table without token ids has a BlockIdentity"
+        salt = ident.salts[i]
+        j = np.arange(full, dtype=np.uint64)
+        if ident.hash_ids is None:
+            return prefix.mix(salt, j), int(prefix.mix(salt, n)[0])
+        ids = ident.hash_ids[ident.hash_starts[i]:ident.hash_starts[i + 1]]
+        # A block whose positions all lie in hash blocks holds the tokens of those hash
+        # blocks, which the chain of hash ids up to its last position identifies.
+        trace_chain = prefix.chain(prefix.splitmix64(ids))
+        bounds = np.floor(np.arange(len(ids) + 1) * ident.trace_block_tokens).astype(np.int64)
+        hashed_end = min(int(bounds[-1]), n)
+        last_pos = (np.arange(full, dtype=np.int64) + 1) * tokens_per_block - 1
+        k = np.minimum(np.searchsorted(bounds, last_pos, side="right") - 1, max(len(ids) - 1, 0))
+        inside = last_pos < hashed_end
+        contents = prefix.mix(trace_chain[k], j) if len(ids) else prefix.mix(salt, j)
+        if len(ids) and not inside.all():  # NOTE: blocks reaching the request's own tail are its own
+            contents[~inside] = prefix.mix(salt, j[~inside])
+        if n <= hashed_end:
+            k_last = int(np.searchsorted(bounds, n - 1, side="right") - 1)
+            return contents, int(prefix.mix(trace_chain[k_last], n)[0])
+        return contents, int(prefix.mix(salt, n)[0])
+
+
 def build_requests(config: WorkloadConfig, *, vocab_size: int, seed: int) -> list[Request]:
-    """The workload's requests, ``req_id`` = index. Raises ``ConfigError`` for prompts
-    outside the vocabulary and for a missing or malformed trace file."""
+    """The workload's requests with their token ids, ``req_id`` = index. Raises
+    ``ConfigError`` for prompts outside the vocabulary and for a missing or malformed trace."""
+    return request_table(config, vocab_size=vocab_size, seed=seed, with_tokens=True).requests()
+
+
+def request_table(config: WorkloadConfig, *, vocab_size: int, seed: int, with_tokens: bool,
+                  simulated: bool = False) -> RequestTable:
+    """The workload's requests as columns. ``with_tokens``: draw every prompt's token ids
+    (an executed run); else lengths and block identities only (a user's own ids are kept).
+    ``simulated``: arrivals in time where the workload says so (``request_rate``, a trace
+    without ``step_ms``). Raises ``ConfigError`` as ``build_requests`` does."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     seed = seed if config.seed is None else config.seed
     if isinstance(config, SyntheticWorkload):
-        return _synthetic(config, vocab_size, seed)
-    if isinstance(config, ExplicitWorkload):
-        return _explicit(config, vocab_size, seed)
-    if isinstance(config, TraceWorkload):
-        return _trace(config, vocab_size, seed)
-    raise TypeError(f"unknown workload config {type(config).__name__}")
+        table = _synthetic(config, vocab_size, seed, with_tokens)
+    elif isinstance(config, ExplicitWorkload):
+        table = _explicit(config, vocab_size, seed, with_tokens)
+    elif isinstance(config, TraceWorkload):
+        table = _trace(config, vocab_size, seed, with_tokens, simulated)
+    else:
+        raise TypeError(f"unknown workload config {type(config).__name__}")
+    rate = getattr(config, "request_rate", None)
+    if rate is not None and simulated:
+        table.arrival_s = poisson_arrivals(len(table), rate, seed)
+        table.arrival_steps = np.zeros(len(table), dtype=np.int64)
+    table.max_concurrency = config.max_concurrency
+    return table
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """Arrival times (s) of a Poisson process of ``rate`` requests/s, the first at 0 (as
+    ``vllm bench serve`` sends them); ``inf``: all at 0."""
+    if math.isinf(rate):
+        return np.zeros(n, dtype=np.float64)
+    gaps = _rng(seed, _ARRIVAL_STREAM).exponential(1.0 / rate, size=n)
+    out = np.zeros(n, dtype=np.float64)
+    np.cumsum(gaps[:-1], out=out[1:])
+    return out
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -306,25 +497,36 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([int(seed) & (2**64 - 1), *keys])
 
 
-def _random_prompts(lens: np.ndarray, vocab_size: int, seed: int) -> list[np.ndarray]:
-    rng = _rng(seed, _PROMPT_STREAM)
-    tokens = rng.integers(0, vocab_size, size=int(lens.sum()), dtype=np.int64)
-    return np.split(tokens, np.cumsum(lens)[:-1])
+def _salts(seed: int, stream: int, ids: np.ndarray) -> np.ndarray:
+    return prefix.mix(np.uint64(int(seed) & (2**64 - 1)), stream, np.asarray(ids, dtype=np.uint64))
 
 
-def _synthetic(cfg: SyntheticWorkload, vocab_size: int, seed: int) -> list[Request]:
+def _random_tokens(lens: np.ndarray, vocab_size: int, seed: int) -> np.ndarray:
+    return _rng(seed, _PROMPT_STREAM).integers(0, vocab_size, size=int(lens.sum()), dtype=np.int64)
+
+
+def _lengths_table(prompt, output, arrivals, cached, vocab_size, seed, with_tokens) -> RequestTable:
+    """Random prompts of the given lengths: token ids drawn, or each keyed as its own."""
+    n = len(prompt)
+    table = RequestTable(prompt_lens=prompt, output_lens=output, arrival_steps=arrivals, cached_lens=cached)
+    if with_tokens:
+        table.tokens = _random_tokens(prompt, vocab_size, seed)
+    else:
+        table.identity = BlockIdentity(salts=_salts(seed, _PROMPT_STREAM, np.arange(n)))
+    return table
+
+
+def _synthetic(cfg: SyntheticWorkload, vocab_size: int, seed: int, with_tokens: bool) -> RequestTable:
     rng = _rng(seed, _SYNTHETIC_STREAM)
     n = cfg.num_requests
-    prompt_lens = rng.integers(cfg.prompt_len[0], cfg.prompt_len[1] + 1, size=n)
-    output_lens = rng.integers(cfg.output_len[0], cfg.output_len[1] + 1, size=n)
-    arrivals = np.floor(np.arange(n) * cfg.arrival_every).astype(np.int64)
-    prompts = _random_prompts(prompt_lens, vocab_size, seed)
-    return [
-        Request(i, prompts[i], int(output_lens[i]), int(arrivals[i])) for i in range(n)
-    ]
+    prompt = rng.integers(cfg.prompt_len[0], cfg.prompt_len[1] + 1, size=n).astype(np.int64)
+    output = rng.integers(cfg.output_len[0], cfg.output_len[1] + 1, size=n).astype(np.int64)
+    every = 1.0 if cfg.arrival_every is None else cfg.arrival_every
+    arrivals = np.floor(np.arange(n) * every).astype(np.int64)
+    return _lengths_table(prompt, output, arrivals, np.zeros(n, dtype=np.int64), vocab_size, seed, with_tokens)
 
 
-def _explicit(cfg: ExplicitWorkload, vocab_size: int, seed: int) -> list[Request]:
+def _explicit(cfg: ExplicitWorkload, vocab_size: int, seed: int, with_tokens: bool) -> RequestTable:
     field, given_ids = "workload.prompts", cfg.prompts
     if cfg.texts is not None or cfg.chats is not None:  # text in
         field, given_ids = "workload." + ("texts" if cfg.texts is not None else "chats"), cfg.text_token_ids
@@ -343,107 +545,70 @@ def _explicit(cfg: ExplicitWorkload, vocab_size: int, seed: int) -> list[Request
                     f"prompts {bad} have larger ids",
                 )
             ])
+        prompt = np.array([len(p) for p in prompts], dtype=np.int64)
     else:
-        prompts = _random_prompts(np.asarray(cfg.prompt_lens, dtype=np.int64), vocab_size, seed)
-    n = len(prompts)
-    outs = cfg.output_lens * n if len(cfg.output_lens) == 1 else cfg.output_lens
-    arrivals = cfg.arrival_steps if cfg.arrival_steps is not None else [0] * n
+        prompts = None
+        prompt = np.asarray(cfg.prompt_lens, dtype=np.int64)
+    n = len(prompt)
+    output = np.asarray(cfg.output_lens * n if len(cfg.output_lens) == 1 else cfg.output_lens, dtype=np.int64)
+    arrivals = np.asarray(cfg.arrival_steps if cfg.arrival_steps is not None else [0] * n, dtype=np.int64)
     cached = cfg.cached_lens or [0]
-    cached = cached * n if len(cached) == 1 else cached
-    return [Request(i, prompts[i], int(outs[i]), int(arrivals[i]), int(cached[i])) for i in range(n)]
+    cached = np.asarray(cached * n if len(cached) == 1 else cached, dtype=np.int64)
+    if prompts is None:
+        return _lengths_table(prompt, output, arrivals, cached, vocab_size, seed, with_tokens)
+    # NOTE: a user's own ids are kept even simulating: they are what was typed, and they key the blocks.
+    return RequestTable(prompt_lens=prompt, output_lens=output, arrival_steps=arrivals, cached_lens=cached,
+                        tokens=np.concatenate(prompts))
 
 
 # -- traces ---------------------------------------------------------------------------------
 
-
-def _trace_problem(cfg: TraceWorkload, what: str) -> ConfigError:
-    return ConfigError([Problem(field="workload.path", given=cfg.path, allowed=what)])
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-_TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-
-
-def _parse_trace_line(line: str) -> tuple[float, int, int, list[int]]:
-    """(timestamp, input_length, output_length, hash_ids); ValueError says what is wrong."""
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(rec, dict):
-        raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
-    missing = [k for k in _TRACE_FIELDS if k not in rec]
-    if missing:
-        raise ValueError(f"missing field(s) {missing}")
-    ts = rec["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0 or math.isinf(ts):
-        raise ValueError(f"timestamp must be a number >= 0 (ms), got {ts!r}")
-    for key in ("input_length", "output_length"):
-        if not _is_count(rec[key]):
-            raise ValueError(f"{key} must be an integer >= 0, got {rec[key]!r}")
-    hash_ids = rec["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(_is_count(h) for h in hash_ids):
-        raise ValueError(f"hash_ids must be a list of integers >= 0, got {hash_ids!r}")
-    return float(ts), rec["input_length"], rec["output_length"], hash_ids
-
-
-def _read_trace(cfg: TraceWorkload) -> list[tuple[float, int, int, list[int]]]:
-    records: list[tuple[float, int, int, list[int]]] = []
-    seen = 0
-    try:
-        with open(cfg.path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                seen += 1
-                if seen <= cfg.skip:
-                    continue
-                try:
-                    records.append(_parse_trace_line(line))
-                except ValueError as e:
-                    raise _trace_problem(
-                        cfg, f"a well-formed trace; {cfg.path}:{lineno}: {e}"
-                    ) from None
-                if len(records) == cfg.max_requests:
-                    break
-    except FileNotFoundError:
-        raise _trace_problem(
-            cfg, f"an existing JSONL trace file; {cfg.path} does not exist"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise _trace_problem(
-            cfg, f"a readable JSONL trace file; reading {cfg.path} failed: {e}"
-        ) from None
-    if not records:
-        raise _trace_problem(
-            cfg, f"a trace with requests after skip={cfg.skip}; {cfg.path} has {seen} request(s)"
-        )
-    return records
-
-
-def _scale(length: int, scale: float) -> int:
+def _scale(length, scale: float):
+    """ceil(length * scale), at least 1 (int, or int64 array)."""
+    if isinstance(length, np.ndarray):
+        return np.maximum(1, np.ceil(length * scale)).astype(np.int64)
     return max(1, math.ceil(length * scale))
 
 
-def _trace(cfg: TraceWorkload, vocab_size: int, seed: int) -> list[Request]:
-    records = _read_trace(cfg)
+def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
     s = cfg.length_scale
+    prompt, output = _scale(rec.input_lens, s), _scale(rec.output_lens, s)
+    if cfg.output_len_cap is not None:
+        output = np.minimum(output, cfg.output_len_cap)
+    return prompt, output
+
+
+def _trace(cfg: TraceWorkload, vocab_size: int, seed: int, with_tokens: bool, simulated: bool) -> RequestTable:
+    rec = read_trace(cfg)
+    s = cfg.length_scale
+    n = len(rec.input_lens)
+    prompt, output = _trace_lengths(cfg, rec)
+    ts = rec.timestamps
+    timed = simulated and cfg.step_ms is None
+    if timed and math.isnan(ts[0]):
+        raise trace_problem(cfg, "a trace with a timestamp on every line to replay it in time (a simulated run); "
+                             f"{cfg.path} has none: add them, or give workload.step_ms to replay it in steps")
+    rel = np.zeros(n) if math.isnan(ts[0]) else (ts - ts.min()) * cfg.time_scale
+    arrivals = np.floor(rel / cfg.ms_per_step).astype(np.int64)
+    table = RequestTable(prompt_lens=prompt, output_lens=output, arrival_steps=arrivals,
+                         cached_lens=np.zeros(n, dtype=np.int64), arrival_s=rel / 1e3 if timed else None)
+    if not with_tokens:
+        table.identity = BlockIdentity(salts=_salts(seed, _TRACE_TAIL_STREAM, cfg.skip + np.arange(n)),
+                                       hash_ids=rec.hash_ids.astype(np.uint64), hash_starts=rec.hash_starts,
+                                       trace_block_tokens=TRACE_BLOCK_TOKENS * s)
+        return table
     block_tokens = _scale(TRACE_BLOCK_TOKENS, s)
     block_cache: dict[int, np.ndarray] = {}
-    t0 = min(r[0] for r in records)
-    requests = []
-    for i, (ts, input_length, output_length, hash_ids) in enumerate(records):
-        prompt_len = _scale(input_length, s)
+    parts = []
+    for i in range(n):
+        hash_ids = rec.hash_ids[rec.hash_starts[i]:rec.hash_starts[i + 1]].tolist()
+        prompt_len = int(prompt[i])
         # NOTE: block k covers scaled positions [floor(512 k s), floor(512 (k+1) s)): the
         # boundaries depend on k only, so equal hash-id prefixes give equal token prefixes.
         bounds = np.minimum(
             np.floor(np.arange(len(hash_ids) + 1) * TRACE_BLOCK_TOKENS * s).astype(np.int64),
             prompt_len,
         )
-        parts = []
         for k, h in enumerate(hash_ids):
             if h not in block_cache:
                 block_cache[h] = _rng(seed, _TRACE_BLOCK_STREAM, h).integers(
@@ -454,12 +619,8 @@ def _trace(cfg: TraceWorkload, vocab_size: int, seed: int) -> list[Request]:
         if tail > 0:
             rng = _rng(seed, _TRACE_TAIL_STREAM, cfg.skip + i)
             parts.append(rng.integers(0, vocab_size, size=tail, dtype=np.int64))
-        max_out = _scale(output_length, s)
-        if cfg.output_len_cap is not None:
-            max_out = min(max_out, cfg.output_len_cap)
-        arrival = int(math.floor((ts - t0) / cfg.step_ms))
-        requests.append(Request(i, np.concatenate(parts), max_out, arrival))
-    return requests
+    table.tokens = np.concatenate(parts)
+    return table
 
 
 # --- request lengths (the driver's checks, pcpflow.driver.checks) ----------------------------------
@@ -467,26 +628,5 @@ def request_lengths(config: WorkloadConfig, *, seed: int, vocab_size: int) -> tu
     """(prompt lengths, output budgets) of ``build_requests``'s requests, without building
     a token array: the driver checks that a workload fits before anything allocates it.
     Raises the same ConfigErrors (trace file, prompt ids outside the vocabulary)."""
-    seed = seed if config.seed is None else config.seed
-    if isinstance(config, SyntheticWorkload):
-        rng = _rng(seed, _SYNTHETIC_STREAM)
-        prompt = rng.integers(config.prompt_len[0], config.prompt_len[1] + 1, size=config.num_requests)
-        output = rng.integers(config.output_len[0], config.output_len[1] + 1, size=config.num_requests)
-        return prompt.astype(np.int64), output.astype(np.int64)
-    if isinstance(config, ExplicitWorkload):
-        if config.prompts is not None:
-            _explicit(config, vocab_size, seed)  # the user's own ids: small, and checked there
-            prompt = np.array([len(p) for p in config.prompts], dtype=np.int64)
-        else:
-            prompt = np.asarray(config.prompt_lens, dtype=np.int64)
-        outs = config.output_lens * len(prompt) if len(config.output_lens) == 1 else config.output_lens
-        return prompt, np.asarray(outs, dtype=np.int64)
-    if isinstance(config, TraceWorkload):
-        records = _read_trace(config)
-        s = config.length_scale
-        prompt = np.array([_scale(r[1], s) for r in records], dtype=np.int64)
-        output = np.array([_scale(r[2], s) for r in records], dtype=np.int64)
-        if config.output_len_cap is not None:
-            output = np.minimum(output, config.output_len_cap)
-        return prompt, output
-    raise TypeError(f"unknown workload config {type(config).__name__}")
+    table = request_table(config, vocab_size=vocab_size, seed=seed, with_tokens=False)
+    return table.prompt_lens, table.output_lens

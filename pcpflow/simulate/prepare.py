@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
@@ -35,18 +36,23 @@ def hardware_names() -> list[str]:
     return sorted(p.stem for p in (Path(conf_dir()) / "hardware").glob("*.yaml"))
 
 
-_REQUESTS: dict[tuple, list] = {}
+_REQUESTS: dict[tuple, Any] = {}
 
 
-def requests_of(workload, vocab_size: int, seed: int) -> list:
-    """``build_requests``, once per workload in this process (validation and the run
-    share it: a real-length trace is 10^7 prompt tokens)."""
-    from pcpflow.scheduling.workload import build_requests
+def requests_of(workload, vocab_size: int, seed: int):
+    """The workload's ``RequestTable`` by lengths (no token ids: nothing computes on them),
+    arrivals in time where the workload says so; once per workload in this process
+    (validation and the run share it). Refuses, before building it, a workload whose
+    requests alone would not fit in this host's memory."""
+    from pcpflow.scheduling.workload import request_table
 
     key = (workload.model_dump_json(), vocab_size, seed)
     if key not in _REQUESTS:
+        problems = workload_host_problems(workload)
+        if problems:
+            raise ConfigError(problems)
         _REQUESTS.clear()
-        _REQUESTS[key] = build_requests(workload, vocab_size=vocab_size, seed=seed)
+        _REQUESTS[key] = request_table(workload, vocab_size=vocab_size, seed=seed, with_tokens=False, simulated=True)
     return _REQUESTS[key]
 
 
@@ -94,9 +100,9 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         return raw, frozenset(derive)
     if sched.get("max_num_batched_tokens") is None:
         # A prompt prefilled unchunked, beside a decode on every other seat.
-        sched["max_num_batched_tokens"] = max(len(r.prompt_token_ids) for r in requests) + seqs
+        sched["max_num_batched_tokens"] = int(requests.prompt_lens.max()) + seqs
     if kv.get("num_blocks") is None:
-        need = sum(-(-(len(r.prompt_token_ids) + r.max_output_tokens) // (block_size * dcp)) for r in requests)
+        need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
     return raw, frozenset()
 
@@ -169,9 +175,16 @@ def simulate_problems(cfg) -> list[Problem]:
                          "would not run: leave +pipeline.extra out"))
     p += dtype_problems(cfg)
     p += measured_problems(cfg)
-    if cfg.simulate.cp_decode == "ring_pass_q" and cfg.dcp == 1:
-        p.append(Problem("simulate.cp_decode", "ring_pass_q", "a ring passes queries over KV shards: it needs "
-                         "dcp > 1 (dcp=1 holds the whole cache on every rank); use engine, or raise dcp"))
+    if cfg.simulate.cp_decode == "ring_pass_q" and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
+        p.append(Problem("simulate.cp_decode", "ring_pass_q", "the executed ring passes queries over the KV "
+                         f"shards of its ring: it needs pcp > 1 and dcp = pcp; got pcp={cfg.pcp} dcp={cfg.dcp} "
+                         f"(use engine, or pcp=dcp={max(cfg.pcp, 2)})"))
+    try:
+        requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
+    except ConfigError as exc:  # the workload's own problems (a trace, its size)
+        return p + exc.problems
+    p += serving_problems(cfg, requests)
+    p += simulated_host_problems(cfg, requests)
     if not any(x.field.startswith(("dtype", "simulate.weights_dtype")) for x in p):
         p += _hbm_problems(cfg, sizes)
     return p
@@ -200,6 +213,12 @@ def measured_problems(cfg) -> list[Problem]:
         p.append(Problem("pipeline.forward.attention", forward.get("attention", "auto"),
                          f"{where} measured the {att.backend} attention backend; this run would use {backend}: "
                          f"set pipeline.forward.attention={att.backend}, or profile with this one"))
+    cp = forward.get("cp_attention", "allgather")
+    if cp != "allgather":
+        p.append(Problem("pipeline.forward.cp_attention", cp, f"{where} prices the all-gather paths from its tables; "
+                         "a ring is priced on a shipped profile: use allgather here"))
+    if cfg.simulate.cp_decode != "engine":
+        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, f"{where} prices the engine's decodes; use engine"))
     if not hw.nccl:
         measured = sorted({c.ranks for c in hw.tables.collectives})
         grid = cfg.grid
@@ -232,6 +251,21 @@ def dtype_problems(cfg) -> list[Problem]:
     return p
 
 
+def serving_problems(cfg, requests) -> list[Problem]:
+    """What replicas behind a router need: arrivals in time (a router sends a request the
+    moment it arrives), and a prefix cache for ``prefix_aware`` to look in."""
+    p = []
+    serving = cfg.serving
+    if serving.replicas > 1 and not requests.timed:
+        p.append(Problem("serving.replicas", serving.replicas, "replicas behind a router take requests as they arrive "
+                         "in time: give workload.request_rate (inf: all at once), or replay a trace's timestamps "
+                         "(workload.step_ms=null); or serving.replicas=1"))
+    if serving.router == "prefix_aware" and serving.replicas > 1 and not cfg.kv.prefix_caching:
+        p.append(Problem("serving.router", "prefix_aware", "prefix_aware routes by the prefix cache: set "
+                         "kv.prefix_caching=true, or use round_robin or least_loaded"))
+    return p
+
+
 def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
     hw, sim, tp, dcp = cfg.hardware, cfg.simulate, cfg.tp, cfg.dcp
     weights = weight_bytes_per_gpu(sizes, sim.weights_dtype, tp)
@@ -248,8 +282,9 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
                         f"one block of {cfg.kv.block_size} tokens needs {per_block / GIB:.1f} GiB per GPU "
                         f"({per_token} B a token), {free / GIB:.1f} GiB are left ({where}); vLLM's blocks are 16 tokens")]
     requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
-    tokens = [len(r.prompt_token_ids) + r.max_output_tokens + cfg.num_speculative_tokens for r in requests]
-    i = max(range(len(tokens)), key=tokens.__getitem__)
+    tokens = requests.prompt_lens + requests.output_lens + cfg.num_speculative_tokens
+    i = int(np.argmax(tokens))
+    tokens = tokens.tolist()
     need = -(-tokens[i] // dcp) * per_token
     out = []
     if need > free:
@@ -263,3 +298,73 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
                            f"{cfg.kv.num_blocks} blocks need {blocks / GIB:.1f} GiB per GPU, {free / GIB:.1f} GiB are left "
                            f"({where}); leave kv.num_blocks unset (null) to fill what is left"))
     return out
+
+
+# -- host memory: what a simulated run holds ---------------------------------------------------
+SIM_BYTES_PER_REQUEST = 512
+"""A request in a simulated run: its lengths and arrival, its scheduling state and its timing
+columns (int64 and float64 columns; measured ~350 B, rounded up)."""
+SIM_BYTES_PER_BATCH_TOKEN = 256
+"""A scheduled token in one step: the batch, the layout and the counts' int64 arrays."""
+SIM_BYTES_PER_BLOCK = 96
+"""A KV block of the pool (reference count, hash, free-queue entries) and a block-table entry."""
+
+
+def _host_budget() -> tuple[int, int] | None:
+    from pcpflow.scheduling.memory import HOST_MEMORY_FRACTION, host_memory_bytes
+
+    available = host_memory_bytes()
+    return None if available is None else (int(available * HOST_MEMORY_FRACTION), available)
+
+
+def _need(nbytes: float, budget: tuple[int, int], what: str) -> str:
+    from pcpflow.output.report import human_bytes
+
+    return (f"a size this host can hold in a simulated run: {what} need ~{human_bytes(nbytes)}, and "
+            f"{human_bytes(budget[0])} of memory is available to the run (80% of {human_bytes(budget[1])})")
+
+
+def workload_host_problems(workload) -> list[Problem]:
+    """The number of requests alone (before any is built: a simulated run holds a few
+    numbers per request, never its token ids)."""
+    budget = _host_budget()
+    n = getattr(workload, "num_requests", None)
+    if budget is None or n is None or getattr(workload, "kind", None) == "trace":
+        return []
+    nbytes = n * SIM_BYTES_PER_REQUEST
+    if nbytes <= budget[0]:
+        return []
+    field = "workload.num_requests" if workload.kind == "synthetic" else "workload.prompt_lens"
+    return [Problem(field, n, _need(nbytes, budget, f"{n:,} requests ({SIM_BYTES_PER_REQUEST} B each)"))]
+
+
+def simulated_host_problems(cfg, requests) -> list[Problem]:
+    """What the run holds at its largest, each size named by the setting that sets it: the
+    requests, one step's arrays (``scheduler.max_num_batched_tokens``: the default prefills
+    the longest prompt at once), the KV pool (``kv.num_blocks``) and the block tables and
+    block hashes of the longest requests (``workload``)."""
+    budget = _host_budget()
+    if budget is None:
+        return []
+    U = cfg.kv.block_size * cfg.dcp
+    longest_blocks = int((-(-(requests.prompt_lens + requests.output_lens) // U)).max(initial=0))
+    seats = min(cfg.scheduler.max_num_seqs, len(requests))
+    sizes = {
+        "workload": (len(requests) * SIM_BYTES_PER_REQUEST + 2 * 8 * seats * longest_blocks * (1 + cfg.kv.prefix_caching),
+                     f"{len(requests):,} requests and the block tables of {seats} running ones of up to "
+                     f"{longest_blocks:,} blocks"),
+        "scheduler.max_num_batched_tokens": (cfg.scheduler.max_num_batched_tokens * SIM_BYTES_PER_BATCH_TOKEN,
+                                             f"a step of {cfg.scheduler.max_num_batched_tokens:,} tokens"),
+        "kv.num_blocks": (cfg.kv.num_blocks * SIM_BYTES_PER_BLOCK, f"{cfg.kv.num_blocks:,} KV blocks"),
+    }
+    problems = []
+    for field, (nbytes, what) in sizes.items():
+        if nbytes > budget[0]:
+            given = {"workload": f"{len(requests):,} requests, the longest {longest_blocks * U:,} tokens",
+                     "scheduler.max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+                     "kv.num_blocks": cfg.kv.num_blocks}[field]
+            problems.append(Problem(field, given, _need(nbytes, budget, what)))
+    total = sum(v for v, _ in sizes.values())
+    if not problems and total > budget[0]:
+        problems.append(Problem("workload", f"{len(requests):,} requests", _need(total, budget, "requests, a step and the KV pool together")))
+    return problems

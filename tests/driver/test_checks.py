@@ -24,7 +24,7 @@ from pcpflow.driver.job import prepare_job, run_job
 from pcpflow.errors import ConfigError
 from pcpflow.models.hf_weights import read_safetensors_header
 from pcpflow.output.rundir import LOCK_FILE
-from pcpflow.rank.devices import host_memory_bytes
+from pcpflow.scheduling.memory import host_memory_bytes
 from pcpflow.testing import cli, compose
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from repo_scripts import load_script as _script
 
-from pcpflow.driver.sweep import BASE_COLUMNS, write_sweep_report
+from pcpflow.driver.sweep import BASE_COLUMNS, _markdown, write_sweep_report
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -389,3 +389,28 @@ def test_sweep_md_explains_the_columns_it_has_and_what_the_times_mean(tmp_path):
     assert "**exact**" in md_exec and "What the times mean here" in md_exec and "mode=simulate" in md_exec
     assert "**exact**" not in md_sim and "**overhead**" not in md_sim and "What the times mean here" not in md_sim
     assert "priced on the hardware profile" in md_sim
+
+
+def test_serving_columns_and_when_sweep_md_shows_them(tmp_path):
+    serving = {
+        "throughput": {"requests_s": 2.5, "output_tok_s": 800.0, "output_tok_s_per_gpu": 50.0, "total_tok_s": 9000.0},
+        "goodput": {"req_s": 1.25, "share": 0.5}, "kv_usage": {"mean": 0.4, "max": 0.9},
+        "prefix_cache": {"hit_rate": 0.25}, "preemptions": 3, "queue_s": 0.012,
+    }
+    for name, preempted in (("0", 3), ("1", 0)):
+        m = {**_metrics(100.0, None), **serving, "preemptions": preempted}
+        m["ttft"]["p99_s"], m["tpot"]["p99_s"] = 0.5, 0.05
+        _job(tmp_path, name, [f"pcp={int(name) + 1}"], {"status": "ok", "config": {"mode": "simulate"}, "metrics": m})
+    rows = write_sweep_report(tmp_path, announce=False)
+    row = rows[0]
+    assert (row["requests_s"], row["output_tok_s_per_gpu"], row["goodput_req_s"], row["goodput_share"]) == (2.5, 50.0, 1.25, 0.5)
+    assert (row["kv_usage_mean"], row["kv_usage_max"], row["prefix_hit_rate"], row["preemptions"]) == (0.4, 0.9, 0.25, 3)
+    assert (row["ttft_p99_ms"], row["tpot_p99_ms"], row["queue_mean_ms"]) == (500.0, 50.0, 12.0)
+    header = (tmp_path / "sweep.csv").read_text().splitlines()[0].split(",")
+    for column in ("ttft_p99_ms", "requests_s", "output_tok_s_per_gpu", "goodput_req_s", "kv_usage_mean",
+                   "prefix_hit_rate", "preemptions", "queue_mean_ms"):
+        assert column in header, column
+    md = (tmp_path / "sweep.md").read_text()
+    assert "goodput req/s" in md and "out tok/s/GPU" in md and "preempted" in md and "KV use" in md
+    # an executed sweep without hits or preemptions keeps its table as it was
+    assert "preempted" not in _markdown([{**r, "mode": "execute", "preemptions": 0, "prefix_hit_rate": 0.0} for r in rows], [])

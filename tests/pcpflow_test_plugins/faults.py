@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -190,6 +191,32 @@ class SlowStart(_Fault):
             time.sleep(config.seconds)
 
     def __call__(self, state: StepState) -> StepState:
+        return state
+
+
+@register
+class WrongPrefixBlock(_Fault):
+    """Before ``slots``: the first continued prefill at or after ``step`` (a prefix hit)
+    reads its first block from another block id, as a prefix cache that handed out the
+    wrong block would (every rank: the table is global)."""
+
+    kind = "test_wrong_prefix_block"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_wrong_prefix_block"] = "test_wrong_prefix_block"
+
+    def _due(self, state: StepState) -> bool:
+        b = state.batch
+        if self.fired or self.ctx.is_reference or b.step < self.config.step:
+            return False
+        self.fired = bool((b.is_prefilling & (b.num_computed_tokens > 0)).any())
+        return self.fired
+
+    def __call__(self, state: StepState) -> StepState:
+        if self._due(state):
+            b = state.batch
+            row = int(np.flatnonzero(b.is_prefilling & (b.num_computed_tokens > 0))[0])
+            b.block_tables[row, 0] = (b.block_tables[row, 0] + 1) % self.ctx.config.kv.num_blocks
         return state
 
 

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from pcpflow.errors import ConfigError
@@ -56,8 +56,8 @@ def test_hand_worked_chunked_schedule():
     assert b.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert b.prompt_lens.tolist() == [5, 12]
     assert b.num_draft_tokens.tolist() == [0, 0]
-    # 5 + 3 = 8 tokens = 2 blocks for r0; 12 + 2 = 14 tokens = 4 blocks for r1
-    assert b.block_tables.tolist() == [[0, 1, 0, 0], [2, 3, 4, 5]]
+    # blocks as tokens are written: 5 tokens = 2 blocks of 4 for r0, 3 tokens = 1 for r1
+    assert b.block_tables.tolist() == [[0, 1], [2, 0]]
     out = s.update(b, np.array([50]))
     assert out.new_token_ids == {0: [50]} and out.first_token.tolist() == [0]
     assert out.num_new_tokens == 1
@@ -67,6 +67,7 @@ def test_hand_worked_chunked_schedule():
                        "logits": [0]}
     assert b.input_ids.tolist() == [50] + p1[3:10].tolist()
     assert b.positions.tolist() == [5, 3, 4, 5, 6, 7, 8, 9]
+    assert b.block_tables.tolist() == [[0, 1, 0], [2, 3, 4]]  # r1 holds 10 tokens: 3 blocks
     s.update(b, np.array([51]))
 
     b = s.schedule()  # r1's last 2 prompt tokens reach its end: its last token is sampled
@@ -74,15 +75,17 @@ def test_hand_worked_chunked_schedule():
                        "logits": [0, 2]}
     assert b.input_ids.tolist() == [51] + p1[10:].tolist()
     out = s.update(b, np.array([52, 60]))
-    assert out.finished_req_ids.tolist() == [0] and out.freed_blocks.tolist() == [0, 1]
+    # freed last block first: the back of the free queue, behind the blocks never used
+    assert out.finished_req_ids.tolist() == [0] and out.freed_blocks.tolist() == [1, 0]
     assert out.first_token.tolist() == [1]
     assert out.new_token_ids == {0: [52], 1: [60]}
 
     b = s.schedule()
     assert rows(b) == {"req_ids": [1], "q": [1], "c": [12], "prefill": [False], "logits": [0]}
     assert b.input_ids.tolist() == [60]
+    assert b.block_tables.tolist() == [[2, 3, 4, 5]]  # position 12 opens a 4th block: the queue's front
     out = s.update(b, np.array([61]))
-    assert out.finished_req_ids.tolist() == [1] and sorted(out.freed_blocks.tolist()) == [2, 3, 4, 5]
+    assert out.finished_req_ids.tolist() == [1] and out.freed_blocks.tolist() == [5, 4, 3, 2]
     assert s.done and s.schedule() is None
     assert s.outputs() == {0: [50, 51, 52], 1: [60, 61]}
     t = s.request_timing()
@@ -127,22 +130,87 @@ def test_arrival_steps_and_idle_steps():
     assert s.done and s.request_timing()[1]["arrival_step"] == 3
 
 
-def test_admission_needs_budget_and_waits_fifo_for_kv_blocks():
-    # block_size 4, 3 blocks: each request reserves 4 + 4 = 8 tokens = 2 blocks, so only
-    # one runs at a time; r2 (1 block) must not overtake r1 (FIFO).
+def test_blocks_as_written_then_fcfs_preemption_and_recompute():
+    # block_size 4, 3 blocks. Step 0 admits all three (1 block each: 4, 4 and 1 prompt
+    # tokens). Step 1: r0 and r1 each open a second block (position 4), r2 needs none;
+    # 2 > 0 free: r2 (last admitted) is preempted, then r1, until r0's block fits.
     s = scheduler([4, 4, 1], [4, 4, 3], budget=16, num_blocks=3, block_size=4)
-    trace = []
+    b = s.schedule()
+    assert rows(b)["q"] == [4, 4, 1] and b.block_tables.tolist() == [[0], [1], [2]]
+    s.update(b, np.array([10, 20, 30]))
+
+    b = s.schedule()
+    assert rows(b) == {"req_ids": [0], "q": [1], "c": [4], "prefill": [False], "logits": [0]}
+    # r2 freed block 2, then r1 block 1: the queue's front is 2
+    assert b.block_tables.tolist() == [[0, 2]]
+    assert s.stats.num_preempted == 2 and s.stats.num_waiting == 2 and s.stats.kv_blocks_used == 2
+    out = s.update(b, np.array([11]))
+    assert out.preempted_req_ids.tolist() == [2, 1] and out.freed_blocks.tolist() == [2, 1]
+
+    # r1 (front of the queue: it was admitted before r2) needs 2 blocks for its prompt and
+    # output (5 tokens); 1 is free: FCFS, nobody is admitted until r0 finishes.
+    for token in (12, 13):
+        b = s.schedule()
+        assert b.req_ids.tolist() == [0] and s.stats.num_preempted == 0
+        out = s.update(b, np.array([token]))
+    assert out.finished_req_ids.tolist() == [0] and out.freed_blocks.tolist() == [2, 0]
+
+    # Readmitted, r1 prefills its prompt and its output (5 tokens, from position 0), r2 its
+    # prompt and output (2 tokens); the free queue is [1, 2, 0].
+    b = s.schedule()
+    assert rows(b) == {"req_ids": [1, 2], "q": [5, 2], "c": [0, 0], "prefill": [True, True],
+                       "logits": [4, 6]}
+    assert b.prompt_lens.tolist() == [5, 2]
+    assert b.input_ids.tolist() == prompt(1, 4).tolist() + [20] + prompt(2, 1).tolist() + [30]
+    assert b.block_tables.tolist() == [[1, 2], [0, 0]]
+    s.update(b, np.array([21, 31]))
     while not s.done:
         b = s.schedule()
-        trace.append((b.step, b.req_ids.tolist(), b.block_tables.tolist()))
-        out = s.update(b, np.ones(len(b.logits_indices), dtype=np.int64))
-        if out.finished_req_ids.size:
-            trace.append(("freed", out.freed_blocks.tolist()))
-    assert trace[:4] == [(0, [0], [[0, 1]]), (1, [0], [[0, 1]]), (2, [0], [[0, 1]]),
-                         (3, [0], [[0, 1]])]
-    assert trace[4] == ("freed", [0, 1])
-    # r1 then takes the lowest free blocks; r2 (4 tokens = 1 block) fits beside it
-    assert trace[5] == (4, [1, 2], [[0, 1], [2, 0]])
+        s.update(b, np.array([50 + i for i in range(len(b.logits_indices))]))
+    assert s.outputs()[1][:2] == [20, 21] and s.outputs()[2][:2] == [30, 31]
+    assert s.request_timing()[1]["first_token_step"] == 0  # its first token stays its first
+    assert s.timing_columns()["num_preemptions"].tolist() == [0, 1, 1]
+    assert s.kv.num_free_blocks == 3
+
+
+def test_admission_waits_fifo_for_blocks():
+    # 3 blocks of 4: r0's 8-token prompt takes 2; r1 (5 tokens: 2 blocks) does not fit the
+    # one left, and r2 (1 token: 1 block) would, but may not pass r1 (FCFS).
+    s = scheduler([8, 5, 1], [1, 1, 1], budget=16, num_blocks=3, block_size=4)
+    b = s.schedule()
+    assert b.req_ids.tolist() == [0] and b.block_tables.tolist() == [[0, 1]]
+    assert s.stats.num_waiting == 2
+    s.update(b, np.array([1]))  # r0 done: its one output
+    b = s.schedule()
+    assert b.req_ids.tolist() == [1, 2] and b.num_scheduled_tokens.tolist() == [5, 1]
+
+
+def test_prefix_hits_become_continued_prefills():
+    # block_size 2: r0 = [1,2,3,4,5] caches blocks [1,2] and [1,2][3,4] after step 0, and
+    # [..][5,a] once it decodes a; r1 = [1,2,3,4,9,9] arrives at step 3 and finds 2 blocks.
+    p0, p1, p2 = [1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9], [1, 2, 3, 4]
+    reqs = [Request(0, np.array(p0), 2, 0), Request(1, np.array(p1), 1, 3), Request(2, np.array(p2), 1, 3)]
+    kv = KVCacheManager(num_blocks=16, block_size=2, prefix_caching=True)
+    s = Scheduler(reqs, max_num_batched_tokens=64, max_num_seqs=4, kv=kv)
+    b = s.schedule()
+    assert b.block_tables.tolist() == [[0, 1, 2]]
+    s.update(b, np.array([7]))
+    assert kv.num_cached_blocks == 2  # the two full prompt blocks
+    b = s.schedule()
+    s.update(b, np.array([8]))  # r0 done: [5, 7] filled block 2 too; all three are free, cached
+    assert kv.num_cached_blocks == 3 and kv.num_free_blocks == 16
+    assert s.schedule() is None  # step 2: nothing arrived
+    b = s.schedule()
+    # r1: 2 blocks (4 tokens) found; r2 = [1,2,3,4]: at most 3 tokens may hit, so 1 block
+    assert rows(b) == {"req_ids": [1, 2], "q": [2, 2], "c": [4, 2], "prefill": [True, True],
+                       "logits": [1, 3]}
+    assert b.input_ids.tolist() == [9, 9, 3, 4]
+    assert b.block_tables.tolist() == [[0, 1, 3], [0, 4, 0]]
+    assert s.stats.prefix_hit_tokens == 6 and s.stats.prefix_query_tokens == 10
+    assert kv.ref_counts()[[0, 1, 3, 4]].tolist() == [2, 1, 1, 1]
+    s.update(b, np.array([1, 2]))
+    assert s.done and kv.num_free_blocks == 16 and kv.ref_counts().sum() == 0
+    assert s.timing_columns()["prefix_hit_tokens"].tolist() == [0, 4, 2]
 
 
 def test_zero_token_rows_and_drafts_cut_by_budget():
@@ -292,30 +360,47 @@ def reference(req):
     return out
 
 
-@settings(max_examples=60, deadline=None)
+def _prompts(spec, shared):
+    """Prompts over a tiny alphabet; with ``shared``, each starts with a common stem, so that
+    prefix caching finds blocks of other requests."""
+    stem = [(3 * j + 1) % V for j in range(24)]
+    return [np.array((stem[: min(p, s)] if shared else []) + [(i + 2 * j) % V for j in range(p - (min(p, s) if shared else 0))],
+                     dtype=np.int64) for i, (p, s) in enumerate(spec)]
+
+
+@settings(max_examples=150, deadline=None)
 @given(
     spec=st.lists(
-        st.tuples(st.integers(1, 20), st.integers(1, 8), st.integers(0, 6)), min_size=1, max_size=6
+        st.tuples(st.integers(1, 20), st.integers(1, 8), st.integers(0, 3), st.integers(0, 20)),
+        min_size=1, max_size=6,
     ),
     budget=st.integers(1, 16),
     seqs=st.integers(1, 4),
     block_size=st.integers(1, 4),
-    extra_blocks=st.integers(0, 10),
+    extra_blocks=st.integers(0, 4),
     k=st.integers(0, 3),
+    prefix_caching=st.booleans(),
     draft_seed=st.integers(0, 2**16),
 )
 def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size, extra_blocks, k,
-                                                 draft_seed):
-    reqs = [Request(i, np.arange(p, dtype=np.int64) % V, o, a) for i, (p, o, a) in enumerate(spec)]
-    need = max(-(-(p + o + k) // block_size) for p, o, _ in spec)
-    kv = KVCacheManager(num_blocks=need + extra_blocks, block_size=block_size)
+                                                 prefix_caching, draft_seed):
+    """Whatever the batching, preemptions (few blocks) and prefix hits: every request's
+    outputs are the unbatched reference's; every position a step attends to holds, in the
+    request's blocks, the token recomputation would write there (so a hit or a shared block
+    holds exactly the request's own prefix); a block being written belongs to its writer
+    alone; every block comes back."""
+    prompts = _prompts([(p, s) for p, _, _, s in spec], shared=prefix_caching)
+    # every third request has a cached_lens prefix (prefilled first, then its clock starts)
+    reqs = [Request(i, prompts[i], o, a, cached_len=(len(prompts[i]) - 1) // 2 if i % 3 == 2 else 0)
+            for i, (_, o, a, _) in enumerate(spec)]
+    need = max(-(-(len(r.prompt_token_ids) + r.max_output_tokens + k) // block_size) for r in reqs)
+    kv = KVCacheManager(num_blocks=need + extra_blocks, block_size=block_size, prefix_caching=prefix_caching)
     s = Scheduler(reqs, max_num_batched_tokens=budget, max_num_seqs=seqs, kv=kv,
                   num_speculative_tokens=k)
     ref = {r.req_id: reference(r) for r in reqs}
     rng = np.random.default_rng(draft_seed)
-    written = {r.req_id: [] for r in reqs}  # the fake model's KV cache: token per position
-    prefill_end = {r.req_id: 0 for r in reqs}
-    for _ in range(2000):
+    slot = {}  # the fake model's KV cache: (block, offset) -> token written there
+    for _ in range(3000):
         if s.done:
             break
         b = s.schedule()
@@ -323,34 +408,34 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
             continue
         assert b.num_tokens <= budget and b.num_reqs <= seqs
         outs = s.outputs()
-        held = set()
+        refs = kv.ref_counts()
         for i, rid in enumerate(b.req_ids.tolist()):
             req = reqs[rid]
             c, q = int(b.num_computed_tokens[i]), int(b.num_scheduled_tokens[i])
             history = req.prompt_token_ids.tolist() + outs[rid]
-            # positions continue where the request's committed tokens end
-            if b.is_prefilling[i]:
-                assert c == prefill_end[rid] and c + q <= req.prompt_len
-                prefill_end[rid] = c + q
+            if b.is_prefilling[i]:  # its prompt, or (readmitted) its prompt and outputs
+                assert b.prompt_lens[i] <= len(history) and c + q <= b.prompt_lens[i]
             else:
                 assert c == len(history) - 1
-            assert c <= len(written[rid]) and written[rid][:c] == history[:c]
+            table = b.block_tables[i]
+            assert c + q <= kv.num_blocks_of(rid) * kv.tokens_per_block
+            # what it attends to: its prefix, as recomputation would write it
+            cached = [slot.get((int(table[p // block_size]), p % block_size)) for p in range(c)]
+            assert cached == history[:c], (rid, c)
             toks = b.input_ids[b.query_start_loc[i]:b.query_start_loc[i + 1]].tolist()
             if b.is_prefilling[i]:
                 assert toks == history[c:c + q]
             elif q:
                 assert toks[0] == history[c]  # the newest token, then drafts
-            written[rid] = written[rid][:c] + toks
-            # the reserved blocks cover every written position, and no block is shared
-            nblk = kv.num_blocks_of(rid)
-            assert c + q <= nblk * kv.tokens_per_block
-            blocks = set(b.block_tables[i, :nblk].tolist())
-            assert not blocks & held
-            held |= blocks
-        sampled = [
-            fake_model(written[int(b.req_ids[b.req_indices[t]])][: b.positions[t] + 1])
-            for t in b.logits_indices.tolist()
-        ]
+            for j, t in enumerate(toks):
+                block = int(table[(c + j) // block_size])
+                assert refs[block] == 1, "a written block is shared"
+                slot[(block, (c + j) % block_size)] = t
+        sampled = []
+        for t in b.logits_indices.tolist():
+            row = int(b.req_indices[t])
+            table, pos = b.block_tables[row], int(b.positions[t])
+            sampled.append(fake_model([slot[(int(table[p // block_size]), p % block_size)] for p in range(pos + 1)]))
         s.update(b, np.array(sampled, dtype=np.int64))
         if k:
             # a drafter that knows the answer but errs: each proposal is wrong w.p. 0.4,
@@ -364,8 +449,11 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
                 drafts[i, : len(guess)] = guess
             s.set_draft_tokens(b, drafts)
     assert s.done
+    cols = s.timing_columns()
+    event(f"preempted: {bool(cols['num_preemptions'].any())}, prefix hit: {bool(cols['prefix_hit_tokens'].any())}")
     assert s.outputs() == ref
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks and not kv.ref_counts().any()
     for rid, t in s.request_timing().items():
         assert t["num_output_tokens"] == reqs[rid].max_output_tokens
-        assert t["arrival_step"] <= t["admitted_step"] <= t["first_token_step"] <= t["finish_step"]
+        assert t["admitted_step"] <= t["first_token_step"] <= t["finish_step"]
+        assert t["arrival_step"] <= t["first_token_step"]

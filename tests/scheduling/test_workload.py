@@ -209,7 +209,10 @@ def test_trace_skip_max_requests_and_blank_lines(tmp_path):
     [
         ("{not json", "not valid JSON"),
         (json.dumps({"timestamp": 0, "input_length": 5, "hash_ids": []}), "output_length"),
-        (json.dumps(_row(0, -5, 3, [])), "input_length must be an integer >= 0"),
+        (json.dumps(_row(0, -5, 3, [])), "input_length must be an integer in [0, 2**53]"),
+        (json.dumps(_row(0, 2**63, 3, [])), "input_length must be an integer in [0, 2**53]"),  # past int64
+        (json.dumps(_row(0, 5, 10**30, [])), "output_length must be an integer in [0, 2**53]"),
+        (json.dumps(_row(0, 5, 3, [2**64])), "hash_ids"),
         (json.dumps(_row(-1, 5, 3, [])), "timestamp"),
         (json.dumps(_row(0, 5, 3, [1, -2])), "hash_ids"),
         (json.dumps([1, 2]), "JSON object"),

@@ -1,0 +1,107 @@
+"""Chained block hashes for automatic prefix caching (vLLM's scheme, vectorized).
+
+A request's KV blocks (one block-table entry: ``block_size * dcp`` tokens) are keyed by a
+chained hash: block j's key depends on its own tokens and on every block before it, so two
+requests share the key of block j exactly when their first ``(j + 1)`` blocks hold the same
+tokens. The chain is a polynomial one, ``P_j = R * P_{j-1} + c_j`` mod 2^64 with ``c_j``
+a hash of block j's content, computed for a whole run of blocks at once from prefix sums
+(``R`` is odd, so it has an inverse mod 2^64); the key is ``P_j`` finalized by splitmix64
+(0 is never a key: it means "not cached").
+
+What ``c_j`` is made of:
+- executed runs hash the block's token ids (``token_contents``);
+- simulated runs hold no token ids: the workload tells which blocks are equal (a trace's
+  ``hash_ids``, a random prompt's own identity; ``pcpflow.scheduling.workload``), and a block
+  holding generated tokens is keyed by its prompt and its index (greedy outputs follow
+  from the prompt: ``output_contents``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+R = np.uint64(0x9E3779B97F4A7C15)
+"""The chain's multiplier: ``P_j = R * P_{j-1} + c_j``."""
+_R = R
+_RINV = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))
+_TOKEN_MUL = np.uint64(0xBF58476D1CE4E5B9)
+_OUT_SALT = np.uint64(0x94D049BB133111EB)
+ROOT = np.uint64(0x2545F4914F6CDD1D)
+"""The chain value before a request's first block."""
+
+
+def splitmix64(x) -> np.ndarray:
+    """A bijective 64-bit mixer (Vigna's splitmix64 finalizer), elementwise on uint64 (at
+    least 1-d: array arithmetic wraps silently, scalar arithmetic would warn); in place on a
+    fresh copy, so one temporary at a time."""
+    z = np.atleast_1d(np.asarray(x, dtype=np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
+    t = z >> np.uint64(30)
+    z ^= t
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
+    z *= np.uint64(0x94D049BB133111EB)
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
+    return z
+
+
+def mix(*parts) -> np.ndarray:
+    """One uint64 per element from several uint64 (broadcast, at least 1-d) inputs."""
+    h = np.zeros(1, dtype=np.uint64)
+    for p in parts:
+        h = splitmix64(h * _R + np.atleast_1d(np.asarray(p)).astype(np.uint64))
+    return h
+
+
+_POWERS = {"up": np.ones(1, dtype=np.uint64), "down": np.ones(1, dtype=np.uint64)}  # R^i and R^-i, grown as needed
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """R^0..R^n and R^-0..R^-n (mod 2^64)."""
+    if len(_POWERS["up"]) <= n:
+        size = max(n + 1, 2 * len(_POWERS["up"]))
+        for name, base in (("up", _R), ("down", _RINV)):
+            pw = np.full(size, base, dtype=np.uint64)
+            pw[0] = 1
+            _POWERS[name] = np.cumprod(pw, dtype=np.uint64)
+    return _POWERS["up"], _POWERS["down"]
+
+
+def chain(contents: np.ndarray, start=ROOT) -> np.ndarray:
+    """``P_j = R * P_{j-1} + c_j`` (mod 2^64) for j = 0..n-1, from ``P_{-1} = start``:
+    the chain values of a run of blocks with contents ``c``."""
+    c = np.asarray(contents, dtype=np.uint64)
+    n = len(c)
+    if not n:
+        return np.zeros(0, dtype=np.uint64)
+    up, down = _powers(n)
+    with np.errstate(over="ignore"):
+        s = np.cumsum(c * down[:n], dtype=np.uint64)
+        return up[:n] * s + up[1:n + 1] * np.uint64(start)
+
+
+def keys(chain_values: np.ndarray) -> np.ndarray:
+    """The cache keys of chain values: finalized, never 0."""
+    k = splitmix64(chain_values)
+    k[k == 0] = 1
+    return k
+
+
+def token_contents(tokens: np.ndarray, tokens_per_block: int) -> np.ndarray:
+    """``c_j`` of each full block of ``tokens`` (a multiple of ``tokens_per_block`` long)."""
+    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64).reshape(-1, tokens_per_block)
+    with np.errstate(over="ignore"):
+        weights = splitmix64(np.arange(tokens_per_block, dtype=np.uint64) * _TOKEN_MUL)
+        return splitmix64((splitmix64(t + np.uint64(1)) * weights).sum(axis=1, dtype=np.uint64))
+
+
+def output_contents(prompt_key, first_block, count: int | None = None) -> np.ndarray:
+    """``c_j`` of blocks that hold generated tokens, in a run that knows no token ids: their
+    content follows from the whole prompt (``prompt_key``) and j. Blocks ``first_block ..
+    first_block + count - 1`` of one prompt, or (``count`` None) block ``first_block[r]`` of
+    prompt ``prompt_key[r]`` for each r."""
+    if count is None:
+        return mix(np.asarray(prompt_key, dtype=np.uint64), _OUT_SALT, np.asarray(first_block, dtype=np.uint64))
+    j = np.arange(first_block, first_block + count, dtype=np.uint64)
+    return mix(np.uint64(prompt_key), _OUT_SALT, j)
