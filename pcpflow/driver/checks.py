@@ -78,8 +78,8 @@ def feature_problems(cfg: Any) -> list[Problem]:
     config's cross-field rules."""
     from pcpflow.models import ModelCard
     from pcpflow.parallel.moe_dispatch import moe_problems
-    from pcpflow.profile.checks import profile_problems
     from pcpflow.parallel.tensor_parallel import run_tp_problems
+    from pcpflow.profile.checks import profile_problems
     from pcpflow.rank.cudagraph import cudagraph_problems
     from pcpflow.rank.devices import device_problems
 

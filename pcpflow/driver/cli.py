@@ -18,7 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pcpflow.driver.compose import compose_raw, uses_measured, validate_overrides, with_measured_overrides
+from pcpflow.driver.compose import (
+    compose_raw,
+    uses_measured,
+    validate_overrides,
+    with_measured_overrides,
+)
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir

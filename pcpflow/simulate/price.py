@@ -58,7 +58,13 @@ from pcpflow.layouts.ring import RingPlan, plan_ring
 from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
-from pcpflow.simulate.collectives import Comm, all_to_all_seconds, p2p_rate_gbps, sendrecv_seconds, tuner
+from pcpflow.simulate.collectives import (
+    Comm,
+    all_to_all_seconds,
+    p2p_rate_gbps,
+    sendrecv_seconds,
+    tuner,
+)
 from pcpflow.simulate.host import Host
 from pcpflow.simulate.kernels import Kernels
 from pcpflow.simulate.measured import (

@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from measured_profile import profile_dict
 
 from pcpflow.config.hardware import HardwareConfig
 from pcpflow.errors import ConfigError
 from pcpflow.profile.document import Document, borrowed_sections
 from pcpflow.profile.sections import attention_requests, fit_collective, fit_host, monotone
 from pcpflow.testing import cli, compose
-
-from measured_profile import profile_dict
 
 SIM = ["mode=simulate", "hardware=measured", "dtype=float32", "model=tiny_gqa", "pcp=2", "output.plots=false",
        "output.progress=false"]

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import yaml
+from measured_profile import BASIS, C_E, C_F, C_H, COPY_RATE, GEMM_RATE, pair_cost, profile_dict
 
 from pcpflow.config.hardware import HardwareConfig, HeadShape
 from pcpflow.simulate.measured import (
@@ -21,7 +22,6 @@ from pcpflow.simulate.measured import (
 )
 from pcpflow.testing import compose
 
-from measured_profile import BASIS, C_E, C_F, C_H, COPY_RATE, GEMM_RATE, pair_cost, profile_dict
 
 @pytest.fixture
 def profile_path(tmp_path):
