@@ -18,7 +18,9 @@ what the profile measured it to.
   at every grid point ``c`` is their least-squares fit with no negative coefficient (relative
   error), and the run's head shape is priced on it. One layer's call with decodes and prefill
   rows pays one call's fixed cost.
-- **Memory-bound ops**: their bytes at the streaming rate of a copy their size.
+- **Memory-bound ops**: the bytes pcpflow's forward moves through its ops other than GEMMs and
+  attention, counted on ``meta`` tensors (``pcpflow.simulate.host.elementwise_bytes``), at the
+  streaming rate of a copy their size.
 - **Collectives**: the table of the same op on a group of as many ranks.
 - **Host**: pcpflow's per-step work outside the layers, ``fixed + per_request x requests +
   per_token x tokens``; each op of a layer that is neither a GEMM nor attention costs the

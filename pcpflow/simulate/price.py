@@ -65,7 +65,7 @@ from pcpflow.simulate.collectives import (
     sendrecv_seconds,
     tuner,
 )
-from pcpflow.simulate.host import Host
+from pcpflow.simulate.host import Host, elementwise_bytes
 from pcpflow.simulate.kernels import Kernels
 from pcpflow.simulate.measured import (
     MeasuredCollectives,
@@ -298,6 +298,8 @@ class Pricer:
         self.w_key = sim.weights_dtype or "bf16"
         self.w_bytes = DTYPE_BYTES[self.w_key]
         self.host, self.moe_dispatch = host, moe_dispatch
+        # NOTE: pcpflow's own forward on a measured profile: its unfused ops' bytes, counted.
+        self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
 
@@ -402,7 +404,11 @@ class Pricer:
         t_attn = att.prefill_s + att.decode_s
 
         # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
-        mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
+        if self.counted_bytes is not None:
+            per_row, fixed = self.counted_bytes
+            mem_bytes = L * (float(layout.padded_num_tokens) * per_row + fixed)
+        else:
+            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
         small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
         inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time

@@ -81,6 +81,24 @@ def test_memory_ops_move_at_the_rate_of_a_copy_their_size():
     assert float(k.memory(1e6, op_bytes=4096)) == pytest.approx(1e6 / COPY_RATE)
 
 
+def test_counted_bytes_of_a_norm_and_an_mlp_by_hand():
+    """float32 rows of width h: RMSNorm's pow (h in, h out), mean (h, 1), + eps (1, 1), rsqrt
+    (1, 1), x * r (h + 1, h), weight * x (h + h, h): 7h + 6 per row and the weight once.
+    The gated MLP beside its GEMMs: silu(gate) (I, I), * up (2I, I): 5I per row."""
+    import torch
+
+    from pcpflow.models.common import GatedMLP, RMSNorm, build_uninitialized
+    from pcpflow.simulate.host import counted_bytes
+
+    h, inter, rows = 48, 80, 7
+    x = torch.empty(rows, h, device="meta")
+    norm = build_uninitialized(lambda: RMSNorm(h, 1e-6), device="meta")
+    mlp = build_uninitialized(lambda: GatedMLP(h, inter), device="meta")
+    with torch.no_grad():
+        assert counted_bytes(lambda: norm(x)) == 4 * (rows * (7 * h + 6) + h)
+        assert counted_bytes(lambda: mlp(x)) == 4 * rows * 5 * inter
+
+
 def test_collectives_interpolate_their_points_and_use_their_fit_outside():
     c = MeasuredCollectives(HardwareConfig.model_validate(profile_dict()).tables)
     assert c.seconds("all_gather", 2, 1000) == pytest.approx(1e-4 + 1e-6)
@@ -92,7 +110,7 @@ def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
     """tiny_gqa (hidden 64, 4 heads / 2 KV heads of 16, MLP 128, 2 layers, vocab 256) at pcp=1:
     one prompt of 16 tokens, then one decode; every term of each step worked by hand."""
     from pcpflow.simulate.engine import simulate_run
-    from pcpflow.simulate.host import kernels_per_layer
+    from pcpflow.simulate.host import elementwise_bytes, kernels_per_layer
     from pcpflow.simulate.sizes import model_sizes
 
     cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={profile_path}", "dtype=float32", "pcp=1",
@@ -105,14 +123,16 @@ def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
     attention_ops = kernels_per_layer(model_sizes(cfg.model), 1).attention
     inline_ops = 2 * (40 - 5 - attention_ops)
     u = C_E * 64 + C_H * 4 + C_F * 128  # attention seconds per pair (entry 64, 4 heads, 128 products)
-    row_bytes = 4 * (4 * 64 + 6 * 64 + 2 * (4 + 2) * 16 + 3 * 128) + 64 * 4  # norms, adds, RoPE, MLP act, KV write
+    # The layer's other ops' bytes as pcpflow's forward moves them (counted on meta tensors,
+    # test_counted_bytes_of_a_norm_and_an_mlp_by_hand); at the rate of a copy.
+    row_bytes, fixed_bytes = elementwise_bytes(model_sizes(cfg.model), 1, "float32")
 
     def gemms(rows: int) -> float:
         per_layer = 2 * rows * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) / GEMM_RATE
         return 2 * per_layer + 2 * 1 * 256 * 64 / GEMM_RATE  # 2 layers, the LM head on the sampled row
 
     def step(rows: int, pairs: int, tokens: int) -> float:
-        return (gemms(rows) + 2 * pairs * u + rows * 2 * row_bytes / COPY_RATE + inline_ops * 10e-6
+        return (gemms(rows) + 2 * pairs * u + 2 * (rows * row_bytes + fixed_bytes) / COPY_RATE + inline_ops * 10e-6
                 + (1000 + 100 * 1 + 10 * tokens) * 1e-6)
 
     assert steps[0]["step_s"] == pytest.approx(step(16, 16 * 17 // 2, 16), rel=1e-9)
