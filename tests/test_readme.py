@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,10 +31,12 @@ END_TO_END = {
     # a simulated run starts no ranks: the 1M-token layout of the published figures, priced
     "python -m pcpflow mode=simulate model=llama3_405b hardware=gtt_h100 simulate.weights_dtype=fp8 "
     "tp=8 pcp=16 dcp=16 workload=explicit 'workload.prompt_lens=[1048576]' 'workload.output_lens=[1]'",
-    # a search of the layouts of 16 GPUs with tp fixed: screened in process, nothing started
-    "python -m pcpflow mode=search model=llama3_70b hardware=h200_sxm search.gpus=16 tp=8 "
-    "cudagraph_mode=full_and_piecewise workload=explicit 'workload.prompt_lens=[32768]' 'workload.output_lens=[8]'",
 }
+# Measure, then predict: this machine's quick profile, and a run priced on it (the slow test
+# that runs every command checks what they wrote).
+PROFILE = "python -m pcpflow mode=profile pcp=2 profile.quick=true hydra.run.dir=outputs/profile"
+PRICED = ("python -m pcpflow mode=simulate hardware=measured hardware.path=outputs/profile/hardware.yaml "
+          "dtype=float32 model=tiny_gqa pcp=2")
 
 
 def readme_commands(text: str) -> list[list[str]]:
@@ -52,16 +55,19 @@ def readme_commands(text: str) -> list[list[str]]:
 def test_readme_commands_are_found():
     commands = [shlex.join(c) for c in readme_commands((REPO / "README.md").read_text())]
     assert "python -m pcpflow" in commands and len(commands) >= 10
-    assert all(c in commands for c in END_TO_END), "an END_TO_END command left the README"
+    assert all(c in commands for c in [*END_TO_END, PROFILE, PRICED]), "a command the tests check left the README"
 
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
+    return _copy_clone(tmp_path_factory.mktemp("clone"))
+
+
+def _copy_clone(root: Path) -> Path:
     """A copy of the files a clone has (tracked, plus new files git does not ignore)."""
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
-    root = tmp_path_factory.mktemp("clone")
     for name in listed:
         src = REPO / name
         if src.is_file():
@@ -107,15 +113,20 @@ def _env(clone: Path, bin_dir: Path) -> dict[str, str]:
             "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-@pytest.mark.dist
-def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
+def _python_on_path(clone: Path, tmp_path: Path) -> dict[str, str]:
+    """An environment whose ``python`` (as the README writes it) is this interpreter.
+    NOTE: a script, not a symlink: a venv's python reached through a link in another folder
+    misses its pyvenv.cfg and runs as the base Python."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # `python` as written is this interpreter. NOTE: a script, not a symlink: a venv's python
-    # reached through a link in another folder misses its pyvenv.cfg and runs as the base Python.
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     (bin_dir / "python").chmod(0o755)
-    env = _env(clone, bin_dir)
+    return _env(clone, bin_dir)
+
+
+@pytest.mark.dist
+def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
+    env = _python_on_path(clone, tmp_path)
     ran = {}
     for argv in readme_commands((clone / "README.md").read_text()):
         line = shlex.join(argv)
@@ -125,14 +136,10 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert set(ran) == END_TO_END
     assert ran["python -m pcpflow --help"].stdout.startswith("pcpflow: ")
     results = [json.loads(p.read_text()) for p in (clone / "outputs").rglob("result.json")]
-    (sim,) = [r for r in results if r["config"]["mode"] == "simulate"]
+    (sim,) = [r for r in results if r["config"]["mode"] == "simulate" and r["config"]["hardware"]["name"] == "gtt_h100"]
     assert sim["status"] == "ok" and sim["config"]["verify"] is False
     # Meta's CP paper: 77 s for this 1M-token prefill on 16 nodes x 8 H100 (shared/published)
     assert sim["metrics"]["num_tokens"] == 1048576 and abs(sim["metrics"]["ttft"]["mean_s"] / 77.0 - 1) < 0.15
-    (search,) = [p for p in (clone / "outputs").rglob("result.json") if json.loads(p.read_text())["config"]["mode"] == "search"]
-    found = json.loads(search.read_text())
-    assert found["status"] == "ok" and found["metrics"]["search"]["recommended"]["layout"].startswith("tp=8 ")
-    assert (search.parent / "search.csv").is_file() and (search.parent / "search.md").is_file()
     (result_file,) = [p for p in (clone / "outputs").rglob("result.json")
                       if json.loads(p.read_text())["config"]["mode"] == "execute"]  # the default run
     result = json.loads(result_file.read_text())
@@ -143,6 +150,41 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert len(result["outputs"]) == frozen["workload"]["num_requests"]
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "load.png").exists()
     assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs_as_written(tmp_path_factory):
+    """Every command the README shows, run as written in a clone of its own, in order (a later
+    command reads what an earlier one wrote). Two kinds are run elsewhere: ``pip install``
+    (tests/test_install.py installs a wheel in a clean venv) and the test command (.ci/run)."""
+    root = tmp_path_factory.mktemp("every")
+    repo = _copy_clone(root / "clone")
+    env = _python_on_path(repo, root)
+    ran = 0
+    for argv in readme_commands((repo / "README.md").read_text()):
+        if argv[:2] == ["pip", "install"] or argv[:3] == ["python", "-m", "pytest"]:
+            continue
+        line = shlex.join(argv)
+        done = subprocess.run(line, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-3000:])
+        ran += 1
+    assert ran >= 20
+    clone = repo
+    results = [json.loads(p.read_text()) for p in (clone / "outputs").rglob("result.json")]
+    # The profile measured this machine on 2 ranks (gloo) and a simulated run priced on it.
+    profile = yaml.safe_load((clone / "outputs" / "profile" / "hardware.yaml").read_text())
+    assert profile["measured"]["status"] == "complete" and profile["measured"]["pcp"] == 2
+    assert profile["tables"]["gemm"]["float32"] and {c["group"] for c in profile["tables"]["collectives"]} == {"pcp"}
+    assert {c["op"] for c in profile["tables"]["collectives"]} >= {"all_gather", "all_reduce", "all_to_all", "sendrecv"}
+    (priced,) = [r for r in results if r["config"]["mode"] == "simulate"
+                 and (r["config"]["hardware"].get("path") or "").endswith("outputs/profile/hardware.yaml")]
+    assert priced["status"] == "ok" and priced["metrics"]["ttft"]["mean_s"] > 0
+    assert priced["metrics"]["simulate"]["collectives"]["restore"] == {"measured": priced["metrics"]["num_steps"]}
+    # The search (16 GPUs, tp fixed at 8): its report beside it, the recommendation keeps tp=8
+    (search,) = [p for p in (clone / "outputs").rglob("result.json") if json.loads(p.read_text())["config"]["mode"] == "search"]
+    found = json.loads(search.read_text())
+    assert found["status"] == "ok" and found["metrics"]["search"]["recommended"]["layout"].startswith("tp=8 ")
+    assert (search.parent / "search.csv").is_file() and (search.parent / "search.md").is_file()
 
 
 def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):
@@ -180,6 +222,12 @@ def _check(argv: list[str], clone: Path, checkpoints: TinyCheckpoints) -> None:
             nproc = int(flags[flags.index("--nproc-per-node") + 1])
         assert nproc is not None, "torchrun needs --nproc-per-node"
         return _check_pcpflow(argv[at + 1 :], nproc, checkpoints)
+    if argv[:2] == ["python", "scripts/validate_measured.py"]:
+        # Its matrix composes and validates as executed runs (the run itself takes minutes).
+        import runpy
+
+        assert runpy.run_path(str(clone / argv[1]))["check"]() == 0
+        return None
     if argv[:2] == ["python", "scripts/make_tiny_hf_checkpoint.py"]:
         # Run as written, but into a temporary dir that the later commands' model.path maps to.
         return checkpoints.make(clone / argv[1], argv[2:])
@@ -214,6 +262,12 @@ def _check_pcpflow(args: list[str], nproc: int | None, checkpoints: TinyCheckpoi
     args = [_with_checkpoint(a, checkpoints) for a in args]
     if "--help" in args or "-h" in args:
         return None
+    if "mode=profile" in args:  # what it writes (a profile of this machine), made by hand: later commands read it
+        from measured_profile import profile_dict
+
+        run_dir = Path(next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "hardware.yaml").write_text(yaml.safe_dump(profile_dict()))
     overrides, multirun, _ = split_args(args)
     try:
         precheck(overrides, multirun)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.config.profile import ProfileConfig
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.models import ModelConfig
 from pcpflow.parallel.grid import RankGrid
@@ -203,13 +204,18 @@ class RunConfig(_Strict):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     slo: SLOConfig = Field(default_factory=SLOConfig)
     # --- simulate (pcpflow.simulate, docs/simulate.md), search (pcpflow.search, docs/search.md)
-    mode: Literal["execute", "simulate", "search"] = Field(
-        "execute", description="execute: ranks compute (verified); simulate: price every step on `hardware`; "
-        "search: the best layouts for search.gpus GPUs"
+    mode: Literal["execute", "simulate", "profile", "search"] = Field(
+        "execute",
+        description="execute: ranks compute (verified); simulate: price every step on `hardware`; profile: "
+        "measure this machine on the run's ranks into <run dir>/hardware.yaml; search: the best layouts for "
+        "search.gpus GPUs",
     )
     search: SearchConfig = Field(default_factory=SearchConfig)
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
-    hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    hardware: HardwareConfig | None = Field(
+        None, description="the hardware profile a simulated run prices on (hardware=measured hardware.path=FILE: "
+        "one mode=profile measured)")
 
     @property
     def grid(self) -> RankGrid:
@@ -317,7 +323,7 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
 
 MODE_SETTINGS = {"simulate": ("simulate", "search"), "hardware": ("simulate", "search"),
                  "serving": ("simulate", "search"), "workload.request_rate": ("simulate", "search"),
-                 "search": ("search",), "slo.attainment": ("search",)}
+                 "profile": ("profile",), "search": ("search",), "slo.attainment": ("search",)}
 """Settings that only some modes read (a section or a dotted key -> those modes). Set in
 another mode they would be silently ignored, so they are refused there."""
 

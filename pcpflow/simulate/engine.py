@@ -50,8 +50,8 @@ from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.simulate import flash
-from pcpflow.simulate.collectives import NCCL_VERSION, p2p_rate_gbps
-from pcpflow.simulate.host import Host, kernels_per_layer
+from pcpflow.simulate.collectives import NCCL_VERSION
+from pcpflow.simulate.host import Host, kernels_per_layer, moe_ops
 from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_counts
 from pcpflow.simulate.serving import Router, run_replicas
@@ -208,7 +208,7 @@ class SimulatedRun:
             batch, layout, grid=self.grid, sizes=self.sizes, dtype_bytes=self.dtype_bytes,
             dcp_rest=rest, interleave=self.cfg.kv.interleave, restore=self.restore,
             dcp_comm_backend=self.cfg.dcp_comm_backend, moe_dispatch=self.moe_dispatch,
-            kv_bytes=DTYPE_BYTES[self.sim.kv_dtype], ring=ring,
+            kv_bytes=DTYPE_BYTES[kv_key(self.cfg)], ring=ring,
         )
 
     def _step(self, replica: int, batch) -> list[int]:
@@ -274,10 +274,10 @@ class SimulatedRun:
         """``choose_ring_variant``, the executed ring's choice, with this hardware's numbers:
         the attention's rate (the dense peak at FlashAttention-3's plateau share) and the
         ring's point-to-point rate (``p2p_rate_gbps``)."""
-        hw, comm = self.hw, self.pricer.place.comm("dcp")
-        shape = self.sizes.shape_per_rank(self.grid.tp, DTYPE_BYTES[self.sim.kv_dtype])
+        hw = self.hw
+        shape = self.sizes.shape_per_rank(self.grid.tp, DTYPE_BYTES[kv_key(self.cfg)])
         peak = hw.peak(self.pricer.act_key) * 1e12 * float(flash.share(flash.SEQLENS[-1], causal=False))
-        bandwidth = p2p_rate_gbps(hw, comm, network=comm.nnodes > 1, efficiency=self.sim.p2p_efficiency) * 1e9
+        bandwidth = self.pricer.place.p2p_gbps("dcp", self.sim.p2p_efficiency) * 1e9
         return choose_ring_variant(policy, layout, batch.positions, shape=shape, peak_flops=peak, bandwidth=bandwidth)
 
     def _meta_rule(self, batch, layout) -> str | None:
@@ -312,11 +312,22 @@ class SimulatedRun:
 def _pricer(cfg: RunConfig, sizes, moe_dispatch: str) -> Pricer:
     hw, sim = cfg.hardware, cfg.simulate
     assert hw is not None
-    host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=hw.host.graph_launch_us * 1e-6,
+    measured = hw.tables is not None and bool(hw.tables.gemm)
+    host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=(hw.host.graph_launch_us or hw.host.launch_us) * 1e-6,
                 layer=kernels_per_layer(sizes, cfg.tp), num_layers=sizes.num_layers,
-                override=hw.host.kernels_per_layer)
-    return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=sim.kv_dtype, host=host,
+                override=hw.host.kernels_per_layer,
+                moe_ops=moe_ops(sizes.num_experts, sizes.top_k, sizes.num_shared_experts)
+                if measured and sizes.num_experts else (0.0, 0.0))
+    return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=kv_key(cfg), host=host,
                   moe_dispatch=moe_dispatch, interleave=cfg.kv.interleave)
+
+
+def kv_key(cfg: RunConfig) -> str:
+    """The KV cache's element: ``simulate.kv_dtype``; an executed model priced on a measured
+    profile keeps its cache in the run's dtype, as it executes."""
+    if cfg.hardware is not None and cfg.hardware.tables is not None and cfg.model.name in ("tiny_mla", "tiny_gqa"):
+        return PEAK_OF_DTYPE[cfg.dtype]
+    return cfg.simulate.kv_dtype
 
 
 def _step_fields(rest: DCPRest | None, counts, p: StepPrice, meta: str | None) -> dict[str, Any]:
@@ -348,6 +359,7 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
     breakdown = {k: {"exposed_s": v[0], "hidden_s": v[1]} for k, v in sorted(run.breakdown.items())}
     return {
         "hardware": hw.name,
+        "device": hw.device,
         "gpus": gpus,
         "nodes": -(-gpus // hw.gpus_per_node),
         "weights_dtype": sim.weights_dtype,

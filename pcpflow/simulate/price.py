@@ -59,9 +59,24 @@ from pcpflow.layouts.ring import RingPlan, plan_ring
 from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
-from pcpflow.simulate.collectives import Comm, all_to_all_seconds, sendrecv_seconds, tuner
-from pcpflow.simulate.host import Host
+from pcpflow.simulate.collectives import (
+    Comm,
+    all_to_all_seconds,
+    p2p_rate_gbps,
+    sendrecv_seconds,
+    tuner,
+)
+from pcpflow.simulate.host import Host, elementwise_bytes
 from pcpflow.simulate.kernels import Kernels
+from pcpflow.simulate.measured import (
+    MeasuredCollectives,
+    MeasuredKernels,
+    attended_rows,
+    dtype_of,
+    head_features,
+    host_seconds,
+    launch_us,
+)
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 KV_PURPOSES = ("kv_gather", "dcp_context_gather", "ring_send_kv")
@@ -79,13 +94,15 @@ class Placement:
 
     def __init__(self, grid: RankGrid, hw: HardwareConfig, p2p_efficiency: float = 1.0) -> None:
         self.grid, self.hw, self.p2p_efficiency = grid, hw, p2p_efficiency
+        # NOTE: a measured profile's collectives come from its tables; NCCL's model prices the rest.
+        self.measured = MeasuredCollectives(hw.tables) if hw.tables is not None else None
         members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
                    "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
         self.comms: dict[str, Comm] = {}
         for g, m in members.items():
             nodes = Counter(r // hw.gpus_per_node for r in m)
             self.comms[g] = Comm(len(m), len(nodes), max(nodes.values()))
-        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()}
+        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()} if hw.nccl else {}
         self._seconds: dict[tuple[str, str, float], tuple[float, str]] = {}
 
     def comm(self, group: str) -> Comm:
@@ -111,6 +128,8 @@ class Placement:
         comm = self.comms[group]
         if comm.nranks <= 1 or tensor_bytes <= 0:
             return 0.0, "-"
+        if self.measured is not None and self.measured.has(op, comm.nranks):
+            return self.measured.seconds(op, comm.nranks, tensor_bytes), "measured"
         if op == "all_to_all":
             return all_to_all_seconds(self.hw, comm, tensor_bytes, efficiency=self.p2p_efficiency), "p2p"
         if op == "sendrecv":
@@ -119,6 +138,14 @@ class Placement:
         nbytes = tensor_bytes * comm.nranks if op == "all_gather" else tensor_bytes
         algo, proto, s = self._tuners[group].pick(NCCL_FUNC[op], nbytes)
         return s, f"{algo}/{proto}"
+
+    def p2p_gbps(self, group: str, efficiency: float) -> float:
+        """What one rank sends a peer of ``group`` per second (GB/s): the measured send/recv's
+        fitted bandwidth, else NCCL's point-to-point rate."""
+        comm = self.comms[group]
+        if self.measured is not None and self.measured.has("sendrecv", comm.nranks):
+            return self.measured.rate_gbps("sendrecv", comm.nranks)
+        return p2p_rate_gbps(self.hw, comm, network=comm.nnodes > 1, efficiency=efficiency)
 
 
 @dataclass
@@ -263,12 +290,17 @@ class Pricer:
                  act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local", interleave: int = 1) -> None:
         self.grid, self.hw, self.sizes, self.sim, self.interleave = grid, hw, sizes, sim, interleave
         self.place = Placement(grid, hw, sim.p2p_efficiency)
-        self.kern = Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency)
+        # NOTE: a measured profile prices pcpflow's own forward from its tables (pcpflow.simulate.measured).
+        self.measured = hw.tables is not None and bool(hw.tables.gemm)
+        self.kern = (MeasuredKernels(hw, dtype=dtype_of(act_key)) if self.measured
+                     else Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency))
         self.act_key, self.act_bytes = act_key, DTYPE_BYTES[act_key]
         self.kv_bytes = DTYPE_BYTES[kv_key]
         self.w_key = sim.weights_dtype or "bf16"
         self.w_bytes = DTYPE_BYTES[self.w_key]
         self.host, self.moe_dispatch = host, moe_dispatch
+        # NOTE: pcpflow's own forward on a measured profile: its unfused ops' bytes, counted.
+        self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
 
@@ -295,7 +327,7 @@ class Pricer:
 
         for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), int(samples))):
             out[i] = out[i] + v
-        if s.attention == "mla" and s.kv_b_params:
+        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
             ctx = _prefill_context(batch, layout, grid)
             if ctx.any():
                 _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
@@ -366,15 +398,26 @@ class Pricer:
         picks: dict[str, str] = {}
         if counts.ring_plan is not None:
             att = self._ring(batch, layout, counts, terms, picks)
+        elif self.measured:
+            att = self._measured_attention(batch, layout, counts)
         else:
             att = self._engine_attention(batch, layout, counts)
         t_attn = att.prefill_s + att.decode_s
 
         # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
-        mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
+        if self.counted_bytes is not None:
+            per_row, fixed = self.counted_bytes
+            mem_bytes = L * (float(layout.padded_num_tokens) * per_row + fixed)
+        else:
+            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
         small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
-        t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
+        inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
+        if inline:
+            op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
+            t_mem = np.full(P, float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes)))
+        else:
+            t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
 
         # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
         comm = att.comm_s
@@ -390,12 +433,21 @@ class Pricer:
         if counts.ring_plan is not None and runtime_mode != "full":
             # NOTE: each ring iteration past the first launches the attention backend's kernels again.
             host += L * (grid.dcp - 1) * self.host.layer.attention * self.host.launch_s
-        total = np.maximum(gpu, host)
+        # pcpflow's own per-step work (scheduler, plan, buffers, slots, sampling): measured
+        # profiles only; it runs before the step's first op and after its last, exposed.
+        work = host_seconds(self.hw.tables, len(batch.num_scheduled_tokens), int(batch.num_tokens)) if self.measured else 0.0
+        if inline:
+            host = self._inline_ops(layout) * self.launch_s
+            total = gpu + host + work
+        else:
+            total = np.maximum(gpu, host) + work
         slow = int(np.argmax(total))
         out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
                "memory_ops": [float(t_mem[slow]), 0.0]}
         out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
-        out["host_launch"] = [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        out["host_launch"] = [host, 0.0] if inline else [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        if self.measured:
+            out["host_work"] = [work, 0.0]
         p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
         fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
         return StepPrice(
@@ -403,7 +455,7 @@ class Pricer:
             terms=out,
             compute_s=g_c + att.compute_s,
             memory_s=(g_t - g_c) + (t_attn - att.compute_s) + t_mem,
-            communication_s=total - g_t - t_attn - t_mem,
+            communication_s=total - g_t - t_attn - t_mem,  # exposed collectives and host
             fitted_s=fitted,
             picks=picks,
             flops=g_flops + att.flops,
@@ -494,6 +546,8 @@ class Pricer:
         if P > 1:
             hop[:, : P - 1] = L * np.maximum(send, np.roll(send, 1, axis=0))  # its send, and the one it receives
         exposed, hidden = np.maximum(hop - attention, 0.0), np.minimum(hop, attention)
+        if not self.hw.overlap.p2p:  # NOTE: the profile's transfers run on the thread that computes
+            exposed, hidden = hop, np.zeros_like(hop)
         total_b = np.zeros((P, P))
         total_b[:, : P - 1] = kv_b + q_b
         for purpose, b in (("ring_send_kv", kv_b), ("ring_send_q", q_b)):
@@ -519,6 +573,50 @@ class Pricer:
         pre_pairs = pairs.reshape(P, P).sum(axis=1) + a_pairs
         dec_pairs = rb.loop_decode_pairs.sum(axis=1) + rb.after_decode_pairs
         return Attention(t_pre, t_dec, compute, fpp * pre_pairs + dpp * dec_pairs, entry * dec_pairs, comm)
+
+    # ------------------------------------------------------------------ measured profiles
+    def _measured_attention(self, batch, layout, counts: StepCounts) -> Attention:
+        """The all-gather paths from a profile's tables: one call per layer of pcpflow's backend
+        (with DCP, the decode rows' call and the rest rows' apart), at the executed head shape
+        (MLA absorbed for every row), by rows and mean keys of the rank's busiest shard."""
+        s, grid, k = self.sizes, self.grid, self.kern
+        P, L = grid.pcp, s.num_layers
+        fpp, dpp, entry = self._per_pair()
+        heads = s.num_heads / grid.tp * grid.dcp_tp
+        w = head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
+        decode_pairs = counts.decode_work.astype(np.float64)
+        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        dec_rows, pre_rows = attended_rows(layout, batch, dcp=grid.dcp, dcp_rest=counts.dcp_rest)
+        t_pre, t_dec = np.zeros(P), np.zeros(P)
+        for r in range(P):
+            if pre_rows[r] and prefill_pairs[r] > 0:
+                t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w)
+            if dec_rows[r] and decode_pairs[r] > 0:
+                t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w)
+            if grid.dcp == 1 and t_pre[r] and t_dec[r]:  # one call holds both: one fixed cost
+                t_dec[r] = max(t_dec[r] - k.attention_fixed(w), 0.0)
+        t_pre, t_dec = L * t_pre, L * t_dec
+        return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
+                         np.zeros(P))
+
+    @property
+    def launch_s(self) -> float:
+        """One op of pcpflow's forward on a host that runs its ops itself (measured)."""
+        return launch_us(self.hw, self.sizes.attention) * 1e-6
+
+    def _inline_ops(self, layout) -> float:
+        """The ops of one step that are neither a GEMM nor the attention backend's call (those
+        are measured with their launch), on a host that runs them: every layer's (pcpflow's
+        forward counted, ``pcpflow.simulate.host``), an MoE layer's per reached expert. The
+        step's own ops outside the layers are in the host table (``host_work``)."""
+        s = self.sizes
+        per_layer = max(self.host.per_layer - self._gemm_kernels() - self.host.layer.attention, 0)
+        ops = float(s.num_layers * per_layer)
+        if s.num_experts and s.num_moe_layers:
+            fixed, per_expert = self.host.moe_ops
+            reached = float(np.max(_experts_touched(s, layout.per_rank_num_tokens.astype(np.float64))))
+            ops += s.num_moe_layers * (fixed + per_expert * reached)
+        return ops
 
     def _gemm_kernels(self) -> int:
         """GEMM kernels pcpflow's forward launches per layer (the rest are small kernels)."""
