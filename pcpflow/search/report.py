@@ -217,7 +217,7 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[str], list[str]]
             better, ratio = va > vb, (va / vb if vb else math.inf) if va > vb else (vb / va if va else math.inf)
         else:
             better, ratio = va < vb, (vb / va if va else math.inf) if va < vb else (va / vb if vb else math.inf)
-        text = f"{NAMES[m]} by {ratio:.3g}x"
+        text = f"{NAMES[m]} by {ratio:.4g}x"
         (wins if better else losses).append(text)
     return wins, losses
 

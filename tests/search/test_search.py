@@ -54,7 +54,7 @@ def test_a_search_over_candidates_writes_its_report_and_each_row_is_its_layouts_
     best_row, runner_row = rows[0], rows[1]
     ratio = float(runner_row["ttft_p90_s"]) / float(best_row["ttft_p90_s"])
     assert ratio > 1
-    assert f"`{best_row['overrides']}` beats `{runner_row['overrides']}` by {ratio:.3g}x on TTFT p90" in md
+    assert f"`{best_row['overrides']}` beats `{runner_row['overrides']}` by {ratio:.4g}x on TTFT p90" in md
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "ok" and result["metrics"]["search"]["pruned"] == 1
     best = rows[0]["overrides"]
