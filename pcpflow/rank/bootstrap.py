@@ -163,7 +163,10 @@ class RankSession:
         """Run one job's engine on this rank; rank 0's result sections (others None).
         Raises RankError naming the root cause; with ``writes_result`` exactly one rank
         writes the failed result.json (torchrun: no driver is there to do it)."""
-        from pcpflow.rank.engine import run_rank
+        if cfg.disagg.enabled:  # a prefill pool and a decode pool
+            from pcpflow.rank.pools import run_pools as run_rank
+        else:
+            from pcpflow.rank.engine import run_rank
 
         self.init_group(cfg)
         self.jobs += 1

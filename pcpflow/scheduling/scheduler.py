@@ -115,6 +115,7 @@ class StepOutcome:
     freed_blocks: np.ndarray  # int64: KV blocks that became free this step (preemptions, then finishes)
     first_token: np.ndarray  # int64: req_ids that produced their first token this step
     preempted_req_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # preempted when scheduled
+    handed_over: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prefill_only: left for another pool
 
     @property
     def num_new_tokens(self) -> int:
@@ -155,7 +156,9 @@ class Scheduler:
     Requests enter by themselves at their arrival (``feed=True``: ``pcpflow.scheduling.arrivals``,
     by step, or by the time ``schedule(now)`` is given for a timed table), or through
     ``add`` (``feed=False``: a router's replicas, which share the per-request columns of the
-    scheduler given as ``share``).
+    scheduler given as ``share``). ``prefill_only`` (a prefill pool, ``disagg=pd``): a request
+    leaves the running requests with its first token (``StepOutcome.handed_over``), keeping
+    its blocks until ``release``; another pool's scheduler takes it over with ``adopt``.
     """
 
     def __init__(
@@ -169,6 +172,7 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
         feed: bool = True,
         share: Scheduler | None = None,
+        prefill_only: bool = False,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or num_speculative_tokens < 0:
             raise ValueError(
@@ -181,6 +185,7 @@ class Scheduler:
         self.max_num_seqs = int(max_num_seqs)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.kv = kv
+        self.prefill_only = bool(prefill_only)
         self.step = 0
         # a request that appends one of these (its checkpoint's EOS ids) finishes there
         self.stop_token_ids = np.unique(np.asarray(list(stop_token_ids), dtype=np.int64))
@@ -494,8 +499,11 @@ class Scheduler:
         for i in finished.tolist():
             self._prompt_contents.pop(i, None)
             self._keys.pop(i, None)
+        leaving = done | ((take > 0) if self.prefill_only else False)  # NOTE: a prefill pool keeps no decode
+        handed = rows[leaving & ~done]
+        if leaving.any():
+            self._running = rows[~leaving]
         if len(finished):
-            self._running = rows[~done]
             self._num_finished += len(finished)
             if self.arrivals is not None:
                 self.arrivals.finished(len(finished), end if self.arrivals.timed else batch.step + 1)
@@ -511,7 +519,36 @@ class Scheduler:
             freed_blocks=np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64),
             first_token=first,
             preempted_req_ids=np.asarray(self._preempted, dtype=np.int64),
+            handed_over=handed,
         )
+
+    # -- between pools (disagg=pd) ---------------------------------------------------------
+
+    def can_adopt(self, i: int) -> bool:
+        """Whether request i, handed over with its prompt computed, can join this pool now:
+        a seat, blocks for its prompt's positions, and no request of this pool waiting
+        (preempted ones go first)."""
+        need = self.kv.blocks_needed(int(self._num_computed[i]))
+        return (not self._waiting and len(self._running) < self.max_num_seqs
+                and need <= self.kv.num_free_blocks and need <= self.kv.max_blocks_per_req)
+
+    def adopt(self, i: int) -> np.ndarray:
+        """Request i joins this pool's running requests as a decode (its prompt computed in
+        another pool, its first token sampled there): blocks for its prompt's positions,
+        which the transfer fills. Returns its block-table row."""
+        if self._last_batch is not None:
+            raise RuntimeError("adopt() goes between steps")
+        self.kv.allocate(int(i), int(self._num_computed[i]))
+        self._running = np.append(self._running, np.int64(i))
+        self._num_added += 1
+        return self.kv.blocks_of(int(i))
+
+    def release(self, i: int) -> np.ndarray:
+        """A handed-over request's blocks go back to this pool (cached ones stay findable):
+        its entries now live in the other pool. Returns the blocks freed."""
+        self._prompt_contents.pop(int(i), None)
+        self._keys.pop(int(i), None)
+        return self.kv.free(int(i))
 
     # -- prefix caching ------------------------------------------------------------------------
 
