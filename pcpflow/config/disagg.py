@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from pcpflow.config.run import RunConfig
 
 POOLS = ("prefill", "decode")
+POOL_FIELDS = ("tp", "pcp", "dcp", "kv.interleave", "kv.num_blocks", "scheduler.max_num_seqs",
+               "scheduler.max_num_batched_tokens")
+"""The settings each pool has its own of (the decode pool's under ``disagg.decode_pool``)."""
 
 
 class _Strict(BaseModel):
@@ -102,10 +105,11 @@ def pool_problems(cfg: RunConfig, problems: list[Problem], pool: str) -> list[Pr
     where = f"the {pool} pool (tp={grid.tp} pcp={grid.pcp} dcp={grid.dcp})"
     out = []
     for p in problems:
-        field = pool_field(pool, p.field) if p.field in ("tp", "pcp", "dcp", "kv.interleave", "kv.num_blocks",
-                                                          "scheduler.max_num_seqs",
-                                                          "scheduler.max_num_batched_tokens") else p.field
-        out.append(Problem(field, p.given, f"{where}: {p.allowed}"))
+        field, allowed = p.field, p.allowed
+        if field in POOL_FIELDS:
+            field = pool_field(pool, field)
+            allowed = allowed.replace(f"{p.field} ", f"{field} ")
+        out.append(Problem(field, p.given, f"{where}: {allowed}"))
     return out
 
 
@@ -128,6 +132,14 @@ def disagg_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.kv.block_size % d.decode_pool.interleave:
         p.append(Problem("disagg.decode_pool.interleave", d.decode_pool.interleave,
                          f"must divide kv.block_size={cfg.kv.block_size} (the decode pool's blocks)"))
+    if cfg.draft_enabled:
+        p.append(Problem("draft", cfg.draft_stage_config().get("kind"), "drafting is not run with disagg=pd: a "
+                         "drafter's own KV cache of the prompt would have to move too (docs/disaggregation.md); "
+                         "use draft=none"))
+    forward = (cfg.pipeline or {}).get("forward") or {}
+    if forward.get("cp_attention", "allgather") != "allgather":
+        p.append(Problem("pipeline.forward.cp_attention", forward["cp_attention"], "rings inside a pool are not "
+                         "counted with disagg=pd yet: use allgather (the pools' DCP paths: pipeline.forward.dcp_rest)"))
     if cfg.mode == "simulate" and cfg.serving.replicas > 1:
         p.append(Problem("serving.replicas", cfg.serving.replicas, "one prefill pool and one decode pool per instance "
                          "(several of either, xPyD, are out of scope): serving.replicas=1 with disagg=pd"))

@@ -160,6 +160,10 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
 
 
 def _simulate(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    if cfg.disagg.enabled:  # a prefill pool and a decode pool
+        from pcpflow.simulate.pools import pooled_run
+
+        return pooled_run(cfg, run_dir)
     from pcpflow.simulate.engine import simulate_run
 
     return simulate_run(cfg, run_dir)

@@ -70,14 +70,15 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
 
 
 def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp: dict[str, int],
-                     num_blocks: dict[str, int], transfer: dict[str, Any], queue: int, step_s: float, time_s: float,
-                     generated: int, to_generate: int) -> dict[str, Any]:
+                     num_blocks: dict[str, int], stats: dict[str, Any], transfer: dict[str, Any], queue: int,
+                     step_s: float, time_s: float, generated: int, to_generate: int) -> dict[str, Any]:
     """One step of a run with a prefill pool and a decode pool (``disagg=pd``): each pool's
     own record (``step_record``; None where the pool ran nothing) under ``pools``, the
     handover's ``transfer`` (the requests, their messages, bytes and seconds) and the
     ``handover_queue``, and the fields every run has, over both pools: per-rank lists are
     the prefill pool's PCP ranks, then the decode pool's; calls and bytes add up by purpose
-    (``kv_transfer``: the handover's); serving counts add up (the queue counts as waiting)."""
+    (``kv_transfer``: the handover's); serving counts, each pool's scheduler ``stats`` as of
+    this step, add up (the queue counts as waiting)."""
     recs = [(name, pools.get(name)) for name in pcp]
 
     def total(key: str) -> int:
@@ -100,8 +101,8 @@ def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp:
         for k, v in (r or {}).get("stage_s", {}).items():
             stage_s[k] += v
     ranks = sum(pcp.values())
-    serving = {k: total(k) for k in ("num_running", "num_waiting", "kv_blocks_used", "prefix_hit_tokens",
-                                     "prefix_query_tokens", "num_preempted")}
+    serving = {k: sum(getattr(st, k) for st in stats.values()) for k in (
+        "num_running", "num_waiting", "kv_blocks_used", "prefix_hit_tokens", "prefix_query_tokens", "num_preempted")}
     serving["num_waiting"] += queue
     return {
         "step": step,

@@ -46,28 +46,10 @@ from pcpflow.rank.devices import pick_device
 from pcpflow.rank.engine import _torch_threads, batch_record
 from pcpflow.rank.progress import mark_stage, mark_step, startup_done
 from pcpflow.rank.verify import Verifier
-from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import request_columns, request_rows
-from pcpflow.scheduling.pools import PoolLoop, PoolStep
-from pcpflow.scheduling.scheduler import Scheduler
+from pcpflow.scheduling.pools import PoolLoop, PoolStep, pool_schedulers
 from pcpflow.scheduling.workload import RequestTable, build_requests
 from pcpflow.tokens.text import decode_outputs, stop_token_ids
-
-
-def pool_schedulers(cfg: RunConfig, table, *, stop_token_ids=(), kv_cls=KVCacheManager) -> tuple[Scheduler, Scheduler]:
-    """The prefill pool's scheduler (``prefill_only``, fed the arrivals) and the decode
-    pool's (sharing its per-request columns), each with its own KV blocks and budget."""
-    pools = {name: pool_config(cfg, name) for name in POOLS}
-
-    def scheduler(name: str, **kw) -> Scheduler:
-        c = pools[name]
-        return Scheduler(table, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-                         max_num_seqs=c.scheduler.max_num_seqs,
-                         kv=kv_cls(c.kv.num_blocks, c.kv.block_size, c.dcp, prefix_caching=c.kv.prefix_caching),
-                         stop_token_ids=stop_token_ids, **kw)
-
-    prefill = scheduler("prefill", prefill_only=True)
-    return prefill, scheduler("decode", feed=False, share=prefill)
 
 
 def run_pools(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
@@ -102,7 +84,7 @@ class _PoolRank:
         table.max_concurrency = cfg.workload.max_concurrency
         self.table = table
         stops = stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True))
-        self.prefill, self.decode = pool_schedulers(cfg, table, stop_token_ids=stops)
+        self.prefill, self.decode = pool_schedulers(table, self.pools["prefill"], self.pools["decode"], stop_token_ids=stops)
         self.ctx = RankContext(
             config=mine, pcp=comms["pcp"], dcp=comms["dcp"], world=comms["world"], device=device, dtype=dtype,
             model=model, kv_caches=allocate_kv_caches(model, mine.kv.num_blocks, mine.kv.block_size, dtype, device),
@@ -174,7 +156,8 @@ class _PoolRank:
             pools = self.pools
             self.recorder.step(pool_step_record(
                 ps.step, records, pcp={n: pools[n].pcp for n in POOLS},
-                num_blocks={n: pools[n].kv.num_blocks for n in POOLS}, transfer=transfer,
+                num_blocks={n: pools[n].kv.num_blocks for n in POOLS},
+                stats={"prefill": self.prefill.stats, "decode": self.decode.stats}, transfer=transfer,
                 queue=len(self.loop.handover), step_s=step_s, time_s=float(self.loop.step_start[ps.step]),
                 generated=self.loop.generated, to_generate=self.recorder.num_to_generate))
 
@@ -215,7 +198,7 @@ class _PoolRank:
                                                   cfg.disagg.transfer))
         result: dict[str, Any] = {
             "outputs": [outputs.get(r.req_id, []) for r in self.requests],
-            "requests": with_transfer_columns(request_rows(cols, self.requests), loop.handover),
+            "requests": loop.handover.with_columns(request_rows(cols, self.requests)),
             "metrics": metrics,
         }
         texts = decode_outputs(cfg.model, result["outputs"])
@@ -224,16 +207,6 @@ class _PoolRank:
         if self.verifier is not None:
             result["verify"] = self.verifier.summary()
         return result
-
-
-def with_transfer_columns(rows: list[dict[str, Any]], handover) -> list[dict[str, Any]]:
-    """Each request's handover: the step it was handed over at (None: it finished on the
-    prefill pool), the bytes and seconds of its transfer."""
-    steps, nbytes, secs = handover.step.tolist(), handover.transfer_bytes.tolist(), handover.transfer_s.tolist()
-    for row in rows:
-        i = row["req_id"]
-        row.update(handover_step=None if steps[i] < 0 else steps[i], transfer_bytes=nbytes[i], transfer_s=secs[i])
-    return rows
 
 
 class _PoolVerifier(Verifier):

@@ -31,7 +31,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from pcpflow.scheduling.batch import GlobalBatch
+from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
+
+
+def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCacheManager) -> tuple[Scheduler, Scheduler]:
+    """The prefill pool's scheduler (``prefill_only``, fed the arrivals) and the decode pool's
+    (sharing its per-request columns), each with its own KV blocks and budget. ``prefill``
+    and ``decode`` are each pool's view of the run config (``pcpflow.config.disagg.pool_config``:
+    ``scheduler``, ``kv`` and ``dcp`` read)."""
+
+    def scheduler(c, **kw) -> Scheduler:
+        return Scheduler(table, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                         max_num_seqs=c.scheduler.max_num_seqs,
+                         kv=kv_cls(c.kv.num_blocks, c.kv.block_size, c.dcp, prefix_caching=c.kv.prefix_caching),
+                         stop_token_ids=stop_token_ids, **kw)
+
+    first = scheduler(prefill, prefill_only=True)
+    return first, scheduler(decode, feed=False, share=first)
 
 
 class Handover:
@@ -44,6 +61,10 @@ class Handover:
         self.queue: deque[int] = deque()
         n = len(prefill.table)
         self.ready_s = np.full(n, np.nan)  # when its prefill ended (timed runs)
+        self.prefill_s = np.zeros(n)  # the length of the step that ended its prefill (priced runs)
+        self.waited = np.zeros(n, dtype=bool)  # the decode pool could not take it at the first try
+        self._tries = 0  # admit() calls so far
+        self._pushed_at = np.zeros(n, dtype=np.int64)  # admit() calls before it joined the queue
         self.step = np.full(n, -1, dtype=np.int64)  # the (global or decode-pool) step it was handed over at
         self.transfer_bytes = np.zeros(n, dtype=np.int64)
         self.transfer_calls = np.zeros(n, dtype=np.int64)
@@ -52,18 +73,23 @@ class Handover:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def push(self, outcome: StepOutcome, at: float | None = None) -> None:
-        """The requests a prefill-pool step finished prefilling join the queue, in batch order."""
+    def push(self, outcome: StepOutcome, at: float | None = None, step_s: float = 0.0) -> None:
+        """The requests a prefill-pool step finished prefilling join the queue, in batch order
+        (``at``: when that step ended; ``step_s``: how long it took)."""
         ids = outcome.handed_over
         if len(ids):
             self.queue.extend(ids.tolist())
+            self.prefill_s[ids] = step_s
+            self._pushed_at[ids] = self._tries
             if at is not None:
                 self.ready_s[ids] = at
 
-    def admit(self, step: int, now: float | None = None) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    def admit(self, step: int, now: float | None = None, *, join: bool = True) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """Hand over the head of the queue while the decode pool can adopt it (and, timed,
         its prefill has ended by ``now``): ``(req, num_tokens, prefill blocks, decode blocks)``
-        per request, in order. Its prefill-pool blocks stay held until ``release``."""
+        per request, in order. Its prefill-pool blocks stay held until ``release``; without
+        ``join`` it runs on the decode pool once its entries arrived (``Scheduler.join``)."""
+        self._tries += 1
         out = []
         while self.queue:
             i = self.queue[0]
@@ -73,9 +99,10 @@ class Handover:
                 break  # FCFS: the head waits for room, and so does everyone behind it
             self.queue.popleft()
             src = self.prefill.kv.blocks_of(i)
-            dst = self.decode.adopt(i)
+            dst = self.decode.adopt(i, join=join)
             self.step[i] = step
-            out.append((i, int(self.prefill._num_computed[i]), src, dst))
+            self.waited[i] = self._tries > self._pushed_at[i] + 1
+            out.append((i, int(self.prefill.columns.num_computed[i]), src, dst))
         return out
 
     def release(self, req_ids) -> np.ndarray:
@@ -92,6 +119,16 @@ class Handover:
     def done(self) -> bool:
         return not self.queue
 
+    def with_columns(self, rows: list[dict]) -> list[dict]:
+        """Request rows (``pcpflow.scheduling.loop.request_rows``) with each request's handover:
+        the step it was handed over at (None: it finished on the prefill pool), the bytes and
+        seconds of its transfer."""
+        steps, nbytes, secs = self.step.tolist(), self.transfer_bytes.tolist(), self.transfer_s.tolist()
+        for row in rows:
+            i = row["req_id"]
+            row.update(handover_step=None if steps[i] < 0 else steps[i], transfer_bytes=nbytes[i], transfer_s=secs[i])
+        return rows
+
 
 @dataclass
 class PoolStep:
@@ -102,6 +139,7 @@ class PoolStep:
     handed: list[tuple[int, int, np.ndarray, np.ndarray]]
     prefill: GlobalBatch | None
     decode: GlobalBatch | None
+    prefill_s: float = 0.0  # how long the prefill pool's batch took (a priced run's layerwise overlap)
 
 
 class PoolLoop:
@@ -161,7 +199,7 @@ class PoolLoop:
         po = self.prefill.update(ps.prefill, prefill_tokens) if ps.prefill is not None else None
         do = self.decode.update(ps.decode, decode_tokens) if ps.decode is not None else None
         if po is not None:
-            self.handover.push(po)
+            self.handover.push(po, step_s=ps.prefill_s)
         if do is not None and len(do.finished_req_ids):
             self.prefill.arrivals.finished(len(do.finished_req_ids), ps.step + 1)
         self.outcomes = (po, do)

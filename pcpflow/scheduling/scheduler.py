@@ -195,6 +195,7 @@ class Scheduler:
         self._running = np.zeros(0, dtype=np.int64)  # request indices, admission order
         self._num_finished = 0
         self._num_added = 0
+        self._joining = 0  # adopted from another pool, entries still in transfer (seats they hold)
         self._last_batch: GlobalBatch | None = None  # scheduled, not yet updated
         self._updated_batch: GlobalBatch | None = None  # updated, drafts not yet set
         self._batch_rows = self._running  # the request index of each row of the last batch
@@ -206,7 +207,9 @@ class Scheduler:
             if n and (table.prompt_lens.min() < 1 or table.output_lens.min() < 1):
                 bad = np.flatnonzero((table.prompt_lens < 1) | (table.output_lens < 1)).tolist()
                 raise ValueError(f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1")
-            problems = kv.fit_problems(table.prompt_lens, table.output_lens, num_speculative_tokens)
+            # NOTE: a prefill pool holds prompts only (the first token's entry is written where it decodes)
+            outputs = np.zeros_like(table.output_lens) if prefill_only else table.output_lens
+            problems = kv.fit_problems(table.prompt_lens, outputs, num_speculative_tokens)
             if problems:
                 raise ConfigError(problems, header="requests that can never fit the KV cache")
         self.columns = _Columns(table, self.num_speculative_tokens) if share is None else share.columns
@@ -529,19 +532,28 @@ class Scheduler:
         a seat, blocks for its prompt's positions, and no request of this pool waiting
         (preempted ones go first)."""
         need = self.kv.blocks_needed(int(self._num_computed[i]))
-        return (not self._waiting and len(self._running) < self.max_num_seqs
+        return (not self._waiting and len(self._running) + self._joining < self.max_num_seqs
                 and need <= self.kv.num_free_blocks and need <= self.kv.max_blocks_per_req)
 
-    def adopt(self, i: int) -> np.ndarray:
-        """Request i joins this pool's running requests as a decode (its prompt computed in
-        another pool, its first token sampled there): blocks for its prompt's positions,
-        which the transfer fills. Returns its block-table row."""
+    def adopt(self, i: int, *, join: bool = True) -> np.ndarray:
+        """Request i comes over from another pool (its prompt computed there, its first token
+        sampled): blocks for its prompt's positions, which the transfer fills, and (``join``)
+        a place among the running requests as a decode; without ``join`` it takes that place
+        when its entries have arrived (``join``). Returns its block-table row."""
         if self._last_batch is not None:
             raise RuntimeError("adopt() goes between steps")
         self.kv.allocate(int(i), int(self._num_computed[i]))
-        self._running = np.append(self._running, np.int64(i))
-        self._num_added += 1
+        self._joining += 1
+        if join:
+            self.join(i)
         return self.kv.blocks_of(int(i))
+
+    def join(self, i: int) -> None:
+        """An adopted request whose entries arrived runs from the next step."""
+        if self._last_batch is not None:
+            raise RuntimeError("join() goes between steps")
+        self._joining -= 1
+        self._running = np.append(self._running, np.int64(i))
 
     def release(self, i: int) -> np.ndarray:
         """A handed-over request's blocks go back to this pool (cached ones stay findable):
