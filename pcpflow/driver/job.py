@@ -17,6 +17,7 @@ from pcpflow import __version__
 from pcpflow.config.run import RunConfig, validate_run_config
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
+from pcpflow.rank.progress import in_flight
 from pcpflow.output.rundir import (
     failed_result,
     live_lock_owner,
@@ -135,7 +136,7 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         print_err(f"pcpflow: {exc}")
         if exc.details:
             print_err(exc.details.rstrip())
-        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank))
+        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank, **in_flight(str(exc))))
         return EXIT_FAILED
     except Interrupted as exc:
         return _interrupted(exc, config, run_dir, announce=not in_sweep)

@@ -60,6 +60,17 @@ def where() -> tuple[int, str]:
     return _STEP, _STAGE
 
 
+TRANSFER_STAGE = "transfer of request {}"
+"""The stage a rank marks while it moves a handed-over request's KV (``disagg=pd``)."""
+
+
+def in_flight(message: str) -> dict[str, Any]:
+    """``{"transfer_in_flight": req_id}`` when a failure's diagnosis places it inside a
+    handover's transfer (``[rank R] ... at step S (transfer of request N)``), else {}."""
+    m = re.search(r"\(" + TRANSFER_STAGE.format(r"(\d+)") + r"\)", message)
+    return {"transfer_in_flight": int(m.group(1))} if m else {}
+
+
 def startup_done(timeout_s: float) -> None:
     """The engine's hook between start-up (model load, reference build) and the first step:
     every rank waits here up to ``startup_timeout_s``, so a slow load is not a stalled
