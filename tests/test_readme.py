@@ -30,6 +30,9 @@ END_TO_END = {
     # a simulated run starts no ranks: the 1M-token layout of the published figures, priced
     "python -m pcpflow mode=simulate model=llama3_405b hardware=gtt_h100 simulate.weights_dtype=fp8 "
     "tp=8 pcp=16 dcp=16 workload=explicit 'workload.prompt_lens=[1048576]' 'workload.output_lens=[1]'",
+    # prefill/decode disaggregation: the layouts of docs/disaggregation.md's worked example, 4 ranks
+    "python -m pcpflow pcp=2 dcp=2 kv.interleave=2 disagg=pd disagg.decode_pool.tp=2 disagg.decode_pool.dcp=2 "
+    "disagg.decode_pool.interleave=1",
 }
 
 
@@ -126,8 +129,22 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert sim["status"] == "ok" and sim["config"]["verify"] is False
     # Meta's CP paper: 77 s for this 1M-token prefill on 16 nodes x 8 H100 (shared/published)
     assert sim["metrics"]["num_tokens"] == 1048576 and abs(sim["metrics"]["ttft"]["mean_s"] / 77.0 - 1) < 0.15
-    (result_file,) = [p for p in (clone / "outputs").rglob("result.json")
-                      if json.loads(p.read_text())["config"]["mode"] == "execute"]  # the default run
+    executed = [p for p in (clone / "outputs").rglob("result.json") if json.loads(p.read_text())["config"]["mode"] == "execute"]
+    (pooled,) = [json.loads(p.read_text()) for p in executed if json.loads(p.read_text())["config"]["disagg"]["kind"] == "pd"]
+    assert pooled["status"] == "ok" and pooled["verify"]["passed"]
+    t, pools, rows = pooled["metrics"]["transfer"], pooled["metrics"]["pools"], pooled["requests"]
+    # by hand (docs/disaggregation.md's example): every prompt moves once (the latent is sharded
+    # by the decode pool's DCP, not replicated over its TP): (kv_lora_rank + rope dim) float64
+    # values per position and layer; a prompt of >= 4 tokens takes the example's 4 routes, a
+    # message per route and layer (layerwise)
+    model = pooled["config"]["model"]
+    per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
+    handed = [r for r in rows if r["output_len"] > 1]
+    assert all(r["prompt_len"] >= 4 for r in handed) and t["requests"] == len(handed) > 0
+    assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
+    assert t["calls"] == 4 * model["num_layers"] * len(handed)
+    assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
+    (result_file,) = [p for p in executed if json.loads(p.read_text())["config"]["disagg"]["kind"] == "none"]  # the default run
     result = json.loads(result_file.read_text())
     assert result["status"] == "ok" and result["error"] is None and result["verify"]["passed"]
     run_dir = result_file.parent

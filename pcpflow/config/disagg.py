@@ -14,15 +14,16 @@ the decode pool receives every entry (a request preempted there recomputes in fu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pcpflow.errors import Problem
 from pcpflow.parallel.grid import RankGrid
 
-if TYPE_CHECKING:
-    from pcpflow.config.run import RunConfig
+# NOTE: the run config (pcpflow.config.run.RunConfig) holds a DisaggConfig: it is typed Any here,
+# so that this module does not import its importer back
+RunConfig = Any
 
 POOLS = ("prefill", "decode")
 POOL_FIELDS = ("tp", "pcp", "dcp", "kv.interleave", "kv.num_blocks", "scheduler.max_num_seqs",
@@ -108,7 +109,8 @@ def pool_problems(cfg: RunConfig, problems: list[Problem], pool: str) -> list[Pr
         field, allowed = p.field, p.allowed
         if field in POOL_FIELDS:
             field = pool_field(pool, field)
-            allowed = allowed.replace(f"{p.field} ", f"{field} ")
+            if "." in p.field:  # NOTE: "kv.num_blocks must be >= 4" names the setting to raise
+                allowed = allowed.replace(f"{p.field} ", f"{field} ")
         out.append(Problem(field, p.given, f"{where}: {allowed}"))
     return out
 
@@ -140,6 +142,9 @@ def disagg_problems(cfg: RunConfig) -> list[Problem]:
     if forward.get("cp_attention", "allgather") != "allgather":
         p.append(Problem("pipeline.forward.cp_attention", forward["cp_attention"], "rings inside a pool are not "
                          "counted with disagg=pd yet: use allgather (the pools' DCP paths: pipeline.forward.dcp_rest)"))
+    if cfg.mode == "simulate" and cfg.simulate.cp_decode != "engine":
+        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, "rings inside a pool are not counted with "
+                         "disagg=pd yet: use engine (the decode pool's executed DCP path)"))
     if cfg.mode == "simulate" and cfg.serving.replicas > 1:
         p.append(Problem("serving.replicas", cfg.serving.replicas, "one prefill pool and one decode pool per instance "
                          "(several of either, xPyD, are out of scope): serving.replicas=1 with disagg=pd"))

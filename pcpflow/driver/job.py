@@ -17,7 +17,6 @@ from pcpflow import __version__
 from pcpflow.config.run import RunConfig, validate_run_config
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
-from pcpflow.rank.progress import in_flight
 from pcpflow.output.rundir import (
     failed_result,
     live_lock_owner,
@@ -27,6 +26,7 @@ from pcpflow.output.rundir import (
     write_frozen_config,
     write_result,
 )
+from pcpflow.rank.progress import in_flight
 from pcpflow.signals import Interrupted, interruptible
 from pcpflow.tokens.text import tokenize_workload
 

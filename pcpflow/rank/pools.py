@@ -44,7 +44,7 @@ from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
 from pcpflow.rank.devices import pick_device
 from pcpflow.rank.engine import _torch_threads, batch_record
-from pcpflow.rank.progress import TRANSFER_STAGE, mark_stage, mark_step, startup_done
+from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier
 from pcpflow.scheduling.loop import request_columns, request_rows
 from pcpflow.scheduling.pools import PoolLoop, PoolStep, pool_schedulers
@@ -166,7 +166,7 @@ class _PoolRank:
         (messages, bytes) sent and seconds per request."""
         out = []
         for i, n, src, dst in ps.handed:
-            mark_stage(TRANSFER_STAGE.format(i))
+            mark_transfer(i)
             seconds = self.transfer.move(n, src, dst)
             sent = self.stats.step_sent.pop(KV_TRANSFER, [0, 0])
             out.append((int(sent[0]), int(sent[1]), seconds))

@@ -64,6 +64,14 @@ TRANSFER_STAGE = "transfer of request {}"
 """The stage a rank marks while it moves a handed-over request's KV (``disagg=pd``)."""
 
 
+def mark_transfer(req_id: int) -> None:
+    """The stage of a handover's transfer, pushed at once (one store write per request moved):
+    a rank that dies inside it, before its next heartbeat, is still placed there."""
+    mark_stage(TRANSFER_STAGE.format(req_id))
+    if _BOARD is not None:
+        _BOARD.push()
+
+
 def in_flight(message: str) -> dict[str, Any]:
     """``{"transfer_in_flight": req_id}`` when a failure's diagnosis places it inside a
     handover's transfer (``[rank R] ... at step S (transfer of request N)``), else {}."""

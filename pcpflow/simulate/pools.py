@@ -37,7 +37,13 @@ from pcpflow.parallel.transfer import pool_kv
 from pcpflow.pipeline.state import StepState
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
 from pcpflow.scheduling.pools import PoolLoop, pool_schedulers
-from pcpflow.simulate.engine import VERIFICATION_OFF, SimulatedRun, _step_fields, _TablelessKV, simulate_summary
+from pcpflow.simulate.engine import (
+    VERIFICATION_OFF,
+    SimulatedRun,
+    _step_fields,
+    _TablelessKV,
+    simulate_summary,
+)
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 from pcpflow.simulate.transfer import exposed_seconds, transfer_seconds
 
@@ -147,7 +153,7 @@ class PooledRun:
             loop.advance(ps, step_s)
             self._record(ps.step, recs, transfer, step_s, time_s, loop.generated)
         self._clock = loop.clock
-        self._columns = request_columns(self.prefill, loop.step_start, loop.step_end)
+        self.columns = request_columns(self.prefill, loop.step_start, loop.step_end)
 
     # -- arrivals in time: a clock per pool -----------------------------------------------------
     def _run_in_time(self) -> None:
@@ -171,7 +177,9 @@ class PooledRun:
             if self.decode.has_work:
                 d_next = d_loop.clock
             else:
-                events = [t for t, _ in inflight] + ([ho.ready_s[ho.queue[0]]] if ho.queue else [])
+                # NOTE: the queue's head is an event only if the pool can take it (its seats may all be in transfer)
+                head = [ho.ready_s[ho.queue[0]]] if ho.queue and self.decode.can_adopt(ho.queue[0]) else []
+                events = [t for t, _ in inflight] + head
                 d_next = max(d_loop.clock, min(events)) if events else np.inf
             if p_next == np.inf and d_next == np.inf:
                 if ho.queue or self.prefill.has_work or self.decode.has_work or inflight:
@@ -183,7 +191,8 @@ class PooledRun:
                 released = [(t, i) for t, i in released if t > p_next]
                 ho.release(done)
                 batch = p_loop.schedule_step()
-                blocked = batch is None and self.prefill.has_work
+                # NOTE: a step that preempted admits no one: the next may (no wait for a transfer then)
+                blocked = batch is None and self.prefill.has_work and not self.prefill.stats.num_preempted
                 if batch is None:
                     continue
                 rec = self.pools["prefill"].price(batch, self.prefill.stats, p_next)
@@ -231,7 +240,7 @@ class PooledRun:
         many = fin & (cols["output_len"] > 1)
         cols["tpot_s"][many] = (cols["finish_s"][many] - cols["first_token_s"][many]) / (cols["output_len"][many] - 1)
         cols["tpot_steps"][fin] = np.nan  # NOTE: two pools' steps do not add up
-        self._columns = cols
+        self.columns = cols
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -241,7 +250,7 @@ class PooledRun:
         finally:
             self.recorder.close()
         wall_s = time.perf_counter() - t0
-        cfg, cols = self.cfg, self._columns
+        cfg, cols = self.cfg, self.columns
         gpus = cfg.world_size
         serving = {"prompt_lens": self.requests.prompt_lens, "gpus": gpus, "ttft_slo_s": cfg.slo.ttft_s,
                    "tpot_slo_s": cfg.slo.tpot_s}

@@ -9,7 +9,6 @@ transfer is caught. Pools run in the session's shared ranks (tests/shared_ranks.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import shared_ranks
 
