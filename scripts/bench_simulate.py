@@ -2,7 +2,8 @@
 
     python scripts/bench_simulate.py            # both cases, wall seconds against their targets
 
-1. a 1,048,576-token prefill of Llama3-405B at tp=8 pcp=dcp=16 on gtt_h100 (target 10 s);
+1. a 1,048,576-token prefill of Llama3-405B at tp=8 pcp=dcp=16 on gtt_h100 (target 10 s), by the
+   all-gather paths and by the ring (``pipeline.forward.cp_attention=ring_pass_kv``);
 2. the bundled Mooncake head (1,000 requests, real lengths: length_scale=1) at tp=8 pcp=8,
    Llama3-70B on h200_sxm (target 20 s).
 
@@ -22,6 +23,12 @@ CASES = {
     "1M prefill, 405B tp8 pcp=dcp=16": (
         ["mode=simulate", "model=llama3_405b", "hardware=gtt_h100", "simulate.weights_dtype=fp8", "tp=8",
          "pcp=16", "dcp=16", "workload=explicit", "workload.prompt_lens=[1048576]", "workload.output_lens=[1]"],
+        10.0,
+    ),
+    "1M ring pass-KV, 405B tp8 pcp=dcp=16": (
+        ["mode=simulate", "model=llama3_405b", "hardware=gtt_h100", "simulate.weights_dtype=fp8", "tp=8",
+         "pcp=16", "dcp=16", "pipeline.forward.cp_attention=ring_pass_kv", "workload=explicit",
+         "workload.prompt_lens=[1048576]", "workload.output_lens=[1]"],
         10.0,
     ),
     "Mooncake head x1000, 70B tp8 pcp=8": (

@@ -8,11 +8,16 @@ Sections, in priority order (each records its own error and the check goes on):
   env        torch / GPU / pcpflow versions
   hardware   measured bf16 (and fp8) GEMM TFLOP/s, HBM TB/s, flash-attention TFLOP/s,
              also written as a hardware profile (conf/hardware/*.yaml's fields)
+  profile    `python -m pcpflow mode=profile pcp=1` on the GPU (<= 90 s): GEMMs, attention
+             (fused), memory, launch and graph replay, pcpflow's host work; its collectives
+             stay priced by NCCL's model (from: h200_sxm); a cut profile is kept, partial
   attention  fused vs reference paged attention at a real shape: max |diff|, time
-  runs       pcp=1 bf16 engine runs: tiny models, then a random-weight model at
+  runs       pcp=1 bf16 engine runs (<= 120 s): tiny models, then a random-weight model at
              Llama-3-8B dims (a few layers) at 8K and 32K prompts; eager vs CUDA graphs
              (cudagraph_mode=full_decode_only, attention=fused): TTFT, TPOT, speed-up,
              graphs' tokens and logits against the eager reference (verify)
+  predict    each Llama run simulated on the measured profile (mode=simulate
+             hardware=measured): predicted vs executed TTFT and TPOT, with the error
   roofline   each Llama run's decode step and prefill vs the HBM and FLOP limits measured
              in `hardware`
 """
@@ -37,6 +42,7 @@ import torch  # noqa: E402
 
 REPORT = "gpu_check.json"
 PROFILE = "hardware_measured.yaml"
+PROFILE_CAP_S, RUNS_CAP_S = 90.0, 120.0
 
 LLAMA3_8B = {  # Llama-3-8B's shape; few layers, random weights
     "hidden_size": 4096,
@@ -202,7 +208,76 @@ class Check:
             }
             self.write()
 
+    def profile(self, e: dict) -> None:
+        """``mode=profile`` on this device, as a user runs it, cut at its cap (SIGINT: it keeps
+        what it measured, partial). One GPU: no collective to measure; NCCL's model prices them
+        with the graphs of ``profile.collectives_from`` (``from:`` in the file)."""
+        import signal
+        import subprocess
+
+        import yaml
+
+        run = self.out / "profile"
+        cmd = [sys.executable, "-m", "pcpflow", "mode=profile", "pcp=1", f"device={self.device.type}",
+               f"hydra.run.dir={run}", "output.progress=false"]
+        if self.dry:  # the dry runs are float64 with the fused kernel: profile what they run
+            cmd += ["profile.quick=true", "profile.dtypes=[float64]", "pipeline.forward.attention=fused"]
+        cap = min(PROFILE_CAP_S, max(self.left_s() - 5, 1))
+        e["command"] = " ".join(cmd[1:])
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=cap)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+            e["cut_at_s"] = cap
+        e["exit_code"] = proc.returncode
+        e["stderr_tail"] = err[-2000:]
+        path = run / "hardware.yaml"
+        if not path.exists():
+            raise RuntimeError(f"no profile written (exit {proc.returncode}): {err[-500:]}")
+        doc = yaml.safe_load(path.read_text())
+        m = doc.get("measured") or {}
+        e.update(path=str(path), profile_status=m.get("status"), missing=m.get("missing"), measured_s=m.get("section_s"),
+                 peak_tflops=doc.get("peak_tflops"), hbm_tbps=doc.get("hbm_tbps"), host=doc.get("host"),
+                 collectives_from=(doc.get("nvlink") or {}).get("from"))
+        if proc.returncode not in (0, 130):
+            raise RuntimeError(f"mode=profile exited {proc.returncode}")
+
+    def predict(self, e: dict) -> None:
+        """Each executed Llama run of ``runs`` priced on the measured profile: predicted vs
+        executed TTFT and TPOT (error = predicted / executed - 1)."""
+        from pcpflow.simulate.engine import simulate_run
+        from pcpflow.testing import compose
+
+        prof = self.report["sections"].get("profile", {})
+        if prof.get("profile_status") != "complete":
+            raise Skip(f"needs a complete profile (profile: {prof.get('profile_status') or prof.get('status')})")
+        runs = self.report["sections"].get("runs", {})
+        for key, r in runs.items():
+            if not key.startswith("llama3_8b_dims/") or "ttft_s" not in r:
+                continue
+            over = [o for o in r["overrides"] if not o.startswith(("device=", "verify="))]
+            try:
+                sim = simulate_run(compose([*over, "mode=simulate", "hardware=measured", f"hardware.path={prof['path']}",
+                                            "verify=false"]))
+            except Exception as exc:  # one run's failure is a finding; the others go on
+                e[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.write()
+                continue
+            m = sim["metrics"]
+            row = {"executed_ttft_s": r["ttft_s"], "predicted_ttft_s": m["ttft"]["mean_s"],
+                   "executed_tpot_s": r["tpot_s"], "predicted_tpot_s": m["tpot"]["mean_s"],
+                   "breakdown_s": {k: v["exposed_s"] for k, v in m["simulate"]["breakdown_s"].items()}}
+            for k in ("ttft", "tpot"):
+                ex, pr = row[f"executed_{k}_s"], row[f"predicted_{k}_s"]
+                row[f"{k}_error"] = pr / ex - 1 if ex and pr else None
+            e[key] = row
+            self.write()
+
     def runs(self, e: dict) -> None:
+        started = time.perf_counter()
+        cap = lambda: RUNS_CAP_S - (time.perf_counter() - started)  # noqa: E731
         tiny = ["tiny_gqa"] if self.dry else ["tiny_gqa", "tiny_mla"]
         prompts = (12, 5) if self.dry else (512, 300)
         for model in tiny:
@@ -215,8 +290,8 @@ class Check:
         for prompt in (40,) if self.dry else (8192, 32768):
             for mode in ("none", "full_decode_only"):
                 need = 5 if self.dry else (25 if prompt <= 8192 else 45)
-                if self.left_s() < need:
-                    e[f"llama3_8b_dims/{prompt}/{mode}"] = {"status": f"skipped: {self.left_s():.0f} s left"}
+                if min(self.left_s(), cap()) < need:
+                    e[f"llama3_8b_dims/{prompt}/{mode}"] = {"status": f"skipped: {min(self.left_s(), cap()):.0f} s left"}
                     continue
                 self._run(e, f"llama3_8b_dims/{prompt}/{mode}", llama, [prompt], 4 if self.dry else 64, mode)
         for key in [k for k in e if k.endswith("/full_decode_only")]:
@@ -359,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: check the script itself")
     ap.add_argument("--out", default=os.environ.get("OUT") or ".", help="report folder (default $OUT)")
-    ap.add_argument("--budget-s", type=float, default=220.0, help="skip sections that would run past this")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="skip sections that would run past this")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run on CPU)", file=sys.stderr)
@@ -370,8 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     c = Check(out, args.dry_run, args.budget_s)
     c.section("env", c.env)
     c.section("hardware", c.hardware, needs_s=10)
+    c.section("profile", c.profile, needs_s=15)
     c.section("attention", c.attention, needs_s=15)
     c.section("runs", c.runs, needs_s=20)
+    c.section("predict", c.predict, needs_s=5)
     c.section("roofline", c.roofline)
     c.report["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     c.write()

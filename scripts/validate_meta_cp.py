@@ -10,8 +10,10 @@ table's four SendRecv times. Everything else is a prediction::
     python scripts/validate_meta_cp.py --fit    # re-derive the two fitted factors
     python scripts/validate_meta_cp.py --held-out   # predictions for the held-out tables' shapes
 
-Prefills run Meta's ring pass-KV (``cp_attention=ring_pass_kv``, priced only until the executed
-ring lands: ``pcpflow.simulate.ring``); decodes are replayed as CUDA graphs, as the paper does.
+Prefills run the executed ring as Meta's does (``pipeline.forward.cp_attention=ring_pass_kv``;
+the operator table's pass-Q rows ``ring_pass_q``): the simulated run counts what the executed
+ring sends (``pcpflow.layouts.accounting.ring_step_traffic``) and prices it; decodes are replayed
+as CUDA graphs, as the paper does.
 """
 
 from __future__ import annotations
@@ -46,14 +48,17 @@ TOLERANCE = 0.10
 RING = {"pass-KV": "ring_pass_kv", "pass-Q": "ring_pass_q"}
 
 
-def overrides(nodes: int, context: int, extra=(), *, tp: int = 8, cached: int = 0, outputs: int = 1) -> list[str]:
+def overrides(nodes: int, context: int, extra=(), *, tp: int = 8, cached: int = 0, outputs: int = 1,
+              ring: str | None = "ring_pass_kv") -> list[str]:
+    """The run's Hydra overrides: a ring (``pipeline.forward.cp_attention``) on CP > 1."""
     return [
         "mode=simulate", "model=llama3_405b", "hardware=gtt_h100", "simulate.weights_dtype=fp8",
         f"tp={tp}", f"pcp={nodes}", f"dcp={nodes}", "workload=explicit",
         f"workload.prompt_lens=[{context}]", f"workload.output_lens=[{outputs}]",
         *([f"workload.cached_lens=[{cached}]"] if cached else []),
         "pipeline.restore.kind=sampled_rows",  # Meta samples the last token only
-        "output.plots=false", "output.progress=false", *extra,
+        "output.plots=false", "output.progress=false",
+        *([f"pipeline.forward.cp_attention={ring}"] if ring and nodes > 1 else []), *extra,
     ]
 
 
@@ -62,7 +67,7 @@ def simulated(nodes: int, context: int, extra=(), *, ring: str | None = "ring_pa
     from pcpflow.simulate.engine import SimulatedRun
     from pcpflow.testing import compose
 
-    run = SimulatedRun(compose(overrides(nodes, context, extra, **kw)), cp_attention=ring if nodes > 1 else None)
+    run = SimulatedRun(compose(overrides(nodes, context, extra, ring=ring, **kw)))
     return run.run()["metrics"], run
 
 
@@ -77,7 +82,8 @@ def ttit_ms(extra=()) -> float:
 
 
 def operators(extra=()) -> list[dict]:
-    """Per ring iteration of the continued prefill (the run's last step), microseconds."""
+    """Per ring iteration of the continued prefill (the run's last step), microseconds: a hop
+    (its transfer, hidden or not), the partial attention of an iteration, the all-to-all."""
     rows = []
     for new, algo, send, attn, a2a in OPERATORS:
         _, run = simulated(4, CONTEXT_CACHED, extra, ring=RING[algo], cached=CONTEXT_CACHED - new)
@@ -89,8 +95,22 @@ def operators(extra=()) -> list[dict]:
             "sendrecv": (send, sent / (layers * (n - 1)) * 1e6),
             "attention": (attn, total["attention"] / (layers * n) * 1e6),
             "all2all": (a2a, total.get("ring_all2all", 0.0) / layers * 1e6 if a2a else None),
+            "all2all_bf16": (a2a, all2all_at_bf16_us(run, rec) if a2a else None),
         })
     return rows
+
+
+def all2all_at_bf16_us(run, rec) -> float:
+    """The all-to-all the simulator prices, at Meta's bytes: the same partial rows with their
+    outputs in bf16 and log-sum-exps in fp32 (pcpflow's ring packs both in fp32, twice Meta's
+    bytes, whose Table 5 slope is the NIC's 50 GB/s at bf16), on the slowest rank, one layer."""
+    s, grid, n = run.sizes, run.grid, run.grid.dcp
+    shape = s.shape_per_rank(grid.tp, 2)
+    row_fp32 = shape.partials_width * 4
+    row_bf16 = shape.num_heads * (shape.v_dim * 2 + 4)
+    sent = rec["per_rank_collective_bytes"]["ring_all2all"][:: grid.tp]
+    buffers = [b / s.num_layers / row_fp32 * row_bf16 * n / (n - 1) for b in sent]
+    return max(run.pricer.place.seconds("all_to_all", "dcp", b)[0] for b in buffers) * 1e6
 
 
 def table(extra=()) -> list[dict]:
@@ -131,23 +151,24 @@ def fit() -> dict[str, float]:
 def held_out() -> str:
     """Predictions for the shapes of the paper's held-out tables (no published value here:
     they are the reviewers'): a cached 128K context continued on CP4 x TP8 by pass-KV and
-    pass-Q (and the path Meta's Algorithm 1 takes), decode time per token by layout, and TP
-    spread over nodes against CP."""
+    pass-Q (and what ``ring_auto`` runs: ``choose_ring_variant``, the executed rule, with this
+    hardware's rates), decode time per token by layout, and TP spread over nodes against CP."""
     miss = (1_280, 6_400, 12_800, 25_600, 64_000, 128_000)
     out = ["Cached prefix, 128,000 tokens of context, CP4 x TP8, TTFT of the continued prefill (ms):", "",
            "| new tokens (miss rate) | " + " | ".join(f"{t:,} ({t / 1280:.0f}%)" for t in miss) + " |",
            "|---|" + "--:|" * len(miss)]
-    rule = []
     for name, ring in (("pass-KV", "ring_pass_kv"), ("pass-Q", "ring_pass_q")):
         cells = []
         for t in miss:
             m, run = simulated(4, CONTEXT_CACHED, ring=ring, cached=CONTEXT_CACHED - t)
             cells.append(f"{m['ttft']['mean_s'] * 1e3:,.0f}")
-            if name == "pass-KV":  # the continued prefill: the run's last step
-                rule.append("pass-KV" if run.records[-1].get("dcp_rest_meta_rule") == "context" else "pass-Q")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
-    out.append("| Meta's Algorithm 1 | " + " | ".join(rule) + " |")
-    out += ["", "Decode, batch 1, time per output token over 16 tokens (ms; CP > 1: ring pass-Q):", "",
+    # the continued prefill is the run's last step
+    rule = [simulated(4, CONTEXT_CACHED, ring="ring_auto", cached=CONTEXT_CACHED - t)[1].records[-1]["cp_attention"]
+            for t in miss]
+    out.append("| ring_auto | " + " | ".join({"ring_pass_kv": "pass-KV", "ring_pass_q": "pass-Q"}[r] for r in rule) + " |")
+    out += ["", "Decode, batch 1, time per output token over 16 tokens (ms; CP > 1: the ring's pass-Q, the "
+            "replicated query staying on every rank, its partials moving):", "",
             "| context | CP1 x TP8 | CP2 x TP8 | CP4 x TP8 |", "|---|--:|--:|--:|"]
     for context in (8_192, 131_072):
         cells = []
@@ -171,12 +192,14 @@ def markdown(rows: list[dict], ops: list[dict]) -> str:
         unit = " ms"
         out.append(f"| {r['what']} | {r['published']:,}{unit} | {r['simulated']:,.1f}{unit} | {r['error']:+.1%} | "
                    f"{r['role']} ({r['where']}) |")
-    out += ["", "CP4 ring, per iteration, T new of 128,000 (Table 5; us, published / simulated):", "",
-            "| T | algorithm | SendRecv | ATTN | All2All |", "|--:|---|--:|--:|--:|"]
+    out += ["", "CP4 ring, per iteration, T new of 128,000 (Table 5; us, published / simulated). All2All: "
+            "pcpflow's ring (fp32 partials), and the same transfer at Meta's bytes (bf16 outputs):", "",
+            "| T | algorithm | SendRecv | ATTN | All2All, pcpflow's bytes | All2All, Meta's bytes |",
+            "|--:|---|--:|--:|--:|--:|"]
     for r in ops:
         cell = lambda pair: "n/a" if pair[0] is None else f"{pair[0]:,} / {pair[1]:,.0f} ({pair[1] / pair[0] - 1:+.0%})"  # noqa: E731
         out.append(f"| {r['new']:,} | {r['algorithm']} | {cell(r['sendrecv'])} | {cell(r['attention'])} | "
-                   f"{cell(r['all2all'])} |")
+                   f"{cell(r['all2all'])} | {cell(r['all2all_bf16'])} |")
     return "\n".join(out)
 
 

@@ -74,10 +74,6 @@ class ModelForward(Stage):
                                         f"a ring needs the KV sharded over the ring: pcp > 1 and dcp = pcp; "
                                         f"got pcp={run.pcp} dcp={run.dcp} (use dcp={max(run.pcp, 2)} "
                                         f"pcp={max(run.pcp, 2)}, or cp_attention=allgather)"))
-            if run.mode != "execute":
-                problems.append(Problem("pipeline.forward.cp_attention", config.cp_attention,
-                                        f"mode={run.mode} does not price the executed ring yet: "
-                                        "use allgather (pass-KV / pass-Q there: pipeline.forward.dcp_rest)"))
         return problems
 
     def __init__(self, config, ctx) -> None:

@@ -26,12 +26,14 @@ def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor, config=N
     """Logits of the sampled rows and their tokens: the argmax (ties go to the lowest
     token id), or with ``config.sampling`` a keyed draw (``pcpflow.tokens.sampling``)."""
     state.sample_hidden = sample_hidden
+    t0 = time.perf_counter()
     with torch.no_grad():
         state.logits = model.compute_logits(sample_hidden)
     if config is None or config.sampling.greedy:
         state.sampled_token_ids = state.logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
     else:
         state.sampled_token_ids = sample_batch(state.logits, config.sampling, config.sampling_seed, state.batch)
+    state.timings["restore.sample"] = time.perf_counter() - t0
     return state
 
 

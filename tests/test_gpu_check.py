@@ -1,5 +1,5 @@
 """The device check script runs end to end on CPU (``--dry-run``: every section at toy
-sizes) and writes its report and hardware profile; rank -> device mapping and the
+sizes, the measure-then-predict loop included) and writes its report and hardware profile; rank -> device mapping and the
 single-GPU refusal, with CUDA mocked (no GPU needed)."""
 
 from __future__ import annotations
@@ -34,8 +34,14 @@ def test_dry_run_reports_every_section(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]
     assert {k: v["status"] for k, v in sections.items()} == dict.fromkeys(
-        ["env", "hardware", "attention", "runs", "roofline"], "ok"
+        ["env", "hardware", "profile", "attention", "runs", "predict", "roofline"], "ok"
     ), json.dumps(report, indent=1)[:4000]
+    # The measure-then-predict loop: a complete profile of what the runs run, each Llama run priced on it.
+    assert sections["profile"]["profile_status"] == "complete" and sections["profile"]["exit_code"] == 0
+    predicted = {k: v for k, v in sections["predict"].items() if k.startswith("llama3_8b_dims/")}
+    assert set(predicted) == {"llama3_8b_dims/40/none", "llama3_8b_dims/40/full_decode_only"}, sections["predict"]
+    for row in predicted.values():
+        assert row["predicted_ttft_s"] > 0 and row["predicted_tpot_s"] > 0 and row["ttft_error"] is not None, row
     profile = sections["hardware"]["hardware_profile"]
     assert profile["hbm_tbps"] > 0 and set(profile["peak_tflops"]) >= {"bf16"}
     assert "peak_tflops: {bf16:" in (tmp_path / "hardware_measured.yaml").read_text()

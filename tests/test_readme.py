@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,6 +34,10 @@ END_TO_END = {
     # prefill/decode disaggregation: the layouts of docs/disaggregation.md's worked example, 4 ranks
     "python -m pcpflow pcp=2 dcp=2 kv.interleave=2 disagg=pd disagg.decode_pool.tp=2 disagg.decode_pool.dcp=2 "
     "disagg.decode_pool.interleave=1",
+    # measure, then predict: this machine's quick profile, and a run priced on it
+    "python -m pcpflow mode=profile pcp=2 profile.quick=true hydra.run.dir=outputs/profile",
+    "python -m pcpflow mode=simulate hardware=measured hardware.path=outputs/profile/hardware.yaml dtype=float32 "
+    "model=tiny_gqa pcp=2",
 }
 
 
@@ -125,7 +130,7 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert set(ran) == END_TO_END
     assert ran["python -m pcpflow --help"].stdout.startswith("pcpflow: ")
     results = [json.loads(p.read_text()) for p in (clone / "outputs").rglob("result.json")]
-    (sim,) = [r for r in results if r["config"]["mode"] == "simulate"]
+    (sim,) = [r for r in results if r["config"]["mode"] == "simulate" and r["config"]["hardware"]["name"] == "gtt_h100"]
     assert sim["status"] == "ok" and sim["config"]["verify"] is False
     # Meta's CP paper: 77 s for this 1M-token prefill on 16 nodes x 8 H100 (shared/published)
     assert sim["metrics"]["num_tokens"] == 1048576 and abs(sim["metrics"]["ttft"]["mean_s"] / 77.0 - 1) < 0.15
@@ -153,6 +158,14 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert len(result["outputs"]) == frozen["workload"]["num_requests"]
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "load.png").exists()
     assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
+    # The profile measured this machine on 2 ranks (gloo) and a simulated run priced on it.
+    profile = yaml.safe_load((clone / "outputs" / "profile" / "hardware.yaml").read_text())
+    assert profile["measured"]["status"] == "complete" and profile["measured"]["pcp"] == 2
+    assert profile["tables"]["gemm"]["float32"] and {c["group"] for c in profile["tables"]["collectives"]} == {"pcp"}
+    assert {c["op"] for c in profile["tables"]["collectives"]} >= {"all_gather", "all_reduce", "all_to_all", "sendrecv"}
+    (priced,) = [r for r in results if r["config"]["mode"] == "simulate" and r["config"]["hardware"]["name"] == "measured"]
+    assert priced["status"] == "ok" and priced["metrics"]["ttft"]["mean_s"] > 0
+    assert priced["metrics"]["simulate"]["collectives"]["restore"] == {"measured": priced["metrics"]["num_steps"]}
 
 
 def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):
@@ -190,6 +203,12 @@ def _check(argv: list[str], clone: Path, checkpoints: TinyCheckpoints) -> None:
             nproc = int(flags[flags.index("--nproc-per-node") + 1])
         assert nproc is not None, "torchrun needs --nproc-per-node"
         return _check_pcpflow(argv[at + 1 :], nproc, checkpoints)
+    if argv[:2] == ["python", "scripts/validate_measured.py"]:
+        # Its matrix composes and validates as executed runs (the run itself takes minutes).
+        import runpy
+
+        assert runpy.run_path(str(clone / argv[1]))["check"]() == 0
+        return None
     if argv[:2] == ["python", "scripts/make_tiny_hf_checkpoint.py"]:
         # Run as written, but into a temporary dir that the later commands' model.path maps to.
         return checkpoints.make(clone / argv[1], argv[2:])
@@ -224,6 +243,12 @@ def _check_pcpflow(args: list[str], nproc: int | None, checkpoints: TinyCheckpoi
     args = [_with_checkpoint(a, checkpoints) for a in args]
     if "--help" in args or "-h" in args:
         return None
+    if "mode=profile" in args:  # what it writes (a profile of this machine), made by hand: later commands read it
+        from measured_profile import profile_dict
+
+        run_dir = Path(next(a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "hardware.yaml").write_text(yaml.safe_dump(profile_dict()))
     overrides, multirun, _ = split_args(args)
     try:
         precheck(overrides, multirun)

@@ -142,6 +142,8 @@ def disagg_problems(cfg: RunConfig) -> list[Problem]:
     if forward.get("cp_attention", "allgather") != "allgather":
         p.append(Problem("pipeline.forward.cp_attention", forward["cp_attention"], "rings inside a pool are not "
                          "counted with disagg=pd yet: use allgather (the pools' DCP paths: pipeline.forward.dcp_rest)"))
+    if cfg.mode not in ("execute", "simulate"):
+        p.append(Problem("disagg", "pd", f"mode={cfg.mode} measures one rank grid: run it with disagg=none"))
     if cfg.mode == "simulate" and cfg.simulate.cp_decode != "engine":
         p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, "rings inside a pool are not counted with "
                          "disagg=pd yet: use engine (the decode pool's executed DCP path)"))

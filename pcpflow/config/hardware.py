@@ -1,30 +1,33 @@
 """The settings of a simulated run: ``simulate.*`` (how to price) and ``hardware`` (what it
-runs on, ``conf/hardware/<name>.yaml``). Numbers only; the operators that read them live in
-``pcpflow.simulate`` (docs/simulate.md). No value may be infinite or NaN."""
+runs on, ``conf/hardware/<name>.yaml``, or a profile that ``mode=profile`` measured:
+``hardware=measured hardware.path=FILE``). Numbers only; the operators that read them live in
+``pcpflow.simulate`` (docs/simulate.md, docs/profile.md). No value may be infinite or NaN."""
 
 from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-PEAK_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+PEAK_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}
 """The one mapping from the run's ``dtype`` to a key of ``hardware.peak_tflops`` (activations,
-attention, the KV cache at ``simulate.kv_dtype=bf16``). ``float64`` has no tensor peak here."""
+attention, the KV cache at ``simulate.kv_dtype=bf16``). The GPU profiles have no ``fp64`` peak
+(``float64`` is refused there); a measured CPU profile has one when it measured float64."""
 
 
 class Peaks(_Strict):
     """Dense (not sparse) peaks of one GPU, TFLOP/s, keyed by the operand dtype."""
 
-    fp32: float = Field(gt=0, description="FP32 (no tensor cores: torch's float32 matmul), TFLOP/s")
-    bf16: float = Field(gt=0, description="dense BF16 tensor-core peak, TFLOP/s")
-    fp8: float = Field(gt=0, description="dense FP8 tensor-core peak, TFLOP/s")
+    fp32: float | None = Field(gt=0, description="FP32 (no tensor cores: torch's float32 matmul), TFLOP/s; null: not measured")
+    bf16: float | None = Field(gt=0, description="dense BF16 tensor-core peak, TFLOP/s; null: not measured")
+    fp8: float | None = Field(gt=0, description="dense FP8 tensor-core peak, TFLOP/s; null: none (a CPU)")
     fp4: float | None = Field(None, gt=0, description="dense FP4 tensor-core peak, TFLOP/s; null: no FP4 tensor cores")
+    fp64: float | None = Field(None, gt=0, description="FP64 matmul, TFLOP/s (a measured CPU profile); null: not priced")
 
     def of(self, key: str) -> float | None:
         return getattr(self, key)
@@ -43,7 +46,17 @@ class NcclGraph(_Strict):
         return self.channels * self.channel_gbps
 
 
-class NVLink(_Strict):
+class _Borrowed(_Strict):
+    """A section a measured profile could not measure names the profile it took it from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
+
+    from_: str | None = Field(
+        None, alias="from", description="a measured profile: the shipped profile this section's numbers come from"
+    )
+
+
+class NVLink(_Borrowed):
     """Inside one node (NVLink through NVSwitch): the graphs NCCL searches for a communicator
     whose ranks share a node, and a point-to-point transfer's rate."""
 
@@ -53,7 +66,7 @@ class NVLink(_Strict):
     p2p_gbps: float = Field(gt=0, description="one send/recv to a peer in the node, GB/s")
 
 
-class Network(_Strict):
+class Network(_Borrowed):
     """Between nodes: one NIC per GPU. ``ring`` is the graph of a communicator with one GPU
     per node (each GPU of a node in the communicator brings its own NIC: ``Placement``)."""
 
@@ -66,38 +79,247 @@ class Network(_Strict):
 class Host(_Strict):
     """The CPU side of a step: launching kernels, replaying graphs."""
 
-    launch_us: float = Field(gt=0, description="host time to launch one kernel eagerly, microseconds")
-    graph_launch_us: float = Field(gt=0, description="host time to launch one CUDA graph replay, microseconds")
+    launch_us: float = Field(gt=0, description="host time to launch one kernel eagerly (on a CPU: one op of "
+                             "pcpflow's forward, dispatch included), microseconds")
+    graph_launch_us: float | None = Field(
+        gt=0, description="host time to launch one CUDA graph replay, microseconds; null: no graphs (a CPU: "
+        "graph modes run their body eagerly)")
     kernels_per_layer: int | None = Field(
         None, ge=1, description="kernels one decoder layer launches; null: counted from pcpflow's own forward"
     )
 
 
+class Overlap(_Strict):
+    """What hides behind what, per mechanism (docs/simulate.md, "Overlap, per mechanism").
+    The engine's own collectives wait for their inputs and are waited for: always exposed."""
+
+    host: bool = Field(
+        True,
+        description="the host launches ahead of the device and waits once per step, so a step lasts "
+        "max(host, device) (a GPU); false: the host runs every op itself, its launches are part of each "
+        "op's time and its own work adds (a CPU)",
+    )
+    p2p: bool = Field(
+        True,
+        description="point-to-point transfers run on their own stream beside compute: a ring's SendRecv "
+        "hides behind its attention step (NCCL); false: they are exposed (gloo, one thread per rank)",
+    )
+
+
+class HeadShape(_Strict):
+    """A GQA head shape the attention tables were measured at (a basis of the price)."""
+
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+
+
+class GemmTable(_Strict):
+    """Seconds of one ``F.linear`` of ``[m, k]`` by ``[n, k]`` at every point of the grid."""
+
+    m: list[int] = Field(min_length=1)
+    n: list[int] = Field(min_length=1)
+    k: list[int] = Field(min_length=1)
+    seconds: list[list[list[float]]] = Field(description="[m][n][k], seconds of one call")
+
+    @model_validator(mode="after")
+    def _shape(self) -> GemmTable:
+        _check_grid(self.seconds, (len(self.m), len(self.n), len(self.k)), "seconds[m][n][k]")
+        return self
+
+
+class AttentionTable(_Strict):
+    """One phase of one dtype through the attention backend: seconds of one call (the KV write
+    and the kernel) with ``rows`` query rows over ``keys`` keys each, per basis head shape."""
+
+    rows: list[int] = Field(min_length=1)
+    keys: list[int] = Field(min_length=1)
+    seconds: list[list[list[float]]] = Field(description="[rows][keys][basis]")
+
+
+class AttentionTables(_Strict):
+    backend: str = Field(description="the paged-attention kernel measured (pipeline.forward.attention resolved)")
+    basis: list[HeadShape] = Field(min_length=4, description="the head shapes measured (at least four)")
+    prefill: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one request's chunk")
+    decode: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one row per request")
+
+    @model_validator(mode="after")
+    def _shape(self) -> AttentionTables:
+        for phase in ("prefill", "decode"):
+            for dtype, t in getattr(self, phase).items():
+                _check_grid(t.seconds, (len(t.rows), len(t.keys), len(self.basis)), f"{phase}.{dtype}.seconds")
+        return self
+
+
+class MemoryTable(_Strict):
+    """Streaming: seconds of a copy of ``bytes`` (read once, written once)."""
+
+    bytes: list[int] = Field(min_length=1)
+    seconds: list[float] = Field(min_length=1)
+
+
+class LaunchTable(_Strict):
+    op_us: float = Field(gt=0, description="one trivial op (a one-element add), microseconds")
+    layer_op_us: dict[str, float] = Field(
+        default_factory=dict,
+        description="per attention kind (gqa, mla): a pcpflow decoder layer at minimal widths, its time over "
+        "its counted ops (views and the module code included), microseconds")
+    graph_replay_us: float | None = Field(None, gt=0, description="one CUDA graph replay (GPU), microseconds")
+
+
+class HostTable(_Strict):
+    """pcpflow's per-step host work outside the forward (scheduler, validate, plan, buffers,
+    slots, the restore's indexing and sampling), and its fit ``fixed + per_request x requests +
+    per_token x tokens``."""
+
+    requests: list[int] = Field(min_length=1)
+    tokens: list[int] = Field(min_length=1)
+    seconds: list[float] = Field(min_length=1)
+    fixed_us: float = Field(ge=0)
+    per_request_us: float = Field(ge=0)
+    per_token_us: float = Field(ge=0)
+
+
+COLLECTIVE_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
+
+
+class CollectiveTable(_Strict):
+    """One collective on one group of the profiled grid, by one rank's tensor bytes (an
+    all-gather's shard, a reduce-scatter's whole input, a send's tensor), and its fit
+    ``latency + bytes / bandwidth`` on its own points."""
+
+    group: str = Field(description="the grid's group it ran on: tp, pcp, dcp, dcp_heads or world")
+    ranks: int = Field(ge=2)
+    op: Literal[COLLECTIVE_OPS]  # type: ignore[valid-type]
+    bytes: list[int] = Field(min_length=1)
+    seconds: list[float] = Field(min_length=1)
+    latency_us: float = Field(ge=0)
+    gbps: float = Field(gt=0)
+
+
+class Tables(_Strict):
+    """What ``mode=profile`` measured (docs/profile.md); the price interpolates them and falls
+    back to the roofline with the measured peaks outside."""
+
+    gemm: dict[str, GemmTable] = Field(default_factory=dict, description="by dtype (float32, bfloat16, ...)")
+    attention: AttentionTables | None = None
+    memory: MemoryTable | None = None
+    launch: LaunchTable | None = None
+    host: HostTable | None = None
+    collectives: list[CollectiveTable] = Field(default_factory=list)
+
+
+class Measured(_Strict):
+    """Where and when a profile was measured; ``status: partial`` says it was interrupted and
+    ``missing`` what it lacks (a simulated run refuses it)."""
+
+    date: str
+    device: str = Field(description="what the ranks computed on")
+    torch: str
+    backend: str = Field(description="the collective backend and its version")
+    tp: int = Field(ge=1)
+    pcp: int = Field(ge=1)
+    threads_per_rank: int = Field(ge=1)
+    dtypes: list[str]
+    quick: bool
+    status: Literal["complete", "partial"]
+    missing: list[str] = Field(default_factory=list)
+    elapsed_s: float = Field(ge=0)
+    section_s: dict[str, float] = Field(default_factory=dict, description="seconds each section took")
+    load_average: list[float] = Field(default_factory=list, description="1, 5 and 15 min, when it started")
+
+
 class HardwareConfig(_Strict):
     """One GPU type in nodes of ``gpus_per_node``: NVLink inside a node, ``network`` between
-    (one NIC per GPU). Every number in ``conf/hardware/*.yaml`` cites its source."""
+    (one NIC per GPU); or a host measured by ``mode=profile`` (``measured``, ``tables``; a CPU
+    host's ranks are its cores). Every number in ``conf/hardware/*.yaml`` cites its source."""
 
     name: str
-    arch: Literal["hopper", "blackwell"] = Field(description="NCCL's compute-capability row of its tuning tables")
-    cpu: Literal["intel", "amd"] = Field(description="host CPU vendor (NCCL's LL bandwidth row, net overhead)")
-    gpus_per_node: int = Field(ge=1)
-    sm_count: int = Field(ge=1, description="streaming multiprocessors (GEMM waves)")
-    hbm_gib: float = Field(gt=0, description="HBM capacity per GPU, GiB")
-    hbm_tbps: float = Field(gt=0, description="HBM bandwidth per GPU, TB/s")
+    device: Literal["gpu", "cpu"] = Field("gpu", description="what the ranks compute on")
+    arch: Literal["hopper", "blackwell"] | None = Field(
+        None, description="NCCL's compute-capability row of its tuning tables (a GPU)")
+    cpu: Literal["intel", "amd", "other"] = Field(description="host CPU vendor (NCCL's LL bandwidth row, net overhead)")
+    gpus_per_node: int = Field(ge=1, description="devices per node (a CPU host: the ranks it runs at once)")
+    sm_count: int | None = Field(None, ge=1, description="streaming multiprocessors (GEMM waves; a GPU)")
+    hbm_gib: float = Field(gt=0, description="HBM capacity per GPU (a CPU: host memory), GiB")
+    hbm_tbps: float = Field(gt=0, description="HBM bandwidth per GPU (a CPU: measured streaming), TB/s")
     peak_tflops: Peaks
     kernel_floor_us: float = Field(ge=0, description="the least time a kernel takes on the GPU, microseconds")
-    nvlink: NVLink
-    network: Network
+    nvlink: NVLink | None = Field(None, description="NCCL's graphs inside a node; null: collectives measured")
+    network: Network | None = Field(None, description="NCCL's graphs between nodes; null: collectives measured")
     host: Host
+    overlap: Overlap = Field(default_factory=Overlap)
+    path: str | None = Field(None, description="hardware=measured: the profile file (mode=profile's hardware.yaml)")
+    measured: Measured | None = Field(None, description="a measured profile: where, when, complete or partial")
+    tables: Tables | None = Field(None, description="a measured profile's tables (docs/profile.md)")
+
+    @model_validator(mode="after")
+    def _complete(self) -> HardwareConfig:
+        nccl = [k for k in ("arch", "nvlink", "network") if getattr(self, k) is None]
+        if nccl and len(nccl) < 3:
+            raise ValueError(f"NCCL's model needs arch, nvlink and network together; missing: {', '.join(nccl)}")
+        # NOTE: without NCCL's graphs, collectives come from the tables; a run with a group the
+        # profile did not measure is refused (pcpflow.simulate.prepare.measured_problems).
+        if self.sm_count is None and not (self.tables and self.tables.gemm):
+            raise ValueError("no way to price GEMMs: set sm_count (tiles in waves) or measure them (tables.gemm)")
+        return self
 
     def peak(self, key: str) -> float | None:
         return self.peak_tflops.of(key)
+
+    @property
+    def nccl(self) -> bool:
+        """Collectives can be priced by NCCL's model (arch, nvlink, network set)."""
+        return self.nvlink is not None
+
+
+def load_profile(path: str | None) -> dict:
+    """The values of a measured profile file (``hardware=measured hardware.path=FILE``), with
+    ``path`` set; ValueError saying what is wrong with the file (missing, not YAML, not a
+    profile, partial: what it lacks)."""
+    from pathlib import Path
+
+    import yaml
+
+    if not path:
+        raise ValueError("hardware=measured loads a profile: hardware.path=<profile run dir>/hardware.yaml "
+                         "(python -m pcpflow mode=profile writes one)")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"a profile file that exists ({file} does not exist); python -m pcpflow mode=profile writes "
+                         "<run dir>/hardware.yaml")
+    try:
+        values = yaml.safe_load(file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"a YAML hardware profile; {file} does not parse: {' '.join(str(exc).split())}") from None
+    if not isinstance(values, dict) or "name" not in values:
+        raise ValueError(f"a hardware profile (a mapping with name, peak_tflops, host, ...); {file} is not one")
+    measured = values.get("measured") or {}
+    if isinstance(measured, dict) and measured.get("status") == "partial":
+        missing = ", ".join(map(str, measured.get("missing") or [])) or "unknown sections"
+        raise ValueError(f"a complete profile; {file} is partial (mode=profile was interrupted): it lacks "
+                         f"{missing}; run mode=profile again")
+    return {**values, "path": str(file)}
+
+
+def _check_grid(values, shape: tuple[int, ...], what: str) -> None:
+    def walk(node, depth: int) -> None:
+        if depth == len(shape):
+            return
+        if len(node) != shape[depth]:
+            raise ValueError(f"{what} must be {' x '.join(map(str, shape))}, axis {depth} has {len(node)}")
+        for child in node:
+            walk(child, depth + 1)
+
+    walk(values, 0)
 
 
 REMOVED_SIMULATE = {
     "ring_step_us": "removed: a ring iteration is priced by its operators (its SendRecv as point-to-point "
     "transfers, its partial attention by shape, the host launching its kernels: hardware.host.launch_us); "
     "nothing replaces the fixed time",
+    "attention_efficiency": "removed: prefill attention runs at FlashAttention-3's published throughput for "
+    "the shapes of its calls (arXiv 2407.08608 Figure 5, pcpflow.simulate.flash), not one share of the peak",
     "overlap": "removed: what hides behind what is decided per mechanism; the algorithm that runs is "
     "simulate.cp_decode (engine | ring_pass_q) for decodes and pipeline.forward.cp_attention for prefills",
 }
@@ -114,10 +336,11 @@ class SimulateConfig(_Strict):
         "p2p_efficiency": "arXiv 2411.01783 Table 5: the four SendRecv times of the CP4 ring (point-to-point only)",
     }
 
-    weights_dtype: Literal["bf16", "fp8", "fp4"] | None = Field(
+    weights_dtype: Literal["bf16", "fp8", "fp4", "fp32", "fp64"] | None = Field(
         None,
         description="linear-layer weights and their GEMMs' peak: bf16 | fp8 | fp4 (refused on hardware "
-        "without an fp4 peak); null: the card's checkpoint dtype (fp8 for DeepSeek-V3, bf16 otherwise)",
+        "without an fp4 peak) | fp32 | fp64; null: the card's checkpoint dtype (fp8 for DeepSeek-V3, bf16 "
+        "otherwise; a tiny model on a measured profile: the run's dtype)",
     )
     kv_dtype: Literal["bf16", "fp8"] = Field(
         "bf16", description="the KV cache: sizes its blocks, its reads and the KV it moves"
@@ -125,23 +348,19 @@ class SimulateConfig(_Strict):
     cp_decode: Literal["engine", "ring_pass_q"] = Field(
         "engine",
         description="the algorithm decodes run under DCP: engine (the executed path: dcp_comm_backend, "
-        "dcp_rest) | ring_pass_q (Meta's ring pass-Q, priced only; needs dcp > 1)",
+        "dcp_rest) | ring_pass_q (a step of decodes only runs the executed ring pass-Q; needs dcp = pcp > 1)",
     )
     gemm_efficiency: float = Field(
-        0.4526, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
+        0.4553, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
     )
     p2p_efficiency: float = Field(
-        0.4540, gt=0, le=1,
+        0.4646, gt=0, le=1,
         description="share of NCCL's point-to-point rate (its channels to a peer, at most the link) a "
         "send/recv or all-to-all reaches (fitted)",
     )
     hbm_efficiency: float = Field(
         0.9, gt=0, le=1,
         description="share of HBM bandwidth memory-bound kernels reach (not fitted: H100 STREAM triad)",
-    )
-    attention_efficiency: float = Field(
-        0.675, gt=0, le=1,
-        description="share of the peak a prefill attention kernel's tiles reach (FlashAttention-3, not fitted)",
     )
     objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
         "ttft", description="what a sweep report ranks jobs by (lower is better; x_gpus: GPU-seconds)"

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pcpflow.config.disagg import DisaggConfig, disagg_problems, pool_problems
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.config.profile import ProfileConfig
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.models import ModelConfig
 from pcpflow.parallel.grid import RankGrid
@@ -180,11 +181,16 @@ class RunConfig(_Strict):
     slo: SLOConfig = Field(default_factory=SLOConfig)
     disagg: DisaggConfig = Field(default_factory=DisaggConfig)
     # --- simulate (pcpflow.simulate, docs/simulate.md)
-    mode: Literal["execute", "simulate"] = Field(
-        "execute", description="execute: ranks compute (verified); simulate: price every step on `hardware`"
+    mode: Literal["execute", "simulate", "profile"] = Field(
+        "execute",
+        description="execute: ranks compute (verified); simulate: price every step on `hardware`; profile: "
+        "measure this machine on the run's ranks into <run dir>/hardware.yaml",
     )
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
-    hardware: HardwareConfig | None = Field(None, description="the GPU profile a simulated run prices on")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    hardware: HardwareConfig | None = Field(
+        None, description="the hardware profile a simulated run prices on (hardware=measured hardware.path=FILE: "
+        "one mode=profile measured)")
 
     @property
     def grid(self) -> RankGrid:
@@ -294,7 +300,7 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
 
 
 MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",), "serving": ("simulate",),
-                 "workload.request_rate": ("simulate",)}
+                 "workload.request_rate": ("simulate",), "profile": ("profile",)}
 """Settings that only some modes read (a section or a dotted key -> those modes). Set in
 another mode they would be silently ignored, so they are refused there."""
 

@@ -83,15 +83,18 @@ def _request_lengths(cfg: Any, problems: list[Problem]):
 
 def feature_problems(cfg: Any) -> list[Problem]:
     """The rules each feature knows of its own limits (tensor parallel splits, devices, CUDA
-    graphs, experts, what a simulation can price), beside the config's cross-field rules."""
+    graphs, experts, what a simulation can price, what a profile can measure), beside the
+    config's cross-field rules."""
     from pcpflow.models import ModelCard
     from pcpflow.parallel.moe_dispatch import moe_problems
     from pcpflow.parallel.tensor_parallel import run_tp_problems
+    from pcpflow.profile.checks import profile_problems
     from pcpflow.rank.cudagraph import cudagraph_problems
     from pcpflow.rank.devices import device_problems
 
     p = [] if cfg.grid.problems() else pool_problems(cfg, run_tp_problems(cfg), "prefill")
     p += device_problems(cfg) + cudagraph_problems(cfg) + pool_problems(cfg, moe_problems(cfg), "prefill")
+    p += profile_problems(cfg)
     if cfg.disagg.enabled and not cfg.disagg.decode_grid.problems():  # heads the decode pool's tp splits, its experts
         decode = pool_config(cfg, "decode")
         p += pool_problems(cfg, run_tp_problems(decode) + moe_problems(decode), "decode")
@@ -129,8 +132,8 @@ def check_run_dir(run_dir: Path, *, create: bool = True, field: str = "hydra.run
 
 def capacity_warnings(cfg: Any) -> list[str]:
     """More ranks than this machine can reasonably run at once: they still run, slowly. A
-    simulated run starts no ranks."""
-    if getattr(cfg, "mode", "execute") == "simulate":
+    simulated run starts no ranks; a profile refuses more ranks than cores."""
+    if getattr(cfg, "mode", "execute") != "execute":
         return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     want = cfg.world_size * cfg.threads_per_rank

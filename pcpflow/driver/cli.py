@@ -18,7 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pcpflow.driver.compose import compose_raw, validate_overrides
+from pcpflow.driver.compose import (
+    compose_raw,
+    uses_measured,
+    validate_overrides,
+    with_measured_overrides,
+)
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
 from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
@@ -76,7 +81,31 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
             if run_dir and run_dir[0].is_dir():
                 _record_refusal(run_dir[0], exc, overrides)
             return EXIT_INVALID_CONFIG
+    argv = with_measured_overrides(argv)
+    if no_run and _shows_job(argv) and uses_measured(overrides):
+        return _print_job(overrides)
     return run_hydra(argv)
+
+
+def _shows_job(argv: list[str]) -> bool:
+    """``--cfg job`` (or ``-c job``), as Hydra reads it."""
+    for i, a in enumerate(argv):
+        flag, _, value = a.partition("=")
+        if flag in ("--cfg", "-c"):
+            return (value or (argv[i + 1] if i + 1 < len(argv) else "")) == "job"
+    return False
+
+
+def _print_job(overrides: list[str]) -> int:
+    """``--cfg job`` with ``hardware=measured``: the job's config with the profile's values
+    loaded under ``hardware`` (Hydra itself composes only the file's path)."""
+    from omegaconf import OmegaConf
+
+    from pcpflow.driver.job import load_measured_hardware
+
+    raw = load_measured_hardware(compose_raw([o for o in overrides if not _is_hydra_override(o)]))
+    print(OmegaConf.to_yaml(OmegaConf.create(raw)), end="")
+    return EXIT_OK
 
 
 def _check_output_dir(overrides: list[str], multirun: bool) -> None:

@@ -53,7 +53,7 @@ def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    problems, kept = _check_groups(overrides)
+    problems, kept = _check_groups(with_measured_overrides(overrides))
     for _ in range(len(kept) + 1):
         try:
             with initialize_config_dir(config_dir=conf_dir(), version_base=None):
@@ -72,6 +72,21 @@ def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[
             raw.pop("hydra", None)
         return raw, problems
     return None, problems
+
+
+def with_measured_overrides(args: list[str]) -> list[str]:
+    """With ``hardware=measured`` the profile's keys come from its file (``hardware.path``),
+    after Hydra has composed: the command line's other ``hardware.*`` keys are added on top
+    of it (``++``) instead of overriding keys ``conf/hardware/measured.yaml`` does not have."""
+    if not uses_measured(args):
+        return args
+    return [f"++{a}" if a[:1] not in "+~-" and _key(a).startswith("hardware.") and _key(a) != "hardware.path"
+            else a for a in args]
+
+
+def uses_measured(args: list[str]) -> bool:
+    """``hardware=measured`` is on the command line."""
+    return any(_key(a) == "hardware" and a.partition("=")[2] == "measured" for a in args)
 
 
 def is_hydra_override(o: str) -> bool:

@@ -29,6 +29,8 @@ commands people run:
   python -m pcpflow mode=simulate model=llama3_70b hardware=h200_sxm tp=8 pcp=2 workload=trace
       workload.path=scripts/data/mooncake_conversation_head.jsonl workload.length_scale=1
       slo.ttft_s=2 slo.tpot_s=0.1                serving: arrivals in time, prefix cache, goodput
+  python -m pcpflow mode=profile pcp=2               measure this machine -> DIR/hardware.yaml
+  python -m pcpflow mode=simulate hardware=measured hardware.path=DIR/hardware.yaml dtype=float32 ...
   python -m pcpflow --cfg job pcp=4                  the composed config (validated first)
 """
 

@@ -36,6 +36,7 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     (``pcpflow.driver.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
     placeholders: frozenset[str] = frozenset()
+    raw = load_measured_hardware(raw)
     workload = raw.get("workload")
     if isinstance(workload, dict) and workload.get("kind") == "trace" and workload.get("path"):
         from pcpflow.scheduling.trace import read_once
@@ -53,6 +54,28 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     if placeholders:  # nothing said why they could not be derived: never run on a placeholder
         raise ConfigError([Problem(f, None, "could not be derived from the hardware and workload; set it") for f in sorted(placeholders)])
     return cfg
+
+
+def load_measured_hardware(raw: dict[str, Any]) -> dict[str, Any]:
+    """``hardware=measured hardware.path=FILE``: the file's values under ``hardware``, the
+    command line's other ``hardware.*`` on top (ConfigError naming the file's problem)."""
+    from pcpflow.config.hardware import load_profile
+
+    hw = raw.get("hardware")
+    if not (isinstance(hw, dict) and "path" in hw):
+        return raw
+    try:
+        values = load_profile(hw.get("path"))
+    except ValueError as exc:
+        raise ConfigError([Problem("hardware.path", hw.get("path"), str(exc))]) from None
+    return {**raw, "hardware": _merged(values, {k: v for k, v in hw.items() if k != "path"})}
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
@@ -104,9 +127,9 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
         release_lock(run_dir)
 
 
-def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool) -> int:
+def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool, note: str = "") -> int:
     if announce:
-        print_err(f"pcpflow: {exc}; result.json: {run_dir / 'result.json'}")
+        print_err(f"pcpflow: {exc}{note}; result.json: {run_dir / 'result.json'}")
     with contextlib.suppress(OSError):  # a run dir that cannot be written: the line above says it all
         write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
     return exc.exit_code
@@ -130,8 +153,11 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
     write_frozen_config(cfg, run_dir)
     config = cfg.model_dump(mode="json")
     try:
-        with Progress(run_dir / "metrics.jsonl", enabled=console and cfg.output.progress):
-            sections = launch_ranks(cfg, run_dir) if cfg.mode == "execute" else _simulate(cfg, run_dir)
+        if cfg.mode == "profile":
+            sections = _profile(cfg, run_dir, console=console)
+        else:
+            with Progress(run_dir / "metrics.jsonl", enabled=console and cfg.output.progress):
+                sections = launch_ranks(cfg, run_dir) if cfg.mode == "execute" else _simulate(cfg, run_dir)
     except RankFailure as exc:
         print_err(f"pcpflow: {exc}")
         if exc.details:
@@ -139,13 +165,13 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank, **in_flight(str(exc))))
         return EXIT_FAILED
     except Interrupted as exc:
-        return _interrupted(exc, config, run_dir, announce=not in_sweep)
+        return _interrupted(exc, config, run_dir, announce=not in_sweep, note=_partial_note(cfg, run_dir))
     clocks = (sections.get("metrics") or {}).get("clocks")
     if clocks is not None:
         clocks["job_s"] = time.time() - started
     result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
-    if cfg.output.plots:
+    if cfg.output.plots and cfg.mode != "profile":
         from pcpflow.output.serving_plot import write_serving_plot
 
         if cfg.mode == "simulate":
@@ -158,6 +184,26 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
     if console:
         print_summary(result)
     return result["exit_code"]
+
+
+def _profile(cfg: RunConfig, run_dir: Path, *, console: bool) -> dict[str, Any]:
+    """``mode=profile``: the run's ranks measure (``pcpflow.profile.rank.measure``) instead
+    of running the engine; a bar of grid points done."""
+    from pcpflow.output.report import Progress
+    from pcpflow.profile.rank import PROGRESS_FILE, measure
+
+    with Progress(run_dir / PROGRESS_FILE, enabled=console and cfg.output.progress, unit="points"):
+        return launch_ranks(cfg, run_dir, work=measure)
+
+
+def _partial_note(cfg: RunConfig, run_dir: Path) -> str:
+    """What an interrupted profile kept (rank 0 rewrites it after every section)."""
+    if cfg.mode != "profile":
+        return ""
+    from pcpflow.profile.document import PROFILE_FILE
+
+    path = run_dir / PROFILE_FILE
+    return f"; kept what was measured: {path} (partial)" if path.exists() else ""
 
 
 def _simulate(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import re
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -31,12 +31,13 @@ from pcpflow.signals import Interrupted
 SHUTDOWN_GRACE_S = 3
 
 
-def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """Run the job's ranks; returns rank 0's result sections. Raises RankFailure."""
+def launch_ranks(cfg: RunConfig, run_dir: Path, *, work: Callable[[Any, Path | None], Any] | None = None) -> dict[str, Any]:
+    """Run the job's ranks; returns rank 0's result sections. Raises RankFailure. ``work``:
+    a module-level function the ranks run instead of the engine (``mode=profile``)."""
     if cfg.world_size == 1:
         # One rank needs no process group: run it in this process (same bootstrap code).
         try:
-            result = RankSession.solo().run(cfg, run_dir)
+            result = RankSession.solo().run(cfg, run_dir, work=work)
         except RankError as exc:
             if isinstance(exc.__cause__, Interrupted):
                 raise exc.__cause__ from None
@@ -77,7 +78,7 @@ def launch_ranks(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     os.environ.update(env)
     try:
         with _spawnable_main(), _agent_log(log_dir / "launcher.log"):
-            results = elastic_launch(config, elastic_rank)(str(run_dir))
+            results = elastic_launch(config, elastic_rank)(str(run_dir), work)
     except ChildFailedError as exc:
         raise RankFailure.root_cause(exc, log_dir.glob(f"{config.run_id}*/attempt_*/*/error.json"), log_dir) from None
     except SignalException as exc:

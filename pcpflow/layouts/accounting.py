@@ -42,7 +42,14 @@ from typing import Literal
 import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
-from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, plan_ring, request_num_computed
+from pcpflow.layouts.ring import (
+    REPLICATED,
+    STAYS,
+    TRAVELS,
+    RingPlan,
+    plan_ring,
+    request_num_computed,
+)
 from pcpflow.layouts.slots import dcp_local_seq_lens
 
 DCP_REST_POLICIES = ("auto", "queries", "context")
@@ -692,17 +699,15 @@ def ring_step_traffic(
     shape: ModelShape,
     interleave: int,
     tp_size: int = 1,
+    plan: RingPlan | None = None,
 ) -> RingTraffic:
     """What every rank sends in one step's rings (the table above, times
     ``shape.num_layers``), from the layout and the positions alone. ``shape`` is one TP
     rank's (``tp_local_shape``); each of a PCP rank's TP ranks runs its own ring over its
-    heads, the same rows."""
-    plan = plan_ring(layout, positions, variant=variant, interleave=interleave)
+    heads, the same rows. ``plan``: the step's ``plan_ring``, when the caller has it."""
+    plan = plan or plan_ring(layout, positions, variant=variant, interleave=interleave)
     p, layers = plan.pcp_size, shape.num_layers
-    hop = np.arange(p - 1, dtype=np.int64)
-    origin = (np.arange(p, dtype=np.int64)[:, None] - hop[None, :]) % p  # [P, P-1]
-    kv_rows = plan.kv_rows_sent(origin, hop[None, :])
-    q_rows = plan.num_travel[origin]
+    kv_rows, q_rows = ring_hop_rows(plan)
     partial_bytes = shape.partials_dtype_bytes or shape.dtype_bytes
     rows_back = plan.num_travel + plan.num_replicated  # partial rows each rank receives from each other
     a2a = int(plan.has_all2all)
@@ -720,6 +725,15 @@ def ring_step_traffic(
     return RingTraffic(per_rank(calls), per_rank(nbytes))
 
 
+def ring_hop_rows(plan: RingPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(KV entries, queries) rank j sends at iteration h, int64 ``[P, P-1]``: the package of
+    origin ``(j - h) % P`` (the table above, one layer)."""
+    p = plan.pcp_size
+    hop = np.arange(p - 1, dtype=np.int64)
+    origin = (np.arange(p, dtype=np.int64)[:, None] - hop[None, :]) % p  # [P, P-1]
+    return plan.kv_rows_sent(origin, hop[None, :]), plan.num_travel[origin]
+
+
 def ring_totals(per_rank_calls, per_rank_bytes) -> tuple[dict[str, int], dict[str, int]]:
     """The job's figures of the ring purposes from every rank's: bytes summed (what every
     rank receives from the others, as for a collective); calls of the busiest rank (hops
@@ -734,12 +748,14 @@ def ring_totals(per_rank_calls, per_rank_bytes) -> tuple[dict[str, int], dict[st
     return calls, nbytes
 
 
-def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interleave: int) -> np.ndarray:
+def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interleave: int,
+                        plan: RingPlan | None = None) -> np.ndarray:
     """(query, key) pairs each PCP rank scores in one step's ring: a staying row all of its
     ``position + 1`` keys, on its rank; a travelling row, on every rank, that rank's cached
     shard of its request and that rank's new keys of it at or before its position; a row
-    every rank holds, on every rank, that rank's shard of its ``position + 1`` keys."""
-    plan = plan_ring(layout, positions, variant=variant, interleave=interleave)
+    every rank holds, on every rank, that rank's shard of its ``position + 1`` keys.
+    ``plan``: the step's ``plan_ring``, when the caller has it."""
+    plan = plan or plan_ring(layout, positions, variant=variant, interleave=interleave)
     p, n = plan.pcp_size, plan.padded_num_tokens
     rank = np.arange(p * n, dtype=np.int64) // max(n, 1)
     work = np.zeros(p, dtype=np.int64)

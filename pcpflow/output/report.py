@@ -22,8 +22,8 @@ _console = Console(stderr=True)
 class Progress:
     """Context manager: a bar of generated tokens while the ranks run (TTY only)."""
 
-    def __init__(self, metrics_path: Path, enabled: bool = True) -> None:
-        self.path = metrics_path
+    def __init__(self, metrics_path: Path, enabled: bool = True, unit: str = "tokens") -> None:
+        self.path, self.unit = metrics_path, unit
         self.enabled = enabled and _console.is_terminal
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -44,7 +44,7 @@ class Progress:
             TextColumn("[bold]pcpflow[/] step {task.fields[step]}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("tokens"),
+            TextColumn(self.unit),
             TimeElapsedColumn(),
         )
         with _RichProgress(*columns, console=_console, transient=True) as bar:
@@ -84,11 +84,19 @@ def print_summary(result: dict[str, Any]) -> None:
     table.add_row("status", f"[green]{status}[/]" if status == "ok" else f"[red]{status}[/]")
     if result.get("verification"):  # mode=simulate
         table.add_row("verification", str(result["verification"]))
+    prof = result.get("profile")
+    if prof:  # mode=profile
+        peaks = " · ".join(f"{k} {v:.3g}" for k, v in (prof.get("peak_tflops") or {}).items() if v)
+        table.add_row("profile", f"{prof['status']} · {', '.join(prof['dtypes'])} · {prof['elapsed_s']:.0f} s measuring")
+        table.add_row("measured", f"GEMM peaks (TFLOP/s) {peaks} · memory {prof.get('hbm_tbps') or 0:.3g} TB/s · "
+                                  f"an op {prof.get('launch_us') or 0:.3g} us")
+        table.add_row("hardware profile", f"{prof['path']}  (mode=simulate hardware=measured hardware.path=...)")
     sim = m.get("simulate") if m else None
     if sim:
         table.add_row(
             "simulated on",
-            f"{sim['hardware']} · {sim['gpus']} GPUs ({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
+            f"{sim['hardware']} · {sim['gpus']} {'CPU ranks' if sim.get('device') == 'cpu' else 'GPUs'} "
+            f"({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
             f" · KV {sim.get('kv_dtype', 'bf16')} · {sim['tflops_per_gpu']:.0f} TF/s per GPU",
         )
         if sim.get("breakdown_s"):

@@ -159,10 +159,12 @@ class RankSession:
         self.store.wait([key], timedelta(seconds=STARTUP_STORE_TIMEOUT_S))
         return json.loads(self.store.get(key))
 
-    def run(self, cfg: Any, run_dir: Path | None, *, writes_result: bool = False) -> dict[str, Any] | None:
+    def run(self, cfg: Any, run_dir: Path | None, *, writes_result: bool = False,
+            work: Callable[[Any, Path | None], dict[str, Any] | None] | None = None) -> dict[str, Any] | None:
         """Run one job's engine on this rank; rank 0's result sections (others None).
         Raises RankError naming the root cause; with ``writes_result`` exactly one rank
-        writes the failed result.json (torchrun: no driver is there to do it)."""
+        writes the failed result.json (torchrun: no driver is there to do it). ``work``: what
+        the ranks run instead of the engine (``run_rank``'s signature; ``mode=profile``)."""
         if cfg.disagg.enabled:  # a prefill pool and a decode pool
             from pcpflow.rank.pools import run_pools as run_rank
         else:
@@ -174,7 +176,7 @@ class RankSession:
         try:
             with interruptible():
                 try:
-                    sections = run_rank(cfg, run_dir)  # it loads the plugins (resolve_pipeline)
+                    sections = (work or run_rank)(cfg, run_dir)  # run_rank loads the plugins (resolve_pipeline)
                     if board is not None:
                         board.post("done")
                         board.barrier("end", cfg.collective_timeout_s, what=f"the run within collective_timeout_s={cfg.collective_timeout_s:g} of its peers")
@@ -207,9 +209,10 @@ class RankSession:
 
 # ------------------------------------------------------------------------------ entries
 @record
-def elastic_rank(run_dir: str) -> dict[str, Any] | None:
+def elastic_rank(run_dir: str, work: Callable[[Any, Path | None], dict[str, Any] | None] | None = None) -> dict[str, Any] | None:
     """Entry point of a rank that pcpflow's launch started (module level: the start method
-    pickles it by name). The driver writes result.json from the ranks' error files."""
+    pickles it by name, and ``work``, a module-level function too). The driver writes
+    result.json from the ranks' error files."""
     # NOTE: the launch tees every rank's stdout to the console; a line reaches it when
     # printed, not when a block buffer of the log file fills.
     for stream in (sys.stdout, sys.stderr):
@@ -221,7 +224,7 @@ def elastic_rank(run_dir: str) -> dict[str, Any] | None:
             cfg = load_frozen_config(path)
             session = RankSession.connect()
             try:
-                return session.run(cfg, path)
+                return session.run(cfg, path, work=work)
             finally:
                 session.close()
         except BaseException as exc:

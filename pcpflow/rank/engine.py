@@ -63,7 +63,7 @@ def _torch_threads(n: int):
 
 def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     stats = CommStats()
-    if dist.is_initialized():
+    if dist.is_initialized() and cfg.world_size > 1:  # a one-rank run needs no group (mode=profile runs some)
         if dist.get_world_size() != cfg.world_size:
             raise RuntimeError(
                 f"world size {dist.get_world_size()} != tp*pcp = {cfg.tp}*{cfg.pcp}"
@@ -114,6 +114,10 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     rings = getattr(forward.config, "cp_attention", "allgather") != "allgather" and cfg.pcp > 1
     steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder, unaccounted_world if rings else None)
     startup_done(cfg.startup_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
+    # NOTE: the board's barrier lets each rank go within its poll (50 ms) of the others: one
+    # collective more, so that every rank's run clock starts at the same moment (else a
+    # rank's first step waits for a late peer, and the first TTFT counts that wait).
+    world.barrier()
     t0 = time.perf_counter()
     try:
         steps.run()

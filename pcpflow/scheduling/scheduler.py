@@ -48,9 +48,9 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from pcpflow.errors import ConfigError
-from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling import prefix
 from pcpflow.scheduling.arrivals import Arrivals
+from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.workload import Request, RequestTable
 from pcpflow.tokens.stopping import cut_at_stop

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.scheduling import prefix
-from pcpflow.scheduling.trace import read_trace, trace_problem
+from pcpflow.scheduling.trace import TraceColumns, read_trace, trace_problem
 
 TRACE_BLOCK_TOKENS = 512
 """Prompt tokens behind one ``hash_ids`` entry of a Mooncake trace."""
@@ -570,7 +570,7 @@ def _scale(length, scale: float):
     return max(1, math.ceil(length * scale))
 
 
-def _trace_lengths(cfg: TraceWorkload, rec: _TraceColumns) -> tuple[np.ndarray, np.ndarray]:
+def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
     s = cfg.length_scale
     prompt, output = _scale(rec.input_lens, s), _scale(rec.output_lens, s)
     if cfg.output_len_cap is not None:

@@ -38,8 +38,8 @@ from pcpflow.layouts.accounting import (
     QUERIES,
     DCPRest,
     attention_rows,
+    choose_ring_variant,
     plan_dcp_rest,
-    rest_requests,
 )
 from pcpflow.models import vocab_size_of
 from pcpflow.output.metrics import MetricsRecorder, step_record
@@ -49,11 +49,11 @@ from pcpflow.scheduling.arrivals import Arrivals
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
-from pcpflow.simulate.collectives import NCCL_VERSION, p2p_rate_gbps
-from pcpflow.simulate.host import Host, kernels_per_layer
+from pcpflow.simulate import flash
+from pcpflow.simulate.collectives import NCCL_VERSION
+from pcpflow.simulate.host import Host, kernels_per_layer, moe_ops
 from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_counts
-from pcpflow.simulate.ring import RING_PREFILL, RING_PURPOSES, meta_algorithm1
 from pcpflow.simulate.serving import Router, run_replicas
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 
@@ -75,10 +75,7 @@ class SimulatedRun:
     """One simulated run; ``run()`` returns the result sections, ``records`` every step's
     (kept when ``keep_records``: tests compare them)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, *, cp_attention: str | None = None,
-                 keep_records: bool = True) -> None:
-        """``cp_attention``: the prefill's CP attention algorithm (``pipeline.forward.cp_attention``
-        once the executed ring lands; until then this argument, for Meta's ring variants)."""
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, *, keep_records: bool = True) -> None:
         assert cfg.hardware is not None, "prepare_job checks mode=simulate has a hardware profile"
         self.cfg, self.hw, self.sim = cfg, cfg.hardware, cfg.simulate
         self.run_dir = run_dir
@@ -89,10 +86,11 @@ class SimulatedRun:
         plan_ctx = SimpleNamespace(config=cfg, pcp_size=cfg.pcp, dcp_size=cfg.dcp, layout_dcp_size=cfg.grid.layout_dcp)
         self.plan = specs["plan"].cls(specs["plan"].config, plan_ctx)
         self.dcp_rest_policy = getattr(specs["forward"].config, "dcp_rest", "queries")
-        self.cp_attention = cp_attention or getattr(specs["forward"].config, "cp_attention", "allgather")
-        if self.cp_attention in RING_PREFILL and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
-            raise ValueError(f"cp_attention={self.cp_attention} runs a ring over a KV cache sharded over the ring: "
-                             f"it needs dcp = pcp > 1 (pcp={cfg.pcp}, dcp={cfg.dcp})")
+        self.cp_attention = getattr(specs["forward"].config, "cp_attention", "allgather")
+        rings = self.cp_attention != "allgather" or cfg.simulate.cp_decode == "ring_pass_q"
+        if rings and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
+            raise ValueError(f"a ring runs over a KV cache sharded over the ring: it needs dcp = pcp > 1 "
+                             f"(pcp={cfg.pcp}, dcp={cfg.dcp}); prepare_job refuses it before a run starts")
         self.restore = specs["restore"].cls.kind
         self.moe_dispatch = cfg.moe.dispatch or "local"
         self.pricer = _pricer(cfg, self.sizes, self.moe_dispatch)
@@ -210,8 +208,7 @@ class SimulatedRun:
             batch, layout, grid=self.grid, sizes=self.sizes, dtype_bytes=self.dtype_bytes,
             dcp_rest=rest, interleave=self.cfg.kv.interleave, restore=self.restore,
             dcp_comm_backend=self.cfg.dcp_comm_backend, moe_dispatch=self.moe_dispatch,
-            kv_bytes=DTYPE_BYTES[self.sim.kv_dtype], prefill_ring=ring,
-            decode_ring=self.sim.cp_decode == "ring_pass_q",
+            kv_bytes=DTYPE_BYTES[kv_key(self.cfg)], ring=ring,
         )
 
     def _step(self, replica: int, batch) -> list[int]:
@@ -237,49 +234,60 @@ class SimulatedRun:
         return outcome.finished_req_ids.tolist()
 
     def _priced(self, batch, layout, mode: str):
-        """The step's DCP path, counts and price: ``dcp_rest=auto`` takes the path with the
-        smaller simulated step time (executed, auto takes fewer bytes), Meta's closed-form
-        rule (its Algorithm 1) computed beside as a reference; ``ring_auto`` follows that rule."""
-        ring = self.cp_attention if self.cp_attention in RING_PREFILL else None
+        """The step's algorithm, counts and price. A ring (``cp_attention`` a ring, or a step of
+        decodes only under ``simulate.cp_decode=ring_pass_q``) runs the executed ring, its
+        variant from ``choose_ring_variant`` (``rest`` None). Otherwise the DCP path:
+        ``dcp_rest=auto`` takes the path with the smaller simulated step time (executed, auto
+        takes fewer bytes), ``ring_auto``'s rule computed beside it as a reference."""
+        variant = self._ring_variant(batch, layout)
+        if variant is not None:
+            counts = self._counts(batch, layout, QUERIES, variant)
+            return None, counts, self.pricer.price(batch, layout, counts, runtime_mode=mode), None
         meta = self._meta_rule(batch, layout)
         candidates = [QUERIES]
         # NOTE: DCP over TP ranks always takes the queries path (CPAttention).
-        if self.grid.dcp > 1 and self.grid.dcp_tp == 1:
+        if self.grid.dcp > 1 and self.grid.dcp_tp == 1 and self.dcp_rest_policy != "queries":
             context = plan_dcp_rest(
                 layout, batch.seq_lens, policy="context", dcp_size=self.grid.dcp,
                 interleave=self.cfg.kv.interleave, shape=self.sizes.shape_per_rank(self.grid.tp, self.dtype_bytes),
             )
-            # NOTE: ring_auto follows Meta's rule; the engine's auto, the simulated time.
-            policy = {"ring_pass_kv": "context", "ring_pass_q": "queries", "ring_auto": meta}.get(
-                ring or "", self.dcp_rest_policy)
-            candidates = {"queries": [QUERIES], "context": [context]}.get(policy or "queries", [QUERIES, context])
-            if context.mode != "context":
-                candidates = [QUERIES]
+            if context.mode == "context":
+                candidates = [context] if self.dcp_rest_policy == "context" else [QUERIES, context]
         priced = []
         for rest in candidates:
-            kind = None if ring is None else ("ring_pass_kv" if rest.mode == "context" else "ring_pass_q")
-            counts = self._counts(batch, layout, rest, kind)
+            counts = self._counts(batch, layout, rest)
             priced.append((rest, counts, self.pricer.price(batch, layout, counts, runtime_mode=mode)))
         rest, counts, p = min(priced, key=lambda x: x[2].step_s)
         return rest, counts, p, meta
 
+    def _ring_variant(self, batch, layout) -> str | None:
+        """``pass_kv`` | ``pass_q`` when this step runs the ring, else None."""
+        policy = self.cp_attention
+        if policy == "allgather":
+            decodes_only = not bool(batch.is_prefilling[batch.num_scheduled_tokens > 0].any())
+            if self.sim.cp_decode != "ring_pass_q" or not decodes_only:
+                return None
+            policy = "ring_pass_q"
+        return self._choose(policy, batch, layout)
+
+    def _choose(self, policy: str, batch, layout) -> str:
+        """``choose_ring_variant``, the executed ring's choice, with this hardware's numbers:
+        the attention's rate (the dense peak at FlashAttention-3's plateau share) and the
+        ring's point-to-point rate (``p2p_rate_gbps``)."""
+        hw = self.hw
+        shape = self.sizes.shape_per_rank(self.grid.tp, DTYPE_BYTES[kv_key(self.cfg)])
+        peak = hw.peak(self.pricer.act_key) * 1e12 * float(flash.share(flash.SEQLENS[-1], causal=False))
+        bandwidth = self.pricer.place.p2p_gbps("dcp", self.sim.p2p_efficiency) * 1e9
+        return choose_ring_variant(policy, layout, batch.positions, shape=shape, peak_flops=peak, bandwidth=bandwidth)
+
     def _meta_rule(self, batch, layout) -> str | None:
-        """Meta's Algorithm 1 for this step's rest rows (None without DCP rest rows)."""
+        """What ``ring_auto`` would run for this step, as the DCP path of the same name
+        (pass-KV: ``context``, pass-Q: ``queries``); None without DCP rest rows."""
         if self.grid.dcp <= 1 or self.grid.dcp_tp > 1 or not attention_rows(layout)[1]:
             return None
-        req = rest_requests(layout)
-        new = int(batch.num_scheduled_tokens[req].sum())
-        cached = int(batch.num_computed_tokens[req].sum())
-        s, hw = self.sizes, self.hw
-        comm = self.pricer.place.comm("dcp")
-        return meta_algorithm1(
-            new_tokens=new, cached_tokens=cached, n=self.grid.dcp, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-            compute_flops=hw.peak(self.pricer.act_key) * 1e12 * self.sim.attention_efficiency,
-            bandwidth=p2p_rate_gbps(hw, comm, network=comm.nnodes > 1, efficiency=self.sim.p2p_efficiency) * 1e9,
-            elem_bytes=self.pricer.act_bytes,
-        )
+        return "context" if self._choose("ring_auto", batch, layout) == "pass_kv" else "queries"
 
-    def _accumulate(self, rest: DCPRest, p: StepPrice, meta: str | None) -> None:
+    def _accumulate(self, rest: DCPRest | None, p: StepPrice, meta: str | None) -> None:
         for k, v in (("compute_s", p.compute_s), ("memory_s", p.memory_s), ("communication_s", p.communication_s),
                      ("flops", p.flops), ("hbm_bytes", p.hbm_bytes)):
             self.totals[k] += v
@@ -292,7 +300,8 @@ class SimulatedRun:
         for purpose, pick in p.picks.items():
             seen = self.picks.setdefault(purpose, {})
             seen[pick] = seen.get(pick, 0) + 1
-        self.dcp_rest_steps[rest.mode] = self.dcp_rest_steps.get(rest.mode, 0) + 1
+        if rest is not None:
+            self.dcp_rest_steps[rest.mode] = self.dcp_rest_steps.get(rest.mode, 0) + 1
         if meta is not None:
             self.meta_rule_steps[meta] = self.meta_rule_steps.get(meta, 0) + 1
 
@@ -303,20 +312,34 @@ class SimulatedRun:
 def _pricer(cfg: RunConfig, sizes, moe_dispatch: str) -> Pricer:
     hw, sim = cfg.hardware, cfg.simulate
     assert hw is not None
-    host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=hw.host.graph_launch_us * 1e-6,
+    measured = hw.tables is not None and bool(hw.tables.gemm)
+    host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=(hw.host.graph_launch_us or hw.host.launch_us) * 1e-6,
                 layer=kernels_per_layer(sizes, cfg.tp), num_layers=sizes.num_layers,
-                override=hw.host.kernels_per_layer)
-    return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=sim.kv_dtype, host=host,
-                  moe_dispatch=moe_dispatch)
+                override=hw.host.kernels_per_layer,
+                moe_ops=moe_ops(sizes.num_experts, sizes.top_k, sizes.num_shared_experts)
+                if measured and sizes.num_experts else (0.0, 0.0))
+    return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=kv_key(cfg), host=host,
+                  moe_dispatch=moe_dispatch, interleave=cfg.kv.interleave)
 
 
-def _step_fields(rest: DCPRest, counts, p: StepPrice, meta: str | None) -> dict[str, Any]:
-    """What a simulated step record adds to the executed one's fields."""
+def kv_key(cfg: RunConfig) -> str:
+    """The KV cache's element: ``simulate.kv_dtype``; an executed model priced on a measured
+    profile keeps its cache in the run's dtype, as it executes."""
+    if cfg.hardware is not None and cfg.hardware.tables is not None and cfg.model.name in ("tiny_mla", "tiny_gqa"):
+        return PEAK_OF_DTYPE[cfg.dtype]
+    return cfg.simulate.kv_dtype
+
+
+def _step_fields(rest: DCPRest | None, counts, p: StepPrice, meta: str | None) -> dict[str, Any]:
+    """What a simulated step record adds to the executed one's fields (``cp_attention`` and a
+    ring's per-rank sends as the executed record has them; the DCP path of an all-gather step)."""
     return {
-        "dcp_rest": rest.mode,
+        **({"dcp_rest": rest.mode} if rest is not None else {}),
         **({"dcp_rest_meta_rule": meta} if meta is not None else {}),
         **({"expected_bytes": list(counts.expected)} if counts.expected else {}),
-        **({"cp_attention": counts.ring} if counts.ring else {}),
+        "cp_attention": counts.ring or "allgather",
+        **({"per_rank_collective_calls": counts.per_rank_calls,
+            "per_rank_collective_bytes": counts.per_rank_bytes} if counts.ring else {}),
         "per_rank_compute_s": p.compute_s.tolist(),
         "per_rank_memory_s": p.memory_s.tolist(),
         "per_rank_communication_s": p.communication_s.tolist(),
@@ -334,9 +357,9 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
     gpus = grid.world_size * cfg.serving.replicas
     flops = run.totals["flops"] * grid.tp  # a PCP rank's TP ranks each do 1/tp
     breakdown = {k: {"exposed_s": v[0], "hidden_s": v[1]} for k, v in sorted(run.breakdown.items())}
-    priced_only = sorted(k for k in run.breakdown if k in RING_PURPOSES)
     return {
         "hardware": hw.name,
+        "device": hw.device,
         "gpus": gpus,
         "nodes": -(-gpus // hw.gpus_per_node),
         "weights_dtype": sim.weights_dtype,
@@ -351,11 +374,10 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
                    "share": run.fitted_s.get(name, 0.0) / run_s if run_s else 0.0}
             for name, on in sim.FITTED.items()
         },
-        "efficiencies": {"gemm": sim.gemm_efficiency, "attention": sim.attention_efficiency, "hbm": sim.hbm_efficiency,
-                         "p2p": sim.p2p_efficiency},
+        "efficiencies": {"gemm": sim.gemm_efficiency, "hbm": sim.hbm_efficiency, "p2p": sim.p2p_efficiency},
+        "attention": flash.SOURCE,
         "kernels_per_layer": run.pricer.host.per_layer,
         "collectives": run.picks,
-        **({"priced_only": priced_only} if priced_only else {}),
         "per_rank": {k: v.tolist() for k, v in run.totals.items()},
         "dcp_rest_steps": run.dcp_rest_steps,
         **({"dcp_rest_meta_rule_steps": run.meta_rule_steps} if run.meta_rule_steps else {}),
@@ -371,9 +393,9 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
     }
 
 
-def simulate_run(cfg: RunConfig, run_dir: Path | None = None, *, cp_attention: str | None = None) -> dict[str, Any]:
+def simulate_run(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """The result sections of a simulated run (``verification`` says it is not verified)."""
-    return SimulatedRun(cfg, run_dir, cp_attention=cp_attention, keep_records=False).run()
+    return SimulatedRun(cfg, run_dir, keep_records=False).run()
 
 
 REQUEST_COLUMNS = ("req_id", "prompt_len", "output_len", "arrival_step", "first_token_step", "finish_step",

@@ -41,24 +41,10 @@ def kernels_per_layer(sizes: ModelSizes, tp: int) -> LayerKernels:
                   sizes.head_dims, max(1, sizes.dense_intermediate // tp))
 
 
-@lru_cache(maxsize=32)
-def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int) -> LayerKernels:
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from pcpflow.attention.fused import fused_decode_attention
-    from pcpflow.models.common import DecoderLayer, RMSNorm, RotaryEmbedding, build_uninitialized
+def _attention_module(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...]):
+    """A builder of one layer's attention module of the card, and its KV spec."""
+    from pcpflow.models.common import RotaryEmbedding
     from pcpflow.models.layers import GQAAttention, MLAAttention, gqa_spec, mla_spec
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.n += 1
-            return func(*args, **(kwargs or {}))
 
     if attention == "gqa":
         (d,) = dims
@@ -76,6 +62,28 @@ def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[i
                                 kv_lora_rank=kv_lora, nope_dim=nope, rope_dim=rope, v_dim=v,
                                 rotary=RotaryEmbedding(rope, 10000.0), latent_norm_eps=1e-6)
 
+    return make_attn, spec
+
+
+@lru_cache(maxsize=32)
+def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int) -> LayerKernels:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pcpflow.attention.fused import fused_decode_attention
+    from pcpflow.models.common import DecoderLayer, RMSNorm, build_uninitialized
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    make_attn, spec = _attention_module(attention, hidden, heads, kv_heads, dims)
     meta, dt, n, block = "meta", torch.bfloat16, 4, 16
     layer = build_uninitialized(lambda: DecoderLayer(make_attn(), hidden, inter, 1e-6), device=meta).to(dt)
     norm = build_uninitialized(lambda: RMSNorm(hidden, 1e-6), device=meta).to(dt)
@@ -105,6 +113,116 @@ def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[i
     return LayerKernels(total=c.n, attention=StaticAttention.calls, norm=cn.n)
 
 
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::linear"})
+
+
+def elementwise_bytes(sizes: ModelSizes, tp: int, dtype: str) -> tuple[float, float]:
+    """Bytes one decoder layer's ops other than its GEMMs and its attention call read and
+    write, as ``(per row, fixed)`` at ``dtype``: pcpflow's forward at one TP rank's shapes on
+    ``meta`` tensors, every op's tensor arguments and results summed (its RMSNorm's square,
+    mean and scales, RoPE's arithmetic, residual adds, the activation). Measured on two row
+    counts: ``bytes(n) = fixed + per_row x n``. A CPU runs each of them as a pass over memory."""
+    heads, kv_heads = sizes.num_heads // tp, max(1, sizes.num_kv_heads // tp)
+    inter = max(1, sizes.dense_intermediate // tp)
+    return _elementwise(sizes.attention, sizes.hidden_size, heads, kv_heads, sizes.head_dims, inter, dtype)
+
+
+def _tensor_bytes(x) -> int:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_tensor_bytes(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+
+def counted_bytes(fn, *, skip=GEMM_OPS) -> int:
+    """Bytes the ops ``fn()`` dispatches read and write (every tensor argument and result of
+    each op but views and ``skip``); run it on ``meta`` tensors to count without computing.
+    A function called inside may set ``counted_bytes.paused`` to leave its ops out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Bytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not (func.is_view or counted_bytes.paused or func.name().split(".")[0] in skip):
+                Bytes.total += _tensor_bytes(args) + _tensor_bytes(list((kwargs or {}).values())) + _tensor_bytes(out)
+            return out
+
+    counted_bytes.paused = False
+    with Bytes():
+        fn()
+    return Bytes.total
+
+
+counted_bytes.paused = False
+
+
+@lru_cache(maxsize=32)
+def _elementwise(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int,
+                 dtype: str) -> tuple[float, float]:
+    import torch
+
+    from pcpflow.models.common import DecoderLayer, build_uninitialized
+
+    dt = getattr(torch, dtype)
+    make_attn, spec = _attention_module(attention, hidden, heads, kv_heads, dims)
+    layer = build_uninitialized(lambda: DecoderLayer(make_attn(), hidden, inter, 1e-6), device="meta").to(dt)
+
+    def attend(_layer, q, _kv):
+        counted_bytes.paused = True  # the attention call (KV write, kernel) is priced apart
+        out = q.new_empty(q.shape[0], spec.num_heads, spec.v_dim)
+        counted_bytes.paused = False
+        return out
+
+    counted = []
+    for n in (8, 16):
+        x = torch.empty(n, hidden, device="meta", dtype=dt)
+        positions = torch.empty(n, dtype=torch.long, device="meta")
+        with torch.no_grad():
+            counted.append(counted_bytes(lambda x=x, positions=positions: layer(x, positions, 0, attend)))
+    per_row = (counted[1] - counted[0]) / 8
+    return float(per_row), float(max(counted[0] - 8 * per_row, 0.0))
+
+
+@lru_cache(maxsize=32)
+def moe_ops(num_experts: int, top_k: int, num_shared: int) -> tuple[float, float]:
+    """Ops an MoE layer of pcpflow's forward launches, beside those its dense counterpart
+    would: (fixed, per reached expert). Routing depends on the data, so the layer runs on
+    real minimal tensors (CPU) for one row (``top_k`` experts reached) and for enough rows to
+    reach them all; the difference over the experts it adds is the cost of one."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pcpflow.models.moe import MoEMLP
+    from pcpflow.models.moe_config import MoEConfig
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 0 if func.is_view else 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    moe = MoEMLP(8, 8, MoEConfig(num_experts=num_experts, top_k=top_k, num_shared_experts=num_shared), 0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_()
+        counts, reached = [], []
+        for rows in (1, 64 * num_experts):
+            x = torch.randn(rows, 8)
+            ids = moe.gate(x)[1]
+            reached.append(len(torch.unique(ids)))
+            Count.n = 0
+            with Count():
+                moe(x)
+            counts.append(Count.n)
+    per_expert = (counts[1] - counts[0]) / max(reached[1] - reached[0], 1)
+    return counts[0] - per_expert * reached[0], per_expert
+
+
 @dataclass(frozen=True)
 class Host:
     """Host seconds of one step, by how it runs (``cudagraph`` dispatch)."""
@@ -114,6 +232,7 @@ class Host:
     layer: LayerKernels
     num_layers: int
     override: int | None = None
+    moe_ops: tuple[float, float] = (0.0, 0.0)  # an MoE layer's ops: fixed, per reached expert (``moe_ops``)
 
     @property
     def per_layer(self) -> int:

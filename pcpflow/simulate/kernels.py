@@ -10,12 +10,12 @@ per-kernel floor (``hardware.kernel_floor_us``):
   a wave as long as one tile on one SM (tile and wave quantization), at
   ``peak[dtype] * simulate.gemm_efficiency``; or its bytes (activations in, weights, output
   out) at ``hbm_tbps * simulate.hbm_efficiency``, whichever is slower.
-- **prefill attention** (FlashAttention-3): its FLOPs, the rank's query rows rounded up to
-  whole query tiles of 128 rows, at ``peak[activation dtype] * simulate.attention_efficiency``,
-  the paper's own FlashAttention-3 figure (540 TF/s of 800 at 8K on one GTT H100, arXiv
-  2411.01783 sec. 4.2.3). No wave quantization: FlashAttention-3 on Hopper is a persistent
-  kernel whose tile scheduler hands the SMs query tiles of long key loops. A query tile reads
-  each key tile once.
+- **prefill attention** (FlashAttention-3): its FLOPs at FlashAttention-3's published share of
+  the peak for the shapes of its calls (``pcpflow.simulate.flash``: arXiv 2407.08608, Figure 5,
+  by key-loop length, causal or not, in whole 128-row query tiles), or its key tiles (read
+  once per query tile) at the HBM share, whichever is slower. No wave quantization:
+  FlashAttention-3 on Hopper is a persistent kernel whose tile scheduler hands the SMs query
+  tiles of long key loops.
 - **decode attention** (split-KV): its keys read once at the HBM share; as a roofline with
   its FLOPs (MLA's 128 heads over one latent can be compute-bound).
 - **memory ops** (norms, RoPE, residual adds, activation, KV writes, DCP / ring merges):
@@ -30,7 +30,6 @@ from pcpflow.config.hardware import HardwareConfig
 
 TILE_M = 128
 TILE_N = 128
-ATTN_TILE_M = 128  # FlashAttention-3's query tile (kBlockM) for head dim 64-256
 
 
 def _ceil(a, b):
@@ -40,13 +39,11 @@ def _ceil(a, b):
 class Kernels:
     """The kernel prices of one hardware profile and one ``simulate`` setting."""
 
-    def __init__(self, hw: HardwareConfig, *, gemm_efficiency: float, hbm_efficiency: float,
-                 attention_efficiency: float) -> None:
+    def __init__(self, hw: HardwareConfig, *, gemm_efficiency: float, hbm_efficiency: float) -> None:
         self.hw = hw
         self.sms = hw.sm_count
         self.hbm = hw.hbm_tbps * 1e12 * hbm_efficiency
         self.gemm_efficiency = gemm_efficiency
-        self.attention_efficiency = attention_efficiency
         self.floor = hw.kernel_floor_us * 1e-6
 
     def peak(self, key: str) -> float:
@@ -79,15 +76,13 @@ class Kernels:
         t_m = (m * k * a_bytes + n * k * w_bytes + m * n * a_bytes) / self.hbm
         return max(t_c, t_m, self.floor), t_c >= t_m
 
-    def prefill_attention(self, flops, rows, kv_bytes, *, peak_key: str):
-        """Seconds of prefill attention of ``flops`` over ``rows`` query rows per rank
-        (``kv_bytes``: its key tiles, each read once per query tile)."""
-        flops = np.asarray(flops, dtype=np.float64)
-        rows = np.asarray(rows, dtype=np.float64)
-        tiles = np.where(rows > 0, _ceil(rows, ATTN_TILE_M) * ATTN_TILE_M / np.maximum(rows, 1.0), 1.0)
-        rate = self.peak(peak_key) * self.attention_efficiency
-        t = np.maximum(flops * tiles / rate, np.asarray(kv_bytes, dtype=np.float64) / self.hbm)
-        return np.where(flops > 0, np.maximum(t, self.floor), 0.0)
+    def prefill_attention(self, peak_flops, kv_bytes, *, peak_key: str):
+        """Seconds of prefill attention whose FLOPs, each divided by the share of the peak its
+        call reaches (``flash.Blocks.peak_pairs``), come to ``peak_flops``; ``kv_bytes``: its key
+        tiles, each read once per query tile."""
+        peak_flops = np.asarray(peak_flops, dtype=np.float64)
+        t = np.maximum(peak_flops / self.peak(peak_key), np.asarray(kv_bytes, dtype=np.float64) / self.hbm)
+        return np.where(peak_flops > 0, np.maximum(t, self.floor), 0.0)
 
     def decode_attention(self, flops, kv_bytes, *, peak_key: str):
         """Seconds of split-KV decode attention: keys read once, or its FLOPs if slower."""

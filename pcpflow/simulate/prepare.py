@@ -15,7 +15,6 @@ import copy
 from typing import Any
 
 import numpy as np
-
 from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
@@ -70,7 +69,7 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     sim_raw = raw.setdefault("simulate", {}) or {}
     raw["simulate"] = sim_raw
     if sim_raw.get("weights_dtype") is None:
-        sim_raw["weights_dtype"] = (raw.get("model") or {}).get("weights_dtype") or "bf16"
+        sim_raw["weights_dtype"] = (raw.get("model") or {}).get("weights_dtype") or _executed_weights(raw)
     if raw.get("hardware") is None:
         raise ConfigError([Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")])
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})
@@ -129,6 +128,15 @@ def _derive_decode_pool_blocks(raw: dict[str, Any], sizes: ModelSizes, hw: Hardw
         pool["num_blocks"] = max(1, min(int(free // per_block), need + 1))
 
 
+def _executed_weights(raw: dict[str, Any]) -> str:
+    """A model that executes (tiny_mla, tiny_gqa) holds its weights in the run's dtype: priced
+    on a measured profile, its GEMMs run at that dtype; elsewhere (and for cards) bf16."""
+    measured = isinstance(raw.get("hardware"), dict) and raw["hardware"].get("tables")
+    if measured and (raw.get("model") or {}).get("name") in ("tiny_mla", "tiny_gqa"):
+        return PEAK_OF_DTYPE.get(str(raw.get("dtype")), "bf16")
+    return "bf16"
+
+
 def _positive(value: Any) -> int:
     v = int(value)
     if v < 1:
@@ -153,8 +161,8 @@ def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str) -
 
 def simulate_problems(cfg) -> list[Problem]:
     p: list[Problem] = []
-    if cfg.mode == "execute":
-        if isinstance(cfg.model, ModelCard):
+    if cfg.mode != "simulate":
+        if cfg.mode == "execute" and isinstance(cfg.model, ModelCard):
             p.append(Problem("model", cfg.model.name, "a model card has no weights: run it with mode=simulate "
                              "(executed runs take tiny_mla, tiny_gqa or hf)"))
         return p
@@ -179,9 +187,11 @@ def simulate_problems(cfg) -> list[Problem]:
         p.append(Problem("pipeline.extra", kinds, "mode=simulate prices the shipped stages only; an extra stage "
                          "would not run: leave +pipeline.extra out"))
     p += dtype_problems(cfg)
-    if cfg.simulate.cp_decode == "ring_pass_q" and cfg.dcp == 1:
-        p.append(Problem("simulate.cp_decode", "ring_pass_q", "a ring passes queries over KV shards: it needs "
-                         "dcp > 1 (dcp=1 holds the whole cache on every rank); use engine, or raise dcp"))
+    p += measured_problems(cfg)
+    if cfg.simulate.cp_decode == "ring_pass_q" and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
+        p.append(Problem("simulate.cp_decode", "ring_pass_q", "the executed ring passes queries over the KV "
+                         f"shards of its ring: it needs pcp > 1 and dcp = pcp; got pcp={cfg.pcp} dcp={cfg.dcp} "
+                         f"(use engine, or pcp=dcp={max(cfg.pcp, 2)})"))
     try:
         requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     except ConfigError as exc:  # the workload's own problems (a trace, its size)
@@ -194,7 +204,8 @@ def simulate_problems(cfg) -> list[Problem]:
             from pcpflow.config.disagg import pool_config, pool_problems
 
             decode = pool_config(cfg, "decode")
-            p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes), "decode")
+            grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp")]  # its groups measured
+            p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes) + grid, "decode")
     return p
 
 
@@ -212,10 +223,55 @@ def _heads_problems(cfg, sizes: ModelSizes) -> list[Problem]:
                     + f": tp must split them evenly; allowed: {allowed}")]
 
 
+def measured_problems(cfg) -> list[Problem]:
+    """What a measured profile (``hardware=measured``) must hold for this run: the tables of
+    its dtype, its attention backend, and the collectives of every group the run has."""
+    hw, p = cfg.hardware, []
+    if hw.tables is None:
+        return p
+    from pcpflow.attention.fused import resolve_attention
+
+    where = f"the profile {hw.path or hw.name}"
+    att = hw.tables.attention
+    have = [d for d in hw.tables.gemm if att and d in att.prefill and d in att.decode]
+    if cfg.dtype not in have:
+        p.append(Problem("dtype", cfg.dtype, f"{where} measured {' | '.join(have) or 'no dtype'}; run at one of them, "
+                         f"or profile this one (python -m pcpflow mode=profile profile.dtypes=[{cfg.dtype}])"))
+    forward = (cfg.pipeline or {}).get("forward") or {}
+    device = "cpu" if hw.device == "cpu" else "cuda"
+    import torch
+
+    backend = resolve_attention(forward.get("attention", "auto"), torch.device(device))
+    if att is not None and backend != att.backend:
+        p.append(Problem("pipeline.forward.attention", forward.get("attention", "auto"),
+                         f"{where} measured the {att.backend} attention backend; this run would use {backend}: "
+                         f"set pipeline.forward.attention={att.backend}, or profile with this one"))
+    cp = forward.get("cp_attention", "allgather")
+    if cp != "allgather":
+        p.append(Problem("pipeline.forward.cp_attention", cp, f"{where} prices the all-gather paths from its tables; "
+                         "a ring is priced on a shipped profile: use allgather here"))
+    if cfg.simulate.cp_decode != "engine":
+        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, f"{where} prices the engine's decodes; use engine"))
+    if not hw.nccl:
+        measured = sorted({c.ranks for c in hw.tables.collectives})
+        grid = cfg.grid
+        for name, size in (("tp", grid.tp), ("pcp", grid.pcp), ("dcp", grid.dcp)):
+            if size > 1 and size not in measured:
+                p.append(Problem(name, size, f"{where} measured collectives on groups of "
+                                 f"{' or '.join(map(str, measured)) or 'no'} ranks (tp x pcp = "
+                                 f"{hw.measured.tp * hw.measured.pcp if hw.measured else '?'}); profile a grid with "
+                                 f"a group of {size}"))
+                break
+    return p
+
+
 def dtype_problems(cfg) -> list[Problem]:
     """Every dtype a simulated run prices must have a peak on its hardware: the activations'
-    (the ``PEAK_OF_DTYPE`` mapping) and the weights' (``simulate.weights_dtype``)."""
+    (the ``PEAK_OF_DTYPE`` mapping) and the weights' (``simulate.weights_dtype``). A measured
+    profile says which dtypes it measured (``measured_problems``)."""
     hw, p = cfg.hardware, []
+    if hw.tables is not None:
+        return p
     known = [f"{k} ({v})" for k, v in PEAK_OF_DTYPE.items() if hw.peak(v) is not None]
     if cfg.dtype not in PEAK_OF_DTYPE or hw.peak(PEAK_OF_DTYPE[cfg.dtype]) is None:
         p.append(Problem("dtype", cfg.dtype, f"{hw.name} prices activations at a peak of hardware.peak_tflops: "

@@ -7,20 +7,25 @@ Per PCP rank (its TP ranks hold the same rows and cost the same; ``N`` its padde
   experts where ``moe.dispatch`` runs them; the LM head on the sampled rows), priced by
   ``pcpflow.simulate.kernels`` (tiles, waves, roofline, floor);
 - ``attention``: the pairs of the rank's busiest DCP shard (``attention_work``, the executed
-  count), prefill rows through FlashAttention-3's kernel, decode rows through split-KV;
+  count; a ring's ``ring_attention_work``), prefill rows through FlashAttention-3's kernel at
+  its published throughput for the shapes each call holds (``pcpflow.simulate.flash``), decode
+  rows through split-KV;
 - ``memory_ops``: norms, RoPE, residual adds, the activation, KV writes, DCP and ring merges
   (HBM-bound; every kernel of pcpflow's forward that is neither a GEMM nor attention costs at
   least the kernel floor);
 - each collective purpose: the executed run's own list (``grid_step_collectives``), each call
   priced and picked as NCCL v2.29.7 does (``pcpflow.simulate.collectives``); all-to-all as
-  point-to-point; Meta's ring variants as SendRecv steps (``pcpflow.simulate.ring``);
+  point-to-point; a ring (``pipeline.forward.cp_attention``, ``simulate.cp_decode=ring_pass_q``)
+  as the executed ring counts it (``ring_step_traffic``): each hop a point-to-point transfer;
 - ``host_launch``: the host launching the step's kernels (``pcpflow.simulate.host``).
 
 Overlap, per mechanism. The engine (pcpflow's executed path, vLLM's) runs everything on one
 stream: its collectives wait for their inputs and the next kernel waits for them, so all are
-exposed. A ring's SendRecv runs on its own stream while the partial attention of the step
-before it runs: a step exposes ``max(0, sendrecv - attention step)`` and hides the rest; its
-all-to-all and the merge of its ``n`` partials follow the loop, exposed. The host runs ahead of
+exposed. A ring double-buffers, as the executed one does (``pcpflow.attention.ring``): at
+iteration ``h`` a rank posts its hop (its send to the next rank, its receive from the one
+before) and computes the partial attention of the package it holds, then waits for the hop:
+the iteration lasts ``max(attention, hop)``, exposing ``max(0, hop - attention)``; the rows
+every rank holds, the all-to-all of pass-Q's partials and the merges follow the loop, exposed. The host runs ahead of
 the GPU and waits for it once per step (sampling reads the logits): the host's time hides
 behind the GPU's, and what it takes beyond is exposed (``host_launch``).
 """
@@ -34,24 +39,43 @@ import numpy as np
 
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.layouts.accounting import (
+    RING_PURPOSES,
     DCPRest,
     attention_rows,
     attention_work,
-    context_rows,
     grid_step_collectives,
     moe_all_to_all_calls,
     moe_all_to_all_rows,
     moe_all_to_all_step_traffic,
     moe_uniform_send_rows,
-    rest_requests,
+    ring_attention_work,
+    ring_hop_rows,
+    ring_step_traffic,
+    ring_totals,
     step_traffic,
 )
+from pcpflow.layouts.ring import RingPlan, plan_ring
 from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
-from pcpflow.simulate import ring as rings
-from pcpflow.simulate.collectives import Comm, all_to_all_seconds, sendrecv_seconds, tuner
-from pcpflow.simulate.host import Host
+from pcpflow.simulate import flash
+from pcpflow.simulate.collectives import (
+    Comm,
+    all_to_all_seconds,
+    p2p_rate_gbps,
+    sendrecv_seconds,
+    tuner,
+)
+from pcpflow.simulate.host import Host, elementwise_bytes
 from pcpflow.simulate.kernels import Kernels
+from pcpflow.simulate.measured import (
+    MeasuredCollectives,
+    MeasuredKernels,
+    attended_rows,
+    dtype_of,
+    head_features,
+    host_seconds,
+    launch_us,
+)
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
 KV_PURPOSES = ("kv_gather", "dcp_context_gather", "ring_send_kv")
@@ -59,7 +83,6 @@ KV_PURPOSES = ("kv_gather", "dcp_context_gather", "ring_send_kv")
 FLASH_QUERY_TILE = 128  # query rows that share one read of a key tile (FlashAttention-2/3)
 NCCL_FUNC = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
              "broadcast": "broadcast"}
-PREFILL_RING_REPLACES = ("kv_gather", "dcp_query_gather", "dcp_partials", "dcp_context_gather")
 ROUTED_PURPOSES = ("moe_dispatch", "moe_combine")
 """all_to_all purposes whose executed bytes follow the router's choices (data-dependent)."""
 
@@ -70,13 +93,15 @@ class Placement:
 
     def __init__(self, grid: RankGrid, hw: HardwareConfig, p2p_efficiency: float = 1.0) -> None:
         self.grid, self.hw, self.p2p_efficiency = grid, hw, p2p_efficiency
+        # NOTE: a measured profile's collectives come from its tables; NCCL's model prices the rest.
+        self.measured = MeasuredCollectives(hw.tables) if hw.tables is not None else None
         members = {"tp": grid.tp_members(0), "pcp": grid.pcp_members(0), "dcp": grid.dcp_members(0),
                    "dcp_heads": grid.dcp_heads_members(0), "world": list(range(grid.world_size))}
         self.comms: dict[str, Comm] = {}
         for g, m in members.items():
             nodes = Counter(r // hw.gpus_per_node for r in m)
             self.comms[g] = Comm(len(m), len(nodes), max(nodes.values()))
-        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()}
+        self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()} if hw.nccl else {}
         self._seconds: dict[tuple[str, str, float], tuple[float, str]] = {}
 
     def comm(self, group: str) -> Comm:
@@ -102,6 +127,8 @@ class Placement:
         comm = self.comms[group]
         if comm.nranks <= 1 or tensor_bytes <= 0:
             return 0.0, "-"
+        if self.measured is not None and self.measured.has(op, comm.nranks):
+            return self.measured.seconds(op, comm.nranks, tensor_bytes), "measured"
         if op == "all_to_all":
             return all_to_all_seconds(self.hw, comm, tensor_bytes, efficiency=self.p2p_efficiency), "p2p"
         if op == "sendrecv":
@@ -111,11 +138,18 @@ class Placement:
         algo, proto, s = self._tuners[group].pick(NCCL_FUNC[op], nbytes)
         return s, f"{algo}/{proto}"
 
+    def p2p_gbps(self, group: str, efficiency: float) -> float:
+        """What one rank sends a peer of ``group`` per second (GB/s): the measured send/recv's
+        fitted bandwidth, else NCCL's point-to-point rate."""
+        comm = self.comms[group]
+        if self.measured is not None and self.measured.has("sendrecv", comm.nranks):
+            return self.measured.rate_gbps("sendrecv", comm.nranks)
+        return p2p_rate_gbps(self.hw, comm, network=comm.nnodes > 1, efficiency=efficiency)
+
 
 @dataclass
 class StepCounts:
-    """One step as the executed run counts it (or, for a ring, as it would), and what
-    pricing needs beside."""
+    """One step as the executed run counts it, and what pricing needs beside."""
 
     pairs: np.ndarray  # per-rank attention pairs as the executed run records them
     work: np.ndarray  # [P] pairs the busiest DCP shard of each PCP rank scores
@@ -124,59 +158,59 @@ class StepCounts:
     nbytes: dict[str, int]  # bytes by purpose, the whole job's (as ``CommStats`` counts them)
     priced: list[tuple[str, str, str, int, float]]  # (purpose, op, group, calls, one rank's tensor bytes)
     expected: tuple[str, ...] = ()  # purposes whose bytes are uniform routing's expectation
-    ring: str | None = None  # ring_pass_kv | ring_pass_q when a prefill ring ran
-    decode_ring: bool = False  # decodes ran Meta's ring pass-Q
-    ring_sends: list = field(default_factory=list)  # per layer: RingSend of the prefill ring
-    decode_sends: list = field(default_factory=list)  # per layer: RingSend of the decode ring
+    dcp_rest: str = "queries"  # the DCP path of the rest rows (an all-gather step)
+    ring: str | None = None  # ring_pass_kv | ring_pass_q: the step ran a ring (the executed ``cp_attention``)
+    ring_plan: RingPlan | None = None
+    per_rank_calls: dict[str, list[int]] = field(default_factory=dict)  # ring purposes, per global rank
+    per_rank_bytes: dict[str, list[int]] = field(default_factory=dict)
 
 
 def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest: DCPRest,
                 interleave: int, restore: str, dcp_comm_backend: str = "ag_rs", moe_dispatch: str = "local",
-                kv_bytes: float | None = None, prefill_ring: str | None = None,
-                decode_ring: bool = False) -> StepCounts:
+                kv_bytes: float | None = None, ring: str | None = None) -> StepCounts:
     """What the executed run counts for this step, through ``pcpflow.layouts.accounting``
     (``grid_step_collectives``: PCP/DCP, TP and MoE layers). ``all_to_all`` MoE bytes are
-    uniform routing's expectation (flagged in ``expected``). ``prefill_ring`` /
-    ``decode_ring``: Meta's ring variants replace the attention's collectives (priced only:
-    ``pcpflow.simulate.ring``). ``kv_bytes``: KV entries' element size when it differs."""
+    uniform routing's expectation (flagged in ``expected``). ``ring`` (``pass_kv`` |
+    ``pass_q``): the step runs the executed ring (``pcpflow.attention.ring``) in place of the
+    attention's all-gather paths: its sends as ``ring_step_traffic`` lists them, its pairs as
+    ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs."""
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
-    pairs = attention_work(layout, batch.positions, dcp_size=grid.layout_dcp, interleave=interleave,
-                           dcp_rest=dcp_rest.mode)
     decode = ~batch.is_prefilling[batch.req_indices]
-    work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, None)
-    decode_work = (work if decode.all() else np.zeros_like(work) if not decode.any()
-                   else _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode))
     moe_layers = sizes.num_moe_layers if sizes.num_experts else 0
     colls = grid_step_collectives(
         layout, batch.logits_indices, tp_size=grid.tp, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
         restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch,
     )
-    nd, rest = attention_rows(layout)
-    replaced: set[str] = set()
-    ring_sends, decode_sends = [], []
-    if prefill_ring and rest and grid.dcp > 1:
-        replaced.update(PREFILL_RING_REPLACES)
-        n = grid.dcp
-        if prefill_ring == "ring_pass_kv":
-            m = dcp_rest.context_rows or context_rows(np.asarray(batch.seq_lens)[rest_requests(layout)],
-                                                      dcp_size=n, interleave=interleave)
-            ring_sends = rings.pass_kv(n, m, shape, kv_bytes or dtype_bytes)
-        else:
-            ring_sends = rings.pass_q(n, rest, shape)
-    if decode_ring and nd and grid.dcp > 1:
-        replaced.update(c.purpose for c in colls if c.purpose.startswith("dcp_decode"))
-        decodes = int(np.count_nonzero(decode))
-        decode_sends = rings.decode_pass_q(grid.dcp, decodes, shape)
-    colls = [c for c in colls if c.purpose not in replaced]
+    plan = traffic = None
+    if ring is not None:
+        # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
+        colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
+        plan = plan_ring(layout, batch.positions, variant=ring, interleave=interleave)
+        traffic = ring_step_traffic(layout, batch.positions, variant=ring, shape=shape, interleave=interleave,
+                                    tp_size=grid.tp, plan=plan)
+        pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan)
+        work, decode_work = pairs, np.zeros_like(pairs)  # a ring's price reads its plan (flash.ring_blocks)
+    else:
+        pairs = attention_work(layout, batch.positions, dcp_size=grid.layout_dcp, interleave=interleave,
+                               dcp_rest=dcp_rest.mode)
+        work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, None)
+        decode_work = (work if decode.all() else np.zeros_like(work) if not decode.any()
+                       else _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode))
     calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes, tp_size=grid.tp)
     group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
     priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
               for c, k in Counter(colls).items() if group_size[c.group] > 1]
-    copies = grid.world_size // grid.dcp  # ring groups in the job (one per TP rank)
-    for send in ring_sends + decode_sends:
-        k = send.calls * sizes.num_layers
-        calls[send.purpose] = calls.get(send.purpose, 0) + k
-        nbytes[send.purpose] = nbytes.get(send.purpose, 0) + k * send.group_bytes(grid.dcp) * copies
+    per_calls: dict[str, list[int]] = {}
+    per_bytes: dict[str, list[int]] = {}
+    if traffic is not None:
+        sent = dict(traffic.bytes)
+        if kv_bytes is not None and kv_bytes != dtype_bytes:  # KV entries at the KV cache's dtype
+            sent["ring_send_kv"] = (sent["ring_send_kv"] * kv_bytes // dtype_bytes).astype(np.int64)
+        per_calls = {k: traffic.calls[k].tolist() for k in RING_PURPOSES}
+        per_bytes = {k: sent[k].tolist() for k in RING_PURPOSES}
+        ring_calls, ring_bytes = ring_totals(traffic.calls, sent)
+        calls.update(ring_calls)
+        nbytes.update(ring_bytes)
     if kv_bytes is not None and kv_bytes != dtype_bytes:
         scale = kv_bytes / dtype_bytes
         priced = [(p, op, g, k, b * scale if p in KV_PURPOSES else b) for p, op, g, k, b in priced]
@@ -207,9 +241,9 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
             priced.append(("moe_combine", "broadcast", "tp", moe_layers,
                            layout.padded_num_tokens * sizes.hidden_size * dtype_bytes))
         expected = ROUTED_PURPOSES
-    return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected,
-                      ring=prefill_ring if ring_sends else None, decode_ring=bool(decode_sends),
-                      ring_sends=ring_sends, decode_sends=decode_sends)
+    return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected, dcp_rest=dcp_rest.mode,
+                      ring=f"ring_{ring}" if ring is not None else None, ring_plan=plan,
+                      per_rank_calls=per_calls, per_rank_bytes=per_bytes)
 
 
 def _tensor_bytes(c, dtype_bytes: int) -> float:
@@ -235,20 +269,37 @@ class StepPrice:
         return {k: v[0] for k, v in self.terms.items()}
 
 
+@dataclass
+class Attention:
+    """A step's attention per PCP rank: seconds (prefill and decode kernels), their
+    compute-bound part, FLOPs, decode KV bytes read, and a ring's exposed transfers."""
+
+    prefill_s: np.ndarray
+    decode_s: np.ndarray
+    compute_s: np.ndarray
+    flops: np.ndarray
+    decode_bytes: np.ndarray
+    comm_s: np.ndarray
+
+
 class Pricer:
     """Prices steps of one run: its grid on its hardware, its model, its ``simulate`` settings."""
 
     def __init__(self, grid: RankGrid, hw: HardwareConfig, sizes: ModelSizes, sim: SimulateConfig, *,
-                 act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local") -> None:
-        self.grid, self.hw, self.sizes, self.sim = grid, hw, sizes, sim
+                 act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local", interleave: int = 1) -> None:
+        self.grid, self.hw, self.sizes, self.sim, self.interleave = grid, hw, sizes, sim, interleave
         self.place = Placement(grid, hw, sim.p2p_efficiency)
-        self.kern = Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency,
-                            attention_efficiency=sim.attention_efficiency)
+        # NOTE: a measured profile prices pcpflow's own forward from its tables (pcpflow.simulate.measured).
+        self.measured = hw.tables is not None and bool(hw.tables.gemm)
+        self.kern = (MeasuredKernels(hw, dtype=dtype_of(act_key)) if self.measured
+                     else Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency))
         self.act_key, self.act_bytes = act_key, DTYPE_BYTES[act_key]
         self.kv_bytes = DTYPE_BYTES[kv_key]
         self.w_key = sim.weights_dtype or "bf16"
         self.w_bytes = DTYPE_BYTES[self.w_key]
         self.host, self.moe_dispatch = host, moe_dispatch
+        # NOTE: pcpflow's own forward on a measured profile: its unfused ops' bytes, counted.
+        self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
 
@@ -275,7 +326,7 @@ class Pricer:
 
         for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), int(samples))):
             out[i] = out[i] + v
-        if s.attention == "mla" and s.kv_b_params:
+        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
             ctx = _prefill_context(batch, layout, grid)
             if ctx.any():
                 _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
@@ -341,78 +392,230 @@ class Pricer:
         samples = float(len(batch.logits_indices))
         g_t, g_c, g_flops, w_bytes = self._gemms(layout, batch, samples)
 
-        # Attention: heads split by tp, gathered back over a DCP group's TP part.
-        heads = s.num_heads / grid.tp * grid.dcp_tp
-        decode_pairs = counts.decode_work.astype(np.float64)
-        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
-        entry = s.entry_dim_per_rank(grid.tp) * self.kv_bytes * L
-        p_flops = 2.0 * heads * L * prefill_pairs * (s.prefill_qk_dim + s.prefill_v_dim)
-        d_flops = 2.0 * heads * L * decode_pairs * (s.decode_qk_dim + s.decode_v_dim)
-        p_rows = np.full(P, float(max(layout.padded_num_tokens - nd, 0)))
-        t_pre = k.prefill_attention(p_flops, p_rows, entry * prefill_pairs / FLASH_QUERY_TILE,
-                                    peak_key=self.act_key)
-        t_dec = k.decode_attention(d_flops, entry * decode_pairs, peak_key=self.act_key)
-        t_pre = np.where(p_flops > 0, np.maximum(t_pre, L * k.floor), 0.0)
-        t_dec = np.where(d_flops > 0, np.maximum(t_dec, L * k.floor), 0.0)
-        t_attn = t_pre + t_dec
-        attn_c = t_pre + np.where(d_flops / k.peak(self.act_key) >= entry * decode_pairs / k.hbm, t_dec, 0.0)
-
-        # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
-        mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
-        merge_bytes = self._merge_bytes(layout, counts, nd, rest)
-        small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
-        t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
-
-        # Collectives: the engine's all exposed; a ring's SendRecv hides behind its steps.
+        # Attention: FlashAttention-3 by shape for prefill rows, split-KV for decode rows.
         terms: dict[str, list] = {}
         picks: dict[str, str] = {}
-        comm = np.zeros(P)
+        if counts.ring_plan is not None:
+            att = self._ring(batch, layout, counts, terms, picks)
+        elif self.measured:
+            att = self._measured_attention(batch, layout, counts)
+        else:
+            att = self._engine_attention(batch, layout, counts)
+        t_attn = att.prefill_s + att.decode_s
+
+        # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
+        if self.counted_bytes is not None:
+            per_row, fixed = self.counted_bytes
+            mem_bytes = L * (float(layout.padded_num_tokens) * per_row + fixed)
+        else:
+            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
+        merge_bytes = self._merge_bytes(layout, counts, nd, rest)
+        small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
+        inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
+        if inline:
+            op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
+            t_mem = np.full(P, float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes)))
+        else:
+            t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
+
+        # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
+        comm = att.comm_s
         for purpose, op, group, n_calls, tensor in counts.priced:
             sec, pick = place.seconds(op, group, tensor)
             _add(terms, purpose, np.full(P, n_calls * sec), np.zeros(P))
             comm = comm + n_calls * sec
             picks[purpose] = pick
-        ring_kernels = 0
-        for sends, t_phase in ((counts.ring_sends, t_pre), (counts.decode_sends, t_dec)):
-            if not sends:
-                continue
-            n = grid.dcp
-            step_attn = t_phase / L / n  # the partial attention of one ring step, one layer
-            for send in sends:
-                sec, pick = place.seconds(send.op, "dcp", send.tensor_bytes)
-                picks[send.purpose] = pick
-                if send.op == "sendrecv":
-                    exposed = L * send.calls * np.maximum(sec - step_attn, 0.0)
-                    hidden = L * send.calls * np.minimum(sec, step_attn)
-                else:
-                    exposed, hidden = np.full(P, L * send.calls * sec), np.zeros(P)
-                _add(terms, send.purpose, exposed, hidden)
-                comm = comm + exposed
-                ring_kernels += L * send.calls
         gpu = g_t + t_attn + t_mem + comm
-        calls = sum(n for *_, n, _ in counts.priced) + ring_kernels
+        ring_calls = sum(counts.calls.get(p, 0) for p in RING_PURPOSES)
+        calls = sum(n for *_, n, _ in counts.priced) + ring_calls
         host = self.host.step(runtime_mode, calls)
-        if counts.ring_sends or counts.decode_sends:
-            host += (0 if runtime_mode == "full" else ring_kernels * self.host.layer.attention * self.host.launch_s)
-        total = np.maximum(gpu, host)
+        if counts.ring_plan is not None and runtime_mode != "full":
+            # NOTE: each ring iteration past the first launches the attention backend's kernels again.
+            host += L * (grid.dcp - 1) * self.host.layer.attention * self.host.launch_s
+        # pcpflow's own per-step work (scheduler, plan, buffers, slots, sampling): measured
+        # profiles only; it runs before the step's first op and after its last, exposed.
+        work = host_seconds(self.hw.tables, len(batch.num_scheduled_tokens), int(batch.num_tokens)) if self.measured else 0.0
+        if inline:
+            host = self._inline_ops(layout) * self.launch_s
+            total = gpu + host + work
+        else:
+            total = np.maximum(gpu, host) + work
         slow = int(np.argmax(total))
         out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
                "memory_ops": [float(t_mem[slow]), 0.0]}
         out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
-        out["host_launch"] = [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        out["host_launch"] = [host, 0.0] if inline else [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        if self.measured:
+            out["host_work"] = [work, 0.0]
         p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
         fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
         return StepPrice(
             step_s=float(total[slow]),
             terms=out,
-            compute_s=g_c + attn_c,
-            memory_s=(g_t - g_c) + (t_attn - attn_c) + t_mem,
-            communication_s=total - g_t - t_attn - t_mem,
+            compute_s=g_c + att.compute_s,
+            memory_s=(g_t - g_c) + (t_attn - att.compute_s) + t_mem,
+            communication_s=total - g_t - t_attn - t_mem,  # exposed collectives and host
             fitted_s=fitted,
             picks=picks,
-            flops=g_flops + p_flops + d_flops,
-            hbm_bytes=w_bytes + entry * decode_pairs + mem_bytes + merge_bytes,
+            flops=g_flops + att.flops,
+            hbm_bytes=w_bytes + att.decode_bytes + mem_bytes + merge_bytes,
         )
+
+    def _per_pair(self) -> tuple[float, float, float]:
+        """FLOPs of one (query, key) pair over every layer, prefill and decode kernels, and KV
+        bytes of one key over every layer (heads split by tp, gathered back over a DCP
+        group's TP part)."""
+        s, grid = self.sizes, self.grid
+        heads = s.num_heads / grid.tp * grid.dcp_tp
+        L = s.num_layers
+        return (2.0 * heads * L * (s.prefill_qk_dim + s.prefill_v_dim),
+                2.0 * heads * L * (s.decode_qk_dim + s.decode_v_dim),
+                s.entry_dim_per_rank(grid.tp) * self.kv_bytes * L)
+
+    def _group(self) -> int:
+        """Query heads per KV head of one rank's prefill kernel (PackGQA packs them into its
+        query tiles); 1 for multi-head attention and MLA's expanded prefill."""
+        s = self.sizes
+        if s.attention != "gqa":
+            return 1
+        return max(1, (s.num_heads // self.grid.tp) // s.kv_heads_per_rank(self.grid.tp))
+
+    def _prefill(self, pairs, peak_pairs):
+        """Seconds of prefill attention of ``pairs`` priced as ``peak_pairs`` at the peak."""
+        k, L = self.kern, self.sizes.num_layers
+        fpp, _, entry = self._per_pair()
+        t = k.prefill_attention(np.asarray(peak_pairs) * fpp, entry * np.asarray(pairs) / flash.QUERY_TILE,
+                                peak_key=self.act_key)
+        return np.where(np.asarray(pairs) > 0, np.maximum(t, L * k.floor), 0.0)
+
+    def _decode(self, pairs):
+        """Seconds of split-KV decode attention of ``pairs`` and whether FLOPs bound it."""
+        k, L = self.kern, self.sizes.num_layers
+        _, fpp, entry = self._per_pair()
+        pairs = np.asarray(pairs, dtype=np.float64)
+        t = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
+        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), fpp * pairs / k.peak(self.act_key) >= entry * pairs / k.hbm
+
+    def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
+        """The all-gather paths: one call per rank, its rows over the context or its DCP shard
+        (``flash.engine_blocks``) at the executed pairs of its busiest shard."""
+        grid, P = self.grid, self.grid.pcp
+        fpp, dpp, entry = self._per_pair()
+        decode_pairs = counts.decode_work.astype(np.float64)
+        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        ratio = np.ones(P)
+        if prefill_pairs.any():
+            blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
+                                         interleave=self.interleave, dcp_rest=counts.dcp_rest)
+            if blocks is not None:
+                shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
+                pairs = np.bincount(shard, weights=blocks.pairs.astype(np.float64), minlength=P)
+                peak = np.bincount(shard, weights=blocks.peak_pairs(self._group()), minlength=P)
+                ratio = np.where(pairs > 0, peak / np.maximum(pairs, 1e-300), 1.0)
+        t_pre = self._prefill(prefill_pairs, prefill_pairs * ratio)
+        t_dec, dec_bound = self._decode(decode_pairs)
+        return Attention(t_pre, t_dec, t_pre + np.where(dec_bound, t_dec, 0.0), fpp * prefill_pairs + dpp * decode_pairs,
+                         entry * decode_pairs, np.zeros(P))
+
+    def _ring(self, batch, layout, counts: StepCounts, terms: dict, picks: dict) -> Attention:
+        """A ring step (``pcpflow.attention.ring``): per rank and iteration, the partial
+        attention of the package it holds (``flash.ring_blocks``) beside its hop (its send to
+        the next rank, its receive from the one before: point to point, both purposes in one
+        batch), the longer of the two; after the loop the rows every rank holds, then pass-Q's
+        all-to-all, exposed."""
+        grid, s, place, plan = self.grid, self.sizes, self.place, counts.ring_plan
+        P, L = grid.pcp, s.num_layers
+        fpp, dpp, entry = self._per_pair()
+        rb = flash.ring_blocks(plan, layout, batch.positions, batch.is_prefilling)
+        pairs, peak = rb.loop.per_bin(P * P, self._group())
+        loop = self._prefill(pairs, peak).reshape(P, P)
+        loop_dec, loop_bound = self._decode(rb.loop_decode_pairs)
+        a_pairs, a_peak = rb.after.per_bin(P, self._group())
+        after = self._prefill(a_pairs, a_peak)
+        after_dec, after_bound = self._decode(rb.after_decode_pairs)
+        attention = loop + loop_dec  # [P, P]: rank, iteration; every layer
+
+        # The hops: iteration h < P - 1 sends the package of origin (r - h) % P (one layer).
+        kv_rows, q_rows = ring_hop_rows(plan)
+        shape = s.shape_per_rank(grid.tp, self.act_bytes)
+        kv_b = kv_rows * shape.entry_dim * self.kv_bytes
+        q_b = q_rows * shape.num_heads * shape.qk_dim * self.act_bytes
+        send = np.vectorize(lambda b: place.seconds("sendrecv", "dcp", float(b))[0], otypes=[float])(kv_b + q_b)
+        hop = np.zeros((P, P))
+        if P > 1:
+            hop[:, : P - 1] = L * np.maximum(send, np.roll(send, 1, axis=0))  # its send, and the one it receives
+        exposed, hidden = np.maximum(hop - attention, 0.0), np.minimum(hop, attention)
+        if not self.hw.overlap.p2p:  # NOTE: the profile's transfers run on the thread that computes
+            exposed, hidden = hop, np.zeros_like(hop)
+        total_b = np.zeros((P, P))
+        total_b[:, : P - 1] = kv_b + q_b
+        for purpose, b in (("ring_send_kv", kv_b), ("ring_send_q", q_b)):
+            if not b.any():
+                continue
+            part = np.zeros((P, P))
+            part[:, : P - 1] = b
+            w = np.where(total_b > 0, part / np.maximum(total_b, 1e-300), 0.0)
+            _add(terms, purpose, (exposed * w).sum(axis=1), (hidden * w).sum(axis=1))
+            picks[purpose] = "p2p"
+        comm = exposed.sum(axis=1)
+        a2a = np.asarray(counts.per_rank_bytes.get("ring_all2all", [0] * grid.world_size), dtype=np.float64)[:: grid.tp]
+        if a2a.any():
+            n = grid.dcp
+            per_layer = a2a / L * n / (n - 1)  # the buffer NCCL splits over the ring (its own share stays)
+            sec = np.array([place.seconds("all_to_all", "dcp", float(b))[0] for b in per_layer])
+            _add(terms, "ring_all2all", L * sec, np.zeros(P))
+            comm = comm + L * sec
+            picks["ring_all2all"] = "p2p"
+        t_pre = loop.sum(axis=1) + after
+        t_dec = loop_dec.sum(axis=1) + after_dec
+        compute = t_pre + np.where(loop_bound, loop_dec, 0.0).sum(axis=1) + np.where(after_bound, after_dec, 0.0)
+        pre_pairs = pairs.reshape(P, P).sum(axis=1) + a_pairs
+        dec_pairs = rb.loop_decode_pairs.sum(axis=1) + rb.after_decode_pairs
+        return Attention(t_pre, t_dec, compute, fpp * pre_pairs + dpp * dec_pairs, entry * dec_pairs, comm)
+
+    # ------------------------------------------------------------------ measured profiles
+    def _measured_attention(self, batch, layout, counts: StepCounts) -> Attention:
+        """The all-gather paths from a profile's tables: one call per layer of pcpflow's backend
+        (with DCP, the decode rows' call and the rest rows' apart), at the executed head shape
+        (MLA absorbed for every row), by rows and mean keys of the rank's busiest shard."""
+        s, grid, k = self.sizes, self.grid, self.kern
+        P, L = grid.pcp, s.num_layers
+        fpp, dpp, entry = self._per_pair()
+        heads = s.num_heads / grid.tp * grid.dcp_tp
+        w = head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
+        decode_pairs = counts.decode_work.astype(np.float64)
+        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        dec_rows, pre_rows = attended_rows(layout, batch, dcp=grid.dcp, dcp_rest=counts.dcp_rest)
+        t_pre, t_dec = np.zeros(P), np.zeros(P)
+        for r in range(P):
+            if pre_rows[r] and prefill_pairs[r] > 0:
+                t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w)
+            if dec_rows[r] and decode_pairs[r] > 0:
+                t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w)
+            if grid.dcp == 1 and t_pre[r] and t_dec[r]:  # one call holds both: one fixed cost
+                t_dec[r] = max(t_dec[r] - k.attention_fixed(w), 0.0)
+        t_pre, t_dec = L * t_pre, L * t_dec
+        return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
+                         np.zeros(P))
+
+    @property
+    def launch_s(self) -> float:
+        """One op of pcpflow's forward on a host that runs its ops itself (measured)."""
+        return launch_us(self.hw, self.sizes.attention) * 1e-6
+
+    def _inline_ops(self, layout) -> float:
+        """The ops of one step that are neither a GEMM nor the attention backend's call (those
+        are measured with their launch), on a host that runs them: every layer's (pcpflow's
+        forward counted, ``pcpflow.simulate.host``), an MoE layer's per reached expert. The
+        step's own ops outside the layers are in the host table (``host_work``)."""
+        s = self.sizes
+        per_layer = max(self.host.per_layer - self._gemm_kernels() - self.host.layer.attention, 0)
+        ops = float(s.num_layers * per_layer)
+        if s.num_experts and s.num_moe_layers:
+            fixed, per_expert = self.host.moe_ops
+            reached = float(np.max(_experts_touched(s, layout.per_rank_num_tokens.astype(np.float64))))
+            ops += s.num_moe_layers * (fixed + per_expert * reached)
+        return ops
 
     def _gemm_kernels(self) -> int:
         """GEMM kernels pcpflow's forward launches per layer (the rest are small kernels)."""
@@ -447,7 +650,7 @@ class Pricer:
         width = heads * (s.decode_v_dim * self.act_bytes + 4)
         rows = float(nd) + (float(rest) if counts.ring or "dcp_partials" in counts.calls
                             or "dcp_output_reduce_scatter" in counts.calls else 0.0)
-        passes = 2 * grid.dcp + 1 if (counts.ring or counts.decode_ring) else grid.dcp + 1
+        passes = 2 * grid.dcp + 1 if counts.ring else grid.dcp + 1
         return passes * rows * width * s.num_layers
 
 

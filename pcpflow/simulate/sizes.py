@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pcpflow.layouts.accounting import ModelShape
 from pcpflow.models.card import ModelCard
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "fp32": 4, "bf16": 2, "fp8": 1, "fp4": 0.5}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "fp64": 8, "fp32": 4, "bf16": 2, "fp8": 1, "fp4": 0.5}
 """Bytes per element of the run's ``dtype`` and of the ``simulate.*_dtype`` keys (fp4: two per byte)."""
 
 

@@ -61,7 +61,14 @@ _CARDS = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3")
 
 
 def test_every_shipped_yaml_composes_and_validates(tmp_path):
-    needs = {("workload", "trace"): [f"workload.path={write_trace(tmp_path / 't.jsonl')}"]}
+    import yaml
+    from measured_profile import profile_dict
+
+    (tmp_path / "hardware.yaml").write_text(yaml.safe_dump(profile_dict()))
+    needs = {("workload", "trace"): [f"workload.path={write_trace(tmp_path / 't.jsonl')}"],
+             # a profile mode=profile measured (here made by hand), of an executable model's dtype
+             ("hardware", "measured"): [f"hardware.path={tmp_path / 'hardware.yaml'}", "dtype=float32", "model=tiny_gqa"],
+             ("mode", "profile"): ["pcp=1"]}
     groups = _config_groups()
     assert {"decode", "model", "workload", "draft", "pipeline"} <= set(groups)
     checked = 0
@@ -72,7 +79,7 @@ def test_every_shipped_yaml_composes_and_validates(tmp_path):
             overrides = [f"{group}={option}", *needs.get((group, option), [])]
             if group == "hardware" or (group, option) == ("mode", "simulate"):
                 # NOTE: hardware profiles and model cards price simulated runs only.
-                overrides += ["mode=simulate", "model=llama3_8b"]
+                overrides += ["mode=simulate"] + ([] if (group, option) == ("hardware", "measured") else ["model=llama3_8b"])
                 overrides += [] if group == "hardware" else ["hardware=h100_sxm"]
             elif option in _CARDS:
                 overrides += ["mode=simulate", "tp=8", "simulate.weights_dtype=fp8", "hardware=b200"]
@@ -276,7 +283,8 @@ def test_a_refused_option_is_one_problem_once_across_a_sweep(tmp_path):
     assert code == 2
     lines = [line for line in err.splitlines() if line.startswith("  - ")]
     # not again as "no hardware" (its default, left behind), nor once per job
-    assert lines == ["  - hardware: got 'h100'; one of: b200, gtt_h100, h100_sxm, h200_sxm (did you mean 'h100_sxm'?)"], err
+    assert lines == ["  - hardware: got 'h100'; one of: b200, gtt_h100, h100_sxm, h200_sxm, measured "
+                     "(did you mean 'h100_sxm'?)"], err
 
 
 def test_an_invalid_command_replaces_an_older_ok_result_in_its_run_dir(tmp_path):

@@ -8,7 +8,13 @@ from pcpflow.scheduling.arrivals import Arrivals
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import StepLoop
 from pcpflow.scheduling.scheduler import Scheduler
-from pcpflow.scheduling.workload import BlockIdentity, RequestTable, SyntheticWorkload, poisson_arrivals, request_table
+from pcpflow.scheduling.workload import (
+    BlockIdentity,
+    RequestTable,
+    SyntheticWorkload,
+    poisson_arrivals,
+    request_table,
+)
 
 
 def test_no_cap_releases_by_key_in_arrival_order():

@@ -95,6 +95,7 @@ def test_an_extra_stage_is_refused_in_a_simulated_run():
     ("simulate.ring_step_us=543", "hardware.host.launch_us"),
     ("+simulate.ring_step_us=543", "hardware.host.launch_us"),
     ("simulate.overlap=ring", "simulate.cp_decode"),
+    ("simulate.attention_efficiency=0.675", "FlashAttention-3's published throughput"),
 ])
 def test_removed_settings_name_their_replacement(override, replacement):
     found = problems(override)
@@ -102,9 +103,14 @@ def test_removed_settings_name_their_replacement(override, replacement):
     assert field == override.lstrip("+").split("=")[0] and "removed" in found[field] and replacement in found[field]
 
 
-def test_a_decode_ring_needs_kv_shards():
-    found = problems("simulate.cp_decode=ring_pass_q")
-    assert list(found) == ["simulate.cp_decode"] and "dcp > 1" in found["simulate.cp_decode"]
+def test_a_decode_ring_needs_kv_shards_over_its_ring():
+    """The executed ring runs over the PCP group with the KV sharded over it: dcp = pcp > 1
+    (dcp=1 holds the whole cache on every rank; DCP over TP ranks has no ring)."""
+    found = problems("pcp=2", "simulate.cp_decode=ring_pass_q")
+    assert list(found) == ["simulate.cp_decode"], found
+    for args, got in ((("pcp=2",), "pcp=2 dcp=1"), (("pcp=1", "tp=8", "dcp=2"), "pcp=1 dcp=2")):
+        found = problems(*args, "simulate.cp_decode=ring_pass_q")
+        assert "pcp > 1 and dcp = pcp" in found["simulate.cp_decode"] and f"got {got}" in found["simulate.cp_decode"]
     assert compose([*RUN, "pcp=2", "dcp=2", "simulate.cp_decode=ring_pass_q"]).simulate.cp_decode == "ring_pass_q"
 
 

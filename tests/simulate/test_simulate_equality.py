@@ -14,10 +14,10 @@ counts changes without them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pcpflow_test_plugins import step_counts
-
-from pathlib import Path
 
 from pcpflow.simulate.engine import SimulatedRun
 from pcpflow.testing import compose, run
@@ -86,16 +86,30 @@ CASES = {
                                     "kv.num_blocks=8"],
     "serving_pcp1_preempted_gqa": ["pcp=1", "model=tiny_gqa", *SERVING, "kv.num_blocks=14"],
     "serving_trace_pcp2": ["pcp=2", *TRACE],
+    # Rings (pipeline.forward.cp_attention): every variant, both decode modes, both models, an
+    # interleave, a ring of three, TP beside it, MoE beside it.
+    "pcp2_dcp2_ring_pass_kv": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv"],
+    "pcp2_dcp2_ring_pass_q_sharded_gqa": ["pcp=2", "dcp=2", "decode=sharded", "model=tiny_gqa", "kv.interleave=2",
+                                          "pipeline.forward.cp_attention=ring_pass_q"],
+    "pcp3_dcp3_ring_auto": ["pcp=3", "dcp=3", "pipeline.forward.cp_attention=ring_auto"],
+    "tp2_pcp2_dcp2_ring_auto_gqa": ["tp=2", "pcp=2", "dcp=2", "model=tiny_gqa", "decode=sharded",
+                                    "pipeline.forward.cp_attention=ring_auto"],
+    "moe_gather_pcp2_ring_pass_q": ["pcp=2", "dcp=2", *MOE, "moe.dispatch=gather", "pipeline.forward.cp_attention=ring_pass_q"],
+    # simulate.cp_decode=ring_pass_q's two halves: the engine's steps, and the ring's
+    "pcp2_dcp2_sharded": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=queries"],
+    "pcp2_dcp2_sharded_ring_pass_q": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.cp_attention=ring_pass_q"],
 }
-COUNTED = ("per_rank_tokens", "padded_num_tokens", "per_rank_attention_work", "dcp_rest",
+COUNTED = ("per_rank_tokens", "padded_num_tokens", "per_rank_attention_work", "dcp_rest", "cp_attention",
            "collective_calls", "collective_bytes", "num_preempted", "prefix_hit_tokens", "prefix_query_tokens",
            "kv_blocks_used", "num_running", "num_waiting")
+RING_SENT = ("collective_calls", "collective_bytes", "per_rank_collective_calls", "per_rank_collective_bytes")
+"""A ring's point-to-point sends, every rank's: from the executed run's metrics.jsonl."""
 TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_steps", "output_len")
 
 
 DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dcp2_queries_gqa",
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
-           "serving_pcp2_dcp2_preempted", "serving_trace_pcp2"}
+           "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "pcp2_dcp2_ring_pass_kv"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
@@ -112,7 +126,7 @@ class Runs:
         return self.done[name]
 
     def _run(self, names) -> None:
-        cfgs, paths, sims = [], [], {}
+        cfgs, paths, dirs, sims = [], [], [], {}
         for name in names:
             extra = CASES[name]
             path = self.tmp.mktemp(name) / "steps.jsonl"
@@ -121,13 +135,22 @@ class Runs:
             base = _base(name)
             cfgs.append(compose(base + verify + extra + [probe]))
             paths.append(path)
+            dirs.append(path.parent if _ring(name) else None)
             # NOTE: the same prefix caching in both runs (executed runs default to off, simulated to on)
             caching = [] if "kv.prefix_caching=true" in extra else ["kv.prefix_caching=false"]
             sim = SimulatedRun(compose(base + [e for e in extra if e != "verify=true"] + caching
                                        + ["mode=simulate", "hardware=h100_sxm"]))
             sims[name] = (sim, sim.run())
-        for name, res, p in zip(names, run(cfgs), paths):
-            self.done[name] = (res, step_counts.read(p), *sims[name])
+        for name, res, p, d in zip(names, run(cfgs, run_dirs=dirs), paths, dirs):
+            steps = step_counts.read(p)
+            if d is not None:  # every rank's ring sends, as the engine gathered and recorded them
+                for line, rec in zip(steps, step_counts.read(d / "metrics.jsonl")):
+                    line.update({k: rec[k] for k in RING_SENT if k in rec})
+            self.done[name] = (res, steps, *sims[name])
+
+
+def _ring(name: str) -> bool:
+    return any(o.startswith("pipeline.forward.cp_attention=ring") for o in CASES[name])
 
 
 def _base(name: str) -> list[str]:
@@ -173,13 +196,16 @@ def test_every_step_counts_the_same(both, name):
     assert [s["step"] for s in sim.records] == [s["step"] for s in executed_steps]
     expected = set(sim.records[0].get("expected_bytes", ()))
     for ex, si in zip(executed_steps, sim.records):
-        for key in COUNTED:
+        for key in COUNTED + (RING_SENT[2:] if _ring(name) else ()):
             if key == "per_rank_attention_work" and _dcp_over_tp(name):
                 continue
             if key == "collective_bytes":
                 assert _counted(si[key], expected) == _counted(ex[key], expected), (name, ex["step"])
             else:
-                assert si[key] == ex[key], (name, ex["step"], key)
+                assert si.get(key) == ex[key], (name, ex["step"], key)
+    if _ring(name):  # the ring ran, every step, and the all-gather paths never did
+        assert all(s["cp_attention"].startswith("ring_") for s in executed_steps), name
+        assert not {p for s in executed_steps for p in s["collective_calls"] if p.startswith(("kv_gather", "dcp_"))}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -203,6 +229,33 @@ def test_serving_cases_reuse_and_preempt(both, name):
     assert sum(s["prefix_hit_tokens"] for s in steps) >= 12, name
     if "preempted" in name:
         assert sum(s["num_preempted"] for s in steps) >= 1, name
+
+
+@pytest.mark.slow
+def test_ring_auto_ran_both_variants(both):
+    """The workload's cached prefixes (0 to 25 of 33 tokens) take Meta's rule both ways."""
+    _, executed_steps, sim, _ = both["pcp3_dcp3_ring_auto"]
+    assert {s["cp_attention"] for s in executed_steps} == {"ring_pass_kv", "ring_pass_q"}
+
+
+@pytest.mark.slow
+def test_decode_ring_counts_the_executed_rings_decode_steps(both):
+    """``simulate.cp_decode=ring_pass_q``: a step of decodes only counts what the executed
+    ring pass-Q counts for it, every other step what the engine's paths count (the schedule
+    does not depend on the attention's path: both executed runs take the same steps)."""
+    _, engine, _, _ = both["pcp2_dcp2_sharded"]
+    _, ring, _, _ = both["pcp2_dcp2_sharded_ring_pass_q"]
+    sim = SimulatedRun(compose(WORKLOAD + CASES["pcp2_dcp2_sharded"] + ["kv.prefix_caching=false",
+                               "simulate.cp_decode=ring_pass_q", "mode=simulate", "hardware=h100_sxm"]))
+    sim.run()
+    assert [s["step"] for s in engine] == [s["step"] for s in ring] == [r["step"] for r in sim.records]
+    kinds = set()
+    for e, r, si in zip(engine, ring, sim.records):
+        ex = r if si["cp_attention"] == "ring_pass_q" else e
+        kinds.add(si["cp_attention"])
+        for key in COUNTED:
+            assert si.get(key) == ex[key], (ex["step"], key)
+    assert kinds == {"allgather", "ring_pass_q"}
 
 
 def test_cached_prefix_executes_exactly(both):

@@ -3,8 +3,6 @@ and paths.cc read by hand, tiles counted by hand) and the model's own invariants
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -21,7 +19,7 @@ from pcpflow.testing import compose
 UNIT = [
     "mode=simulate", "hardware=h100_sxm", "hardware.peak_tflops.bf16=1", "hardware.hbm_tbps=1", "hardware.sm_count=1",
     "hardware.kernel_floor_us=0", "hardware.host.launch_us=1e-9", "simulate.gemm_efficiency=1",
-    "simulate.attention_efficiency=1", "simulate.hbm_efficiency=1", "output.plots=false", "output.progress=false",
+    "simulate.hbm_efficiency=1", "output.plots=false", "output.progress=false",
 ]
 
 
@@ -101,7 +99,7 @@ def test_a_gemm_runs_in_tiles_and_waves(h100):
     waves; one row takes an 8-row tile (wgmma's smallest N) and stays memory-bound."""
     hw = h100.model_copy(update={"sm_count": 4, "kernel_floor_us": 0.0,
                                  "peak_tflops": h100.peak_tflops.model_copy(update={"bf16": 1.0})})
-    k = Kernels(hw, gemm_efficiency=1.0, hbm_efficiency=1.0, attention_efficiency=1.0)
+    k = Kernels(hw, gemm_efficiency=1.0, hbm_efficiency=1.0)
     kw = dict(peak_key="bf16", w_bytes=2, a_bytes=2)
     wave = 4 * 128 * 128 * 2 * 64 / 1e12
     assert float(k.gemm(256, 256, 64, **kw)[0]) == pytest.approx(wave)
@@ -115,14 +113,19 @@ def test_one_prefill_by_hand():
     """tiny_gqa (2 layers, h=64, 4 heads, 2 KV heads, d=16, MLP 128, vocab 256), one 64-token
     prompt at pcp=1, one SM at 1 TFLOP/s and 1 TB/s, no floors. GEMMs, 64 rows in a 64-row
     tile: qkv (N=128, K=64) and o (N=64, K=64) one tile each, gate_up (N=256) two, down (K=128)
-    one tile of twice the K; the LM head on 1 row, an 8-row tile, N=256: two tiles."""
+    one tile of twice the K; the LM head on 1 row, an 8-row tile, N=256: two tiles. Attention:
+    FlashAttention-3's published figure (arXiv 2407.08608 Fig. 5, of 989 TF/s): the 64 rows,
+    two query heads a KV head packed, fill one 128-row tile; the 64 pairs every row sees (its
+    first key) at the non-causal 512-key share (467) scaled by 64 / 512 keys, the other
+    64 x 65 / 2 - 64 at the causal one (292) scaled by 63 / 512."""
     run = SimulatedRun(compose(UNIT + ["model=tiny_gqa", "pcp=1", "workload=explicit", "workload.prompt_lens=[64]",
                                        "workload.output_lens=[1]"]))
     m = run.run()["metrics"]
     layer = 64 * 128 * 2 * (64 + 64 + 2 * 64 + 128)
     gemm = (2 * layer + 2 * 8 * 128 * 2 * 64) / 1e12
     pairs = 64 * 65 // 2
-    attention = 2 * 4 * 2 * pairs * (16 + 16) * (128 / 64) / 1e12  # 64 rows fill half a 128-row query tile
+    at_peak = 64 / (467 / 989 * 64 / 512) + (pairs - 64) / (292 / 989 * 63 / 512)
+    attention = 2 * 4 * 2 * (16 + 16) * at_peak / 1e12
     row_bytes = 2 * (10 * 64 + 2 * (4 + 2) * 16 + 3 * 128) + 2 * 2 * 16 * 2  # activations, and the KV write
     memory = 64 * 2 * row_bytes / 1e12
     terms = m["simulate"]["breakdown_s"]
@@ -201,56 +204,79 @@ def test_auto_dcp_rest_takes_the_faster_path_and_shows_metas_rule_beside():
     assert all(r.get("dcp_rest_meta_rule") in ("queries", "context") for r in runs["auto"].records if r["num_prefill_tokens"])
 
 
-def test_metas_algorithm_1_by_hand():
-    """N = 4, C = 540 TF/s, NKV / NH = 8 / 128, e = 2, BW = 25 GB/s: pass-KV hides once
-    T >= 4 x 540e12 x 8 x 2 / (2 x 128 x 25e9) = 5,400 tokens; below that, pass-KV when the miss
-    rate reaches 2 x 8 / 128 - 4 T BW / (N C e)."""
-    from pcpflow.simulate.ring import meta_algorithm1
-
-    kw = dict(n=4, num_heads=128, num_kv_heads=8, compute_flops=540e12, bandwidth=25e9, elem_bytes=2)
-    assert meta_algorithm1(new_tokens=5_400, cached_tokens=10**9, **kw) == "context"
-    assert meta_algorithm1(new_tokens=5_399, cached_tokens=10**9, **kw) == "queries"
-    t = 1_000
-    threshold = 2 * 8 / 128 - 4 * t * 25e9 / (4 * 540e12 * 2)
-    p_at = math.floor(t / threshold - t)  # cached tokens at which the miss rate is the threshold
-    assert meta_algorithm1(new_tokens=t, cached_tokens=p_at, **kw) == "context"
-    assert meta_algorithm1(new_tokens=t, cached_tokens=p_at + 100, **kw) == "queries"
+RING405 = ["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", "simulate.weights_dtype=fp8", "tp=8",
+           "workload=explicit", "workload.output_lens=[1]", "output.plots=false", "output.progress=false"]
 
 
-def test_a_ring_hides_its_sendrecv_behind_the_step_before():
-    """pass-KV at pcp=dcp=2: each layer's one SendRecv hides behind half the layer's attention.
-    With a slow network it is exposed beyond that; hidden + exposed is its whole time."""
-    base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2", "workload=explicit",
-            "workload.prompt_lens=[32768]", "workload.output_lens=[1]", "output.plots=false"]
+@pytest.mark.parametrize("new, ran", [(5_100, "ring_pass_kv"), (4_900, "ring_pass_q")])
+def test_ring_auto_takes_the_executed_rule_with_the_hardwares_rates(new, ran):
+    """``choose_ring_variant`` (the executed rule) with gtt_h100's numbers, CP4 x TP8, 405B: one
+    rank's KV entry 2 x 128 bf16 (2 bytes), 16 query heads of 128. Attention at the dense peak's
+    FlashAttention-3 plateau share, 800 x 648 / 989 TF/s; the ring's link 4 network channels x
+    14 GB/s x p2p_efficiency (26.0 GB/s, under the NIC's 50). pass-KV hides once T x 2 x 16 x 256
+    x BW >= 4 x C x 256 x 2: T >= 5,036. Both sides stay under the miss-rate test (2 x 1 / 16 of
+    128K)."""
+    from pcpflow.config.hardware import SimulateConfig
 
-    def step(*extra):
-        run = SimulatedRun(compose(base + list(extra)), cp_attention="ring_pass_kv")
+    bw = 4 * 14e9 * SimulateConfig().p2p_efficiency
+    threshold = 4 * 800e12 * 648 / 989 * 256 * 2 / (2 * 16 * 256 * bw)
+    assert 4_900 < threshold < 5_100
+    run = SimulatedRun(compose(RING405 + ["pcp=4", "dcp=4", "workload.prompt_lens=[131072]",
+                                          f"workload.cached_lens=[{131_072 - new}]",
+                                          "pipeline.forward.cp_attention=ring_auto"]))
+    run.run()
+    assert run.records[-1]["cp_attention"] == ran
+
+
+def test_a_ring_hides_its_hop_behind_the_iteration_it_overlaps():
+    """pass-KV at pcp=dcp=2, one 32K prefill: one hop a layer (iteration 0), each rank's block
+    of 16,384 KV entries (one rank's 1 KV head x 128 x K and V, bf16) to the other rank over the
+    network. Hand-priced: NET Simple latency 14 us, then 4 channels x 14 GB/s x p2p_efficiency
+    at most the NIC. It hides behind the iteration's attention; on a slow link the rest is
+    exposed: hidden + exposed is the hop's whole time, every layer."""
+    base = RING405 + ["pcp=2", "dcp=2", "workload.prompt_lens=[32768]", "pipeline.forward.cp_attention=ring_pass_kv"]
+
+    def step(efficiency):
+        run = SimulatedRun(compose(base + [f"simulate.p2p_efficiency={efficiency}"]))
         run.run()
         return run.records[0]
 
-    fast, slow = step(), step("simulate.p2p_efficiency=0.001")
+    fast, slow = step(0.4646), step(0.001)
     for r in (fast, slow):
-        assert "ring_send_kv" in r["collective_calls"] and "kv_gather" not in r["collective_calls"]
-        assert r["cp_attention"] == "ring_pass_kv"
+        assert r["cp_attention"] == "ring_pass_kv" and "kv_gather" not in r["collective_calls"]
+        assert r["collective_calls"]["ring_send_kv"] == 126  # P - 1 = 1 hop a layer
     assert fast["purpose_s"]["ring_send_kv"] == 0 and fast["hidden_s"]["ring_send_kv"] > 0
-    layers, half = 80, slow["purpose_s"]["attention"] / 2
-    assert slow["hidden_s"]["ring_send_kv"] == pytest.approx(half, rel=1e-6)  # all it can hide behind
-    assert slow["purpose_s"]["ring_send_kv"] > 100 * fast["hidden_s"]["ring_send_kv"]
-    assert slow["collective_calls"]["ring_send_kv"] == layers  # n - 1 = 1 step per layer
+    hop = 14e-6 + 16_384 * 256 * 2 / min(50e9, 4 * 14e9 * 0.001)
+    assert slow["purpose_s"]["ring_send_kv"] + slow["hidden_s"]["ring_send_kv"] == pytest.approx(126 * hop, rel=1e-9)
+    assert 0 < slow["hidden_s"]["ring_send_kv"] < slow["purpose_s"]["attention"]
 
 
-def test_decode_ring_pass_q_replaces_the_engines_partials_and_is_priced_only():
-    base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2", "workload=explicit",
-            "workload.prompt_lens=[8192]", "workload.output_lens=[3]", "output.plots=false"]
+def test_decode_ring_pass_q_counts_what_the_executed_ring_sends():
+    """A sharded decode under ``simulate.cp_decode=ring_pass_q`` at pcp=dcp=2, TP8 (70B: 8 query
+    heads of 128 a rank): the prefill step takes the engine; each decode step runs the ring:
+    its holder (rank 0: the first decode, round robin) sends the query (8 x 128 bf16) one hop a
+    layer, with the new KV entry (1 KV head x 128 x K and V) when rank 1 owns it (the last
+    step's position 8,193: (8193 // 1) % 2 = 1), and one all-to-all a layer returns rank 1's
+    partial (8 x 128 outputs + 8 log-sum-exps, float32) to it; every TP rank runs its own ring
+    (bytes x 8)."""
+    base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2", "decode=sharded",
+            "workload=explicit", "workload.prompt_lens=[8192]", "workload.output_lens=[3]", "output.plots=false"]
     engine = SimulatedRun(compose(base))
     ring = SimulatedRun(compose(base + ["simulate.cp_decode=ring_pass_q"]))
     m_engine, m_ring = engine.run()["metrics"], ring.run()["metrics"]
-    assert "dcp_decode_partials" in engine.records[-1]["collective_calls"]
-    calls = ring.records[-1]["collective_calls"]
-    assert "dcp_decode_partials" not in calls
-    assert calls["ring_send_q"] == 80 and calls["ring_all2all"] == 80  # (n - 1) and 1 per layer
-    assert m_ring["simulate"]["priced_only"] == ["ring_all2all", "ring_send_q"]
-    assert "priced_only" not in m_engine["simulate"]
+    assert [r["cp_attention"] for r in ring.records] == ["allgather", "ring_pass_q", "ring_pass_q"]
+    assert m_ring["cp_attention_steps"] == {"allgather": 1, "ring_pass_q": 2}
+    assert any(p.startswith("dcp_") for p in engine.records[-1]["collective_calls"])
+    last = ring.records[-1]
+    calls, nbytes = last["collective_calls"], last["collective_bytes"]
+    assert not {p for p in calls if p.startswith(("dcp_", "kv_gather"))}
+    assert calls["ring_send_q"] == calls["ring_send_kv"] == calls["ring_all2all"] == 80
+    assert nbytes["ring_send_q"] == 8 * 80 * 8 * 128 * 2
+    assert nbytes["ring_send_kv"] == 8 * 80 * 2 * 128 * 2
+    assert nbytes["ring_all2all"] == 8 * 80 * (8 * 128 + 8) * 4
+    per_rank = last["per_rank_collective_bytes"]["ring_send_q"]  # global rank = pcp_rank * 8 + tp_rank
+    assert sorted([per_rank[0], per_rank[8]]) == [0, 80 * 8 * 128 * 2] and len(set(per_rank[:8])) == 1
+    assert "priced_only" not in m_ring["simulate"] and "priced_only" not in m_engine["simulate"]
 
 
 def test_kv_dtype_sizes_the_kv_that_moves_and_is_read():
@@ -275,9 +301,8 @@ def test_fp4_weights_price_their_gemms_at_the_fp4_peak():
 
 
 def test_the_fitted_factors_are_two_and_say_their_share():
-    m = SimulatedRun(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", "tp=8", "pcp=4", "dcp=4",
-                              "simulate.weights_dtype=fp8", "workload=explicit", "workload.prompt_lens=[131072]",
-                              "workload.output_lens=[1]", "output.plots=false"]), cp_attention="ring_pass_kv").run()["metrics"]
+    m = SimulatedRun(compose(RING405 + ["pcp=4", "dcp=4", "workload.prompt_lens=[131072]",
+                                        "pipeline.forward.cp_attention=ring_pass_kv"])).run()["metrics"]
     fitted = m["simulate"]["fitted"]
     assert set(fitted) == {"gemm_efficiency", "p2p_efficiency"}
     for f in fitted.values():

@@ -15,13 +15,15 @@ import validate_meta_cp as v  # noqa: E402
 
 MISSES = {
     "TTFT CP2 x TP8, 8,192": "-10%: every CP row with little work per rank is low; no mechanism found",
-    "TTFT CP16 x TP8, 131,072": "-27%: ~0.55 ms per ring step and layer the operators do not explain",
+    "TTFT CP16 x TP8, 131,072": "-26%: ~0.5 ms per ring step and layer the operators do not explain",
 }
 OPERATOR_MISSES = {
-    (3_200, "pass-Q", "sendrecv"): "-14%: one fitted share for four transfer sizes",
-    (3_200, "pass-Q", "all2all"): "-50%: the all-to-all's fixed cost is not modelled",
-    (12_800, "pass-Q", "all2all"): "-21%",
+    (3_200, "pass-Q", "sendrecv"): "-11%: one fitted share for four transfer sizes",
+    (3_200, "pass-Q", "all2all_bf16"): "-50%: a fixed ~210 us NCCL's point-to-point path does not explain",
+    (12_800, "pass-Q", "all2all_bf16"): "-21%: the same fixed cost",
 }
+# NOTE: the all-to-all is checked at Meta's bytes (bf16 outputs): pcpflow's ring sends fp32
+# partials, twice as many bytes, so its own column (all2all) is not Meta's operator.
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,7 @@ def test_the_fit_gives_the_shipped_factors():
     fitted, shipped = v.fit(), SimulateConfig()
     assert fitted["gemm_efficiency"] == pytest.approx(shipped.gemm_efficiency, rel=0.01)
     assert fitted["p2p_efficiency"] == pytest.approx(shipped.p2p_efficiency, rel=0.01)
-    # not fitted: the paper's FlashAttention-3 figure, 540 TF/s of the 800 TF/s peak (sec. 4.2.3)
-    assert shipped.attention_efficiency == pytest.approx(540 / 800)
+    assert "attention_efficiency" not in SimulateConfig.model_fields  # FlashAttention-3's figure: a source
 
 
 def _case(what: str):
@@ -69,7 +70,8 @@ def _op(new, algo, column):
 
 
 @pytest.mark.parametrize("new, algo, column", [_op(n, a, c) for n, a, s, t, x in v.OPERATORS
-                                               for c, pub in (("sendrecv", s), ("attention", t), ("all2all", x)) if pub])
+                                               for c, pub in (("sendrecv", s), ("attention", t), ("all2all_bf16", x))
+                                               if pub])
 def test_operator_table_within_10_percent(operators, new, algo, column):
     published, simulated = operators[(new, algo)][column]
     assert simulated == pytest.approx(published, rel=v.TOLERANCE)
@@ -78,8 +80,8 @@ def test_operator_table_within_10_percent(operators, new, algo, column):
 @pytest.mark.slow
 def test_held_out_shapes_show_the_physics_the_paper_describes():
     """The held-out shapes' predictions (no published value here): pass-Q wins at a 1% miss
-    rate and pass-KV at 100%, Meta's rule picks pass-Q at 1%, and TP spread over nodes loses
-    to CP on the same GPUs at every length."""
+    rate and pass-KV at 100%, ring_auto (Meta's rule) picks pass-Q at 1%, and TP spread over
+    nodes loses to CP on the same GPUs at every length."""
     text = v.held_out().splitlines()
     kv = [float(c.replace(",", "")) for c in text[4].strip("|").split("|")[1:]]
     q = [float(c.replace(",", "")) for c in text[5].strip("|").split("|")[1:]]

@@ -40,7 +40,8 @@ def test_a_ring_without_the_kv_sharded_over_it_is_refused_before_anything_starts
         assert f"pipeline.forward.cp_attention: got '{args[-1].split('=')[1]}'" in r.stderr, r.stderr
         assert rule in r.stderr and f"got {got}" in r.stderr and "Traceback" not in r.stderr
         assert not run_dir.exists()
-    r = cli("mode=simulate", "hardware=h100_sxm", "pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv")
-    assert r.returncode == 2 and "mode=simulate does not price the executed ring yet" in r.stderr, r.stderr
+    r = cli("mode=simulate", "hardware=h100_sxm", "pcp=2", "pipeline.forward.cp_attention=ring_pass_kv",
+            f"hydra.run.dir={tmp_path / 'sim'}")
+    assert r.returncode == 2 and "pcp=2 dcp=1" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = cli("pcp=2", "pipeline.forward.cp_attention=ring", f"hydra.run.dir={tmp_path / 'typo'}")
     assert r.returncode == 2 and "ring_pass_kv" in r.stderr and "ring_auto" in r.stderr, r.stderr

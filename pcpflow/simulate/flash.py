@@ -1,0 +1,280 @@
+"""Prefill attention by shape: FlashAttention-3's published forward throughput, applied to the
+query runs and key sets each kernel call actually holds.
+
+**The source.** FlashAttention-3 (Shah et al., arXiv 2407.08608), Figure 5 (c) and (d):
+forward, BF16, head dim 128, on an H100 80GB SXM5 with its clock fixed at 1830 MHz, where its
+dense BF16 peak is 989 TF/s (the paper's Appendix C.1); batch x sequence length = 16K tokens,
+16 heads of 128; FLOPs counted as ``4 x seqlen^2 x head dim x heads``, halved with the causal
+mask. The figure is also the repository's ``assets/flash3_fp16_fwd.png``. TF/s:
+
+==========  ===  ===  ===  ===  ===  ===
+seqlen      512  1k   2k   4k   8k   16k
+==========  ===  ===  ===  ===  ===  ===
+non-causal  467  565  625  638  646  648
+causal      292  423  521  579  602  616
+==========  ===  ===  ===  ===  ===  ===
+
+A point is a share of that peak (``figure / 989``) and prices a kernel on any profile at
+``share x peak[activation dtype]``. Between published lengths the share is interpolated
+linearly in log2(length); past 16K it stays at the 16K figure (the plateau); below 512 (not
+published) a query tile is taken to cost what it costs at 512 keys, so the share falls as
+``keys / 512``. With 16K tokens a batch the figure's kernels hold thousands of query tiles, so
+its drop at short lengths is each tile's key loop being short, not idle SMs: the length that
+looks it up is the key loop's.
+
+**The shapes.** A *block* is one query run (consecutive rows of one request on one rank, in
+one kernel call) over the keys that call gives it. Per block: ``n`` rows, ``k_first`` keys the
+first row sees, ``k_last`` keys the last row sees, ``pairs`` scored. Its ``n x k_first`` pairs
+every row sees run at the non-causal share of ``k_last`` (the loop's length); the rest, the
+causal part, at the causal share of ``k_last - k_first`` (the masked span). A square causal
+block ``s x s`` is the figure's causal point at ``s``, a square full one its non-causal point.
+Rows run in whole query tiles of 128 (``kBlockM`` at head dim 128, ``hopper/tile_size.h``). A
+call over several runs is a varlen call, and FlashAttention-3 then packs the query heads that
+share a KV head into the tile's rows (PackGQA: ``hopper/heuristics.h``, ``should_pack_gqa``
+returns true for varlen queries): a run of ``n`` rows with ``g`` query heads per KV head costs
+``ceil(n g / 128) x 128 / (n g)`` times its pairs (``g = 1`` for multi-head attention, MLA's
+expanded prefill among them).
+
+``engine_blocks`` gives the engine's calls (pcpflow's all-gather paths: one call per rank over
+its rows, the whole context or its DCP shard); ``ring_blocks`` a ring's (``RingPlan``): per
+rank and iteration, the staying rows over the block of that iteration's origin (pass-KV) and
+the visiting rows over this rank's keys (pass-Q), and after the loop the rows every rank holds.
+Their pairs are the executed counts' (``tests/simulate/test_simulate_flash.py`` checks them
+against ``ring_attention_work`` and ``attention_work``); a step's FLOPs are priced from those
+counts, the blocks giving each call's rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pcpflow.layouts.layout import BatchLayout
+from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, RingPlan
+from pcpflow.layouts.slots import dcp_local_seq_lens
+
+SOURCE = "FlashAttention-3, arXiv 2407.08608, Figure 5 (c), (d): BF16, head dim 128, H100 SXM5 at 989 TF/s"
+SEQLENS = np.array([512, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
+NON_CAUSAL_TFLOPS = np.array([467, 565, 625, 638, 646, 648], dtype=np.float64)
+CAUSAL_TFLOPS = np.array([292, 423, 521, 579, 602, 616], dtype=np.float64)
+MEASURED_PEAK_TFLOPS = 989.0  # arXiv 2407.08608 App. C.1: 1830 MHz, "989 TFLOPS FP16 theoretical max"
+QUERY_TILE = 128  # FlashAttention-3's kBlockM at head dim 128
+
+
+def share(keys, *, causal: bool) -> np.ndarray:
+    """Share of the dense peak FlashAttention-3 reaches when each query tile loops over
+    ``keys`` keys (module docstring)."""
+    k = np.asarray(keys, dtype=np.float64)
+    table = CAUSAL_TFLOPS if causal else NON_CAUSAL_TFLOPS
+    x = np.log2(np.clip(k, SEQLENS[0], SEQLENS[-1]))
+    s = np.interp(x, np.log2(SEQLENS), table) / MEASURED_PEAK_TFLOPS
+    return np.where(k < SEQLENS[0], s * np.maximum(k, 0.0) / SEQLENS[0], s)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Query runs over key sets, one entry each: their bin (a rank, or rank x iteration),
+    rows, keys the first and the last row see, and pairs scored."""
+
+    bin: np.ndarray
+    rows: np.ndarray
+    k_first: np.ndarray
+    k_last: np.ndarray
+    pairs: np.ndarray
+
+    def peak_pairs(self, group: int = 1) -> np.ndarray:
+        """Each block's pairs as priced at the peak: its time is this x FLOPs a pair / peak.
+        ``group``: query heads per KV head, packed into the query tiles (PackGQA)."""
+        n = self.rows.astype(np.float64) * group
+        kf, kl, pairs = (a.astype(np.float64) for a in (self.k_first, self.k_last, self.pairs))
+        full = np.minimum(self.rows * kf, pairs)
+        masked = pairs - full
+        nc, c = share(kl, causal=False), share(kl - kf, causal=True)
+        t = np.where(full > 0, full / np.where(nc > 0, nc, 1.0), 0.0)
+        t = t + np.where(masked > 0, masked / np.where(c > 0, c, 1.0), 0.0)
+        tiles = np.where(n > 0, -(-n // QUERY_TILE) * QUERY_TILE / np.maximum(n, 1.0), 0.0)
+        return t * tiles
+
+    def per_bin(self, size: int, group: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(pairs, pairs at the peak) summed per bin, float64 ``[size]``."""
+        return (np.bincount(self.bin, weights=self.pairs.astype(np.float64), minlength=size),
+                np.bincount(self.bin, weights=self.peak_pairs(group), minlength=size))
+
+
+def _segments(layout: BatchLayout, positions) -> tuple[np.ndarray, ...]:
+    """Every rank's query runs (its segments, adjacent ones of a request joined): rank,
+    request, first position, rows, first local row."""
+    segs = layout.segments
+    lens = [len(s) for s in segs]
+    rank = np.repeat(np.arange(layout.pcp_size, dtype=np.int64), lens)
+    cat = lambda f: np.concatenate([getattr(s, f) for s in segs]) if sum(lens) else np.zeros(0, np.int64)  # noqa: E731
+    start, n, req, local = cat("global_start"), cat("length"), cat("req_idx"), cat("local_start")
+    pos = np.asarray(positions, dtype=np.int64)
+    a = pos[np.minimum(start, max(pos.shape[0] - 1, 0))] if pos.shape[0] else start
+    if rank.shape[0] > 1:
+        # NOTE: adjacent segments of one request (rank P-1's chunks P-1 and P) are one run.
+        new = np.ones(rank.shape[0], dtype=bool)
+        new[1:] = (rank[1:] != rank[:-1]) | (req[1:] != req[:-1]) | (a[1:] != a[:-1] + n[:-1])
+        first = np.flatnonzero(new)
+        n = np.add.reduceat(n, first)
+        rank, req, a, local = rank[first], req[first], a[first], local[first]
+    return rank, req, a, n, local
+
+
+def engine_blocks(layout: BatchLayout, positions, is_prefilling, *, dcp_size: int, interleave: int,
+                  dcp_rest: str) -> Blocks | None:
+    """The prefill rows' calls of pcpflow's all-gather paths, binned by DCP shard: without
+    DCP (or on the context path) each rank's rows over their whole context ``[0, p]``; on
+    the queries path every gathered prefill row over each shard. None without prefill rows."""
+    rank, req, a, n, _ = _segments(layout, positions)
+    keep = np.asarray(is_prefilling, dtype=bool)[req] & (n > 0)
+    if not keep.any():
+        return None
+    rank, a, n = rank[keep], a[keep], n[keep]
+    if dcp_size == 1 or dcp_rest == "context":
+        kf, kl = a + 1, a + n
+        return Blocks(rank, n, kf, kl, n * a + n * (n + 1) // 2)
+    parts = []
+    for d in range(dcp_size):
+        kf = dcp_local_seq_lens(a + 1, dcp_size, d, interleave)
+        kl = dcp_local_seq_lens(a + n, dcp_size, d, interleave)
+        pairs = local_len_sum(a + n, dcp_size, d, interleave) - local_len_sum(a, dcp_size, d, interleave)
+        parts.append((np.full(a.shape[0], d, dtype=np.int64), n, kf, kl, pairs))
+    return Blocks(*(np.concatenate(x) for x in zip(*parts)))
+
+
+@dataclass(frozen=True)
+class RingBlocks:
+    """A ring's attention: in the loop per rank and iteration (bin ``rank * P + h``), after
+    it per rank (the rows every rank holds); prefill rows as ``Blocks``, decode rows as pairs
+    (split-KV: priced by the keys they read)."""
+
+    loop: Blocks
+    loop_decode_pairs: np.ndarray  # [P, P]
+    after: Blocks
+    after_decode_pairs: np.ndarray  # [P]
+
+
+def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -> RingBlocks:
+    """The calls a ring's step makes (module docstring), from its plan and the layout."""
+    p, inter = plan.pcp_size, plan.interleave
+    rank, req, a, n, local = _segments(layout, positions)
+    real = n > 0
+    rank, req, a, n, local = rank[real], req[real], a[real], n[real], local[real]
+    kind = plan.kind[rank * plan.padded_num_tokens + local] if rank.shape[0] else np.zeros(0, np.int8)
+    prefill = np.asarray(is_prefilling, dtype=bool)[req]
+    h = np.arange(p, dtype=np.int64)
+
+    # pass-KV: staying run i meets, at iteration h, the block of origin (rank_i - h) % P: its
+    # cached shard of the request (every entry before the run) and its new runs.
+    st = np.flatnonzero(kind == STAYS)
+    origin = (rank[st, None] - h[None, :]) % p
+    cached = plan.block_cached[origin, req[st, None]]
+    kv = _runs_over(st, rank, req, a, n, iteration=lambda qi, kj: (rank[qi] - rank[kj]) % p)
+    stays = _blocks(st, np.broadcast_to(rank[st, None], origin.shape), h, n, cached, kv, p)
+
+    # pass-Q: travelling run i visits rank (rank_i + h) % P at iteration h: that rank's cached
+    # shard of the request (every entry before the run) and its own travelling runs' new KV.
+    tr = np.flatnonzero(kind == TRAVELS)
+    host = (rank[tr, None] + h[None, :]) % p
+    cached = np.stack([dcp_local_seq_lens(plan.num_computed[req[tr]], p, r, inter) for r in range(p)], axis=1) \
+        if tr.shape[0] else np.zeros((0, p), dtype=np.int64)
+    cached = np.take_along_axis(cached, host, axis=1)
+    q = _runs_over(tr, rank, req, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p)
+    visits = _blocks(tr, host, h, n, cached, q, p)
+
+    pre_parts, dec = [], np.zeros(p * p)
+    for b, rows in ((stays, st), (visits, tr)):
+        if b is None:
+            continue
+        is_pre = np.repeat(prefill[rows], p)
+        pre_parts.append(Blocks(b.bin[is_pre], b.rows[is_pre], b.k_first[is_pre], b.k_last[is_pre], b.pairs[is_pre]))
+        dec += np.bincount(b.bin[~is_pre], weights=b.pairs[~is_pre].astype(np.float64), minlength=p * p)
+
+    # Rows every rank holds: after the loop, each rank over its shard of [0, p] (rank 0's copies).
+    rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
+    ar, nr, pre = a[rp], n[rp], prefill[rp]
+    after_parts, after_dec = [], np.zeros(p)
+    for r in range(p if rp.shape[0] else 0):
+        kf = dcp_local_seq_lens(ar + 1, p, r, inter)
+        kl = dcp_local_seq_lens(ar + nr, p, r, inter)
+        pairs = local_len_sum(ar + nr, p, r, inter) - local_len_sum(ar, p, r, inter)
+        after_parts.append(Blocks(np.full(int(pre.sum()), r, dtype=np.int64), nr[pre], kf[pre], kl[pre], pairs[pre]))
+        after_dec[r] = float(pairs[~pre].sum())
+    return RingBlocks(_concat(pre_parts), dec.reshape(p, p), _concat(after_parts), after_dec)
+
+
+def _concat(parts: list[Blocks]) -> Blocks:
+    if not parts:
+        z = np.zeros(0, dtype=np.int64)
+        return Blocks(z, z, z, z, z)
+    return Blocks(*(np.concatenate([getattr(b, f) for b in parts]) for f in ("bin", "rows", "k_first", "k_last", "pairs")))
+
+
+def _runs_over(runs, rank, req, a, n, *, iteration):
+    """Each (query run, key run) pair of ``runs`` of one request: (query run, iteration, keys
+    its first row sees, keys its last row sees, pairs), the key run contiguous ``[b, b + m)``."""
+    if not runs.shape[0]:
+        return None
+    queries = runs
+    order = np.argsort(req[runs], kind="stable")
+    keys = runs[order]
+    kreq = req[keys]
+    lo = np.searchsorted(kreq, req[queries], side="left")
+    hi = np.searchsorted(kreq, req[queries], side="right")
+    count = hi - lo
+    qi = np.repeat(queries, count)
+    first = np.repeat(lo - np.cumsum(count) + count, count)
+    kj = keys[np.arange(qi.shape[0], dtype=np.int64) + first]
+    b, m = a[kj], n[kj]
+    aq, nq = a[qi], n[qi]
+    kf = np.clip(aq - b + 1, 0, m)
+    kl = np.clip(aq + nq - b, 0, m)
+    pairs = _run_sum(aq + nq - b, m) - _run_sum(aq - b, m)
+    return qi, iteration(qi, kj), kf, kl, pairs
+
+
+def _run_sum(u, m):
+    """``sum_{x < b + u} clip(x - b + 1, 0, m)`` over positions x >= b: what a contiguous key
+    run ``[b, b + m)`` gives the rows before position ``b + u``."""
+    u = np.asarray(u, dtype=np.int64)
+    v = np.clip(u, 0, m)
+    return v * (v + 1) // 2 + np.maximum(u - m, 0) * m
+
+
+def _blocks(rows, rank_at, h, n, cached, runs, p: int) -> Blocks | None:
+    """``[len(rows), P]`` blocks (run, iteration) on ``rank_at`` [rows, P]: the constant
+    ``cached`` keys (before every row) plus the contiguous ``runs`` (``_runs_over``)."""
+    if not rows.shape[0]:
+        return None
+    k = rows.shape[0]
+    index = np.full(int(rows.max()) + 1, -1, dtype=np.int64)
+    index[rows] = np.arange(k, dtype=np.int64)
+    nq = np.repeat(n[rows][:, None], p, axis=1)
+    kf = cached.astype(np.int64).copy()
+    kl = kf.copy()
+    pairs = nq * kf
+    if runs is not None:
+        qi, it, f, last, pr = runs
+        flat = index[qi] * p + it
+        kf = kf.ravel() + np.bincount(flat, weights=f, minlength=k * p).astype(np.int64)
+        kl = kl.ravel() + np.bincount(flat, weights=last, minlength=k * p).astype(np.int64)
+        pairs = pairs.ravel() + np.bincount(flat, weights=pr, minlength=k * p).astype(np.int64)
+    binned = (rank_at * p + h[None, :]).ravel()
+    return Blocks(binned, nq.ravel(), np.ravel(kf), np.ravel(kl), np.ravel(pairs))
+
+
+def local_len_sum(x, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarray:
+    """``sum_{y=1}^{x} dcp_local_seq_lens(y)``: the pairs rows at positions ``0 .. x-1`` score
+    over one DCP shard (each row at position ``q`` sees the shard's entries ``<= q``). Equal
+    to ``x * L(x) - (sum of the shard's positions below x)``, ``L = dcp_local_seq_lens``; the
+    shard's i-th entry sits at ``(i // I) * P * I + rank * I + i % I``."""
+    x = np.asarray(x, dtype=np.int64)
+    ll = dcp_local_seq_lens(x, dcp_size, dcp_rank, interleave).astype(np.int64)
+    i_ = interleave
+    q, s = ll // i_, ll % i_
+    sum_div = i_ * q * (q - 1) // 2 + s * q  # sum_{i < ll} i // I
+    sum_mod = q * i_ * (i_ - 1) // 2 + s * (s - 1) // 2  # sum_{i < ll} i % I
+    positions = dcp_size * i_ * sum_div + dcp_rank * i_ * ll + sum_mod
+    return x * ll - positions

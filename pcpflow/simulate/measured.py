@@ -1,0 +1,244 @@
+"""Prices read from a measured profile's tables (``mode=profile``, docs/profile.md).
+
+A profile with ``tables`` prices pcpflow's own forward as it executes on the profiled
+machine (not a production engine's): MLA attends in its absorbed form for every row, the
+attention backend is the one the profile measured, and every op the forward launches costs
+what the profile measured it to.
+
+- **Tables are interpolated**: multilinear in the logarithms of the axes and of the seconds
+  (a power law between two points is exact). **Outside them**, the roofline with the
+  measured peaks: a GEMM at the best rate its dtype reached or its bytes at the streaming
+  bandwidth, whichever is slower; attention at the rate of the table's nearest point
+  (seconds per pair); a collective by the latency and bandwidth fitted on its own points.
+- **GEMMs** by ``(m, n, k)`` at the run's dtype (``F.linear``, as pcpflow's layers run).
+- **Attention** by (query rows, mean keys per row), prefill and decode apart, for the run's
+  head shape: one call's seconds are linear in what it moves per key (the cache entry,
+  ``E``), scores per pair and head (``H``) and products per pair (``F = heads x (qk + v)``),
+  beside a fixed part: ``[1, E, H, F] . c``. The tables hold several head shapes (``basis``);
+  at every grid point ``c`` is their least-squares fit with no negative coefficient (relative
+  error), and the run's head shape is priced on it. One layer's call with decodes and prefill
+  rows pays one call's fixed cost.
+- **Memory-bound ops**: the bytes pcpflow's forward moves through its ops other than GEMMs and
+  attention, counted on ``meta`` tensors (``pcpflow.simulate.host.elementwise_bytes``), at the
+  streaming rate of a copy their size.
+- **Collectives**: the table of the same op on a group of as many ranks.
+- **Host**: pcpflow's per-step work outside the layers, ``fixed + per_request x requests +
+  per_token x tokens``; each op of a layer that is neither a GEMM nor attention costs the
+  measured ``host.launch_us``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from pcpflow.config.hardware import PEAK_OF_DTYPE, AttentionTable, HardwareConfig, Tables
+
+DTYPE_OF_PEAK = {v: k for k, v in PEAK_OF_DTYPE.items()}
+
+
+def interpolate(axes: list[np.ndarray], values: np.ndarray, point: list[float]) -> float:
+    """``values`` (seconds on the grid ``axes``) at ``point``, multilinear in logarithms;
+    a coordinate outside its axis is clamped to the axis (the caller scales from there)."""
+    logs = np.log(np.maximum(values, 1e-15))
+    for ax, x in zip(axes, point):
+        la = np.log(ax)
+        lx = float(np.clip(np.log(max(x, 1e-300)), la[0], la[-1]))
+        i = int(np.clip(np.searchsorted(la, lx) - 1, 0, max(len(la) - 2, 0)))
+        if len(la) == 1:
+            logs = logs[0]
+            continue
+        w = (lx - la[i]) / (la[i + 1] - la[i])
+        logs = logs[i] * (1 - w) + logs[i + 1] * w
+    return float(np.exp(logs))
+
+
+def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (a negative one is dropped, the rest refit)."""
+    keep = np.ones(a.shape[1], dtype=bool)
+    x = np.zeros(a.shape[1])
+    for _ in range(a.shape[1]):
+        sol, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (sol >= 0).all():
+            x[keep] = sol
+            return x
+        idx = np.flatnonzero(keep)
+        keep[idx[np.argmin(sol)]] = False
+        if not keep.any():
+            break
+    return x
+
+
+def head_features(entry: float, heads: float, products: float) -> np.ndarray:
+    """``[1, E, H, F]``: a call's fixed part, the cache entry gathered per key, the scores per
+    pair (one per head), the products per pair (``heads x (qk + v)``)."""
+    return np.array([1.0, entry, heads, products])
+
+
+def attention_coefficients(basis, seconds: np.ndarray) -> np.ndarray:
+    """``c`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the basis head
+    shapes' seconds fitted by ``[1, E, H, F] . c``, no coefficient negative, each shape's
+    relative error weighing alike."""
+    a = np.array([head_features(2.0 * b.kv_heads * b.head_dim, b.heads, 2.0 * b.heads * b.head_dim) for b in basis])
+    flat = seconds.reshape(-1, seconds.shape[-1])
+    out = np.empty((flat.shape[0], 4))
+    for i, t in enumerate(flat):
+        w = 1.0 / np.maximum(t, 1e-12)
+        out[i] = nonneg_lstsq(a * w[:, None], np.ones_like(t))
+    return out.reshape(*seconds.shape[:-1], 4)
+
+
+class MeasuredKernels:
+    """``pcpflow.simulate.kernels.Kernels``' interface on a profile's tables, at the run's dtype."""
+
+    def __init__(self, hw: HardwareConfig, *, dtype: str) -> None:
+        assert hw.tables is not None and dtype in hw.tables.gemm, "simulate_problems refuses the run first"
+        self.hw, self.tables, self.dtype = hw, hw.tables, dtype
+        g = hw.tables.gemm[dtype]
+        self._gemm_axes = [np.asarray(g.m, float), np.asarray(g.n, float), np.asarray(g.k, float)]
+        self._gemm = np.asarray(g.seconds, dtype=np.float64)
+        peak = hw.peak(PEAK_OF_DTYPE[dtype])
+        self._peak = (peak or 0.0) * 1e12
+        self.hbm = hw.hbm_tbps * 1e12
+        self.floor = hw.kernel_floor_us * 1e-6
+        self.sms = hw.sm_count or 1
+        self._cache: dict[tuple[int, int, int], tuple[float, bool]] = {}
+
+    def peak(self, key: str) -> float:
+        return self._peak
+
+    # ------------------------------------------------------------------ GEMMs
+    def gemm_scalar(self, m: int, n: int, k: int, **_: object) -> tuple[float, bool]:
+        """Seconds of one ``[m, k] x [k, n]`` and whether its compute (not its bytes) bounds it."""
+        if m <= 0:
+            return 0.0, False
+        key = (int(m), int(n), int(k))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._gemm_seconds(*key)
+        return hit
+
+    def gemm(self, m, n: int, k: int, *, count=1, **_: object):
+        m = np.atleast_1d(np.asarray(m, dtype=np.float64))
+        out = [self.gemm_scalar(int(round(x)), n, k) for x in m.ravel()]
+        sec = np.array([s for s, _ in out]).reshape(m.shape)
+        bound = np.array([b for _, b in out]).reshape(m.shape)
+        return np.asarray(count, dtype=np.float64) * sec, bound
+
+    def _gemm_seconds(self, m: int, n: int, k: int) -> tuple[float, bool]:
+        flops = 2.0 * m * n * k
+        inside = all(ax[0] <= x <= ax[-1] for ax, x in zip(self._gemm_axes, (m, n, k)))
+        if inside:
+            t = interpolate(self._gemm_axes, self._gemm, [m, n, k])
+            return t, flops / self._peak >= self._bytes(m, n, k) / self.hbm
+        t_c, t_m = flops / self._peak, self._bytes(m, n, k) / self.hbm
+        return max(t_c, t_m, self.floor), t_c >= t_m
+
+    def _bytes(self, m: int, n: int, k: int) -> float:
+        from pcpflow.simulate.sizes import DTYPE_BYTES
+
+        return (m * k + n * k + m * n) * DTYPE_BYTES[self.dtype]
+
+    # ------------------------------------------------------------------ attention
+    @cached_property
+    def _attention(self) -> dict[str, tuple[list[np.ndarray], np.ndarray]]:
+        """Per phase: the grid's axes and the fitted coefficients at every point."""
+        att = self.tables.attention
+        out = {}
+        for phase in ("prefill", "decode"):
+            t: AttentionTable | None = getattr(att, phase).get(self.dtype) if att else None
+            if t is not None:
+                coef = attention_coefficients(att.basis, np.asarray(t.seconds, float))
+                out[phase] = ([np.asarray(t.rows, float), np.asarray(t.keys, float)], coef)
+        return out
+
+    def attention(self, phase: str, rows: float, keys: float, features: np.ndarray) -> float:
+        """One call's seconds: ``rows`` query rows attending ``keys`` keys each on average,
+        for the head shape of ``features`` (``head_features``). Outside the table, the
+        nearest point's seconds per pair."""
+        if rows <= 0 or keys <= 0:
+            return 0.0
+        axes, coef = self._attention[phase]
+        r = float(np.clip(rows, axes[0][0], axes[0][-1]))
+        kk = float(np.clip(keys, axes[1][0], axes[1][-1]))
+        t = interpolate(axes, np.maximum(coef @ features, 1e-12), [r, kk])
+        return t * max(rows * keys / (r * kk), 1.0)
+
+    def attention_fixed(self, features: np.ndarray) -> float:
+        """The seconds of the smallest decode call measured: one call's fixed cost."""
+        _, coef = self._attention["decode"]
+        return float(coef[0, 0] @ features)
+
+    # ------------------------------------------------------------------ memory
+    def memory(self, nbytes, op_bytes: float | None = None):
+        """Seconds of memory-bound ops moving ``nbytes``, each moving about ``op_bytes`` (read
+        and written): at the rate of a copy of half that (in cache when small); past the
+        table, the largest copy's."""
+        m = self.tables.memory
+        if m is None:
+            return np.asarray(nbytes, dtype=np.float64) / self.hbm
+        half = float(op_bytes) / 2 if op_bytes else float(m.bytes[-1])
+        copy = np.asarray(m.bytes, float)
+        half = min(max(half, copy[0]), copy[-1])
+        rate = 2 * half / interpolate([copy], np.asarray(m.seconds, float), [half])
+        return np.asarray(nbytes, dtype=np.float64) / rate
+
+
+class MeasuredCollectives:
+    """Collectives from a profile's tables: the same op on a group of as many ranks."""
+
+    def __init__(self, tables: Tables) -> None:
+        self._by: dict[tuple[str, int], object] = {}
+        for c in tables.collectives:
+            self._by.setdefault((c.op, c.ranks), c)
+
+    def has(self, op: str, ranks: int) -> bool:
+        return (op, ranks) in self._by
+
+    def seconds(self, op: str, ranks: int, tensor_bytes: float) -> float:
+        c = self._by[(op, ranks)]
+        x = np.asarray(c.bytes, float)
+        if x[0] <= tensor_bytes <= x[-1] and len(x) > 1:
+            return interpolate([x], np.asarray(c.seconds, float), [tensor_bytes])
+        return c.latency_us * 1e-6 + tensor_bytes / (c.gbps * 1e9)
+
+    def rate_gbps(self, op: str, ranks: int) -> float:
+        return self._by[(op, ranks)].gbps
+
+
+def host_seconds(tables: Tables, requests: int, tokens: int) -> float:
+    """pcpflow's per-step host work outside the layers (0 without a host table)."""
+    h = tables.host
+    if h is None:
+        return 0.0
+    return (h.fixed_us + h.per_request_us * requests + h.per_token_us * tokens) * 1e-6
+
+
+def launch_us(hw: HardwareConfig, attention: str) -> float:
+    """One op of pcpflow's forward: the layer's own measure for its attention kind, else
+    ``host.launch_us``."""
+    launch = hw.tables.launch if hw.tables else None
+    if launch and attention in launch.layer_op_us:
+        return launch.layer_op_us[attention]
+    return hw.host.launch_us
+
+
+def attended_rows(layout, batch, *, dcp: int, dcp_rest: str) -> tuple[np.ndarray, np.ndarray]:
+    """[P] decode rows and [P] prefill rows each PCP rank's attention scores: its own rows;
+    under DCP's queries path its replicated decodes and every rank's gathered rest rows."""
+    p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
+    tok = layout.padded_gather_idx.reshape(p, n)
+    real = ~layout.is_padding.reshape(p, n)
+    decode_token = ~np.asarray(batch.is_prefilling, dtype=bool)[np.asarray(batch.req_indices)]
+    dec = real & decode_token[tok]
+    pre = real & ~decode_token[tok]
+    if dcp == 1 or dcp_rest == "context":
+        return dec.sum(1).astype(float), pre.sum(1).astype(float)
+    d = dec[:, :nd].sum(1) + dec[:, nd:].sum()
+    return d.astype(float), np.full(p, float(pre[:, nd:].sum()))
+
+
+def dtype_of(key: str) -> str:
+    """The run dtype of a peak key (``fp32`` -> ``float32``)."""
+    return DTYPE_OF_PEAK.get(key, key)

@@ -1,0 +1,168 @@
+"""``mode=profile`` and ``hardware=measured`` (issue 28): the profile's schema, its partial
+form, loading it (overrides on top, ``--cfg job``), the fits and request shapes by hand, and
+bad input: one clear problem each, exit 2, nothing started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from measured_profile import profile_dict
+
+from pcpflow.config.hardware import HardwareConfig
+from pcpflow.errors import ConfigError
+from pcpflow.profile.document import Document, borrowed_sections
+from pcpflow.profile.sections import attention_requests, fit_collective, fit_host, monotone
+from pcpflow.testing import cli, compose
+
+SIM = ["mode=simulate", "hardware=measured", "dtype=float32", "model=tiny_gqa", "pcp=2", "output.plots=false",
+       "output.progress=false"]
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "hardware.yaml"
+    path.write_text(yaml.safe_dump(profile_dict()))
+    return path
+
+
+def _one_problem(*args: str) -> str:
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_a_measured_profile_loads_under_hardware_with_overrides_on_top(profile_path):
+    cfg = compose([*SIM, f"hardware.path={profile_path}", "hardware.host.launch_us=3"])
+    assert cfg.hardware.name == "measured" and cfg.hardware.path == str(profile_path)
+    assert cfg.hardware.host.launch_us == 3 and cfg.hardware.host.kernels_per_layer == 40  # the rest: the file's
+    assert cfg.hardware.tables.host.fixed_us == 1000 and not cfg.hardware.overlap.host
+
+
+def test_cfg_job_shows_the_loaded_values(profile_path):
+    r = cli("--cfg", "job", *SIM, f"hardware.path={profile_path}")
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert shown["hardware"]["path"] == str(profile_path) and shown["hardware"]["tables"]["host"]["fixed_us"] == 1000
+
+
+@pytest.mark.parametrize("args, field, says", [
+    (["hardware.path=/no/such/profile.yaml"], "hardware.path", "does not exist"),
+    (["hardware.path={bad}"], "hardware.path", "does not parse"),
+    (["hardware.path={path}", "dtype=bfloat16"], "dtype", "measured float32"),
+    (["hardware.path={path}", "pcp=4"], "pcp", "groups of 2 ranks"),
+    (["hardware.path={path}", "pipeline.forward.attention=fused"], "pipeline.forward.attention", "reference"),
+    (["hardware.path={partial}"], "hardware.path", "lacks gemm:float32"),
+])
+def test_a_bad_profile_is_one_clear_problem(tmp_path, profile_path, args, field, says):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    partial = tmp_path / "partial.yaml"
+    doc = profile_dict()
+    doc["measured"].update(status="partial", missing=["gemm:float32", "collectives"])
+    partial.write_text(yaml.safe_dump(doc))
+    paths = {"path": profile_path, "bad": bad, "partial": partial}
+    line = _one_problem(*SIM, *(a.format(**paths) for a in args), f"hydra.run.dir={tmp_path / 'run'}")
+    assert line.strip().startswith(f"- {field}:") and says in line, line
+
+
+def test_hardware_path_needs_hardware_measured(profile_path):
+    line = _one_problem("mode=simulate", "hardware=h100_sxm", "model=llama3_8b", f"hardware.path={profile_path}")
+    assert "hardware.path" in line and "hardware=measured" in line
+
+
+def test_profile_settings_belong_to_mode_profile():
+    line = _one_problem("profile.quick=true")
+    assert "profile" in line and "mode=profile" in line
+
+
+def test_a_world_this_machine_cannot_start_is_refused():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    line = _one_problem("mode=profile", f"pcp={cores + 1}")
+    assert line.strip().startswith("- pcp:") and f"this machine has {cores}" in line
+    line = _one_problem("mode=profile", "pcp=1", "profile.collectives_from=measured")
+    assert "profile.collectives_from" in line and "h200_sxm" in line
+
+
+def test_an_interrupted_profile_says_partial_and_what_it_lacks(tmp_path):
+    doc = Document(tmp_path / "hardware.yaml", device="cpu: test", backend="gloo", tp=1, pcp=2, threads=1,
+                   dtypes=["float32"], quick=True, attention="reference", sections=["launch", "memory", "gemm:float32"],
+                   collectives_from=None)
+    doc.add("memory", {"bytes": [4096, 1 << 20], "seconds": [1e-6, 1e-4]}, seconds=0.5)
+    written = doc.write(elapsed_s=1.0)
+    on_disk = yaml.safe_load((tmp_path / "hardware.yaml").read_text())
+    assert on_disk == written
+    assert on_disk["measured"]["status"] == "partial" and on_disk["measured"]["missing"] == ["launch", "gemm:float32"]
+    assert on_disk["tables"]["memory"]["bytes"] == [4096, 1 << 20]
+    with pytest.raises(ConfigError) as err:
+        compose([*SIM, f"hardware.path={tmp_path / 'hardware.yaml'}"])
+    (problem,) = err.value.problems
+    assert problem.field == "hardware.path" and "partial" in problem.allowed and "launch, gemm:float32" in problem.allowed
+
+
+def test_a_section_it_could_not_measure_names_its_source():
+    borrowed = borrowed_sections("h200_sxm")
+    assert borrowed["nvlink"]["from"] == "h200_sxm" and borrowed["network"]["from"] == "h200_sxm"
+    gpu = {**profile_dict(device="gpu", sm_count=132, overlap={"host": True, "p2p": True}), **borrowed}
+    gpu["tables"] = {k: v for k, v in gpu["tables"].items() if k != "collectives"}
+    hw = HardwareConfig.model_validate(gpu)
+    assert hw.nvlink.from_ == "h200_sxm" and hw.nccl and hw.arch == "hopper"
+
+
+def test_the_shipped_profiles_stay_valid_and_say_they_are_not_measured():
+    from pcpflow.paths import conf_dir
+
+    for path in (Path(conf_dir()) / "hardware").glob("*.yaml"):
+        if path.stem == "measured":
+            continue
+        hw = HardwareConfig.model_validate(yaml.safe_load(path.read_text()))
+        assert hw.tables is None and hw.measured is None and hw.overlap.host and hw.nccl, path.stem
+
+
+def test_prefill_and_decode_shapes_have_the_rows_and_mean_keys_asked():
+    assert attention_requests("decode", 4, 512) == [(511, 1)] * 4
+    for rows, keys in [(32, 64), (2048, 64), (512, 512), (2048, 2048), (100, 7)]:
+        reqs = attention_requests("prefill", rows, keys)
+        assert sum(q for _, q in reqs) == rows
+        pairs = sum(q * c + q * (q + 1) / 2 for c, q in reqs)  # row i of a chunk sees c + i keys
+        assert abs(pairs / rows - keys) <= 1.0, (rows, keys, reqs)
+    assert attention_requests("prefill", 2048, 2048) == [(1024, 2048)]  # (1024 + 2049 / 2): 2048.5
+
+
+def test_fits_recover_the_laws_they_were_made_from():
+    sizes = [64, 4096, 1 << 20, 1 << 24]
+    lat, gbps = fit_collective(sizes, [150e-6 + b / 2e9 for b in sizes])
+    assert lat == pytest.approx(150.0, rel=1e-6) and gbps == pytest.approx(2.0, rel=1e-6)
+    points = []
+    for reqs, toks in [(1, 16), (4, 64), (16, 256), (1, 1024), (4, 4), (1, 1)]:
+        for layers in (1, 2):
+            outside = 1e-3 + 5e-5 * reqs + 2e-6 * toks
+            forward = 2e-4 + 1e-6 * toks + layers * (3e-4 + 1e-5 * reqs)
+            points.append([reqs, toks, layers, outside, forward])
+    fit = fit_host(points)
+    assert fit["fixed_us"] == pytest.approx(1200, rel=1e-6)
+    assert fit["per_request_us"] == pytest.approx(50, rel=1e-6) and fit["per_token_us"] == pytest.approx(3, rel=1e-6)
+    one = sorted(p for p in points if p[2] == 1)
+    assert list(zip(fit["requests"], fit["tokens"])) == [(p[0], p[1]) for p in one]
+    assert np.allclose(fit["seconds"], [p[3] + p[4] - (3e-4 + 1e-5 * p[0]) for p in one])
+    # Each shape's least time counts: a slower repeat of a step changes nothing.
+    slower = [[*p[:3], p[3] * 3, p[4] * 2] for p in points]
+    assert fit_host(points + slower)["fixed_us"] == pytest.approx(fit["fixed_us"])
+
+
+def test_a_larger_message_never_costs_less():
+    assert monotone([3e-3, 2e-4, 5e-4, 4e-4, 1e-3]) == [2e-4, 2e-4, 4e-4, 4e-4, 1e-3]
+
+
+def test_every_profile_key_is_in_help():
+    text = cli("--help").stdout
+    for key in ("profile.quick", "profile.dtypes", "profile.collectives_from"):
+        assert key in text, key
+    assert "profile" in text.split("config groups")[1].split("settings")[0]  # mode=profile listed

@@ -1,0 +1,52 @@
+"""Ctrl-C in the middle of a profile: one line, exit 130, and the file keeps what was
+measured, saying "partial" and what it lacks; a simulated run then refuses it, naming that."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pcpflow.testing import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
+
+
+def test_ctrl_c_keeps_a_partial_profile(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pcpflow", "mode=profile", "pcp=2", "profile.quick=true", f"hydra.run.dir={run}",
+         "output.progress=false"],
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    path, deadline = run / "hardware.yaml", time.monotonic() + 180
+
+    def measured() -> list:
+        try:
+            return list((yaml.safe_load(path.read_text()) or {}).get("tables") or {})
+        except (OSError, yaml.YAMLError):
+            return []
+
+    while "gemm" not in measured():  # launch, memory and a GEMM table done: attention is next
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the profile never got that far"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "interrupted by SIGINT" in lines[0] and "(partial)" in lines[0], err[-3000:]
+    doc = yaml.safe_load(path.read_text())
+    assert doc["measured"]["status"] == "partial" and "collectives" in doc["measured"]["missing"]
+    assert doc["tables"]["gemm"]["float32"]["seconds"] and "gemm:float32" not in doc["measured"]["missing"]
+    r = cli("mode=simulate", "hardware=measured", f"hardware.path={path}", "dtype=float32", "model=tiny_gqa", "pcp=2",
+            f"hydra.run.dir={tmp_path / 'sim'}")
+    assert r.returncode == 2 and "partial" in r.stderr and "collectives" in r.stderr, r.stderr

@@ -1,0 +1,140 @@
+"""Pricing on a measured profile (``pcpflow.simulate.measured``), on hand-made tables whose
+answers are worked by hand: power laws that log-log interpolation must reproduce exactly
+between grid points, attention linear in what a call moves, the roofline outside the tables,
+collectives by their fit, and a whole step of a tiny model summed term by term."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from measured_profile import BASIS, C_E, C_F, C_H, COPY_RATE, GEMM_RATE, pair_cost, profile_dict
+
+from pcpflow.config.hardware import HardwareConfig, HeadShape
+from pcpflow.simulate.measured import (
+    MeasuredCollectives,
+    MeasuredKernels,
+    attention_coefficients,
+    head_features,
+    interpolate,
+)
+from pcpflow.testing import compose
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "hardware.yaml"
+    path.write_text(yaml.safe_dump(profile_dict()))
+    return path
+
+
+def test_interpolation_is_exact_on_a_power_law_between_and_clamped_outside():
+    axes = [np.array([1.0, 4.0, 16.0]), np.array([2.0, 8.0])]
+    values = np.array([[m * n**2 for n in axes[1]] for m in axes[0]])
+    assert interpolate(axes, values, [2.0, 4.0]) == pytest.approx(2.0 * 16.0)  # off both grids
+    assert interpolate(axes, values, [16.0, 8.0]) == pytest.approx(16.0 * 64.0)  # a corner
+    assert interpolate(axes, values, [100.0, 1.0]) == pytest.approx(16.0 * 4.0)  # clamped to (16, 2)
+
+
+def test_a_head_shape_is_priced_on_the_coefficients_fitted_to_the_basis():
+    basis = [HeadShape(heads=h, kv_heads=kv, head_dim=d) for h, kv, d in BASIS]
+    # Seconds of each basis shape at two grid points: 40 us fixed + the per-pair law, x pairs.
+    law = [4e-5 + 1000 * pair_cost(2 * kv * d, h, 2 * h * d) for h, kv, d in BASIS]
+    coef = attention_coefficients(basis, np.array([law, [2 * t for t in law]]))
+    assert coef[0] == pytest.approx([4e-5, 1000 * C_E, 1000 * C_H, 1000 * C_F], rel=1e-6)
+    assert coef[1] == pytest.approx(2 * coef[0], rel=1e-6)
+    # Llama-ish GQA 12 heads / 4 KV heads of 48: entry 2*4*48, 12 heads, 12*96 products per pair.
+    assert float(coef[0] @ head_features(384, 12, 1152)) == pytest.approx(
+        4e-5 + 1000 * (C_E * 384 + C_H * 12 + C_F * 1152))
+    # Noise never makes a coefficient negative (a price below zero): such a fit drops it.
+    noisy = np.array([law]) * np.array([1.3, 0.7, 1.2, 0.8, 1.1, 0.9])
+    assert (attention_coefficients(basis, noisy) >= 0).all()
+
+
+def test_gemms_interpolate_inside_and_take_the_roofline_outside():
+    hw = HardwareConfig.model_validate(profile_dict())
+    k = MeasuredKernels(hw, dtype="float32")
+    assert k.gemm_scalar(100, 300, 2000)[0] == pytest.approx(2 * 100 * 300 * 2000 / GEMM_RATE)
+    # 8192 rows is past the table: FLOPs at the peak (1.3 s) against bytes at the copy rate.
+    flops = 2 * 8192 * 4096 * 4096
+    moved = (8192 * 4096 + 4096 * 4096 + 8192 * 4096) * 4
+    assert k.gemm_scalar(8192, 4096, 4096)[0] == pytest.approx(max(flops / GEMM_RATE, moved / COPY_RATE))
+    secs, _ = k.gemm(np.array([0, 10]), 64, 64, count=3)
+    assert secs.tolist() == pytest.approx([0.0, 3 * 2 * 10 * 64 * 64 / GEMM_RATE])
+
+
+def test_attention_by_rows_and_keys_and_per_pair_past_the_table():
+    hw = HardwareConfig.model_validate(profile_dict())
+    k = MeasuredKernels(hw, dtype="float32")
+    w = head_features(64, 4, 128)  # tiny_gqa: 4 heads, 2 KV heads of 16
+    u = C_E * 64 + C_H * 4 + C_F * 128
+    assert k.attention("prefill", 300, 150.5, w) == pytest.approx(300 * 150.5 * u)
+    assert k.attention("decode", 8, 40, w) == pytest.approx(8 * 40 * u)
+    assert k.attention("decode", 2048, 8192, w) == pytest.approx(2048 * 8192 * u)  # the edge's rate per pair
+
+
+def test_memory_ops_move_at_the_rate_of_a_copy_their_size():
+    hw = HardwareConfig.model_validate(profile_dict())
+    k = MeasuredKernels(hw, dtype="float32")
+    assert float(k.memory(1e6, op_bytes=4096)) == pytest.approx(1e6 / COPY_RATE)
+
+
+def test_counted_bytes_of_a_norm_and_an_mlp_by_hand():
+    """float32 rows of width h: RMSNorm's pow (h in, h out), mean (h, 1), + eps (1, 1), rsqrt
+    (1, 1), x * r (h + 1, h), weight * x (h + h, h): 7h + 6 per row and the weight once.
+    The gated MLP beside its GEMMs: silu(gate) (I, I), * up (2I, I): 5I per row."""
+    import torch
+
+    from pcpflow.models.common import GatedMLP, RMSNorm, build_uninitialized
+    from pcpflow.simulate.host import counted_bytes
+
+    h, inter, rows = 48, 80, 7
+    x = torch.empty(rows, h, device="meta")
+    norm = build_uninitialized(lambda: RMSNorm(h, 1e-6), device="meta")
+    mlp = build_uninitialized(lambda: GatedMLP(h, inter), device="meta")
+    with torch.no_grad():
+        assert counted_bytes(lambda: norm(x)) == 4 * (rows * (7 * h + 6) + h)
+        assert counted_bytes(lambda: mlp(x)) == 4 * rows * 5 * inter
+
+
+def test_collectives_interpolate_their_points_and_use_their_fit_outside():
+    c = MeasuredCollectives(HardwareConfig.model_validate(profile_dict()).tables)
+    assert c.seconds("all_gather", 2, 1000) == pytest.approx(1e-4 + 1e-6)
+    assert c.seconds("all_gather", 2, 10**8) == pytest.approx(1e-4 + 0.1)  # the fit: 100 us + bytes / 1 GB/s
+    assert not c.has("all_gather", 4)
+
+
+def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
+    """tiny_gqa (hidden 64, 4 heads / 2 KV heads of 16, MLP 128, 2 layers, vocab 256) at pcp=1:
+    one prompt of 16 tokens, then one decode; every term of each step worked by hand."""
+    from pcpflow.simulate.engine import simulate_run
+    from pcpflow.simulate.host import elementwise_bytes, kernels_per_layer
+    from pcpflow.simulate.sizes import model_sizes
+
+    cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={profile_path}", "dtype=float32", "pcp=1",
+                   "model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[16]", "workload.output_lens=[2]",
+                   "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64", "output.plots=false"])
+    simulate_run(cfg, tmp_path)
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # The ops of a layer that are neither a GEMM (5 kernels: qkv, o, gate_up, down, + the split
+    # k/v) nor the attention backend's: the profile's 40 per layer less those.
+    attention_ops = kernels_per_layer(model_sizes(cfg.model), 1).attention
+    inline_ops = 2 * (40 - 5 - attention_ops)
+    u = C_E * 64 + C_H * 4 + C_F * 128  # attention seconds per pair (entry 64, 4 heads, 128 products)
+    # The layer's other ops' bytes as pcpflow's forward moves them (counted on meta tensors,
+    # test_counted_bytes_of_a_norm_and_an_mlp_by_hand); at the rate of a copy.
+    row_bytes, fixed_bytes = elementwise_bytes(model_sizes(cfg.model), 1, "float32")
+
+    def gemms(rows: int) -> float:
+        per_layer = 2 * rows * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) / GEMM_RATE
+        return 2 * per_layer + 2 * 1 * 256 * 64 / GEMM_RATE  # 2 layers, the LM head on the sampled row
+
+    def step(rows: int, pairs: int, tokens: int) -> float:
+        return (gemms(rows) + 2 * pairs * u + 2 * (rows * row_bytes + fixed_bytes) / COPY_RATE + inline_ops * 10e-6
+                + (1000 + 100 * 1 + 10 * tokens) * 1e-6)
+
+    assert steps[0]["step_s"] == pytest.approx(step(16, 16 * 17 // 2, 16), rel=1e-9)
+    assert steps[1]["step_s"] == pytest.approx(step(1, 17, 1), rel=1e-9)
+    assert steps[1]["purpose_s"]["host_work"] == pytest.approx((1000 + 100 + 10) * 1e-6)
