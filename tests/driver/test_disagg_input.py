@@ -75,3 +75,8 @@ def test_simulated_rings_inside_a_pool():
                    "simulate.cp_decode=ring_pass_q")
     assert "simulate.cp_decode: got 'ring_pass_q'; rings inside a pool are not counted with disagg=pd yet: use " \
            "engine (the decode pool's executed DCP path)" in got, got
+
+
+def test_a_profile_measures_one_grid():
+    got = problems("mode=profile", "disagg=pd")
+    assert "disagg: got 'pd'; mode=profile measures one rank grid: run it with disagg=none" in got, got
