@@ -31,14 +31,12 @@ END_TO_END = {
     # a simulated run starts no ranks: the 1M-token layout of the published figures, priced
     "python -m pcpflow mode=simulate model=llama3_405b hardware=gtt_h100 simulate.weights_dtype=fp8 "
     "tp=8 pcp=16 dcp=16 workload=explicit 'workload.prompt_lens=[1048576]' 'workload.output_lens=[1]'",
-    # prefill/decode disaggregation: the layouts of docs/disaggregation.md's worked example, 4 ranks
-    "python -m pcpflow pcp=2 dcp=2 kv.interleave=2 disagg=pd disagg.decode_pool.tp=2 disagg.decode_pool.dcp=2 "
-    "disagg.decode_pool.interleave=1",
-    # measure, then predict: this machine's quick profile, and a run priced on it
-    "python -m pcpflow mode=profile pcp=2 profile.quick=true hydra.run.dir=outputs/profile",
-    "python -m pcpflow mode=simulate hardware=measured hardware.path=outputs/profile/hardware.yaml dtype=float32 "
-    "model=tiny_gqa pcp=2",
 }
+# Measure, then predict: this machine's quick profile, and a run priced on it (the slow test
+# that runs every command checks what they wrote).
+PROFILE = "python -m pcpflow mode=profile pcp=2 profile.quick=true hydra.run.dir=outputs/profile"
+PRICED = ("python -m pcpflow mode=simulate hardware=measured hardware.path=outputs/profile/hardware.yaml "
+          "dtype=float32 model=tiny_gqa pcp=2")
 
 
 def readme_commands(text: str) -> list[list[str]]:
@@ -57,16 +55,19 @@ def readme_commands(text: str) -> list[list[str]]:
 def test_readme_commands_are_found():
     commands = [shlex.join(c) for c in readme_commands((REPO / "README.md").read_text())]
     assert "python -m pcpflow" in commands and len(commands) >= 10
-    assert all(c in commands for c in END_TO_END), "an END_TO_END command left the README"
+    assert all(c in commands for c in [*END_TO_END, PROFILE, PRICED]), "a command the tests check left the README"
 
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
+    return _copy_clone(tmp_path_factory.mktemp("clone"))
+
+
+def _copy_clone(root: Path) -> Path:
     """A copy of the files a clone has (tracked, plus new files git does not ignore)."""
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
-    root = tmp_path_factory.mktemp("clone")
     for name in listed:
         src = REPO / name
         if src.is_file():
@@ -112,15 +113,20 @@ def _env(clone: Path, bin_dir: Path) -> dict[str, str]:
             "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-@pytest.mark.dist
-def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
+def _python_on_path(clone: Path, tmp_path: Path) -> dict[str, str]:
+    """An environment whose ``python`` (as the README writes it) is this interpreter.
+    NOTE: a script, not a symlink: a venv's python reached through a link in another folder
+    misses its pyvenv.cfg and runs as the base Python."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # `python` as written is this interpreter. NOTE: a script, not a symlink: a venv's python
-    # reached through a link in another folder misses its pyvenv.cfg and runs as the base Python.
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     (bin_dir / "python").chmod(0o755)
-    env = _env(clone, bin_dir)
+    return _env(clone, bin_dir)
+
+
+@pytest.mark.dist
+def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
+    env = _python_on_path(clone, tmp_path)
     ran = {}
     for argv in readme_commands((clone / "README.md").read_text()):
         line = shlex.join(argv)
@@ -134,22 +140,8 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert sim["status"] == "ok" and sim["config"]["verify"] is False
     # Meta's CP paper: 77 s for this 1M-token prefill on 16 nodes x 8 H100 (shared/published)
     assert sim["metrics"]["num_tokens"] == 1048576 and abs(sim["metrics"]["ttft"]["mean_s"] / 77.0 - 1) < 0.15
-    executed = [p for p in (clone / "outputs").rglob("result.json") if json.loads(p.read_text())["config"]["mode"] == "execute"]
-    (pooled,) = [json.loads(p.read_text()) for p in executed if json.loads(p.read_text())["config"]["disagg"]["kind"] == "pd"]
-    assert pooled["status"] == "ok" and pooled["verify"]["passed"]
-    t, pools, rows = pooled["metrics"]["transfer"], pooled["metrics"]["pools"], pooled["requests"]
-    # by hand (docs/disaggregation.md's example): every prompt moves once (the latent is sharded
-    # by the decode pool's DCP, not replicated over its TP): (kv_lora_rank + rope dim) float64
-    # values per position and layer; a prompt of >= 4 tokens takes the example's 4 routes, a
-    # message per route and layer (layerwise)
-    model = pooled["config"]["model"]
-    per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
-    handed = [r for r in rows if r["output_len"] > 1]
-    assert all(r["prompt_len"] >= 4 for r in handed) and t["requests"] == len(handed) > 0
-    assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
-    assert t["calls"] == 4 * model["num_layers"] * len(handed)
-    assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
-    (result_file,) = [p for p in executed if json.loads(p.read_text())["config"]["disagg"]["kind"] == "none"]  # the default run
+    (result_file,) = [p for p in (clone / "outputs").rglob("result.json")
+                      if json.loads(p.read_text())["config"]["mode"] == "execute"]  # the default run
     result = json.loads(result_file.read_text())
     assert result["status"] == "ok" and result["error"] is None and result["verify"]["passed"]
     run_dir = result_file.parent
@@ -158,14 +150,54 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert len(result["outputs"]) == frozen["workload"]["num_requests"]
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "load.png").exists()
     assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs_as_written(tmp_path_factory):
+    """Every command the README shows, run as written in a clone of its own, in order (a later
+    command reads what an earlier one wrote). Two kinds are run elsewhere: ``pip install``
+    (tests/test_install.py installs a wheel in a clean venv) and the test command (.ci/run)."""
+    root = tmp_path_factory.mktemp("every")
+    repo = _copy_clone(root / "clone")
+    env = _python_on_path(repo, root)
+    ran = 0
+    for argv in readme_commands((repo / "README.md").read_text()):
+        if argv[:2] == ["pip", "install"] or argv[:3] == ["python", "-m", "pytest"]:
+            continue
+        line = shlex.join(argv)
+        done = subprocess.run(line, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-3000:])
+        ran += 1
+    assert ran >= 20
+    clone = repo
+    results = [json.loads(p.read_text()) for p in (clone / "outputs").rglob("result.json")]
     # The profile measured this machine on 2 ranks (gloo) and a simulated run priced on it.
     profile = yaml.safe_load((clone / "outputs" / "profile" / "hardware.yaml").read_text())
     assert profile["measured"]["status"] == "complete" and profile["measured"]["pcp"] == 2
     assert profile["tables"]["gemm"]["float32"] and {c["group"] for c in profile["tables"]["collectives"]} == {"pcp"}
     assert {c["op"] for c in profile["tables"]["collectives"]} >= {"all_gather", "all_reduce", "all_to_all", "sendrecv"}
-    (priced,) = [r for r in results if r["config"]["mode"] == "simulate" and r["config"]["hardware"]["name"] == "measured"]
+    (priced,) = [r for r in results if r["config"]["mode"] == "simulate"
+                 and (r["config"]["hardware"].get("path") or "").endswith("outputs/profile/hardware.yaml")]
     assert priced["status"] == "ok" and priced["metrics"]["ttft"]["mean_s"] > 0
     assert priced["metrics"]["simulate"]["collectives"]["restore"] == {"measured": priced["metrics"]["num_steps"]}
+    _check_pooled(results)
+
+
+def _check_pooled(results: list[dict]) -> None:
+    """The README's executed disagg=pd run (docs/disaggregation.md's worked example's layouts)."""
+    (pooled,) = [r for r in results if r["config"]["mode"] == "execute" and r["config"]["disagg"]["kind"] == "pd"]
+    assert pooled["status"] == "ok" and pooled["verify"]["passed"]
+    t, pools, rows = pooled["metrics"]["transfer"], pooled["metrics"]["pools"], pooled["requests"]
+    # by hand: every prompt moves once (the latent is sharded by the decode pool's DCP, not
+    # replicated over its TP): (kv_lora_rank + rope dim) float64 values per position and layer;
+    # a prompt of >= 4 tokens takes the example's 4 routes, a message per route and layer (layerwise)
+    model = pooled["config"]["model"]
+    per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
+    handed = [r for r in rows if r["output_len"] > 1]
+    assert all(r["prompt_len"] >= 4 for r in handed) and t["requests"] == len(handed) > 0
+    assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
+    assert t["calls"] == 4 * model["num_layers"] * len(handed)
+    assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
 
 
 def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):
