@@ -180,6 +180,24 @@ def test_every_readme_command_runs_as_written(tmp_path_factory):
                  and (r["config"]["hardware"].get("path") or "").endswith("outputs/profile/hardware.yaml")]
     assert priced["status"] == "ok" and priced["metrics"]["ttft"]["mean_s"] > 0
     assert priced["metrics"]["simulate"]["collectives"]["restore"] == {"measured": priced["metrics"]["num_steps"]}
+    _check_pooled(results)
+
+
+def _check_pooled(results: list[dict]) -> None:
+    """The README's executed disagg=pd run (docs/disaggregation.md's worked example's layouts)."""
+    (pooled,) = [r for r in results if r["config"]["mode"] == "execute" and r["config"]["disagg"]["kind"] == "pd"]
+    assert pooled["status"] == "ok" and pooled["verify"]["passed"]
+    t, pools, rows = pooled["metrics"]["transfer"], pooled["metrics"]["pools"], pooled["requests"]
+    # by hand: every prompt moves once (the latent is sharded by the decode pool's DCP, not
+    # replicated over its TP): (kv_lora_rank + rope dim) float64 values per position and layer;
+    # a prompt of >= 4 tokens takes the example's 4 routes, a message per route and layer (layerwise)
+    model = pooled["config"]["model"]
+    per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
+    handed = [r for r in rows if r["output_len"] > 1]
+    assert all(r["prompt_len"] >= 4 for r in handed) and t["requests"] == len(handed) > 0
+    assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
+    assert t["calls"] == 4 * model["num_layers"] * len(handed)
+    assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
 
 
 def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):

@@ -44,9 +44,11 @@ def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
     for r in rows:
         result = _result(sweep_dir / r["job"])
         cfg = result.get("config") or {}
-        r["gpus"] = int(cfg.get("tp", 1)) * int(cfg.get("pcp", 1)) if cfg else None
+        sim = (result.get("metrics") or {}).get("simulate") or {}
+        # NOTE: every GPU the run priced (replicas, both pools of disagg=pd), else the grid's
+        r["gpus"] = sim.get("gpus") or (int(cfg.get("tp", 1)) * int(cfg.get("pcp", 1)) if cfg else None)
         objective = (cfg.get("simulate") or {}).get("objective", objective)
-        breakdown = ((result.get("metrics") or {}).get("simulate") or {}).get("breakdown_s") or {}
+        breakdown = sim.get("breakdown_s") or {}
         r["_terms"] = tuple(f"{t}_s" for t in breakdown)
         for term, v in breakdown.items():
             r[f"{term}_s"] = round(v["exposed_s"], 6)
