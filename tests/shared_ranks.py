@@ -15,7 +15,9 @@ matrix that a selected test needs, all world sizes together, once::
             ...
 
 A matrix's configs are composed only if a selected test needs it (``-m "not slow"`` skips
-the slow ones' matrices), and a matrix that raises fails only the tests that read it.
+the slow ones' matrices), and a matrix that raises fails only the tests that read it. A
+matrix may give a run dir with a config (``(cfg, path)``): rank 0 writes its
+``metrics.jsonl`` there.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ class SharedRuns:
     def _run(self) -> None:
         from pcpflow.testing import run
 
-        cfgs = {name: MATRICES[name]() for name in self.names}
-        flat = [cfg for name in self.names for cfg in cfgs[name]]
+        cfgs = {name: [c if isinstance(c, tuple) else (c, None) for c in MATRICES[name]()] for name in self.names}
+        flat = [c for name in self.names for c in cfgs[name]]
         try:
-            results = iter(run(flat))
+            results = iter(run([cfg for cfg, _ in flat], run_dirs=[d for _, d in flat]))
         except BaseException as exc:  # NOTE: kept, so that every dependent test reports it
             self._error = exc
             return
-        self._results = {name: [(cfg, next(results)) for cfg in cfgs[name]] for name in self.names}
+        self._results = {name: [(cfg, next(results)) for cfg, _ in cfgs[name]] for name in self.names}

@@ -185,6 +185,24 @@ def test_every_readme_command_runs_as_written(tmp_path_factory):
     found = json.loads(search.read_text())
     assert found["status"] == "ok" and found["metrics"]["search"]["recommended"]["layout"].startswith("tp=8 ")
     assert (search.parent / "search.csv").is_file() and (search.parent / "search.md").is_file()
+    _check_pooled(results)
+
+
+def _check_pooled(results: list[dict]) -> None:
+    """The README's executed disagg=pd run (docs/disaggregation.md's worked example's layouts)."""
+    (pooled,) = [r for r in results if r["config"]["mode"] == "execute" and r["config"]["disagg"]["kind"] == "pd"]
+    assert pooled["status"] == "ok" and pooled["verify"]["passed"]
+    t, pools, rows = pooled["metrics"]["transfer"], pooled["metrics"]["pools"], pooled["requests"]
+    # by hand: every prompt moves once (the latent is sharded by the decode pool's DCP, not
+    # replicated over its TP): (kv_lora_rank + rope dim) float64 values per position and layer;
+    # a prompt of >= 4 tokens takes the example's 4 routes, a message per route and layer (layerwise)
+    model = pooled["config"]["model"]
+    per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
+    handed = [r for r in rows if r["output_len"] > 1]
+    assert all(r["prompt_len"] >= 4 for r in handed) and t["requests"] == len(handed) > 0
+    assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
+    assert t["calls"] == 4 * model["num_layers"] * len(handed)
+    assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
 
 
 def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):

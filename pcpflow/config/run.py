@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pcpflow.config.disagg import DisaggConfig, disagg_problems, pool_problems
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.config.profile import ProfileConfig
 from pcpflow.errors import ConfigError, Problem
@@ -203,6 +204,7 @@ class RunConfig(_Strict):
     moe: MoERunConfig = Field(default_factory=MoERunConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
     slo: SLOConfig = Field(default_factory=SLOConfig)
+    disagg: DisaggConfig = Field(default_factory=DisaggConfig)
     # --- simulate (pcpflow.simulate, docs/simulate.md), search (pcpflow.search, docs/search.md)
     mode: Literal["execute", "simulate", "profile", "search"] = Field(
         "execute",
@@ -219,6 +221,7 @@ class RunConfig(_Strict):
 
     @property
     def grid(self) -> RankGrid:
+        """The rank grid of the top-level sizes (with ``disagg=pd``: the prefill pool's)."""
         return RankGrid(tp=self.tp, pcp=self.pcp, dcp=self.dcp)
 
     @property
@@ -228,7 +231,9 @@ class RunConfig(_Strict):
 
     @property
     def world_size(self) -> int:
-        return self.grid.world_size
+        """Every rank of the job: tp x pcp, and with ``disagg=pd`` the decode pool's ranks after them."""
+        extra = self.disagg.decode_grid.world_size if self.disagg.enabled else 0
+        return self.grid.world_size + extra
 
     @property
     def shard_decodes(self) -> bool:
@@ -380,7 +385,8 @@ def cross_field_problems(cfg: RunConfig) -> list[Problem]:
     """Rules that span fields (the applicable part of vLLM's PCP validate_config, plus
     pcpflow's own)."""
     p: list[Problem] = mode_problems(cfg) + seed_problems(cfg)
-    p.extend(cfg.grid.problems())
+    p.extend(pool_problems(cfg, cfg.grid.problems(), "prefill"))
+    p.extend(disagg_problems(cfg))
     if cfg.kv.block_size % cfg.kv.interleave:
         p.append(
             Problem(

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pcpflow.config.disagg import POOLS, pool_config, pool_problems
 from pcpflow.errors import ConfigError, Problem
 
 
@@ -38,13 +39,21 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     if not problems:  # the stages import the plugins: only once they import cleanly
         found, cfg = stage_problems(cfg, raw or {})
         problems += found
+        if cfg.disagg.enabled and not cfg.disagg.decode_grid.problems():  # the decode pool's own stage rules
+            more, _ = stage_problems(pool_config(cfg, "decode"), raw or {})
+            problems += pool_problems(cfg, [p for p in more if p not in found], "decode")
     checkpoint = checkpoint_problems(cfg.model)
     problems += checkpoint
     if not checkpoint:  # NOTE: a bad stage or seed must not hide a workload that cannot fit
         lengths = _request_lengths(cfg, problems)
         if lengths is not None:
-            problems += fit_problems(*lengths, num_speculative_tokens=cfg.num_speculative_tokens,
-                                     block_size=cfg.kv.block_size, dcp_size=cfg.dcp, num_blocks=cfg.kv.num_blocks)
+            for pool in POOLS if cfg.disagg.enabled else ("prefill",):
+                c = pool_config(cfg, pool)
+                # NOTE: a prefill pool holds prompts only; the decode pool, prompts and every output
+                outputs = lengths[1] * 0 if cfg.disagg.enabled and pool == "prefill" else lengths[1]
+                problems += pool_problems(cfg, fit_problems(lengths[0], outputs, num_speculative_tokens=cfg.num_speculative_tokens,
+                                                            block_size=c.kv.block_size, dcp_size=c.dcp,
+                                                            num_blocks=c.kv.num_blocks), pool)
             if kind == "execute":
                 problems += host_memory_problems(cfg, *lengths)
     if problems:
@@ -83,8 +92,12 @@ def feature_problems(cfg: Any) -> list[Problem]:
     from pcpflow.rank.cudagraph import cudagraph_problems
     from pcpflow.rank.devices import device_problems
 
-    p = [] if cfg.grid.problems() else run_tp_problems(cfg)
-    p += device_problems(cfg) + cudagraph_problems(cfg) + moe_problems(cfg) + profile_problems(cfg)
+    p = [] if cfg.grid.problems() else pool_problems(cfg, run_tp_problems(cfg), "prefill")
+    p += device_problems(cfg) + cudagraph_problems(cfg) + pool_problems(cfg, moe_problems(cfg), "prefill")
+    p += profile_problems(cfg)
+    if cfg.disagg.enabled and not cfg.disagg.decode_grid.problems():  # heads the decode pool's tp splits, its experts
+        decode = pool_config(cfg, "decode")
+        p += pool_problems(cfg, run_tp_problems(decode) + moe_problems(decode), "decode")
     if cfg.mode == "simulate" or isinstance(cfg.model, ModelCard):
         from pcpflow.simulate.prepare import simulate_problems
 

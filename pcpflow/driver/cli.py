@@ -321,9 +321,10 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
             raise ConfigError([Problem("mode", "search", "a search runs in one process, starting no ranks: "
                                        "python -m pcpflow mode=search ...")])
         if cfg.world_size != world:
-            raise ConfigError(
-                [Problem("pcp", cfg.pcp, f"tp*pcp = {cfg.world_size} must equal the {world} ranks torchrun started")]
-            )
+            ranks = (f"tp*pcp = {cfg.world_size}" if not cfg.disagg.enabled else
+                     f"both pools' ranks ({cfg.grid.world_size} prefill + {cfg.disagg.decode_grid.world_size} decode "
+                     f"= {cfg.world_size})")
+            raise ConfigError([Problem("pcp", cfg.pcp, f"{ranks} must equal the {world} ranks torchrun started")])
     except ConfigError as exc:
         if run_dir is not None and run_dir.is_dir():
             write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))

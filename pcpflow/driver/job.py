@@ -26,6 +26,7 @@ from pcpflow.output.rundir import (
     write_frozen_config,
     write_result,
 )
+from pcpflow.rank.progress import in_flight
 from pcpflow.signals import Interrupted, interruptible
 from pcpflow.tokens.text import tokenize_workload
 
@@ -170,7 +171,7 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         print_err(f"pcpflow: {exc}")
         if exc.details:
             print_err(exc.details.rstrip())
-        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank))
+        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank, **in_flight(str(exc))))
         return EXIT_FAILED
     except Interrupted as exc:
         return _interrupted(exc, config, run_dir, announce=not in_sweep, note=_partial_note(cfg, run_dir))
@@ -234,6 +235,10 @@ def _partial_note(cfg: RunConfig, run_dir: Path) -> str:
 
 
 def _simulate(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    if cfg.disagg.enabled:  # a prefill pool and a decode pool
+        from pcpflow.simulate.pools import pooled_run
+
+        return pooled_run(cfg, run_dir)
     from pcpflow.simulate.engine import simulate_run
 
     return simulate_run(cfg, run_dir)

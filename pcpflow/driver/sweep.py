@@ -49,6 +49,11 @@ BASE_COLUMNS = [
     "prefix_hit_rate",
     "preemptions",
     "queue_mean_ms",
+    "transfer_bytes",
+    "transfer_calls",
+    "transfer_ms",
+    "prefill_utilization",
+    "decode_utilization",
     "tokens_max_over_mean",
     "attention_work_max_over_mean",
     "padding_fraction",
@@ -139,6 +144,9 @@ _SERVING_COLUMNS = (  # column, where in metrics, decimals
     ("goodput_req_s", "goodput.req_s", 4), ("goodput_share", "goodput.share", 4),
     ("kv_usage_mean", "kv_usage.mean", 4), ("kv_usage_max", "kv_usage.max", 4),
     ("prefix_hit_rate", "prefix_cache.hit_rate", 4), ("preemptions", "preemptions", 0),
+    # disagg=pd (blank without pools): the handovers, each pool's share of the run clock
+    ("transfer_bytes", "transfer.bytes", 0), ("transfer_calls", "transfer.calls", 0),
+    ("prefill_utilization", "pools.prefill.utilization", 4), ("decode_utilization", "pools.decode.utilization", 4),
 )
 
 
@@ -150,7 +158,8 @@ def _serving_columns(m: dict[str, Any]) -> dict[str, Any]:
             node = node.get(part) if isinstance(node, dict) else None
         return node
 
-    return {**{col: _round(at(path), n) for col, path, n in _SERVING_COLUMNS}, "queue_mean_ms": _ms(m.get("queue_s"))}
+    return {**{col: _round(at(path), n) for col, path, n in _SERVING_COLUMNS}, "queue_mean_ms": _ms(m.get("queue_s")),
+            "transfer_ms": _ms(at("transfer.s"))}
 
 
 def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +223,10 @@ _HEADERS = {  # column -> (header, cell formatter)
     "kv_usage_mean": ("KV use", lambda v: f"{v:.0%}"),
     "prefix_hit_rate": ("prefix hits", lambda v: f"{v:.0%}"),
     "preemptions": ("preempted", str),
+    "transfer_bytes": ("handed over", lambda v: human_bytes(v)),
+    "transfer_ms": ("transfer ms", lambda v: f"{v:.1f}"),
+    "prefill_utilization": ("prefill busy", lambda v: f"{v:.0%}"),
+    "decode_utilization": ("decode busy", lambda v: f"{v:.0%}"),
     "tokens_max_over_mean": ("token balance", lambda v: f"{v:.3f}"),
     "attention_work_max_over_mean": ("attn balance", lambda v: f"{v:.3f}"),
     "padding_fraction": ("padding", lambda v: f"{v:.1%}"),
@@ -233,6 +246,9 @@ _NOTES = {  # column shown -> what it means
     "arrival to last finish); **goodput**: requests per second meeting every SLO (`slo.ttft_s`, `slo.tpot_s`); "
     "**KV use**: the time-weighted share of KV blocks in use; **prefix hits**: cached prompt tokens / prompt tokens; "
     "**preempted**: running requests preempted for blocks (docs/serving.md).",
+    "transfer_bytes": "- **handed over**, **transfer ms**: `disagg=pd`'s KV moved from the prefill pool to the decode "
+    "pool and the time requests waited for it; **prefill / decode busy**: each pool's share of the run clock spent "
+    "running a step (docs/disaggregation.md).",
     "tokens_max_over_mean": "- **balance**: max/mean over PCP ranks of the run's tokens and attention (query, key) "
     "pairs; 1.000 is perfect. **padding**: padded rows / all rows.",
     "framework_overhead_fraction": "- **overhead**: framework stages (validate, plan, buffers, slots) / all stage time.",

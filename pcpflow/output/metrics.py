@@ -69,6 +69,65 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
     }
 
 
+def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp: dict[str, int],
+                     num_blocks: dict[str, int], stats: dict[str, Any], transfer: dict[str, Any], queue: int,
+                     step_s: float, time_s: float, generated: int, to_generate: int) -> dict[str, Any]:
+    """One step of a run with a prefill pool and a decode pool (``disagg=pd``): each pool's
+    own record (``step_record``; None where the pool ran nothing) under ``pools``, the
+    handover's ``transfer`` (the requests, their messages, bytes and seconds) and the
+    ``handover_queue``, and the fields every run has, over both pools: per-rank lists are
+    the prefill pool's PCP ranks, then the decode pool's; calls and bytes add up by purpose
+    (``kv_transfer``: the handover's); serving counts, each pool's scheduler ``stats`` as of
+    this step, add up (the queue counts as waiting)."""
+    recs = [(name, pools.get(name)) for name in pcp]
+
+    def total(key: str) -> int:
+        return sum(r[key] for _, r in recs if r is not None)
+
+    def by_purpose(key: str, extra: int) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for _, r in recs:
+            for k, v in (r or {}).get(key, {}).items():
+                out[k] += v
+        if transfer.get("req_ids"):
+            out["kv_transfer"] += extra
+        return dict(out)
+
+    def per_rank(key: str) -> list[int]:
+        return [v for name, r in recs for v in (r[key] if r is not None else [0] * pcp[name])]
+
+    stage_s: dict[str, float] = defaultdict(float)
+    for _, r in recs:
+        for k, v in (r or {}).get("stage_s", {}).items():
+            stage_s[k] += v
+    ranks = sum(pcp.values())
+    serving = {k: sum(getattr(st, k) for st in stats.values()) for k in (
+        "num_running", "num_waiting", "kv_blocks_used", "prefix_hit_tokens", "prefix_query_tokens", "num_preempted")}
+    serving["num_waiting"] += queue
+    return {
+        "step": step,
+        "num_reqs": total("num_reqs"),
+        "num_tokens": total("num_tokens"),
+        "num_prefill_tokens": total("num_prefill_tokens"),
+        "per_rank_tokens": per_rank("per_rank_tokens"),
+        # NOTE: the mean over both pools' ranks, so that the padding fraction stays the share of padded rows
+        "padded_num_tokens": sum(r["padded_num_tokens"] * pcp[n] for n, r in recs if r is not None) / ranks,
+        "per_rank_attention_work": per_rank("per_rank_attention_work"),
+        "collective_calls": by_purpose("collective_calls", transfer.get("calls", 0)),
+        "collective_bytes": by_purpose("collective_bytes", transfer.get("bytes", 0)),
+        "stage_s": dict(stage_s),
+        "step_s": step_s,
+        "num_generated": generated,
+        "num_to_generate": to_generate,
+        "time_s": time_s,
+        **serving,
+        "kv_usage": serving["kv_blocks_used"] / sum(num_blocks.values()),
+        "handover_queue": queue,
+        "transfer": transfer,
+        "pools": dict(recs),
+    }
+
+
 class MetricsRecorder:
     def __init__(self, path: Path | None, *, pcp_size: int, num_to_generate: int) -> None:
         self.file: IO[str] | None = open(path, "w") if path is not None else None  # noqa: SIM115
@@ -97,6 +156,8 @@ class MetricsRecorder:
         self.num_preempted = 0
         self.cp_attention_steps: dict[str, int] = defaultdict(int)
         self.per_rank_collective_bytes: dict[str, np.ndarray] = {}
+        self.pools: dict[str, dict[str, float]] = {}  # disagg=pd: tokens, busy seconds, steps per pool
+        self.transfer = {"bytes": 0, "calls": 0, "s": 0.0, "requests": 0}
 
     def step(self, record: dict[str, Any]) -> None:
         """Fold one step's record in and append it to metrics.jsonl."""
@@ -129,6 +190,18 @@ class MetricsRecorder:
             self.num_preempted += record["num_preempted"]
         if "cp_attention" in record:
             self.cp_attention_steps[record["cp_attention"]] += 1
+        for name, r in record.get("pools", {}).items():
+            acc = self.pools.setdefault(name, {"tokens": 0, "busy_s": 0.0, "steps": 0})
+            if r is not None:
+                acc["tokens"] += r["num_tokens"]
+                acc["busy_s"] += r["step_s"]
+                acc["steps"] += 1
+        if record.get("transfer"):
+            t = record["transfer"]
+            self.transfer["bytes"] += t.get("bytes", 0)
+            self.transfer["calls"] += t.get("calls", 0)
+            self.transfer["s"] += t.get("s", 0.0)
+            self.transfer["requests"] += len(t.get("req_ids", ()))
         for k, v in record.get("per_rank_collective_bytes", {}).items():
             self.per_rank_collective_bytes[k] = self.per_rank_collective_bytes.get(k, 0) + np.asarray(v, dtype=np.int64)
         if self.file is not None:
@@ -204,6 +277,16 @@ class MetricsRecorder:
             # Share of step time (the run clock: pipeline + scheduler), as reported.
             out["draft_time_fraction"] = self.stage_s.get("draft", 0.0) / self.run_s if self.run_s else 0.0
         return out
+
+    def pool_metrics(self, clock_s: float, ranks: dict[str, int], transfer: str) -> dict[str, Any]:
+        """``metrics.pools`` and ``metrics.transfer`` of a run with pools (``disagg=pd``): per
+        pool the tokens it ran and its utilization, the share of the run's clock (``clock_s``:
+        its last step's end) it was running a step; the handover's bytes, messages and seconds
+        (executed: the slowest rank's, per request, summed; simulated: the exposed price)."""
+        pools = {name: {"tokens": int(acc["tokens"]), "utilization": acc["busy_s"] / clock_s if clock_s else 0.0,
+                        "busy_s": acc["busy_s"], "steps": int(acc["steps"]), "ranks": ranks[name]}
+                 for name, acc in self.pools.items()}
+        return {"pools": pools, "transfer": {**self.transfer, "mode": transfer}}
 
     def serving_metrics(self, requests: dict[str, np.ndarray], *, prompt_lens: np.ndarray, gpus: int,
                         ttft_slo_s: float | None = None, tpot_slo_s: float | None = None) -> dict[str, Any]:

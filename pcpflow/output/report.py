@@ -119,8 +119,10 @@ def print_summary(result: dict[str, Any]) -> None:
             table.add_row("TTFT", f"mean {ttft['mean_s'] * 1e3:.1f} ms · p90 {ttft['p90_s'] * 1e3:.1f} ms · "
                           f"p99 {ttft['p99_s'] * 1e3:.1f} ms · {ttft['mean_steps']:.1f} steps")
         if tpot["mean_s"] is not None:
-            table.add_row("TPOT", f"mean {tpot['mean_s'] * 1e3:.1f} ms · p99 {tpot['p99_s'] * 1e3:.1f} ms · "
-                          f"{tpot['mean_steps']:.2f} steps")
+            steps = f" · {tpot['mean_steps']:.2f} steps" if tpot["mean_steps"] is not None else ""
+            table.add_row("TPOT", f"mean {tpot['mean_s'] * 1e3:.1f} ms · p99 {tpot['p99_s'] * 1e3:.1f} ms{steps}")
+        if m.get("pools"):
+            table.add_row("pools", pools_row(m))
         for label, shown in serving_rows(m):
             table.add_row(label, shown)
         b = m["balance"]
@@ -222,11 +224,25 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def pools_row(m: dict[str, Any]) -> str:
+    """The summary's line on the pools (``disagg=pd``): each pool's ranks, tokens and
+    utilization, and what the handovers moved."""
+    pools = " · ".join(f"{name} {p['ranks']} rank(s), {p['tokens']:,} tokens, busy {p['utilization']:.0%}"
+                       for name, p in m["pools"].items())
+    t = m["transfer"]
+    return (f"{pools} · handed over {t['requests']} request(s): {human_bytes(t['bytes'])} in {t['calls']} "
+            f"message(s) ({t['mode']}), {t['s'] * 1e3:.1f} ms")
+
+
 def config_title(cfg: dict[str, Any]) -> str:
     """The settings that tell runs apart, in one line (the summary's and load.png's title)."""
     parts = [f"pcp={cfg.get('pcp')} dcp={cfg.get('dcp')}"]
     if cfg.get("tp", 1) != 1:
         parts[0] += f" tp={cfg['tp']}"
+    disagg = cfg.get("disagg") or {}
+    if disagg.get("kind") == "pd":
+        d = disagg["decode_pool"]
+        parts[0] += f" -> decode pool tp={d['tp']} pcp={d['pcp']} dcp={d['dcp']} interleave={d['interleave']}"
     decode = cfg.get("decode") or {}
     parts.append(f"decode={decode.get('mode')}/{decode.get('assignment')}")
     parts.append(f"model={(cfg.get('model') or {}).get('name')}")

@@ -135,29 +135,44 @@ class RankGrid:
         return seen
 
     # ------------------------------------------------------------------ groups
-    def build(self, rank: int, stats: CommStats, *, timeout_s: float | None = None) -> dict[str, Comm]:
-        """``{"world", "tp", "pcp", "dcp", "dcp_heads"}`` Comms of ``rank`` on an initialized
-        default group (or groups of one when the world is one rank). ``dcp_heads`` is the
-        part of the DCP group at this PCP rank (``dcp_heads_members``; the DCP group itself
-        when that is all of it). Every group honours ``timeout_s``."""
+    def build(self, rank: int, stats: CommStats, *, timeout_s: float | None = None,
+              offset: int = 0) -> dict[str, Comm] | None:
+        """``{"world", "tp", "pcp", "dcp", "dcp_heads"}`` Comms of global rank ``rank`` on an
+        initialized default group (or groups of one when the grid is one rank). ``dcp_heads``
+        is the part of the DCP group at this PCP rank (``dcp_heads_members``; the DCP group
+        itself when that is all of it). Every group honours ``timeout_s``.
+
+        ``offset``: the grid's first global rank, when it is one pool of a larger job
+        (``disagg=pd``: the decode pool after the prefill pool). Creating a group is
+        collective, so every rank of the job calls this for every pool; a rank outside the
+        grid gets None."""
         import torch.distributed as dist
 
         from pcpflow.parallel.comm import Comm
 
+        local = rank - offset
+        inside = 0 <= local < self.world_size
         if self.world_size == 1 or not dist.is_initialized():
-            solo = {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp", "dcp_heads")}
-            return solo
+            return {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp", "dcp_heads")} if inside else None
         timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-        comms: dict[str, Comm] = {"world": Comm(dist.group.WORLD, rank, self.world_size, stats)}
+
+        def group(members: list[int]):
+            return dist.new_group([m + offset for m in members], timeout=timeout)
+
+        if offset == 0 and dist.get_world_size() == self.world_size:
+            world = dist.group.WORLD
+        else:
+            world = group(list(range(self.world_size)))
+        comms: dict[str, Comm] = {"world": Comm(world, local, self.world_size, stats)} if inside else {}
         for axis in (Axis.TP, Axis.PCP, Axis.DCP):
             mine = Comm.solo(stats)
             for members in self.all_groups(axis):
                 if len(members) == 1:
                     continue
-                group = dist.new_group(members, timeout=timeout)
-                if rank in members:
+                made = group(members)
+                if local in members:
                     copies = self.world_size // len(members)
-                    mine = Comm(group, members.index(rank), len(members), stats, copies)
+                    mine = Comm(made, members.index(local), len(members), stats, copies)
             comms[axis.value] = mine
         comms["dcp_heads"] = comms["dcp"]  # the whole DCP group holds the same rows
         if self.pcp > 1 and self.dcp_tp > 1:
@@ -167,8 +182,8 @@ class RankGrid:
                 if members in seen:
                     continue
                 seen.append(members)
-                group = dist.new_group(members, timeout=timeout)
-                if rank in members:
+                made = group(members)
+                if local in members:
                     copies = self.world_size // len(members)
-                    comms["dcp_heads"] = Comm(group, members.index(rank), len(members), stats, copies)
-        return comms
+                    comms["dcp_heads"] = Comm(made, members.index(local), len(members), stats, copies)
+        return comms if inside else None

@@ -72,7 +72,7 @@ def moe_problems(cfg) -> list[Problem]:
         allowed = f"model {cfg.model.name} has no experts: use {hint}, or leave moe.dispatch unset"
         return [Problem("moe.dispatch", mode, allowed)]
     out = moe_config_problems(moe) if cfg.model.name != "hf" else []
-    w = cfg.world_size
+    w = cfg.grid.world_size  # NOTE: one pool's ranks (disagg=pd: each pool dispatches over its own)
     if mode == "all_to_all" and moe.num_experts % w:
         out.append(
             Problem(

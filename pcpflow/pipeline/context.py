@@ -87,6 +87,7 @@ def with_pad_slot(cache: torch.Tensor) -> torch.Tensor:
 def build_comms(grid: RankGrid, stats: CommStats, *, timeout_s: float) -> dict[str, Comm]:
     """``{"world", "tp", "pcp", "dcp", "dcp_heads"}`` groups of this rank (solo ones in one
     process; see ``RankGrid.build``)."""
-    if not dist.is_initialized():
+    # NOTE: a one-rank grid needs no group on any rank (mode=profile runs one on each of its ranks)
+    if not dist.is_initialized() or grid.world_size == 1:
         return {name: Comm.solo(stats) for name in ("world", "tp", "pcp", "dcp", "dcp_heads")}
     return grid.build(dist.get_rank(), stats, timeout_s=timeout_s)

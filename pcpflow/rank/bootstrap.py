@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from pcpflow import signals
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG
 from pcpflow.output.rundir import failed_result, load_frozen_config, result_of, write_result
-from pcpflow.rank.progress import Blame, RankBoard, store_timeout
+from pcpflow.rank.progress import Blame, RankBoard, in_flight, store_timeout
 from pcpflow.signals import Interrupted, interruptible
 
 STARTUP_STORE_TIMEOUT_S = 900  # rank 0 composing and checking the config, before any cfg exists
@@ -165,7 +165,10 @@ class RankSession:
         Raises RankError naming the root cause; with ``writes_result`` exactly one rank
         writes the failed result.json (torchrun: no driver is there to do it). ``work``: what
         the ranks run instead of the engine (``run_rank``'s signature; ``mode=profile``)."""
-        from pcpflow.rank.engine import run_rank
+        if cfg.disagg.enabled:  # a prefill pool and a decode pool
+            from pcpflow.rank.pools import run_pools as run_rank
+        else:
+            from pcpflow.rank.engine import run_rank
 
         self.init_group(cfg)
         self.jobs += 1
@@ -200,7 +203,7 @@ class RankSession:
             if isinstance(exc, Interrupted) and blame.rank == self.rank:
                 error = f"{exc} (rank {self.rank})"
             write_result(run_dir, failed_result(error, cfg.model_dump(mode="json"), code, failed_rank=blame.rank,
-                                                run_dir=str(run_dir), launcher="external (torchrun)"))
+                                                run_dir=str(run_dir), launcher="external (torchrun)", **in_flight(error)))
         return RankError(blame, code)
 
 

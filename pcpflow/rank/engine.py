@@ -44,7 +44,8 @@ def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | No
     (``verify``, ``outputs``, ``texts`` with a tokenizer, ``requests``, ``metrics``),
     other ranks None.
 
-    torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1.
+    torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1
+    (``disagg=pd`` runs ``pcpflow.rank.pools.run_pools`` instead).
     """
     with _torch_threads(cfg.threads_per_rank):
         return _run_rank(cfg, run_dir)
@@ -201,22 +202,9 @@ class _Steps:
             self.logits.setdefault(req_id, []).append(row)
 
     def _record(self, state: StepState, outcome, calls, nbytes, step_s, logit_diff) -> dict[str, Any]:
-        b, layout = state.batch, state.layout
-        ran = state.attn.cp_attention or "allgather"
-        if ran.startswith("ring_"):
-            work = ring_attention_work(layout, b.positions, variant=ran[len("ring_"):], interleave=self.cfg.kv.interleave)
-        else:
-            work = attention_work(
-                layout,
-                b.positions,
-                dcp_size=self.ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
-                interleave=self.cfg.kv.interleave,
-                dcp_rest=state.attn.dcp_rest or "queries",
-            )
-        record = step_record(b, layout, attention_work=work, calls=calls, nbytes=nbytes, stage_s=state.timings,
-                             step_s=step_s, generated=self.loop.generated, to_generate=self.recorder.num_to_generate,
-                             serving=self.scheduler.stats, num_blocks=self.cfg.kv.num_blocks,
-                             time_s=float(self.loop.step_start[b.step]))
+        record = batch_record(self.ctx, state, calls=calls, nbytes=nbytes, step_s=step_s, generated=self.loop.generated,
+                              to_generate=self.recorder.num_to_generate, serving=self.scheduler.stats,
+                              time_s=float(self.loop.step_start[state.batch.step]))
         proposed = int(np.sum(outcome.num_proposed))
         if proposed:
             record["draft_proposed"] = proposed
@@ -224,6 +212,28 @@ class _Steps:
             record["draft_rows"] = int(np.count_nonzero(outcome.num_proposed))  # verify rows
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
-        record["cp_attention"] = ran
-        record.update(moe_step_record(self.ctx))
         return record
+
+
+def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: float, generated: int, to_generate: int,
+                 serving, time_s: float) -> dict[str, Any]:
+    """The metrics.jsonl fields of one batch this rank's pipeline ran (``step_record``, with
+    the attention work the path it took counts, the CP attention it ran and the MoE counts)."""
+    b, layout, cfg = state.batch, state.layout, ctx.config
+    ran = state.attn.cp_attention or "allgather"
+    if ran.startswith("ring_"):
+        work = ring_attention_work(layout, b.positions, variant=ran[len("ring_"):], interleave=cfg.kv.interleave)
+    else:
+        work = attention_work(
+            layout,
+            b.positions,
+            dcp_size=ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
+            interleave=cfg.kv.interleave,
+            dcp_rest=state.attn.dcp_rest or "queries",
+        )
+    record = step_record(b, layout, attention_work=work, calls=calls, nbytes=nbytes, stage_s=state.timings,
+                         step_s=step_s, generated=generated, to_generate=to_generate, serving=serving,
+                         num_blocks=cfg.kv.num_blocks, time_s=time_s)
+    record["cp_attention"] = ran
+    record.update(moe_step_record(ctx))
+    return record

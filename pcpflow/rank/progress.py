@@ -60,6 +60,25 @@ def where() -> tuple[int, str]:
     return _STEP, _STAGE
 
 
+TRANSFER_STAGE = "transfer of request {}"
+"""The stage a rank marks while it moves a handed-over request's KV (``disagg=pd``)."""
+
+
+def mark_transfer(req_id: int) -> None:
+    """The stage of a handover's transfer, pushed at once (one store write per request moved):
+    a rank that dies inside it, before its next heartbeat, is still placed there."""
+    mark_stage(TRANSFER_STAGE.format(req_id))
+    if _BOARD is not None:
+        _BOARD.push()
+
+
+def in_flight(message: str) -> dict[str, Any]:
+    """``{"transfer_in_flight": req_id}`` when a failure's diagnosis places it inside a
+    handover's transfer (``[rank R] ... at step S (transfer of request N)``), else {}."""
+    m = re.search(r"\(" + TRANSFER_STAGE.format(r"(\d+)") + r"\)", message)
+    return {"transfer_in_flight": int(m.group(1))} if m else {}
+
+
 def startup_done(timeout_s: float) -> None:
     """The engine's hook between start-up (model load, reference build) and the first step:
     every rank waits here up to ``startup_timeout_s``, so a slow load is not a stalled

@@ -56,7 +56,7 @@ _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
 
 class Verifier:
     def __init__(self, cfg: RunConfig, ctx: RankContext, specs: list[StageSpec], world: Comm,
-                 scheduler: Scheduler) -> None:
+                 scheduler: Scheduler, *, ref_blocks: int | None = None) -> None:
         self.cfg, self.ctx, self.world, self.scheduler = cfg, ctx, world, scheduler
         # per request: positions [0, n) the reference holds (every rank keeps the count)
         self.ref_len = np.zeros(len(scheduler.table), dtype=np.int64)
@@ -86,7 +86,7 @@ class Verifier:
             table = scheduler.table
             longest = int((table.prompt_lens + table.output_lens).max(initial=1)) + cfg.num_speculative_tokens
             per_seat = -(-longest // cfg.kv.block_size)
-            ref_blocks = max(cfg.kv.num_blocks * cfg.dcp, cfg.scheduler.max_num_seqs * per_seat)
+            ref_blocks = ref_blocks or max(cfg.kv.num_blocks * cfg.dcp, cfg.scheduler.max_num_seqs * per_seat)
             self.ref_kv = KVCacheManager(ref_blocks, cfg.kv.block_size, 1)
             self.ref_ctx = RankContext(
                 config=ref_cfg,
@@ -107,7 +107,12 @@ class Verifier:
     # ------------------------------------------------------------------ per step
     def step(self, state: StepState, outcome: StepOutcome) -> float:
         """Check one step; returns this step's largest logit difference (rank 0)."""
-        batch = state.batch
+        return self.check(state.batch, state, outcome)
+
+    def check(self, batch: GlobalBatch, state, outcome: StepOutcome, *, mine: bool = True) -> float:
+        """Check one batch: ``state`` (its ``logits`` and ``sampled_token_ids``) is read on
+        rank 0. ``mine``: this rank's caches hold the batch's KV (``disagg=pd``: the ranks
+        of the other pool take part in the collectives only)."""
         num_layers = len(self.ctx.kv_caches)
         rows, catch_pos = self._catch_up_rows(batch)
         n_catch = len(catch_pos)
@@ -120,10 +125,12 @@ class Verifier:
             step_logit_diff = self._reference_step(state, ref_entries[:, n_catch:])
         self.world.broadcast(ref_entries, src=0, purpose="verify")
         catch_req = np.repeat(rows, batch.num_computed_tokens[rows] - self.ref_len[batch.req_ids[rows]])
-        self._check_kv(state, ref_entries, catch_pos, catch_req)
+        if mine:
+            self._expect(batch, ref_entries, catch_pos, catch_req)
+        self._compare(mine)
         self.ref_len[batch.req_ids] = batch.seq_lens
         self.positions_recomputed += n_catch
-        self._release(outcome)
+        self._release(outcome, mine)
         self.steps += 1
         return step_logit_diff
 
@@ -213,20 +220,31 @@ class Verifier:
                     self.token_mismatches.append(entry)
         return diff
 
-    def _check_kv(self, state: StepState, ref_entries: torch.Tensor, catch_pos: np.ndarray, catch_rows: np.ndarray) -> None:
-        """The whole cache against the expected one, once the reference's entries of this
-        step (recomputed prefixes first, then the step's tokens) are in it at their slots."""
-        batch, ctx, kv = state.batch, self.ctx, self.cfg.kv
-        slots = rank_slot_mapping(
-            np.concatenate([catch_pos, batch.positions]), np.concatenate([catch_rows, batch.req_indices]),
-            batch.block_tables, kv, dcp_size=ctx.dcp_size, dcp_rank=ctx.dcp_rank,
-        )
+    def _expect(self, batch: GlobalBatch, ref_entries: torch.Tensor, catch_pos: np.ndarray, catch_rows: np.ndarray) -> None:
+        """The reference's entries of this step (recomputed prefixes first, then the step's
+        tokens) into the expected cache, at this rank's slots of the positions it owns."""
+        self.expect_at(np.concatenate([catch_pos, batch.positions]), np.concatenate([catch_rows, batch.req_indices]),
+                       batch.block_tables, ref_entries)
+
+    def expect_at(self, positions: np.ndarray, req_indices: np.ndarray, block_tables: np.ndarray,
+                  ref_entries: torch.Tensor) -> None:
+        """Full reference entries ``[layers, len(positions), entry]`` of these positions
+        (rows ``req_indices`` of ``block_tables``) into the expected cache where this rank
+        holds them: its DCP shard's positions, its TP slice's columns."""
+        ctx = self.ctx
+        slots = rank_slot_mapping(positions, req_indices, block_tables, self.cfg.kv, dcp_size=ctx.dcp_size,
+                                  dcp_rank=ctx.dcp_rank)
         owned = torch.from_numpy(np.flatnonzero(slots >= 0)).to(ctx.device)
         owned_slots = torch.from_numpy(slots[slots >= 0]).to(ctx.device)
+        for layer, expected in enumerate(self.expected):
+            expected.index_copy_(0, owned_slots, ref_entries[layer].index_select(0, owned).index_select(1, self.columns))
+
+    def _compare(self, mine: bool = True) -> None:
+        """This rank's whole cache against the expected one; every rank's worst difference
+        and mismatched slots summed on rank 0."""
+        ctx = self.ctx
         worst, bad = 0.0, 0
-        for layer, (cache, expected) in enumerate(zip(ctx.kv_caches, self.expected)):
-            mine = ref_entries[layer].index_select(0, owned).index_select(1, self.columns)
-            expected.index_copy_(0, owned_slots, mine)
+        for cache, expected in zip(ctx.kv_caches, self.expected) if mine else ():
             nan_c, nan_e = torch.isnan(cache), torch.isnan(expected)
             both = ~(nan_c | nan_e)
             d = (cache - expected).abs().where(both, torch.zeros((), dtype=cache.dtype, device=cache.device))
@@ -240,16 +258,12 @@ class Verifier:
         self.max_kv_diff = max(self.max_kv_diff, float(worst_t))
         self.kv_bad_slots += int(bad_t)
 
-    def _release(self, outcome: StepOutcome) -> None:
+    def _release(self, outcome: StepOutcome, mine: bool = True) -> None:
         """Blocks the run freed this step: the expected cache takes over what the run left
-        there. The reference frees what it held for finished and preempted requests."""
-        freed_blocks = outcome.freed_blocks
-        if len(freed_blocks):
-            b = self.cfg.kv.block_size
-            slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
-            idx = torch.from_numpy(slots).to(self.ctx.device)
-            for cache, expected in zip(self.ctx.kv_caches, self.expected):
-                expected.index_copy_(0, idx, cache.index_select(0, idx))
+        there (on the ranks that hold them). The reference frees what it held for finished
+        and preempted requests."""
+        if mine:
+            self.take_over(outcome.freed_blocks)
         gone = np.concatenate([outcome.preempted_req_ids, outcome.finished_req_ids]).astype(np.int64)
         self.ref_len[gone] = 0
         if self.is_root:
@@ -262,6 +276,16 @@ class Verifier:
                     slots = torch.from_numpy((np.asarray(freed)[:, None] * b + np.arange(b)).ravel())
                     for cache in self.ref_ctx.kv_caches:
                         cache.index_fill_(0, slots.to(cache.device), float("nan"))
+
+    def take_over(self, freed_blocks: np.ndarray) -> None:
+        """Blocks this rank's pool freed: the expected cache takes over what the run left there,
+        so that a reused block is checked against its new writes."""
+        if len(freed_blocks):
+            b = self.cfg.kv.block_size
+            slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
+            idx = torch.from_numpy(slots).to(self.ctx.device)
+            for cache, expected in zip(self.ctx.kv_caches, self.expected):
+                expected.index_copy_(0, idx, cache.index_select(0, idx))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:

@@ -115,6 +115,7 @@ class StepOutcome:
     freed_blocks: np.ndarray  # int64: KV blocks that became free this step (preemptions, then finishes)
     first_token: np.ndarray  # int64: req_ids that produced their first token this step
     preempted_req_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # preempted when scheduled
+    handed_over: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prefill_only: left for another pool
 
     @property
     def num_new_tokens(self) -> int:
@@ -155,7 +156,9 @@ class Scheduler:
     Requests enter by themselves at their arrival (``feed=True``: ``pcpflow.scheduling.arrivals``,
     by step, or by the time ``schedule(now)`` is given for a timed table), or through
     ``add`` (``feed=False``: a router's replicas, which share the per-request columns of the
-    scheduler given as ``share``).
+    scheduler given as ``share``). ``prefill_only`` (a prefill pool, ``disagg=pd``): a request
+    leaves the running requests with its first token (``StepOutcome.handed_over``), keeping
+    its blocks until ``release``; another pool's scheduler takes it over with ``adopt``.
     """
 
     def __init__(
@@ -169,6 +172,7 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
         feed: bool = True,
         share: Scheduler | None = None,
+        prefill_only: bool = False,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or num_speculative_tokens < 0:
             raise ValueError(
@@ -181,6 +185,7 @@ class Scheduler:
         self.max_num_seqs = int(max_num_seqs)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.kv = kv
+        self.prefill_only = bool(prefill_only)
         self.step = 0
         # a request that appends one of these (its checkpoint's EOS ids) finishes there
         self.stop_token_ids = np.unique(np.asarray(list(stop_token_ids), dtype=np.int64))
@@ -190,6 +195,7 @@ class Scheduler:
         self._running = np.zeros(0, dtype=np.int64)  # request indices, admission order
         self._num_finished = 0
         self._num_added = 0
+        self._joining = 0  # adopted from another pool, entries still in transfer (seats they hold)
         self._last_batch: GlobalBatch | None = None  # scheduled, not yet updated
         self._updated_batch: GlobalBatch | None = None  # updated, drafts not yet set
         self._batch_rows = self._running  # the request index of each row of the last batch
@@ -201,7 +207,9 @@ class Scheduler:
             if n and (table.prompt_lens.min() < 1 or table.output_lens.min() < 1):
                 bad = np.flatnonzero((table.prompt_lens < 1) | (table.output_lens < 1)).tolist()
                 raise ValueError(f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1")
-            problems = kv.fit_problems(table.prompt_lens, table.output_lens, num_speculative_tokens)
+            # NOTE: a prefill pool holds prompts only (the first token's entry is written where it decodes)
+            outputs = np.zeros_like(table.output_lens) if prefill_only else table.output_lens
+            problems = kv.fit_problems(table.prompt_lens, outputs, num_speculative_tokens)
             if problems:
                 raise ConfigError(problems, header="requests that can never fit the KV cache")
         self.columns = _Columns(table, self.num_speculative_tokens) if share is None else share.columns
@@ -494,8 +502,11 @@ class Scheduler:
         for i in finished.tolist():
             self._prompt_contents.pop(i, None)
             self._keys.pop(i, None)
+        leaving = done | ((take > 0) if self.prefill_only else False)  # NOTE: a prefill pool keeps no decode
+        handed = rows[leaving & ~done]
+        if leaving.any():
+            self._running = rows[~leaving]
         if len(finished):
-            self._running = rows[~done]
             self._num_finished += len(finished)
             if self.arrivals is not None:
                 self.arrivals.finished(len(finished), end if self.arrivals.timed else batch.step + 1)
@@ -511,7 +522,45 @@ class Scheduler:
             freed_blocks=np.concatenate(freed) if freed else np.zeros(0, dtype=np.int64),
             first_token=first,
             preempted_req_ids=np.asarray(self._preempted, dtype=np.int64),
+            handed_over=handed,
         )
+
+    # -- between pools (disagg=pd) ---------------------------------------------------------
+
+    def can_adopt(self, i: int) -> bool:
+        """Whether request i, handed over with its prompt computed, can join this pool now:
+        a seat, blocks for its prompt's positions, and no request of this pool waiting
+        (preempted ones go first)."""
+        need = self.kv.blocks_needed(int(self._num_computed[i]))
+        return (not self._waiting and len(self._running) + self._joining < self.max_num_seqs
+                and need <= self.kv.num_free_blocks and need <= self.kv.max_blocks_per_req)
+
+    def adopt(self, i: int, *, join: bool = True) -> np.ndarray:
+        """Request i comes over from another pool (its prompt computed there, its first token
+        sampled): blocks for its prompt's positions, which the transfer fills, and (``join``)
+        a place among the running requests as a decode; without ``join`` it takes that place
+        when its entries have arrived (``join``). Returns its block-table row."""
+        if self._last_batch is not None:
+            raise RuntimeError("adopt() goes between steps")
+        self.kv.allocate(int(i), int(self._num_computed[i]))
+        self._joining += 1
+        if join:
+            self.join(i)
+        return self.kv.blocks_of(int(i))
+
+    def join(self, i: int) -> None:
+        """An adopted request whose entries arrived runs from the next step."""
+        if self._last_batch is not None:
+            raise RuntimeError("join() goes between steps")
+        self._joining -= 1
+        self._running = np.append(self._running, np.int64(i))
+
+    def release(self, i: int) -> np.ndarray:
+        """A handed-over request's blocks go back to this pool (cached ones stay findable):
+        its entries now live in the other pool. Returns the blocks freed."""
+        self._prompt_contents.pop(int(i), None)
+        self._keys.pop(int(i), None)
+        return self.kv.free(int(i))
 
     # -- prefix caching ------------------------------------------------------------------------
 

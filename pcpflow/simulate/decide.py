@@ -85,6 +85,7 @@ def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
         result = _result(sweep_dir / r["job"])
         cfg = result.get("config") or {}
         sim = (result.get("metrics") or {}).get("simulate") or {}
+        # NOTE: every GPU the run priced (replicas, both pools of disagg=pd), else the grid's
         r["gpus"] = sim.get("gpus") or (int(cfg.get("tp", 1)) * int(cfg.get("pcp", 1)) if cfg else None)
         objective = (cfg.get("simulate") or {}).get("objective", objective)
         breakdown = sim.get("breakdown_s") or {}

@@ -106,6 +106,7 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     if kv.get("num_blocks") is None:
         need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
+    _derive_decode_pool_blocks(raw, sizes, hw, sim, requests, block_size)
     return raw, frozenset()
 
 
@@ -113,6 +114,26 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
 def _adapter(annotation: Any) -> TypeAdapter:
     """One adapter per type (building one costs ~1 ms: a search validates thousands of layouts)."""
     return TypeAdapter(annotation)
+
+
+def _derive_decode_pool_blocks(raw: dict[str, Any], sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig,
+                               requests, block_size: int) -> None:
+    """``disagg=pd``: a decode pool without ``num_blocks`` gets the HBM left on one of its GPUs
+    (its own tp), as the prefill pool's ``kv.num_blocks``; a value the settings cannot give is
+    left to validation (the pool's own problems)."""
+    disagg = raw.get("disagg") or {}
+    pool = disagg.get("decode_pool") or {}
+    if disagg.get("kind") != "pd" or pool.get("num_blocks") is not None:
+        return
+    try:
+        tp, dcp = _positive(pool.get("tp", 1)), _positive(pool.get("dcp", 1))
+    except (ValueError, TypeError):
+        return
+    per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype)
+    free = kv_budget_bytes(sizes, hw, sim, tp=tp)
+    if free >= per_block:
+        need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
+        pool["num_blocks"] = max(1, min(int(free // per_block), need + 1))
 
 
 def _executed_weights(raw: dict[str, Any]) -> str:
@@ -159,15 +180,7 @@ def simulate_problems(cfg) -> list[Problem]:
         sizes = model_sizes(cfg.model)
     except ValueError as exc:
         return [Problem("model", cfg.model.name, f"{exc}; cards: {', '.join(CARD_NAMES)}")]
-    tp = cfg.tp
-    heads_ok = sizes.num_heads % tp == 0
-    kv_ok = sizes.attention == "mla" or sizes.num_kv_heads % tp == 0 or tp % sizes.num_kv_heads == 0
-    if not (heads_ok and kv_ok):
-        allowed = [t for t in range(1, sizes.num_heads + 1) if sizes.num_heads % t == 0
-                   and (sizes.attention == "mla" or sizes.num_kv_heads % t == 0 or t % sizes.num_kv_heads == 0)]
-        p.append(Problem("tp", tp, f"model {cfg.model.name} has {sizes.num_heads} query heads"
-                         + ("" if sizes.attention == "mla" else f" and {sizes.num_kv_heads} KV heads")
-                         + f": tp must split them evenly; allowed: {allowed}"))
+    p += _heads_problems(cfg, sizes)
     if cfg.draft_enabled:
         p.append(Problem("draft", cfg.draft_stage_config().get("kind"), "drafting is not simulated; use draft=none"))
     pipeline = cfg.pipeline or {}
@@ -196,6 +209,12 @@ def simulate_problems(cfg) -> list[Problem]:
     p += simulated_host_problems(cfg, requests)
     if not any(x.field.startswith(("dtype", "simulate.weights_dtype")) for x in p):
         p += _hbm_problems(cfg, sizes)
+        if cfg.disagg.enabled:  # the decode pool's GPUs hold their own slice of the weights and KV
+            from pcpflow.config.disagg import pool_config, pool_problems
+
+            decode = pool_config(cfg, "decode")
+            grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp")]  # its groups measured
+            p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes) + grid, "decode")
     return p
 
 
@@ -209,6 +228,20 @@ def objective_problems(cfg) -> list[Problem]:
                         "slo.ttft_s and/or slo.tpot_s, or rank by another objective (ttft, tpot, gpus, ttft_x_gpus, "
                         "tpot_x_gpus, throughput_per_gpu)")]
     return []
+
+
+def _heads_problems(cfg, sizes: ModelSizes) -> list[Problem]:
+    """The query and KV heads that ``tp`` must split evenly."""
+    tp = cfg.tp
+    heads_ok = sizes.num_heads % tp == 0
+    kv_ok = sizes.attention == "mla" or sizes.num_kv_heads % tp == 0 or tp % sizes.num_kv_heads == 0
+    if heads_ok and kv_ok:
+        return []
+    allowed = [t for t in range(1, sizes.num_heads + 1) if sizes.num_heads % t == 0
+               and (sizes.attention == "mla" or sizes.num_kv_heads % t == 0 or t % sizes.num_kv_heads == 0)]
+    return [Problem("tp", tp, f"model {cfg.model.name} has {sizes.num_heads} query heads"
+                    + ("" if sizes.attention == "mla" else f" and {sizes.num_kv_heads} KV heads")
+                    + f": tp must split them evenly; allowed: {allowed}")]
 
 
 def measured_problems(cfg) -> list[Problem]:

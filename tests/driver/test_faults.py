@@ -272,3 +272,39 @@ def test_start_up_has_its_own_timeout():
     assert ok["verify"]["passed"]
     with pytest.raises(Exception, match=r"\[rank 1\] did not finish start-up within startup_timeout_s=3 during start-up"):
         run([_slow_start_cfg(100, collective_timeout_s=30, startup_timeout_s=3)])
+
+
+# ------------------------------------------------------------------------------ disagg=pd
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,die", [(1, False), (2, True)])
+def test_a_rank_that_stalls_or_dies_mid_transfer_names_the_request_in_flight(tmp_path, rank, die):
+    """A prefill rank stalling inside a handover's send, or a decode rank dying inside its
+    receive: the other pool's ranks wait on point-to-point messages, time out (or see the
+    connection close), and the board names the rank, placed in the transfer; result.json
+    says which request was moving."""
+    marker = uuid.uuid4().hex
+    r, elapsed = pcpflow("pcp=2", "dcp=2", "disagg=pd", "collective_timeout_s=5", f"hydra.run.dir={tmp_path}", FAULTS,
+                         fault("TransferFault", rank=rank, step=0, call=1, seconds=200, die=die), e=env(marker))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "failed" and res["failed_rank"] == rank, res["error"]
+    how = "died without a Python error" if die else "stalled"
+    assert res["error"].startswith(f"rank {rank} failed: {how}"), res["error"]
+    # NOTE: the rank marks (and pushes) the transfer before it moves a byte: a death is placed too
+    req = res["transfer_in_flight"]
+    assert f"(transfer of request {req})" in res["error"] and req in (0, 1, 2)
+    assert elapsed < 120, elapsed  # start-up + 5 s timeout + 3 s grace, far below the 200 s stall
+    deadline = time.monotonic() + 10
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_with(marker) == []
+
+
+@pytest.mark.slow
+def test_torchrun_starts_both_pools(tmp_path):
+    r, _ = torchrun("pcp=2", "disagg=pd", f"hydra.run.dir={tmp_path}", nproc=3)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "ok" and res["verify"]["passed"] and res["metrics"]["transfer"]["requests"] >= 1
+    r, _ = torchrun("pcp=2", "disagg=pd", f"hydra.run.dir={tmp_path}/wrong", nproc=2)
+    assert "both pools' ranks (2 prefill + 1 decode = 3) must equal the 2 ranks torchrun started" in r.stderr

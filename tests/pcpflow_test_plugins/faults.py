@@ -268,3 +268,62 @@ class RingFault(_Fault):
 
             Comm.ring_exchange = faulty
         return state
+
+
+@register
+class TransferFault(_Fault):
+    """Anywhere (disagg=pd): on global rank ``rank``, from step ``step`` on, the ``call``-th
+    handover transfer this rank takes part in (0 = the first) stalls for ``seconds`` or, with
+    ``die``, ends the process (``os._exit``), while its peers wait on their point-to-point
+    messages; with ``corrupt``, a decode rank lands one received value off by 1 (what
+    verification must catch)."""
+
+    kind = "test_transfer_fault"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_transfer_fault"] = "test_transfer_fault"
+        call: int = Field(0, ge=0)
+        seconds: float = Field(100.0, gt=0)
+        die: bool = False
+        corrupt: bool = False
+
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        import torch.distributed as dist
+
+        # NOTE: the handover runs before any stage of the step: the transfer is patched now
+        if not ctx.is_reference and (dist.get_rank() if dist.is_initialized() else 0) == config.rank:
+            self._patch()
+
+    def __call__(self, state: StepState) -> StepState:
+        return state
+
+    def _patch(self) -> None:
+        from pcpflow.parallel.transfer import KVTransfer
+        from pcpflow.rank.progress import where
+
+        original, calls, cfg = KVTransfer.move, [0], self.config
+
+        def faulty(tr, num_tokens, src, dst):
+            local = tr.rank - tr.offset
+            mine = [r for r in tr.routes(num_tokens) if (r.src == tr.rank if tr.in_prefill else r.dst == local)]
+            if not mine or where()[0] < cfg.step:
+                return original(tr, num_tokens, src, dst)
+            hit = calls[0] == cfg.call
+            calls[0] += 1
+            if hit:  # NOTE: once: ranks shared by many configs (tests/shared_ranks.py) run the rest untouched
+                KVTransfer.move = original
+            if hit and not cfg.corrupt:
+                sys.stdout.flush()
+                if cfg.die:
+                    os._exit(0)
+                time.sleep(cfg.seconds)
+            seconds = original(tr, num_tokens, src, dst)
+            if hit and cfg.corrupt and not tr.in_prefill:
+                r = mine[0]
+                slot = tr._slots(r.positions[:1], dst, tr.dst, r.dst)
+                col = tr._cols(tr.decode, r.dst, r.heads, False)[:1]
+                tr.caches[0][slot, col] += 1.0
+            return seconds
+
+        KVTransfer.move = faulty

@@ -1,0 +1,117 @@
+"""Re-laying a request's KV cache out from the prefill pool to the decode pool (numpy only).
+
+A KV *entry* is (position, layer, head group): a head group is one KV head (GQA: its key and
+value columns) or, for MLA, the whole latent (one group: it has no heads). A pool keeps an
+entry on every rank whose DCP shard holds the position (``(p // I) % dcp``, its own
+interleave) and whose TP slice holds the group (GQA heads split over TP, or replicated when
+tp exceeds the KV heads; MLA's latent on every TP rank).
+
+The rule (``transfer_routes``): each decode rank receives exactly the entries its layout
+owns, each once, point to point from one prefill rank that holds it. Among the prefill
+ranks holding (position p, group g), those with DCP rank ``(p // I_p) % dcp_p`` and g in
+their slice, the decode rank with pool index ``d`` takes ``holders[d % len(holders)]``: a
+fixed choice per (decode rank, prefill DCP rank, group), so that a decode rank hears from
+as few prefill ranks as the layouts allow, and replicated holders (PCP ranks without DCP,
+TP ranks of MLA) share the sending. Every layer goes the same way. A decode rank whose
+TP slice repeats another's (MLA over TP, GQA with tp > num_kv_heads) receives the same
+entries: the only duplication, counted.
+
+Positions then land by the decode pool's slot rule (``pcpflow.layouts.slots``): a decode
+block gathers the positions its DCP rank owns, which, with another interleave, come from
+several prefill ranks (docs/disaggregation.md works one request through).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TRANSFERS = ("layerwise", "after_prefill")
+KV_TRANSFER = "kv_transfer"
+"""The purpose of the handover's point-to-point messages (``collective_calls`` / ``bytes``)."""
+
+
+@dataclass(frozen=True)
+class PoolKV:
+    """Where a pool keeps KV entries: per rank of the pool (its index in the pool), its DCP
+    rank and the head groups its TP slice holds; the pool's dcp and interleave."""
+
+    dcp_ranks: tuple[int, ...]
+    heads: tuple[tuple[int, ...], ...]
+    dcp: int
+    interleave: int
+
+    def __post_init__(self) -> None:
+        if len(self.dcp_ranks) != len(self.heads):
+            raise ValueError(f"{len(self.dcp_ranks)} DCP ranks but {len(self.heads)} head slices")
+        if self.dcp < 1 or self.interleave < 1:
+            raise ValueError(f"dcp ({self.dcp}) and interleave ({self.interleave}) must be >= 1")
+
+    @property
+    def size(self) -> int:
+        return len(self.dcp_ranks)
+
+    def owned(self, positions: np.ndarray, rank: int) -> np.ndarray:
+        """The positions of ``positions`` whose entries pool rank ``rank`` keeps."""
+        return positions[(positions // self.interleave) % self.dcp == self.dcp_ranks[rank]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Entries one prefill rank sends one decode rank: ``positions`` (ascending) x every
+    layer x ``heads``."""
+
+    src: int  # the prefill rank's index in its pool
+    dst: int  # the decode rank's index in its pool
+    heads: tuple[int, ...]
+    positions: np.ndarray
+
+    @property
+    def num_entries(self) -> int:
+        """Entries per layer."""
+        return len(self.positions) * len(self.heads)
+
+
+def transfer_routes(num_tokens: int, src: PoolKV, dst: PoolKV) -> list[Route]:
+    """The routes that move positions ``[0, num_tokens)`` of one request from pool ``src``
+    to pool ``dst`` (see the module's rule), ordered by decode rank, then prefill rank;
+    routes without entries are left out."""
+    positions = np.arange(int(num_tokens), dtype=np.int64)
+    src_owner = (positions // src.interleave) % src.dcp
+    routes = []
+    for d in range(dst.size):
+        mine = dst.owned(positions, d)
+        owner = src_owner[mine]
+        picked: dict[int, list[int]] = {}  # prefill rank -> the groups it sends to d
+        for k in np.unique(owner).tolist():
+            for g in dst.heads[d]:
+                holders = [r for r in range(src.size) if src.dcp_ranks[r] == k and g in src.heads[r]]
+                if not holders:
+                    raise ValueError(f"no prefill rank holds head group {g} at DCP rank {k}")
+                picked.setdefault(holders[d % len(holders)], []).append(g)
+        for s in sorted(picked):
+            routes.append(Route(s, d, tuple(sorted(picked[s])), mine[owner == src.dcp_ranks[s]]))
+    return routes
+
+
+def transfer_counts(routes: list[Route], *, group_bytes: int, num_layers: int, transfer: str) -> tuple[int, int]:
+    """(messages, bytes) of one request's routes: ``group_bytes`` is one head group of one
+    position and layer; ``layerwise`` sends a message per route and layer, ``after_prefill``
+    one per route with every layer."""
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer {transfer!r}: one of {', '.join(TRANSFERS)}")
+    entries = sum(r.num_entries for r in routes)
+    calls = len(routes) * (num_layers if transfer == "layerwise" else 1)
+    return calls, entries * group_bytes * num_layers
+
+
+def rank_bytes(routes: list[Route], *, group_bytes: int, num_layers: int, num_src: int,
+               num_dst: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each prefill rank sends and each decode rank receives over ``routes``."""
+    sent, got = np.zeros(num_src, dtype=np.int64), np.zeros(num_dst, dtype=np.int64)
+    for r in routes:
+        n = r.num_entries * group_bytes * num_layers
+        sent[r.src] += n
+        got[r.dst] += n
+    return sent, got

@@ -1,0 +1,141 @@
+"""The handover's KV transfer (``disagg=pd``): each decode rank receives exactly the entries
+its layout owns, point to point from the prefill ranks that hold them (torch.distributed
+send / recv: gloo on CPU, NCCL on GPUs), repacked into its own blocks.
+
+Which prefill rank sends which entries to which decode rank is the numpy rule of
+``pcpflow.layouts.transfer`` (``transfer_routes``), on each pool's ``PoolKV`` (``pool_kv``:
+the grid's DCP ranks and the KV heads each TP rank holds). Here the entries move: the
+sender reads them at its slots (its pool's slot rule and block table), the receiver writes
+them at its own (``compute_slot_mapping`` with the decode pool's dcp and interleave), in the
+columns of the head groups the route carries. ``layerwise`` sends a message per route and
+layer, ``after_prefill`` one per route with every layer stacked. Each rank counts what it
+sends (``CommStats.add_sent``, purpose ``kv_transfer``); the engine gathers the counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pcpflow.layouts.slots import compute_slot_mapping
+from pcpflow.layouts.transfer import KV_TRANSFER, PoolKV, Route, transfer_routes
+from pcpflow.parallel.grid import Axis, RankGrid
+from pcpflow.parallel.tensor_parallel import entry_columns, kv_heads_of
+
+
+def head_groups(tp_rank: int, tp: int, num_kv_heads: int | None) -> tuple[int, ...]:
+    """The KV head groups TP rank ``tp_rank`` of ``tp`` holds: its GQA KV heads, or MLA's one
+    latent (``num_kv_heads`` None: group 0, on every TP rank)."""
+    if num_kv_heads is None:
+        return (0,)
+    return tuple(kv_heads_of(tp_rank, tp, num_kv_heads))
+
+
+def pool_kv(grid: RankGrid, interleave: int, num_kv_heads: int | None) -> PoolKV:
+    """Where the pool of ``grid`` keeps KV entries (``pcpflow.layouts.transfer.PoolKV``)."""
+    ranks = range(grid.world_size)
+    return PoolKV(
+        dcp_ranks=tuple(grid.coords(r)[Axis.DCP] for r in ranks),
+        heads=tuple(head_groups(r % grid.tp, grid.tp, num_kv_heads) for r in ranks),
+        dcp=grid.dcp,
+        interleave=interleave,
+    )
+
+
+def group_columns(full_spec, tp_rank: int, tp: int, groups: tuple[int, ...]) -> torch.Tensor:
+    """The columns of TP rank ``tp_rank``'s cache entry that hold head groups ``groups`` (its
+    keys, then its values; all of an MLA entry)."""
+    if full_spec.v_offset == 0:
+        return torch.arange(full_spec.entry_dim)
+    local_of = {int(c): j for j, c in enumerate(entry_columns(full_spec, tp_rank, tp).tolist())}
+    k = [g * full_spec.qk_dim + i for g in groups for i in range(full_spec.qk_dim)]
+    v = [full_spec.v_offset + g * full_spec.v_dim + i for g in groups for i in range(full_spec.v_dim)]
+    return torch.tensor([local_of[c] for c in k + v], dtype=torch.int64)
+
+
+class KVTransfer:
+    """This rank's part of every handover: the routes it sends or receives.
+
+    ``rank``: this process's global rank; the prefill pool is global ranks ``0 .. Wp-1``,
+    the decode pool ``Wp ..``. ``caches``: this rank's per-layer caches (its pool's)."""
+
+    def __init__(self, *, rank: int, prefill: RankGrid, decode: RankGrid, prefill_interleave: int,
+                 decode_interleave: int, full_spec, caches: list[torch.Tensor], block_size: int, transfer: str,
+                 stats=None) -> None:
+        kv_heads = None if full_spec.v_offset == 0 else full_spec.num_kv_heads
+        self.src, self.dst = pool_kv(prefill, prefill_interleave, kv_heads), pool_kv(decode, decode_interleave, kv_heads)
+        self.rank, self.offset = rank, prefill.world_size
+        self.prefill, self.decode = prefill, decode
+        self.spec, self.caches, self.block_size = full_spec, caches, block_size
+        self.layerwise = transfer == "layerwise"
+        self.stats = stats
+        self._columns: dict[tuple[bool, tuple[int, ...]], torch.Tensor] = {}
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.rank < self.offset
+
+    def routes(self, num_tokens: int) -> list[Route]:
+        return transfer_routes(num_tokens, self.src, self.dst)
+
+    def move(self, num_tokens: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> float:
+        """Move one request's positions ``[0, num_tokens)``: from its prefill-pool blocks
+        ``src_blocks`` to its decode-pool blocks ``dst_blocks`` (block-table rows). Returns
+        the seconds this rank spent (0 when no route touches it)."""
+        t0 = time.perf_counter()
+        ops, landing = [], []
+        for route in self.routes(num_tokens):
+            if self.in_prefill and route.src == self.rank:
+                ops += self._sends(route, src_blocks)
+            elif not self.in_prefill and route.dst == self.rank - self.offset:
+                more, land = self._recvs(route, dst_blocks)
+                ops += more
+                landing.append(land)
+        if not ops:
+            return 0.0
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for slots, cols, bufs in landing:
+            for layer, buf in zip(range(len(self.caches)), bufs if self.layerwise else bufs[0]):
+                self.caches[layer][slots[:, None], cols[None, :]] = buf
+        return time.perf_counter() - t0
+
+    # -- one side of a route ------------------------------------------------------------------
+    def _slots(self, positions: np.ndarray, blocks: np.ndarray, pool: PoolKV, pool_rank: int) -> torch.Tensor:
+        slots = compute_slot_mapping(positions, np.zeros(len(positions), np.int64), np.asarray(blocks)[None, :],
+                                     self.block_size, dcp_size=pool.dcp, dcp_rank=pool.dcp_ranks[pool_rank],
+                                     interleave=pool.interleave)
+        return torch.from_numpy(slots).to(self.caches[0].device)
+
+    def _cols(self, grid: RankGrid, pool_rank: int, heads: tuple[int, ...], sending: bool) -> torch.Tensor:
+        key = (sending, heads)
+        if key not in self._columns:
+            tp_rank = pool_rank % grid.tp
+            self._columns[key] = group_columns(self.spec, tp_rank, grid.tp, heads).to(self.caches[0].device)
+        return self._columns[key]
+
+    def _sends(self, route: Route, blocks: np.ndarray) -> list:
+        slots = self._slots(route.positions, blocks, self.src, route.src)
+        cols = self._cols(self.prefill, route.src, route.heads, True)
+        parts = [c[slots][:, cols].contiguous() for c in self.caches]
+        msgs = parts if self.layerwise else [torch.stack(parts)]
+        dst = self.offset + route.dst
+        for tag, m in enumerate(msgs):
+            if self.stats is not None:
+                self.stats.add_sent("send", KV_TRANSFER, m.numel() * m.element_size(), tuple(m.shape))
+        return [dist.P2POp(dist.isend, m, dst, tag=tag) for tag, m in enumerate(msgs)]
+
+    def _recvs(self, route: Route, blocks: np.ndarray):
+        slots = self._slots(route.positions, blocks, self.dst, route.dst)
+        cols = self._cols(self.decode, route.dst, route.heads, False)
+        cache = self.caches[0]
+        shape = (len(route.positions), len(cols))
+        if self.layerwise:
+            bufs = [cache.new_empty(shape) for _ in self.caches]
+        else:
+            bufs = [cache.new_empty((len(self.caches), *shape))]
+        ops = [dist.P2POp(dist.irecv, b, route.src, tag=tag) for tag, b in enumerate(bufs)]
+        return ops, (slots, cols, bufs)

@@ -1,0 +1,59 @@
+"""The price of a handover (``disagg=pd``): one request's KV entries, prefill ranks to decode
+ranks, on the links between them.
+
+Ranks are placed as the executed world numbers them: the prefill pool's ``0 .. Wp-1``, then
+the decode pool's, ``gpus_per_node`` to a node. A route between ranks on different nodes
+goes through their NICs, one on the same node over NVLink, each at NCCL's point-to-point
+rate (``pcpflow.simulate.collectives.p2p_rate_gbps``: to network peers the channels NCCL
+opens per peer, at most the NIC; the share a transfer reaches, ``simulate.p2p_efficiency``,
+fitted on Meta's ring SendRecv). Every route of a request runs at once; a rank's NIC and its
+NVLink carry its routes' bytes side by side, and every message pays the link's per-hop
+latency (``p2p_latency_us``) in turn. The request's transfer lasts as long as its busiest
+rank.
+
+Overlap (``disagg.transfer``): ``after_prefill`` moves the entries once the prefill is done:
+all of it is exposed. ``layerwise`` sends each layer as the request's last prefill step
+writes it, so that ``(L-1)/L`` of the step can hide the transfer (the last layer's part
+cannot hide): exposed ``t - min(t, prefill step) x (L-1)/L``. That needs the decode pool's
+blocks as the prefill runs; a request the decode pool could not take at once waited in the
+prefill pool's blocks and moves whole, exposed, as ``after_prefill``'s.
+"""
+
+from __future__ import annotations
+
+from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.layouts.transfer import Route
+from pcpflow.simulate.collectives import Comm, p2p_latency_us, p2p_rate_gbps
+
+_NET, _ONE_NODE = Comm(2, 2, 1), Comm(2, 1, 2)
+
+
+def transfer_seconds(routes: list[Route], *, offset: int, hw: HardwareConfig, sim: SimulateConfig, group_bytes: float,
+                     num_layers: int, layerwise: bool) -> float:
+    """How long one request's routes take (prefill rank ``src`` is global rank ``src``, decode
+    rank ``dst`` global rank ``offset + dst``): its busiest rank's bytes and messages."""
+    gpn = hw.gpus_per_node
+    messages = num_layers if layerwise else 1
+    load: dict[tuple[int, bool], list] = {}  # (rank, over the network) -> [bytes, messages, peers]
+    for r in routes:
+        src, dst = r.src, offset + r.dst
+        network = src // gpn != dst // gpn
+        nbytes = r.num_entries * group_bytes * num_layers
+        for rank, peer in ((src, dst), (dst, src)):
+            acc = load.setdefault((rank, network), [0.0, 0, set()])
+            acc[0] += nbytes
+            acc[1] += messages
+            acc[2].add(peer)
+    worst = 0.0
+    for (_, network), (nbytes, msgs, peers) in load.items():
+        rate = p2p_rate_gbps(hw, _NET if network else _ONE_NODE, network=network, efficiency=sim.p2p_efficiency,
+                             peers=len(peers))
+        worst = max(worst, msgs * p2p_latency_us(hw, network=network) * 1e-6 + nbytes / (rate * 1e9))
+    return worst
+
+
+def exposed_seconds(seconds: float, *, layerwise: bool, num_layers: int, prefill_step_s: float, waited: bool) -> float:
+    """What a request waits for its transfer after its prefill ends (see the module's overlap)."""
+    if not layerwise or waited:
+        return seconds
+    return seconds - min(seconds, prefill_step_s) * (num_layers - 1) / num_layers

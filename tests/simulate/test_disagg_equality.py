@@ -1,0 +1,101 @@
+"""disagg=pd: the simulated run counts what the executed run counts, step by step.
+
+Arrivals in steps: both run the pools in the same global loop. Every step, the handover's
+requests, messages and bytes (at the same dtype: bf16 executed, bf16 KV simulated) and each
+pool's per-rank tokens, attention pairs, collective calls and bytes and serving counts are
+equal; the requests are timed over the same steps and moved the same bytes. The executed
+side writes its metrics.jsonl from the session's shared ranks (tests/shared_ranks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import shared_ranks
+
+from pcpflow.simulate.pools import PooledRun
+from pcpflow.testing import compose
+
+COMMON = ["dtype=bfloat16", "verify=false", "output.plots=false", "output.progress=false", "kv.block_size=4",
+          "workload=explicit", "workload.prompt_lens=[5,19,33,3,26,12]", "workload.output_lens=[3,6,2,5,4,1]",
+          "workload.arrival_steps=[0,0,1,2,4,4]", "scheduler.max_num_batched_tokens=16", "kv.num_blocks=12",
+          "kv.prefix_caching=false", "disagg=pd", "disagg.decode_pool.num_blocks=6", "disagg.decode_pool.max_num_seqs=3"]
+CASES = {
+    # GQA over prefill TP ranks to a decode pool sharding its KV over PCP with another interleave
+    "gqa_tp2_to_pcp2_dcp2_i4_after_prefill": ["model=tiny_gqa", "tp=2", "pcp=1", "disagg.decode_pool.pcp=2",
+                                              "disagg.decode_pool.dcp=2", "disagg.decode_pool.interleave=4",
+                                              "disagg.transfer=after_prefill"],
+}
+SLOW = {
+    "mla_pcp2_dcp2_i2_to_tp2_dcp2_layerwise": ["pcp=2", "dcp=2", "kv.interleave=2", "disagg.decode_pool.tp=2",
+                                               "disagg.decode_pool.dcp=2"],
+    "mla_pcp2_to_tp2_replicated_latent": ["pcp=2", "disagg.decode_pool.tp=2", "disagg.decode_pool.num_blocks=10"],
+}
+COUNTED = ("per_rank_tokens", "padded_num_tokens", "collective_calls", "collective_bytes", "num_preempted",
+           "prefix_hit_tokens", "prefix_query_tokens", "kv_blocks_used", "num_running", "num_waiting")
+TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_steps", "output_len", "handover_step",
+         "transfer_bytes")
+_DIRS: dict[str, Path] = {}
+
+
+def _matrix(cases: dict[str, list[str]]):
+    out = []
+    for name, extra in cases.items():
+        _DIRS[name] = Path(tempfile.mkdtemp(prefix=f"pcpflow-{name}-"))
+        out.append((compose(COMMON + extra), _DIRS[name]))
+    return out
+
+
+@shared_ranks.matrix("disagg/equality")
+def _equality():
+    return _matrix(CASES)
+
+
+@shared_ranks.matrix("disagg/equality-slow")
+def _equality_slow():
+    return _matrix(SLOW)
+
+
+def _compare(name: str, extra: list[str], executed: dict) -> None:
+    steps = [json.loads(line) for line in (_DIRS[name] / "metrics.jsonl").read_text().splitlines()]
+    sim = PooledRun(compose(COMMON + extra + ["mode=simulate", "hardware=h100_sxm"]))
+    simulated = sim.run()
+    assert [s["step"] for s in sim.records] == [s["step"] for s in steps]
+    dcp_over_tp = {pool: c.grid.dcp_tp > 1 for pool, c in sim.configs.items()}
+    moved = 0
+    for ex, si in zip(steps, sim.records):
+        for key in ("req_ids", "tokens", "calls", "bytes"):
+            assert si["transfer"].get(key) == ex["transfer"].get(key), (name, ex["step"], key)
+        moved += ex["transfer"].get("bytes", 0)
+        for pool in ("prefill", "decode"):
+            e, s = ex["pools"][pool], si["pools"][pool]
+            assert (e is None) == (s is None), (name, ex["step"], pool)
+            if e is None:
+                continue
+            for key in COUNTED + (() if dcp_over_tp[pool] else ("per_rank_attention_work",)):
+                assert s[key] == e[key], (name, ex["step"], pool, key)
+    assert moved > 0
+    for e, s in zip(executed["requests"], simulated["requests"]):
+        assert {k: s[k] for k in TIMED} == {k: e[k] for k in TIMED}, (name, e["req_id"])
+    for key in ("bytes", "calls", "requests"):
+        assert simulated["metrics"]["transfer"][key] == executed["metrics"]["transfer"][key], key
+    for pool in ("prefill", "decode"):
+        assert simulated["metrics"]["pools"][pool]["tokens"] == executed["metrics"]["pools"][pool]["tokens"]
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/equality")
+def test_every_step_moves_and_counts_the_same(shared_runs):
+    for (_, executed), (name, extra) in zip(shared_runs["disagg/equality"], CASES.items()):
+        _compare(name, extra, executed)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.matrix("disagg/equality-slow")
+def test_more_pools_move_and_count_the_same(shared_runs):
+    for (_, executed), (name, extra) in zip(shared_runs["disagg/equality-slow"], SLOW.items()):
+        _compare(name, extra, executed)
