@@ -49,12 +49,22 @@ def validate_overrides(overrides: list[str]) -> None:
         raise ConfigError([_with_option_hint(p) for p in problems])
 
 
+SEARCHED_GROUPS = {"decode": "decode.mode", "disagg": "disagg.kind"}
+"""Groups whose option sets a key mode=search searches (the group's key -> that key)."""
+
+
 def _search_group_problems(overrides: list[str]) -> list[Problem]:
-    """In mode=search the decode mode is a searched key (null: searched), which the decode
-    group's options would set and mode=search then nulls again: say so rather than drop it."""
-    return [Problem("decode", o.split("=", 1)[1], "in mode=search the decode mode is searched; fix it with "
-                    f"decode.mode={o.split('=', 1)[1]} (or search.candidates=['... decode=...'])")
-            for o in overrides if _key(o) == "decode" and "=" in o]
+    """In mode=search the decode mode and the pools are searched keys (null: searched), which
+    the decode and disagg groups' options would set and mode=search then nulls again: say so
+    rather than drop it."""
+    out = []
+    for o in overrides:
+        key = _key(o)
+        if key in SEARCHED_GROUPS and "=" in o:
+            value, fixed = o.split("=", 1)[1], SEARCHED_GROUPS[key]
+            out.append(Problem(key, value, f"in mode=search this is searched; fix it with {fixed}={value} "
+                               f"(or search.candidates=['... {key}={value}'])"))
+    return out
 
 
 def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[dict[str, Any] | None, list[Problem]]:

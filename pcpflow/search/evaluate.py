@@ -83,10 +83,13 @@ def at_rate(raw: dict[str, Any], rate: float, own_rate: float | None) -> dict[st
 
 
 def _run(raw: dict[str, Any], prepare) -> tuple[Any, dict[str, Any]]:
-    from pcpflow.simulate.engine import SimulatedRun
-
+    """The layout's simulated run, as the driver runs it (``disagg=pd``: both pools)."""
     cfg = prepare(raw)
-    return cfg, SimulatedRun(cfg, None, keep_records=False).run()["metrics"]
+    if cfg.disagg.enabled:
+        from pcpflow.simulate.pools import PooledRun as Run
+    else:
+        from pcpflow.simulate.engine import SimulatedRun as Run
+    return cfg, Run(cfg, None, keep_records=False).run()["metrics"]
 
 
 def measures(m: dict[str, Any]) -> dict[str, Any]:

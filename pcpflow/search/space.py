@@ -3,14 +3,15 @@
 A layout is a value per dimension (``DIMS``): tp, pcp, dcp, the decode mode, the DCP path of
 the rest rows (``pipeline.forward.dcp_rest``), the CP attention variant
 (``pipeline.forward.cp_attention``), MoE dispatch, the CUDA-graph mode, the pools (one pool,
-or prefill/decode pools: ``pool_dims``, the extension point for ``disagg``) and the replicas
-that fill ``search.gpus``. A dimension given on the command line (not null in ``mode=search``)
+or prefill/decode pools: ``pool_dims``, ``disagg=pd`` with the decode pool's grid) and the
+replicas that fill ``search.gpus`` (an instance with pools is not replicated). A dimension given on the command line (not null in ``mode=search``)
 is fixed; the others are enumerated.
 
 The space holds each distinct layout once: a setting that changes nothing in a layout takes
 its default there (``canonical``): sharded decodes need pcp > 1; ``dcp_rest`` chooses between
 DCP paths only when DCP runs inside PCP with the all-gather path; Meta's rings need
-dcp = pcp > 1; MoE dispatch needs experts, and ``gather`` needs pcp > 1. What remains and
+dcp = pcp > 1 and run in one pool only; MoE dispatch needs experts, and ``gather`` needs
+pcp > 1; with pools the decode mode is the decode pool's. What remains and
 cannot run (heads, memory, the grid's rules) is pruned by validation, with its reason
 (``pcpflow.search.plan``).
 """
@@ -61,10 +62,9 @@ ALIASES = {"decode.mode": "decode", "dcp_rest": "dcp_rest", "cp_attention": "cp_
 
 
 def pool_dims(pools_available: bool) -> tuple[Dim, ...]:
-    """The pools dimension: one pool (nothing to set) until prefill/decode disaggregation
-    (``disagg=pd``, ``disagg.decode_pool.{tp,pcp,dcp}``) is part of the config; then the
-    decode pool's layout. The extension point: ``Space`` enumerates these after ``DIMS``,
-    and an instance is both pools' GPUs."""
+    """The pools dimensions, where the config has prefill/decode disaggregation: one pool or
+    ``disagg=pd``, and the decode pool's grid (``disagg.decode_pool.{tp,pcp,dcp}``). ``Space``
+    enumerates them after ``DIMS``; an instance is both pools' GPUs."""
     if not pools_available:
         return ()
     return (

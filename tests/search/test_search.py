@@ -161,3 +161,32 @@ def test_ctrl_c_keeps_what_was_priced(tmp_path, monkeypatch):
     assert "2 priced layout(s) kept" in line
     assert len(_rows(tmp_path / "search.csv")) == 2
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "failed"
+
+
+def test_pools_are_searched_beside_one_pool_and_a_pools_row_is_its_simulated_run(tmp_path):
+    # 2 GPUs, one CUDA-graph mode: the 17 one-pool layouts of tests/search/test_space.py and one
+    # with pools (a prefill GPU handing its KV to a decode GPU), each either priced or pruned
+    wl = ["model=llama3_8b", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[2000,2000]",
+          "workload.output_lens=[4]"]
+    r = cli("mode=search", *wl, "search.gpus=2", "cudagraph_mode=none", "search.jobs=1", "output.progress=false",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows, pruned = _rows(tmp_path / "search.csv"), _rows(tmp_path / "pruned.csv")
+    assert len(rows) + len(pruned) == 18
+    (pools,) = [row for row in rows if row["disagg"] == "pd"]
+    assert (pools["tp"], pools["pcp"], pools["dcp"], pools["decode_pool_tp"], pools["decode_pool_dcp"]) == ("1",) * 5
+    assert pools["gpus"] == "2" and pools["replicas"] == "1" and pools["overrides"] == "tp=1 pcp=1 dcp=1 disagg=pd"
+    # the row is mode=simulate's answer for the same command line (both pools priced)
+    from pcpflow.driver.job import _simulate
+
+    m = _simulate(compose(["mode=simulate", *wl, *pools["overrides"].split()]), None)["metrics"]
+    assert m["simulate"]["gpus"] == 2 and set(m["pools"]) == {"prefill", "decode"}
+    assert float(pools["ttft_p90_s"]) == pytest.approx(m["ttft"]["p90_s"], rel=1e-5)
+    assert float(pools["tpot_p90_s"]) == pytest.approx(m["tpot"]["p90_s"], rel=1e-5)
+
+
+def test_the_pools_group_is_refused_in_a_search_naming_the_key_that_fixes_it():
+    r = cli(*ONE_REQUEST, "search.gpus=32", "disagg=pd", "search.candidates=['tp=8']")
+    assert r.returncode == 2
+    line = next(ln for ln in r.stderr.splitlines() if ln.strip().startswith("- disagg:"))
+    assert "disagg.kind=pd" in line, line
