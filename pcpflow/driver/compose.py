@@ -159,8 +159,12 @@ def _dotted(node: dict[str, Any], prefix: str = "") -> list[str]:
 def options_having(key: str) -> list[str]:
     """``group=option`` for each option that sets ``key`` (a key of its group's options, or
     of a global option such as ``mode=simulate``)."""
-    return [f"{group}={o}" for group, options in option_keys().items() for o, keys in options.items()
-            if key in keys and "." in key]
+    owners = [f"{group}={o}" for group, options in option_keys().items() for o, keys in options.items()
+              if key in keys and "." in key]
+    # NOTE: a key under a group belongs to that group's options (mode=search only nulls
+    # disagg.decode_pool.tp to search it)
+    own = [o for o in owners if o.split("=", 1)[0] == key.split(".", 1)[0]]
+    return own or owners
 
 
 def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:
