@@ -180,6 +180,11 @@ def test_every_readme_command_runs_as_written(tmp_path_factory):
                  and (r["config"]["hardware"].get("path") or "").endswith("outputs/profile/hardware.yaml")]
     assert priced["status"] == "ok" and priced["metrics"]["ttft"]["mean_s"] > 0
     assert priced["metrics"]["simulate"]["collectives"]["restore"] == {"measured": priced["metrics"]["num_steps"]}
+    # The search (16 GPUs, tp fixed at 8): its report beside it, the recommendation keeps tp=8
+    (search,) = [p for p in (clone / "outputs").rglob("result.json") if json.loads(p.read_text())["config"]["mode"] == "search"]
+    found = json.loads(search.read_text())
+    assert found["status"] == "ok" and found["metrics"]["search"]["recommended"]["layout"].startswith("tp=8 ")
+    assert (search.parent / "search.csv").is_file() and (search.parent / "search.md").is_file()
     _check_pooled(results)
 
 

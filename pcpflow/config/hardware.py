@@ -362,8 +362,11 @@ class SimulateConfig(_Strict):
         0.9, gt=0, le=1,
         description="share of HBM bandwidth memory-bound kernels reach (not fitted: H100 STREAM triad)",
     )
-    objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus"] = Field(
-        "ttft", description="what a sweep report ranks jobs by (lower is better; x_gpus: GPU-seconds)"
+    objective: Literal["ttft", "tpot", "gpus", "ttft_x_gpus", "tpot_x_gpus", "throughput_per_gpu",
+                       "goodput_per_gpu"] = Field(
+        "ttft", description="what a sweep report and a search rank by: ttft, tpot, gpus, ttft_x_gpus, "
+        "tpot_x_gpus (lower is better; x_gpus: GPU-seconds), throughput_per_gpu (output tokens/s), "
+        "goodput_per_gpu (requests/s meeting the SLOs; needs slo.*) (higher is better)"
     )
     hbm_utilization: float = Field(
         0.90, gt=0, le=1, description="share of HBM the engine may use (weights + KV cache)"

@@ -84,6 +84,31 @@ class SLOConfig(_Strict):
         None, gt=0, description="time per output token after the first, seconds (a one-token request "
         "meets it); null: no target",
     )
+    attainment: float = Field(
+        0.9, gt=0, le=1, description="mode=search: the share of requests that must meet every SLO at the "
+        "request rate goodput_per_gpu searches for (DistServe's goodput)",
+    )
+
+
+class SearchConfig(_Strict):
+    """``mode=search``: the layouts for ``search.gpus`` GPUs (``pcpflow.search``, docs/search.md)."""
+
+    gpus: int | None = Field(None, ge=1, description="GPUs to lay out (required in mode=search); replicas "
+                             "of a layout fill them")
+    candidates: list[str] | None = Field(
+        None, description="override strings, one layout each ('tp=8 pcp=4 dcp=4'; a,b sweeps a key), that "
+        "restrict the space to a list; null: every layout the space holds",
+    )
+    top_k: int = Field(20, ge=1, description="the best screened layouts priced in full (whole workload)")
+    sample: int | None = Field(
+        200, ge=1, description="requests a layout is screened on (the workload's first ones); null: the whole "
+        "workload",
+    )
+    jobs: int | None = Field(None, ge=1, description="worker processes (joblib); null: this machine's cores")
+    exhaustive_limit: int = Field(
+        4000, ge=1, description="a space of more layouts than this is searched by Optuna instead of enumerated",
+    )
+    trials: int = Field(256, ge=1, description="layouts Optuna screens when the space is not enumerated")
 
 
 class VerifyConfig(_Strict):
@@ -180,12 +205,14 @@ class RunConfig(_Strict):
     serving: ServingConfig = Field(default_factory=ServingConfig)
     slo: SLOConfig = Field(default_factory=SLOConfig)
     disagg: DisaggConfig = Field(default_factory=DisaggConfig)
-    # --- simulate (pcpflow.simulate, docs/simulate.md)
-    mode: Literal["execute", "simulate", "profile"] = Field(
+    # --- simulate (pcpflow.simulate, docs/simulate.md), search (pcpflow.search, docs/search.md)
+    mode: Literal["execute", "simulate", "profile", "search"] = Field(
         "execute",
         description="execute: ranks compute (verified); simulate: price every step on `hardware`; profile: "
-        "measure this machine on the run's ranks into <run dir>/hardware.yaml",
+        "measure this machine on the run's ranks into <run dir>/hardware.yaml; search: the best layouts for "
+        "search.gpus GPUs",
     )
+    search: SearchConfig = Field(default_factory=SearchConfig)
     simulate: SimulateConfig = Field(default_factory=SimulateConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     hardware: HardwareConfig | None = Field(
@@ -299,8 +326,9 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
     return f"{hint}; allowed keys: {', '.join(keys)}"
 
 
-MODE_SETTINGS = {"simulate": ("simulate",), "hardware": ("simulate",), "serving": ("simulate",),
-                 "workload.request_rate": ("simulate",), "profile": ("profile",)}
+MODE_SETTINGS = {"simulate": ("simulate", "search"), "hardware": ("simulate", "search"),
+                 "serving": ("simulate", "search"), "workload.request_rate": ("simulate", "search"),
+                 "profile": ("profile",), "search": ("search",), "slo.attainment": ("search",)}
 """Settings that only some modes read (a section or a dotted key -> those modes). Set in
 another mode they would be silently ignored, so they are refused there."""
 
@@ -311,9 +339,12 @@ def mode_problems(cfg: RunConfig) -> list[Problem]:
     for name, modes in MODE_SETTINGS.items():
         if cfg.mode in modes:
             continue
-        if "." in name:  # a key inside a section: refused when set (its default is null)
+        if "." in name:  # a key inside a section: refused when set (away from its default)
             section, key = name.split(".", 1)
-            value, default = getattr(getattr(cfg, section), key, None), None
+            node = getattr(cfg, section)
+            value = getattr(node, key, None)
+            field = getattr(type(node), "model_fields", {}).get(key)
+            default = field.get_default(call_default_factory=True) if field is not None else None
         else:
             value, default = getattr(cfg, name), RunConfig.model_fields[name].get_default(call_default_factory=True)
         if value == default:

@@ -286,7 +286,7 @@ def _task(cfg: Any) -> int:
     if hc.mode == RunMode.MULTIRUN and not _SWEEP_DIR:
         _SWEEP_DIR.append(str(hc.sweep.dir))
     run_dir = Path(hc.runtime.output_dir)
-    code = run_job(raw, run_dir, in_sweep=hc.mode == RunMode.MULTIRUN)
+    code = run_job(raw, run_dir, in_sweep=hc.mode == RunMode.MULTIRUN, overrides=list(hc.overrides.task))
     _EXIT_CODES.append(code)
     if code - 128 in (2, 15):  # SIGINT, SIGTERM
         raise Interrupted(code - 128)
@@ -317,6 +317,9 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         run_dir = planned_run_dir(overrides)
         check_run_dir(run_dir)
         cfg = prepare_job(raw)
+        if cfg.mode == "search":
+            raise ConfigError([Problem("mode", "search", "a search runs in one process, starting no ranks: "
+                                       "python -m pcpflow mode=search ...")])
         if cfg.world_size != world:
             ranks = (f"tp*pcp = {cfg.world_size}" if not cfg.disagg.enabled else
                      f"both pools' ranks ({cfg.grid.world_size} prefill + {cfg.disagg.decode_grid.world_size} decode "

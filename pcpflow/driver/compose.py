@@ -35,6 +35,8 @@ def validate_overrides(overrides: list[str]) -> None:
     from pcpflow.driver.job import prepare_job
 
     raw, problems = compose_checked(overrides)
+    if raw is not None and raw.get("mode") == "search":
+        problems += _search_group_problems(overrides)
     if raw is not None:
         refused = {p.field for p in problems}
         try:
@@ -45,6 +47,24 @@ def validate_overrides(overrides: list[str]) -> None:
             problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
+
+
+SEARCHED_GROUPS = {"decode": "decode.mode", "disagg": "disagg.kind"}
+"""Groups whose option sets a key mode=search searches (the group's key -> that key)."""
+
+
+def _search_group_problems(overrides: list[str]) -> list[Problem]:
+    """In mode=search the decode mode and the pools are searched keys (null: searched), which
+    the decode and disagg groups' options would set and mode=search then nulls again: say so
+    rather than drop it."""
+    out = []
+    for o in overrides:
+        key = _key(o)
+        if key in SEARCHED_GROUPS and "=" in o:
+            value, fixed = o.split("=", 1)[1], SEARCHED_GROUPS[key]
+            out.append(Problem(key, value, f"in mode=search this is searched; fix it with {fixed}={value} "
+                               f"(or search.candidates=['... {key}={value}'])"))
+    return out
 
 
 def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[dict[str, Any] | None, list[Problem]]:
@@ -139,8 +159,12 @@ def _dotted(node: dict[str, Any], prefix: str = "") -> list[str]:
 def options_having(key: str) -> list[str]:
     """``group=option`` for each option that sets ``key`` (a key of its group's options, or
     of a global option such as ``mode=simulate``)."""
-    return [f"{group}={o}" for group, options in option_keys().items() for o, keys in options.items()
-            if key in keys and "." in key]
+    owners = [f"{group}={o}" for group, options in option_keys().items() for o, keys in options.items()
+              if key in keys and "." in key]
+    # NOTE: a key under a group belongs to that group's options (mode=search only nulls
+    # disagg.decode_pool.tp to search it)
+    own = [o for o in owners if o.split("=", 1)[0] == key.split(".", 1)[0]]
+    return own or owners
 
 
 def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:

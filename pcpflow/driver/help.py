@@ -31,6 +31,9 @@ commands people run:
       slo.ttft_s=2 slo.tpot_s=0.1                serving: arrivals in time, prefix cache, goodput
   python -m pcpflow mode=profile pcp=2               measure this machine -> DIR/hardware.yaml
   python -m pcpflow mode=simulate hardware=measured hardware.path=DIR/hardware.yaml dtype=float32 ...
+  python -m pcpflow mode=search model=llama3_405b hardware=gtt_h100 search.gpus=32
+      workload=explicit 'workload.prompt_lens=[131072]' simulate.objective=ttft
+                                                 the best layouts of 32 GPUs (docs/search.md)
   python -m pcpflow --cfg job pcp=4                  the composed config (validated first)
 """
 
@@ -45,6 +48,7 @@ results (a run):   outputs/<date>/<time>/ or hydra.run.dir=DIR: result.json (sta
                    requests.csv for a simulated run of more than 20,000 requests
 results (a sweep): multirun/<date>/<time>/ or hydra.sweep.dir=DIR: sweep.csv, sweep.md,
                    sweep.png, and one run directory per job
+results (a search): search.csv (a row per priced layout), pruned.csv, search.md, search.png
 
 more: README.md; every setting with its default: docs/configuration.md; Hydra's own
 flags: --hydra-help

@@ -35,6 +35,10 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
     """The validated config of one job; raises ConfigError with every problem found
     (``pcpflow.driver.checks``: the run config, its stages, workload, sizes, checkpoint, seeds).
     ``kind``: "execute" or "simulate" (default: the config's ``mode``)."""
+    if raw.get("mode") == "search":  # every layout validated as its own mode=simulate run (pcpflow.search.plan)
+        from pcpflow.search.plan import plan_search
+
+        return plan_search(raw, prepare_job).config
     placeholders: frozenset[str] = frozenset()
     raw = load_measured_hardware(raw)
     workload = raw.get("workload")
@@ -97,7 +101,8 @@ def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
     return cfg
 
 
-def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_sweep: bool = False) -> int:
+def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_sweep: bool = False,
+            overrides: list[str] | None = None) -> int:
     """Validate, launch, record. Returns the exit code (0 ok, 1 failed, 2 invalid,
     130 / 143 interrupted; a sweep says that last one itself)."""
     from pcpflow.driver.checks import check_run_dir
@@ -114,7 +119,7 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
     take_lock(run_dir)
     try:
         with interruptible():
-            return _run_job(raw, run_dir, console=console, in_sweep=in_sweep)
+            return _run_job(raw, run_dir, console=console, in_sweep=in_sweep, overrides=overrides)
     except Interrupted as exc:
         return _interrupted(exc, raw, run_dir, announce=not in_sweep)
     except OSError as exc:  # the run dir went away, filled up or turned read-only mid-run
@@ -129,13 +134,15 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
 
 def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool, note: str = "") -> int:
     if announce:
-        print_err(f"pcpflow: {exc}{note}; result.json: {run_dir / 'result.json'}")
+        kept = getattr(exc, "note", None)  # what an interrupted search kept
+        print_err(f"pcpflow: {exc}{note}{'; ' + kept if kept else ''}; result.json: {run_dir / 'result.json'}")
     with contextlib.suppress(OSError):  # a run dir that cannot be written: the line above says it all
         write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
     return exc.exit_code
 
 
-def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool) -> int:
+def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool,
+             overrides: list[str] | None = None) -> int:
     from pcpflow.output.report import Progress, print_summary, write_plots
 
     started = time.time()
@@ -148,8 +155,10 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         return EXIT_INVALID_CONFIG
     from pcpflow.driver.checks import capacity_warnings
 
-    for warning in capacity_warnings(cfg):
+    for warning in capacity_warnings(cfg) if cfg.mode != "search" else ():
         print_err(f"pcpflow: warning: {warning}")
+    if cfg.mode == "search":
+        return _search(raw, run_dir, console=console, in_sweep=in_sweep, overrides=overrides, started=started)
     write_frozen_config(cfg, run_dir)
     config = cfg.model_dump(mode="json")
     try:
@@ -183,6 +192,25 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         write_serving_plot(run_dir)
     if console:
         print_summary(result)
+    return result["exit_code"]
+
+
+def _search(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool, overrides: list[str] | None,
+            started: float) -> int:
+    """``mode=search``: the layouts screened and priced in this process (``pcpflow.search``);
+    config.json is the search's composed config (each layout's is in search.csv)."""
+    import json
+
+    from pcpflow.output.rundir import CONFIG_FILE
+    from pcpflow.search.job import run_search
+
+    (run_dir / CONFIG_FILE).write_text(json.dumps(raw, indent=2, default=str) + "\n")
+    try:
+        sections = run_search(raw, run_dir, prepare_job, overrides=overrides, console=console)
+    except Interrupted as exc:
+        return _interrupted(exc, raw, run_dir, announce=not in_sweep)
+    result = result_of(sections, raw, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
+    write_result(run_dir, result)
     return result["exit_code"]
 
 

@@ -50,7 +50,8 @@ def dcp_local_seq_lens(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) 
     _check_dcp(dcp_size, dcp_rank, interleave)
     lens = np.asarray(seq_lens, dtype=np.int64)
     period = interleave * dcp_size
-    tail = np.clip(lens % period - dcp_rank * interleave, 0, interleave)
+    # NOTE: minimum/maximum, not np.clip: the same, at a fraction of its overhead on short arrays
+    tail = np.minimum(np.maximum(lens % period - dcp_rank * interleave, 0), interleave)
     return (lens // period) * interleave + tail
 
 

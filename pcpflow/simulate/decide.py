@@ -1,23 +1,63 @@
-"""Decision support for sweeps: rank the jobs by an objective and mark the Pareto front
-of (TTFT, TPOT, GPUs), all three lower-is-better; give each simulated row its priced terms
-(``<term>_s``: exposed seconds of ``metrics.simulate.breakdown_s``) and say, for the top jobs,
-which terms decide their order. ``pcpflow.driver.sweep`` calls ``decide`` on its rows; the
-objective is the sweep's ``simulate.objective`` (one for the whole sweep)."""
+"""Decision support for sweeps and searches: the objectives (``simulate.objective``, one
+vocabulary for both), the Pareto front, and the priced terms that decide an order.
+
+A sweep ranks its jobs by the objective and marks the Pareto front of (TTFT, TPOT, GPUs), all
+three lower-is-better; each simulated row gets its priced terms (``<term>_s``: exposed seconds
+of ``metrics.simulate.breakdown_s``) and, for the top jobs, the terms that decide their order.
+``pcpflow.driver.sweep`` calls ``decide`` on its rows; the objective is the sweep's
+``simulate.objective`` (one for the whole sweep). ``pcpflow.search`` ranks layouts by the same
+objectives."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+
+@dataclass(frozen=True)
+class Objective:
+    """One objective over a layout's measures (``ttft_s``, ``tpot_s``, ``gpus``,
+    ``throughput_per_gpu``, ``goodput_per_gpu``): the product of those it ``needs``."""
+
+    needs: tuple[str, ...]
+    higher_is_better: bool = False
+    needs_slo: bool = False
+
+    def value(self, measures: dict[str, Any]) -> float | None:
+        out = 1.0
+        for k in self.needs:
+            v = measures.get(k)
+            if v is None:
+                return None
+            out *= float(v)
+        return out
+
+    def key(self, value: float) -> float:
+        """Sorts best first."""
+        return -value if self.higher_is_better else value
+
+
 OBJECTIVES = {
-    "ttft": lambda r: r["ttft_mean_ms"],
-    "tpot": lambda r: r["tpot_mean_ms"],
-    "gpus": lambda r: r["gpus"],
-    "ttft_x_gpus": lambda r: r["ttft_mean_ms"] * r["gpus"],  # GPU-seconds per first token
-    "tpot_x_gpus": lambda r: r["tpot_mean_ms"] * r["gpus"],  # GPU-seconds per output token
+    "ttft": Objective(("ttft_s",)),
+    "tpot": Objective(("tpot_s",)),
+    "gpus": Objective(("gpus",)),
+    "ttft_x_gpus": Objective(("ttft_s", "gpus")),  # GPU-seconds per first token
+    "tpot_x_gpus": Objective(("tpot_s", "gpus")),  # GPU-seconds per output token
+    "throughput_per_gpu": Objective(("throughput_per_gpu",), higher_is_better=True),  # output tokens/s
+    "goodput_per_gpu": Objective(("goodput_per_gpu",), higher_is_better=True, needs_slo=True),  # requests/s
 }
 FRONT = ("ttft_mean_ms", "tpot_mean_ms", "gpus")
+
+
+def sweep_measures(row: dict[str, Any]) -> dict[str, Any]:
+    """A sweep row's measures: means (ms) as the sweep reports them, goodput at the job's own
+    arrivals (a sweep runs each job once; a search searches the rate)."""
+    gpus, goodput = row.get("gpus"), row.get("goodput_req_s")
+    return {"ttft_s": row.get("ttft_mean_ms"), "tpot_s": row.get("tpot_mean_ms"), "gpus": gpus,
+            "throughput_per_gpu": row.get("output_tok_s_per_gpu"),
+            "goodput_per_gpu": goodput / gpus if goodput is not None and gpus else None}
 COLUMNS = ["gpus", "pareto", "rank"]
 TOP = 3  # the top jobs whose order sweep.md explains
 
@@ -56,11 +96,13 @@ def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
     dims = [k for k in FRONT if all(r.get(k) is not None for r in ok)]
     for r, on in zip(ok, pareto_front([tuple(r[k] for k in dims) for r in ok])):
         r["pareto"] = on
-    key = OBJECTIVES[objective]
-    ranked = [r for r in ok if all(r.get(k) is not None for k in _needs(objective))]
+    obj = OBJECTIVES[objective]
+    ranked = [r for r in ok if obj.value(sweep_measures(r)) is not None]
+    key = lambda r: obj.key(obj.value(sweep_measures(r)))  # noqa: E731
     for i, r in enumerate(sorted(ranked, key=key), start=1):
         r["rank"] = i
-    lines = ["", f"## Ranked by {objective} (lower is better); Pareto front of {', '.join(dims)}", "",
+    better = "higher" if obj.higher_is_better else "lower"
+    lines = ["", f"## Ranked by {objective} ({better} is better); Pareto front of {', '.join(dims)}", "",
              "| rank | config | TTFT ms | TPOT ms | GPUs | Pareto |", "|--:|---|--:|--:|--:|:-:|"]
     for r in sorted(ranked, key=key):
         fmt = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
@@ -81,17 +123,18 @@ def _deciding_terms(top: list[dict[str, Any]]) -> list[str]:
            "Exposed seconds of each priced term (metrics.simulate.breakdown_s), summed over the run's steps; "
            "the terms that differ the most between neighbours:", ""]
     for a, b in zip(top, top[1:]):
-        diff = sorted(((b.get(t) or 0.0) - (a.get(t) or 0.0), t) for t in terms)
-        big = sorted(diff, key=lambda d: -abs(d[0]))[:3]
+        big = term_differences(a, b, terms)
         cells = ", ".join(f"{t.removesuffix('_s')} {d * 1e3:+.1f} ms" for d, t in big if d)
         out.append(f"- #{a['rank']} `{a['config']}` before #{b['rank']} `{b['config']}`: "
                    f"#{b['rank']} spends {cells or 'the same in every term'}")
     return out
 
 
-def _needs(objective: str) -> tuple[str, ...]:
-    return {"ttft": ("ttft_mean_ms",), "tpot": ("tpot_mean_ms",), "gpus": ("gpus",),
-            "ttft_x_gpus": ("ttft_mean_ms", "gpus"), "tpot_x_gpus": ("tpot_mean_ms", "gpus")}[objective]
+def term_differences(a: dict[str, Any], b: dict[str, Any], terms: list[str], n: int = 3) -> list[tuple[float, str]]:
+    """The ``n`` terms whose seconds differ the most from ``a`` to ``b`` (b - a, largest
+    magnitude first; ties by name)."""
+    diff = sorted(((b.get(t) or 0.0) - (a.get(t) or 0.0), t) for t in terms)
+    return sorted(diff, key=lambda d: -abs(d[0]))[:n]
 
 
 def _result(job_dir: Path) -> dict[str, Any]:

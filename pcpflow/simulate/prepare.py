@@ -12,6 +12,7 @@ each as a ``Problem`` with the numbers.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,8 @@ def requests_of(workload, vocab_size: int, seed: int):
     requests alone would not fit in this host's memory."""
     from pcpflow.scheduling.workload import request_table
 
-    key = (workload.model_dump_json(), vocab_size, seed)
+    # NOTE: JSON writes inf as null: request_rate=inf (all at once, in time) and null (in steps) apart
+    key = (workload.model_dump_json(), repr(getattr(workload, "request_rate", None)), vocab_size, seed)
     if key not in _REQUESTS:
         problems = workload_host_problems(workload)
         if problems:
@@ -81,10 +83,10 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         from pcpflow.models import ModelConfig
         from pcpflow.scheduling.workload import WorkloadConfig
 
-        sizes = model_sizes(TypeAdapter(ModelConfig).validate_python(raw["model"]))
+        sizes = model_sizes(_adapter(ModelConfig).validate_python(raw["model"]))
         hw = HardwareConfig.model_validate(raw["hardware"])
         sim = SimulateConfig.model_validate(raw.get("simulate") or {})
-        workload = TypeAdapter(WorkloadConfig).validate_python(raw["workload"])
+        workload = _adapter(WorkloadConfig).validate_python(raw["workload"])
         tp, dcp = _positive(raw.get("tp", 1)), _positive(raw.get("dcp", 1))
         block_size, seqs = _positive(kv.get("block_size", 16)), _positive(sched.get("max_num_seqs", 256))
         requests = requests_of(workload, sizes.vocab_size, int(raw.get("seed", 0)))
@@ -106,6 +108,12 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
     _derive_decode_pool_blocks(raw, sizes, hw, sim, requests, block_size)
     return raw, frozenset()
+
+
+@functools.cache
+def _adapter(annotation: Any) -> TypeAdapter:
+    """One adapter per type (building one costs ~1 ms: a search validates thousands of layouts)."""
+    return TypeAdapter(annotation)
 
 
 def _derive_decode_pool_blocks(raw: dict[str, Any], sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig,
@@ -187,6 +195,7 @@ def simulate_problems(cfg) -> list[Problem]:
         p.append(Problem("pipeline.extra", kinds, "mode=simulate prices the shipped stages only; an extra stage "
                          "would not run: leave +pipeline.extra out"))
     p += dtype_problems(cfg)
+    p += objective_problems(cfg)
     p += measured_problems(cfg)
     if cfg.simulate.cp_decode == "ring_pass_q" and not (cfg.pcp > 1 and cfg.dcp == cfg.pcp):
         p.append(Problem("simulate.cp_decode", "ring_pass_q", "the executed ring passes queries over the KV "
@@ -207,6 +216,18 @@ def simulate_problems(cfg) -> list[Problem]:
             grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp")]  # its groups measured
             p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes) + grid, "decode")
     return p
+
+
+def objective_problems(cfg) -> list[Problem]:
+    """An objective that counts requests meeting the SLOs needs an SLO."""
+    from pcpflow.simulate.decide import OBJECTIVES
+
+    name = cfg.simulate.objective
+    if OBJECTIVES[name].needs_slo and cfg.slo.ttft_s is None and cfg.slo.tpot_s is None:
+        return [Problem("simulate.objective", name, "goodput counts the requests that meet every SLO: set "
+                        "slo.ttft_s and/or slo.tpot_s, or rank by another objective (ttft, tpot, gpus, ttft_x_gpus, "
+                        "tpot_x_gpus, throughput_per_gpu)")]
+    return []
 
 
 def _heads_problems(cfg, sizes: ModelSizes) -> list[Problem]:

@@ -43,6 +43,7 @@ from pcpflow.layouts.accounting import (
     DCPRest,
     attention_rows,
     attention_work,
+    count_collectives,
     grid_step_collectives,
     moe_all_to_all_calls,
     moe_all_to_all_rows,
@@ -199,7 +200,7 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes, tp_size=grid.tp)
     group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
     priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
-              for c, k in Counter(colls).items() if group_size[c.group] > 1]
+              for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:

@@ -134,3 +134,16 @@ def test_serving_plot_draws_what_the_run_measured(tmp_path):
     assert drawn["replicas"] == [0]
     assert drawn["quantiles"]["ttft_s"] == pytest.approx((m["ttft"]["p50_s"], m["ttft"]["p99_s"]))
     assert drawn["quantiles"]["tpot_s"] == pytest.approx((m["tpot"]["p50_s"], m["tpot"]["p99_s"]))
+
+
+def test_a_burst_in_time_and_arrivals_in_steps_are_two_request_tables():
+    # JSON writes request_rate=inf as null: the workload's table, built once per workload, must
+    # not be the burst's (arrivals at 0 s, in time) for the same workload arriving in steps
+    from pcpflow.scheduling.workload import ExplicitWorkload
+    from pcpflow.simulate.prepare import requests_of
+
+    burst = ExplicitWorkload(kind="explicit", prompt_lens=[40, 40], output_lens=[2], request_rate=float("inf"))
+    steps = ExplicitWorkload(kind="explicit", prompt_lens=[40, 40], output_lens=[2])
+    assert requests_of(burst, 1000, 0).arrival_s.tolist() == [0.0, 0.0]
+    assert requests_of(steps, 1000, 0).arrival_s is None
+    assert requests_of(burst, 1000, 0).arrival_s.tolist() == [0.0, 0.0]

@@ -1,0 +1,306 @@
+"""What a search will screen, decided before anything is priced.
+
+Every layout of the space (``pcpflow.search.space``) becomes the composed config of a
+``mode=simulate`` run of it (``candidate_raw``) and is validated by the driver's own
+``prepare`` (the rules a run of it meets: the grid, heads, memory, the KV fit, what a
+simulation prices): a layout that cannot run is pruned with its problems as the reason.
+Bad input is found here, in the driver, before Hydra starts anything (exit 2): the
+``search`` section itself, a problem every layout has (it is the input's, not a layout's),
+``search.gpus`` below the smallest layout that can run (which, and why the smaller ones
+cannot), no layout that can run (the reasons counted), an objective that needs SLOs
+without them, ``search.*`` outside ``mode=search`` (``pcpflow.config.run.MODE_SETTINGS``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from pcpflow.config.run import RunConfig, SearchConfig, SLOConfig, pydantic_problems
+from pcpflow.errors import ConfigError, Problem
+from pcpflow.search.space import Layout, Space, get_path, set_path
+
+Prepare = Callable[[dict[str, Any]], RunConfig]
+"""The driver's validation of one job's composed config (``pcpflow.driver.job.prepare_job``)."""
+
+SMALLEST_UP_TO = 16
+"""Past ``search.gpus``, the smallest layout that can run is looked for up to this many times it."""
+SHOWN_REASONS = 4
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    raw: dict[str, Any]  # the mode=simulate config of the layout: whole workload, its own arrivals
+    problems: list[Problem] = field(default_factory=list)
+    cfg: RunConfig | None = None  # validated (None: pruned, or not validated yet)
+
+    @property
+    def reason(self) -> str:
+        return " | ".join(str(p) for p in self.problems)
+
+
+@dataclass
+class SearchPlan:
+    search: SearchConfig
+    attainment: float
+    objective: str
+    slo: bool  # an SLO is set: goodput can be counted
+    base: dict[str, Any]  # the composed mode=simulate config, the layout left to the candidates
+    space: Space
+    layouts: list[Layout]  # every layout of the space (or of search.candidates)
+    feasible: list[Candidate]  # validated (every one when enumerated; the first one found with Optuna)
+    pruned: list[Candidate]
+    optuna: bool  # the space is larger than search.exhaustive_limit: Optuna picks the layouts
+    config: RunConfig  # what ``prepare`` answers for mode=search (a feasible layout's, mode=search)
+    arrivals: str  # how requests arrive: "in time", "all at once" (can be made timed), "in steps"
+
+
+def layout_raw(base: dict[str, Any], layout: Layout, space: Space) -> dict[str, Any]:
+    """The composed mode=simulate config of ``layout``."""
+    raw = _copy(base)
+    for d in space.dims:
+        set_path(raw, d.path, layout[d.name])
+    set_path(raw, ("serving", "replicas"), layout["replicas"])
+    if layout["replicas"] > 1 and _arrivals(raw) == "all at once":
+        # NOTE: replicas take requests as they arrive in time; all at step 0 is all at 0 s
+        raw["workload"]["request_rate"] = math.inf
+    for key, value in layout.extra:
+        set_path(raw, tuple(key.lstrip("+").split(".")), value)
+    return raw
+
+
+def _copy(node: Any) -> Any:
+    """A copy of a composed config (dicts, lists and scalars), faster than deepcopy."""
+    if isinstance(node, dict):
+        return {k: _copy(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_copy(v) for v in node]
+    return node
+
+
+def with_request_rate(layout: Layout) -> Layout:
+    """``layout`` as its command line writes it when its replicas need arrivals in time."""
+    return Layout(layout.values, (*layout.extra, ("workload.request_rate", math.inf)))
+
+
+def _arrivals(raw: dict[str, Any]) -> str:
+    wl = raw.get("workload") or {}
+    if wl.get("kind") == "trace":
+        return "in time" if wl.get("step_ms") is None else "in steps"
+    if wl.get("request_rate") is not None:
+        return "in time"
+    if wl.get("arrival_steps") is not None or wl.get("arrival_every") is not None:
+        return "in steps"
+    return "all at once"
+
+
+_PLANS: dict[str, SearchPlan] = {}
+
+
+def plan_search(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
+    """The plan of the search ``raw`` describes (ConfigError with every problem of bad
+    input); once per config in this process (the driver validates, then runs)."""
+    key = json.dumps(raw, sort_keys=True, default=str)
+    if key not in _PLANS:
+        _PLANS.clear()
+        _PLANS[key] = _plan(raw, prepare)
+    return _PLANS[key]
+
+
+def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
+    problems: list[Problem] = []
+    try:
+        search = SearchConfig.model_validate(raw.get("search") or {})
+    except ValidationError as exc:
+        problems += pydantic_problems(exc, "search", SearchConfig)
+        search = None
+    slo_raw = dict(raw.get("slo") or {})
+    try:
+        attainment = SLOConfig.model_validate({"attainment": slo_raw.get("attainment", 0.9)}).attainment
+    except ValidationError as exc:
+        problems += pydantic_problems(exc, "slo", SLOConfig)
+        attainment = 0.9
+    if search is not None and search.gpus is None:
+        problems.append(Problem("search.gpus", None, "required in mode=search: the GPUs to lay out (search.gpus=32)"))
+    base = copy.deepcopy(raw)
+    base["mode"] = "simulate"
+    base.pop("search", None)
+    base.setdefault("slo", {}).pop("attainment", None)
+    fixed, experts, pools = _fixed(base), _has_experts(base), "disagg" in RunConfig.model_fields
+    arrivals = _arrivals(base)
+    space = Space(search.gpus if search and search.gpus else 1, fixed=fixed, experts=experts,
+                  fill=arrivals != "in steps", pools_available=pools)
+    if problems:  # the input's other problems too, judged on the smallest layout
+        probe = Candidate(space.layout({"tp": 1, "pcp": 1, "dcp": 1, **fixed}), {})
+        probe.raw = layout_raw(base, probe.layout, space)
+        problems += [p for p in _validate(probe, prepare, None) if p.field.split(".")[0] not in _LAYOUT_FIELDS]
+        raise ConfigError(problems)
+    assert search is not None and search.gpus is not None
+    objective = (base.get("simulate") or {}).get("objective") or "ttft"
+    if search.candidates is not None:
+        layouts, problems = space.candidates(search.candidates)
+        if problems:
+            raise ConfigError(problems)
+        if not layouts:
+            raise ConfigError([Problem("search.candidates", [], "at least one layout ('tp=8 pcp=4 dcp=4')")])
+    else:
+        layouts = space.enumerate()
+    optuna = search.candidates is None and len(layouts) > search.exhaustive_limit
+    if optuna and importlib.util.find_spec("optuna") is None:
+        raise ConfigError([Problem("search.exhaustive_limit", search.exhaustive_limit,
+                                   f"the space holds {len(layouts)} layouts: more than this is searched by Optuna, "
+                                   "which is not installed (pip install -e '.[search]'); or enumerate them all "
+                                   f"(search.exhaustive_limit={len(layouts)}), or fix some keys on the command line")])
+    feasible, pruned = _screenable(layouts, base, space, prepare, gpus=search.gpus, stop_at_first=optuna)
+    if not feasible:
+        raise ConfigError(_none_feasible(pruned, base, space, prepare, search))
+    cfg = feasible[0].cfg
+    assert cfg is not None
+    slo = cfg.slo.model_copy(update={"attainment": attainment})
+    config = cfg.model_copy(update={"mode": "search", "search": search, "slo": slo})
+    has_slo = cfg.slo.ttft_s is not None or cfg.slo.tpot_s is not None
+    return SearchPlan(search, attainment, objective, has_slo, base, space, layouts, feasible, pruned, optuna,
+                      config, arrivals)
+
+
+_LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mode", "serving", "disagg", "kv",
+                  "workload", "scheduler"}
+"""Fields whose problems a probe layout's sizes may cause (not the input's own)."""
+
+
+def _fixed(base: dict[str, Any]) -> dict[str, Any]:
+    """The dimensions the command line fixed: those not null in the composed config."""
+    from pcpflow.search.space import DIMS, REPLICAS, pool_dims
+
+    dims = (*DIMS, *pool_dims("disagg" in RunConfig.model_fields), REPLICAS)
+    return {d.name: get_path(base, d.path) for d in dims if get_path(base, d.path) is not None}
+
+
+def _has_experts(base: dict[str, Any]) -> bool:
+    model = base.get("model") or {}
+    if model.get("name") == "hf":
+        from pcpflow.models.card import card_from_hf_config
+
+        try:
+            model = card_from_hf_config(model.get("path") or "")
+        except ValueError:
+            return False
+    moe = model.get("moe") or {}
+    return bool(model.get("num_experts") or moe.get("num_experts"))
+
+
+def _validate(c: Candidate, prepare: Prepare, gpus: int | None) -> list[Problem]:
+    try:
+        c.cfg = prepare(c.raw)
+        c.problems = []
+    except ConfigError as exc:
+        c.problems = list(exc.problems)
+    if gpus is not None and c.layout.gpus > gpus:
+        c.problems.append(Problem("search.gpus", gpus, f"this layout needs {c.layout.gpus} GPUs "
+                                  f"({c.layout.world} per instance x {c.layout['replicas']} replicas)"))
+    return c.problems
+
+
+def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepare: Prepare, *, gpus: int,
+                stop_at_first: bool = False) -> tuple[list[Candidate], list[Candidate]]:
+    """Each layout validated (``stop_at_first``: until one can run; Optuna validates the
+    rest as it picks them); a problem every layout has is the input's (ConfigError)."""
+    feasible, pruned = [], []
+    for layout in layouts:
+        c = candidate(base, layout, space)
+        if _validate(c, prepare, gpus):
+            pruned.append(c)
+        else:
+            feasible.append(c)
+            if stop_at_first:
+                break
+    if not feasible and pruned:
+        common = set.intersection(*({str(p) for p in c.problems} for c in pruned))
+        shared = [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"]
+        if shared:
+            raise ConfigError(shared)
+    return feasible, pruned
+
+
+def candidate(base: dict[str, Any], layout: Layout, space: Space) -> Candidate:
+    if layout["replicas"] > 1 and _arrivals(base) == "all at once":
+        layout = with_request_rate(layout)
+    return Candidate(layout, layout_raw(base, layout, space))
+
+
+def reason_key(p: Problem) -> str:
+    """A problem without its numbers: what the reasons are counted by."""
+    text = re.split(r"[;:]\s", p.allowed, maxsplit=1)[0]
+    return f"{p.field}: " + re.sub(r"\d+(\.\d+)?", "N", text)
+
+
+def count_reasons(pruned: list[Candidate]) -> list[tuple[int, str, str]]:
+    """(layouts, reason without numbers, one full example) by how many layouts each prunes."""
+    counts: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for c in pruned:
+        for k in {reason_key(p): str(p) for p in c.problems}.items():
+            counts[k[0]] += 1
+            example.setdefault(k[0], k[1])
+    return [(n, k, example[k]) for k, n in counts.most_common()]
+
+
+def reasons_text(pruned: list[Candidate], shown: int = SHOWN_REASONS) -> str:
+    counted = count_reasons(pruned)
+    parts = [f"{n} x {example}" for n, _, example in counted[:shown]]
+    more = f"; and {len(counted) - shown} other reason(s)" if len(counted) > shown else ""
+    return "; ".join(parts) + more
+
+
+def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, prepare: Prepare,
+                   search: SearchConfig) -> list[Problem]:
+    """Why nothing can run: too few GPUs (the smallest layout that can, and why every
+    smaller one cannot), or no layout at all (the reasons counted)."""
+    gpus = search.gpus
+    assert gpus is not None
+    fits = [c for c in pruned if all(p.field == "search.gpus" for p in c.problems)]
+    if search.candidates is not None:
+        if fits:
+            c = min(fits, key=lambda x: x.layout.gpus)
+            return [Problem("search.gpus", gpus, f"at least {c.layout.world}: the smallest candidate that can run, "
+                            f"'{c.layout.label(space.dims)}', needs {c.layout.world} GPUs; the others: "
+                            f"{reasons_text(pruned)}")]
+        return [Problem("search.candidates", search.candidates,
+                        f"no candidate can run ({len(pruned)} pruned): {reasons_text(pruned)}")]
+    smallest = _smallest_beyond(base, space, prepare, gpus)
+    if smallest is not None:
+        return [Problem("search.gpus", gpus, f"at least {smallest.world}: the smallest layout that can run is "
+                        f"'{smallest.label(space.dims)}' ({smallest.world} GPUs); every layout of up to {gpus} GPUs "
+                        f"is pruned ({len(pruned)}): {reasons_text(pruned)}")]
+    return [Problem("search.gpus", gpus, f"no layout can run, up to {gpus * SMALLEST_UP_TO} GPUs "
+                    f"({len(pruned)} of up to {gpus} pruned): {reasons_text(pruned)}")]
+
+
+def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus: int) -> Layout | None:
+    """The smallest layout that can run with more GPUs: tp, pcp and dcp only (the other
+    dimensions at their defaults, unless the command line fixed them)."""
+    seen: set[tuple] = set()
+    g = gpus * 2
+    while g <= gpus * SMALLEST_UP_TO:
+        skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
+        wide = Space(g, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
+                     pools_available=space.pools)
+        for layout in wide.enumerate():
+            if layout.world <= gpus or layout.values in seen:
+                continue
+            seen.add(layout.values)
+            c = candidate(base, layout, wide)
+            if not _validate(c, prepare, None):
+                return layout
+        g *= 2
+    return None

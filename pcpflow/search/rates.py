@@ -1,0 +1,68 @@
+"""Goodput as DistServe defines it: the highest request rate at which at least
+``slo.attainment`` of the requests meet every SLO.
+
+``max_rate`` searches it from a run with every request arriving at once (the burst: its
+served rate bounds what the layout can sustain), bracketing by a constant factor, then
+bisecting geometrically until the rate that keeps the attainment and the one that does not
+are within ``tolerance``. Attainment is assumed to fall as the rate rises (queues only
+grow); the search reports every rate it tried, so a non-monotone case is visible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RateSearch:
+    rate: float  # requests/s: the highest rate found that keeps the attainment (0: none)
+    bound: str  # "burst": even all at once keeps it | "bisected" | "at least" | "below": not at the lowest tried
+    tried: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment) in the order run
+
+    @property
+    def runs(self) -> int:
+        return len(self.tried)
+
+
+def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst_rate: float, target: float,
+             tolerance: float, start: float | None = None, step: float = 2.0, lowest: float = 1 / 64,
+             highest: float = 64.0) -> RateSearch:
+    """``attain(rate)``: the share of requests meeting the SLOs at ``rate``. The burst's
+    attainment and served rate (requests per second of its span) are given (one run the
+    caller made). ``start``: a first guess (a screen's answer); ``step``: the first
+    bracketing factor (squared after each step that does not bracket); the search gives up
+    below ``lowest x burst_rate`` (rate 0, bound "below": it tried that rate) and above
+    ``highest x burst_rate`` (bound "at least")."""
+    found = RateSearch(0.0, "below", [(math.inf, burst_attainment)])
+    if burst_attainment >= target:
+        found.rate, found.bound = burst_rate, "burst"
+        return found
+
+    def ok(rate: float) -> bool:
+        a = attain(rate)
+        found.tried.append((rate, a))
+        return a >= target
+
+    r = start if start is not None and 0 < start < math.inf else burst_rate
+    lo, hi = (r, None) if ok(r) else (None, r)
+    while lo is None:  # NOTE: the step squares each time it fails to bracket: a far guess costs few runs
+        assert hi is not None
+        r = max(hi / step, burst_rate * lowest) if hi > burst_rate * lowest else 0.0
+        if r <= 0.0:
+            return found
+        lo, hi = (r, hi) if ok(r) else (None, r)
+        step *= step
+    while hi is None:
+        r = lo * step
+        if r > burst_rate * highest:
+            found.rate, found.bound = lo, "at least"
+            return found
+        lo, hi = (r, None) if ok(r) else (lo, r)
+        step *= step
+    while hi / lo > 1 + tolerance:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    found.rate, found.bound = lo, "bisected"
+    return found

@@ -1,0 +1,310 @@
+"""A search, start to end: screen every layout that can run, price the best in full, say how
+far the fitted factors may move before the order changes, write the report.
+
+1. **Screen** (``search.sample``: each layout on the workload's first requests, or all of
+   them): exhaustively, or, when the space holds more than ``search.exhaustive_limit``
+   layouts, the ``search.trials`` that Optuna's TPE sampler picks (it proposes values per
+   dimension; a proposal that names no layout of the space, or one that cannot run, is
+   pruned and told so). Work is spread over ``search.jobs`` joblib workers.
+2. **Price in full** the ``search.top_k`` best by the objective: the whole workload, goodput
+   (when SLOs are set) to a finer tolerance. Where the screen already was the full price (the
+   sample holds every request and the same quantities were computed) it is kept as is.
+3. **How sure**: the recommended layout and its runner-up re-priced with each fitted factor
+   (``metrics.simulate.fitted``) scaled from 0.5x to 2x: where the order flips.
+
+Ctrl-C (or SIGTERM): what was priced is written (search.csv, pruned.csv) and the search ends
+as interrupted (exit 130 / 143).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pcpflow.search.evaluate import Settings, evaluate
+from pcpflow.search.plan import Candidate, SearchPlan, candidate, plan_search
+from pcpflow.simulate.decide import OBJECTIVES
+
+SCREEN_TOLERANCE, FULL_TOLERANCE = 0.25, 0.05
+"""How close the goodput rate search brackets the rate: on the screen, and priced in full."""
+SCREEN_LOWEST, FULL_LOWEST = 1 / 16, 1 / 64
+SCALES = (0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0)
+"""The factors each fitted factor is scaled by to see where the order of the top two flips."""
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+WORKER_START_S = 6.0
+"""About what a joblib worker costs to start on 2 loaded cores (imports torch, counts a layer's
+kernels once): less work than this left is priced in this process."""
+
+
+def parallel(tasks: list[tuple], jobs: int):
+    """``(i, evaluate(*tasks[i]))`` as each finishes: in this process while the work left
+    looks smaller than starting workers would cost (judged by the last task's time; the first
+    pays this process's one-off costs), then over ``jobs`` joblib workers."""
+    i = 0
+    while i < len(tasks):
+        t = time.perf_counter()
+        yield i, evaluate(*tasks[i])
+        i += 1
+        if jobs > 1 and i >= 2 and (time.perf_counter() - t) * (len(tasks) - i) > WORKER_START_S:
+            break
+    if i == len(tasks):
+        return
+    from joblib import Parallel, delayed
+
+    with Parallel(n_jobs=min(jobs, len(tasks) - i), return_as="generator_unordered") as pool:
+        yield from pool(delayed(_indexed)(k, tasks[k]) for k in range(i, len(tasks)))
+
+
+def _indexed(i: int, args: tuple) -> tuple[int, dict[str, Any]]:
+    return i, evaluate(*args)
+
+
+class Search:
+    """One search's state: the plan, its rows (a row per priced layout), the pruned layouts."""
+
+    def __init__(self, raw: dict[str, Any], prepare, run_dir: Path | None, *, overrides: list[str] | None = None,
+                 console: bool = True) -> None:
+        self.plan: SearchPlan = plan_search(raw, prepare)
+        self.prepare, self.run_dir, self.console = prepare, run_dir, console
+        self.overrides = overrides
+        self.jobs = self.plan.search.jobs or cores()
+        self.objective = OBJECTIVES[self.plan.objective]
+        self.rows: dict[tuple, dict[str, Any]] = {}
+        self.pruned: list[Candidate] = list(self.plan.pruned)
+        self.total = self._total_requests()
+        sample = self.plan.search.sample
+        self.sample = sample if sample is not None and sample < self.total else None
+        goodput_ok = self.plan.slo and self.plan.arrivals != "in steps"
+        self.screen_settings = Settings(self.sample, self.objective.needs_slo, self.plan.attainment,
+                                        SCREEN_TOLERANCE, SCREEN_LOWEST)
+        self.full_settings = Settings(None, goodput_ok, self.plan.attainment, FULL_TOLERANCE, FULL_LOWEST)
+        self.sensitivity: dict[str, Any] = {}
+        self.started = time.perf_counter()
+        self.wall_s: dict[str, float] = {}
+        self.screened = 0
+
+    def _total_requests(self) -> int:
+        from pcpflow.models import vocab_size_of
+        from pcpflow.simulate.prepare import requests_of
+
+        cfg = self.plan.config
+        return len(requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed))
+
+    # -- the three stages -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        t = time.perf_counter()
+        if self.plan.optuna:
+            self._screen_optuna()
+        else:
+            self._screen(self.plan.feasible)
+        self.wall_s["screen"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._price_in_full()
+        self.wall_s["full"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self._how_sure()
+        self.wall_s["sensitivity"] = time.perf_counter() - t
+        self.wall_s["total"] = time.perf_counter() - self.started
+
+    def _screen(self, candidates: list[Candidate]) -> None:
+        tasks = [(c.raw, self.prepare, self.screen_settings) for c in candidates]
+        for i, result in parallel(tasks, self.jobs):
+            self._record(candidates[i], result, "screen")
+
+    def _record(self, c: Candidate, result: dict[str, Any], priced: str) -> dict[str, Any]:
+        row = self.rows.get(c.layout.values) or {"layout": c.layout, "raw": c.raw}
+        row.update({k: v for k, v in result.items() if k != "trace"})
+        row["priced"] = priced
+        row["requests"] = result.get("requests")
+        self.rows[c.layout.values] = row
+        if priced == "screen":
+            self.screened += 1
+        return row
+
+    def value(self, row: dict[str, Any], objective: str | None = None) -> float | None:
+        obj = OBJECTIVES[objective or self.plan.objective]
+        if row.get("error"):
+            return None
+        return obj.value(measures_of(row))
+
+    def ranked(self, priced: str | None = None) -> list[dict[str, Any]]:
+        """Rows best first: those priced in full, then those only screened (each by its own
+        value); rows without a value (an objective that does not apply, an error) last."""
+        def key(r: dict[str, Any]) -> tuple:
+            v = self.value(r)
+            return (r["priced"] != "full", v is None, self.objective.key(v) if v is not None else 0.0, *tie_break(r))
+
+        rows = [r for r in self.rows.values() if priced is None or r["priced"] == priced]
+        return sorted(rows, key=key)
+
+    def _price_in_full(self) -> None:
+        top = [r for r in self.ranked() if self.value(r) is not None][: self.plan.search.top_k]
+        same = self.sample is None and not self.full_settings.goodput and not self.screen_settings.goodput
+        if same:  # NOTE: the screen priced the whole workload with the same quantities: that is the full price
+            for r in self.rows.values():
+                r["priced"] = "full"
+            return
+        candidates = [Candidate(r["layout"], r["raw"]) for r in top]
+        tasks = [(c.raw, self.prepare, self.full_settings,
+                  r.get("goodput_req_s") if self.sample is None else None) for c, r in zip(candidates, top)]
+        for i, result in parallel(tasks, self.jobs):
+            self._record(candidates[i], result, "full")
+
+    def _screen_optuna(self) -> None:
+        """Optuna's TPE sampler picks layouts, ``jobs`` at a time, until ``search.trials``
+        were screened or the space ran out."""
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        plan, space = self.plan, self.plan.space
+        names = [d.name for d in space.dims] + ["replicas"]
+        choices = {n: sorted({lay[n] for lay in plan.layouts}, key=lambda x: (x is None, str(x))) for n in names}
+        choices = {n: v for n, v in choices.items() if len(v) > 1}
+        known = {lay.values for lay in plan.layouts}
+        study = optuna.create_study(direction="maximize" if self.objective.higher_is_better else "minimize",
+                                    sampler=optuna.samplers.TPESampler(seed=int(plan.config.seed)))
+        seen: dict[tuple, float | None] = {}
+        for c in plan.feasible:  # validated while planning: screened first
+            seen[c.layout.values] = None
+        todo = list(plan.feasible)
+        rng = random.Random(int(plan.config.seed))
+        while self.screened < plan.search.trials and len(seen) < len(known):
+            batch: list[tuple[Any, Candidate]] = [(None, c) for c in todo]
+            todo = []
+            misses = 0
+            while len(batch) < self.jobs * 2 and self.screened + len(batch) < plan.search.trials:
+                trial = study.ask()
+                params = {n: trial.suggest_categorical(n, v) for n, v in choices.items()}
+                layout = space.from_params(params)
+                if layout is None or layout.values not in known or layout.values in seen:
+                    value = seen.get(layout.values) if layout is not None else None
+                    study.tell(trial, value) if value is not None else study.tell(
+                        trial, state=optuna.trial.TrialState.PRUNED)
+                    misses += 1
+                    if misses > 20 * self.jobs:  # NOTE: TPE keeps proposing what it has: take an unseen one at random
+                        rest = [lay for lay in plan.layouts if lay.values not in seen]
+                        if not rest:
+                            break
+                        layout = rng.choice(rest)
+                        trial = None
+                    else:
+                        continue
+                seen[layout.values] = None
+                c = candidate(plan.base, layout, space)
+                from pcpflow.search.plan import _validate
+
+                if _validate(c, self.prepare, plan.search.gpus):
+                    self.pruned.append(c)
+                    if trial is not None:
+                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
+                batch.append((trial, c))
+            if not batch:
+                break
+            tasks = [(c.raw, self.prepare, self.screen_settings) for _, c in batch]
+            for i, result in parallel(tasks, self.jobs):
+                trial, c = batch[i]
+                row = self._record(c, result, "screen")
+                v = self.value(row)
+                seen[c.layout.values] = v
+                if trial is not None:
+                    if v is None or not math.isfinite(v):
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    else:
+                        study.tell(trial, v)
+
+    # -- how sure ------------------------------------------------------------------------------
+
+    def top_two(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None, list[dict[str, Any]]]:
+        """The recommended row, its runner-up (the best whose objective is worse; else the
+        best that does not price the same) and the rows that price the same as the
+        recommended."""
+        full = [r for r in self.ranked("full") if self.value(r) is not None]
+        if not full:
+            return None, None, []
+        best = full[0]
+        ties = [r for r in full[1:] if same_price(best, r)]
+        v = self.value(best)
+        runner = next((r for r in full[1:] if not _close(self.value(r), v)), None)
+        runner = runner or next((r for r in full[1:] if not same_price(best, r)), None)
+        return best, runner, ties
+
+    def _how_sure(self) -> None:
+        best, runner, _ = self.top_two()
+        if best is None or runner is None:
+            return
+        factors = sorted(best.get("fitted") or {})
+        settings = replace(self.full_settings, sample=self.sample,
+                           tolerance=SCREEN_TOLERANCE if self.sample is not None else FULL_TOLERANCE)
+        points = [(f, s) for f in factors for s in SCALES if (best["fitted"][f]["value"] * s) <= 1.0]
+        tasks = []
+        for f, s in points:
+            for row in (best, runner):
+                tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, s),))))
+        values: dict[tuple[str, float, int], float | None] = {}
+        for i, result in parallel(tasks, self.jobs):
+            f, s = points[i // 2]
+            values[(f, s, i % 2)] = None if result.get("error") else self.objective.value(measures_of(result))
+        for f in factors:
+            keeps = {}
+            for s in SCALES:
+                a, b = values.get((f, s, 0)), values.get((f, s, 1))
+                if a is not None and b is not None:
+                    keeps[s] = self.objective.key(a) <= self.objective.key(b)
+            self.sensitivity[f] = {"value": best["fitted"][f]["value"], "share": best["fitted"][f]["share"],
+                                   **order_holds(keeps),
+                                   "on": "the screening sample" if self.sample is not None else "the whole workload"}
+
+
+def order_holds(keeps: dict[float, bool]) -> dict[str, float | None]:
+    """From scale 1 outwards, how far the order holds: ``low``/``high`` the last scale it
+    holds at on each side, ``flips_low``/``flips_high`` the first where it does not (None:
+    it holds to the end of the grid)."""
+    out: dict[str, float | None] = {"low": 1.0, "high": 1.0, "flips_low": None, "flips_high": None}
+    for side, scales in (("low", sorted((s for s in keeps if s < 1), reverse=True)),
+                         ("high", sorted(s for s in keeps if s > 1))):
+        for s in scales:
+            if keeps[s]:
+                out[side] = s
+            else:
+                out[f"flips_{side}"] = s
+                break
+    return out
+
+
+def measures_of(row: dict[str, Any]) -> dict[str, Any]:
+    return {"ttft_s": row.get("ttft_p90_s"), "tpot_s": row.get("tpot_p90_s"), "gpus": row.get("gpus"),
+            "throughput_per_gpu": row.get("throughput_per_gpu"), "goodput_per_gpu": row.get("goodput_per_gpu")}
+
+
+def tie_break(row: dict[str, Any]) -> tuple[float, ...]:
+    """Among equal objectives, the better on the other measures first (TTFT, TPOT, goodput,
+    throughput, GPUs; a missing one last)."""
+    m = measures_of(row)
+    inf = float("inf")
+    lower = [m[k] if m[k] is not None else inf for k in ("ttft_s", "tpot_s")]
+    higher = [-m[k] if m[k] is not None else inf for k in ("goodput_per_gpu", "throughput_per_gpu")]
+    return (*lower, *higher, m["gpus"] if m["gpus"] is not None else inf)
+
+
+def _close(a: float | None, b: float | None, rel: float = 1e-9) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-30)
+
+
+def same_price(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two layouts whose every measure is equal (they differ only where nothing is priced)."""
+    ma, mb = measures_of(a), measures_of(b)
+    return all(_close(ma[k], mb[k]) for k in ma)
