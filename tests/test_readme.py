@@ -205,6 +205,7 @@ def _check_pooled(results: list[dict]) -> None:
     assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
 
 
+@pytest.mark.slow  # NOTE: a superset runs in test_every_readme_command_runs_as_written (slow too)
 def test_every_readme_command_composes_and_validates_as_written(clone, tiny_checkpoints, monkeypatch):
     """One pass over every command (in-process: composing is cheap, starting ranks is not)."""
     monkeypatch.chdir(clone)  # relative paths (scripts/data/...) as a user in the clone has them

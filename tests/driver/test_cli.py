@@ -68,7 +68,8 @@ def test_every_shipped_yaml_composes_and_validates(tmp_path):
     needs = {("workload", "trace"): [f"workload.path={write_trace(tmp_path / 't.jsonl')}"],
              # a profile mode=profile measured (here made by hand), of an executable model's dtype
              ("hardware", "measured"): [f"hardware.path={tmp_path / 'hardware.yaml'}", "dtype=float32", "model=tiny_gqa"],
-             ("mode", "profile"): ["pcp=1"]}
+             ("mode", "profile"): ["pcp=1"],
+             ("mode", "search"): ["search.gpus=8", "hardware=h100_sxm", "model=llama3_8b"]}
     groups = _config_groups()
     assert {"decode", "model", "workload", "draft", "pipeline"} <= set(groups)
     checked = 0

@@ -74,7 +74,8 @@ def alive_with(marker: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------ pcpflow's launch
-@pytest.mark.parametrize("launcher", ["pcpflow", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.slow  # NOTE: waits out a collective timeout (~15 s)
+@pytest.mark.parametrize("launcher", ["pcpflow", "torchrun"])
 def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launcher):
     marker = uuid.uuid4().hex
     start = pcpflow if launcher == "pcpflow" else torchrun
@@ -201,6 +202,7 @@ def test_joblib_launcher_runs_multi_rank_jobs_in_parallel(tmp_path):
 
 
 # ------------------------------------------------------------------------------ torchrun
+@pytest.mark.slow
 def test_torchrun_result_blames_the_rank_that_raised(tmp_path):
     r, _ = torchrun("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS, fault("Crash", rank=1, step=2))
     assert r.returncode == 1  # torchrun's own code for any failed worker
