@@ -96,7 +96,7 @@ def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launche
     assert alive_with(marker) == []
 
 
-@pytest.mark.slow  # NOTE: the default set's stall test above covers the board; this is the ring's p2p wait
+@pytest.mark.slow  # NOTE: the stall test above covers the board; this is the ring's p2p wait
 @pytest.mark.parametrize("die", [False, True])
 def test_a_rank_that_stalls_or_dies_inside_the_ring_is_named(tmp_path, die):
     # A point-to-point wait is a collective like the others: its peers time out (or see the
