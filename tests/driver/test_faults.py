@@ -73,6 +73,14 @@ def alive_with(marker: str) -> list[int]:
     return pids
 
 
+def assert_none_left(marker: str) -> None:
+    """Every rank process carrying ``marker`` is gone within 10 s."""
+    deadline = time.monotonic() + 10
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_with(marker) == []
+
+
 # ------------------------------------------------------------------------------ pcpflow's launch
 @pytest.mark.slow  # NOTE: waits out a collective timeout (~15 s)
 @pytest.mark.parametrize("launcher", ["pcpflow", "torchrun"])
@@ -90,10 +98,7 @@ def test_a_stalled_rank_is_named_within_the_collective_timeout(tmp_path, launche
     assert elapsed < 120, elapsed
     # NOTE: the fork server (its own log file, not the driver's pipes) leaves once it sees the
     # driver gone, a moment after; no rank may be left at all.
-    deadline = time.monotonic() + 10
-    while alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive_with(marker) == []
+    assert_none_left(marker)
 
 
 @pytest.mark.slow  # NOTE: the stall test above covers the board; this is the ring's p2p wait
@@ -114,10 +119,7 @@ def test_a_rank_that_stalls_or_dies_inside_the_ring_is_named(tmp_path, die):
     what, where = ("died without a Python error", "at step 1") if die else ("stalled", "at step 1 (forward)")
     assert res["error"].startswith(f"rank 1 failed: {what}") and where in res["error"], res["error"]
     assert elapsed < 120, elapsed  # start-up + 5 s timeout + 3 s grace, far below the 200 s stall
-    deadline = time.monotonic() + 10
-    while alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive_with(marker) == []
+    assert_none_left(marker)
 
 
 @pytest.mark.slow
@@ -136,10 +138,7 @@ def test_a_frozen_rank_is_named_as_stalled_within_the_timeout_and_a_few_seconds(
     assert "collective_timeout_s=5" in res["error"] and "at step 1" in res["error"]
     # 5 s timeout + the board's 3 s grace + the agent's 3 s shutdown grace + a busy machine
     assert ended - float(stamp.read_text()) < 5 + 15, ended - float(stamp.read_text())
-    deadline = time.monotonic() + 10
-    while alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive_with(marker) == []
+    assert_none_left(marker)
 
 
 @pytest.mark.slow
@@ -296,10 +295,7 @@ def test_a_rank_that_stalls_or_dies_mid_transfer_names_the_request_in_flight(tmp
     req = res["transfer_in_flight"]
     assert f"(transfer of request {req})" in res["error"] and req in (0, 1, 2)
     assert elapsed < 120, elapsed  # start-up + 5 s timeout + 3 s grace, far below the 200 s stall
-    deadline = time.monotonic() + 10
-    while alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert alive_with(marker) == []
+    assert_none_left(marker)
 
 
 @pytest.mark.slow
