@@ -50,7 +50,7 @@ from pcpflow.layouts.ring import (
     plan_ring,
     request_num_computed,
 )
-from pcpflow.layouts.slots import dcp_local_seq_lens
+from pcpflow.layouts.slots import dcp_local_seq_lens, dcp_shard_lens
 
 DCP_REST_POLICIES = ("auto", "queries", "context")
 """How the rows past the replicated-decode prefix attend under DCP (``plan_dcp_rest``)."""
@@ -779,9 +779,9 @@ def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interle
     travels = plan.kind == TRAVELS
     t_req, t_pos = plan.req[travels], plan.pos[travels]
     scale = int(plan.pos.max(initial=0)) + 2
+    work += dcp_shard_lens(plan.pos[rep] + 1, p, interleave).sum(axis=1)
+    work += dcp_shard_lens(plan.cache_limit[t_req], p, interleave).sum(axis=1)
     for r in range(p):
-        work[r] += dcp_local_seq_lens(plan.pos[rep] + 1, p, r, interleave).sum()
-        work[r] += dcp_local_seq_lens(plan.cache_limit[t_req], p, r, interleave).sum()
         mine = np.sort(t_req[rank[travels] == r] * scale + t_pos[rank[travels] == r])
         seen = np.searchsorted(mine, t_req * scale + t_pos, side="right") - np.searchsorted(mine, t_req * scale)
         work[r] += seen.sum()

@@ -38,7 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
-from pcpflow.layouts.slots import compute_slot_mapping, dcp_global_positions, dcp_local_seq_lens
+from pcpflow.layouts.slots import (
+    compute_slot_mapping,
+    dcp_global_positions,
+    dcp_local_seq_lens,
+    dcp_shard_lens,
+)
 
 CP_ATTENTION = ("allgather", "ring_pass_kv", "ring_pass_q", "ring_auto")
 """``pipeline.forward.cp_attention``: today's all-gather paths, or a ring (``ring_auto``:
@@ -156,7 +161,7 @@ def plan_ring(layout: BatchLayout, positions, *, variant: str, interleave: int) 
     rank_of_row = np.arange(p * n, dtype=np.int64) // max(n, 1)
     owner = (pos // interleave) % p
 
-    block_cached = np.stack([dcp_local_seq_lens(computed, p, r, interleave) for r in range(p)]) * kv_ring
+    block_cached = dcp_shard_lens(computed, p, interleave) * kv_ring
     block_new = np.zeros((p, num_reqs), dtype=np.int64)
     stays = kind == STAYS
     np.add.at(block_new, (rank_of_row[stays], req[stays]), 1)

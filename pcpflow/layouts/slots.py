@@ -55,6 +55,15 @@ def dcp_local_seq_lens(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) 
     return (lens // period) * interleave + tail
 
 
+def dcp_shard_lens(seq_lens, dcp_size: int, interleave: int) -> np.ndarray:
+    """``[dcp_size, n]``: ``dcp_local_seq_lens`` of every DCP rank at once."""
+    _check_dcp(dcp_size, 0, interleave)
+    lens = np.asarray(seq_lens, dtype=np.int64).reshape(1, -1)
+    ranks = np.arange(dcp_size, dtype=np.int64)[:, None]
+    period = interleave * dcp_size
+    return (lens // period) * interleave + np.minimum(np.maximum(lens % period - ranks * interleave, 0), interleave)
+
+
 def compute_slot_mapping(
     positions,
     req_indices,

@@ -23,6 +23,8 @@ several prefill ranks (docs/disaggregation.md works one request through).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,30 +82,109 @@ def transfer_routes(num_tokens: int, src: PoolKV, dst: PoolKV) -> list[Route]:
     positions = np.arange(int(num_tokens), dtype=np.int64)
     src_owner = (positions // src.interleave) % src.dcp
     routes = []
-    for d in range(dst.size):
+    for s, d, heads, k in _route_plan(src, dst):
         mine = dst.owned(positions, d)
-        owner = src_owner[mine]
-        picked: dict[int, list[int]] = {}  # prefill rank -> the groups it sends to d
-        for k in np.unique(owner).tolist():
-            for g in dst.heads[d]:
-                holders = [r for r in range(src.size) if src.dcp_ranks[r] == k and g in src.heads[r]]
-                if not holders:
-                    raise ValueError(f"no prefill rank holds head group {g} at DCP rank {k}")
-                picked.setdefault(holders[d % len(holders)], []).append(g)
-        for s in sorted(picked):
-            routes.append(Route(s, d, tuple(sorted(picked[s])), mine[owner == src.dcp_ranks[s]]))
+        sent = mine[src_owner[mine] == k]
+        if len(sent):
+            _check_holders(heads, k)
+            routes.append(Route(s, d, heads, sent))
     return routes
 
 
-def transfer_counts(routes: list[Route], *, group_bytes: int, num_layers: int, transfer: str) -> tuple[int, int]:
+@dataclass(frozen=True)
+class RouteSizes:
+    """One request's routes as arrays (what the simulator prices): per route its prefill
+    rank, decode rank and entries per layer, in ``transfer_routes``' order."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    entries: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    @classmethod
+    def of(cls, routes: list[Route]) -> RouteSizes:
+        ints = lambda v: np.array(v, dtype=np.int64)  # noqa: E731
+        return cls(ints([r.src for r in routes]), ints([r.dst for r in routes]), ints([r.num_entries for r in routes]))
+
+
+def route_sizes(num_tokens: int, src: PoolKV, dst: PoolKV) -> RouteSizes:
+    """``transfer_routes`` without the positions: each route's entries counted from one
+    period of the two pools' position rules (``(n // P) x per period + the first n % P``),
+    so the cost does not grow with the request's length."""
+    plan = _route_plan(src, dst)
+    table = _period_counts(src.interleave, src.dcp, dst.interleave, dst.dcp)
+    n = int(num_tokens)
+    period = table.shape[2] - 1
+    counts = table[:, :, period] * (n // period) + table[:, :, n % period]  # [dst DCP rank, src DCP rank]
+    s = np.array([r[0] for r in plan], dtype=np.int64)
+    d = np.array([r[1] for r in plan], dtype=np.int64)
+    groups = np.array([len(r[2]) for r in plan], dtype=np.int64)
+    positions = counts[np.array(dst.dcp_ranks, dtype=np.int64)[d], np.array([r[3] for r in plan], dtype=np.int64)]
+    keep = positions > 0
+    for (_, _, heads, k), used in zip(plan, keep.tolist()):
+        if used:
+            _check_holders(heads, k)
+    return RouteSizes(s[keep], d[keep], (positions * groups)[keep])
+
+
+_MISSING = -1
+"""A head group no prefill rank of a DCP rank holds, in a route plan (an error once used)."""
+
+
+def _check_holders(heads: tuple[int, ...], k: int) -> None:
+    if _MISSING in heads:
+        raise ValueError(f"no prefill rank holds every head group at DCP rank {k}")
+
+
+@functools.lru_cache(maxsize=256)
+def _route_plan(src: PoolKV, dst: PoolKV) -> tuple[tuple[int, int, tuple[int, ...], int], ...]:
+    """``(prefill rank, decode rank, head groups, prefill DCP rank)`` of every route a long
+    enough request takes, in ``transfer_routes``' order: which positions a route carries
+    depends only on the two DCP ranks, so the plan depends on the pools alone."""
+    plan = []
+    for d in range(dst.size):
+        picked: dict[int, list[int]] = {}  # prefill rank -> the groups it sends to d
+        missing: dict[int, list[int]] = {}  # prefill DCP rank -> groups nobody there holds
+        for k in range(src.dcp):
+            for g in dst.heads[d]:
+                holders = [r for r in range(src.size) if src.dcp_ranks[r] == k and g in src.heads[r]]
+                if holders:
+                    picked.setdefault(holders[d % len(holders)], []).append(g)
+                else:
+                    missing.setdefault(k, []).append(g)
+        routes = [(s, d, tuple(sorted(picked[s])), src.dcp_ranks[s]) for s in sorted(picked)]
+        routes += [(-1, d, (_MISSING,), k) for k in sorted(missing)]
+        plan += routes
+    return tuple(plan)
+
+
+@functools.lru_cache(maxsize=256)
+def _period_counts(src_interleave: int, src_dcp: int, dst_interleave: int, dst_dcp: int) -> np.ndarray:
+    """``[dst_dcp, src_dcp, P + 1]``: how many of the positions ``[0, j)`` each pair of DCP
+    ranks (decode, prefill) owns, for ``j <= P``, the period of both pools' rules."""
+    a, b = src_interleave * src_dcp, dst_interleave * dst_dcp
+    period = a * b // math.gcd(a, b)
+    p = np.arange(period, dtype=np.int64)
+    pair = ((p // dst_interleave) % dst_dcp) * src_dcp + (p // src_interleave) % src_dcp
+    onehot = np.zeros((dst_dcp * src_dcp, period + 1), dtype=np.int32)
+    onehot[pair, p + 1] = 1
+    table = np.cumsum(onehot, axis=1, dtype=np.int64).reshape(dst_dcp, src_dcp, period + 1)
+    table.flags.writeable = False
+    return table
+
+
+def transfer_counts(routes: list[Route] | RouteSizes, *, group_bytes: int, num_layers: int,
+                    transfer: str) -> tuple[int, int]:
     """(messages, bytes) of one request's routes: ``group_bytes`` is one head group of one
     position and layer; ``layerwise`` sends a message per route and layer, ``after_prefill``
     one per route with every layer."""
     if transfer not in TRANSFERS:
         raise ValueError(f"transfer {transfer!r}: one of {', '.join(TRANSFERS)}")
-    entries = sum(r.num_entries for r in routes)
-    calls = len(routes) * (num_layers if transfer == "layerwise" else 1)
-    return calls, entries * group_bytes * num_layers
+    sizes = routes if isinstance(routes, RouteSizes) else RouteSizes.of(routes)
+    calls = len(sizes) * (num_layers if transfer == "layerwise" else 1)
+    return calls, int(sizes.entries.sum()) * group_bytes * num_layers
 
 
 def rank_bytes(routes: list[Route], *, group_bytes: int, num_layers: int, num_src: int,

@@ -52,7 +52,7 @@ import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, RingPlan
-from pcpflow.layouts.slots import dcp_local_seq_lens
+from pcpflow.layouts.slots import dcp_local_seq_lens, dcp_shard_lens
 
 SOURCE = "FlashAttention-3, arXiv 2407.08608, Figure 5 (c), (d): BF16, head dim 128, H100 SXM5 at 989 TF/s"
 SEQLENS = np.array([512, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
@@ -178,9 +178,7 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     # shard of the request (every entry before the run) and its own travelling runs' new KV.
     tr = np.flatnonzero(kind == TRAVELS)
     host = (rank[tr, None] + h[None, :]) % p
-    cached = np.stack([dcp_local_seq_lens(plan.num_computed[req[tr]], p, r, inter) for r in range(p)], axis=1) \
-        if tr.shape[0] else np.zeros((0, p), dtype=np.int64)
-    cached = np.take_along_axis(cached, host, axis=1)
+    cached = np.take_along_axis(dcp_shard_lens(plan.num_computed[req[tr]], p, inter).T, host, axis=1)
     q = _runs_over(tr, rank, req, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p)
     visits = _blocks(tr, host, h, n, cached, q, p)
 
@@ -195,14 +193,21 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     # Rows every rank holds: after the loop, each rank over its shard of [0, p] (rank 0's copies).
     rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
     ar, nr, pre = a[rp], n[rp], prefill[rp]
-    after_parts, after_dec = [], np.zeros(p)
-    for r in range(p if rp.shape[0] else 0):
-        kf = dcp_local_seq_lens(ar + 1, p, r, inter)
-        kl = dcp_local_seq_lens(ar + nr, p, r, inter)
-        pairs = local_len_sum(ar + nr, p, r, inter) - local_len_sum(ar, p, r, inter)
-        after_parts.append(Blocks(np.full(int(pre.sum()), r, dtype=np.int64), nr[pre], kf[pre], kl[pre], pairs[pre]))
-        after_dec[r] = float(pairs[~pre].sum())
-    return RingBlocks(_concat(pre_parts), dec.reshape(p, p), _concat(after_parts), after_dec)
+    # every rank r at once: [P, rows]
+    kf, kl = dcp_shard_lens(ar + 1, p, inter), dcp_shard_lens(ar + nr, p, inter)
+    pairs = _shard_len_sums(ar + nr, p, inter) - _shard_len_sums(ar, p, inter)
+    after = Blocks(np.repeat(h, int(pre.sum())), np.tile(nr[pre], p), kf[:, pre].ravel(), kl[:, pre].ravel(),
+                   pairs[:, pre].ravel())
+    after_dec = pairs[:, ~pre].sum(axis=1).astype(np.float64)
+    return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
+
+
+def _shard_len_sums(x, dcp_size: int, interleave: int) -> np.ndarray:
+    """``[dcp_size, n]``: ``local_len_sum`` of every DCP rank at once."""
+    x = np.asarray(x, dtype=np.int64)
+    ll = dcp_shard_lens(x, dcp_size, interleave)
+    ranks = np.arange(dcp_size, dtype=np.int64)[:, None]
+    return x[None, :] * ll - _shard_positions(ll, dcp_size, ranks, interleave)
 
 
 def _concat(parts: list[Blocks]) -> Blocks:
@@ -272,9 +277,14 @@ def local_len_sum(x, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarra
     shard's i-th entry sits at ``(i // I) * P * I + rank * I + i % I``."""
     x = np.asarray(x, dtype=np.int64)
     ll = dcp_local_seq_lens(x, dcp_size, dcp_rank, interleave).astype(np.int64)
+    return x * ll - _shard_positions(ll, dcp_size, dcp_rank, interleave)
+
+
+def _shard_positions(ll, dcp_size: int, dcp_rank, interleave: int):
+    """The sum of the positions of a shard's first ``ll`` entries (``dcp_rank``: an int, or
+    an array that broadcasts against ``ll``)."""
     i_ = interleave
     q, s = ll // i_, ll % i_
     sum_div = i_ * q * (q - 1) // 2 + s * q  # sum_{i < ll} i // I
     sum_mod = q * i_ * (i_ - 1) // 2 + s * (s - 1) // 2  # sum_{i < ll} i % I
-    positions = dcp_size * i_ * sum_div + dcp_rank * i_ * ll + sum_mod
-    return x * ll - positions
+    return dcp_size * i_ * sum_div + dcp_rank * i_ * ll + sum_mod

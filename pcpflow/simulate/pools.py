@@ -31,7 +31,7 @@ import numpy as np
 
 from pcpflow.config.disagg import POOLS, pool_config
 from pcpflow.config.run import RunConfig
-from pcpflow.layouts.transfer import KV_TRANSFER, transfer_counts, transfer_routes
+from pcpflow.layouts.transfer import KV_TRANSFER, route_sizes, transfer_counts
 from pcpflow.output.metrics import MetricsRecorder, pool_step_record, step_record
 from pcpflow.parallel.transfer import pool_kv
 from pcpflow.pipeline.state import StepState
@@ -107,7 +107,7 @@ class PooledRun:
         calls = nbytes = 0
         exposed_total = 0.0
         for i, n, _, _ in handed:
-            routes = transfer_routes(n, self.src, self.dst)
+            routes = route_sizes(n, self.src, self.dst)
             c, b = transfer_counts(routes, group_bytes=self.group_bytes, num_layers=self.num_layers,
                                    transfer=self.cfg.disagg.transfer)
             t = transfer_seconds(routes, offset=self.offset, hw=self.cfg.hardware, sim=self.cfg.simulate,

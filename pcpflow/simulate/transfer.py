@@ -21,34 +21,40 @@ prefill pool's blocks and moves whole, exposed, as ``after_prefill``'s.
 
 from __future__ import annotations
 
+import numpy as np
+
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
-from pcpflow.layouts.transfer import Route
+from pcpflow.layouts.transfer import RouteSizes
 from pcpflow.simulate.collectives import Comm, p2p_latency_us, p2p_rate_gbps
 
 _NET, _ONE_NODE = Comm(2, 2, 1), Comm(2, 1, 2)
 
 
-def transfer_seconds(routes: list[Route], *, offset: int, hw: HardwareConfig, sim: SimulateConfig, group_bytes: float,
+def transfer_seconds(routes: RouteSizes, *, offset: int, hw: HardwareConfig, sim: SimulateConfig, group_bytes: float,
                      num_layers: int, layerwise: bool) -> float:
     """How long one request's routes take (prefill rank ``src`` is global rank ``src``, decode
     rank ``dst`` global rank ``offset + dst``): its busiest rank's bytes and messages."""
+    if not len(routes):
+        return 0.0
     gpn = hw.gpus_per_node
     messages = num_layers if layerwise else 1
-    load: dict[tuple[int, bool], list] = {}  # (rank, over the network) -> [bytes, messages, peers]
-    for r in routes:
-        src, dst = r.src, offset + r.dst
-        network = src // gpn != dst // gpn
-        nbytes = r.num_entries * group_bytes * num_layers
-        for rank, peer in ((src, dst), (dst, src)):
-            acc = load.setdefault((rank, network), [0.0, 0, set()])
-            acc[0] += nbytes
-            acc[1] += messages
-            acc[2].add(peer)
+    src, dst = routes.src, routes.dst + offset
+    network = src // gpn != dst // gpn
+    nbytes = routes.entries * (float(group_bytes) * num_layers)
+    # each route loads both of its ends: (rank, over the network) -> bytes, messages, peers
+    rank, peer = np.concatenate([src, dst]), np.concatenate([dst, src])
+    key = rank * 2 + np.concatenate([network, network])
+    keys, at = np.unique(key, return_inverse=True)
+    load = np.bincount(at, weights=np.concatenate([nbytes, nbytes]))
+    msgs = np.bincount(at) * messages
+    width = int(peer.max()) + 1
+    peers = np.bincount(np.unique(at * width + peer) // width, minlength=len(keys))
     worst = 0.0
-    for (_, network), (nbytes, msgs, peers) in load.items():
-        rate = p2p_rate_gbps(hw, _NET if network else _ONE_NODE, network=network, efficiency=sim.p2p_efficiency,
-                             peers=len(peers))
-        worst = max(worst, msgs * p2p_latency_us(hw, network=network) * 1e-6 + nbytes / (rate * 1e9))
+    for net, n in set(zip((keys % 2).tolist(), peers.tolist())):
+        rate = p2p_rate_gbps(hw, _NET if net else _ONE_NODE, network=bool(net), efficiency=sim.p2p_efficiency, peers=n)
+        these = (keys % 2 == net) & (peers == n)
+        t = msgs[these] * p2p_latency_us(hw, network=bool(net)) * 1e-6 + load[these] / (rate * 1e9)
+        worst = max(worst, float(t.max()))
     return worst
 
 

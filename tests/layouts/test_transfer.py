@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pcpflow.layouts.slots import compute_slot_mapping
-from pcpflow.layouts.transfer import PoolKV, rank_bytes, transfer_counts, transfer_routes
+from pcpflow.layouts.transfer import (
+    PoolKV,
+    rank_bytes,
+    route_sizes,
+    transfer_counts,
+    transfer_routes,
+)
 from pcpflow.parallel.grid import Axis, RankGrid
 from pcpflow.parallel.tensor_parallel import kv_heads_of
 from pcpflow.parallel.transfer import pool_kv
@@ -119,6 +125,22 @@ def test_each_decode_rank_receives_exactly_what_it_owns_from_ranks_that_hold_it(
     # the bytes: what the decode ranks own, no more (the duplication of TP ranks holding the same slice counted)
     owned = sum(len(_holds(dg, di, kv_heads, d, n)) for d in range(dg.world_size))
     assert transfer_counts(routes, group_bytes=3, num_layers=2, transfer="after_prefill") == (len(routes), owned * 3 * 2)
+    # the simulator's arrays: the same routes, entries counted from one period of the rules
+    sizes = route_sizes(n, pool_kv(sg, si, kv_heads), pool_kv(dg, di, kv_heads))
+    assert list(zip(sizes.src.tolist(), sizes.dst.tolist(), sizes.entries.tolist())) == [
+        (r.src, r.dst, r.num_entries) for r in routes]
+
+
+@pytest.mark.parametrize("n", [1, 5, 4096, 131_071])
+def test_route_sizes_of_long_requests(n):
+    """Counted per period, the entries equal the routes' positions at any length."""
+    src, dst = pool_kv(RankGrid(tp=2, pcp=4, dcp=4), 4, 2), pool_kv(RankGrid(tp=4, dcp=2), 3, 2)
+    routes = transfer_routes(n, src, dst)
+    sizes = route_sizes(n, src, dst)
+    assert sizes.entries.tolist() == [r.num_entries for r in routes] and sizes.dst.tolist() == [r.dst for r in routes]
+    # by hand: 2 KV heads over 4 decode TP ranks, each head on the 2 DCP ranks sharing it, each
+    # position on one of them: every (position, head) entry lands once
+    assert int(sizes.entries.sum()) == n * 2
 
 
 def test_bad_pools_are_refused():
