@@ -22,28 +22,30 @@ prefill pool's blocks and moves whole, exposed, as ``after_prefill``'s.
 from __future__ import annotations
 
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
-from pcpflow.layouts.transfer import Route
+from pcpflow.layouts.transfer import MovedKV
 from pcpflow.simulate.collectives import Comm, p2p_latency_us, p2p_rate_gbps
 
 _NET, _ONE_NODE = Comm(2, 2, 1), Comm(2, 1, 2)
 
 
-def transfer_seconds(routes: list[Route], *, offset: int, hw: HardwareConfig, sim: SimulateConfig, group_bytes: float,
-                     num_layers: int, layerwise: bool) -> float:
-    """How long one request's routes take (prefill rank ``src`` is global rank ``src``, decode
-    rank ``dst`` global rank ``offset + dst``): its busiest rank's bytes and messages."""
+def transfer_seconds(moved: list[MovedKV], num_tokens: int, *, offset: int, hw: HardwareConfig, sim: SimulateConfig,
+                     layerwise: bool) -> float:
+    """How long one request's routes take, every cache of ``moved`` (the target's, a
+    drafter's) at once (prefill rank ``src`` is global rank ``src``, decode rank ``dst``
+    global rank ``offset + dst``): its busiest rank's bytes and messages."""
     gpn = hw.gpus_per_node
-    messages = num_layers if layerwise else 1
     load: dict[tuple[int, bool], list] = {}  # (rank, over the network) -> [bytes, messages, peers]
-    for r in routes:
-        src, dst = r.src, offset + r.dst
-        network = src // gpn != dst // gpn
-        nbytes = r.num_entries * group_bytes * num_layers
-        for rank, peer in ((src, dst), (dst, src)):
-            acc = load.setdefault((rank, network), [0.0, 0, set()])
-            acc[0] += nbytes
-            acc[1] += messages
-            acc[2].add(peer)
+    for m in moved:
+        messages = m.num_layers if layerwise else 1
+        for r in m.routes(num_tokens):
+            src, dst = r.src, offset + r.dst
+            network = src // gpn != dst // gpn
+            nbytes = r.num_entries * m.group_bytes * m.num_layers
+            for rank, peer in ((src, dst), (dst, src)):
+                acc = load.setdefault((rank, network), [0.0, 0, set()])
+                acc[0] += nbytes
+                acc[1] += messages
+                acc[2].add(peer)
     worst = 0.0
     for (_, network), (nbytes, msgs, peers) in load.items():
         rate = p2p_rate_gbps(hw, _NET if network else _ONE_NODE, network=network, efficiency=sim.p2p_efficiency,
