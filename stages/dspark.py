@@ -116,6 +116,9 @@ class DSparkDraft(Stage):
         spec.shard_drafter(ctx, self.model)
         self.caches = spec.allocate_caches(ctx, self.model.attn_spec, config.num_layers)
 
+    def own_kv(self):
+        return [(getattr(self.model, "full_attn_spec", self.model.attn_spec), self.caches)]
+
     @torch.no_grad()
     def __call__(self, state: StepState) -> StepState:
         ctx, drafter, b, local = self.ctx, self.model, state.batch, state.local

@@ -80,6 +80,9 @@ class MTPDraft(Stage):
         self.caches = spec.allocate_caches(ctx, self.head.attn_spec, 1)
         self.prompts = spec.request_prompts(ctx)
 
+    def own_kv(self):
+        return [(getattr(self.head, "full_attn_spec", self.head.attn_spec), self.caches)]
+
     @torch.no_grad()
     def __call__(self, state: StepState) -> StepState:
         ctx, model, head, b = self.ctx, self.ctx.model, self.head, state.batch

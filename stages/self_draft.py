@@ -42,6 +42,10 @@ class SelfDraft(Stage):
         model = ctx.model
         self.caches = spec.allocate_caches(ctx, model.attn_spec, model.num_layers)
 
+    def own_kv(self):
+        model = self.ctx.model
+        return [(getattr(model, "full_attn_spec", model.attn_spec), self.caches)]
+
     @torch.no_grad()
     def __call__(self, state: StepState) -> StepState:
         ctx, model, b, local = self.ctx, self.ctx.model, state.batch, state.local

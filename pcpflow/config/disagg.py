@@ -134,10 +134,6 @@ def disagg_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.kv.block_size % d.decode_pool.interleave:
         p.append(Problem("disagg.decode_pool.interleave", d.decode_pool.interleave,
                          f"must divide kv.block_size={cfg.kv.block_size} (the decode pool's blocks)"))
-    if cfg.draft_enabled:
-        p.append(Problem("draft", cfg.draft_stage_config().get("kind"), "drafting is not run with disagg=pd: a "
-                         "drafter's own KV cache of the prompt would have to move too (docs/disaggregation.md); "
-                         "use draft=none"))
     forward = (cfg.pipeline or {}).get("forward") or {}
     if forward.get("cp_attention", "allgather") != "allgather":
         p.append(Problem("pipeline.forward.cp_attention", forward["cp_attention"], "rings inside a pool are not "

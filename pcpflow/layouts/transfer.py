@@ -16,6 +16,10 @@ TP ranks of MLA) share the sending. Every layer goes the same way. A decode rank
 TP slice repeats another's (MLA over TP, GQA with tp > num_kv_heads) receives the same
 entries: the only duplication, counted.
 
+A drafter's own cache of the prompt (``draft=mtp|dspark|self``) moves by the same rule, as a
+cache of its own (``MovedKV``: its head groups, its layers): its own routes, messages and
+bytes, counted with the target's (``handover_counts``).
+
 Positions then land by the decode pool's slot rule (``pcpflow.layouts.slots``): a decode
 block gathers the positions its DCP rank owns, which, with another interleave, come from
 several prefill ranks (docs/disaggregation.md works one request through).
@@ -185,6 +189,34 @@ def transfer_counts(routes: list[Route] | RouteSizes, *, group_bytes: int, num_l
     sizes = routes if isinstance(routes, RouteSizes) else RouteSizes.of(routes)
     calls = len(sizes) * (num_layers if transfer == "layerwise" else 1)
     return calls, int(sizes.entries.sum()) * group_bytes * num_layers
+
+
+@dataclass(frozen=True)
+class MovedKV:
+    """One paged KV cache a handover moves (the target's, a drafter's own): where each pool
+    keeps its entries, its layers, and the bytes of one head group of one position and layer."""
+
+    src: PoolKV
+    dst: PoolKV
+    num_layers: int
+    group_bytes: int
+
+    def routes(self, num_tokens: int) -> list[Route]:
+        return transfer_routes(num_tokens, self.src, self.dst)
+
+    def sizes(self, num_tokens: int) -> RouteSizes:
+        return route_sizes(num_tokens, self.src, self.dst)
+
+
+def handover_counts(num_tokens: int, moved: list[MovedKV], *, transfer: str) -> tuple[int, int]:
+    """(messages, bytes) of one request's handover: every cache of ``moved`` by its own
+    routes (``transfer_counts``), the target's and a drafter's alike."""
+    calls = nbytes = 0
+    for m in moved:
+        c, b = transfer_counts(m.sizes(num_tokens), group_bytes=m.group_bytes, num_layers=m.num_layers,
+                               transfer=transfer)
+        calls, nbytes = calls + c, nbytes + b
+    return calls, nbytes
 
 
 def rank_bytes(routes: list[Route], *, group_bytes: int, num_layers: int, num_src: int,

@@ -8,8 +8,11 @@ the grid's DCP ranks and the KV heads each TP rank holds). Here the entries move
 sender reads them at its slots (its pool's slot rule and block table), the receiver writes
 them at its own (``compute_slot_mapping`` with the decode pool's dcp and interleave), in the
 columns of the head groups the route carries. ``layerwise`` sends a message per route and
-layer, ``after_prefill`` one per route with every layer stacked. Each rank counts what it
-sends (``CommStats.add_sent``, purpose ``kv_transfer``); the engine gathers the counts.
+layer, ``after_prefill`` one per route with every layer stacked. A drafter's own cache of the
+prompt (``Stage.own_kv``) moves the same way as a cache of its own (its head groups, its
+routes, its layers), in messages of its own. Each rank counts what it sends
+(``CommStats.add_sent``, purpose ``kv_transfer``, the drafter's entries included); the engine
+gathers the counts.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pcpflow.layouts.slots import compute_slot_mapping
-from pcpflow.layouts.transfer import KV_TRANSFER, PoolKV, Route, transfer_routes
+from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, PoolKV, Route
 from pcpflow.parallel.grid import Axis, RankGrid
 from pcpflow.parallel.tensor_parallel import entry_columns, kv_heads_of
 
@@ -45,6 +48,17 @@ def pool_kv(grid: RankGrid, interleave: int, num_kv_heads: int | None) -> PoolKV
     )
 
 
+def moved_kv(full_spec, num_layers: int, *, prefill: RankGrid, decode: RankGrid, prefill_interleave: int,
+             decode_interleave: int, elem_bytes: int) -> MovedKV:
+    """The handover's view of one paged cache of ``full_spec`` (the whole, unsharded entry:
+    MLA one group, GQA a group per KV head) with ``num_layers`` layers."""
+    mla = full_spec.v_offset == 0
+    kv_heads = None if mla else full_spec.num_kv_heads
+    group_width = full_spec.entry_dim if mla else full_spec.qk_dim + full_spec.v_dim
+    return MovedKV(pool_kv(prefill, prefill_interleave, kv_heads), pool_kv(decode, decode_interleave, kv_heads),
+                   num_layers, group_width * elem_bytes)
+
+
 def group_columns(full_spec, tp_rank: int, tp: int, groups: tuple[int, ...]) -> torch.Tensor:
     """The columns of TP rank ``tp_rank``'s cache entry that hold head groups ``groups`` (its
     keys, then its values; all of an MLA entry)."""
@@ -60,82 +74,108 @@ class KVTransfer:
     """This rank's part of every handover: the routes it sends or receives.
 
     ``rank``: this process's global rank; the prefill pool is global ranks ``0 .. Wp-1``,
-    the decode pool ``Wp ..``. ``caches``: this rank's per-layer caches (its pool's)."""
+    the decode pool ``Wp ..``. ``caches``: this rank's paged caches of its pool, each as
+    ``(the whole cache's spec, its per-layer tensors)``: the target's first, then a
+    drafter's own (``Stage.own_kv``)."""
 
     def __init__(self, *, rank: int, prefill: RankGrid, decode: RankGrid, prefill_interleave: int,
-                 decode_interleave: int, full_spec, caches: list[torch.Tensor], block_size: int, transfer: str,
-                 stats=None) -> None:
-        kv_heads = None if full_spec.v_offset == 0 else full_spec.num_kv_heads
-        self.src, self.dst = pool_kv(prefill, prefill_interleave, kv_heads), pool_kv(decode, decode_interleave, kv_heads)
+                 decode_interleave: int, caches: list[tuple[object, list[torch.Tensor]]], block_size: int,
+                 transfer: str, stats=None) -> None:
         self.rank, self.offset = rank, prefill.world_size
         self.prefill, self.decode = prefill, decode
-        self.spec, self.caches, self.block_size = full_spec, caches, block_size
+        self.block_size = block_size
         self.layerwise = transfer == "layerwise"
         self.stats = stats
-        self._columns: dict[tuple[bool, tuple[int, ...]], torch.Tensor] = {}
+        self.caches = [
+            _Cache(spec, layers, moved_kv(spec, len(layers), prefill=prefill, decode=decode,
+                                          prefill_interleave=prefill_interleave, decode_interleave=decode_interleave,
+                                          elem_bytes=layers[0].element_size()))
+            for spec, layers in caches]
+        first = 0
+        for c in self.caches:  # NOTE: distinct tags per message between one pair of ranks
+            c.first_tag, first = first, first + len(c.layers)
 
     @property
     def in_prefill(self) -> bool:
         return self.rank < self.offset
 
+    @property
+    def moved(self) -> list[MovedKV]:
+        """What a handover moves, cache by cache (``pcpflow.layouts.transfer.handover_counts``)."""
+        return [c.moved for c in self.caches]
+
     def routes(self, num_tokens: int) -> list[Route]:
-        return transfer_routes(num_tokens, self.src, self.dst)
+        """The target cache's routes."""
+        return self.caches[0].moved.routes(num_tokens)
 
     def move(self, num_tokens: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> float:
-        """Move one request's positions ``[0, num_tokens)``: from its prefill-pool blocks
-        ``src_blocks`` to its decode-pool blocks ``dst_blocks`` (block-table rows). Returns
-        the seconds this rank spent (0 when no route touches it)."""
+        """Move one request's positions ``[0, num_tokens)`` of every cache: from its
+        prefill-pool blocks ``src_blocks`` to its decode-pool blocks ``dst_blocks`` (block-table
+        rows). Returns the seconds this rank spent (0 when no route touches it)."""
         t0 = time.perf_counter()
         ops, landing = [], []
-        for route in self.routes(num_tokens):
-            if self.in_prefill and route.src == self.rank:
-                ops += self._sends(route, src_blocks)
-            elif not self.in_prefill and route.dst == self.rank - self.offset:
-                more, land = self._recvs(route, dst_blocks)
-                ops += more
-                landing.append(land)
+        for cache in self.caches:
+            for route in cache.moved.routes(num_tokens):
+                if self.in_prefill and route.src == self.rank:
+                    ops += self._sends(cache, route, src_blocks)
+                elif not self.in_prefill and route.dst == self.rank - self.offset:
+                    more, land = self._recvs(cache, route, dst_blocks)
+                    ops += more
+                    landing.append(land)
         if not ops:
             return 0.0
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        for slots, cols, bufs in landing:
-            for layer, buf in zip(range(len(self.caches)), bufs if self.layerwise else bufs[0]):
-                self.caches[layer][slots[:, None], cols[None, :]] = buf
+        for layers, slots, cols, bufs in landing:
+            for layer, buf in zip(layers, bufs if self.layerwise else bufs[0]):
+                layer[slots[:, None], cols[None, :]] = buf
         return time.perf_counter() - t0
 
     # -- one side of a route ------------------------------------------------------------------
-    def _slots(self, positions: np.ndarray, blocks: np.ndarray, pool: PoolKV, pool_rank: int) -> torch.Tensor:
+    def _slots(self, positions: np.ndarray, blocks: np.ndarray, pool: PoolKV, pool_rank: int,
+               device: torch.device) -> torch.Tensor:
         slots = compute_slot_mapping(positions, np.zeros(len(positions), np.int64), np.asarray(blocks)[None, :],
                                      self.block_size, dcp_size=pool.dcp, dcp_rank=pool.dcp_ranks[pool_rank],
                                      interleave=pool.interleave)
-        return torch.from_numpy(slots).to(self.caches[0].device)
+        return torch.from_numpy(slots).to(device)
 
-    def _cols(self, grid: RankGrid, pool_rank: int, heads: tuple[int, ...], sending: bool) -> torch.Tensor:
-        key = (sending, heads)
-        if key not in self._columns:
-            tp_rank = pool_rank % grid.tp
-            self._columns[key] = group_columns(self.spec, tp_rank, grid.tp, heads).to(self.caches[0].device)
-        return self._columns[key]
-
-    def _sends(self, route: Route, blocks: np.ndarray) -> list:
-        slots = self._slots(route.positions, blocks, self.src, route.src)
-        cols = self._cols(self.prefill, route.src, route.heads, True)
-        parts = [c[slots][:, cols].contiguous() for c in self.caches]
+    def _sends(self, cache: _Cache, route: Route, blocks: np.ndarray) -> list:
+        device = cache.layers[0].device
+        slots = self._slots(route.positions, blocks, cache.moved.src, route.src, device)
+        cols = cache.columns(self.prefill, route.src, route.heads, True)
+        parts = [c[slots][:, cols].contiguous() for c in cache.layers]
         msgs = parts if self.layerwise else [torch.stack(parts)]
         dst = self.offset + route.dst
-        for tag, m in enumerate(msgs):
+        for m in msgs:
             if self.stats is not None:
                 self.stats.add_sent("send", KV_TRANSFER, m.numel() * m.element_size(), tuple(m.shape))
-        return [dist.P2POp(dist.isend, m, dst, tag=tag) for tag, m in enumerate(msgs)]
+        return [dist.P2POp(dist.isend, m, dst, tag=cache.first_tag + j) for j, m in enumerate(msgs)]
 
-    def _recvs(self, route: Route, blocks: np.ndarray):
-        slots = self._slots(route.positions, blocks, self.dst, route.dst)
-        cols = self._cols(self.decode, route.dst, route.heads, False)
-        cache = self.caches[0]
+    def _recvs(self, cache: _Cache, route: Route, blocks: np.ndarray):
+        first = cache.layers[0]
+        slots = self._slots(route.positions, blocks, cache.moved.dst, route.dst, first.device)
+        cols = cache.columns(self.decode, route.dst, route.heads, False)
         shape = (len(route.positions), len(cols))
         if self.layerwise:
-            bufs = [cache.new_empty(shape) for _ in self.caches]
+            bufs = [first.new_empty(shape) for _ in cache.layers]
         else:
-            bufs = [cache.new_empty((len(self.caches), *shape))]
-        ops = [dist.P2POp(dist.irecv, b, route.src, tag=tag) for tag, b in enumerate(bufs)]
-        return ops, (slots, cols, bufs)
+            bufs = [first.new_empty((len(cache.layers), *shape))]
+        ops = [dist.P2POp(dist.irecv, b, route.src, tag=cache.first_tag + j) for j, b in enumerate(bufs)]
+        return ops, (cache.layers, slots, cols, bufs)
+
+
+class _Cache:
+    """One paged cache of this rank that handovers move: its layers, where each pool keeps
+    its entries, the columns of each head-group set."""
+
+    def __init__(self, spec, layers: list[torch.Tensor], moved: MovedKV) -> None:
+        self.spec, self.layers, self.moved = spec, layers, moved
+        self.first_tag = 0
+        self._columns: dict[tuple[bool, tuple[int, ...]], torch.Tensor] = {}
+
+    def columns(self, grid: RankGrid, pool_rank: int, heads: tuple[int, ...], sending: bool) -> torch.Tensor:
+        key = (sending, heads)
+        if key not in self._columns:
+            cols = group_columns(self.spec, pool_rank % grid.tp, grid.tp, heads)
+            self._columns[key] = cols.to(self.layers[0].device)
+        return self._columns[key]

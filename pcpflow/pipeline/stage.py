@@ -35,6 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pcpflow.errors import Problem
 
 if TYPE_CHECKING:
+    import torch
+
+    from pcpflow.models.base import AttentionSpec
     from pcpflow.pipeline.context import RankContext
     from pcpflow.pipeline.state import StepState
 
@@ -66,6 +69,15 @@ class Stage:
 
     def __call__(self, state: StepState) -> StepState:  # pragma: no cover - protocol
         raise NotImplementedError
+
+    def own_kv(self) -> list[tuple[AttentionSpec, list[torch.Tensor]]]:
+        """Paged KV caches this stage keeps of a request's tokens besides the target's (a
+        drafter's own cache, on the target's block tables and slot rule): ``(the spec of the
+        whole, unsharded cache, its per-layer caches)`` each. A handover between pools
+        (``disagg=pd``) moves their entries of the prompt along with the target's. A stage
+        that keeps such a cache and does not list it here would decode from a cache that
+        was never filled."""
+        return []
 
     @classmethod
     def check_run(cls, config: StageConfig, run: Any) -> list[Any]:

@@ -205,14 +205,20 @@ class _Steps:
         record = batch_record(self.ctx, state, calls=calls, nbytes=nbytes, step_s=step_s, generated=self.loop.generated,
                               to_generate=self.recorder.num_to_generate, serving=self.scheduler.stats,
                               time_s=float(self.loop.step_start[state.batch.step]))
-        proposed = int(np.sum(outcome.num_proposed))
-        if proposed:
-            record["draft_proposed"] = proposed
-            record["draft_accepted"] = int(np.sum(outcome.num_accepted))
-            record["draft_rows"] = int(np.count_nonzero(outcome.num_proposed))  # verify rows
+        record.update(draft_record(outcome))
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
         return record
+
+
+def draft_record(outcome) -> dict[str, int]:
+    """The drafting fields of a step record: drafts verified (``draft_proposed``), accepted,
+    and the verify rows; empty for a step that verified none."""
+    proposed = int(np.sum(outcome.num_proposed))
+    if not proposed:
+        return {}
+    return {"draft_proposed": proposed, "draft_accepted": int(np.sum(outcome.num_accepted)),
+            "draft_rows": int(np.count_nonzero(outcome.num_proposed))}  # draft_rows: verify rows
 
 
 def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: float, generated: int, to_generate: int,

@@ -15,7 +15,11 @@ that pool's view of the config (``pool_config``) and its own groups. A global st
    ``all_gather_object`` over the world, the scheduler's own traffic, not counted;
 4. both schedulers update alike on every rank; verification and metrics follow, off the clock.
 
-Drafting is not run with pools (refused before the run: ``config.disagg``).
+Drafting runs in both pools as in one: the prefill pool's drafter proposes as each prefill
+ends (its own cache of the prompt written there); the proposals go over with the request, as
+its first token does (the roots' exchange, step 3), and the handover moves the drafter's
+entries of the prompt with the target's (``Stage.own_kv``), so the decode pool verifies them
+at its first step and drafts on from its own copy of that cache.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
 from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
 from pcpflow.rank.devices import pick_device
-from pcpflow.rank.engine import _torch_threads, batch_record
+from pcpflow.rank.engine import _torch_threads, batch_record, draft_record
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier
 from pcpflow.scheduling.loop import request_columns, request_rows
@@ -92,9 +96,10 @@ class _PoolRank:
         )
         self.pipeline = Pipeline(specs, self.ctx, on_stage=mark_stage)
         self.world = Comm(dist.group.WORLD, self.rank, cfg.world_size, None)  # unaccounted: control, verification
+        own = [kv for _, stage in self.pipeline.stages for kv in stage.own_kv()]  # a drafter's cache
         self.transfer = KVTransfer(
             rank=self.rank, prefill=prefill_grid, decode=decode_grid, prefill_interleave=self.pools["prefill"].kv.interleave,
-            decode_interleave=self.pools["decode"].kv.interleave, full_spec=full_spec, caches=self.ctx.kv_caches,
+            decode_interleave=self.pools["decode"].kv.interleave, caches=[(full_spec, self.ctx.kv_caches), *own],
             block_size=cfg.kv.block_size, transfer=cfg.disagg.transfer, stats=self.stats,
         )
         self.verifier = _PoolVerifier(self, specs) if cfg.verify else None
@@ -135,6 +140,7 @@ class _PoolRank:
         payload: dict[str, Any] = {"moved": moved}
         if self.pool_root and state is not None:
             payload["tokens"] = state.sampled_token_ids
+            payload["drafts"] = state.draft_token_ids
             sched = self.prefill if self.pool == "prefill" else self.decode
             payload["record"] = batch_record(self.ctx, state, calls=calls, nbytes=nbytes, step_s=pool_s,
                                              generated=self.loop.generated, to_generate=self.recorder.num_to_generate,
@@ -145,6 +151,9 @@ class _PoolRank:
         dist.all_gather_object(every, payload)
         roots = {"prefill": every[0], "decode": every[self.offset]}
         po, do = self.loop.update(ps, roots["prefill"].get("tokens"), roots["decode"].get("tokens"))
+        for sched, batch, pool in ((self.prefill, ps.prefill, "prefill"), (self.decode, ps.decode, "decode")):
+            if batch is not None and roots[pool].get("drafts") is not None:
+                sched.set_draft_tokens(batch, roots[pool]["drafts"])
         step_s = time.perf_counter() - t0
         transfer = self._transfer_record(ps, every)
         self.loop.advance(ps, step_s)
@@ -154,12 +163,15 @@ class _PoolRank:
         if self.is_root:
             records = {"prefill": roots["prefill"].get("record"), "decode": roots["decode"].get("record")}
             pools = self.pools
-            self.recorder.step(pool_step_record(
+            record = pool_step_record(
                 ps.step, records, pcp={n: pools[n].pcp for n in POOLS},
                 num_blocks={n: pools[n].kv.num_blocks for n in POOLS},
                 stats={"prefill": self.prefill.stats, "decode": self.decode.stats}, transfer=transfer,
                 queue=len(self.loop.handover), step_s=step_s, time_s=float(self.loop.step_start[ps.step]),
-                generated=self.loop.generated, to_generate=self.recorder.num_to_generate))
+                generated=self.loop.generated, to_generate=self.recorder.num_to_generate)
+            if do is not None:  # NOTE: drafts are verified on the decode pool only
+                record.update(draft_record(do))
+            self.recorder.step(record)
 
     def _hand_over(self, ps: PoolStep) -> list[tuple[int, int, float]]:
         """Move each adopted request's entries, one request after another: this rank's

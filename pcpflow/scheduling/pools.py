@@ -37,7 +37,8 @@ from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
 
 def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCacheManager) -> tuple[Scheduler, Scheduler]:
     """The prefill pool's scheduler (``prefill_only``, fed the arrivals) and the decode pool's
-    (sharing its per-request columns), each with its own KV blocks and budget. ``prefill``
+    (sharing its per-request columns: a request's drafts, proposed as its prefill ended, go
+    over with it as its first token does), each with its own KV blocks and budget. ``prefill``
     and ``decode`` are each pool's view of the run config (``pcpflow.config.disagg.pool_config``:
     ``scheduler``, ``kv`` and ``dcp`` read)."""
 
@@ -45,7 +46,7 @@ def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCache
         return Scheduler(table, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
                          max_num_seqs=c.scheduler.max_num_seqs,
                          kv=kv_cls(c.kv.num_blocks, c.kv.block_size, c.dcp, prefix_caching=c.kv.prefix_caching),
-                         stop_token_ids=stop_token_ids, **kw)
+                         num_speculative_tokens=c.num_speculative_tokens, stop_token_ids=stop_token_ids, **kw)
 
     first = scheduler(prefill, prefill_only=True)
     return first, scheduler(decode, feed=False, share=first)

@@ -31,7 +31,7 @@ import numpy as np
 
 from pcpflow.config.disagg import POOLS, pool_config
 from pcpflow.config.run import RunConfig
-from pcpflow.layouts.transfer import KV_TRANSFER, route_sizes, transfer_counts
+from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, handover_counts
 from pcpflow.output.metrics import MetricsRecorder, pool_step_record, step_record
 from pcpflow.parallel.transfer import pool_kv
 from pcpflow.pipeline.state import StepState
@@ -46,6 +46,38 @@ from pcpflow.simulate.engine import (
 )
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 from pcpflow.simulate.transfer import exposed_seconds, transfer_seconds
+from pcpflow.speculative.drafting import MLALayerConfig
+
+
+def handover_kv(cfg: RunConfig) -> list[MovedKV]:
+    """What one handover moves, cache by cache, at ``simulate.kv_dtype``: the target's cache
+    (the model card's geometry), then a shipped drafter's own cache of the prompt: ``self``
+    a copy of the target's, ``mtp`` one MLA layer of ``draft.layer``, ``dspark``
+    ``draft.num_layers`` of them (``Stage.own_kv`` of the executed stages). Priced runs do
+    not draft yet (``draft`` is refused with mode=simulate), so only the counts use the
+    drafter's part: executed drafting runs are checked against them."""
+    sizes = model_sizes(cfg.model)
+    mla = sizes.attention == "mla"
+    elem = DTYPE_BYTES[cfg.simulate.kv_dtype]
+    kv_heads = None if mla else sizes.num_kv_heads
+    src = pool_kv(cfg.grid, cfg.kv.interleave, kv_heads)
+    dst = pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, kv_heads)
+    target = MovedKV(src, dst, sizes.num_layers, sizes.entry_dim // (1 if mla else sizes.num_kv_heads) * elem)
+    if not cfg.draft_enabled:
+        return [target]
+    draft = cfg.draft_stage_config()
+    kind = draft.get("kind")
+    if kind == "self":
+        return [target, target]
+    if kind not in ("mtp", "dspark"):
+        raise ValueError(f"draft={kind}: its own cache is not known to the simulator (shipped drafters: self, mtp, "
+                         "dspark)")
+    layer = MLALayerConfig(**(draft.get("layer") or {}))
+    layers = 1 if kind == "mtp" else int(draft.get("num_layers") or 1)
+    latent = MovedKV(pool_kv(cfg.grid, cfg.kv.interleave, None),
+                     pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, None), layers,
+                     (layer.kv_lora_rank + layer.qk_rope_head_dim) * elem)
+    return [target, latent]
 
 
 class _PoolPricing(SimulatedRun):
@@ -81,13 +113,8 @@ class PooledRun:
         self.requests = self.pools["prefill"].requests
         self.prefill, self.decode = pool_schedulers(self.requests, self.configs["prefill"], self.configs["decode"],
                                                     kv_cls=_TablelessKV)
-        sizes = model_sizes(cfg.model)
-        mla = sizes.attention == "mla"
-        kv_heads = None if mla else sizes.num_kv_heads
-        self.src = pool_kv(cfg.grid, cfg.kv.interleave, kv_heads)
-        self.dst = pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, kv_heads)
-        self.group_bytes = sizes.entry_dim // (1 if mla else sizes.num_kv_heads) * DTYPE_BYTES[cfg.simulate.kv_dtype]
-        self.num_layers = sizes.num_layers
+        self.moved = handover_kv(cfg)
+        self.num_layers = self.moved[0].num_layers  # the target's: what a layerwise transfer hides behind
         self.layerwise = cfg.disagg.transfer == "layerwise"
         gpn, wp, wd = cfg.hardware.gpus_per_node, cfg.grid.world_size, cfg.disagg.decode_grid.world_size
         self.offset = wp if wp + wd <= gpn else -(-wp // gpn) * gpn  # the decode pool's first GPU
@@ -107,11 +134,9 @@ class PooledRun:
         calls = nbytes = 0
         exposed_total = 0.0
         for i, n, _, _ in handed:
-            routes = route_sizes(n, self.src, self.dst)
-            c, b = transfer_counts(routes, group_bytes=self.group_bytes, num_layers=self.num_layers,
-                                   transfer=self.cfg.disagg.transfer)
-            t = transfer_seconds(routes, offset=self.offset, hw=self.cfg.hardware, sim=self.cfg.simulate,
-                                 group_bytes=self.group_bytes, num_layers=self.num_layers, layerwise=self.layerwise)
+            c, b = handover_counts(n, self.moved, transfer=self.cfg.disagg.transfer)
+            t = transfer_seconds(self.moved, n, offset=self.offset, hw=self.cfg.hardware, sim=self.cfg.simulate,
+                                 layerwise=self.layerwise)
             exposed = exposed_seconds(t, layerwise=self.layerwise, num_layers=self.num_layers,
                                       prefill_step_s=float(ho.prefill_s[i]), waited=bool(ho.waited[i]))
             ho.record(i, c, b, exposed)

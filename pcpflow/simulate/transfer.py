@@ -24,29 +24,31 @@ from __future__ import annotations
 import numpy as np
 
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
-from pcpflow.layouts.transfer import RouteSizes
+from pcpflow.layouts.transfer import MovedKV
 from pcpflow.simulate.collectives import Comm, p2p_latency_us, p2p_rate_gbps
 
 _NET, _ONE_NODE = Comm(2, 2, 1), Comm(2, 1, 2)
 
 
-def transfer_seconds(routes: RouteSizes, *, offset: int, hw: HardwareConfig, sim: SimulateConfig, group_bytes: float,
-                     num_layers: int, layerwise: bool) -> float:
-    """How long one request's routes take (prefill rank ``src`` is global rank ``src``, decode
-    rank ``dst`` global rank ``offset + dst``): its busiest rank's bytes and messages."""
-    if not len(routes):
+def transfer_seconds(moved: list[MovedKV], num_tokens: int, *, offset: int, hw: HardwareConfig, sim: SimulateConfig,
+                     layerwise: bool) -> float:
+    """How long one request's routes take, every cache of ``moved`` (the target's, a
+    drafter's) at once (prefill rank ``src`` is global rank ``src``, decode rank ``dst``
+    global rank ``offset + dst``): its busiest rank's bytes and messages."""
+    sizes = [m.sizes(num_tokens) for m in moved]
+    if not sum(len(r) for r in sizes):
         return 0.0
     gpn = hw.gpus_per_node
-    messages = num_layers if layerwise else 1
-    src, dst = routes.src, routes.dst + offset
+    src = np.concatenate([r.src for r in sizes])
+    dst = np.concatenate([r.dst for r in sizes]) + offset
+    nbytes = np.concatenate([r.entries * float(m.group_bytes * m.num_layers) for r, m in zip(sizes, moved)])
+    messages = np.concatenate([np.full(len(r), m.num_layers if layerwise else 1) for r, m in zip(sizes, moved)])
     network = src // gpn != dst // gpn
-    nbytes = routes.entries * (float(group_bytes) * num_layers)
     # each route loads both of its ends: (rank, over the network) -> bytes, messages, peers
     rank, peer = np.concatenate([src, dst]), np.concatenate([dst, src])
-    key = rank * 2 + np.concatenate([network, network])
-    keys, at = np.unique(key, return_inverse=True)
+    keys, at = np.unique(rank * 2 + np.concatenate([network, network]), return_inverse=True)
     load = np.bincount(at, weights=np.concatenate([nbytes, nbytes]))
-    msgs = np.bincount(at) * messages
+    msgs = np.bincount(at, weights=np.concatenate([messages, messages]))
     width = int(peer.max()) + 1
     peers = np.bincount(np.unique(at * width + peer) // width, minlength=len(keys))
     worst = 0.0

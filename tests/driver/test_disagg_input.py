@@ -64,9 +64,9 @@ def test_decode_pool_settings_without_pd():
 
 def test_every_problem_together():
     got = problems("pcp=3", "dcp=2", "disagg=pd", "disagg.decode_pool.num_blocks=1", "disagg.decode_pool.dcp=5",
-                   "draft=mtp", "pipeline.forward.cp_attention=ring_pass_kv", "disagg.transfer=eager")
+                   "pipeline.forward.cp_attention=ring_pass_kv", "disagg.transfer=eager")
     fields = [p.split(":")[0] for p in got]
-    for field in ("dcp", "disagg.decode_pool.dcp", "draft", "pipeline.forward.cp_attention", "disagg.transfer"):
+    for field in ("dcp", "disagg.decode_pool.dcp", "pipeline.forward.cp_attention", "disagg.transfer"):
         assert field in fields, (field, got)
 
 
@@ -80,3 +80,12 @@ def test_simulated_rings_inside_a_pool():
 def test_a_profile_measures_one_grid():
     got = problems("mode=profile", "disagg=pd")
     assert "disagg: got 'pd'; mode=profile measures one rank grid: run it with disagg=none" in got, got
+
+
+def test_a_drafter_is_checked_on_each_pool_and_is_not_simulated():
+    # drafting runs with disagg=pd; its layer must split over the decode pool's TP too
+    got = problems("disagg=pd", "draft=mtp", "draft.layer.num_heads=2", "disagg.decode_pool.tp=4")
+    assert got == ["disagg.decode_pool.tp: got 4; the decode pool (tp=4 pcp=1 dcp=1): must divide the drafter "
+                   "(draft.layer)'s num_heads (2)"]
+    assert problems("disagg=pd", "draft=mtp", "mode=simulate", "hardware=h100_sxm") == [
+        "draft: got 'mtp'; drafting is not simulated; use draft=none"]

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from pcpflow.layouts.slots import compute_slot_mapping
 from pcpflow.layouts.transfer import (
+    MovedKV,
     PoolKV,
+    handover_counts,
     rank_bytes,
     route_sizes,
     transfer_counts,
@@ -56,6 +58,11 @@ def test_the_worked_example():
     # route and layer (layerwise) or per route (after_prefill).
     assert transfer_counts(routes, group_bytes=576 * 2, num_layers=61, transfer="layerwise") == (4 * 61, 10 * 61 * 1152)
     assert transfer_counts(routes, group_bytes=576 * 2, num_layers=61, transfer="after_prefill") == (4, 10 * 61 * 1152)
+    # Drafting: DeepSeek-V3's MTP layer (one more 576-wide latent layer) moves by the same 4 routes,
+    # in messages of its own: 4 more layerwise (one layer), 4 more after_prefill.
+    moved = [MovedKV(src, dst, 61, 1152), MovedKV(src, dst, 1, 1152)]
+    assert handover_counts(10, moved, transfer="layerwise") == (4 * 61 + 4, 10 * 62 * 1152)
+    assert handover_counts(10, moved, transfer="after_prefill") == (4 + 4, 10 * 62 * 1152)
 
 
 def test_mla_is_sent_to_every_tp_rank_and_replicated_holders_share_the_sending():

@@ -1,7 +1,7 @@
 """Records every rank's proposals, to check that all ranks propose the same tokens and
 that a layout proposes what one rank proposes. Insert after the draft slot:
 ``+pipeline.extra=[{kind: 'pcpflow_test_plugins.draft_probe:DraftProbe', after: draft, path: DIR}]``
-writes ``DIR/rank<R>.jsonl``: one ``[step, req_ids, draft_token_ids, next_positions]`` line
+writes ``DIR/rank<R>.jsonl`` (R the global rank: with ``disagg=pd`` both pools' ranks): one ``[step, req_ids, draft_token_ids, next_positions]`` line
 per step (``next_positions``: each row's newest token's position, -1 for rows that did
 not sample).
 """
@@ -39,7 +39,10 @@ class DraftProbe(Stage):
             None if drafts is None else drafts.tolist(),
             positions.tolist(),
         ]
-        out = Path(self.config.path) / f"rank{self.ctx.world.rank}.jsonl"
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else self.ctx.world.rank
+        out = Path(self.config.path) / f"rank{rank}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
             f.write(json.dumps(line) + "\n")

@@ -321,9 +321,10 @@ class TransferFault(_Fault):
             seconds = original(tr, num_tokens, src, dst)
             if hit and cfg.corrupt and not tr.in_prefill:
                 r = mine[0]
-                slot = tr._slots(r.positions[:1], dst, tr.dst, r.dst)
-                col = tr._cols(tr.decode, r.dst, r.heads, False)[:1]
-                tr.caches[0][slot, col] += 1.0
+                target = tr.caches[0]
+                slot = tr._slots(r.positions[:1], dst, target.moved.dst, r.dst, target.layers[0].device)
+                col = target.columns(tr.decode, r.dst, r.heads, False)[:1]
+                target.layers[0][slot, col] += 1.0
             return seconds
 
         KVTransfer.move = faulty

@@ -4,13 +4,19 @@ Every run is verified against the single rank (tokens, logits, and every rank of
 holding exactly what it owns, the decode ranks' handed-over entries included). The bytes
 each handover moved are checked against what the decode ranks' layouts own, computed from
 the layout rules (their DCP shards' positions, their TP slices' columns); a corrupted
-transfer is caught. Pools run in the session's shared ranks (tests/shared_ranks.py).
+transfer is caught. Drafting (mtp, self, dspark) runs across the pools as on one rank: the
+same tokens, the same proposals at every (request, position) and the same acceptance as
+the one-rank run without pools, the drafter's own cache of the prompt moved and counted
+with the target's. Pools run in the session's shared ranks (tests/shared_ranks.py).
 """
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import shared_ranks
+from pcpflow_test_plugins import draft_probe
 
 from pcpflow.config.disagg import pool_config
 from pcpflow.layouts.slots import dcp_local_seq_lens
@@ -68,18 +74,30 @@ def _exact_slow():
     return [compose([*QUIET, *o]) for o in SLOW.values()]
 
 
+# The shipped drafters' own caches, by hand: self a copy of the target's; mtp one MLA layer and
+# dspark draft.num_layers (default 1) of them, each entry the latent (draft.layer.kv_lora_rank,
+# default 32) and the rope key (qk_rope_head_dim, default 16), whole on every TP rank.
+DRAFT_LATENT = 32 + 16
+
+
 def owned_bytes(cfg, prompt_len: int) -> int:
     """What the decode pool's ranks own of a prompt's entries, from the layout rules: each
-    rank's DCP shard of the positions x its TP slice's cache entry x layers x the dtype."""
+    rank's DCP shard of the positions x its TP slice's cache entry x layers x the dtype; a
+    drafter's own cache the same way (its entry, its layers)."""
     d = pool_config(cfg, "decode")
     model = build_model(cfg.model, dtype=__import__("torch").float64, seed=0, device="meta")
     spec = model.attn_spec
     elem = {"float64": 8, "float32": 4, "bfloat16": 2}[cfg.dtype]
+    draft = cfg.draft_stage_config().get("kind") if cfg.draft_enabled else None
     total = 0
     for r in range(d.grid.world_size):
         mine = int(dcp_local_seq_lens([prompt_len], d.dcp, d.grid.coords(r)[Axis.DCP], d.kv.interleave)[0])
         width = local_spec(spec, r % d.tp, d.tp).entry_dim if d.tp > 1 else spec.entry_dim
         total += mine * width * model.num_layers * elem
+        if draft == "self":
+            total += mine * width * model.num_layers * elem
+        elif draft in ("mtp", "dspark"):
+            total += mine * DRAFT_LATENT * elem
     return total
 
 
@@ -129,3 +147,107 @@ def test_a_corrupted_transfer_is_caught(shared_runs):
 def test_more_pools_exact(shared_runs):
     for cfg, result in shared_runs["disagg/exact-slow"]:
         check(cfg, result)
+
+
+# -- drafting across the pools ----------------------------------------------------------------
+# Prompts of 1 token, within a block, over the budget (chunked on the prefill pool), arriving
+# over steps, more requests than the decode pool's seats (the queue holds them): no preemption,
+# so that every request drafts where the one-rank run drafts.
+DRAFT_WORKLOAD = ["workload=explicit", "workload.prompt_lens=[1,5,8,13,30]", "workload.output_lens=[7,6,7,5,7]",
+                  "workload.arrival_steps=[0,0,1,2,3]", "scheduler.max_num_batched_tokens=20",
+                  "scheduler.max_num_seqs=4", "dtype=float64"]
+DECODE_SEATS = "disagg.decode_pool.max_num_seqs=3"
+DRAFT_CASES = {
+    "mtp_pcp2_to_pcp2_dcp2": ["draft=mtp", "pcp=2", "disagg=pd", "disagg.decode_pool.pcp=2",
+                              "disagg.decode_pool.dcp=2"],
+    # the target's own continuation: acceptance 1 only if the decode pool's copy of its cache is right
+    "self_pcp2_dcp2_i2_to_tp2_dcp2_after_prefill": ["draft=self", "pcp=2", "dcp=2", "kv.interleave=2", "disagg=pd",
+                                                    "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
+                                                    "disagg.transfer=after_prefill"],
+}
+DRAFT_SLOW = {
+    "dspark_tp2_to_pcp2_dcp2_i2": ["draft=dspark", "tp=2", "disagg=pd", "disagg.decode_pool.pcp=2",
+                                   "disagg.decode_pool.dcp=2", "disagg.decode_pool.interleave=2"],
+    # a GQA target (heads split over decode TP) and an MLA drafter (whole on every TP rank): two route sets
+    "mtp_gqa_pcp2_to_tp2": ["model=tiny_gqa", "draft=mtp", "pcp=2", "disagg=pd", "disagg.decode_pool.tp=2"],
+    # (draft.error_rate draws its corruption per step and batch row: a schedule's, not a request's)
+    "dspark_gqa_tp2_to_pcp2_dcp2_i4_after_prefill": ["model=tiny_gqa", "draft=dspark", "tp=2", "disagg=pd",
+                                                     "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
+                                                     "disagg.decode_pool.interleave=4", "disagg.transfer=after_prefill"],
+}
+_PROBES: dict[str, str] = {}
+PROBE = "pcpflow_test_plugins.draft_probe:DraftProbe"
+
+
+def _probed(name: str, overrides: list[str]):
+    _PROBES[name] = tempfile.mkdtemp(prefix=f"pcpflow-{name.replace('/', '-')}-")
+    probe = f"+pipeline.extra=[{{kind: '{PROBE}', after: draft, path: '{_PROBES[name]}'}}]"
+    return compose([*QUIET, *DRAFT_WORKLOAD, *overrides, probe])
+
+
+def _one_rank(overrides: list[str]) -> list[str]:
+    """The one-rank run without pools of a pooled case: its model and drafter."""
+    return ["pcp=1", *(o for o in overrides if o.startswith(("model=", "draft")))]
+
+
+def _draft_matrix(cases):
+    out = []
+    for name, o in cases.items():
+        out += [_probed(name, [*o, DECODE_SEATS]), _probed(f"{name}/one_rank", _one_rank(o))]
+    return out
+
+
+@shared_ranks.matrix("disagg/draft")
+def _draft():
+    return _draft_matrix(DRAFT_CASES)
+
+
+@shared_ranks.matrix("disagg/draft-slow")
+def _draft_slow():
+    return _draft_matrix(DRAFT_SLOW)
+
+
+def proposals(name: str) -> dict[tuple[int, int], list[int]]:
+    """(req_id, newest token's position) -> the drafts proposed there, over every rank of the
+    run; every rank that proposed there proposed the same."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for rank, lines in draft_probe.read(_PROBES[name]).items():
+        for _, req_ids, drafts, positions in lines:
+            for rid, row, pos in zip(req_ids, drafts, positions):
+                if pos >= 0:
+                    assert out.setdefault((rid, pos), row) == row, (name, rank, rid, pos)
+    return out
+
+
+DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_verify_rows", "acceptance_rate")
+
+
+def check_drafting(name: str, pooled, one_rank) -> None:
+    (cfg, result), (_, ref) = pooled, one_rank
+    check(cfg, result)
+    assert result["outputs"] == ref["outputs"], name
+    assert sum(r["num_preemptions"] for r in result["requests"]) == 0, name
+    got, want = proposals(name), proposals(f"{name}/one_rank")
+    assert len(want) >= 10 and got == want, name
+    m, w = result["metrics"], ref["metrics"]
+    assert {k: m[k] for k in DRAFT_COUNTS} == {k: w[k] for k in DRAFT_COUNTS}, name
+    assert all(r["handover_step"] is not None for r in result["requests"]), name
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/draft")
+def test_drafting_across_the_pools_is_the_one_rank_run(shared_runs):
+    runs = shared_runs["disagg/draft"]
+    for k, name in enumerate(DRAFT_CASES):
+        check_drafting(name, runs[2 * k], runs[2 * k + 1])
+    self_run = runs[2][1]["metrics"]
+    assert self_run["acceptance_rate"] == 1.0  # the target's own continuation, from the moved cache
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.matrix("disagg/draft-slow")
+def test_more_drafting_across_the_pools(shared_runs):
+    runs = shared_runs["disagg/draft-slow"]
+    for k, name in enumerate(DRAFT_SLOW):
+        check_drafting(name, runs[2 * k], runs[2 * k + 1])

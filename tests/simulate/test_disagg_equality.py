@@ -5,6 +5,10 @@ requests, messages and bytes (at the same dtype: bf16 executed, bf16 KV simulate
 pool's per-rank tokens, attention pairs, collective calls and bytes and serving counts are
 equal; the requests are timed over the same steps and moved the same bytes. The executed
 side writes its metrics.jsonl from the session's shared ranks (tests/shared_ranks.py).
+
+Drafting is not priced (``draft`` is refused with mode=simulate), but the simulator's count
+of a handover (``handover_kv``: the target's cache and a shipped drafter's own) is checked
+against an executed drafting run, handover by handover.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from pathlib import Path
 import pytest
 import shared_ranks
 
-from pcpflow.simulate.pools import PooledRun
+from pcpflow.layouts.transfer import handover_counts
+from pcpflow.simulate.pools import PooledRun, handover_kv
 from pcpflow.testing import compose
 
 COMMON = ["dtype=bfloat16", "verify=false", "output.plots=false", "output.progress=false", "kv.block_size=4",
@@ -38,6 +43,12 @@ COUNTED = ("per_rank_tokens", "padded_num_tokens", "collective_calls", "collecti
            "prefix_hit_tokens", "prefix_query_tokens", "kv_blocks_used", "num_running", "num_waiting")
 TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_steps", "output_len", "handover_step",
          "transfer_bytes")
+DRAFTING = {
+    # a GQA target (its heads split over the decode TP) and an MLA drafter (whole on both decode TP
+    # ranks): two route sets, and the drafter's latent received twice
+    "gqa_mtp_pcp2_to_tp2_layerwise": ["model=tiny_gqa", "draft=mtp", "pcp=2", "disagg.decode_pool.tp=2",
+                                      "disagg.decode_pool.num_blocks=12"],
+}
 _DIRS: dict[str, Path] = {}
 
 
@@ -52,6 +63,11 @@ def _matrix(cases: dict[str, list[str]]):
 @shared_ranks.matrix("disagg/equality")
 def _equality():
     return _matrix(CASES)
+
+
+@shared_ranks.matrix("disagg/equality-draft")
+def _equality_draft():
+    return _matrix(DRAFTING)
 
 
 @shared_ranks.matrix("disagg/equality-slow")
@@ -99,3 +115,27 @@ def test_every_step_moves_and_counts_the_same(shared_runs):
 def test_more_pools_move_and_count_the_same(shared_runs):
     for (_, executed), (name, extra) in zip(shared_runs["disagg/equality-slow"], SLOW.items()):
         _compare(name, extra, executed)
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/equality-draft")
+def test_a_drafting_handover_moves_what_the_simulator_counts(shared_runs):
+    for (cfg, executed), name in zip(shared_runs["disagg/equality-draft"], DRAFTING):
+        moved = handover_kv(cfg)  # at simulate.kv_dtype: bf16, the executed run's dtype
+        assert len(moved) == 2 and cfg.simulate.kv_dtype == "bf16" and cfg.dtype == "bfloat16"
+        steps = [json.loads(line) for line in (_DIRS[name] / "metrics.jsonl").read_text().splitlines()]
+        handed = 0
+        for ex in steps:
+            t = ex["transfer"]
+            if not t.get("req_ids"):
+                continue
+            counts = [handover_counts(n, moved, transfer=cfg.disagg.transfer) for n in t["tokens"]]
+            assert (t["calls"], t["bytes"]) == (sum(c for c, _ in counts), sum(b for _, b in counts)), (name, ex["step"])
+            handed += len(t["req_ids"])
+        rows = executed["requests"]
+        assert handed == sum(r["output_len"] > 1 for r in rows) == 5 and executed["metrics"]["draft_proposed"] > 0
+        # by hand, per prompt token: the target's 2 KV heads x (16 + 16) x 2 layers, one head per decode
+        # rank, and the drafter's latent (32 + 16) on both decode ranks, at 2 bytes
+        per_token = 2 * 32 * 2 * 2 + 2 * 48 * 2
+        for r in rows:  # a request of one output token finishes on the prefill pool
+            assert r["transfer_bytes"] == r["prompt_len"] * per_token * (r["output_len"] > 1), (name, r["req_id"])
