@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow.search.evaluate import Settings, evaluate
-from pcpflow.search.plan import Candidate, SearchPlan, candidate, plan_search
+from pcpflow.search.plan import Candidate, SearchPlan, _validate, candidate, plan_search
 from pcpflow.simulate.decide import OBJECTIVES
 
 SCREEN_TOLERANCE, FULL_TOLERANCE = 0.25, 0.05
@@ -46,22 +46,29 @@ WORKER_START_S = 6.0
 kernels once): less work than this left is priced in this process."""
 
 
-def parallel(tasks: list[tuple], jobs: int):
+_workers_started = False
+"""Set once joblib's workers ran: loky keeps them, so later batches go straight to them."""
+
+
+def parallel(tasks: list[tuple], jobs: int, *, more: int = 0):
     """``(i, evaluate(*tasks[i]))`` as each finishes: in this process while the work left
-    looks smaller than starting workers would cost (judged by the last task's time; the first
-    pays this process's one-off costs), then over ``jobs`` joblib workers."""
+    (these tasks and ``more`` like them to come) looks smaller than starting workers would
+    cost (judged by the last task's time; the first pays this process's one-off costs),
+    then over ``jobs`` joblib workers."""
+    global _workers_started
     i = 0
-    while i < len(tasks):
+    while i < len(tasks) and not (_workers_started and jobs > 1):
         t = time.perf_counter()
         yield i, evaluate(*tasks[i])
         i += 1
-        if jobs > 1 and i >= 2 and (time.perf_counter() - t) * (len(tasks) - i) > WORKER_START_S:
+        if jobs > 1 and i >= 2 and (time.perf_counter() - t) * (len(tasks) - i + more) > WORKER_START_S:
             break
     if i == len(tasks):
         return
+    _workers_started = True
     from joblib import Parallel, delayed
 
-    with Parallel(n_jobs=min(jobs, len(tasks) - i), return_as="generator_unordered") as pool:
+    with Parallel(n_jobs=jobs, return_as="generator_unordered") as pool:  # NOTE: one size: loky keeps its workers
         yield from pool(delayed(_indexed)(k, tasks[k]) for k in range(i, len(tasks)))
 
 
@@ -172,8 +179,10 @@ class Search:
         choices = {n: sorted({lay[n] for lay in plan.layouts}, key=lambda x: (x is None, str(x))) for n in names}
         choices = {n: v for n, v in choices.items() if len(v) > 1}
         known = {lay.values for lay in plan.layouts}
-        study = optuna.create_study(direction="maximize" if self.objective.higher_is_better else "minimize",
-                                    sampler=optuna.samplers.TPESampler(seed=int(plan.config.seed)))
+        sampler = optuna.samplers.TPESampler(seed=int(plan.config.seed))
+        direction = "maximize" if self.objective.higher_is_better else "minimize"
+        study = optuna.create_study(direction=direction, sampler=sampler)
+        told = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         seen: dict[tuple, float | None] = {}
         for c in plan.feasible:  # validated while planning: screened first
             seen[c.layout.values] = None
@@ -182,6 +191,12 @@ class Search:
         random.Random(int(plan.config.seed)).shuffle(unseen)
         unseen = iter(unseen)
         while self.screened < plan.search.trials and len(seen) < len(known):
+            if len(study.trials) > 2 * self.screened + 256:
+                # NOTE: a study of what TPE reads only (no trial is pending here): Optuna walks
+                # every trial, failed ones too, at each suggestion.
+                kept = study.get_trials(deepcopy=False, states=told)
+                study = optuna.create_study(direction=direction, sampler=sampler)
+                study.add_trials(kept)
             batch: list[tuple[Any, Candidate]] = [(None, c) for c in todo]
             todo = []
             misses = 0
@@ -204,18 +219,16 @@ class Search:
                         continue
                 seen[layout.values] = None
                 c = candidate(plan.base, layout, space)
-                from pcpflow.search.plan import _validate
-
-                if _validate(c, self.prepare, plan.search.gpus):
+                if _validate(c, self.prepare, plan.search.gpus):  # NOTE: ~3 ms here, less than a worker's round trip
                     self.pruned.append(c)
-                    if trial is not None:
-                        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    if trial is not None:  # NOTE: failed too: ~15 pruned a screened layout would make each ask slow
+                        study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     continue
                 batch.append((trial, c))
             if not batch:
                 break
             tasks = [(c.raw, self.prepare, self.screen_settings) for _, c in batch]
-            for i, result in parallel(tasks, self.jobs):
+            for i, result in parallel(tasks, self.jobs, more=plan.search.trials - self.screened - len(batch)):
                 trial, c = batch[i]
                 row = self._record(c, result, "screen")
                 v = self.value(row)
