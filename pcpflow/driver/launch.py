@@ -125,6 +125,13 @@ class RankFailure(RuntimeError):
         found.sort()
         causes = [f for f in found if not _CONSEQUENCE.search(f[2])] or found
         _, rank, message, details = causes[0]
+        if rank not in with_files:
+            # NOTE: a peer that diagnosed this rank (a frozen process it then killed, a death it
+            # saw on the board) says more than the bare signal; which of the two the agent
+            # noticed first is a race (its failure times have one-second resolution).
+            named = [m for _, _, m, _ in found if (b := _BLAMED.match(m)) and int(b.group(1)) == rank]
+            if named:
+                message, details = named[0], ""
         blamed = _BLAMED.match(message)
         if blamed:  # the ranks' own diagnosis (pcpflow.rank.progress): it may name another rank
             if int(blamed.group(1)) != rank:

@@ -141,6 +141,24 @@ def test_a_frozen_rank_is_named_as_stalled_within_the_timeout_and_a_few_seconds(
     assert_none_left(marker)
 
 
+@pytest.mark.parametrize("agent_saw_the_kill_first", [True, False])
+def test_a_peers_diagnosis_names_a_killed_rank_whichever_the_agent_saw_first(tmp_path, agent_saw_the_kill_first):
+    """The frozen-rank race, by hand: rank 0 diagnoses rank 1 (stopped), SIGKILLs it, then writes
+    its error file. The agent stamps rank 1's death in whole seconds, before or after that file."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pcpflow.driver.launch import RankFailure
+
+    said = "[rank 1] stalled: its process is stopped (SIGSTOP or a debugger); waited 5 s; last seen at step 1"
+    error = tmp_path / "0" / "error.json"
+    error.parent.mkdir()
+    error.write_text(json.dumps({"message": {"message": f"RankError: {said}", "extraInfo": {"py_callstack": "tb"}}}))
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "1" / "none.json"))
+    killed.timestamp = int(error.stat().st_mtime) + (-1 if agent_saw_the_kill_first else 1)
+    failure = RankFailure.root_cause(ChildFailedError("job", {1: killed}), [error], tmp_path)
+    assert (failure.rank, failure.message, failure.details) == (1, said.removeprefix("[rank 1] "), "")
+
+
 @pytest.mark.slow
 def test_a_rank_leaving_with_code_0_is_the_root_cause_not_its_peer(tmp_path):
     r, _ = pcpflow("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS, fault("Exit", rank=1, step=2, code=0))
