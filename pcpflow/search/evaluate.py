@@ -124,7 +124,8 @@ def _evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: floa
     found = max_rate(lambda r: _run(at_rate(raw, r, own), prepare)[1]["goodput"]["share"],
                      burst_attainment=burst["goodput"]["share"], burst_rate=burst["throughput"]["requests_s"],
                      target=settings.attainment, tolerance=settings.tolerance, start=start_rate if warm else None,
-                     step=1 + 2 * settings.tolerance if warm else 2.0, lowest=settings.lowest)
+                     step=1 + 2 * settings.tolerance if warm else 2.0, lowest=settings.lowest,
+                     floor_first=not warm)
     # NOTE: found.tried starts with the burst, which is this run itself when the workload is a burst
     out.update(goodput_req_s=found.rate, goodput_per_gpu=found.rate / out["gpus"], goodput_bound=found.bound,
                goodput_tried=found.tried, runs=found.runs + (not burst_now))

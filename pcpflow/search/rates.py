@@ -6,6 +6,16 @@ served rate bounds what the layout can sustain), bracketing by a constant factor
 bisecting geometrically until the rate that keeps the attainment and the one that does not
 are within ``tolerance``. Attainment is assumed to fall as the rate rises (queues only
 grow); the search reports every rate it tried, so a non-monotone case is visible.
+
+By the same assumption, once a first guess misses, the floor (the lowest rate the search
+tries) settles in one run whether the layout keeps the attainment at any rate it would try
+(``floor_first``): a descent finds a layout that meets its SLOs at no rate only after several
+runs at ever lower rates, the costliest ones (fewer requests share each step). Without a
+guess to start from (a screen), SLOs that most layouts miss are common; with a close guess
+(pricing in full after a screen) the descent's close bracket is cheaper and is kept.
+
+NOTE: the limit of a falling rate is not every request alone: a trace replayed slower keeps
+the requests that arrive together, together.
 """
 
 from __future__ import annotations
@@ -28,13 +38,14 @@ class RateSearch:
 
 def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst_rate: float, target: float,
              tolerance: float, start: float | None = None, step: float = 2.0, lowest: float = 1 / 64,
-             highest: float = 64.0) -> RateSearch:
+             highest: float = 64.0, floor_first: bool = False) -> RateSearch:
     """``attain(rate)``: the share of requests meeting the SLOs at ``rate``. The burst's
     attainment and served rate (requests per second of its span) are given (one run the
     caller made). ``start``: a first guess (a screen's answer); ``step``: the first
     bracketing factor (squared after each step that does not bracket); the search gives up
     below ``lowest x burst_rate`` (rate 0, bound "below": it tried that rate) and above
-    ``highest x burst_rate`` (bound "at least")."""
+    ``highest x burst_rate`` (bound "at least"). ``floor_first``: once the first guess
+    misses, the floor is tried next, then the rate bisected between the two."""
     found = RateSearch(0.0, "below", [(math.inf, burst_attainment)])
     if burst_attainment >= target:
         found.rate, found.bound = burst_rate, "burst"
@@ -47,6 +58,12 @@ def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst
 
     r = start if start is not None and 0 < start < math.inf else burst_rate
     lo, hi = (r, None) if ok(r) else (None, r)
+    if lo is None and floor_first:
+        assert hi is not None
+        floor = burst_rate * lowest
+        if hi <= floor or not ok(floor):
+            return found
+        lo = floor
     while lo is None:  # NOTE: the step squares each time it fails to bracket: a far guess costs few runs
         assert hi is not None
         r = max(hi / step, burst_rate * lowest) if hi > burst_rate * lowest else 0.0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow.search.plan import count_reasons
-from pcpflow.search.run import Search, same_price
+from pcpflow.search.run import FULL_LOWEST, SCREEN_LOWEST, Search, same_price
 from pcpflow.search.space import DIMS, REPLICAS, Layout
 from pcpflow.simulate.decide import OBJECTIVES, pareto_front, term_differences
 
@@ -139,6 +139,19 @@ def _summary(search: Search, rows: list[dict[str, Any]], partial: bool) -> dict[
         "sensitivity": search.sensitivity,
         "pruned_reasons": [{"layouts": n, "reason": k} for n, k, _ in count_reasons(search.pruned)],
     }
+
+
+def no_goodput(search: Search, best: dict[str, Any] | None) -> str | None:
+    """What to say when goodput is the objective and even the best layout keeps the attainment
+    at no rate it tried: every layout then ties at 0 and the other measures order them."""
+    if best is None or search.plan.objective != "goodput_per_gpu" or best.get("goodput_per_gpu") != 0:
+        return None
+    slo = search.plan.config.slo
+    lowest = FULL_LOWEST if best.get("priced") == "full" else SCREEN_LOWEST
+    targets = " and ".join(f"{k} <= {v:g} s" for k, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s)) if v)
+    return (f"no layout priced keeps {search.plan.attainment:.0%} of requests within {targets} at any rate it "
+            f"tried (down to 1/{1 / lowest:g} of its burst's rate): all tie at goodput 0 and TTFT, TPOT "
+            f"and throughput order them; loosen slo.* or lower slo.attainment")
 
 
 def _brief(search: Search, r: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -272,8 +285,9 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
         lines += ["", "No layout was priced in full."]
         return "\n".join(lines) + "\n"
     lines += ["", "## Recommended", "", f"**{lab(best)}**: " + ", ".join(
-        f"{NAMES[m]} {_fmt(m, best.get(m))}" for m in MEASURES), "",
-              f"- Time breakdown (exposed seconds of the run at the workload's arrivals): {_breakdown(best)}."]
+        f"{NAMES[m]} {_fmt(m, best.get(m))}" for m in MEASURES), ""]
+    lines += [f"- **{warning}**" for warning in [no_goodput(search, best)] if warning]
+    lines += [f"- Time breakdown (exposed seconds of the run at the workload's arrivals): {_breakdown(best)}."]
     if ties:
         lines.append(f"- {len(ties)} other layout(s) price the same (they differ only where nothing is priced): "
                      + ", ".join(lab(t) for t in ties[:5]) + (" ..." if len(ties) > 5 else "") + ".")
@@ -439,6 +453,9 @@ def print_console(search: Search, summary: dict[str, Any], run_dir: Path | None)
     else:
         lines.append(f"recommended ({summary['objective']}): {rec['layout']}: "
                      + " · ".join(f"{NAMES[m]} {_fmt(m, rec[m])}" for m in MEASURES if rec.get(m) is not None))
+        warning = no_goodput(search, search.top_two()[0])
+        if warning:
+            lines.append(f"  {warning}")
         if run is not None:
             lines.append(f"  runner-up: {run['layout']}: "
                          + " · ".join(f"{NAMES[m]} {_fmt(m, run[m])}" for m in MEASURES if run.get(m) is not None))

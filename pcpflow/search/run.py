@@ -266,7 +266,9 @@ class Search:
         tasks = []
         for f, s in points:
             for row in (best, runner):
-                tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, s),))))
+                # NOTE: a scaled factor moves the goodput by a fraction: its rate search starts
+                # at the unscaled rate (a start guess only decides how many runs it takes)
+                tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, s),)), row.get("goodput_req_s")))
         values: dict[tuple[str, float, int], float | None] = {}
         for i, result in parallel(tasks, self.jobs):
             f, s = points[i // 2]

@@ -50,3 +50,18 @@ def test_attainment_at_exactly_the_target_counts_as_kept():
     found = max_rate(lambda r: 0.9 if r <= 2 else 0.5, burst_attainment=0.5, burst_rate=4.0, target=0.9,
                      tolerance=0.01)
     assert 2 / 1.01 <= found.rate <= 2
+
+
+@pytest.mark.parametrize("capacity", [0.3, 1.0, 3.99])
+def test_floor_first_finds_the_same_rate_and_settles_a_layout_that_never_keeps_it_in_two_runs(capacity):
+    """Once the first guess (the burst's rate, 4) misses, the floor (4/16 = 0.25) is tried next."""
+    attain, calls = _step(capacity)
+    found = max_rate(attain, burst_attainment=0.0, burst_rate=4.0, target=0.9, tolerance=0.05, lowest=1 / 16,
+                     floor_first=True)
+    assert found.bound == "bisected" and found.rate <= capacity < found.rate * 1.05
+    assert calls[:2] == [4.0, 0.25] and all(0.25 < r < 4.0 for r in calls[2:])
+
+    attain, calls = _step(0.2)
+    found = max_rate(attain, burst_attainment=0.0, burst_rate=4.0, target=0.9, tolerance=0.05, lowest=1 / 16,
+                     floor_first=True)
+    assert (found.rate, found.bound, calls) == (0.0, "below", [4.0, 0.25])

@@ -112,6 +112,24 @@ def test_goodput_per_gpu_is_a_rate_whose_attainment_holds(tmp_path):
     assert any(row["goodput_bound"] == "bisected" for row in rows)
 
 
+def test_slos_no_layout_meets_at_any_rate_are_said_and_settled_at_the_floor(tmp_path):
+    """A TTFT target no prefill can meet: every layout misses at its burst's rate and then at the
+    floor (1/16 of it on the screen, 1/64 in full), so its rate search ends after those two
+    runs (plus the burst and the run at the workload's own arrivals, which is the burst itself
+    for replicas: they take requests in time, all at once) with goodput 0."""
+    r = cli("mode=search", "model=llama3_8b", "hardware=h100_sxm", "workload=synthetic", "workload.num_requests=6",
+            "workload.prompt_len=[2000,4000]", "workload.output_len=[4,8]", "slo.ttft_s=0.0001",
+            "simulate.objective=goodput_per_gpu", "search.gpus=2", "search.jobs=1", "cudagraph_mode=none",
+            "search.candidates=['tp=1','tp=2']", "output.progress=false", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    runs = {row["overrides"].split()[0]: row["runs"] for row in rows}
+    assert runs == {"tp=2": "4", "tp=1": "3"}
+    assert {(row["goodput_per_gpu"], row["goodput_bound"]) for row in rows} == {("0", "below")}
+    said = "no layout priced keeps 90% of requests within TTFT <= 0.0001 s at any rate it tried (down to 1/64"
+    assert said in r.stdout and said in (tmp_path / "search.md").read_text()
+
+
 @pytest.mark.parametrize("args, field, words", [
     (["search.gpus=8"], "search.gpus", ["at least 16", "tp=16 pcp=1 dcp=1", "the weights do not fit"]),
     pytest.param(["search.gpus=32", "simulate.objective=goodput_per_gpu"], "simulate.objective", ["slo.ttft_s"],
