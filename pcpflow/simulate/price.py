@@ -349,8 +349,8 @@ class Pricer:
         parts += [(rows, N, K, s.num_dense_layers, self.w_key, self.w_bytes) for _, N, K in mlp]
         parts.append((samples, s.vocab_size // self.grid.tp, s.hidden_size, 1, "bf16", 2))
         t = tc = flops = wbytes = 0.0
-        for m, N, K, count, key, wb in parts:
-            sec, bound = self.kern.gemm_scalar(m, N, K, peak_key=key, w_bytes=wb, a_bytes=self.act_bytes)
+        for m, N, K, count, peak_key, wb in parts:
+            sec, bound = self.kern.gemm_scalar(m, N, K, peak_key=peak_key, w_bytes=wb, a_bytes=self.act_bytes)
             sec *= count
             t += sec
             tc += sec if bound else 0.0
