@@ -53,6 +53,7 @@ from pcpflow.layouts.accounting import (
     ring_hop_rows,
     ring_step_traffic,
     ring_totals,
+    sampled_row_holders,
     step_traffic,
 )
 from pcpflow.layouts.ring import RingPlan, plan_ring
@@ -178,14 +179,12 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
     decode = ~batch.is_prefilling[batch.req_indices]
     moe_layers = sizes.num_moe_layers if sizes.num_experts else 0
-    colls = grid_step_collectives(
-        layout, batch.logits_indices, tp_size=grid.tp, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
-        restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch,
+    calls, nbytes, priced = _collective_counts(
+        layout, batch.logits_indices, grid=grid, shape=shape, dtype_bytes=dtype_bytes, dcp_rest=dcp_rest,
+        restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch, ring=ring,
     )
     plan = traffic = None
     if ring is not None:
-        # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
-        colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
         plan = plan_ring(layout, batch.positions, variant=ring, interleave=interleave)
         traffic = ring_step_traffic(layout, batch.positions, variant=ring, shape=shape, interleave=interleave,
                                     tp_size=grid.tp, plan=plan)
@@ -194,13 +193,12 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     else:
         pairs = attention_work(layout, batch.positions, dcp_size=grid.layout_dcp, interleave=interleave,
                                dcp_rest=dcp_rest.mode)
-        work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, None)
+        # NOTE: with DCP inside PCP (dcp_tp = 1, so layout_dcp = dcp) the busiest shard's work is
+        # ``pairs`` itself: _busiest_shard would count the same attention_work again.
+        work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, batch.positions, grid, interleave,
+                                                             dcp_rest.mode, None)
         decode_work = (work if decode.all() else np.zeros_like(work) if not decode.any()
                        else _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode))
-    calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes, tp_size=grid.tp)
-    group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
-    priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
-              for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -245,6 +243,42 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected, dcp_rest=dcp_rest.mode,
                       ring=f"ring_{ring}" if ring is not None else None, ring_plan=plan,
                       per_rank_calls=per_calls, per_rank_bytes=per_bytes)
+
+
+_COLLECTIVE_COUNTS: dict[tuple, tuple[dict[str, int], dict[str, int], list]] = {}
+
+
+def _collective_counts(layout, logits_indices, *, grid: RankGrid, shape, dtype_bytes: int, dcp_rest: DCPRest,
+                       restore: str, backend: str, num_moe_layers: int, moe_dispatch: str, ring: str | None):
+    """(calls, bytes, priced) of the step's ``grid_step_collectives`` (a ring's without the
+    attention's), as ``step_traffic`` and ``count_collectives`` count them: fresh copies."""
+    # NOTE: the list is a function of the layout's row counts alone (replicated decode rows,
+    # rest rows, padded rows, the restore's rows) and of the run's constants: steps that share
+    # them share the counts (decode steps mostly do), so they are kept by exactly those inputs.
+    nd, rest = attention_rows(layout)
+    restore_rows = (layout.padded_num_tokens if restore == "all_rows"
+                    else sampled_row_holders(layout, logits_indices)[2] if restore == "sampled_rows" else restore)
+    key = (grid.tp, grid.pcp, grid.dcp, shape, dtype_bytes, dcp_rest, restore, backend, num_moe_layers, moe_dispatch,
+           ring, nd, rest, layout.padded_num_tokens, restore_rows)
+    hit = _COLLECTIVE_COUNTS.get(key)
+    if hit is None:
+        colls = grid_step_collectives(
+            layout, logits_indices, tp_size=grid.tp, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
+            restore=restore, backend=backend, num_moe_layers=num_moe_layers, moe_dispatch=moe_dispatch,
+        )
+        if ring is not None:
+            # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
+            colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
+        calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes,
+                                     tp_size=grid.tp)
+        group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
+        priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
+                  for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
+        if len(_COLLECTIVE_COUNTS) > 65536:
+            _COLLECTIVE_COUNTS.clear()
+        hit = _COLLECTIVE_COUNTS[key] = (calls, nbytes, priced)
+    calls, nbytes, priced = hit
+    return dict(calls), dict(nbytes), list(priced)
 
 
 def _tensor_bytes(c, dtype_bytes: int) -> float:
