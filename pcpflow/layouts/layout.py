@@ -18,7 +18,7 @@ so ``gathered = global[padded_gather_idx]`` and ``global = gathered[hidden_resto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -250,6 +250,36 @@ def plan_layout(
         hidden_restore_idx=hidden_restore_idx,
         segments=segments,
         num_replicated_decode_tokens=num_replicated_decode_tokens,
+    )
+
+
+def pad_layout(layout: BatchLayout, padded_num_tokens: int) -> BatchLayout:
+    """``layout`` with every rank padded to ``padded_num_tokens`` rows: what ``plan_layout``
+    returns for the same batch given that ``padded_num_tokens``, without planning it again
+    (padding moves only the gathered rows: rank r's local row i is gathered row ``r * N + i``)."""
+    n_old, p = layout.padded_num_tokens, layout.pcp_size
+    largest = max(layout.per_rank_num_tokens.tolist())
+    if padded_num_tokens < largest:
+        raise ValueError(
+            f"padded_num_tokens ({padded_num_tokens}) is smaller than the largest "
+            f"rank-local batch ({largest})"
+        )
+    n = int(padded_num_tokens)
+    if n == n_old:
+        return layout
+    gather_idx = np.zeros((p, n), dtype=np.int64)
+    gather_idx[:, :n_old] = layout.padded_gather_idx.reshape(p, n_old)
+    kv_write_mask = np.zeros((p, n), dtype=bool)
+    kv_write_mask[:, :n_old] = layout.kv_write_mask.reshape(p, n_old)
+    restore_idx = layout.hidden_restore_idx
+    if n_old:
+        restore_idx = restore_idx + (restore_idx // n_old) * (n - n_old)
+    return replace(
+        layout,
+        padded_num_tokens=n,
+        padded_gather_idx=gather_idx.reshape(-1),
+        kv_write_mask=kv_write_mask.reshape(-1),
+        hidden_restore_idx=restore_idx,
     )
 
 
