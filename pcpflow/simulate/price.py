@@ -337,6 +337,12 @@ class Pricer:
         self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        # NOTE: what depends only on the run (model, grid, hardware, host) is computed once, by
+        # the same expressions a step used to evaluate: every step reads the same floats.
+        self._pair_costs = self._pair_costs_of_run()
+        self._row_bytes_of_run = self._row_bytes()
+        self._small_kernels = (sizes.num_layers * max(self.host.per_layer - self._gemm_kernels() - 1, 0)
+                               + self.host.layer.norm + 3)
 
     def _gemm_set(self):
         s, tp = self.sizes, self.grid.tp
@@ -443,9 +449,9 @@ class Pricer:
             per_row, fixed = self.counted_bytes
             mem_bytes = L * (float(layout.padded_num_tokens) * per_row + fixed)
         else:
-            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
+            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes_of_run
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
-        small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
+        small = self._small_kernels
         inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
         if inline:
             op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
@@ -497,6 +503,9 @@ class Pricer:
         )
 
     def _per_pair(self) -> tuple[float, float, float]:
+        return self._pair_costs
+
+    def _pair_costs_of_run(self) -> tuple[float, float, float]:
         """FLOPs of one (query, key) pair over every layer, prefill and decode kernels, and KV
         bytes of one key over every layer (heads split by tp, gathered back over a DCP
         group's TP part)."""
@@ -538,15 +547,18 @@ class Pricer:
         fpp, dpp, entry = self._per_pair()
         decode_pairs = counts.decode_work.astype(np.float64)
         prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        if not prefill_pairs.any():  # NOTE: a step of decodes: _prefill of no pairs is 0.0 on every rank
+            t_dec, dec_bound = self._decode(decode_pairs)
+            return Attention(np.zeros(P), t_dec, np.where(dec_bound, t_dec, 0.0),
+                             fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs, np.zeros(P))
         ratio = np.ones(P)
-        if prefill_pairs.any():
-            blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
-                                         interleave=self.interleave, dcp_rest=counts.dcp_rest)
-            if blocks is not None:
-                shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
-                pairs = np.bincount(shard, weights=blocks.pairs.astype(np.float64), minlength=P)
-                peak = np.bincount(shard, weights=blocks.peak_pairs(self._group()), minlength=P)
-                ratio = np.where(pairs > 0, peak / np.maximum(pairs, 1e-300), 1.0)
+        blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
+                                     interleave=self.interleave, dcp_rest=counts.dcp_rest)
+        if blocks is not None:
+            shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
+            pairs = np.bincount(shard, weights=blocks.pairs.astype(np.float64), minlength=P)
+            peak = np.bincount(shard, weights=blocks.peak_pairs(self._group()), minlength=P)
+            ratio = np.where(pairs > 0, peak / np.maximum(pairs, 1e-300), 1.0)
         t_pre = self._prefill(prefill_pairs, prefill_pairs * ratio)
         t_dec, dec_bound = self._decode(decode_pairs)
         return Attention(t_pre, t_dec, t_pre + np.where(dec_bound, t_dec, 0.0), fpp * prefill_pairs + dpp * decode_pairs,
