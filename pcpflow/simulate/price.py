@@ -337,6 +337,7 @@ class Pricer:
         self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        self._gemms_cache: dict[tuple, tuple[np.ndarray, ...]] = {}
         # NOTE: what depends only on the run (model, grid, hardware, host) is computed once, by
         # the same expressions a step used to evaluate: every step reads the same floats.
         self._pair_costs = self._pair_costs_of_run()
@@ -353,8 +354,30 @@ class Pricer:
     # ------------------------------------------------------------------ compute
     def _gemms(self, layout, batch, samples: float):
         """[P] GEMM seconds, [P] of them compute-bound seconds, [P] FLOPs, [P] weight bytes."""
-        s, grid = self.sizes, self.grid
-        P = grid.pcp
+        s = self.sizes
+        ctx = None
+        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
+            ctx = _prefill_context(batch, layout, self.grid)
+            if not ctx.any():
+                ctx = None
+        moe_rows = layout.per_rank_num_tokens if s.num_experts and s.num_moe_layers else None
+        # NOTE: the GEMMs are a function of these inputs alone (padded rows, sampled rows, MLA's
+        # expanded context, the MoE layers' real rows per rank): steps that repeat them (decode
+        # steps at one batch size) reuse the arrays, read-only, that the same sums produced.
+        key = (int(layout.padded_num_tokens), int(samples), None if ctx is None else ctx.tobytes(),
+               None if moe_rows is None else moe_rows.tobytes())
+        hit = self._gemms_cache.get(key)
+        if hit is None:
+            hit = self._gemms_of(layout, int(samples), ctx, moe_rows is not None)
+            for a in hit:
+                a.flags.writeable = False
+            if len(self._gemms_cache) > 4096:
+                self._gemms_cache.clear()
+            self._gemms_cache[key] = hit
+        return hit
+
+    def _gemms_of(self, layout, samples: int, ctx, moe: bool):
+        s, P = self.sizes, self.grid.pcp
         out = [np.zeros(P) for _ in range(4)]
 
         def add(m, N, K, count, key=None, wb=None):
@@ -365,14 +388,12 @@ class Pricer:
                                    count * N * K * kk["w_bytes"] * (m > 0))):
                 out[i] = out[i] + v
 
-        for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), int(samples))):
+        for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), samples)):
             out[i] = out[i] + v
-        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
-            ctx = _prefill_context(batch, layout, grid)
-            if ctx.any():
-                _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
-                add(ctx, N, K, s.num_layers)
-        if s.num_experts and s.num_moe_layers:
+        if ctx is not None:
+            _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
+            add(ctx, N, K, s.num_layers)
+        if moe:
             self._moe(layout, add)
         return tuple(out)
 
