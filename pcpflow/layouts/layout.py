@@ -126,6 +126,8 @@ def plan_layout(
             bad = int(np.argmax(computed < 0))
             raise ValueError(f"num_computed_tokens[{bad}] ({computed[bad]}) must be >= 0")
     p = int(pcp_size)
+    if not shard_decodes and not prefilling.any():
+        return _replicated_decodes_layout(q, p, int(dcp_size), padded_num_tokens)
     num_chunks = 2 * p
 
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -250,6 +252,58 @@ def plan_layout(
         hidden_restore_idx=hidden_restore_idx,
         segments=segments,
         num_replicated_decode_tokens=num_replicated_decode_tokens,
+    )
+
+
+def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_tokens: int | None) -> BatchLayout:
+    """``plan_layout`` of a batch of decodes copied to every rank (no ``shard_decodes``): every
+    rank holds every token in batch order, rank 0 writes the KV. The general plan yields the
+    same arrays; a decode step (most steps of a serving run) skips its pieces and sorts."""
+    num_reqs = q.shape[0]
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    q.cumsum(out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    held = (q > 0).nonzero()[0].astype(np.int64, copy=False)
+    owner = np.full(num_reqs, -1, dtype=np.int64)
+    owner[held] = 0
+    if padded_num_tokens is None:
+        n = num_tokens
+    elif padded_num_tokens < num_tokens:
+        raise ValueError(
+            f"padded_num_tokens ({padded_num_tokens}) is smaller than the largest "
+            f"rank-local batch ({num_tokens})"
+        )
+    else:
+        n = int(padded_num_tokens)
+    padded_gather_idx = np.zeros((p, n), dtype=np.int64)
+    padded_gather_idx[:, :num_tokens] = _iota(num_tokens)
+    kv_write_mask = np.zeros((p, n), dtype=bool)
+    kv_write_mask[0, :num_tokens] = True
+    # Each rank's segments: its copy of every held request, in batch order.
+    num_held = held.shape[0]
+    req_s = np.tile(held, p)
+    start_s = np.tile(query_start_loc[held], p)
+    length_s = np.tile(q[held], p)
+    local_start_s = start_s.copy()
+    segments = tuple(
+        RankSegments(req_s[lo:hi], start_s[lo:hi], length_s[lo:hi], local_start_s[lo:hi])
+        for lo, hi in ((r * num_held, (r + 1) * num_held) for r in range(p))
+    )
+    return BatchLayout(
+        pcp_size=p,
+        dcp_size=dcp_size,
+        shard_decodes=False,
+        num_tokens=num_tokens,
+        query_start_loc=query_start_loc,
+        replicated=np.ones(num_reqs, dtype=bool),
+        owner=owner,
+        per_rank_num_tokens=np.full(p, num_tokens, dtype=np.int64),
+        padded_num_tokens=n,
+        padded_gather_idx=padded_gather_idx.reshape(-1),
+        kv_write_mask=kv_write_mask.reshape(-1),
+        hidden_restore_idx=np.arange(num_tokens, dtype=np.int64),
+        segments=segments,
+        num_replicated_decode_tokens=num_tokens,
     )
 
 

@@ -297,6 +297,20 @@ def reference_layout(batch, owner):
 @PROPERTY
 @given(batches())
 def test_matches_per_token_reference(batch):
+    assert_matches_reference(batch)
+
+
+@PROPERTY
+@given(batches().map(lambda b: {**b, "is_prefilling": np.zeros_like(b["is_prefilling"])}))
+def test_decode_steps_match_per_token_reference(batch):
+    # NOTE: replicated decodes take plan_layout's shortcut; sharded ones its general path
+    layout = assert_matches_reference(batch)
+    for seg in layout.segments:
+        for name in ("req_idx", "global_start", "length", "local_start"):
+            assert getattr(seg, name).dtype == np.int64, name
+
+
+def assert_matches_reference(batch):
     layout = plan(batch)
     balanced = batch["shard_decodes"] and batch["decode_assignment"] == "balanced"
     # The balanced policy itself is checked in test_owners; here its owners are given.
@@ -314,6 +328,7 @@ def test_matches_per_token_reference(batch):
     for name in ("query_start_loc", "owner", "per_rank_num_tokens", "padded_gather_idx",
                  "hidden_restore_idx"):
         assert getattr(layout, name).dtype == np.int64, name
+    return layout
 
 
 @PROPERTY
