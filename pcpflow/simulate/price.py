@@ -177,7 +177,6 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     attention's all-gather paths: its sends as ``ring_step_traffic`` lists them, its pairs as
     ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs."""
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
-    decode = ~batch.is_prefilling[batch.req_indices]
     moe_layers = sizes.num_moe_layers if sizes.num_experts else 0
     calls, nbytes, priced = _collective_counts(
         layout, batch.logits_indices, grid=grid, shape=shape, dtype_bytes=dtype_bytes, dcp_rest=dcp_rest,
@@ -197,8 +196,16 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
         work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, batch.positions, grid, interleave,
                                                              dcp_rest.mode, None)
-        decode_work = (work if decode.all() else np.zeros_like(work) if not decode.any()
-                       else _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode))
+        # NOTE: whether any, or every, token is a decode reads the requests that have tokens,
+        # not a mask per token; the mask is built only for a step that mixes them
+        scheduled = batch.num_scheduled_tokens > 0
+        if not batch.is_prefilling[scheduled].any():
+            decode_work = work
+        elif batch.is_prefilling[scheduled].all():
+            decode_work = np.zeros_like(work)
+        else:
+            decode = ~batch.is_prefilling[batch.req_indices]
+            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
