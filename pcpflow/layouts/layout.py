@@ -279,16 +279,11 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
     padded_gather_idx[:, :num_tokens] = _iota(num_tokens)
     kv_write_mask = np.zeros((p, n), dtype=bool)
     kv_write_mask[0, :num_tokens] = True
-    # Each rank's segments: its copy of every held request, in batch order.
-    num_held = held.shape[0]
-    req_s = np.tile(held, p)
-    start_s = np.tile(query_start_loc[held], p)
-    length_s = np.tile(q[held], p)
-    local_start_s = start_s.copy()
-    segments = tuple(
-        RankSegments(req_s[lo:hi], start_s[lo:hi], length_s[lo:hi], local_start_s[lo:hi])
-        for lo, hi in ((r * num_held, (r + 1) * num_held) for r in range(p))
-    )
+    # Each rank's segments: its own copy of every held request, in batch order (a request's
+    # local start is its global one: every rank holds every token).
+    start = query_start_loc[held]
+    per_rank = np.tile(np.stack([held, start, q[held], start]), (p, 1, 1))  # [P, 4, held]
+    segments = tuple(RankSegments(*rows) for rows in per_rank)
     return BatchLayout(
         pcp_size=p,
         dcp_size=dcp_size,
