@@ -6,10 +6,9 @@ real row count to a CUDA-graph size, and every rank's rows are padded to it.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Literal
 
-from pcpflow.layouts.layout import plan_layout
+from pcpflow.layouts.layout import pad_layout, plan_layout
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
 from pcpflow.rank.cudagraph import (
@@ -34,8 +33,7 @@ class DualChunkSwapPlan(Stage):
 
     def __call__(self, state: StepState) -> StepState:
         cfg, b = self.ctx.config, state.batch
-        plan = partial(
-            plan_layout,
+        layout = plan_layout(
             b.num_scheduled_tokens,
             b.is_prefilling,
             pcp_size=self.ctx.pcp_size,
@@ -44,9 +42,8 @@ class DualChunkSwapPlan(Stage):
             num_computed_tokens=b.num_computed_tokens,
             decode_assignment=cfg.decode.assignment,
         )
-        layout = plan()
         desc = dispatch(cfg.cudagraph_mode, num_tokens_for_dispatch(layout), is_uniform_decode(b), self.sizes)
         if desc.num_tokens is not None and desc.num_tokens != layout.padded_num_tokens:
-            layout = plan(padded_num_tokens=desc.num_tokens)
+            layout = pad_layout(layout, desc.num_tokens)
         state.layout, state.dispatch = layout, desc
         return state

@@ -610,6 +610,11 @@ def attention_work(
     ``token_mask`` (bool [T]) counts only the rows of those global tokens (e.g. decodes).
     """
     p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
+    if dcp_size == 1 and token_mask is None and len(positions):
+        # NOTE: a padding row gathers token 0: its context is taken back out of the rank's sum
+        # (integers, exact) instead of masking rows one by one
+        padding = n - layout.per_rank_num_tokens
+        return (positions[layout.padded_gather_idx] + 1).reshape(p, n).sum(axis=1) - padding * (int(positions[0]) + 1)
     rows_ctx = positions[layout.padded_gather_idx] + 1
     skip = layout.is_padding
     if token_mask is not None:

@@ -18,7 +18,7 @@ so ``gathered = global[padded_gather_idx]`` and ``global = gathered[hidden_resto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -126,6 +126,8 @@ def plan_layout(
             bad = int(np.argmax(computed < 0))
             raise ValueError(f"num_computed_tokens[{bad}] ({computed[bad]}) must be >= 0")
     p = int(pcp_size)
+    if not shard_decodes and not prefilling.any():
+        return _replicated_decodes_layout(q, p, int(dcp_size), padded_num_tokens)
     num_chunks = 2 * p
 
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -250,6 +252,83 @@ def plan_layout(
         hidden_restore_idx=hidden_restore_idx,
         segments=segments,
         num_replicated_decode_tokens=num_replicated_decode_tokens,
+    )
+
+
+def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_tokens: int | None) -> BatchLayout:
+    """``plan_layout`` of a batch of decodes copied to every rank (no ``shard_decodes``): every
+    rank holds every token in batch order, rank 0 writes the KV. The general plan yields the
+    same arrays; a decode step (most steps of a serving run) skips its pieces and sorts."""
+    num_reqs = q.shape[0]
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    q.cumsum(out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    held = (q > 0).nonzero()[0].astype(np.int64, copy=False)
+    owner = np.full(num_reqs, -1, dtype=np.int64)
+    owner[held] = 0
+    if padded_num_tokens is None:
+        n = num_tokens
+    elif padded_num_tokens < num_tokens:
+        raise ValueError(
+            f"padded_num_tokens ({padded_num_tokens}) is smaller than the largest "
+            f"rank-local batch ({num_tokens})"
+        )
+    else:
+        n = int(padded_num_tokens)
+    padded_gather_idx = np.zeros((p, n), dtype=np.int64)
+    padded_gather_idx[:, :num_tokens] = _iota(num_tokens)
+    kv_write_mask = np.zeros((p, n), dtype=bool)
+    kv_write_mask[0, :num_tokens] = True
+    # Each rank's segments: its own copy of every held request, in batch order (a request's
+    # local start is its global one: every rank holds every token).
+    start = query_start_loc[held]
+    per_rank = np.tile(np.stack([held, start, q[held], start]), (p, 1, 1))  # [P, 4, held]
+    segments = tuple(RankSegments(*rows) for rows in per_rank)
+    return BatchLayout(
+        pcp_size=p,
+        dcp_size=dcp_size,
+        shard_decodes=False,
+        num_tokens=num_tokens,
+        query_start_loc=query_start_loc,
+        replicated=np.ones(num_reqs, dtype=bool),
+        owner=owner,
+        per_rank_num_tokens=np.full(p, num_tokens, dtype=np.int64),
+        padded_num_tokens=n,
+        padded_gather_idx=padded_gather_idx.reshape(-1),
+        kv_write_mask=kv_write_mask.reshape(-1),
+        hidden_restore_idx=np.arange(num_tokens, dtype=np.int64),
+        segments=segments,
+        num_replicated_decode_tokens=num_tokens,
+    )
+
+
+def pad_layout(layout: BatchLayout, padded_num_tokens: int) -> BatchLayout:
+    """``layout`` with every rank padded to ``padded_num_tokens`` rows: what ``plan_layout``
+    returns for the same batch given that ``padded_num_tokens``, without planning it again
+    (padding moves only the gathered rows: rank r's local row i is gathered row ``r * N + i``)."""
+    n_old, p = layout.padded_num_tokens, layout.pcp_size
+    largest = max(layout.per_rank_num_tokens.tolist())
+    if padded_num_tokens < largest:
+        raise ValueError(
+            f"padded_num_tokens ({padded_num_tokens}) is smaller than the largest "
+            f"rank-local batch ({largest})"
+        )
+    n = int(padded_num_tokens)
+    if n == n_old:
+        return layout
+    gather_idx = np.zeros((p, n), dtype=np.int64)
+    gather_idx[:, :n_old] = layout.padded_gather_idx.reshape(p, n_old)
+    kv_write_mask = np.zeros((p, n), dtype=bool)
+    kv_write_mask[:, :n_old] = layout.kv_write_mask.reshape(p, n_old)
+    restore_idx = layout.hidden_restore_idx
+    if n_old:
+        restore_idx = restore_idx + (restore_idx // n_old) * (n - n_old)
+    return replace(
+        layout,
+        padded_num_tokens=n,
+        padded_gather_idx=gather_idx.reshape(-1),
+        kv_write_mask=kv_write_mask.reshape(-1),
+        hidden_restore_idx=restore_idx,
     )
 
 

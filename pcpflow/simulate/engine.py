@@ -264,8 +264,7 @@ class SimulatedRun:
         """``pass_kv`` | ``pass_q`` when this step runs the ring, else None."""
         policy = self.cp_attention
         if policy == "allgather":
-            decodes_only = not bool(batch.is_prefilling[batch.num_scheduled_tokens > 0].any())
-            if self.sim.cp_decode != "ring_pass_q" or not decodes_only:
+            if self.sim.cp_decode != "ring_pass_q" or batch.is_prefilling[batch.num_scheduled_tokens > 0].any():
                 return None
             policy = "ring_pass_q"
         return self._choose(policy, batch, layout)

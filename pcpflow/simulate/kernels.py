@@ -45,11 +45,15 @@ class Kernels:
         self.hbm = hw.hbm_tbps * 1e12 * hbm_efficiency
         self.gemm_efficiency = gemm_efficiency
         self.floor = hw.kernel_floor_us * 1e-6
+        self._peaks: dict[str, float] = {}
 
     def peak(self, key: str) -> float:
-        value = self.hw.peak(key)
-        assert value is not None, f"{self.hw.name} has no {key} peak (prepare refuses the run)"
-        return value * 1e12
+        hit = self._peaks.get(key)
+        if hit is None:
+            value = self.hw.peak(key)
+            assert value is not None, f"{self.hw.name} has no {key} peak (prepare refuses the run)"
+            hit = self._peaks[key] = value * 1e12
+        return hit
 
     def gemm(self, m, n: int, k: int, *, peak_key: str, w_bytes: float, a_bytes: float, count: int = 1):
         """Seconds of ``count`` GEMMs ``[m, k] x [k, n]`` (``m`` may be an array) and whether

@@ -53,6 +53,7 @@ from pcpflow.layouts.accounting import (
     ring_hop_rows,
     ring_step_traffic,
     ring_totals,
+    sampled_row_holders,
     step_traffic,
 )
 from pcpflow.layouts.ring import RingPlan, plan_ring
@@ -176,16 +177,13 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     attention's all-gather paths: its sends as ``ring_step_traffic`` lists them, its pairs as
     ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs."""
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
-    decode = ~batch.is_prefilling[batch.req_indices]
     moe_layers = sizes.num_moe_layers if sizes.num_experts else 0
-    colls = grid_step_collectives(
-        layout, batch.logits_indices, tp_size=grid.tp, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
-        restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch,
+    calls, nbytes, priced = _collective_counts(
+        layout, batch.logits_indices, grid=grid, shape=shape, dtype_bytes=dtype_bytes, dcp_rest=dcp_rest,
+        restore=restore, backend=dcp_comm_backend, num_moe_layers=moe_layers, moe_dispatch=moe_dispatch, ring=ring,
     )
     plan = traffic = None
     if ring is not None:
-        # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
-        colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
         plan = plan_ring(layout, batch.positions, variant=ring, interleave=interleave)
         traffic = ring_step_traffic(layout, batch.positions, variant=ring, shape=shape, interleave=interleave,
                                     tp_size=grid.tp, plan=plan)
@@ -194,13 +192,20 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     else:
         pairs = attention_work(layout, batch.positions, dcp_size=grid.layout_dcp, interleave=interleave,
                                dcp_rest=dcp_rest.mode)
-        work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, None)
-        decode_work = (work if decode.all() else np.zeros_like(work) if not decode.any()
-                       else _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode))
-    calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes, tp_size=grid.tp)
-    group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
-    priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
-              for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
+        # NOTE: with DCP inside PCP (dcp_tp = 1, so layout_dcp = dcp) the busiest shard's work is
+        # ``pairs`` itself: _busiest_shard would count the same attention_work again.
+        work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, batch.positions, grid, interleave,
+                                                             dcp_rest.mode, None)
+        # NOTE: whether any, or every, token is a decode reads the requests that have tokens,
+        # not a mask per token; the mask is built only for a step that mixes them
+        scheduled = batch.num_scheduled_tokens > 0
+        if not batch.is_prefilling[scheduled].any():
+            decode_work = work
+        elif batch.is_prefilling[scheduled].all():
+            decode_work = np.zeros_like(work)
+        else:
+            decode = ~batch.is_prefilling[batch.req_indices]
+            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -245,6 +250,42 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected, dcp_rest=dcp_rest.mode,
                       ring=f"ring_{ring}" if ring is not None else None, ring_plan=plan,
                       per_rank_calls=per_calls, per_rank_bytes=per_bytes)
+
+
+_COLLECTIVE_COUNTS: dict[tuple, tuple[dict[str, int], dict[str, int], list]] = {}
+
+
+def _collective_counts(layout, logits_indices, *, grid: RankGrid, shape, dtype_bytes: int, dcp_rest: DCPRest,
+                       restore: str, backend: str, num_moe_layers: int, moe_dispatch: str, ring: str | None):
+    """(calls, bytes, priced) of the step's ``grid_step_collectives`` (a ring's without the
+    attention's), as ``step_traffic`` and ``count_collectives`` count them: fresh copies."""
+    # NOTE: the list is a function of the layout's row counts alone (replicated decode rows,
+    # rest rows, padded rows, the restore's rows) and of the run's constants: steps that share
+    # them share the counts (decode steps mostly do), so they are kept by exactly those inputs.
+    nd, rest = attention_rows(layout)
+    restore_rows = (layout.padded_num_tokens if restore == "all_rows"
+                    else sampled_row_holders(layout, logits_indices)[2] if restore == "sampled_rows" else restore)
+    key = (grid.tp, grid.pcp, grid.dcp, shape, dtype_bytes, dcp_rest, restore, backend, num_moe_layers, moe_dispatch,
+           ring, nd, rest, layout.padded_num_tokens, restore_rows)
+    hit = _COLLECTIVE_COUNTS.get(key)
+    if hit is None:
+        colls = grid_step_collectives(
+            layout, logits_indices, tp_size=grid.tp, dcp_size=grid.dcp, shape=shape, dcp_rest=dcp_rest,
+            restore=restore, backend=backend, num_moe_layers=num_moe_layers, moe_dispatch=moe_dispatch,
+        )
+        if ring is not None:
+            # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
+            colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
+        calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes,
+                                     tp_size=grid.tp)
+        group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
+        priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
+                  for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
+        if len(_COLLECTIVE_COUNTS) > 65536:
+            _COLLECTIVE_COUNTS.clear()
+        hit = _COLLECTIVE_COUNTS[key] = (calls, nbytes, priced)
+    calls, nbytes, priced = hit
+    return dict(calls), dict(nbytes), list(priced)
 
 
 def _tensor_bytes(c, dtype_bytes: int) -> float:
@@ -303,6 +344,13 @@ class Pricer:
         self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+        self._gemms_cache: dict[tuple, tuple[np.ndarray, ...]] = {}
+        # NOTE: what depends only on the run (model, grid, hardware, host) is computed once, by
+        # the same expressions a step used to evaluate: every step reads the same floats.
+        self._pair_costs = self._pair_costs_of_run()
+        self._row_bytes_of_run = self._row_bytes()
+        self._small_kernels = (sizes.num_layers * max(self.host.per_layer - self._gemm_kernels() - 1, 0)
+                               + self.host.layer.norm + 3)
 
     def _gemm_set(self):
         s, tp = self.sizes, self.grid.tp
@@ -313,8 +361,30 @@ class Pricer:
     # ------------------------------------------------------------------ compute
     def _gemms(self, layout, batch, samples: float):
         """[P] GEMM seconds, [P] of them compute-bound seconds, [P] FLOPs, [P] weight bytes."""
-        s, grid = self.sizes, self.grid
-        P = grid.pcp
+        s = self.sizes
+        ctx = None
+        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
+            ctx = _prefill_context(batch, layout, self.grid)
+            if not ctx.any():
+                ctx = None
+        moe_rows = layout.per_rank_num_tokens if s.num_experts and s.num_moe_layers else None
+        # NOTE: the GEMMs are a function of these inputs alone (padded rows, sampled rows, MLA's
+        # expanded context, the MoE layers' real rows per rank): steps that repeat them (decode
+        # steps at one batch size) reuse the arrays, read-only, that the same sums produced.
+        key = (int(layout.padded_num_tokens), int(samples), None if ctx is None else ctx.tobytes(),
+               None if moe_rows is None else moe_rows.tobytes())
+        hit = self._gemms_cache.get(key)
+        if hit is None:
+            hit = self._gemms_of(layout, int(samples), ctx, moe_rows is not None)
+            for a in hit:
+                a.flags.writeable = False
+            if len(self._gemms_cache) > 4096:
+                self._gemms_cache.clear()
+            self._gemms_cache[key] = hit
+        return hit
+
+    def _gemms_of(self, layout, samples: int, ctx, moe: bool):
+        s, P = self.sizes, self.grid.pcp
         out = [np.zeros(P) for _ in range(4)]
 
         def add(m, N, K, count, key=None, wb=None):
@@ -325,14 +395,12 @@ class Pricer:
                                    count * N * K * kk["w_bytes"] * (m > 0))):
                 out[i] = out[i] + v
 
-        for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), int(samples))):
+        for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), samples)):
             out[i] = out[i] + v
-        if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
-            ctx = _prefill_context(batch, layout, grid)
-            if ctx.any():
-                _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
-                add(ctx, N, K, s.num_layers)
-        if s.num_experts and s.num_moe_layers:
+        if ctx is not None:
+            _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
+            add(ctx, N, K, s.num_layers)
+        if moe:
             self._moe(layout, add)
         return tuple(out)
 
@@ -349,8 +417,8 @@ class Pricer:
         parts += [(rows, N, K, s.num_dense_layers, self.w_key, self.w_bytes) for _, N, K in mlp]
         parts.append((samples, s.vocab_size // self.grid.tp, s.hidden_size, 1, "bf16", 2))
         t = tc = flops = wbytes = 0.0
-        for m, N, K, count, key, wb in parts:
-            sec, bound = self.kern.gemm_scalar(m, N, K, peak_key=key, w_bytes=wb, a_bytes=self.act_bytes)
+        for m, N, K, count, peak_key, wb in parts:
+            sec, bound = self.kern.gemm_scalar(m, N, K, peak_key=peak_key, w_bytes=wb, a_bytes=self.act_bytes)
             sec *= count
             t += sec
             tc += sec if bound else 0.0
@@ -409,9 +477,9 @@ class Pricer:
             per_row, fixed = self.counted_bytes
             mem_bytes = L * (float(layout.padded_num_tokens) * per_row + fixed)
         else:
-            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes()
+            mem_bytes = float(layout.padded_num_tokens) * L * self._row_bytes_of_run
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
-        small = L * max(self.host.per_layer - self._gemm_kernels() - 1, 0) + self.host.layer.norm + 3
+        small = self._small_kernels
         inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
         if inline:
             op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
@@ -463,6 +531,9 @@ class Pricer:
         )
 
     def _per_pair(self) -> tuple[float, float, float]:
+        return self._pair_costs
+
+    def _pair_costs_of_run(self) -> tuple[float, float, float]:
         """FLOPs of one (query, key) pair over every layer, prefill and decode kernels, and KV
         bytes of one key over every layer (heads split by tp, gathered back over a DCP
         group's TP part)."""
@@ -504,15 +575,18 @@ class Pricer:
         fpp, dpp, entry = self._per_pair()
         decode_pairs = counts.decode_work.astype(np.float64)
         prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        if not prefill_pairs.any():  # NOTE: a step of decodes: _prefill of no pairs is 0.0 on every rank
+            t_dec, dec_bound = self._decode(decode_pairs)
+            return Attention(np.zeros(P), t_dec, np.where(dec_bound, t_dec, 0.0),
+                             fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs, np.zeros(P))
         ratio = np.ones(P)
-        if prefill_pairs.any():
-            blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
-                                         interleave=self.interleave, dcp_rest=counts.dcp_rest)
-            if blocks is not None:
-                shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
-                pairs = np.bincount(shard, weights=blocks.pairs.astype(np.float64), minlength=P)
-                peak = np.bincount(shard, weights=blocks.peak_pairs(self._group()), minlength=P)
-                ratio = np.where(pairs > 0, peak / np.maximum(pairs, 1e-300), 1.0)
+        blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
+                                     interleave=self.interleave, dcp_rest=counts.dcp_rest)
+        if blocks is not None:
+            shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
+            pairs = np.bincount(shard, weights=blocks.pairs.astype(np.float64), minlength=P)
+            peak = np.bincount(shard, weights=blocks.peak_pairs(self._group()), minlength=P)
+            ratio = np.where(pairs > 0, peak / np.maximum(pairs, 1e-300), 1.0)
         t_pre = self._prefill(prefill_pairs, prefill_pairs * ratio)
         t_dec, dec_bound = self._decode(decode_pairs)
         return Attention(t_pre, t_dec, t_pre + np.where(dec_bound, t_dec, 0.0), fpp * prefill_pairs + dpp * decode_pairs,

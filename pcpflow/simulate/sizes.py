@@ -12,6 +12,7 @@ expands the cached context it reads (``kv_b_params`` per context token).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from pcpflow.layouts.accounting import ModelShape
@@ -58,6 +59,7 @@ class ModelSizes:
     def entry_dim_per_rank(self, tp: int) -> int:
         return self.entry_dim * self.kv_heads_per_rank(tp) // self.num_kv_heads
 
+    @functools.lru_cache(maxsize=64)  # NOTE: a frozen value of frozen inputs; every step asks for it
     def shape_per_rank(self, tp: int, dtype_bytes: int) -> ModelShape:
         """``pcpflow.layouts.accounting.ModelShape`` of one TP rank: its heads, its cache entry."""
         return ModelShape(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pcpflow.layouts.layout import plan_layout
+from pcpflow.layouts.layout import pad_layout, plan_layout
 
 REPO = Path(__file__).resolve().parents[2]
 PROPERTY = settings(max_examples=80, deadline=None, database=None)
@@ -296,6 +297,20 @@ def reference_layout(batch, owner):
 @PROPERTY
 @given(batches())
 def test_matches_per_token_reference(batch):
+    assert_matches_reference(batch)
+
+
+@PROPERTY
+@given(batches().map(lambda b: {**b, "is_prefilling": np.zeros_like(b["is_prefilling"])}))
+def test_decode_steps_match_per_token_reference(batch):
+    # NOTE: replicated decodes take plan_layout's shortcut; sharded ones its general path
+    layout = assert_matches_reference(batch)
+    for seg in layout.segments:
+        for name in ("req_idx", "global_start", "length", "local_start"):
+            assert getattr(seg, name).dtype == np.int64, name
+
+
+def assert_matches_reference(batch):
     layout = plan(batch)
     balanced = batch["shard_decodes"] and batch["decode_assignment"] == "balanced"
     # The balanced policy itself is checked in test_owners; here its owners are given.
@@ -313,6 +328,7 @@ def test_matches_per_token_reference(batch):
     for name in ("query_start_loc", "owner", "per_rank_num_tokens", "padded_gather_idx",
                  "hidden_restore_idx"):
         assert getattr(layout, name).dtype == np.int64, name
+    return layout
 
 
 @PROPERTY
@@ -423,6 +439,29 @@ def test_explicit_padding_only_appends_rows(batch):
     if tight.per_rank_num_tokens.max() > 0:
         with pytest.raises(ValueError, match="padded_num_tokens"):
             plan_layout(**kwargs, padded_num_tokens=int(tight.per_rank_num_tokens.max()) - 1)
+
+
+@PROPERTY
+@given(batches(), st.integers(0, 5))
+def test_padding_a_plan_is_planning_it_padded(batch, extra):
+    kwargs = {k: v for k, v in batch.items() if k != "extra_padding"}
+    tight = plan_layout(**kwargs)
+    n = tight.padded_num_tokens + extra
+    padded, planned = pad_layout(tight, n), plan_layout(**kwargs, padded_num_tokens=n)
+    for f in fields(planned):
+        a, b = getattr(padded, f.name), getattr(planned, f.name)
+        if f.name == "segments":
+            for sa, sb in zip(a, b, strict=True):
+                for g in fields(sb):
+                    np.testing.assert_array_equal(getattr(sa, g.name), getattr(sb, g.name))
+        elif isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype, f.name
+            np.testing.assert_array_equal(a, b, err_msg=f.name)
+        else:
+            assert a == b, f.name
+    if tight.per_rank_num_tokens.max() > 0:
+        with pytest.raises(ValueError, match="padded_num_tokens"):
+            pad_layout(tight, int(tight.per_rank_num_tokens.max()) - 1)
 
 
 def test_accepts_lists_and_other_int_dtypes():
