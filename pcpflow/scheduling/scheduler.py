@@ -581,8 +581,7 @@ class Scheduler:
             fast = one & (have >= self._prompt_len[rows] // U) & (self._prompt_key[rows] != 0)
         if fast.any():
             r, j = rows[fast], have[fast]
-            with np.errstate(over="ignore"):
-                values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)
+            values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
             self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
             self._chain_last[r] = values
             self._hashed[r] = j + 1
@@ -634,6 +633,7 @@ class Scheduler:
             info = self.table.prompt_contents(i, self.kv.tokens_per_block)
             self._prompt_contents[i] = info
             self._prompt_key[i] = info[1] or 1
+            self._output_base[i] = prefix.output_base(self._prompt_key[i])[0]
         return info
 
     def _contents_of_one(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -642,7 +642,7 @@ class Scheduler:
         if self._outputs is not None:
             pos = (j[:, None] * U + np.arange(U)).ravel()
             return prefix.token_contents(self._sequence(np.repeat(rows, U), pos), U)
-        return prefix.output_contents(self._prompt_key[rows], j)
+        return prefix.output_contents_at(self._output_base[rows], j)
 
     def set_draft_tokens(self, batch: GlobalBatch, draft_token_ids: np.ndarray | None) -> None:
         """Proposals ``[R, k]`` (-1 = none) for the next step, one row per batch row, each
@@ -701,6 +701,7 @@ class _Columns:
         self.hashed = col(0)  # blocks of its table cached (registered) so far
         self.chain_last = np.full(n, prefix.ROOT, dtype=np.uint64)  # chain value of its block hashed - 1
         self.prompt_key = np.zeros(n, dtype=np.uint64)  # 0: not known yet
+        self.output_base = np.zeros(n, dtype=np.uint64)  # prefix.output_base of prompt_key
         self.prompt_contents: dict[int, tuple[np.ndarray, int]] = {}  # of the requests alive
         self.keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # its admission's lookup (chain values, keys)
         if table.tokens is not None:
