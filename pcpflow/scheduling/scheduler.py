@@ -339,8 +339,10 @@ class Scheduler:
         cached = self._cached[run]
         prompt_end = np.where(computed < cached, cached, end)
         want = np.where(in_prompt, prompt_end - computed, 1 + np.minimum(self._num_drafts[run], room))
-        q = np.zeros(len(run), dtype=np.int64)
         budget = self.max_num_batched_tokens
+        if int(want.sum()) <= budget:  # NOTE: the usual step: everyone gets what they want
+            return want
+        q = np.zeros(len(run), dtype=np.int64)
         for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
             q[rows] = _take_in_order(want[rows], budget)
             budget -= int(q[rows].sum())
