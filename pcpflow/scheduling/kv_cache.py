@@ -229,17 +229,23 @@ class KVCacheManager:
             return 0
         blocks, hashes = blocks[todo], np.asarray(hashes, dtype=np.uint64)[todo]
         # NOTE: reversed, so that the first block of a hash computed twice in one call wins
-        new = dict(zip(hashes[::-1].tolist(), blocks[::-1].tolist()))
-        taken = new.keys() & self._cached.keys()
-        for h in taken:
-            del new[h]
-        self._cached.update(new)
-        if len(new) == len(blocks):  # every block holds its own new hash (the usual case)
-            self._hash[blocks] = hashes
+        keys = hashes.tolist()
+        pairs = zip(reversed(keys), reversed(blocks.tolist()))
+        before = len(self._cached)
+        if self._cached.keys().isdisjoint(keys):  # the usual case: no hash cached yet
+            self._cached.update(pairs)
+            if len(self._cached) - before < len(blocks):  # a hash computed twice: its first block won
+                won = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(blocks))
+                blocks, hashes = blocks[won == blocks], hashes[won == blocks]
         else:
-            registered = np.fromiter(new.values(), dtype=np.int64, count=len(new))
-            self._hash[registered] = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
-        return len(new)
+            new = dict(pairs)
+            for h in new.keys() & self._cached.keys():
+                del new[h]
+            self._cached.update(new)
+            blocks = np.fromiter(new.values(), dtype=np.int64, count=len(new))
+            hashes = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
+        self._hash[blocks] = hashes
+        return len(blocks)
 
     # -- mutation --------------------------------------------------------------------------
 
