@@ -470,19 +470,20 @@ class Scheduler:
         rows = self._batch_rows
         n_sched = batch.num_scheduled_tokens
         before = self._num_computed[rows]
-        if self.num_speculative_tokens and int(batch.num_draft_tokens.sum()):
-            acc = accept_drafts(batch, sampled_token_ids)
-        else:
-            acc = _no_drafts(batch, sampled_token_ids)
+        drafted = self.num_speculative_tokens and int(batch.num_draft_tokens.sum())
+        acc = accept_drafts(batch, sampled_token_ids) if drafted else _no_drafts(batch, sampled_token_ids)
         sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
-        self._num_drafts[rows] = 0
-        # A decode row's KV now holds its newest token and its accepted drafts.
-        self._num_computed[rows] += np.where(
-            batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted)
-        )
-        cached = self._cached[rows]
-        ready = rows[(before < cached) & (self._num_computed[rows] >= cached)]
-        self._ready_step[ready[self._ready_step[ready] < 0]] = batch.step + 1
+        if self.num_speculative_tokens:
+            self._num_drafts[rows] = 0
+        # A decode row's KV now holds its newest token and its accepted drafts (without
+        # drafts, a decode row's 0 or 1 scheduled token).
+        after = before + (np.where(batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted))
+                          if drafted else n_sched)
+        self._num_computed[rows] = after
+        if self._any_cached:
+            cached = self._cached[rows]
+            ready = rows[(before < cached) & (after >= cached)]
+            self._ready_step[ready[self._ready_step[ready] < 0]] = batch.step + 1
         num_out = self._num_out[rows]
         take = np.minimum(acc.num_new_tokens, self._max_out[rows] - num_out)
         # Append row r's tokens sampled[start_r : start_r + take_r] to its outputs.
@@ -496,17 +497,21 @@ class Scheduler:
         first = rows[(take > 0) & (num_out == 0)]
         self._first_token_step[first] = batch.step
         if self.kv.prefix_caching:
-            self._cache_full_blocks(rows)
+            self._cache_full_blocks(rows, after)
         done = (take > 0) & ((num_out + take >= self._max_out[rows]) | stopped)
         finished = rows[done]
         self._finish_step[finished] = batch.step
-        freed = list(self._freed) + [self.kv.free(i) for i in finished.tolist()]
+        freed = list(self._freed)
         for i in finished.tolist():
+            freed.append(self.kv.free(i))
             self._prompt_contents.pop(i, None)
             self._keys.pop(i, None)
-        leaving = done | ((take > 0) if self.prefill_only else False)  # NOTE: a prefill pool keeps no decode
-        handed = rows[leaving & ~done]
-        if leaving.any():
+        if self.prefill_only:  # NOTE: a prefill pool keeps no decode
+            leaving = done | (take > 0)
+            handed = rows[leaving & ~done]
+        else:
+            leaving, handed = done, rows[:0]
+        if len(finished) or len(handed):
             self._running = rows[~leaving]
         if len(finished):
             self._num_finished += len(finished)
@@ -566,11 +571,12 @@ class Scheduler:
 
     # -- prefix caching ------------------------------------------------------------------------
 
-    def _cache_full_blocks(self, rows: np.ndarray) -> None:
-        """Register the blocks each row filled this step under their chained hashes: rows
-        that filled one block at once (decodes), the others (prefill chunks) one by one."""
+    def _cache_full_blocks(self, rows: np.ndarray, computed: np.ndarray) -> None:
+        """Register the blocks each row (``computed`` tokens in the KV cache) filled this
+        step under their chained hashes: rows that filled one block at once (decodes), the
+        others (prefill chunks) one by one."""
         U = self.kv.tokens_per_block
-        full = self._num_computed[rows] // U
+        full = computed // U
         have = self._hashed[rows]
         new = full > have
         if not new.any():
@@ -587,6 +593,8 @@ class Scheduler:
             self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
             self._chain_last[r] = values
             self._hashed[r] = j + 1
+        if fast.all():
+            return
         for i, first, n in zip(rows[~fast].tolist(), have[~fast].tolist(), full[~fast].tolist()):
             looked_up = self._keys.get(i)
             if looked_up is not None and len(looked_up[0]) >= n:  # the admission's lookup has them
@@ -594,7 +602,7 @@ class Scheduler:
             else:
                 values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
                 keys = prefix.keys(values)
-            self.kv.cache_block_ids(self.kv.block_ids(np.full(n - first, i), np.arange(first, n)), keys)
+            self.kv.cache_block_ids(self.kv.blocks_of(i)[first:n], keys)
             self._chain_last[i] = values[-1]
             self._hashed[i] = n
 
@@ -688,6 +696,7 @@ class _Columns:
         self.prompt_len = table.prompt_lens
         self.max_out = table.output_lens
         self.cached = table.cached_lens
+        self.any_cached = bool(table.cached_lens.any())  # NOTE: else no request waits for a cached prefix
         self.prefill_end = table.prompt_lens.copy()  # prompt; prompt + outputs once preempted
         self.num_computed = col(0)
         self.num_out = col(0)
