@@ -151,9 +151,7 @@ class KVCacheManager:
 
     def num_blocks_of_many(self, req_ids) -> np.ndarray:
         """``num_blocks_of`` each of ``req_ids`` (int64 array)."""
-        ids = np.asarray(req_ids, dtype=np.int64)
-        known = ids < len(self._row_of)
-        rows = np.where(known, self._row_of[np.where(known, ids, 0)], -1)
+        rows = self._rows_of(np.asarray(req_ids, dtype=np.int64))
         return np.where(rows >= 0, self._row_num_blocks[rows], 0)
 
     def blocks_of(self, req_id: int) -> np.ndarray:
@@ -297,6 +295,7 @@ class KVCacheManager:
             return
         if ids.min() < 0:
             raise ValueError(f"req_id must be >= 0, got {int(ids.min())}")
+        rows = self._rows_of(ids)
         if len(ids) > 1:
             ordered = np.sort(ids)
             if (ordered[1:] == ordered[:-1]).any():
@@ -307,8 +306,6 @@ class KVCacheManager:
                 f"request {ids[i]} needs {need[i]} blocks, more than max_blocks_per_req "
                 f"({self.max_blocks_per_req})"
             )
-        known = ids < len(self._row_of)
-        rows = np.where(known, self._row_of[np.where(known, ids, 0)], -1)
         have = np.where(rows >= 0, self._row_num_blocks[rows], 0)
         extra = np.maximum(need - have, 0)
         total = int(extra.sum())
@@ -324,9 +321,12 @@ class KVCacheManager:
         self._ensure_width(int(need.max()))
         # Handed out from the front of the free queue, in request order: what allocate() in a loop does.
         new_blocks = self._take(total)
-        owner = np.repeat(np.arange(len(ids)), extra)
-        column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
-        self._table[rows[owner], column] = new_blocks
+        if total == len(ids) and int(extra.min()) == 1:  # NOTE: the usual step: one block each
+            self._table[rows, have] = new_blocks
+        else:
+            owner = np.repeat(np.arange(len(ids)), extra)
+            column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
+            self._table[rows[owner], column] = new_blocks
         self._row_num_blocks[rows] = np.maximum(need, have)
 
     def free(self, req_id: int) -> np.ndarray:
@@ -427,6 +427,13 @@ class KVCacheManager:
         self._head, self._tail = 0, len(ids)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The table row of each of ``ids`` (non-negative), -1 where none."""
+        if not len(ids) or int(ids.max()) < len(self._row_of):
+            return self._row_of[ids]
+        known = ids < len(self._row_of)
+        return np.where(known, self._row_of[np.where(known, ids, 0)], -1)
 
     def _row(self, req_id: int) -> int:
         req_id = int(req_id)

@@ -304,7 +304,9 @@ class Scheduler:
         la = self.num_speculative_tokens
         while True:
             q = self._running_tokens(run)
-            written = self._num_computed[run] + q + la * (q > 0)
+            written = self._num_computed[run] + q
+            if la:
+                written += la * (q > 0)
             grow = self.kv.blocks_needed(written) - self.kv.num_blocks_of_many(run)
             if int(np.maximum(grow, 0).sum()) <= self.kv.num_free_blocks or not len(run):
                 break
@@ -444,7 +446,10 @@ class Scheduler:
         completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
         samples = np.where(is_prefilling, completes, num_sched)
         first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
-        logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
+        if drafts.any():
+            logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
+        else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
+            logits_indices = first[samples > 0]
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
