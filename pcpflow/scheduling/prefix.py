@@ -50,8 +50,14 @@ def mix(*parts) -> np.ndarray:
     """One uint64 per element from several uint64 (broadcast, at least 1-d) inputs."""
     h = np.zeros(1, dtype=np.uint64)
     for p in parts:
-        h = splitmix64(h * _R + np.atleast_1d(np.asarray(p)).astype(np.uint64))
+        h = mix_with(h, p)
     return h
+
+
+def mix_with(mixed, part) -> np.ndarray:
+    """``mix(*head, part)`` from ``mixed = mix(*head)``: a head shared by many elements
+    (a prompt's, a trace block's) is mixed once, then gathered."""
+    return splitmix64(mixed * _R + np.atleast_1d(np.asarray(part)).astype(np.uint64))
 
 
 _POWERS = {"up": np.ones(1, dtype=np.uint64), "down": np.ones(1, dtype=np.uint64)}  # R^i and R^-i, grown as needed
