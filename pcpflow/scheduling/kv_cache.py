@@ -201,6 +201,15 @@ class KVCacheManager:
             start, size = start + size, 2 * size
         return np.asarray(found, dtype=np.int64)
 
+    def finds_again(self, hashes, max_blocks: int, blocks: np.ndarray) -> bool:
+        """Whether ``find_cached(hashes, max_blocks)`` still answers ``blocks``, an earlier
+        answer: each still holds its hash (so the cache still maps it there) and the first
+        miss after them is still one."""
+        n = len(blocks)
+        if n and not (self._hash[blocks] == hashes[:n]).all():
+            return False
+        return n >= min(max_blocks, len(hashes)) or hashes[n].item() not in self._cached
+
     def evictable(self, blocks: np.ndarray) -> int:
         """How many of ``blocks`` (cached ones found by ``find_cached``) are free: taking them
         uses up free capacity as new blocks would."""

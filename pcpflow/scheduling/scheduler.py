@@ -201,6 +201,7 @@ class Scheduler:
         self._batch_rows = self._running  # the request index of each row of the last batch
         self._preempted: list[int] = []  # by the latest schedule()
         self._freed: list[np.ndarray] = []  # blocks freed by the latest schedule()'s preemptions
+        self._last_find: tuple[np.ndarray, int, np.ndarray] | None = None  # the latest admission lookup: keys, longest, hits
         self.stats = StepStats(0, 0, 0, 0, 0, 0)
         if share is None:
             n = len(table)
@@ -365,7 +366,14 @@ class Scheduler:
                 # NOTE: at most total - 1 tokens: the last one is computed for its logits.
                 longest = (total - 1) // U
                 chain, keys = self._lookup_keys(i, longest)
-                hit_blocks = kv.find_cached(keys, longest)
+                last = self._last_find
+                # NOTE: a head waiting for blocks looks up the same prefix every step: its last
+                # answer, checked in a few array operations, spares a dict lookup per hit block.
+                if last is not None and last[0] is keys and last[1] == longest and kv.finds_again(keys, longest, last[2]):
+                    hit_blocks = last[2]
+                else:
+                    hit_blocks = kv.find_cached(keys, longest)
+                self._last_find = (keys, longest, hit_blocks)
             hit = len(hit_blocks) * U
             cached = int(self._cached[i])
             take = min((cached if hit < cached else total) - hit, budget)
