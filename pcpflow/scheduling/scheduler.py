@@ -378,7 +378,7 @@ class Scheduler:
             cached = int(self._cached[i])
             take = min((cached if hit < cached else total) - hit, budget)
             written = hit + take + self.num_speculative_tokens
-            new = kv.blocks_needed(written) - len(hit_blocks) + kv.evictable(hit_blocks)
+            new = -(-written // U) - len(hit_blocks) + kv.evictable(hit_blocks)  # NOTE: blocks_needed, on ints
             if new > kv.num_free_blocks:
                 break  # FCFS: the head waits for blocks, and so does everyone behind it
             kv.allocate(i, written, cached=hit_blocks)
@@ -433,7 +433,10 @@ class Scheduler:
         num_computed = self._num_computed[run]
         prefill_end = self._prefill_end[run]
         is_prefilling = num_computed < prefill_end
-        drafts = np.where(is_prefilling, 0, np.maximum(num_sched - 1, 0))
+        if self.num_speculative_tokens:
+            drafts = np.where(is_prefilling, 0, np.maximum(num_sched - 1, 0))
+        else:  # NOTE: a decode row is its newest token alone
+            drafts = np.zeros(R, dtype=np.int64)
 
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
@@ -454,7 +457,7 @@ class Scheduler:
         completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
         samples = np.where(is_prefilling, completes, num_sched)
         first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
-        if drafts.any():
+        if self.num_speculative_tokens and drafts.any():
             logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
         else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
             logits_indices = first[samples > 0]
