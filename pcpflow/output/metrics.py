@@ -164,12 +164,13 @@ class MetricsRecorder:
         self.num_steps += 1
         self.num_tokens += record["num_tokens"]
         self.num_prefill_tokens += record["num_prefill_tokens"]
-        tokens = np.asarray(record["per_rank_tokens"])
+        tokens = record["per_rank_tokens"]  # NOTE: a few ints: plain Python, not a numpy call each
         self.per_rank_tokens += tokens
         self.per_rank_padded_tokens += record["padded_num_tokens"]
-        self.per_rank_attention_work += np.asarray(record["per_rank_attention_work"])
-        if tokens.sum():
-            self.step_token_imbalance.append(float(tokens.max() / tokens.mean()))
+        self.per_rank_attention_work += record["per_rank_attention_work"]
+        total = sum(tokens)
+        if total:
+            self.step_token_imbalance.append(float(max(tokens) / (total / len(tokens))))
         for k, v in record["stage_s"].items():
             self.stage_s[k] += v
         for k, v in record["collective_calls"].items():

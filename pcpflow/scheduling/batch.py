@@ -39,8 +39,9 @@ class GlobalBatch:
         qsl = np.zeros(len(q) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         req_indices = np.repeat(np.arange(len(q), dtype=np.int64), q)
-        offsets = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[req_indices]
-        positions = np.asarray(self.num_computed_tokens, dtype=np.int64)[req_indices] + offsets
+        # token t of row r sits at c_r + (t - qsl_r)
+        start = np.asarray(self.num_computed_tokens, dtype=np.int64) - qsl[:-1]
+        positions = np.repeat(start, q) + np.arange(int(qsl[-1]), dtype=np.int64)
         object.__setattr__(self, "query_start_loc", qsl)
         object.__setattr__(self, "req_indices", req_indices)
         object.__setattr__(self, "positions", positions)

@@ -20,18 +20,20 @@ The pool (vLLM's ``BlockPool``):
 
 The queue is an array with lazy deletion (a hit leaves its stale entry behind; an entry is
 live while its sequence number is the block's), so taking k blocks and freeing a request
-are array operations; Python loops run per evicted or newly cached block only.
+are array operations. The hash -> block dict forgets lazily too (an evicted block's entry
+stays until a rebuild, dead once the block no longer holds that hash), so Python-level work
+runs per newly cached or looked-up block only.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import numpy as np
 
 from pcpflow.errors import Problem
 
 SHOWN_PROBLEMS = 5
+STALE_ENTRIES_PER_BLOCK = 4
+"""The prefix cache's dict is rebuilt from the live hashes past this many entries per block."""
 
 
 def fit_problems(
@@ -107,7 +109,12 @@ class KVCacheManager:
         n = self.num_blocks
         self._ref = np.zeros(n, dtype=np.int64)  # requests holding each block
         self._hash = np.zeros(n, dtype=np.uint64)  # 0 = not cached
-        self._cached: dict[int, int] = {}  # block hash -> the block holding it
+        # NOTE: hash -> the block it was last cached in. An evicted block only zeroes its
+        # _hash (a dict pop per evicted block cost more than the rest of an allocation): an
+        # entry is live while its block still holds its hash, and stale ones are dropped in
+        # one rebuild when they outnumber the blocks a few times over.
+        self._cached: dict[int, int] = {}
+        self._num_cached = 0
         # The free queue: entries [head, tail) of _queue, live while _qseq matches _seq_of.
         self._queue = np.arange(n, dtype=np.int64)
         self._qseq = np.arange(n, dtype=np.int64)
@@ -142,7 +149,7 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks holding a hash, in use or free."""
-        return len(self._cached)
+        return self._num_cached
 
     def num_blocks_of(self, req_id: int) -> int:
         """Blocks currently held by ``req_id`` (0 if it holds none)."""
@@ -151,9 +158,7 @@ class KVCacheManager:
 
     def num_blocks_of_many(self, req_ids) -> np.ndarray:
         """``num_blocks_of`` each of ``req_ids`` (int64 array)."""
-        ids = np.asarray(req_ids, dtype=np.int64)
-        known = ids < len(self._row_of)
-        rows = np.where(known, self._row_of[np.where(known, ids, 0)], -1)
+        rows = self._rows_of(np.asarray(req_ids, dtype=np.int64))
         return np.where(rows >= 0, self._row_num_blocks[rows], 0)
 
     def blocks_of(self, req_id: int) -> np.ndarray:
@@ -190,18 +195,39 @@ class KVCacheManager:
         """The blocks of the longest cached prefix of a request whose full blocks have the
         chained ``hashes`` (at most ``max_blocks``): one dict lookup per block, up to the
         first miss. Changes nothing (``allocate(..., cached=...)`` takes them)."""
-        if not self.prefix_caching or not self._cached or max_blocks <= 0:
+        if not self.prefix_caching or not self._num_cached or max_blocks <= 0:
             return np.zeros(0, dtype=np.int64)
-        found: list[int] = []
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        found: list[np.ndarray] = []
         start, size = 0, 16
         while start < max_blocks:  # NOTE: in growing chunks, so that a miss stops the lookups early
-            chunk = list(map(self._cached.get, hashes[start:min(start + size, max_blocks)].tolist()))
-            if None in chunk:
-                found += chunk[:chunk.index(None)]
+            keys = hashes[start:min(start + size, max_blocks)]
+            chunk = list(map(self._cached.get, keys.tolist()))
+            end = chunk.index(None) if None in chunk else len(chunk)
+            blocks = np.asarray(chunk[:end], dtype=np.int64)
+            live = self._hash[blocks] == keys[:end]  # a stale entry is a miss too
+            if not live.all():
+                end = int(np.argmin(live))
+                blocks = blocks[:end]
+            found.append(blocks)
+            if end < len(keys):
                 break
-            found += chunk
             start, size = start + size, 2 * size
-        return np.asarray(found, dtype=np.int64)
+        return found[0] if len(found) == 1 else np.concatenate(found)
+
+    def finds_again(self, hashes, max_blocks: int, blocks: np.ndarray) -> bool:
+        """Whether ``find_cached(hashes, max_blocks)`` still answers ``blocks``, an earlier
+        answer: each still holds its hash (so the cache still maps it there) and the first
+        miss after them is still one."""
+        n = len(blocks)
+        if n and not (self._hash[blocks] == hashes[:n]).all():
+            return False
+        return n >= min(max_blocks, len(hashes)) or not self._holds(hashes[n].item())
+
+    def _holds(self, h: int) -> bool:
+        """Whether a block holds hash ``h`` (its dict entry is live)."""
+        b = self._cached.get(h)
+        return b is not None and int(self._hash[b]) == h
 
     def evictable(self, blocks: np.ndarray) -> int:
         """How many of ``blocks`` (cached ones found by ``find_cached``) are free: taking them
@@ -229,17 +255,28 @@ class KVCacheManager:
             return 0
         blocks, hashes = blocks[todo], np.asarray(hashes, dtype=np.uint64)[todo]
         # NOTE: reversed, so that the first block of a hash computed twice in one call wins
-        new = dict(zip(hashes[::-1].tolist(), blocks[::-1].tolist()))
-        taken = new.keys() & self._cached.keys()
-        for h in taken:
-            del new[h]
-        self._cached.update(new)
-        if len(new) == len(blocks):  # every block holds its own new hash (the usual case)
-            self._hash[blocks] = hashes
+        keys = hashes.tolist()
+        pairs = zip(reversed(keys), reversed(blocks.tolist()))
+        before = len(self._cached)
+        if self._cached.keys().isdisjoint(keys):  # the usual case: no hash cached yet
+            self._cached.update(pairs)
+            if len(self._cached) - before < len(blocks):  # a hash computed twice: its first block won
+                won = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(blocks))
+                blocks, hashes = blocks[won == blocks], hashes[won == blocks]
         else:
-            registered = np.fromiter(new.values(), dtype=np.int64, count=len(new))
-            self._hash[registered] = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
-        return len(new)
+            new = dict(pairs)
+            for h in new.keys() & self._cached.keys():
+                if self._holds(h):  # held by another block: left as it is (a stale entry is replaced)
+                    del new[h]
+            self._cached.update(new)
+            blocks = np.fromiter(new.values(), dtype=np.int64, count=len(new))
+            hashes = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
+        self._hash[blocks] = hashes
+        self._num_cached += len(blocks)
+        if len(self._cached) > STALE_ENTRIES_PER_BLOCK * self.num_blocks:
+            live = np.flatnonzero(self._hash)
+            self._cached = dict(zip(self._hash[live].tolist(), live.tolist()))
+        return len(blocks)
 
     # -- mutation --------------------------------------------------------------------------
 
@@ -291,16 +328,17 @@ class KVCacheManager:
             return
         if ids.min() < 0:
             raise ValueError(f"req_id must be >= 0, got {int(ids.min())}")
-        if len(np.unique(ids)) != len(ids):
-            raise ValueError(f"req_ids must be distinct, got {ids.tolist()}")
+        rows = self._rows_of(ids)
+        if len(ids) > 1:
+            ordered = np.sort(ids)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise ValueError(f"req_ids must be distinct, got {ids.tolist()}")
         if need.max() > self.max_blocks_per_req:
             i = int(np.argmax(need))
             raise RuntimeError(
                 f"request {ids[i]} needs {need[i]} blocks, more than max_blocks_per_req "
                 f"({self.max_blocks_per_req})"
             )
-        known = ids < len(self._row_of)
-        rows = np.where(known, self._row_of[np.where(known, ids, 0)], -1)
         have = np.where(rows >= 0, self._row_num_blocks[rows], 0)
         extra = np.maximum(need - have, 0)
         total = int(extra.sum())
@@ -316,9 +354,12 @@ class KVCacheManager:
         self._ensure_width(int(need.max()))
         # Handed out from the front of the free queue, in request order: what allocate() in a loop does.
         new_blocks = self._take(total)
-        owner = np.repeat(np.arange(len(ids)), extra)
-        column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
-        self._table[rows[owner], column] = new_blocks
+        if total == len(ids) and int(extra.min()) == 1:  # NOTE: the usual step: one block each
+            self._table[rows, have] = new_blocks
+        else:
+            owner = np.repeat(np.arange(len(ids)), extra)
+            column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
+            self._table[rows[owner], column] = new_blocks
         self._row_num_blocks[rows] = np.maximum(need, have)
 
     def free(self, req_id: int) -> np.ndarray:
@@ -382,9 +423,9 @@ class KVCacheManager:
         if self.prefix_caching:
             hashed = blocks[self._hash[blocks] != 0]
             if len(hashed):
-                deque(map(self._cached.pop, self._hash[hashed].tolist()), maxlen=0)  # evicted: forgotten
-                self._hash[hashed] = 0
+                self._hash[hashed] = 0  # evicted: forgotten (its dict entry goes stale)
                 self.num_evicted += len(hashed)
+                self._num_cached -= len(hashed)
         return blocks
 
     def _touch(self, blocks: np.ndarray) -> None:
@@ -419,6 +460,13 @@ class KVCacheManager:
         self._head, self._tail = 0, len(ids)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The table row of each of ``ids`` (non-negative), -1 where none."""
+        if not len(ids) or int(ids.max()) < len(self._row_of):
+            return self._row_of[ids]
+        known = ids < len(self._row_of)
+        return np.where(known, self._row_of[np.where(known, ids, 0)], -1)
 
     def _row(self, req_id: int) -> int:
         req_id = int(req_id)

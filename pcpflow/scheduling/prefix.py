@@ -50,8 +50,14 @@ def mix(*parts) -> np.ndarray:
     """One uint64 per element from several uint64 (broadcast, at least 1-d) inputs."""
     h = np.zeros(1, dtype=np.uint64)
     for p in parts:
-        h = splitmix64(h * _R + np.atleast_1d(np.asarray(p)).astype(np.uint64))
+        h = mix_with(h, p)
     return h
+
+
+def mix_with(mixed, part) -> np.ndarray:
+    """``mix(*head, part)`` from ``mixed = mix(*head)``: a head shared by many elements
+    (a prompt's, a trace block's) is mixed once, then gathered."""
+    return splitmix64(mixed * _R + np.atleast_1d(np.asarray(part)).astype(np.uint64))
 
 
 _POWERS = {"up": np.ones(1, dtype=np.uint64), "down": np.ones(1, dtype=np.uint64)}  # R^i and R^-i, grown as needed
@@ -96,12 +102,22 @@ def token_contents(tokens: np.ndarray, tokens_per_block: int) -> np.ndarray:
         return splitmix64((splitmix64(t + np.uint64(1)) * weights).sum(axis=1, dtype=np.uint64))
 
 
+def output_base(prompt_key) -> np.ndarray:
+    """What ``output_contents`` takes from the prompt alone (a scheduler keeps it per request,
+    so that a decode's newly full block costs one ``splitmix64``)."""
+    return mix(np.asarray(prompt_key, dtype=np.uint64), _OUT_SALT) * _R
+
+
 def output_contents(prompt_key, first_block, count: int | None = None) -> np.ndarray:
     """``c_j`` of blocks that hold generated tokens, in a run that knows no token ids: their
     content follows from the whole prompt (``prompt_key``) and j. Blocks ``first_block ..
     first_block + count - 1`` of one prompt, or (``count`` None) block ``first_block[r]`` of
     prompt ``prompt_key[r]`` for each r."""
     if count is None:
-        return mix(np.asarray(prompt_key, dtype=np.uint64), _OUT_SALT, np.asarray(first_block, dtype=np.uint64))
-    j = np.arange(first_block, first_block + count, dtype=np.uint64)
-    return mix(np.uint64(prompt_key), _OUT_SALT, j)
+        return output_contents_at(output_base(prompt_key), first_block)
+    return output_contents_at(output_base(np.uint64(prompt_key)), np.arange(first_block, first_block + count))
+
+
+def output_contents_at(base: np.ndarray, blocks) -> np.ndarray:
+    """``output_contents`` from the prompts' ``output_base``: ``mix(prompt_key, salt, j)``'s last round."""
+    return splitmix64(base + np.asarray(blocks, dtype=np.uint64))

@@ -201,6 +201,7 @@ class Scheduler:
         self._batch_rows = self._running  # the request index of each row of the last batch
         self._preempted: list[int] = []  # by the latest schedule()
         self._freed: list[np.ndarray] = []  # blocks freed by the latest schedule()'s preemptions
+        self._last_find: tuple[np.ndarray, int, np.ndarray] | None = None  # the latest admission lookup: keys, longest, hits
         self.stats = StepStats(0, 0, 0, 0, 0, 0)
         if share is None:
             n = len(table)
@@ -304,7 +305,9 @@ class Scheduler:
         la = self.num_speculative_tokens
         while True:
             q = self._running_tokens(run)
-            written = self._num_computed[run] + q + la * (q > 0)
+            written = self._num_computed[run] + q
+            if la:
+                written += la * (q > 0)
             grow = self.kv.blocks_needed(written) - self.kv.num_blocks_of_many(run)
             if int(np.maximum(grow, 0).sum()) <= self.kv.num_free_blocks or not len(run):
                 break
@@ -339,8 +342,10 @@ class Scheduler:
         cached = self._cached[run]
         prompt_end = np.where(computed < cached, cached, end)
         want = np.where(in_prompt, prompt_end - computed, 1 + np.minimum(self._num_drafts[run], room))
-        q = np.zeros(len(run), dtype=np.int64)
         budget = self.max_num_batched_tokens
+        if int(want.sum()) <= budget:  # NOTE: the usual step: everyone gets what they want
+            return want
+        q = np.zeros(len(run), dtype=np.int64)
         for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
             q[rows] = _take_in_order(want[rows], budget)
             budget -= int(q[rows].sum())
@@ -361,12 +366,19 @@ class Scheduler:
                 # NOTE: at most total - 1 tokens: the last one is computed for its logits.
                 longest = (total - 1) // U
                 chain, keys = self._lookup_keys(i, longest)
-                hit_blocks = kv.find_cached(keys, longest)
+                last = self._last_find
+                # NOTE: a head waiting for blocks looks up the same prefix every step: its last
+                # answer, checked in a few array operations, spares a dict lookup per hit block.
+                if last is not None and last[0] is keys and last[1] == longest and kv.finds_again(keys, longest, last[2]):
+                    hit_blocks = last[2]
+                else:
+                    hit_blocks = kv.find_cached(keys, longest)
+                self._last_find = (keys, longest, hit_blocks)
             hit = len(hit_blocks) * U
             cached = int(self._cached[i])
             take = min((cached if hit < cached else total) - hit, budget)
             written = hit + take + self.num_speculative_tokens
-            new = kv.blocks_needed(written) - len(hit_blocks) + kv.evictable(hit_blocks)
+            new = -(-written // U) - len(hit_blocks) + kv.evictable(hit_blocks)  # NOTE: blocks_needed, on ints
             if new > kv.num_free_blocks:
                 break  # FCFS: the head waits for blocks, and so does everyone behind it
             kv.allocate(i, written, cached=hit_blocks)
@@ -421,7 +433,10 @@ class Scheduler:
         num_computed = self._num_computed[run]
         prefill_end = self._prefill_end[run]
         is_prefilling = num_computed < prefill_end
-        drafts = np.where(is_prefilling, 0, np.maximum(num_sched - 1, 0))
+        if self.num_speculative_tokens:
+            drafts = np.where(is_prefilling, 0, np.maximum(num_sched - 1, 0))
+        else:  # NOTE: a decode row is its newest token alone
+            drafts = np.zeros(R, dtype=np.int64)
 
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(num_sched, out=qsl[1:])
@@ -442,7 +457,10 @@ class Scheduler:
         completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
         samples = np.where(is_prefilling, completes, num_sched)
         first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
-        logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
+        if self.num_speculative_tokens and drafts.any():
+            logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
+        else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
+            logits_indices = first[samples > 0]
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
@@ -468,19 +486,20 @@ class Scheduler:
         rows = self._batch_rows
         n_sched = batch.num_scheduled_tokens
         before = self._num_computed[rows]
-        if self.num_speculative_tokens and int(batch.num_draft_tokens.sum()):
-            acc = accept_drafts(batch, sampled_token_ids)
-        else:
-            acc = _no_drafts(batch, sampled_token_ids)
+        drafted = self.num_speculative_tokens and int(batch.num_draft_tokens.sum())
+        acc = accept_drafts(batch, sampled_token_ids) if drafted else _no_drafts(batch, sampled_token_ids)
         sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
-        self._num_drafts[rows] = 0
-        # A decode row's KV now holds its newest token and its accepted drafts.
-        self._num_computed[rows] += np.where(
-            batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted)
-        )
-        cached = self._cached[rows]
-        ready = rows[(before < cached) & (self._num_computed[rows] >= cached)]
-        self._ready_step[ready[self._ready_step[ready] < 0]] = batch.step + 1
+        if self.num_speculative_tokens:
+            self._num_drafts[rows] = 0
+        # A decode row's KV now holds its newest token and its accepted drafts (without
+        # drafts, a decode row's 0 or 1 scheduled token).
+        after = before + (np.where(batch.is_prefilling, n_sched, (n_sched > 0) * (1 + acc.num_accepted))
+                          if drafted else n_sched)
+        self._num_computed[rows] = after
+        if self._any_cached:
+            cached = self._cached[rows]
+            ready = rows[(before < cached) & (after >= cached)]
+            self._ready_step[ready[self._ready_step[ready] < 0]] = batch.step + 1
         num_out = self._num_out[rows]
         take = np.minimum(acc.num_new_tokens, self._max_out[rows] - num_out)
         # Append row r's tokens sampled[start_r : start_r + take_r] to its outputs.
@@ -494,17 +513,21 @@ class Scheduler:
         first = rows[(take > 0) & (num_out == 0)]
         self._first_token_step[first] = batch.step
         if self.kv.prefix_caching:
-            self._cache_full_blocks(rows)
+            self._cache_full_blocks(rows, after)
         done = (take > 0) & ((num_out + take >= self._max_out[rows]) | stopped)
         finished = rows[done]
         self._finish_step[finished] = batch.step
-        freed = list(self._freed) + [self.kv.free(i) for i in finished.tolist()]
+        freed = list(self._freed)
         for i in finished.tolist():
+            freed.append(self.kv.free(i))
             self._prompt_contents.pop(i, None)
             self._keys.pop(i, None)
-        leaving = done | ((take > 0) if self.prefill_only else False)  # NOTE: a prefill pool keeps no decode
-        handed = rows[leaving & ~done]
-        if leaving.any():
+        if self.prefill_only:  # NOTE: a prefill pool keeps no decode
+            leaving = done | (take > 0)
+            handed = rows[leaving & ~done]
+        else:
+            leaving, handed = done, rows[:0]
+        if len(finished) or len(handed):
             self._running = rows[~leaving]
         if len(finished):
             self._num_finished += len(finished)
@@ -564,11 +587,12 @@ class Scheduler:
 
     # -- prefix caching ------------------------------------------------------------------------
 
-    def _cache_full_blocks(self, rows: np.ndarray) -> None:
-        """Register the blocks each row filled this step under their chained hashes: rows
-        that filled one block at once (decodes), the others (prefill chunks) one by one."""
+    def _cache_full_blocks(self, rows: np.ndarray, computed: np.ndarray) -> None:
+        """Register the blocks each row (``computed`` tokens in the KV cache) filled this
+        step under their chained hashes: rows that filled one block at once (decodes), the
+        others (prefill chunks) one by one."""
         U = self.kv.tokens_per_block
-        full = self._num_computed[rows] // U
+        full = computed // U
         have = self._hashed[rows]
         new = full > have
         if not new.any():
@@ -581,11 +605,12 @@ class Scheduler:
             fast = one & (have >= self._prompt_len[rows] // U) & (self._prompt_key[rows] != 0)
         if fast.any():
             r, j = rows[fast], have[fast]
-            with np.errstate(over="ignore"):
-                values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)
+            values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
             self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
             self._chain_last[r] = values
             self._hashed[r] = j + 1
+        if fast.all():
+            return
         for i, first, n in zip(rows[~fast].tolist(), have[~fast].tolist(), full[~fast].tolist()):
             looked_up = self._keys.get(i)
             if looked_up is not None and len(looked_up[0]) >= n:  # the admission's lookup has them
@@ -593,7 +618,7 @@ class Scheduler:
             else:
                 values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
                 keys = prefix.keys(values)
-            self.kv.cache_block_ids(self.kv.block_ids(np.full(n - first, i), np.arange(first, n)), keys)
+            self.kv.cache_block_ids(self.kv.blocks_of(i)[first:n], keys)
             self._chain_last[i] = values[-1]
             self._hashed[i] = n
 
@@ -634,6 +659,7 @@ class Scheduler:
             info = self.table.prompt_contents(i, self.kv.tokens_per_block)
             self._prompt_contents[i] = info
             self._prompt_key[i] = info[1] or 1
+            self._output_base[i] = prefix.output_base(self._prompt_key[i])[0]
         return info
 
     def _contents_of_one(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -642,7 +668,7 @@ class Scheduler:
         if self._outputs is not None:
             pos = (j[:, None] * U + np.arange(U)).ravel()
             return prefix.token_contents(self._sequence(np.repeat(rows, U), pos), U)
-        return prefix.output_contents(self._prompt_key[rows], j)
+        return prefix.output_contents_at(self._output_base[rows], j)
 
     def set_draft_tokens(self, batch: GlobalBatch, draft_token_ids: np.ndarray | None) -> None:
         """Proposals ``[R, k]`` (-1 = none) for the next step, one row per batch row, each
@@ -686,6 +712,7 @@ class _Columns:
         self.prompt_len = table.prompt_lens
         self.max_out = table.output_lens
         self.cached = table.cached_lens
+        self.any_cached = bool(table.cached_lens.any())  # NOTE: else no request waits for a cached prefix
         self.prefill_end = table.prompt_lens.copy()  # prompt; prompt + outputs once preempted
         self.num_computed = col(0)
         self.num_out = col(0)
@@ -701,6 +728,7 @@ class _Columns:
         self.hashed = col(0)  # blocks of its table cached (registered) so far
         self.chain_last = np.full(n, prefix.ROOT, dtype=np.uint64)  # chain value of its block hashed - 1
         self.prompt_key = np.zeros(n, dtype=np.uint64)  # 0: not known yet
+        self.output_base = np.zeros(n, dtype=np.uint64)  # prefix.output_base of prompt_key
         self.prompt_contents: dict[int, tuple[np.ndarray, int]] = {}  # of the requests alive
         self.keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # its admission's lookup (chain values, keys)
         if table.tokens is not None:

@@ -441,9 +441,10 @@ class RequestTable:
         last_pos = (np.arange(full, dtype=np.int64) + 1) * tokens_per_block - 1
         k = np.minimum(np.searchsorted(bounds, last_pos, side="right") - 1, max(len(ids) - 1, 0))
         inside = last_pos < hashed_end
-        contents = prefix.mix(trace_chain[k], j) if len(ids) else prefix.mix(salt, j)
+        # NOTE: mix(head, j) = mix_with(mix(head), j): each trace block's head mixed once
+        contents = prefix.mix_with(prefix.mix(trace_chain)[k] if len(ids) else prefix.mix(salt), j)
         if len(ids) and not inside.all():  # NOTE: blocks reaching the request's own tail are its own
-            contents[~inside] = prefix.mix(salt, j[~inside])
+            contents[~inside] = prefix.mix_with(prefix.mix(salt), j[~inside])
         if n <= hashed_end:
             k_last = int(np.searchsorted(bounds, n - 1, side="right") - 1)
             return contents, int(prefix.mix(trace_chain[k_last], n)[0])

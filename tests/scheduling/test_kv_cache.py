@@ -200,7 +200,10 @@ _ops = st.lists(st.tuples(st.integers(0, 8), st.one_of(st.none(), st.integers(1,
 def test_pool_matches_the_list_model_and_loses_nothing(ops):
     kv = KVCacheManager(N, B, prefix_caching=True)
     m = Model()
+    looked_up = []  # earlier lookups (keys, longest, answer): finds_again tells whether each still holds
     for rid, tokens in ops:
+        for keys, longest, answer in looked_up[-4:]:
+            assert kv.finds_again(keys, longest, answer) == (kv.find_cached(keys, longest).tolist() == answer.tolist())
         if tokens is None:
             if rid in m.tables:
                 assert kv.free(rid).tolist() == m.free(rid)
@@ -212,6 +215,7 @@ def test_pool_matches_the_list_model_and_loses_nothing(ops):
             longest = (tokens - 1) // B
             hits = m.find(_keys(rid, longest).tolist())
             assert kv.find_cached(_keys(rid, longest), longest).tolist() == hits
+            looked_up.append((_keys(rid, longest), longest, kv.find_cached(_keys(rid, longest), longest)))
         have = len(held or []) + len(hits)
         new = max(0, need - have) + sum(m.ref[b] == 0 for b in hits)
         if new > len(m.queue):
