@@ -65,6 +65,39 @@ class Progress:
                     bar.update(task, completed=rec["num_generated"], total=rec["num_to_generate"], step=rec["step"])
 
 
+class Phases:
+    """Context manager: a bar per phase of long work done in this process (a search's screen,
+    its pricing in full, its fitted factors): what it is, how many of how many, how long.
+    TTY only, as the run's bar."""
+
+    def __init__(self, enabled: bool = True, console: Console | None = None) -> None:
+        self.console = console or _console
+        self.enabled = enabled and self.console.is_terminal
+        self._bar: _RichProgress | None = None
+        self._task: Any = None
+
+    def __enter__(self) -> Phases:
+        if self.enabled:
+            self._bar = _RichProgress(TextColumn("[bold]pcpflow[/] {task.description}"), BarColumn(),
+                                      MofNCompleteColumn(), TimeElapsedColumn(), console=self.console, transient=True)
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def phase(self, description: str, total: int | None) -> None:
+        """A new bar (the previous one stays, complete or not)."""
+        if self._bar is not None:
+            self._task = self._bar.add_task(description, total=total)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.advance(self._task, n)
+
+
 def _breakdown(breakdown: dict[str, dict[str, float]], top: int = 5) -> str:
     """The largest exposed terms of a simulated run, with their share (and what hid)."""
     total = sum(v["exposed_s"] for v in breakdown.values()) or 1.0

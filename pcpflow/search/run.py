@@ -26,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pcpflow.output.report import Phases
 from pcpflow.search.evaluate import Settings, evaluate
 from pcpflow.search.plan import Candidate, SearchPlan, _validate, candidate, plan_search
 from pcpflow.simulate.decide import OBJECTIVES
@@ -99,6 +100,7 @@ class Search:
         self.started = time.perf_counter()
         self.wall_s: dict[str, float] = {}
         self.screened = 0
+        self.progress = Phases(enabled=console and self.plan.config.output.progress)
 
     def _total_requests(self) -> int:
         from pcpflow.models import vocab_size_of
@@ -110,18 +112,22 @@ class Search:
     # -- the three stages -----------------------------------------------------------------------
 
     def run(self) -> None:
-        t = time.perf_counter()
-        if self.plan.optuna:
-            self._screen_optuna()
-        else:
-            self._screen(self.plan.feasible)
-        self.wall_s["screen"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._price_in_full()
-        self.wall_s["full"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._how_sure()
-        self.wall_s["sensitivity"] = time.perf_counter() - t
+        with self.progress:
+            t = time.perf_counter()
+            on = f"the first {self.sample} requests" if self.sample is not None else "the whole workload"
+            if self.plan.optuna:
+                self.progress.phase(f"screen (Optuna) on {on}", self.plan.search.trials)
+                self._screen_optuna()
+            else:
+                self.progress.phase(f"screen on {on}", len(self.plan.feasible))
+                self._screen(self.plan.feasible)
+            self.wall_s["screen"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._price_in_full()
+            self.wall_s["full"] = time.perf_counter() - t
+            t = time.perf_counter()
+            self._how_sure()
+            self.wall_s["sensitivity"] = time.perf_counter() - t
         self.wall_s["total"] = time.perf_counter() - self.started
 
     def _screen(self, candidates: list[Candidate]) -> None:
@@ -137,6 +143,7 @@ class Search:
         self.rows[c.layout.values] = row
         if priced == "screen":
             self.screened += 1
+        self.progress.advance()
         return row
 
     def value(self, row: dict[str, Any], objective: str | None = None) -> float | None:
@@ -165,6 +172,7 @@ class Search:
         candidates = [Candidate(r["layout"], r["raw"]) for r in top]
         tasks = [(c.raw, self.prepare, self.full_settings,
                   r.get("goodput_req_s") if self.sample is None else None) for c, r in zip(candidates, top)]
+        self.progress.phase("price the best in full", len(tasks))
         for i, result in parallel(tasks, self.jobs):
             self._record(candidates[i], result, "full")
 
@@ -270,7 +278,9 @@ class Search:
                 # at the unscaled rate (a start guess only decides how many runs it takes)
                 tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, s),)), row.get("goodput_req_s")))
         values: dict[tuple[str, float, int], float | None] = {}
+        self.progress.phase("how sure: fitted factors scaled", len(tasks))
         for i, result in parallel(tasks, self.jobs):
+            self.progress.advance()
             f, s = points[i // 2]
             values[(f, s, i % 2)] = None if result.get("error") else self.objective.value(measures_of(result))
         for f in factors:

@@ -81,3 +81,26 @@ def test_an_untrained_draft_head_says_why_it_accepts_nothing(capsys, monkeypatch
     print_summary({"config": CFG, "metrics": metrics, "status": "ok", "run_dir": "/r"})  # CFG drafts with mtp
     text = " ".join(capsys.readouterr().out.split())
     assert "the mtp head is random weights (not trained)" in text and "draft=self" in text
+
+
+def test_phases_draw_a_bar_per_phase_on_a_terminal_and_nothing_when_piped():
+    import io
+
+    from rich.console import Console
+
+    from pcpflow.output.report import Phases
+
+    def draw(terminal: bool) -> str:
+        out = io.StringIO()
+        console = Console(file=out, force_terminal=terminal, width=100)
+        with Phases(console=console) as phases:
+            phases.phase("screen on the first 50 requests", 3)
+            for _ in range(3):
+                phases.advance()
+            phases.phase("price the best in full", 2)
+            phases.advance()
+        return out.getvalue()  # NOTE: leaving draws the bars once more before it clears them
+
+    drawn = draw(True)
+    assert "screen on the first 50 requests" in drawn and "3/3" in drawn and "1/2" in drawn
+    assert draw(False) == ""
