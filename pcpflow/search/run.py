@@ -264,34 +264,63 @@ class Search:
         return best, runner, ties
 
     def _how_sure(self) -> None:
+        """Each fitted factor scaled outwards from 1 on each side of the grid (``SCALES``, at
+        most 1): the recommended layout and its runner-up re-priced at the side's end first;
+        where the order still holds there it is taken to hold on the whole side, where it
+        flips the first flip is bisected on the grid.
+
+        NOTE: this assumes the order changes at most once on each side, as it does when each
+        layout's time is a sum of terms each inversely proportional to the factor or free of
+        it (the difference a/f + b changes sign once). Overlaps priced as a max of two terms
+        can in principle break it; the grid's every point would cost four times the runs."""
         best, runner, _ = self.top_two()
         if best is None or runner is None:
             return
         factors = sorted(best.get("fitted") or {})
         settings = replace(self.full_settings, sample=self.sample,
                            tolerance=SCREEN_TOLERANCE if self.sample is not None else FULL_TOLERANCE)
-        points = [(f, s) for f in factors for s in SCALES if (best["fitted"][f]["value"] * s) <= 1.0]
-        tasks = []
-        for f, s in points:
-            for row in (best, runner):
-                # NOTE: a scaled factor moves the goodput by a fraction: its rate search starts
-                # at the unscaled rate (a start guess only decides how many runs it takes)
-                tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, s),)), row.get("goodput_req_s")))
-        values: dict[tuple[str, float, int], float | None] = {}
-        self.progress.phase("how sure: fitted factors scaled", len(tasks))
-        for i, result in parallel(tasks, self.jobs):
-            self.progress.advance()
-            f, s = points[i // 2]
-            values[(f, s, i % 2)] = None if result.get("error") else self.objective.value(measures_of(result))
+        grids = {(f, side): [s for s in scales if best["fitted"][f]["value"] * s <= 1.0]
+                 for f in factors for side, scales in (("low", sorted((x for x in SCALES if x < 1), reverse=True)),
+                                                       ("high", sorted(x for x in SCALES if x > 1)))}
+        bracket = {k: (-1, None) for k, grid in grids.items() if grid}  # (last index held, first flipped)
+        keeps: dict[str, dict[float, bool]] = {f: {} for f in factors}
+        self.progress.phase("how sure: fitted factors scaled", None)
+        while True:
+            asks = [(k, i) for k, (held, flipped) in bracket.items()
+                    if (i := _next_scale(held, flipped, len(grids[k]))) is not None]
+            if not asks:
+                break
+            tasks = []
+            for (f, side), i in asks:
+                for row in (best, runner):
+                    # NOTE: a scaled factor moves the goodput by a fraction: its rate search starts
+                    # at the unscaled rate (a start guess only decides how many runs it takes)
+                    tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, grids[(f, side)][i]),)),
+                                  row.get("goodput_req_s")))
+            values: dict[int, float | None] = {}
+            for j, result in parallel(tasks, self.jobs):
+                self.progress.advance()
+                values[j] = None if result.get("error") else self.objective.value(measures_of(result))
+            for n, ((f, side), i) in enumerate(asks):
+                a, b = values.get(2 * n), values.get(2 * n + 1)
+                if a is None or b is None:  # NOTE: a point that cannot be priced ends its side's walk
+                    bracket.pop((f, side))
+                    continue
+                keeps[f][grids[(f, side)][i]] = held = self.objective.key(a) <= self.objective.key(b)
+                h, fl = bracket[(f, side)]
+                bracket[(f, side)] = (i, fl) if held else (h, i)
         for f in factors:
-            keeps = {}
-            for s in SCALES:
-                a, b = values.get((f, s, 0)), values.get((f, s, 1))
-                if a is not None and b is not None:
-                    keeps[s] = self.objective.key(a) <= self.objective.key(b)
             self.sensitivity[f] = {"value": best["fitted"][f]["value"], "share": best["fitted"][f]["share"],
-                                   **order_holds(keeps),
+                                   **order_holds(keeps[f]),
                                    "on": "the screening sample" if self.sample is not None else "the whole workload"}
+
+
+def _next_scale(held: int, flipped: int | None, n: int) -> int | None:
+    """The grid index to price next on a side of ``n`` scales (index -1: scale 1, where the
+    order holds), or None when the first flip is found or the side holds to its end."""
+    if flipped is None:
+        return n - 1 if held < n - 1 else None
+    return (held + flipped) // 2 if flipped - held > 1 else None
 
 
 def order_holds(keeps: dict[float, bool]) -> dict[str, float | None]:

@@ -208,3 +208,22 @@ def test_the_pools_group_is_refused_in_a_search_naming_the_key_that_fixes_it():
     assert r.returncode == 2
     line = next(ln for ln in r.stderr.splitlines() if ln.strip().startswith("- disagg:"))
     assert "disagg.kind=pd" in line, line
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_the_walk_outwards_finds_the_first_flip_the_whole_grid_would_with_fewer_points(n):
+    """On a side whose order flips once (at grid index k; k = n: never), pricing the side's end
+    first and bisecting gives what pricing every point gives, in at most 1 + ceil(log2 n) points."""
+    import math
+
+    from pcpflow.search.run import _next_scale, order_holds
+
+    grid = [0.9, 0.8, 0.67, 0.5][:n]
+    for k in range(n + 1):
+        truth = {s: i < k for i, s in enumerate(grid)}
+        keeps, held, flipped = {}, -1, None
+        while (i := _next_scale(held, flipped, n)) is not None:
+            keeps[grid[i]] = truth[grid[i]]
+            held, flipped = (i, flipped) if truth[grid[i]] else (held, i)
+        assert order_holds(keeps) == order_holds(truth), (k, keeps)
+        assert len(keeps) <= 1 + math.ceil(math.log2(n))
