@@ -11,7 +11,7 @@ By the same assumption, once a first guess misses, the floor (the lowest rate th
 tries) settles in one run whether the layout keeps the attainment at any rate it would try
 (``floor_first``): a descent finds a layout that meets its SLOs at no rate only after several
 runs at ever lower rates, the costliest ones (fewer requests share each step). Without a
-guess to start from (a screen), SLOs that most layouts miss are common; with a close guess
+guess to start from (a screen), such layouts are common under tight SLOs; with a close guess
 (pricing in full after a screen) the descent's close bracket is cheaper and is kept.
 
 NOTE: the limit of a falling rate is not every request alone: a trace replayed slower keeps
