@@ -82,14 +82,16 @@ def at_rate(raw: dict[str, Any], rate: float, own_rate: float | None) -> dict[st
     return raw
 
 
-def _run(raw: dict[str, Any], prepare) -> tuple[Any, dict[str, Any]]:
-    """The layout's simulated run, as the driver runs it (``disagg=pd``: both pools)."""
+def _run(raw: dict[str, Any], prepare, give_up_below: float | None = None) -> tuple[Any, dict[str, Any]]:
+    """The layout's simulated run, as the driver runs it (``disagg=pd``: both pools).
+    ``give_up_below``: a rate probe's attainment target; the run stops once it cannot reach
+    it (``pcpflow.simulate.slo_watch``), its ``goodput.share`` then the most it could reach."""
     cfg = prepare(raw)
     if cfg.disagg.enabled:
         from pcpflow.simulate.pools import PooledRun as Run
     else:
         from pcpflow.simulate.engine import SimulatedRun as Run
-    return cfg, Run(cfg, None, keep_records=False).run()["metrics"]
+    return cfg, Run(cfg, None, keep_records=False, give_up_below=give_up_below).run()["metrics"]
 
 
 def measures(m: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +123,8 @@ def _evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: floa
     burst_now = (wl.get("kind") != "trace" and wl.get("request_rate") is not None and math.isinf(wl["request_rate"]))
     burst = m if burst_now else _run(at_rate(raw, math.inf, own), prepare)[1]
     warm = start_rate is not None and 0 < start_rate < math.inf  # a screen's answer: bracket it closely
-    found = max_rate(lambda r: _run(at_rate(raw, r, own), prepare)[1]["goodput"]["share"],
+    # NOTE: a probe answers only "attainment >= target?": it may stop once the answer is no
+    found = max_rate(lambda r: _run(at_rate(raw, r, own), prepare, settings.attainment)[1]["goodput"]["share"],
                      burst_attainment=burst["goodput"]["share"], burst_rate=burst["throughput"]["requests_s"],
                      target=settings.attainment, tolerance=settings.tolerance, start=start_rate if warm else None,
                      step=1 + 2 * settings.tolerance if warm else 2.0, lowest=settings.lowest,

@@ -56,6 +56,7 @@ from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_counts
 from pcpflow.simulate.serving import Router, run_replicas
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
+from pcpflow.simulate.slo_watch import GaveUp, SloWatch
 
 REQUEST_ROWS_IN_RESULT = 20_000
 """result.json lists each request up to this many; beyond, requests.csv in the run dir does."""
@@ -75,7 +76,10 @@ class SimulatedRun:
     """One simulated run; ``run()`` returns the result sections, ``records`` every step's
     (kept when ``keep_records``: tests compare them)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, *, keep_records: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, *, keep_records: bool = True,
+                 give_up_below: float | None = None) -> None:
+        """``give_up_below``: an SLO attainment; the run stops as soon as it can no longer
+        reach it (``pcpflow.simulate.slo_watch``: a goodput search's rate probes)."""
         assert cfg.hardware is not None, "prepare_job checks mode=simulate has a hardware profile"
         self.cfg, self.hw, self.sim = cfg, cfg.hardware, cfg.simulate
         self.run_dir = run_dir
@@ -102,6 +106,8 @@ class SimulatedRun:
             num_to_generate=int(self.requests.output_lens.sum()),
         )
         self.keep_records = keep_records
+        self.watch = SloWatch.of(cfg, self.requests, fixed_outputs=True, target=give_up_below)
+        self.gave_up = False
         self.records: list[dict[str, Any]] = []
         self.totals = {k: np.zeros(cfg.pcp) for k in ("compute_s", "memory_s", "communication_s", "flops", "hbm_bytes")}
         self.breakdown: dict[str, list[float]] = {}
@@ -148,6 +154,8 @@ class SimulatedRun:
                     self._step(0, batch)
             else:
                 run_replicas(self.loops, self.arrivals, self.router, self._step, max_steps=self.cfg.max_steps)
+        except GaveUp:
+            self.gave_up = True
         finally:
             self.recorder.close()
         wall_s = time.perf_counter() - t0
@@ -158,6 +166,10 @@ class SimulatedRun:
         metrics = self.recorder.summary(cols, wall_s, simulated=True, serving=serving)
         metrics["simulate"] = self._summary()
         metrics["serving"] = self._serving_summary(cols)
+        if self.gave_up:
+            assert self.watch is not None
+            n = len(self.requests)
+            metrics["goodput"].update(share=self.watch.bound(n), gave_up=self.watch.summary(n))
         out = {"outputs": None, "metrics": metrics, "verification": VERIFICATION_OFF}
         if len(self.requests) <= REQUEST_ROWS_IN_RESULT:
             out["requests"] = request_rows(cols, self.requests)
@@ -231,6 +243,8 @@ class SimulatedRun:
         if self.keep_records:
             self.records.append(record)
         self._accumulate(rest, p, meta)
+        if self.watch is not None and self.watch.hopeless(self._request_columns, min(lp.clock for lp in self.loops)):
+            raise GaveUp
         return outcome.finished_req_ids.tolist()
 
     def _priced(self, batch, layout, mode: str):

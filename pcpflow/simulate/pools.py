@@ -45,6 +45,7 @@ from pcpflow.simulate.engine import (
     simulate_summary,
 )
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
+from pcpflow.simulate.slo_watch import SloWatch
 from pcpflow.simulate.transfer import exposed_seconds, transfer_seconds
 from pcpflow.speculative.drafting import MLALayerConfig
 
@@ -105,7 +106,10 @@ class PooledRun:
     """One simulated run of both pools; ``run()`` returns the result sections, ``records``
     every step's (kept when ``keep_records``: tests compare them)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, *, keep_records: bool = True) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, *, keep_records: bool = True,
+                 give_up_below: float | None = None) -> None:
+        """``give_up_below``: as ``SimulatedRun``'s, for runs in time (TTFT as the prefill pool
+        gives it, TPOT of finished requests)."""
         assert cfg.hardware is not None
         self.cfg, self.run_dir, self.keep_records = cfg, run_dir, keep_records
         self.configs = {n: pool_config(cfg, n) for n in POOLS}
@@ -124,6 +128,9 @@ class PooledRun:
         self.records: list[dict[str, Any]] = []
         self.transfer_hidden_s = 0.0
         self.timed = bool(self.requests.timed)
+        # NOTE: decodes run on their own clock: an unfinished request's TPOT is not bounded from the prefill's
+        self.watch = SloWatch.of(cfg, self.requests, fixed_outputs=False, target=give_up_below) if self.timed else None
+        self.gave_up = False
 
     # -- a handover -----------------------------------------------------------------------------
     def _hand_over(self, handed) -> dict[str, Any]:
@@ -228,6 +235,8 @@ class PooledRun:
                 generated += out.num_new_tokens
                 executed += 1
                 self._record(self.recorder.num_steps, {"prefill": rec}, {}, rec["step_s"], p_next, generated)
+                if self._hopeless(p_loop, d_loop, ho):
+                    break
                 continue
             d_loop.clock = d_next
             for t, i in [x for x in inflight if x[0] <= d_next]:
@@ -254,7 +263,21 @@ class PooledRun:
             generated += out.num_new_tokens
             executed += 1
             self._record(self.recorder.num_steps, {"decode": rec}, transfer, rec["step_s"], d_next, generated)
+            if self._hopeless(p_loop, d_loop, ho):
+                break
         self._clock = max(p_loop.clock, d_loop.clock)
+        self.columns = self._timed_columns(p_loop, d_loop, ho)
+
+    def _hopeless(self, p_loop: StepLoop, d_loop: StepLoop, ho) -> bool:
+        """After a step: whether the run can no longer reach ``give_up_below`` (then it stops)."""
+        # NOTE: first tokens come from prefill steps: none still to come ends before the prefill clock
+        if self.watch is not None and self.watch.hopeless(lambda: self._timed_columns(p_loop, d_loop, ho), p_loop.clock):
+            self.gave_up = True
+        return self.gave_up
+
+    def _timed_columns(self, p_loop: StepLoop, d_loop: StepLoop, ho) -> dict[str, np.ndarray]:
+        """The request columns of a run in time: first tokens on the prefill pool's clock,
+        finishes on the decode pool's."""
         # NOTE: a request handed over finished on the decode pool's clock (its steps are that pool's):
         # its finish is read from the prefill pool's steps padded to as many, then replaced
         n = max(len(p_loop.step_end), len(d_loop.step_end))
@@ -265,7 +288,7 @@ class PooledRun:
         many = fin & (cols["output_len"] > 1)
         cols["tpot_s"][many] = (cols["finish_s"][many] - cols["first_token_s"][many]) / (cols["output_len"][many] - 1)
         cols["tpot_steps"][fin] = np.nan  # NOTE: two pools' steps do not add up
-        self.columns = cols
+        return cols
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -284,6 +307,10 @@ class PooledRun:
                                                   cfg.disagg.transfer))
         metrics["transfer"]["hidden_s"] = self.transfer_hidden_s
         metrics["simulate"] = self._summary()
+        if self.gave_up:
+            assert self.watch is not None
+            n = len(self.requests)
+            metrics["goodput"].update(share=self.watch.bound(n), gave_up=self.watch.summary(n))
         rows = self._handover.with_columns(request_rows(cols, self.requests))
         return {"outputs": None, "metrics": metrics, "verification": VERIFICATION_OFF, "requests": rows}
 
