@@ -194,12 +194,14 @@ class Search:
         seen: dict[tuple, float | None] = {}
         for c in plan.feasible:  # validated while planning: screened first
             seen[c.layout.values] = None
+        for c in plan.pruned:  # validated while planning too: pruned once, not again when TPE proposes them
+            seen[c.layout.values] = None
         todo = list(plan.feasible)
         unseen = list(plan.layouts)  # the random picks' order, drawn lazily
         random.Random(int(plan.config.seed)).shuffle(unseen)
         unseen = iter(unseen)
         while self.screened < plan.search.trials and len(seen) < len(known):
-            if len(study.trials) > 2 * self.screened + 256:
+            if len(study.get_trials(deepcopy=False)) > self.screened + 256:  # NOTE: study.trials deep-copies every trial
                 # NOTE: a study of what TPE reads only (no trial is pending here): Optuna walks
                 # every trial, failed ones too, at each suggestion.
                 kept = study.get_trials(deepcopy=False, states=told)

@@ -227,3 +227,18 @@ def test_the_walk_outwards_finds_the_first_flip_the_whole_grid_would_with_fewer_
             held, flipped = (i, flipped) if truth[grid[i]] else (held, i)
         assert order_holds(keeps) == order_holds(truth), (k, keeps)
         assert len(keeps) <= 1 + math.ceil(math.log2(n))
+
+
+def test_optuna_screens_its_trials_and_prunes_each_layout_once(tmp_path):
+    """Past ``search.exhaustive_limit`` Optuna proposes the layouts: ``search.trials`` of them
+    are screened, each once, and a layout that cannot run is listed in pruned.csv once (also
+    one that planning had pruned before TPE proposed it again), never beside a priced one."""
+    r = cli(*ONE_REQUEST, "search.gpus=16", "search.exhaustive_limit=10", "search.trials=12",
+            "disagg.kind=none", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows, pruned = _rows(tmp_path / "search.csv"), _rows(tmp_path / "pruned.csv")
+    screened = [row["overrides"] for row in rows]
+    assert len(screened) == 12 == len(set(screened))
+    names = [row["overrides"] for row in pruned]
+    assert pruned and len(names) == len(set(names)) and not set(names) & set(screened)
+    assert "(optuna" in r.stdout
