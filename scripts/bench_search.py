@@ -8,7 +8,7 @@
    (``disagg.kind=none``: a single request has no decode traffic to disaggregate; 2,350
    layouts, exhaustive); target: at least 500 layouts screened in at most 60 s on 2 cores.
    ``long_pools``: the same with prefill/decode pools in the space (20,130 layouts, past
-   ``search.exhaustive_limit``: Optuna picks 600), against the same target.
+   ``search.exhaustive_limit``: Optuna picks 500: the target's count), against the same target.
 2. **the Mooncake head**: the bundled trace's 1,000 requests at their real lengths
    (``length_scale=1``) and timestamps, DeepSeek-V3 on H200s, ``search.gpus=64``, SLOs
    (TTFT 2 s, TPOT 50 ms) and ``simulate.objective=goodput_per_gpu``: each layout's goodput
@@ -41,7 +41,7 @@ CASES = {
               "simulate.objective=ttft", "disagg.kind=none"], 60.0, 500),
     "long_pools": (["model=llama3_405b", "hardware=gtt_h100", "simulate.weights_dtype=fp8", "search.gpus=128",
                     "workload=explicit", "workload.prompt_lens=[131072]", "workload.output_lens=[64]",
-                    "simulate.objective=ttft", "search.trials=600"], 60.0, 500),
+                    "simulate.objective=ttft", "search.trials=500"], 60.0, 500),
     "mooncake": (["model=deepseek_v3", "hardware=h200_sxm", "search.gpus=64", "workload=trace", f"workload.path={TRACE}",
                   "workload.max_requests=1000", "workload.length_scale=1", "slo.ttft_s=2", "slo.tpot_s=0.05",
                   "simulate.objective=goodput_per_gpu", "search.sample=50", "search.top_k=2", "search.trials=60",

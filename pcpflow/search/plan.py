@@ -216,6 +216,9 @@ def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepa
     """Each layout validated (``stop_at_first``: until one can run; Optuna validates the
     rest as it picks them); a problem every layout has is the input's (ConfigError)."""
     feasible, pruned = [], []
+    if stop_at_first:  # NOTE: the likeliest to run first: the largest instance (the most memory), then defaults
+        defaults = {d.name: d.default for d in space.dims}
+        layouts = sorted(layouts, key=lambda lay: (-lay.world, sum(lay.get(k, v) != v for k, v in defaults.items())))
     for layout in layouts:
         c = candidate(base, layout, space)
         if _validate(c, prepare, gpus):
