@@ -56,7 +56,7 @@ class Bench:
             torch.cuda.synchronize()
 
     def timed(self, fn: Callable[[], Any]) -> float:
-        """The least seconds of one ``fn()``: one warm-up, then repeated until ``min_time_s``
+        """The median seconds of one ``fn()``: one warm-up, then repeated until ``min_time_s``
         has passed (at most ``max_repeats``). A call of more than ``LONG_S`` is its own
         measure (its warm-up would double the section)."""
         t = time.perf_counter()
@@ -72,8 +72,10 @@ class Bench:
             fn()
             self.sync()
             times.append(time.perf_counter() - t)
-        # NOTE: the least time: a shared machine's other work only ever adds to a repeat.
-        return min(times)
+        # NOTE: the median, not the least time: an executed run meets the machine as it is (its
+        # other work, its jitter), and a profile predicts runs. On a 2-core VM the least time of
+        # an attention call was about half its typical one, and predictions fell short by as much.
+        return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -301,15 +303,14 @@ def _host_points(metrics: Path, layers: int) -> list[list[float]]:
 
 def fit_host(points: list[list[float]]) -> dict[str, Any]:
     """``outside = a + b requests + c tokens`` and ``forward = a' + b' requests + c' tokens +
-    layers (d + e requests + f tokens)`` by least squares on each shape's least time (steps and
-    ranks alike: other work only adds): the host table's fit is the part outside the forward
+    layers (d + e requests + f tokens)`` by least squares on each shape's median time (steps and
+    ranks alike, as ``Bench.timed``): the host table's fit is the part outside the forward
     plus the forward's per-step part (``a'``, ``b'``, ``c'``); the layers are priced by their
     ops (``launch``) and kernels. Its points: each one-layer shape, less the fitted layer."""
-    shapes: dict[tuple[float, float, float], list[float]] = {}
+    shapes: dict[tuple[float, float, float], list[list[float]]] = {}
     for reqs, toks, layers, outside, forward in points:
-        best = shapes.setdefault((reqs, toks, layers), [outside, forward])
-        best[0], best[1] = min(best[0], outside), min(best[1], forward)
-    p = np.asarray([[*k, *v] for k, v in sorted(shapes.items())], dtype=np.float64)
+        shapes.setdefault((reqs, toks, layers), []).append([outside, forward])
+    p = np.asarray([[*k, *np.median(np.asarray(v), axis=0)] for k, v in sorted(shapes.items())], dtype=np.float64)
     reqs, toks, layers, outside, forward = p.T
     one = np.ones_like(reqs)
     a = nonneg_lstsq(np.stack([one, reqs, toks], 1), outside)
