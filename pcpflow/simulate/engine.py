@@ -107,7 +107,6 @@ class SimulatedRun:
         )
         self.keep_records = keep_records
         self.watch = SloWatch.of(cfg, self.requests, fixed_outputs=True, target=give_up_below)
-        self.gave_up = False
         self.records: list[dict[str, Any]] = []
         self.totals = {k: np.zeros(cfg.pcp) for k in ("compute_s", "memory_s", "communication_s", "flops", "hbm_bytes")}
         self.breakdown: dict[str, list[float]] = {}
@@ -155,7 +154,7 @@ class SimulatedRun:
             else:
                 run_replicas(self.loops, self.arrivals, self.router, self._step, max_steps=self.cfg.max_steps)
         except GaveUp:
-            self.gave_up = True
+            pass  # the watch says so in the metrics
         finally:
             self.recorder.close()
         wall_s = time.perf_counter() - t0
@@ -166,10 +165,8 @@ class SimulatedRun:
         metrics = self.recorder.summary(cols, wall_s, simulated=True, serving=serving)
         metrics["simulate"] = self._summary()
         metrics["serving"] = self._serving_summary(cols)
-        if self.gave_up:
-            assert self.watch is not None
-            n = len(self.requests)
-            metrics["goodput"].update(share=self.watch.bound(n), gave_up=self.watch.summary(n))
+        if self.watch is not None:
+            self.watch.report(metrics)
         out = {"outputs": None, "metrics": metrics, "verification": VERIFICATION_OFF}
         if len(self.requests) <= REQUEST_ROWS_IN_RESULT:
             out["requests"] = request_rows(cols, self.requests)

@@ -130,7 +130,6 @@ class PooledRun:
         self.timed = bool(self.requests.timed)
         # NOTE: decodes run on their own clock: an unfinished request's TPOT is not bounded from the prefill's
         self.watch = SloWatch.of(cfg, self.requests, fixed_outputs=False, target=give_up_below) if self.timed else None
-        self.gave_up = False
 
     # -- a handover -----------------------------------------------------------------------------
     def _hand_over(self, handed) -> dict[str, Any]:
@@ -271,9 +270,8 @@ class PooledRun:
     def _hopeless(self, p_loop: StepLoop, d_loop: StepLoop, ho) -> bool:
         """After a step: whether the run can no longer reach ``give_up_below`` (then it stops)."""
         # NOTE: first tokens come from prefill steps: none still to come ends before the prefill clock
-        if self.watch is not None and self.watch.hopeless(lambda: self._timed_columns(p_loop, d_loop, ho), p_loop.clock):
-            self.gave_up = True
-        return self.gave_up
+        return self.watch is not None and self.watch.hopeless(lambda: self._timed_columns(p_loop, d_loop, ho),
+                                                              p_loop.clock)
 
     def _timed_columns(self, p_loop: StepLoop, d_loop: StepLoop, ho) -> dict[str, np.ndarray]:
         """The request columns of a run in time: first tokens on the prefill pool's clock,
@@ -307,10 +305,8 @@ class PooledRun:
                                                   cfg.disagg.transfer))
         metrics["transfer"]["hidden_s"] = self.transfer_hidden_s
         metrics["simulate"] = self._summary()
-        if self.gave_up:
-            assert self.watch is not None
-            n = len(self.requests)
-            metrics["goodput"].update(share=self.watch.bound(n), gave_up=self.watch.summary(n))
+        if self.watch is not None:
+            self.watch.report(metrics)
         rows = self._handover.with_columns(request_rows(cols, self.requests))
         return {"outputs": None, "metrics": metrics, "verification": VERIFICATION_OFF, "requests": rows}
 

@@ -44,7 +44,9 @@ class SloWatch:
     from_entry: np.ndarray  # per request: its clock starts when it enters (no cached_lens prefix)
     steps: int = 0
     missed: int = 0
+    requests: int = 0
     clock_s: float = 0.0
+    stopped: bool = False  # hopeless() said so: the run stopped there
 
     @classmethod
     def of(cls, cfg, requests, *, fixed_outputs: bool, target: float | None) -> SloWatch | None:
@@ -80,13 +82,16 @@ class SloWatch:
                 decoding = ~np.isnan(first) & np.isnan(cols["finish_s"]) & (out > 1)
                 with np.errstate(invalid="ignore", divide="ignore"):
                     missed |= decoding & ((now - first) / (out - 1) > self.tpot_s)
-        self.missed, self.clock_s = int(missed.sum()), float(now)
-        return n - self.missed < self.target * n
+        self.missed, self.requests, self.clock_s = int(missed.sum()), n, float(now)
+        self.stopped = n - self.missed < self.target * n
+        return self.stopped
 
-    def bound(self, n: int) -> float:
-        """The most the attainment could have been when the run stopped."""
-        return (n - self.missed) / n
-
-    def summary(self, n: int) -> dict[str, float | int]:
-        return {"clock_s": self.clock_s, "missed": self.missed, "requests": n, "share_at_most": self.bound(n),
-                "target": self.target}
+    def report(self, metrics: dict) -> None:
+        """A stopped run's ``goodput``: ``share``, the most the attainment could have been,
+        and ``gave_up``, what the watch saw when it stopped."""
+        if not self.stopped:
+            return
+        share = (self.requests - self.missed) / self.requests
+        metrics["goodput"].update(share=share, gave_up={"clock_s": self.clock_s, "missed": self.missed,
+                                                        "requests": self.requests, "share_at_most": share,
+                                                        "target": self.target})
