@@ -218,7 +218,12 @@ def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepa
     feasible, pruned = [], []
     if stop_at_first:  # NOTE: the likeliest to run first: the largest instance (the most memory), then defaults
         defaults = {d.name: d.default for d in space.dims}
-        layouts = sorted(layouts, key=lambda lay: (-lay.world, sum(lay.get(k, v) != v for k, v in defaults.items())))
+
+        def likeliest(lay: Layout) -> tuple[int, int]:
+            values = dict(lay.values)  # NOTE: Layout.get builds this dict at every call
+            return -lay.world, sum(values.get(k, v) != v for k, v in defaults.items())
+
+        layouts = sorted(layouts, key=likeliest)
     for layout in layouts:
         c = candidate(base, layout, space)
         if _validate(c, prepare, gpus):
