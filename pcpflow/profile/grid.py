@@ -28,6 +28,9 @@ class Grid:
     host_long_prompt: int  # one request alone, to tell tokens from requests
     min_time_s: float  # a point is repeated until it has run this long (at least once)
     max_repeats: int
+    # the buffer cold operands are taken from (``sections.ColdPool``); None: twice the
+    # last-level cache the OS reports, 256 MiB .. 2 GiB
+    cold_pool_bytes: int | None = None
 
 
 FULL = Grid(
@@ -60,6 +63,7 @@ QUICK = Grid(
     host_long_prompt=256,
     min_time_s=0.004,
     max_repeats=5,
+    cold_pool_bytes=32 << 20,  # tests: the schema and the arithmetic, not this machine's caches
 )
 
 

@@ -32,8 +32,8 @@ def default_dtypes(device: str, quick: bool) -> list[str]:
 
 
 def section_names(dtypes: list[str], *, collectives: bool) -> list[str]:
-    names = ["launch", "memory", *(f"gemm:{d}" for d in dtypes)]
-    names += [f"attention:{d}:{phase}" for d in dtypes for phase in ("prefill", "decode")]
+    names = ["launch", "memory"]  # then dtype by dtype: one cold pool filled once each
+    names += [s for d in dtypes for s in (f"gemm:{d}", f"attention:{d}:prefill", f"attention:{d}:decode")]
     names.append("host")
     if collectives:
         names.append("collectives")

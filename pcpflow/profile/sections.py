@@ -15,10 +15,20 @@ ranks (collectives: the slowest rank).
   plan, buffers, slots, the restore's indexing and sampling, the forward's per-step part) by
   requests and tokens: the real engine on a minimal model with one and two layers;
 - ``collectives``: each collective a run issues, on every group of the grid, by message size.
+
+**Operands come from memory, not from the cache.** A run's step streams every layer's weights
+and KV between two uses of one layer's: a model larger than the last-level cache meets each
+weight and each KV block cold. Timing one call in a loop on the same tensors measures it hot
+(on a 2-core VM, a 1 x 6144 x 768 float32 GEMM took 0.66 ms hot, 1.34 ms cold, and 1.09 ms
+inside a run of a 95 MB model). So the memory, GEMM and attention sections take their
+weights, copies and KV caches from ``ColdPool``: views into a buffer of twice the last-level
+cache, each call a fresh one, so that between two uses of the same bytes the whole buffer has
+been read. Inputs that a run has just produced (activations, queries) stay hot.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import time
@@ -38,6 +48,75 @@ LONG_S = 0.25
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+def last_level_cache_bytes(device: torch.device) -> int | None:
+    """The largest data cache the device reports: a GPU's L2, a CPU's last level (sysfs)."""
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or None
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or None
+
+
+def cold_pool_bytes(grid: Grid, device: torch.device) -> int:
+    if grid.cold_pool_bytes is not None:
+        return grid.cold_pool_bytes
+    cache = last_level_cache_bytes(device) or (128 << 20)
+    return int(min(max(2 * cache, 256 << 20), 2 << 30))
+
+
+class ColdPool:
+    """Cold operands: views into one buffer of ``nbytes`` (per dtype, filled once), handed out
+    in turn from a cursor that wraps around it, each 4 KiB aligned. A view's bytes were last
+    touched a whole buffer ago: with the buffer twice the last-level cache, they come from
+    memory, as a run's weights and KV do."""
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes, self.device = nbytes, device
+        self._buffer: torch.Tensor | None = None
+        self._cursor = 0
+
+    def _buffer_of(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._buffer is None or self._buffer.dtype != dtype:
+            self._buffer = None  # one dtype's buffer at a time
+            n = self.nbytes // torch.empty((), dtype=dtype).element_size()
+            self._buffer = torch.empty(n, dtype=dtype, device=self.device).uniform_(-1.0, 1.0)
+        return self._buffer
+
+    def views(self, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """``count`` distinct tensors of ``shape`` (at most the buffer's worth at once)."""
+        buf = self._buffer_of(dtype)
+        size = int(np.prod(shape))
+        item = buf.element_size()
+        step = -(-size * item // self.ALIGN) * self.ALIGN // item
+        if step > buf.numel():  # larger than the pool: cold by its own size, a tensor of its own
+            return [torch.empty(shape, dtype=dtype, device=self.device).uniform_(-1.0, 1.0)]
+        out = []
+        for _ in range(min(count, max(1, buf.numel() // step))):
+            if self._cursor + step > buf.numel():
+                self._cursor = 0
+            out.append(buf[self._cursor:self._cursor + size].view(shape))
+            self._cursor += step
+        return out
+
+    def cycle(self, shape: tuple[int, ...], dtype: torch.dtype, calls: int) -> Callable[[], torch.Tensor]:
+        """A fresh view for each of ``calls`` calls (then the same ones again)."""
+        views = self.views(shape, dtype, calls)
+        it = itertools.cycle(views)
+        return it.__next__
+
+
 @dataclass
 class Bench:
     """What a section needs on this rank: where it runs, what to time, and a tick per point."""
@@ -50,6 +129,16 @@ class Bench:
     comms: dict[str, Any]  # distinct groups of the grid with more than one rank: name -> Comm
     tick: Callable[[int], None] = lambda n: None
     run_cfg: Any = None  # the profile's RunConfig (the host section derives its runs from it)
+    cold: ColdPool | None = None
+
+    def __post_init__(self) -> None:
+        if self.cold is None:
+            self.cold = ColdPool(cold_pool_bytes(self.grid, self.device), self.device)
+
+    @property
+    def calls(self) -> int:
+        """The most calls ``timed`` makes of one function: a cold operand for each."""
+        return self.grid.max_repeats + 1
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -152,9 +241,13 @@ def _graph_replay_us(b: Bench) -> float:
 def memory(b: Bench) -> dict[str, Any]:
     seconds = []
     for nbytes in b.grid.memory_bytes:
-        src = torch.ones(nbytes // 4, dtype=torch.float32, device=b.device)
-        dst = torch.empty_like(src)
-        seconds.append(b.timed(lambda: dst.copy_(src)))
+        pairs = itertools.cycle([tuple(v) for v in b.cold.views((2, nbytes // 4), torch.float32, b.calls)])
+
+        def copy() -> None:
+            src, dst = next(pairs)
+            dst.copy_(src)
+
+        seconds.append(b.timed(copy))
         b.tick(1)
     return {"bytes": list(b.grid.memory_bytes), "seconds": seconds}
 
@@ -163,7 +256,6 @@ def memory(b: Bench) -> dict[str, Any]:
 def gemm(b: Bench, dtype: str) -> dict[str, Any]:
     dt, g = TORCH_DTYPES[dtype], b.grid
     big = max(g.gemm_m)
-    w_all = torch.randn(max(g.gemm_nk), max(g.gemm_nk), device=b.device).to(dt)
     x_all = torch.randn(big, max(g.gemm_nk), device=b.device).to(dt)
     seconds = []
     with torch.no_grad():
@@ -172,8 +264,8 @@ def gemm(b: Bench, dtype: str) -> dict[str, Any]:
             for n in g.gemm_nk:
                 row = []
                 for k in g.gemm_nk:
-                    x, w = x_all[:m, :k].contiguous(), w_all[:n, :k].contiguous()
-                    row.append(b.timed(lambda: F.linear(x, w)))
+                    x, w = x_all[:m, :k].contiguous(), b.cold.cycle((n, k), dt, b.calls)
+                    row.append(b.timed(lambda: F.linear(x, w())))
                 plane.append(row)
             seconds.append(plane)
             b.tick(len(g.gemm_nk) ** 2)
@@ -197,7 +289,8 @@ def attention(b: Bench, dtype: str, phase: str) -> dict[str, Any]:
                 requests = attention_requests(phase, rows, keys)
                 point = []
                 for heads, kv_heads, dim in ATTENTION_BASIS:
-                    call = _attention_call(kernel, gqa_spec(heads, kv_heads, dim), requests, b.block_size, dt, b.device)
+                    call = _attention_call(kernel, gqa_spec(heads, kv_heads, dim), requests, b.block_size, dt, b.device,
+                                           cold=b.cold, calls=b.calls)
                     point.append(b.timed(call))
                 plane.append(point)
                 b.tick(1)
@@ -221,9 +314,11 @@ def attention_requests(phase: str, rows: int, keys: int) -> list[tuple[int, int]
     return out
 
 
-def _attention_call(kernel, spec, requests, block_size: int, dtype: torch.dtype, device: torch.device):
+def _attention_call(kernel, spec, requests, block_size: int, dtype: torch.dtype, device: torch.device, *,
+                    cold: ColdPool | None = None, calls: int = 1):
     """One layer's attention as ``CPAttention`` makes it at one rank: the new rows' KV
-    written through their slots, then the kernel over each row's context."""
+    written through their slots, then the kernel over each row's context; with ``cold``,
+    each call on a fresh KV cache from the pool."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     lens = [c + q for c, q in requests]
     blocks = [-(-n // block_size) for n in lens]
@@ -232,7 +327,11 @@ def _attention_call(kernel, spec, requests, block_size: int, dtype: torch.dtype,
     for i, nb in enumerate(blocks):
         table[i, :nb] = torch.arange(start, start + nb)
         start += nb
-    cache = torch.randn(start * block_size, spec.entry_dim, generator=gen).to(dtype=dtype, device=device)
+    shape = (start * block_size, spec.entry_dim)
+    if cold is None:
+        caches = itertools.repeat(torch.randn(*shape, generator=gen).to(dtype=dtype, device=device))
+    else:
+        caches = itertools.cycle(cold.views(shape, dtype, calls))
     req = torch.cat([torch.full((q,), i) for i, (_, q) in enumerate(requests)])
     ctx = torch.cat([torch.arange(c + 1, c + q + 1) for c, q in requests])
     pos = ctx - 1
@@ -243,6 +342,7 @@ def _attention_call(kernel, spec, requests, block_size: int, dtype: torch.dtype,
     table, req, ctx = table.to(device), req.to(device), ctx.to(device)
 
     def call() -> None:
+        cache = next(caches)
         cache.index_copy_(0, slots, kv)
         kernel(q, cache, spec, table, req, ctx, block_size)
 

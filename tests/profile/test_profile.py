@@ -167,3 +167,38 @@ def test_every_profile_key_is_in_help():
     for key in ("profile.quick", "profile.dtypes", "profile.collectives_from"):
         assert key in text, key
     assert "profile" in text.split("config groups")[1].split("settings")[0]  # mode=profile listed
+
+
+def test_cold_operands_are_fresh_views_a_whole_pool_apart():
+    """A 64 KiB float32 pool: 100-element views sit 4 KiB apart (1,024 elements), so the pool
+    holds 16; asking for 20 gives those 16, and the next ask goes on from where the cursor
+    stopped, wrapping to the start. A view larger than the pool is a tensor of its own."""
+    import torch
+
+    from pcpflow.profile.sections import ColdPool
+
+    pool = ColdPool(64 << 10, torch.device("cpu"))
+    views = pool.views((100,), torch.float32, 20)
+    base = pool._buffer_of(torch.float32).data_ptr()
+    assert [(v.data_ptr() - base) // 4 for v in views] == [1024 * i for i in range(16)]
+    assert all(v.shape == (100,) and v.abs().max() <= 1 for v in views)  # filled, uniform in [-1, 1]
+    again = pool.views((2, 50), torch.float32, 3)  # the cursor wrapped: 0, then on
+    assert [(v.data_ptr() - base) // 4 for v in again] == [0, 1024, 2048]
+    big = pool.views((2, 32768), torch.float32, 5)
+    assert len(big) == 1 and big[0].shape == (2, 32768) and big[0].untyped_storage().data_ptr() != base
+    nxt = pool.cycle((10,), torch.float32, 2)
+    first, second, third = nxt(), nxt(), nxt()
+    assert first.data_ptr() != second.data_ptr() and third.data_ptr() == first.data_ptr()
+
+
+def test_the_cold_pool_is_twice_the_last_level_cache_within_bounds(monkeypatch):
+    import torch
+
+    from pcpflow.profile import sections
+    from pcpflow.profile.grid import FULL, QUICK
+
+    cpu = torch.device("cpu")
+    assert sections.cold_pool_bytes(QUICK, cpu) == 32 << 20
+    for cache, pool in ((480 << 20, 960 << 20), (32 << 20, 256 << 20), (4 << 30, 2 << 30), (None, 256 << 20)):
+        monkeypatch.setattr(sections, "last_level_cache_bytes", lambda device, c=cache: c)
+        assert sections.cold_pool_bytes(FULL, cpu) == pool
