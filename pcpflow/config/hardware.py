@@ -180,6 +180,17 @@ class HostTable(_Strict):
     per_token_us: float = Field(ge=0)
 
 
+class SyncTable(_Strict):
+    """How long a collective waits for the slowest rank beyond its own cost, after ``work_s``
+    of work on every rank (means: with every core busy, what else the machine runs delays one
+    rank and the others wait), and its fit ``fixed + per_work x work``."""
+
+    work_s: list[float] = Field(min_length=1)
+    excess_s: list[float] = Field(min_length=1)
+    fixed_us: float = Field(ge=0)
+    per_work: float = Field(ge=0)
+
+
 COLLECTIVE_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 
 
@@ -207,6 +218,7 @@ class Tables(_Strict):
     launch: LaunchTable | None = None
     host: HostTable | None = None
     collectives: list[CollectiveTable] = Field(default_factory=list)
+    sync: SyncTable | None = None
 
 
 class Measured(_Strict):

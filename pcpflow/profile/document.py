@@ -78,6 +78,9 @@ class Document:
         self.tables["collectives"] = [{**c, "seconds": _round(c["seconds"]), "latency_us": _round(c["latency_us"]),
                                        "gbps": _round(c["gbps"])} for c in f]
 
+    def _sync(self, _section: str, f: dict[str, Any]) -> None:
+        self.tables["sync"] = {k: _round(v) for k, v in f.items()}
+
     # ------------------------------------------------------------------ the file
     def profile(self, *, elapsed_s: float, complete: bool) -> dict[str, Any]:
         """The file's contents now."""

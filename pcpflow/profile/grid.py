@@ -26,6 +26,7 @@ class Grid:
     host_batches: tuple[int, ...]  # requests of one host-work run (a prefill step, then decodes)
     host_prompt: int  # tokens of each prompt
     host_long_prompt: int  # one request alone, to tell tokens from requests
+    sync_work_s: tuple[float, ...]  # work every rank does before the collective the sync section times
     min_time_s: float  # a point is repeated until it has run this long (at least once)
     max_repeats: int
     # the buffer cold operands are taken from (``sections.ColdPool``); None: twice the
@@ -45,6 +46,7 @@ FULL = Grid(
     host_batches=(1, 4, 16, 64),
     host_prompt=32,
     host_long_prompt=1024,
+    sync_work_s=(0.00025, 0.001, 0.004, 0.016, 0.064),
     min_time_s=0.02,
     max_repeats=20,
 )
@@ -61,6 +63,7 @@ QUICK = Grid(
     host_batches=(1, 8),
     host_prompt=16,
     host_long_prompt=256,
+    sync_work_s=(0.0005, 0.004),
     min_time_s=0.004,
     max_repeats=5,
     cold_pool_bytes=32 << 20,  # tests: the schema and the arithmetic, not this machine's caches

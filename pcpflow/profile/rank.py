@@ -36,7 +36,7 @@ def section_names(dtypes: list[str], *, collectives: bool) -> list[str]:
     names += [s for d in dtypes for s in (f"gemm:{d}", f"attention:{d}:prefill", f"attention:{d}:decode")]
     names.append("host")
     if collectives:
-        names.append("collectives")
+        names += ["collectives", "sync"]
     return names
 
 
@@ -167,6 +167,8 @@ def _reduce(name: str, mine: Any) -> Any:
     if name == "host":
         points = [p for e in every for p in e["points"]]
         return S.fit_host(points)
+    if name == "sync":  # every rank waits as long as the call: their mean
+        return S.fit_sync(every[0]["work_s"], np.mean([e["excess_s"] for e in every], axis=0).tolist())
     out = _mean(every)
     if name == "memory":
         out["seconds"] = S.monotone(out["seconds"])
@@ -200,6 +202,7 @@ def _points(grid, dtypes: list[str], comms: dict[str, Any]) -> int:
     n += len(dtypes) * (len(grid.prefill_rows) * len(grid.prefill_keys) + len(grid.decode_rows) * len(grid.decode_keys))
     n += len(grid.host_batches) + 2
     n += len(comms) * 6 * len(grid.collective_bytes)
+    n += len(grid.sync_work_s) if comms else 0
     return n
 
 

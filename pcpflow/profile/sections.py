@@ -14,7 +14,9 @@ ranks (collectives: the slowest rank).
 - ``host``: pcpflow's own per-step work outside the forward's layers (scheduler, validate,
   plan, buffers, slots, the restore's indexing and sampling, the forward's per-step part) by
   requests and tokens: the real engine on a minimal model with one and two layers;
-- ``collectives``: each collective a run issues, on every group of the grid, by message size.
+- ``collectives``: each collective a run issues, on every group of the grid, by message size;
+- ``sync``: how long a collective waits for the slowest rank after ``w`` seconds of work on
+  every rank, beyond the work and the collective themselves.
 
 **Operands come from memory, not from the cache.** A run's step streams every layer's weights
 and KV between two uses of one layer's: a model larger than the last-level cache meets each
@@ -492,3 +494,61 @@ def fit_collective(nbytes: list[int], seconds: list[float]) -> tuple[float, floa
     if per_byte <= 0:  # flat: the largest message's time is its latency
         per_byte = 1e-12
     return float(lat * 1e6), float(1.0 / per_byte / 1e9)
+
+
+# ------------------------------------------------------------------------------ sync
+def sync(b: Bench) -> dict[str, Any]:
+    """The wait for the slowest rank. Every rank does the same work for about ``w`` seconds,
+    then one collective (a one-element all-reduce on the largest group), many times over.
+    The profile's collectives table times each call after a barrier, when every rank arrives
+    at once. A run's ranks arrive as their work lets them. With every core busy, whatever
+    else the machine runs (the OS, the driver, a VM's host) delays one rank, and the others
+    wait for it. The excess is the loop's mean time less two things: the work's own mean
+    (every rank working at the same time, no collective) and the bare collective's median.
+    Means, not medians: a run's TTFT and TPOT are means, and the waits are a heavy tail."""
+    comm = max(b.comms.values(), key=lambda c: c.size)
+    a = torch.randn(128, 128, device=b.device)
+    one = torch.zeros(1, device=b.device)
+    unit = b.timed(lambda: a @ a)
+    budget = 0.5 if b.grid.max_repeats > 5 else 0.1
+    excess = []
+    for w in b.grid.sync_work_s:
+        reps = max(1, round(w / unit))
+        iters = int(min(400, max(20, budget / w)))
+
+        def work() -> None:
+            for _ in range(reps):
+                a @ a
+            b.sync()
+
+        def loop(fn) -> list[float]:
+            comm.barrier()
+            times = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return times
+
+        def synced() -> None:
+            work()
+            comm.all_reduce(one, "profile")
+            b.sync()
+
+        alone = statistics.mean(loop(work))
+        together = statistics.mean(loop(synced))
+        bare = statistics.median(loop(lambda: (comm.all_reduce(one, "profile"), b.sync())))
+        excess.append(max(together - alone - bare, 0.0))
+        b.tick(1)
+    return {"work_s": list(b.grid.sync_work_s), "excess_s": excess}
+
+
+def fit_sync(work_s: list[float], excess_s: list[float]) -> dict[str, Any]:
+    """``excess = fixed + per_work x work`` (least squares on the relative error, both kept
+    non-negative): a collective's mean wait for the slowest rank after ``work`` seconds of
+    work."""
+    x, y = np.asarray(work_s, dtype=np.float64), np.asarray(excess_s, dtype=np.float64)
+    w = 1.0 / np.maximum(y, 1e-4)  # under 100 us, a point weighs as 100 us (an excess of 0 is one)
+    fixed, per_work = nonneg_lstsq(np.stack([w, x * w], 1), y * w)
+    return {"work_s": [float(v) for v in x], "excess_s": [float(v) for v in y], "fixed_us": float(fixed * 1e6),
+            "per_work": float(per_work)}

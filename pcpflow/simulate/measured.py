@@ -215,6 +215,17 @@ def host_seconds(tables: Tables, requests: int, tokens: int) -> float:
     return (h.fixed_us + h.per_request_us * requests + h.per_token_us * tokens) * 1e-6
 
 
+def sync_wait_seconds(tables: Tables, calls: int, busy_s) -> float:
+    """How long a step's ``calls`` collectives wait, in all, for the slowest rank (0 without a
+    sync table or a collective): each call its fixed wait, and the work between them (the
+    busiest rank's ``busy_s``, the step's time outside its collectives) its share:
+    ``calls x fixed + per_work x busy``, the sync table's fit summed over the step's calls."""
+    t = tables.sync
+    if t is None or calls <= 0:
+        return 0.0
+    return calls * t.fixed_us * 1e-6 + t.per_work * float(np.max(busy_s))
+
+
 def launch_us(hw: HardwareConfig, attention: str) -> float:
     """One op of pcpflow's forward: the layer's own measure for its attention kind, else
     ``host.launch_us``."""

@@ -77,6 +77,7 @@ from pcpflow.simulate.measured import (
     head_features,
     host_seconds,
     launch_us,
+    sync_wait_seconds,
 )
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes
 
@@ -509,6 +510,8 @@ class Pricer:
             total = gpu + host + work
         else:
             total = np.maximum(gpu, host) + work
+        wait = sync_wait_seconds(self.hw.tables, calls, total - comm) if self.measured else 0.0
+        total = total + wait
         slow = int(np.argmax(total))
         out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
                "memory_ops": [float(t_mem[slow]), 0.0]}
@@ -516,6 +519,8 @@ class Pricer:
         out["host_launch"] = [host, 0.0] if inline else [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
         if self.measured:
             out["host_work"] = [work, 0.0]
+            if wait:
+                out["sync_wait"] = [wait, 0.0]
         p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
         fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
         return StepPrice(

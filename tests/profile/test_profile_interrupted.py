@@ -50,3 +50,24 @@ def test_ctrl_c_keeps_a_partial_profile(tmp_path):
     r = cli("mode=simulate", "hardware=measured", f"hardware.path={path}", "dtype=float32", "model=tiny_gqa", "pcp=2",
             f"hydra.run.dir={tmp_path / 'sim'}")
     assert r.returncode == 2 and "partial" in r.stderr and "collectives" in r.stderr, r.stderr
+
+
+def test_a_quick_profile_of_two_ranks_measures_every_section(tmp_path):
+    """A whole quick profile at pcp=2: complete, every section's table, the waits for the
+    slowest rank among them, and a simulated run prices on it."""
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "pcpflow", "mode=profile", "pcp=2", "profile.quick=true",
+                        f"hydra.run.dir={run}", "output.progress=false"],
+                       cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, text=True,
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = yaml.safe_load((run / "hardware.yaml").read_text())
+    assert doc["measured"]["status"] == "complete" and not doc["measured"]["missing"]
+    tables = doc["tables"]
+    assert {"gemm", "attention", "memory", "launch", "host", "collectives", "sync"} <= set(tables)
+    sync = tables["sync"]
+    assert sync["work_s"] == [0.0005, 0.004] and len(sync["excess_s"]) == 2 and min(sync["excess_s"]) >= 0
+    assert sync["fixed_us"] >= 0 and sync["per_work"] >= 0
+    sim = cli("mode=simulate", "hardware=measured", f"hardware.path={run / 'hardware.yaml'}", "dtype=float32",
+              "model=tiny_gqa", "pcp=2", f"hydra.run.dir={tmp_path / 'sim'}", "output.plots=false")
+    assert sim.returncode == 0, sim.stderr[-3000:]

@@ -138,3 +138,46 @@ def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
     assert steps[0]["step_s"] == pytest.approx(step(16, 16 * 17 // 2, 16), rel=1e-9)
     assert steps[1]["step_s"] == pytest.approx(step(1, 17, 1), rel=1e-9)
     assert steps[1]["purpose_s"]["host_work"] == pytest.approx((1000 + 100 + 10) * 1e-6)
+
+
+def test_each_collective_waits_for_the_slowest_rank_as_the_sync_table_says(tmp_path):
+    """The same pcp=2 run priced without and with a sync table (fixed 100 us, 5% of the work).
+    Each step waits ``calls x fixed + per_work x busy``: its collective calls (the prefill: two
+    KV gathers and the restore, 3; a decode: the restore, 1), and its time outside them on the
+    table-less run. At pcp=1 no collective runs, and nothing waits."""
+    from pcpflow.simulate.engine import simulate_run
+
+    def steps(sync: dict | None, pcp: int) -> list[dict]:
+        doc = profile_dict()
+        if sync:
+            doc["tables"]["sync"] = sync
+        name = f"{pcp}-{bool(sync)}"
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+        cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / name}.yaml", "dtype=float32",
+                       f"pcp={pcp}", "model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[16]",
+                       "workload.output_lens=[2]", "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64",
+                       "output.plots=false"])
+        (tmp_path / name).mkdir()
+        simulate_run(cfg, tmp_path / name)
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    sync = {"work_s": [0.001, 0.004], "excess_s": [0.00015, 0.0003], "fixed_us": 100.0, "per_work": 0.05}
+    plain, waiting = steps(None, 2), steps(sync, 2)
+    assert [sum(r["collective_calls"].values()) for r in plain] == [3, 1]
+    for a, b in zip(plain, waiting):
+        calls = sum(a["collective_calls"].values())
+        busy = a["step_s"] - sum(a["purpose_s"][p] for p in a["collective_calls"])
+        wait = calls * 100e-6 + 0.05 * busy
+        assert b["purpose_s"]["sync_wait"] == pytest.approx(wait, rel=1e-9)
+        assert b["step_s"] == pytest.approx(a["step_s"] + wait, rel=1e-9)
+    one = steps(sync, 1)
+    assert all("sync_wait" not in r["purpose_s"] for r in one)
+
+
+def test_the_sync_fit_recovers_the_law_it_was_made_from():
+    from pcpflow.profile.sections import fit_sync
+
+    work = [0.00025, 0.001, 0.004, 0.016, 0.064]
+    fit = fit_sync(work, [120e-6 + 0.04 * w for w in work])
+    assert fit["fixed_us"] == pytest.approx(120.0, rel=1e-6) and fit["per_work"] == pytest.approx(0.04, rel=1e-6)
+    assert fit_sync(work, [0.0] * 5)["fixed_us"] == 0 and fit_sync(work, [0.0] * 5)["per_work"] == 0
