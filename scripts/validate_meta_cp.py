@@ -151,7 +151,7 @@ def fit() -> dict[str, float]:
 def held_out() -> str:
     """Predictions for the shapes of the paper's held-out tables (no published value here:
     they are the reviewers'): a cached 128K context continued on CP4 x TP8 by pass-KV and
-    pass-Q (and what ``ring_auto`` runs: ``choose_ring_variant``, Meta's Algorithm 5 with this
+    pass-Q (and what ``ring_auto`` runs: ``choose_ring_variant``, the executed rule, with this
     hardware's rates), decode time per token by layout, and TP spread over nodes against CP."""
     miss = (1_280, 6_400, 12_800, 25_600, 64_000, 128_000)
     out = ["Cached prefix, 128,000 tokens of context, CP4 x TP8, TTFT of the continued prefill (ms):", "",

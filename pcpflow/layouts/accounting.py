@@ -671,23 +671,14 @@ def choose_ring_variant(
     """The ring variant of one step, ``"pass_kv"`` or ``"pass_q"``, under ``policy``
     (``ring_pass_kv`` | ``ring_pass_q`` | ``ring_auto``).
 
-    ``ring_auto`` is Meta's rule (arXiv 2411.01783) over the step's split prefills: T new
-    tokens, P cached ones. Pass-KV sends every key of the context once per hop, ``2 * N_KV``
-    head-vectors a token, pass-Q the new queries, ``N_H``. Without a machine's rates
-    (an executed run) it is Algorithm 1's miss-rate test, Equation 1: pass-KV when
+    ``ring_auto`` is Meta's rule (arXiv 2411.01783, Algorithm 1) over the step's split
+    prefills: T new tokens, P cached ones. Pass-KV sends every key of the context once per
+    hop, ``2 * N_KV`` head-vectors a token, pass-Q the new queries, ``N_H``: pass-KV when
     ``T / (T + P) >= 2 * N_KV / N_H`` (here ``entry_dim / (H * qk_dim)``: MLA's latent is one
-    entry for all heads).
-
-    With a machine's ``peak_flops`` C and ``bandwidth`` BW (bytes/s) it is Algorithm 5 (the
-    paper's Appendix C): pass-KV when its hop hides behind its attention, ``T >= N * C *
-    entry_bytes / (2 * H * (qk_dim + v_dim) * BW)`` (Equation 2, Meta's ``N * C * N_KV * e /
-    (2 * N_H * BW)``), or when its exposed hops cost less than pass-Q's All2All of the
-    partial outputs, ``T / (T + P) >= 2 * N_KV / N_H - 4 * T * BW / (N * C * e)`` (Equation 5;
-    here ``entry_dim / (H * qk_dim) - 2 * T * (qk_dim + v_dim) * BW / (N * C * qk_dim * e)``:
-    the attention's ``2 * H * (qk_dim + v_dim)`` FLOPs a query-key pair over the query row's
-    bytes, ``H * qk_dim * e``; an output row is taken as a query row, Meta's ``D + 1 ~ D``).
-    Both sides are multiplied out, so that a hand-worked boundary is exact. A step without
-    split prefills (decodes only) runs pass-Q, as Meta's decode does."""
+    entry for all heads). With a machine's ``peak_flops`` and ``bandwidth`` (bytes/s), also
+    when pass-KV's hop hides behind its attention: ``T >= P_ring * C * entry_bytes /
+    (2 * H * (qk_dim + v_dim) * BW)`` (Meta's ``N * C * N_KV * e / (2 * N_H * BW)``). A step
+    without split prefills (decodes only) runs pass-Q, as Meta's decode does."""
     if policy in ("ring_pass_kv", "ring_pass_q"):
         return policy[len("ring_"):]
     if policy != "ring_auto":
@@ -697,19 +688,14 @@ def choose_ring_variant(
     new = int(q[split].sum())
     if not new:
         return "pass_q"
-    context = new + int(request_num_computed(layout, positions)[split].sum())
-    s = shape
-    query_row = s.num_heads * s.qk_dim  # elements of one new token's query (Q bytes / e)
-    if not (peak_flops and bandwidth):  # Equation 1: the counts alone
-        return "pass_kv" if new * query_row >= s.entry_dim * context else "pass_q"
-    flops_per_pair = 2 * s.num_heads * (s.qk_dim + s.v_dim)
-    ring_compute = layout.pcp_size * peak_flops * s.dtype_bytes  # N * C * e
-    if new * flops_per_pair * bandwidth >= ring_compute * s.entry_dim:  # Equation 2: the hop hides
+    cached = int(request_num_computed(layout, positions)[split].sum())
+    if new / (new + cached) >= shape.entry_dim / (shape.num_heads * shape.qk_dim):
         return "pass_kv"
-    # Equation 5 times (T + P) * H * qk_dim * N * C * e
-    exposed_kv_beats_all2all = (new * query_row * ring_compute + new * flops_per_pair * bandwidth * context
-                                >= s.entry_dim * context * ring_compute)
-    return "pass_kv" if exposed_kv_beats_all2all else "pass_q"
+    if peak_flops and bandwidth:
+        flops_per_pair = 2 * shape.num_heads * (shape.qk_dim + shape.v_dim)
+        if new * flops_per_pair * bandwidth >= layout.pcp_size * peak_flops * shape.entry_dim * shape.dtype_bytes:
+            return "pass_kv"
+    return "pass_q"
 
 
 @dataclass(frozen=True)

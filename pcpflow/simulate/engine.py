@@ -281,8 +281,8 @@ class SimulatedRun:
         return self._choose(policy, batch, layout)
 
     def _choose(self, policy: str, batch, layout) -> str:
-        """``choose_ring_variant`` with this hardware's numbers (Meta's Algorithm 5; an
-        executed run has none and takes Algorithm 1's counts): the attention's rate (the dense peak at FlashAttention-3's plateau share) and the
+        """``choose_ring_variant``, the executed ring's choice, with this hardware's numbers:
+        the attention's rate (the dense peak at FlashAttention-3's plateau share) and the
         ring's point-to-point rate (``p2p_rate_gbps``)."""
         hw = self.hw
         shape = self.sizes.shape_per_rank(self.grid.tp, DTYPE_BYTES[kv_key(self.cfg)])
