@@ -168,7 +168,7 @@ def _reduce(name: str, mine: Any) -> Any:
         points = [p for e in every for p in e["points"]]
         return S.fit_host(points)
     if name == "sync":  # every rank waits as long as the call: their mean
-        return S.fit_sync(every[0]["work_s"], np.mean([e["excess_s"] for e in every], axis=0).tolist())
+        return S.fit_sync(*(np.mean([e[k] for e in every], axis=0).tolist() for k in ("work_s", "excess_s")))
     out = _mean(every)
     if name == "memory":
         out["seconds"] = S.monotone(out["seconds"])

@@ -511,7 +511,7 @@ def sync(b: Bench) -> dict[str, Any]:
     one = torch.zeros(1, device=b.device)
     unit = b.timed(lambda: a @ a)
     budget = 0.5 if b.grid.max_repeats > 5 else 0.1
-    excess = []
+    work_s, excess = [], []
     for w in b.grid.sync_work_s:
         reps = max(1, round(w / unit))
         iters = int(min(400, max(20, budget / w)))
@@ -538,9 +538,10 @@ def sync(b: Bench) -> dict[str, Any]:
         alone = statistics.mean(loop(work))
         together = statistics.mean(loop(synced))
         bare = statistics.median(loop(lambda: (comm.all_reduce(one, "profile"), b.sync())))
+        work_s.append(alone)  # the work as it ran (about w: its repeats were sized by one timed call)
         excess.append(max(together - alone - bare, 0.0))
         b.tick(1)
-    return {"work_s": list(b.grid.sync_work_s), "excess_s": excess}
+    return {"work_s": work_s, "excess_s": excess}
 
 
 def fit_sync(work_s: list[float], excess_s: list[float]) -> dict[str, Any]:
