@@ -505,7 +505,11 @@ def sync(b: Bench) -> dict[str, Any]:
     else the machine runs (the OS, the driver, a VM's host) delays one rank, and the others
     wait for it. The excess is the loop's mean time less two things: the work's own mean
     (every rank working at the same time, no collective) and the bare collective's median.
-    Means, not medians: a run's TTFT and TPOT are means, and the waits are a heavy tail."""
+    Means, not medians: a run's TTFT and TPOT are means, and the waits are a heavy tail.
+
+    NOTE: timing each iteration's work and collective apart within the one loop (the waits
+    read directly) gave 2-3x these excesses at 64 ms and fitted the validation runs worse
+    (docs/profile.md); the loops are kept apart."""
     comm = max(b.comms.values(), key=lambda c: c.size)
     a = torch.randn(128, 128, device=b.device)
     one = torch.zeros(1, device=b.device)
@@ -521,6 +525,10 @@ def sync(b: Bench) -> dict[str, Any]:
                 a @ a
             b.sync()
 
+        def collective() -> None:
+            comm.all_reduce(one, "profile")
+            b.sync()
+
         def loop(fn) -> list[float]:
             comm.barrier()
             times = []
@@ -530,15 +538,10 @@ def sync(b: Bench) -> dict[str, Any]:
                 times.append(time.perf_counter() - t)
             return times
 
-        def synced() -> None:
-            work()
-            comm.all_reduce(one, "profile")
-            b.sync()
-
         alone = statistics.mean(loop(work))
-        together = statistics.mean(loop(synced))
-        bare = statistics.median(loop(lambda: (comm.all_reduce(one, "profile"), b.sync())))
-        work_s.append(alone)  # the work as it ran (about w: its repeats were sized by one timed call)
+        together = statistics.mean(loop(lambda: (work(), collective())))
+        bare = statistics.median(loop(collective))
+        work_s.append(alone)  # the work as it ran (about w: one timed call sized its repeats)
         excess.append(max(together - alone - bare, 0.0))
         b.tick(1)
     return {"work_s": work_s, "excess_s": excess}
@@ -547,9 +550,10 @@ def sync(b: Bench) -> dict[str, Any]:
 def fit_sync(work_s: list[float], excess_s: list[float]) -> dict[str, Any]:
     """``excess = fixed + per_work x work`` (least squares on the relative error, both kept
     non-negative): a collective's mean wait for the slowest rank after ``work`` seconds of
-    work."""
+    work. A point under a tenth of the largest excess weighs as that tenth (an excess of 0,
+    a noisy mean clipped, must not pin the fit)."""
     x, y = np.asarray(work_s, dtype=np.float64), np.asarray(excess_s, dtype=np.float64)
-    w = 1.0 / np.maximum(y, 1e-4)  # under 100 us, a point weighs as 100 us (an excess of 0 is one)
+    w = 1.0 / np.maximum(y, max(0.1 * float(y.max(initial=0.0)), 1e-9))
     fixed, per_work = nonneg_lstsq(np.stack([w, x * w], 1), y * w)
     return {"work_s": [float(v) for v in x], "excess_s": [float(v) for v in y], "fixed_us": float(fixed * 1e6),
             "per_work": float(per_work)}
