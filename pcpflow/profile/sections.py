@@ -433,7 +433,9 @@ def collectives(b: Bench) -> list[dict[str, Any]]:
     """Every op a run issues (``pcpflow.parallel.comm.Comm``: all-gather, all-reduce,
     reduce-scatter, all-to-all, broadcast; a ring's send/recv) on every group of the grid
     with more than one rank, by one rank's tensor bytes; a barrier before each call so that
-    it times the collective, not a peer's lateness."""
+    it times the collective, not a peer's lateness. The mean of the calls: their times are a
+    heavy tail, and a run pays the mean (a small all-reduce's was 1.7x its median on a 2-core
+    VM)."""
     from pcpflow.config.hardware import COLLECTIVE_OPS
 
     out = []
@@ -471,7 +473,7 @@ def _collective_seconds(b: Bench, comm, op: str, nbytes: int) -> float:
         call()
         b.sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.mean(times)
 
 
 def monotone(seconds: list[float]) -> list[float]:
