@@ -107,11 +107,22 @@ class Overlap(_Strict):
 
 
 class HeadShape(_Strict):
-    """A GQA head shape the attention tables were measured at (a basis of the price)."""
+    """A head shape the attention tables were measured at (a basis of the price): GQA
+    (``heads`` query heads over ``kv_heads`` KV heads of ``head_dim``), or MLA's absorbed
+    attention (``heads`` query heads over one latent of ``head_dim`` = kv_lora_rank plus
+    ``rope_dim``, the latent its values)."""
 
+    kind: Literal["gqa", "mla"] = "gqa"
     heads: int = Field(ge=1)
     kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
+    rope_dim: int = Field(0, ge=0, description="mla: the rope part of the latent entry")
+
+    @model_validator(mode="after")
+    def _mla(self) -> HeadShape:
+        if self.kind == "mla" and self.kv_heads != 1:
+            raise ValueError(f"an mla head shape has kv_heads=1 (one latent), not {self.kv_heads}")
+        return self
 
 
 class GemmTable(_Strict):
@@ -139,12 +150,14 @@ class AttentionTable(_Strict):
 
 class AttentionTables(_Strict):
     backend: str = Field(description="the paged-attention kernel measured (pipeline.forward.attention resolved)")
-    basis: list[HeadShape] = Field(min_length=4, description="the head shapes measured (at least four)")
+    basis: list[HeadShape] = Field(min_length=4, description="the head shapes measured (at least four GQA ones; MLA is priced on its own shapes when four or more were measured)")
     prefill: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one request's chunk")
     decode: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one row per request")
 
     @model_validator(mode="after")
     def _shape(self) -> AttentionTables:
+        if sum(b.kind == "gqa" for b in self.basis) < 4:
+            raise ValueError("basis: at least four gqa head shapes (four coefficients are fitted on them)")
         for phase in ("prefill", "decode"):
             for dtype, t in getattr(self, phase).items():
                 _check_grid(t.seconds, (len(t.rows), len(t.keys), len(self.basis)), f"{phase}.{dtype}.seconds")

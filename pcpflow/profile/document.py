@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig
-from pcpflow.profile.grid import ATTENTION_BASIS
+from pcpflow.profile.grid import basis_shapes
 
 PROFILE_FILE = "hardware.yaml"
 GIB = 2**30
@@ -66,7 +66,7 @@ class Document:
         _, dtype, phase = section.split(":")
         att = self.tables.setdefault("attention", {
             "backend": self.attention,
-            "basis": [{"heads": h, "kv_heads": kv, "head_dim": d} for h, kv, d in ATTENTION_BASIS],
+            "basis": basis_shapes(),
             "prefill": {}, "decode": {},
         })
         att[phase][dtype] = {**f, "seconds": _round(f["seconds"])}

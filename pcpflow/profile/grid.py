@@ -11,6 +11,17 @@ from dataclasses import dataclass
 # (``pcpflow.simulate.measured``). Six shapes for four unknowns: a least-squares fit, not a
 # solve that amplifies each measure's noise.
 ATTENTION_BASIS = ((1, 1, 16), (8, 1, 16), (8, 8, 16), (2, 2, 64), (4, 1, 128), (8, 8, 64))
+# MLA's absorbed attention (a latent entry that is both key and value) runs another path of
+# the backend, at another cost per feature: its own coefficients, fitted on these shapes
+# (heads, kv_lora_rank, rope_dim) whose latents span the cards' (DeepSeek: 512 + 64).
+MLA_BASIS = ((1, 16, 8), (8, 32, 16), (2, 64, 16), (4, 128, 32), (1, 256, 32))
+
+
+def basis_shapes() -> list[dict[str, int | str]]:
+    """Every head shape the attention section measures, as ``HeadShape`` fields, in order."""
+    return ([{"heads": h, "kv_heads": kv, "head_dim": d} for h, kv, d in ATTENTION_BASIS]
+            + [{"kind": "mla", "heads": h, "kv_heads": 1, "head_dim": lora, "rope_dim": rope}
+               for h, lora, rope in MLA_BASIS])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ ranks (collectives: the slowest rank).
 - ``gemm``: ``F.linear`` by ``(m, n, k)`` for each dtype;
 - ``attention``: one layer's call into the run's attention backend (the KV write and the
   kernel) by (query rows, mean keys per row), prefill (one request's chunk, or several) and
-  decode (one row per request), at four head shapes (``grid.ATTENTION_BASIS``);
+  decode (one row per request), at six GQA head shapes and five MLA ones (``grid.ATTENTION_BASIS``,
+  ``grid.MLA_BASIS``);
 - ``host``: pcpflow's own per-step work outside the forward's layers (scheduler, validate,
   plan, buffers, slots, the restore's indexing and sampling, the forward's per-step part) by
   requests and tokens: the real engine on a minimal model with one and two layers;
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pcpflow.profile.grid import ATTENTION_BASIS, Grid
+from pcpflow.profile.grid import Grid, basis_shapes
 from pcpflow.simulate.measured import nonneg_lstsq
 
 LONG_S = 0.25
@@ -277,10 +278,13 @@ def gemm(b: Bench, dtype: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ attention
 def attention(b: Bench, dtype: str, phase: str) -> dict[str, Any]:
     from pcpflow.attention.fused import attention_kernel
-    from pcpflow.models.layers import gqa_spec
+    from pcpflow.models.layers import gqa_spec, mla_spec
 
     kernel = attention_kernel(b.attention, b.device)
     g, dt = b.grid, TORCH_DTYPES[dtype]
+    specs = [gqa_spec(s["heads"], s["kv_heads"], s["head_dim"]) if s.get("kind") != "mla" else
+             mla_spec(s["heads"], s["head_dim"], s["rope_dim"], (s["head_dim"] + s["rope_dim"]) ** -0.5)
+             for s in basis_shapes()]
     rows_axis = g.prefill_rows if phase == "prefill" else g.decode_rows
     keys_axis = g.prefill_keys if phase == "prefill" else g.decode_keys
     seconds = []
@@ -290,9 +294,9 @@ def attention(b: Bench, dtype: str, phase: str) -> dict[str, Any]:
             for keys in keys_axis:
                 requests = attention_requests(phase, rows, keys)
                 point = []
-                for heads, kv_heads, dim in ATTENTION_BASIS:
-                    call = _attention_call(kernel, gqa_spec(heads, kv_heads, dim), requests, b.block_size, dt, b.device,
-                                           cold=b.cold, calls=b.calls)
+                for spec in specs:
+                    call = _attention_call(kernel, spec, requests, b.block_size, dt, b.device, cold=b.cold,
+                                           calls=b.calls)
                     point.append(b.timed(call))
                 plane.append(point)
                 b.tick(1)

@@ -76,11 +76,28 @@ def head_features(entry: float, heads: float, products: float) -> np.ndarray:
     return np.array([1.0, entry, heads, products])
 
 
-def attention_coefficients(basis, seconds: np.ndarray) -> np.ndarray:
-    """``c`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the basis head
-    shapes' seconds fitted by ``[1, E, H, F] . c``, no coefficient negative, each shape's
-    relative error weighing alike."""
-    a = np.array([head_features(2.0 * b.kv_heads * b.head_dim, b.heads, 2.0 * b.heads * b.head_dim) for b in basis])
+def shape_features(b) -> np.ndarray:
+    """``head_features`` of a basis ``HeadShape``: GQA's K and V entries, or MLA's one latent
+    (``head_dim + rope_dim``) scored at its full width and summed at ``head_dim``."""
+    if b.kind == "mla":
+        entry = b.head_dim + b.rope_dim
+        return head_features(entry, b.heads, b.heads * (entry + b.head_dim))
+    return head_features(2.0 * b.kv_heads * b.head_dim, b.heads, 2.0 * b.heads * b.head_dim)
+
+
+def fitted_kind(basis, kind: str) -> str:
+    """The basis kind a run's ``kind`` of attention is priced on: its own when the profile
+    measured at least four of its shapes (four coefficients), else GQA's (older profiles)."""
+    return kind if sum(b.kind == kind for b in basis) >= 4 else "gqa"
+
+
+def attention_coefficients(basis, seconds: np.ndarray, kind: str = "gqa") -> np.ndarray:
+    """``c`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the seconds of the
+    basis head shapes of ``kind`` fitted by ``[1, E, H, F] . c``, no coefficient negative,
+    each shape's relative error weighing alike."""
+    pick = [i for i, b in enumerate(basis) if b.kind == kind]
+    a = np.array([shape_features(basis[i]) for i in pick])
+    seconds = np.asarray(seconds)[..., pick]
     flat = seconds.reshape(-1, seconds.shape[-1])
     out = np.empty((flat.shape[0], 4))
     for i, t in enumerate(flat):
@@ -142,32 +159,33 @@ class MeasuredKernels:
 
     # ------------------------------------------------------------------ attention
     @cached_property
-    def _attention(self) -> dict[str, tuple[list[np.ndarray], np.ndarray]]:
-        """Per phase: the grid's axes and the fitted coefficients at every point."""
+    def _attention(self) -> dict[tuple[str, str], tuple[list[np.ndarray], np.ndarray]]:
+        """Per (phase, basis kind): the grid's axes and the fitted coefficients at every point."""
         att = self.tables.attention
         out = {}
         for phase in ("prefill", "decode"):
             t: AttentionTable | None = getattr(att, phase).get(self.dtype) if att else None
             if t is not None:
-                coef = attention_coefficients(att.basis, np.asarray(t.seconds, float))
-                out[phase] = ([np.asarray(t.rows, float), np.asarray(t.keys, float)], coef)
+                for kind in {fitted_kind(att.basis, k) for k in ("gqa", "mla")}:
+                    coef = attention_coefficients(att.basis, np.asarray(t.seconds, float), kind)
+                    out[phase, kind] = ([np.asarray(t.rows, float), np.asarray(t.keys, float)], coef)
         return out
 
-    def attention(self, phase: str, rows: float, keys: float, features: np.ndarray) -> float:
+    def attention(self, phase: str, rows: float, keys: float, features: np.ndarray, kind: str = "gqa") -> float:
         """One call's seconds: ``rows`` query rows attending ``keys`` keys each on average,
-        for the head shape of ``features`` (``head_features``). Outside the table, the
-        nearest point's seconds per pair."""
+        for the head shape of ``features`` (``head_features``) of attention ``kind`` (gqa |
+        mla). Outside the table, the nearest point's seconds per pair."""
         if rows <= 0 or keys <= 0:
             return 0.0
-        axes, coef = self._attention[phase]
+        axes, coef = self._attention[phase, fitted_kind(self.tables.attention.basis, kind)]
         r = float(np.clip(rows, axes[0][0], axes[0][-1]))
         kk = float(np.clip(keys, axes[1][0], axes[1][-1]))
         t = interpolate(axes, np.maximum(coef @ features, 1e-12), [r, kk])
         return t * max(rows * keys / (r * kk), 1.0)
 
-    def attention_fixed(self, features: np.ndarray) -> float:
+    def attention_fixed(self, features: np.ndarray, kind: str = "gqa") -> float:
         """The seconds of the smallest decode call measured: one call's fixed cost."""
-        _, coef = self._attention["decode"]
+        _, coef = self._attention["decode", fitted_kind(self.tables.attention.basis, kind)]
         return float(coef[0, 0] @ features)
 
     # ------------------------------------------------------------------ memory

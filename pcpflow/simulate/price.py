@@ -670,11 +670,11 @@ class Pricer:
         t_pre, t_dec = np.zeros(P), np.zeros(P)
         for r in range(P):
             if pre_rows[r] and prefill_pairs[r] > 0:
-                t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w)
+                t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w, s.attention)
             if dec_rows[r] and decode_pairs[r] > 0:
-                t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w)
+                t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w, s.attention)
             if grid.dcp == 1 and t_pre[r] and t_dec[r]:  # one call holds both: one fixed cost
-                t_dec[r] = max(t_dec[r] - k.attention_fixed(w), 0.0)
+                t_dec[r] = max(t_dec[r] - k.attention_fixed(w, s.attention), 0.0)
         t_pre, t_dec = L * t_pre, L * t_dec
         return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
                          np.zeros(P))

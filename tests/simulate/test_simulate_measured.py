@@ -53,6 +53,44 @@ def test_a_head_shape_is_priced_on_the_coefficients_fitted_to_the_basis():
     assert (attention_coefficients(basis, noisy) >= 0).all()
 
 
+MLA_SHAPES = [(1, 16, 8), (8, 32, 16), (2, 64, 16), (4, 128, 32), (1, 256, 32)]  # heads, kv_lora, rope
+M_E, M_H, M_F = 5e-9, 2e-9, 1.1e-9  # MLA's own law: another cost per feature than GQA's
+
+
+def mla_pair_cost(heads: int, lora: int, rope: int) -> float:
+    # One latent of lora + rope is the key, its first lora elements the value.
+    return M_E * (lora + rope) + M_H * heads + M_F * heads * (2 * lora + rope)
+
+
+def test_mla_is_priced_on_its_own_shapes_and_on_gqa_s_in_an_older_profile():
+    doc = profile_dict()
+    att = doc["tables"]["attention"]
+    att["basis"] += [{"kind": "mla", "heads": h, "kv_heads": 1, "head_dim": lora, "rope_dim": rope}
+                     for h, lora, rope in MLA_SHAPES]
+    for phase in ("prefill", "decode"):
+        t = att[phase]["float32"]
+        t["seconds"] = [[[*point, *(r * k * mla_pair_cost(*m) for m in MLA_SHAPES)] for k, point in zip(t["keys"], plane)]
+                        for r, plane in zip(t["rows"], t["seconds"])]
+    hw = HardwareConfig.model_validate(doc)
+    k = MeasuredKernels(hw, dtype="float32")
+    # DeepSeek-like absorbed MLA, 16 heads over a 512 + 64 latent: entry 576, 16 x (576 + 512) products.
+    w = head_features(576, 16, 16 * 1088)
+    assert k.attention("prefill", 300, 150.5, w, "mla") == pytest.approx(300 * 150.5 * mla_pair_cost(16, 512, 64))
+    assert k.attention("prefill", 300, 150.5, w, "gqa") == pytest.approx(300 * 150.5 * pair_cost(576, 16, 16 * 1088))
+    older = MeasuredKernels(HardwareConfig.model_validate(profile_dict()), dtype="float32")
+    assert older.attention("decode", 8, 40, w, "mla") == pytest.approx(8 * 40 * pair_cost(576, 16, 16 * 1088))
+
+
+def test_a_basis_needs_four_gqa_shapes_and_an_mla_shape_one_latent():
+    doc = profile_dict()
+    doc["tables"]["attention"]["basis"][0] = {"kind": "mla", "heads": 2, "kv_heads": 2, "head_dim": 16}
+    with pytest.raises(ValueError, match="kv_heads=1"):
+        HardwareConfig.model_validate(doc)
+    doc["tables"]["attention"]["basis"][:3] = [{"kind": "mla", "heads": 2, "kv_heads": 1, "head_dim": 16}] * 3
+    with pytest.raises(ValueError, match="four gqa head shapes"):
+        HardwareConfig.model_validate(doc)
+
+
 def test_gemms_interpolate_inside_and_take_the_roofline_outside():
     hw = HardwareConfig.model_validate(profile_dict())
     k = MeasuredKernels(hw, dtype="float32")
