@@ -503,6 +503,9 @@ def fit_collective(nbytes: list[int], seconds: list[float]) -> tuple[float, floa
 
 
 # ------------------------------------------------------------------------------ sync
+SYNC_BUDGET_S, SYNC_ROUNDS = 3.0, 6  # seconds of one point of the sync section (full grid); rounds
+
+
 def sync(b: Bench) -> dict[str, Any]:
     """The wait for the slowest rank. Every rank does the same work for about ``w`` seconds,
     then one collective (a one-element all-reduce on the largest group), many times over.
@@ -520,11 +523,14 @@ def sync(b: Bench) -> dict[str, Any]:
     a = torch.randn(128, 128, device=b.device)
     one = torch.zeros(1, device=b.device)
     unit = b.timed(lambda: a @ a)
-    budget = 0.5 if b.grid.max_repeats > 5 else 0.1
+    # NOTE: the waits are a heavy tail, so a point's mean needs many iterations: each point
+    # runs for about ``budget`` seconds, its two loops alternating in rounds (a drift of the
+    # machine's speed during the point weighs on both alike).
+    budget = SYNC_BUDGET_S if b.grid.max_repeats > 5 else SYNC_BUDGET_S / 10
     work_s, excess = [], []
     for w in b.grid.sync_work_s:
         reps = max(1, round(w / unit))
-        iters = int(min(400, max(20, budget / w)))
+        iters = max(2, round(budget / 2 / SYNC_ROUNDS / w))  # per loop and round
 
         def work() -> None:
             for _ in range(reps):
@@ -535,20 +541,22 @@ def sync(b: Bench) -> dict[str, Any]:
             comm.all_reduce(one, "profile")
             b.sync()
 
-        def loop(fn) -> list[float]:
+        def loop(fn, n: int) -> list[float]:
             comm.barrier()
             times = []
-            for _ in range(iters):
+            for _ in range(n):
                 t = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t)
             return times
 
-        alone = statistics.mean(loop(work))
-        together = statistics.mean(loop(lambda: (work(), collective())))
-        bare = statistics.median(loop(collective))
-        work_s.append(alone)  # the work as it ran (about w: one timed call sized its repeats)
-        excess.append(max(together - alone - bare, 0.0))
+        alone, together = [], []
+        for _ in range(SYNC_ROUNDS):
+            alone += loop(work, iters)
+            together += loop(lambda: (work(), collective()), iters)
+        bare = statistics.median(loop(collective, 200))
+        work_s.append(statistics.mean(alone))  # the work as it ran (about w: one timed call sized its repeats)
+        excess.append(max(statistics.mean(together) - statistics.mean(alone) - bare, 0.0))
         b.tick(1)
     return {"work_s": work_s, "excess_s": excess}
 
