@@ -150,7 +150,11 @@ class AttentionTable(_Strict):
 
 class AttentionTables(_Strict):
     backend: str = Field(description="the paged-attention kernel measured (pipeline.forward.attention resolved)")
-    basis: list[HeadShape] = Field(min_length=4, description="the head shapes measured (at least four GQA ones; MLA is priced on its own shapes when four or more were measured)")
+    basis: list[HeadShape] = Field(
+        min_length=4,
+        description="the head shapes measured (at least four GQA ones; MLA is priced on its own "
+        "shapes when four or more were measured)",
+    )
     prefill: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one request's chunk")
     decode: dict[str, AttentionTable] = Field(default_factory=dict, description="by dtype: one row per request")
 

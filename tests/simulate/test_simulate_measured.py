@@ -69,8 +69,8 @@ def test_mla_is_priced_on_its_own_shapes_and_on_gqa_s_in_an_older_profile():
                      for h, lora, rope in MLA_SHAPES]
     for phase in ("prefill", "decode"):
         t = att[phase]["float32"]
-        t["seconds"] = [[[*point, *(r * k * mla_pair_cost(*m) for m in MLA_SHAPES)] for k, point in zip(t["keys"], plane)]
-                        for r, plane in zip(t["rows"], t["seconds"])]
+        t["seconds"] = [[[*point, *(r * k * mla_pair_cost(*m) for m in MLA_SHAPES)]
+                         for k, point in zip(t["keys"], plane)] for r, plane in zip(t["rows"], t["seconds"])]
     hw = HardwareConfig.model_validate(doc)
     k = MeasuredKernels(hw, dtype="float32")
     # DeepSeek-like absorbed MLA, 16 heads over a 512 + 64 latent: entry 576, 16 x (576 + 512) products.
