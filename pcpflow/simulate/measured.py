@@ -160,15 +160,18 @@ class MeasuredKernels:
     # ------------------------------------------------------------------ attention
     @cached_property
     def _attention(self) -> dict[tuple[str, str], tuple[list[np.ndarray], np.ndarray]]:
-        """Per (phase, basis kind): the grid's axes and the fitted coefficients at every point."""
+        """Per (phase, attention kind): the grid's axes and the coefficients fitted at every
+        point on the basis shapes that kind is priced on (``fitted_kind``)."""
         att = self.tables.attention
         out = {}
         for phase in ("prefill", "decode"):
             t: AttentionTable | None = getattr(att, phase).get(self.dtype) if att else None
             if t is not None:
-                for kind in {fitted_kind(att.basis, k) for k in ("gqa", "mla")}:
-                    coef = attention_coefficients(att.basis, np.asarray(t.seconds, float), kind)
-                    out[phase, kind] = ([np.asarray(t.rows, float), np.asarray(t.keys, float)], coef)
+                axes = [np.asarray(t.rows, float), np.asarray(t.keys, float)]
+                fits = {k: attention_coefficients(att.basis, np.asarray(t.seconds, float), k)
+                        for k in {fitted_kind(att.basis, kind) for kind in ("gqa", "mla")}}
+                for kind in ("gqa", "mla"):
+                    out[phase, kind] = (axes, fits[fitted_kind(att.basis, kind)])
         return out
 
     def attention(self, phase: str, rows: float, keys: float, features: np.ndarray, kind: str = "gqa") -> float:
@@ -177,7 +180,7 @@ class MeasuredKernels:
         mla). Outside the table, the nearest point's seconds per pair."""
         if rows <= 0 or keys <= 0:
             return 0.0
-        axes, coef = self._attention[phase, fitted_kind(self.tables.attention.basis, kind)]
+        axes, coef = self._attention[phase, kind]
         r = float(np.clip(rows, axes[0][0], axes[0][-1]))
         kk = float(np.clip(keys, axes[1][0], axes[1][-1]))
         t = interpolate(axes, np.maximum(coef @ features, 1e-12), [r, kk])
@@ -185,7 +188,7 @@ class MeasuredKernels:
 
     def attention_fixed(self, features: np.ndarray, kind: str = "gqa") -> float:
         """The seconds of the smallest decode call measured: one call's fixed cost."""
-        _, coef = self._attention["decode", fitted_kind(self.tables.attention.basis, kind)]
+        _, coef = self._attention["decode", kind]
         return float(coef[0, 0] @ features)
 
     # ------------------------------------------------------------------ memory
