@@ -27,6 +27,8 @@ runs per newly cached or looked-up block only.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pcpflow.errors import Problem
@@ -247,30 +249,31 @@ class KVCacheManager:
 
     def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
-        that hash to it; the dict is updated in bulk (a Python step per duplicate only)."""
+        that hash to it: a hash another block holds is left as it is, a stale entry is
+        replaced, and of a hash computed twice in one call the first block wins. One dict
+        lookup and at most one insertion per block; the rest are array operations."""
         if not self.prefix_caching or not len(hashes):
             return 0
-        todo = np.flatnonzero(self._hash[blocks] == 0)
-        if not len(todo):
-            return 0
-        blocks, hashes = blocks[todo], np.asarray(hashes, dtype=np.uint64)[todo]
-        # NOTE: reversed, so that the first block of a hash computed twice in one call wins
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        todo = self._hash[blocks] == 0
+        if not todo.all():
+            blocks, hashes = blocks[todo], hashes[todo]
+            if not len(blocks):
+                return 0
         keys = hashes.tolist()
-        pairs = zip(reversed(keys), reversed(blocks.tolist()))
+        if not self._cached.keys().isdisjoint(keys):  # NOTE: the usual case is none cached yet
+            old = np.fromiter(map(self._cached.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
+            held = old >= 0  # live where the block it names still holds it; else stale, replaced
+            held[held] = self._hash[old[held]] == hashes[held]
+            if held.any():
+                blocks, hashes = blocks[~held], hashes[~held]
+                keys = hashes.tolist()
+        # NOTE: reversed, so that the first block of a hash computed twice in one call wins
         before = len(self._cached)
-        if self._cached.keys().isdisjoint(keys):  # the usual case: no hash cached yet
-            self._cached.update(pairs)
-            if len(self._cached) - before < len(blocks):  # a hash computed twice: its first block won
-                won = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(blocks))
-                blocks, hashes = blocks[won == blocks], hashes[won == blocks]
-        else:
-            new = dict(pairs)
-            for h in new.keys() & self._cached.keys():
-                if self._holds(h):  # held by another block: left as it is (a stale entry is replaced)
-                    del new[h]
-            self._cached.update(new)
-            blocks = np.fromiter(new.values(), dtype=np.int64, count=len(new))
-            hashes = np.fromiter(new.keys(), dtype=np.uint64, count=len(new))
+        self._cached.update(zip(reversed(keys), reversed(blocks.tolist())))
+        if len(self._cached) - before < len(blocks) and len(set(keys)) < len(keys):
+            won = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(keys))
+            blocks, hashes = blocks[won == blocks], hashes[won == blocks]
         self._hash[blocks] = hashes
         self._num_cached += len(blocks)
         if len(self._cached) > STALE_ENTRIES_PER_BLOCK * self.num_blocks:

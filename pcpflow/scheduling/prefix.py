@@ -74,17 +74,29 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return _POWERS["up"], _POWERS["down"]
 
 
-def chain(contents: np.ndarray, start=ROOT) -> np.ndarray:
+def chain(contents: np.ndarray, start=ROOT, lengths=None) -> np.ndarray:
     """``P_j = R * P_{j-1} + c_j`` (mod 2^64) for j = 0..n-1, from ``P_{-1} = start``:
-    the chain values of a run of blocks with contents ``c``."""
+    the chain values of a run of blocks with contents ``c``. ``lengths``: several runs back
+    to back, each chained from ``start`` (one value, or one per run)."""
     c = np.asarray(contents, dtype=np.uint64)
     n = len(c)
     if not n:
         return np.zeros(0, dtype=np.uint64)
-    up, down = _powers(n)
+    if lengths is None:
+        up, down = _powers(n)
+        with np.errstate(over="ignore"):
+            return up[:n] * np.cumsum(c * down[:n], dtype=np.uint64) + up[1:n + 1] * np.uint64(start)
+    # NOTE: j = each block's index in its run; each run's sums start from where the last one's ended
+    lengths = np.asarray(lengths, dtype=np.int64)
+    up, down = _powers(int(lengths.max()))
+    first = np.cumsum(lengths) - lengths
+    run = np.repeat(np.arange(len(lengths)), lengths)
+    j = np.arange(n) - first[run]
+    start = np.broadcast_to(np.asarray(start, dtype=np.uint64), lengths.shape)[run]
     with np.errstate(over="ignore"):
-        s = np.cumsum(c * down[:n], dtype=np.uint64)
-        return up[:n] * s + up[1:n + 1] * np.uint64(start)
+        s = np.cumsum(c * down[j], dtype=np.uint64)
+        s -= np.concatenate([np.zeros(1, np.uint64), s])[first][run]
+        return up[j] * s + up[j + 1] * start
 
 
 def keys(chain_values: np.ndarray) -> np.ndarray:

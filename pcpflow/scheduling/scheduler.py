@@ -55,6 +55,9 @@ from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.workload import Request, RequestTable
 from pcpflow.tokens.stopping import cut_at_stop
 
+KEYED_AHEAD = 64
+"""Requests whose prompt blocks a run without token ids keys at once (``Scheduler._key_prompts``)."""
+
 
 class Acceptance(NamedTuple):
     """Greedy verification of one step, per batch row."""
@@ -656,11 +659,40 @@ class Scheduler:
         """(contents of request i's full prompt blocks, its prompt key), kept while it lives."""
         info = self._prompt_contents.get(i)
         if info is None:
-            info = self.table.prompt_contents(i, self.kv.tokens_per_block)
-            self._prompt_contents[i] = info
-            self._prompt_key[i] = info[1] or 1
-            self._output_base[i] = prefix.output_base(self._prompt_key[i])[0]
+            if self._outputs is None:
+                self._key_prompts(i)
+                return self._prompt_contents[i]
+            info = self._prompt_contents[i] = self.table.prompt_contents(i, self.kv.tokens_per_block)
+            self._set_prompt_keys(np.array([i]), np.array([info[1]], dtype=np.uint64))
         return info
+
+    def _set_prompt_keys(self, reqs: np.ndarray, keys: np.ndarray) -> None:
+        self._prompt_key[reqs] = np.where(keys == 0, 1, keys)  # NOTE: 0 means "not known yet"
+        self._output_base[reqs] = prefix.output_base(self._prompt_key[reqs])
+
+    def _key_prompts(self, i: int) -> None:
+        """Contents and prompt keys of request i and of the next ``KEYED_AHEAD`` requests not
+        keyed yet, in a run without token ids (``RequestTable.identity_contents``, array
+        operations over them all): a waiting queue reaches them in about that order. A
+        request not yet admitted also gets the keys its first lookup asks for."""
+        ahead = np.arange(i, min(i + KEYED_AHEAD, len(self._prompt_len)))
+        ahead = ahead[(self._finish_step[ahead] < 0) & (self._prompt_key[ahead] == 0)]
+        ahead = np.union1d(ahead, [i])
+        U = self.kv.tokens_per_block
+        contents, starts, keys = self.table.identity_contents(ahead, U)
+        # NOTE: a first lookup covers (prompt_len - 1) // U blocks (see _admit)
+        fresh = ahead[self._admitted_step[ahead] < 0]
+        look = (self._prompt_len[fresh] - 1) // U
+        at = np.repeat(starts[np.searchsorted(ahead, fresh)] - (np.cumsum(look) - look), look) + np.arange(look.sum())
+        values = prefix.chain(contents[at], lengths=look)
+        cache_keys = prefix.keys(values)
+        self._set_prompt_keys(ahead, keys)
+        for r, (req, key) in enumerate(zip(ahead.tolist(), keys.tolist())):
+            self._prompt_contents[req] = (contents[starts[r]:starts[r + 1]], key)
+        ends = np.cumsum(look)
+        for req, a, b in zip(fresh.tolist(), (ends - look).tolist(), ends.tolist()):
+            if req not in self._keys:
+                self._keys[req] = (values[a:b], cache_keys[a:b])
 
     def _contents_of_one(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray:
         """Contents of block ``j[r]`` of each request ``rows[r]`` (one block each)."""

@@ -419,36 +419,49 @@ class RequestTable:
     def prompt_contents(self, i: int, tokens_per_block: int) -> tuple[np.ndarray, int]:
         """(contents ``c_j`` of request i's full prompt blocks, a key of its whole prompt)
         for its chained block hashes (``pcpflow.scheduling.prefix``): from its token ids,
-        else from its ``identity``."""
+        else from its ``identity`` (``identity_contents``)."""
+        if self.tokens is None:
+            contents, _, keys = self.identity_contents(np.array([i]), tokens_per_block)
+            return contents, int(keys[0])
         n = int(self.prompt_lens[i])
-        full = n // tokens_per_block
-        if self.tokens is not None:
-            ids = self.prompt(i)
-            contents = prefix.token_contents(ids[:full * tokens_per_block], tokens_per_block)
-            return contents, int(prefix.mix(n, *(ids.astype(np.uint64) + np.uint64(1)))[0])
+        ids = self.prompt(i)
+        contents = prefix.token_contents(ids[:n // tokens_per_block * tokens_per_block], tokens_per_block)
+        return contents, int(prefix.mix(n, *(ids.astype(np.uint64) + np.uint64(1)))[0])
+
+    def identity_contents(self, reqs: np.ndarray, tokens_per_block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``prompt_contents`` of requests ``reqs`` at once, from the ``identity`` of a table
+        without token ids: (their contents back to back, request ``reqs[r]``'s at
+        ``starts[r]:starts[r + 1]``; ``starts``; their prompt keys, uint64)."""
         ident = self.identity
         assert ident is not None, "a table without token ids has a BlockIdentity"
-        salt = ident.salts[i]
-        j = np.arange(full, dtype=np.uint64)
-        if ident.hash_ids is None:
-            return prefix.mix(salt, j), int(prefix.mix(salt, n)[0])
-        ids = ident.hash_ids[ident.hash_starts[i]:ident.hash_starts[i + 1]]
-        # A block whose positions all lie in hash blocks holds the tokens of those hash
-        # blocks, which the chain of hash ids up to its last position identifies.
-        trace_chain = prefix.chain(prefix.splitmix64(ids))
-        bounds = np.floor(np.arange(len(ids) + 1) * ident.trace_block_tokens).astype(np.int64)
-        hashed_end = min(int(bounds[-1]), n)
-        last_pos = (np.arange(full, dtype=np.int64) + 1) * tokens_per_block - 1
-        k = np.minimum(np.searchsorted(bounds, last_pos, side="right") - 1, max(len(ids) - 1, 0))
-        inside = last_pos < hashed_end
-        # NOTE: mix(head, j) = mix_with(mix(head), j): each trace block's head mixed once
-        contents = prefix.mix_with(prefix.mix(trace_chain)[k] if len(ids) else prefix.mix(salt), j)
-        if len(ids) and not inside.all():  # NOTE: blocks reaching the request's own tail are its own
-            contents[~inside] = prefix.mix_with(prefix.mix(salt), j[~inside])
-        if n <= hashed_end:
-            k_last = int(np.searchsorted(bounds, n - 1, side="right") - 1)
-            return contents, int(prefix.mix(trace_chain[k_last], n)[0])
-        return contents, int(prefix.mix(salt, n)[0])
+        U = tokens_per_block
+        n = self.prompt_lens[reqs]
+        full = n // U
+        starts = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(full, out=starts[1:])
+        row = np.repeat(np.arange(len(reqs)), full)
+        j = np.arange(starts[-1]) - starts[row]
+        own = prefix.splitmix64(ident.salts[reqs])  # mix(salt): the head of a block that is the request's own
+        head, key_head = own[row], own.copy()
+        if ident.hash_ids is not None:
+            # A block whose positions all lie in hash blocks holds the tokens of those hash
+            # blocks, which the chain of hash ids up to its last position identifies.
+            # NOTE: hash block k covers [bounds[k], bounds[k + 1]), the same bounds for every request
+            lens = ident.hash_starts[reqs + 1] - ident.hash_starts[reqs]
+            first = np.cumsum(lens) - lens
+            at = np.repeat(ident.hash_starts[reqs] - first, lens) + np.arange(lens.sum())
+            heads = prefix.splitmix64(prefix.chain(prefix.splitmix64(ident.hash_ids[at]), lengths=lens))
+            bounds = np.floor(np.arange(lens.max(initial=0) + 1) * ident.trace_block_tokens).astype(np.int64)
+            hashed_end = np.minimum(bounds[lens], n)
+            last_pos = (j + 1) * U - 1
+            inside = np.flatnonzero(last_pos < hashed_end[row])
+            k = np.searchsorted(bounds, last_pos[inside], side="right") - 1
+            head[inside] = heads[first[row[inside]] + k]
+            whole = np.flatnonzero(n <= hashed_end)  # the prompt ends inside its hash blocks
+            k = np.searchsorted(bounds, n[whole] - 1, side="right") - 1
+            key_head[whole] = heads[first[whole] + k]
+        # NOTE: mix(head, x) = mix_with(mix(head), x): each head mixed once
+        return prefix.mix_with(head, j), starts, prefix.mix_with(key_head, n)
 
 
 def build_requests(config: WorkloadConfig, *, vocab_size: int, seed: int) -> list[Request]:

@@ -8,12 +8,14 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.errors import ConfigError
+from pcpflow.scheduling import prefix
 from pcpflow.scheduling.workload import (
     ExplicitWorkload,
     SyntheticWorkload,
     TraceWorkload,
     WorkloadConfig,
     build_requests,
+    request_table,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -268,6 +270,35 @@ def test_real_trace_head():
     first = math.floor(512 * 0.01)
     assert all(np.array_equal(r.prompt_token_ids[:first], reqs[0].prompt_token_ids[:first])
                for r in reqs)
+
+
+@pytest.mark.parametrize("scale,block", [(0.05, 4), (0.0371, 3), (0.2, 32)])
+def test_trace_block_keys_equal_exactly_where_the_tokens_are_equal(scale, block):
+    """A simulated run keys prompt blocks from the trace's hash ids (``identity_contents``,
+    many requests at once); an executed run from token ids. Block j of two requests has one
+    chained key exactly when their first j + 1 blocks hold the same tokens, and keying the
+    requests one at a time gives the same keys."""
+    cfg = TraceWorkload(path=str(REAL_TRACE), max_requests=40, length_scale=scale)
+    lengths, tokens = (request_table(cfg, vocab_size=1 << 20, seed=3, with_tokens=w) for w in (False, True))
+    reqs = np.arange(len(lengths))
+    contents, starts, prompt_keys = lengths.identity_contents(reqs, block)
+    chained = prefix.chain(contents, lengths=np.diff(starts))
+    ids = [chained[starts[i]:starts[i + 1]].tolist() for i in reqs]
+    for i in reqs[::7]:
+        alone, key = lengths.prompt_contents(int(i), block)
+        assert np.array_equal(alone, contents[starts[i]:starts[i + 1]]) and key == prompt_keys[i]
+    same_blocks = 0
+    for a in reqs:
+        pa = tokens.prompt(a)
+        for b in reqs[a + 1:]:
+            pb = tokens.prompt(b)
+            for j in range(min(len(ids[a]), len(ids[b]))):
+                equal = np.array_equal(pa[:(j + 1) * block], pb[:(j + 1) * block])
+                assert (ids[a][j] == ids[b][j]) == equal, (a, b, j)
+                same_blocks += equal
+            equal = np.array_equal(pa, pb)
+            assert (prompt_keys[a] == prompt_keys[b]) == equal
+    assert same_blocks > 20  # NOTE: the trace's shared system prompt and conversations
 
 
 # -- shipped YAML ------------------------------------------------------------------------
