@@ -54,10 +54,11 @@ from pcpflow.layouts.accounting import (
     ring_step_traffic,
     ring_totals,
     sampled_row_holders,
+    segment_runs,
+    shard_pairs,
     step_traffic,
 )
 from pcpflow.layouts.ring import RingPlan, plan_ring
-from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import (
@@ -197,16 +198,14 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
         work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, batch.positions, grid, interleave,
                                                              dcp_rest.mode, None)
-        # NOTE: whether any, or every, token is a decode reads the requests that have tokens,
-        # not a mask per token; the mask is built only for a step that mixes them
+        # NOTE: whether any, or every, token is a decode reads the requests that have tokens
         scheduled = batch.num_scheduled_tokens > 0
         if not batch.is_prefilling[scheduled].any():
             decode_work = work
         elif batch.is_prefilling[scheduled].all():
             decode_work = np.zeros_like(work)
         else:
-            decode = ~batch.is_prefilling[batch.req_indices]
-            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode)
+            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -742,19 +741,17 @@ def _add(terms: dict, name: str, exposed: np.ndarray, hidden: np.ndarray) -> Non
         terms[name] = (exposed, hidden)
 
 
-def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, token_mask) -> np.ndarray:
-    """[P] (query, key) pairs of the busiest DCP shard of each PCP rank. With DCP inside
-    PCP this is ``attention_work``. With DCP over TP ranks every member scores every
-    gathered row (all PCP ranks' rows, replicated decodes once per PCP rank, with its
-    own heads) over its shard; member ``d = pcp_rank * dcp_tp + tp_local``."""
+def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask) -> np.ndarray:
+    """[P] (query, key) pairs of the busiest DCP shard of each PCP rank (of the requests
+    ``request_mask`` keeps, all when None). With DCP inside PCP this is ``attention_work``.
+    With DCP over TP ranks every member scores every gathered row (all PCP ranks' rows,
+    replicated decodes once per PCP rank, with its own heads) over its shard; member
+    ``d = pcp_rank * dcp_tp + tp_local``."""
     if grid.dcp_tp == 1:
-        return attention_work(layout, positions, dcp_size=grid.dcp, interleave=interleave, token_mask=token_mask,
+        return attention_work(layout, positions, dcp_size=grid.dcp, interleave=interleave, request_mask=request_mask,
                               dcp_rest=dcp_rest)
-    skip = layout.is_padding
-    if token_mask is not None:
-        skip = skip | ~np.asarray(token_mask, dtype=bool)[layout.padded_gather_idx]
-    ctx = np.where(skip, 0, positions[layout.padded_gather_idx] + 1)
-    member = np.array([dcp_local_seq_lens(ctx, grid.dcp, d, interleave).sum() for d in range(grid.dcp)])
+    first, rows, _ = (np.concatenate(x) for x in zip(*segment_runs(layout, positions, request_mask)))
+    member = shard_pairs(first, rows, dcp_size=grid.dcp, interleave=interleave)
     return member.reshape(-1, grid.dcp_tp).max(axis=1).repeat(grid.pcp // (grid.dcp // grid.dcp_tp))
 
 
