@@ -281,18 +281,18 @@ def count_collectives(collectives: list[Collective]) -> Counter[Collective]:
     """How often each distinct collective occurs. A step's list repeats one layer's objects
     per layer: counted by identity first (hashing a dataclass costs ~0.7 us, an id next to
     nothing; a search prices thousands of steps), then equal ones merged."""
-    by_id = Counter(map(id, collectives))
-    first = dict(zip(map(id, collectives), collectives)) if len(by_id) < len(collectives) else None
-    if first is None:
+    ids = list(map(id, collectives))
+    by_id = Counter(ids)
+    if len(by_id) == len(ids):
         return Counter(collectives)
     out: Counter[Collective] = Counter()
-    for i, n in by_id.items():
-        out[first[i]] += n
+    for i, n in by_id.items():  # NOTE: first occurrences come early (the first layer's): index() finds them fast
+        out[collectives[ids.index(i)]] += n
     return out
 
 
 def step_traffic(
-    collectives: list[Collective],
+    collectives: list[Collective] | Counter[Collective],
     *,
     pcp_size: int,
     dcp_size: int,
@@ -301,12 +301,14 @@ def step_traffic(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(calls, bytes) by purpose, as ``CommStats`` records them (groups of one move
     nothing and are not counted). Bytes count every group of an axis (``Comm.copies``:
-    tp PCP groups, pcp TP groups, ...), so at tp > 1 they are the whole job's."""
+    tp PCP groups, pcp TP groups, ...), so at tp > 1 they are the whole job's.
+    ``collectives``: the step's list, or its ``count_collectives`` when the caller has it."""
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
     world = pcp_size * tp_size
     sizes = {"pcp": pcp_size, "dcp": dcp_size, "tp": tp_size, "dcp_heads": dcp_tp_size(pcp_size, dcp_size)}
-    for c, n in count_collectives(collectives).items():  # every layer repeats the same calls
+    counted = collectives if isinstance(collectives, Counter) else count_collectives(collectives)
+    for c, n in counted.items():  # every layer repeats the same calls
         size = sizes[c.group]
         if size > 1:
             calls[c.purpose] += n

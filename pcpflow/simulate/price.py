@@ -32,6 +32,7 @@ behind the GPU's, and what it takes beyond is exposed (``host_launch``).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -276,11 +277,12 @@ def _collective_counts(layout, logits_indices, *, grid: RankGrid, shape, dtype_b
         if ring is not None:
             # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
             colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
-        calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes,
+        counted = count_collectives(colls)
+        calls, nbytes = step_traffic(counted, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes,
                                      tp_size=grid.tp)
         group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
         priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
-                  for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
+                  for c, k in counted.items() if group_size[c.group] > 1]
         if len(_COLLECTIVE_COUNTS) > 65536:
             _COLLECTIVE_COUNTS.clear()
         hit = _COLLECTIVE_COUNTS[key] = (calls, nbytes, priced)
@@ -290,7 +292,7 @@ def _collective_counts(layout, logits_indices, *, grid: RankGrid, shape, dtype_b
 
 def _tensor_bytes(c, dtype_bytes: int) -> float:
     """One rank's tensor of collective ``c`` (NCCL's send count; a reduce-scatter's is whole)."""
-    return float(np.prod(c.shape)) * (c.dtype_bytes or dtype_bytes)
+    return float(math.prod(c.shape)) * (c.dtype_bytes or dtype_bytes)
 
 
 @dataclass
