@@ -116,7 +116,7 @@ def attention_rows(layout: BatchLayout) -> tuple[int, int]:
     and the rows after them that every layer all-gathers across PCP (0 when no rank has
     a real row past ``nd``: a batch of replicated decodes only)."""
     nd = layout.num_replicated_decode_tokens
-    moves = bool((layout.per_rank_num_tokens > nd).any())
+    moves = max(layout.per_rank_num_tokens.tolist()) > nd  # NOTE: a few ints: no numpy call on them
     return nd, (layout.padded_num_tokens - nd) if moves else 0
 
 

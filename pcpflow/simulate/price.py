@@ -490,10 +490,10 @@ class Pricer:
             t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
 
         # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
-        comm = att.comm_s
+        comm, hidden = att.comm_s, np.zeros(P)
         for purpose, op, group, n_calls, tensor in counts.priced:
             sec, pick = place.seconds(op, group, tensor)
-            _add(terms, purpose, np.full(P, n_calls * sec), np.zeros(P))
+            _add(terms, purpose, np.full(P, n_calls * sec), hidden)
             comm = comm + n_calls * sec
             picks[purpose] = pick
         gpu = g_t + t_attn + t_mem + comm
@@ -511,9 +511,11 @@ class Pricer:
             total = gpu + host + work
         else:
             total = np.maximum(gpu, host) + work
-        wait = sync_wait_seconds(self.hw.tables, calls, total - comm) if self.measured else 0.0
-        total = total + wait
-        slow = int(np.argmax(total))
+        wait = 0.0
+        if self.measured:
+            wait = sync_wait_seconds(self.hw.tables, calls, total - comm)
+            total = total + wait
+        slow = int(total.argmax())
         out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
                "memory_ops": [float(t_mem[slow]), 0.0]}
         out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
@@ -571,8 +573,8 @@ class Pricer:
         k, L = self.kern, self.sizes.num_layers
         _, fpp, entry = self._per_pair()
         pairs = np.asarray(pairs, dtype=np.float64)
-        t = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
-        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), fpp * pairs / k.peak(self.act_key) >= entry * pairs / k.hbm
+        t, bound = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
+        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), bound
 
     def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
         """The all-gather paths: one call per rank, its rows over the context or its DCP shard
@@ -583,8 +585,9 @@ class Pricer:
         prefill_pairs = counts.work.astype(np.float64) - decode_pairs
         if not prefill_pairs.any():  # NOTE: a step of decodes: _prefill of no pairs is 0.0 on every rank
             t_dec, dec_bound = self._decode(decode_pairs)
-            return Attention(np.zeros(P), t_dec, np.where(dec_bound, t_dec, 0.0),
-                             fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs, np.zeros(P))
+            zeros = np.zeros(P)  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
+            return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
+                             zeros)
         ratio = np.ones(P)
         blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
                                      interleave=self.interleave, dcp_rest=counts.dcp_rest)
