@@ -647,7 +647,8 @@ def segment_runs(
 def context_pairs(first: np.ndarray, rows: np.ndarray) -> int:
     """Pairs that runs of ``rows`` rows at positions ``first ..`` score over their whole
     context: row ``first + i`` sees ``first + i + 1`` keys."""
-    return int((rows * first + rows * (rows + 1) // 2).sum())
+    # NOTE: integer dot products (exact); rows (rows + 1) is even, so its sum halves exactly
+    return int(rows @ first) + int(rows @ (rows + 1)) // 2
 
 
 def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleave: int) -> np.ndarray:
