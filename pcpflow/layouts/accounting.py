@@ -615,8 +615,9 @@ def attention_work(
     runs = segment_runs(layout, positions, request_mask)
     if dcp_size == 1:
         return np.array([context_pairs(a, n) for a, n, _ in runs], dtype=np.int64)
+    # NOTE: replicated decodes are whole segments filling the first nd rows of every rank
     a, n, local = runs[0]
-    decode = local < nd  # NOTE: replicated decodes are whole segments filling the first nd rows of every rank
+    decode = local < nd
     work = shard_pairs(a[decode], n[decode], dcp_size=dcp_size, interleave=interleave)
     rest = [(a[local >= nd], n[local >= nd]) for a, n, local in runs]
     if dcp_rest == "context":
@@ -654,8 +655,8 @@ def context_pairs(first: np.ndarray, rows: np.ndarray) -> int:
 def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleave: int) -> np.ndarray:
     """int64 [dcp_size]: pairs that runs of ``rows`` rows at positions ``first ..`` score over
     each DCP shard of their context."""
-    sums = dcp_shard_len_sums(first + rows, dcp_size, interleave) - dcp_shard_len_sums(first, dcp_size, interleave)
-    return sums.sum(axis=1)
+    last = dcp_shard_len_sums(first + rows, dcp_size, interleave)
+    return (last - dcp_shard_len_sums(first, dcp_size, interleave)).sum(axis=1)
 
 
 # --- ring attention (``pipeline.forward.cp_attention``: ``pcpflow.layouts.ring`` plans it,
