@@ -223,7 +223,7 @@ class PlannerStats:
             batch.positions,
             dcp_size=lay.dcp,
             interleave=1,
-            token_mask=decode_rows,
+            request_mask=~batch.is_prefilling,
             dcp_rest=rest_mode,
         )
         if self.tokens is None:

@@ -50,7 +50,7 @@ from pcpflow.layouts.ring import (
     plan_ring,
     request_num_computed,
 )
-from pcpflow.layouts.slots import dcp_local_seq_lens, dcp_shard_lens
+from pcpflow.layouts.slots import dcp_local_seq_lens, dcp_shard_len_sums, dcp_shard_lens
 
 DCP_REST_POLICIES = ("auto", "queries", "context")
 """How the rows past the replicated-decode prefix attend under DCP (``plan_dcp_rest``)."""
@@ -116,7 +116,7 @@ def attention_rows(layout: BatchLayout) -> tuple[int, int]:
     and the rows after them that every layer all-gathers across PCP (0 when no rank has
     a real row past ``nd``: a batch of replicated decodes only)."""
     nd = layout.num_replicated_decode_tokens
-    moves = bool((layout.per_rank_num_tokens > nd).any())
+    moves = max(layout.per_rank_num_tokens.tolist()) > nd  # NOTE: a few ints: no numpy call on them
     return nd, (layout.padded_num_tokens - nd) if moves else 0
 
 
@@ -281,18 +281,18 @@ def count_collectives(collectives: list[Collective]) -> Counter[Collective]:
     """How often each distinct collective occurs. A step's list repeats one layer's objects
     per layer: counted by identity first (hashing a dataclass costs ~0.7 us, an id next to
     nothing; a search prices thousands of steps), then equal ones merged."""
-    by_id = Counter(map(id, collectives))
-    first = dict(zip(map(id, collectives), collectives)) if len(by_id) < len(collectives) else None
-    if first is None:
+    ids = list(map(id, collectives))
+    by_id = Counter(ids)
+    if len(by_id) == len(ids):
         return Counter(collectives)
     out: Counter[Collective] = Counter()
-    for i, n in by_id.items():
-        out[first[i]] += n
+    for i, n in by_id.items():  # NOTE: first occurrences come early (the first layer's): index() finds them fast
+        out[collectives[ids.index(i)]] += n
     return out
 
 
 def step_traffic(
-    collectives: list[Collective],
+    collectives: list[Collective] | Counter[Collective],
     *,
     pcp_size: int,
     dcp_size: int,
@@ -301,12 +301,14 @@ def step_traffic(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(calls, bytes) by purpose, as ``CommStats`` records them (groups of one move
     nothing and are not counted). Bytes count every group of an axis (``Comm.copies``:
-    tp PCP groups, pcp TP groups, ...), so at tp > 1 they are the whole job's."""
+    tp PCP groups, pcp TP groups, ...), so at tp > 1 they are the whole job's.
+    ``collectives``: the step's list, or its ``count_collectives`` when the caller has it."""
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, int] = defaultdict(int)
     world = pcp_size * tp_size
     sizes = {"pcp": pcp_size, "dcp": dcp_size, "tp": tp_size, "dcp_heads": dcp_tp_size(pcp_size, dcp_size)}
-    for c, n in count_collectives(collectives).items():  # every layer repeats the same calls
+    counted = collectives if isinstance(collectives, Counter) else count_collectives(collectives)
+    for c, n in counted.items():  # every layer repeats the same calls
         size = sizes[c.group]
         if size > 1:
             calls[c.purpose] += n
@@ -598,7 +600,7 @@ def attention_work(
     *,
     dcp_size: int,
     interleave: int,
-    token_mask: np.ndarray | None = None,
+    request_mask: np.ndarray | None = None,
     dcp_rest: str = "queries",
 ) -> np.ndarray:
     """(query, key) pairs each rank scores this step, from the layout alone.
@@ -607,37 +609,54 @@ def attention_work(
     With DCP it scores the replicated decode rows over its shard, and the rest rows by
     their path (``dcp_rest``, the mode ``plan_dcp_rest`` chose): every gathered row over
     its shard (``queries``), or its own rows over their whole context (``context``).
-    ``token_mask`` (bool [T]) counts only the rows of those global tokens (e.g. decodes).
+    ``request_mask`` (bool [R]) counts only the rows of those requests (e.g. decodes).
     """
-    p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
-    if dcp_size == 1 and token_mask is None and len(positions):
-        # NOTE: a padding row gathers token 0: its context is taken back out of the rank's sum
-        # (integers, exact) instead of masking rows one by one
-        padding = n - layout.per_rank_num_tokens
-        return (positions[layout.padded_gather_idx] + 1).reshape(p, n).sum(axis=1) - padding * (int(positions[0]) + 1)
-    rows_ctx = positions[layout.padded_gather_idx] + 1
-    skip = layout.is_padding
-    if token_mask is not None:
-        skip = skip | ~np.asarray(token_mask, dtype=bool)[layout.padded_gather_idx]
-    rows_ctx = np.where(skip, 0, rows_ctx).reshape(p, n)
+    p, nd = layout.pcp_size, layout.num_replicated_decode_tokens
+    runs = segment_runs(layout, positions, request_mask)
     if dcp_size == 1:
-        return rows_ctx.sum(axis=1)
-    decode_ctx, rest_ctx = rows_ctx[0, :nd], rows_ctx[:, nd:]
-    work = np.array(
-        [dcp_local_seq_lens(decode_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
-        dtype=np.int64,
-    )
+        return np.array([context_pairs(a, n) for a, n, _ in runs], dtype=np.int64)
+    # NOTE: replicated decodes are whole segments filling the first nd rows of every rank
+    a, n, local = runs[0]
+    decode = local < nd
+    work = shard_pairs(a[decode], n[decode], dcp_size=dcp_size, interleave=interleave)
+    rest = [(a[local >= nd], n[local >= nd]) for a, n, local in runs]
     if dcp_rest == "context":
         # NOTE: dcp > 1 means dcp == pcp (tp = 1): DCP rank r holds PCP rank r's rows.
         assert dcp_size == p, f"dcp ({dcp_size}) != pcp ({p})"
-        return work + rest_ctx.sum(axis=1)
+        return work + np.array([context_pairs(a, n) for a, n in rest], dtype=np.int64)
     if dcp_rest != "queries":
         raise ValueError(f"dcp_rest must be 'queries' or 'context', got {dcp_rest!r}")
-    rest_ctx = rest_ctx.ravel()
-    return work + np.array(
-        [dcp_local_seq_lens(rest_ctx, dcp_size, r, interleave).sum() for r in range(dcp_size)],
-        dtype=np.int64,
-    )
+    a, n = (np.concatenate(x) for x in zip(*rest))
+    return work + shard_pairs(a, n, dcp_size=dcp_size, interleave=interleave)
+
+
+def segment_runs(
+    layout: BatchLayout, positions: np.ndarray, request_mask: np.ndarray | None = None
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each rank's segments as runs of consecutive positions: (first position, rows, first
+    local row), int64 [S] each; no rows for the requests ``request_mask`` (bool [R]) leaves out.
+    Pairs are counted by run, not by row (``context_pairs``, ``shard_pairs``): a segment holds
+    one request's tokens in order, at consecutive positions."""
+    pos = np.asarray(positions, dtype=np.int64)
+    runs = []
+    for seg in layout.segments:
+        rows = seg.length if request_mask is None else np.where(request_mask[seg.req_idx], seg.length, 0)
+        runs.append((pos[seg.global_start], rows, seg.local_start))
+    return runs
+
+
+def context_pairs(first: np.ndarray, rows: np.ndarray) -> int:
+    """Pairs that runs of ``rows`` rows at positions ``first ..`` score over their whole
+    context: row ``first + i`` sees ``first + i + 1`` keys."""
+    # NOTE: integer dot products (exact); rows (rows + 1) is even, so its sum halves exactly
+    return int(rows @ first) + int(rows @ (rows + 1)) // 2
+
+
+def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleave: int) -> np.ndarray:
+    """int64 [dcp_size]: pairs that runs of ``rows`` rows at positions ``first ..`` score over
+    each DCP shard of their context."""
+    last = dcp_shard_len_sums(first + rows, dcp_size, interleave)
+    return (last - dcp_shard_len_sums(first, dcp_size, interleave)).sum(axis=1)
 
 
 # --- ring attention (``pipeline.forward.cp_attention``: ``pcpflow.layouts.ring`` plans it,

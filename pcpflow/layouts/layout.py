@@ -263,9 +263,8 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     q.cumsum(out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    held = (q > 0).nonzero()[0].astype(np.int64, copy=False)
-    owner = np.full(num_reqs, -1, dtype=np.int64)
-    owner[held] = 0
+    held = q > 0
+    owner = held.astype(np.int64) - 1  # rank 0 where held, -1 elsewhere
     if padded_num_tokens is None:
         n = num_tokens
     elif padded_num_tokens < num_tokens:
@@ -281,9 +280,12 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
     kv_write_mask[0, :num_tokens] = True
     # Each rank's segments: its own copy of every held request, in batch order (a request's
     # local start is its global one: every rank holds every token).
-    start = query_start_loc[held]
-    per_rank = np.tile(np.stack([held, start, q[held], start]), (p, 1, 1))  # [P, 4, held]
-    segments = tuple(RankSegments(*rows) for rows in per_rank)
+    # NOTE: the ranks' segments are equal: one read-only object stands for all of them.
+    held_idx = held.nonzero()[0]
+    start = query_start_loc[held_idx]
+    segment = RankSegments(held_idx, start, q[held_idx], start)
+    for a in (held_idx, start, segment.length):
+        a.flags.writeable = False
     return BatchLayout(
         pcp_size=p,
         dcp_size=dcp_size,
@@ -297,7 +299,7 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
         padded_gather_idx=padded_gather_idx.reshape(-1),
         kv_write_mask=kv_write_mask.reshape(-1),
         hidden_restore_idx=np.arange(num_tokens, dtype=np.int64),
-        segments=segments,
+        segments=(segment,) * p,
         num_replicated_decode_tokens=num_tokens,
     )
 

@@ -64,6 +64,21 @@ def dcp_shard_lens(seq_lens, dcp_size: int, interleave: int) -> np.ndarray:
     return (lens // period) * interleave + np.minimum(np.maximum(lens % period - ranks * interleave, 0), interleave)
 
 
+def dcp_shard_len_sums(x, dcp_size: int, interleave: int) -> np.ndarray:
+    """``[dcp_size, n]``: ``sum_{y=1}^{x} dcp_local_seq_lens(y)`` of every DCP rank, the pairs
+    rows at positions ``0 .. x-1`` score over each shard (a row at position ``q`` sees the
+    shard's entries ``<= q``). Equal to ``x * L(x) - (sum of the shard's positions below x)``,
+    ``L = dcp_local_seq_lens``; the shard's i-th entry sits at ``(i // I) * D * I + rank * I + i % I``."""
+    x = np.asarray(x, dtype=np.int64)
+    ll = dcp_shard_lens(x, dcp_size, interleave)
+    i_ = interleave
+    q, s = ll // i_, ll % i_
+    sum_div = i_ * q * (q - 1) // 2 + s * q  # sum_{i < ll} i // I
+    sum_mod = q * i_ * (i_ - 1) // 2 + s * (s - 1) // 2  # sum_{i < ll} i % I
+    ranks = np.arange(dcp_size, dtype=np.int64)[:, None]
+    return x[None, :] * ll - (dcp_size * i_ * sum_div + ranks * i_ * ll + sum_mod)
+
+
 def compute_slot_mapping(
     positions,
     req_indices,

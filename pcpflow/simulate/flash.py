@@ -52,7 +52,7 @@ import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, RingPlan
-from pcpflow.layouts.slots import dcp_local_seq_lens, dcp_shard_lens
+from pcpflow.layouts.slots import dcp_shard_len_sums, dcp_shard_lens
 
 SOURCE = "FlashAttention-3, arXiv 2407.08608, Figure 5 (c), (d): BF16, head dim 128, H100 SXM5 at 989 TF/s"
 SEQLENS = np.array([512, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
@@ -60,6 +60,7 @@ NON_CAUSAL_TFLOPS = np.array([467, 565, 625, 638, 646, 648], dtype=np.float64)
 CAUSAL_TFLOPS = np.array([292, 423, 521, 579, 602, 616], dtype=np.float64)
 MEASURED_PEAK_TFLOPS = 989.0  # arXiv 2407.08608 App. C.1: 1830 MHz, "989 TFLOPS FP16 theoretical max"
 QUERY_TILE = 128  # FlashAttention-3's kBlockM at head dim 128
+_LOG2_SEQLENS = np.log2(SEQLENS)
 
 
 def share(keys, *, causal: bool) -> np.ndarray:
@@ -67,8 +68,9 @@ def share(keys, *, causal: bool) -> np.ndarray:
     ``keys`` keys (module docstring)."""
     k = np.asarray(keys, dtype=np.float64)
     table = CAUSAL_TFLOPS if causal else NON_CAUSAL_TFLOPS
-    x = np.log2(np.clip(k, SEQLENS[0], SEQLENS[-1]))
-    s = np.interp(x, np.log2(SEQLENS), table) / MEASURED_PEAK_TFLOPS
+    # NOTE: minimum/maximum, not np.clip: the same, at a fraction of its overhead on short arrays
+    x = np.log2(np.minimum(np.maximum(k, SEQLENS[0]), SEQLENS[-1]))
+    s = np.interp(x, _LOG2_SEQLENS, table) / MEASURED_PEAK_TFLOPS
     return np.where(k < SEQLENS[0], s * np.maximum(k, 0.0) / SEQLENS[0], s)
 
 
@@ -135,13 +137,11 @@ def engine_blocks(layout: BatchLayout, positions, is_prefilling, *, dcp_size: in
     if dcp_size == 1 or dcp_rest == "context":
         kf, kl = a + 1, a + n
         return Blocks(rank, n, kf, kl, n * a + n * (n + 1) // 2)
-    parts = []
-    for d in range(dcp_size):
-        kf = dcp_local_seq_lens(a + 1, dcp_size, d, interleave)
-        kl = dcp_local_seq_lens(a + n, dcp_size, d, interleave)
-        pairs = local_len_sum(a + n, dcp_size, d, interleave) - local_len_sum(a, dcp_size, d, interleave)
-        parts.append((np.full(a.shape[0], d, dtype=np.int64), n, kf, kl, pairs))
-    return Blocks(*(np.concatenate(x) for x in zip(*parts)))
+    # every shard d at once: [D, runs], shard-major
+    kf, kl = dcp_shard_lens(a + 1, dcp_size, interleave), dcp_shard_lens(a + n, dcp_size, interleave)
+    pairs = dcp_shard_len_sums(a + n, dcp_size, interleave) - dcp_shard_len_sums(a, dcp_size, interleave)
+    shard = np.repeat(np.arange(dcp_size, dtype=np.int64), a.shape[0])
+    return Blocks(shard, np.tile(n, dcp_size), kf.ravel(), kl.ravel(), pairs.ravel())
 
 
 @dataclass(frozen=True)
@@ -195,19 +195,11 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     ar, nr, pre = a[rp], n[rp], prefill[rp]
     # every rank r at once: [P, rows]
     kf, kl = dcp_shard_lens(ar + 1, p, inter), dcp_shard_lens(ar + nr, p, inter)
-    pairs = _shard_len_sums(ar + nr, p, inter) - _shard_len_sums(ar, p, inter)
+    pairs = dcp_shard_len_sums(ar + nr, p, inter) - dcp_shard_len_sums(ar, p, inter)
     after = Blocks(np.repeat(h, int(pre.sum())), np.tile(nr[pre], p), kf[:, pre].ravel(), kl[:, pre].ravel(),
                    pairs[:, pre].ravel())
     after_dec = pairs[:, ~pre].sum(axis=1).astype(np.float64)
     return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
-
-
-def _shard_len_sums(x, dcp_size: int, interleave: int) -> np.ndarray:
-    """``[dcp_size, n]``: ``local_len_sum`` of every DCP rank at once."""
-    x = np.asarray(x, dtype=np.int64)
-    ll = dcp_shard_lens(x, dcp_size, interleave)
-    ranks = np.arange(dcp_size, dtype=np.int64)[:, None]
-    return x[None, :] * ll - _shard_positions(ll, dcp_size, ranks, interleave)
 
 
 def _concat(parts: list[Blocks]) -> Blocks:
@@ -268,23 +260,3 @@ def _blocks(rows, rank_at, h, n, cached, runs, p: int) -> Blocks | None:
         pairs = pairs.ravel() + np.bincount(flat, weights=pr, minlength=k * p).astype(np.int64)
     binned = (rank_at * p + h[None, :]).ravel()
     return Blocks(binned, nq.ravel(), np.ravel(kf), np.ravel(kl), np.ravel(pairs))
-
-
-def local_len_sum(x, dcp_size: int, dcp_rank: int, interleave: int) -> np.ndarray:
-    """``sum_{y=1}^{x} dcp_local_seq_lens(y)``: the pairs rows at positions ``0 .. x-1`` score
-    over one DCP shard (each row at position ``q`` sees the shard's entries ``<= q``). Equal
-    to ``x * L(x) - (sum of the shard's positions below x)``, ``L = dcp_local_seq_lens``; the
-    shard's i-th entry sits at ``(i // I) * P * I + rank * I + i % I``."""
-    x = np.asarray(x, dtype=np.int64)
-    ll = dcp_local_seq_lens(x, dcp_size, dcp_rank, interleave).astype(np.int64)
-    return x * ll - _shard_positions(ll, dcp_size, dcp_rank, interleave)
-
-
-def _shard_positions(ll, dcp_size: int, dcp_rank, interleave: int):
-    """The sum of the positions of a shard's first ``ll`` entries (``dcp_rank``: an int, or
-    an array that broadcasts against ``ll``)."""
-    i_ = interleave
-    q, s = ll // i_, ll % i_
-    sum_div = i_ * q * (q - 1) // 2 + s * q  # sum_{i < ll} i // I
-    sum_mod = q * i_ * (i_ - 1) // 2 + s * (s - 1) // 2  # sum_{i < ll} i % I
-    return dcp_size * i_ * sum_div + dcp_rank * i_ * ll + sum_mod

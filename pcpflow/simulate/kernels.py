@@ -89,9 +89,11 @@ class Kernels:
         return np.where(peak_flops > 0, np.maximum(t, self.floor), 0.0)
 
     def decode_attention(self, flops, kv_bytes, *, peak_key: str):
-        """Seconds of split-KV decode attention: keys read once, or its FLOPs if slower."""
-        t = np.maximum(np.asarray(kv_bytes, dtype=np.float64) / self.hbm, flops / self.peak(peak_key))
-        return np.where(t > 0, np.maximum(t, self.floor), 0.0)
+        """Seconds of split-KV decode attention (keys read once, or its FLOPs if slower), and
+        whether its FLOPs bound it."""
+        t_flops, t_bytes = flops / self.peak(peak_key), np.asarray(kv_bytes, dtype=np.float64) / self.hbm
+        t = np.maximum(t_bytes, t_flops)
+        return np.where(t > 0, np.maximum(t, self.floor), 0.0), t_flops >= t_bytes
 
     def memory(self, nbytes):
         """Seconds of memory-bound ops moving ``nbytes`` (floors are counted by kernel)."""

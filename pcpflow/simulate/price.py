@@ -32,6 +32,7 @@ behind the GPU's, and what it takes beyond is exposed (``host_launch``).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,10 +55,11 @@ from pcpflow.layouts.accounting import (
     ring_step_traffic,
     ring_totals,
     sampled_row_holders,
+    segment_runs,
+    shard_pairs,
     step_traffic,
 )
 from pcpflow.layouts.ring import RingPlan, plan_ring
-from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import (
@@ -197,16 +199,14 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
         work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, batch.positions, grid, interleave,
                                                              dcp_rest.mode, None)
-        # NOTE: whether any, or every, token is a decode reads the requests that have tokens,
-        # not a mask per token; the mask is built only for a step that mixes them
+        # NOTE: whether any, or every, token is a decode reads the requests that have tokens
         scheduled = batch.num_scheduled_tokens > 0
         if not batch.is_prefilling[scheduled].any():
             decode_work = work
         elif batch.is_prefilling[scheduled].all():
             decode_work = np.zeros_like(work)
         else:
-            decode = ~batch.is_prefilling[batch.req_indices]
-            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, decode)
+            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -277,11 +277,12 @@ def _collective_counts(layout, logits_indices, *, grid: RankGrid, shape, dtype_b
         if ring is not None:
             # NOTE: the ring replaces every attention collective (RingAttention stands in for CPAttention).
             colls = [c for c in colls if c.purpose != "kv_gather" and not c.purpose.startswith("dcp_")]
-        calls, nbytes = step_traffic(colls, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes,
+        counted = count_collectives(colls)
+        calls, nbytes = step_traffic(counted, pcp_size=grid.pcp, dcp_size=grid.dcp, dtype_bytes=dtype_bytes,
                                      tp_size=grid.tp)
         group_size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
         priced = [(c.purpose, c.op, c.group, k, _tensor_bytes(c, dtype_bytes))
-                  for c, k in count_collectives(colls).items() if group_size[c.group] > 1]
+                  for c, k in counted.items() if group_size[c.group] > 1]
         if len(_COLLECTIVE_COUNTS) > 65536:
             _COLLECTIVE_COUNTS.clear()
         hit = _COLLECTIVE_COUNTS[key] = (calls, nbytes, priced)
@@ -291,7 +292,7 @@ def _collective_counts(layout, logits_indices, *, grid: RankGrid, shape, dtype_b
 
 def _tensor_bytes(c, dtype_bytes: int) -> float:
     """One rank's tensor of collective ``c`` (NCCL's send count; a reduce-scatter's is whole)."""
-    return float(np.prod(c.shape)) * (c.dtype_bytes or dtype_bytes)
+    return float(math.prod(c.shape)) * (c.dtype_bytes or dtype_bytes)
 
 
 @dataclass
@@ -489,10 +490,10 @@ class Pricer:
             t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
 
         # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
-        comm = att.comm_s
+        comm, hidden = att.comm_s, np.zeros(P)
         for purpose, op, group, n_calls, tensor in counts.priced:
             sec, pick = place.seconds(op, group, tensor)
-            _add(terms, purpose, np.full(P, n_calls * sec), np.zeros(P))
+            _add(terms, purpose, np.full(P, n_calls * sec), hidden)
             comm = comm + n_calls * sec
             picks[purpose] = pick
         gpu = g_t + t_attn + t_mem + comm
@@ -510,9 +511,11 @@ class Pricer:
             total = gpu + host + work
         else:
             total = np.maximum(gpu, host) + work
-        wait = sync_wait_seconds(self.hw.tables, calls, total - comm) if self.measured else 0.0
-        total = total + wait
-        slow = int(np.argmax(total))
+        wait = 0.0
+        if self.measured:
+            wait = sync_wait_seconds(self.hw.tables, calls, total - comm)
+            total = total + wait
+        slow = int(total.argmax())
         out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
                "memory_ops": [float(t_mem[slow]), 0.0]}
         out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
@@ -570,8 +573,8 @@ class Pricer:
         k, L = self.kern, self.sizes.num_layers
         _, fpp, entry = self._per_pair()
         pairs = np.asarray(pairs, dtype=np.float64)
-        t = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
-        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), fpp * pairs / k.peak(self.act_key) >= entry * pairs / k.hbm
+        t, bound = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
+        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), bound
 
     def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
         """The all-gather paths: one call per rank, its rows over the context or its DCP shard
@@ -582,8 +585,9 @@ class Pricer:
         prefill_pairs = counts.work.astype(np.float64) - decode_pairs
         if not prefill_pairs.any():  # NOTE: a step of decodes: _prefill of no pairs is 0.0 on every rank
             t_dec, dec_bound = self._decode(decode_pairs)
-            return Attention(np.zeros(P), t_dec, np.where(dec_bound, t_dec, 0.0),
-                             fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs, np.zeros(P))
+            zeros = np.zeros(P)  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
+            return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
+                             zeros)
         ratio = np.ones(P)
         blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
                                      interleave=self.interleave, dcp_rest=counts.dcp_rest)
@@ -742,19 +746,17 @@ def _add(terms: dict, name: str, exposed: np.ndarray, hidden: np.ndarray) -> Non
         terms[name] = (exposed, hidden)
 
 
-def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, token_mask) -> np.ndarray:
-    """[P] (query, key) pairs of the busiest DCP shard of each PCP rank. With DCP inside
-    PCP this is ``attention_work``. With DCP over TP ranks every member scores every
-    gathered row (all PCP ranks' rows, replicated decodes once per PCP rank, with its
-    own heads) over its shard; member ``d = pcp_rank * dcp_tp + tp_local``."""
+def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask) -> np.ndarray:
+    """[P] (query, key) pairs of the busiest DCP shard of each PCP rank (of the requests
+    ``request_mask`` keeps, all when None). With DCP inside PCP this is ``attention_work``.
+    With DCP over TP ranks every member scores every gathered row (all PCP ranks' rows,
+    replicated decodes once per PCP rank, with its own heads) over its shard; member
+    ``d = pcp_rank * dcp_tp + tp_local``."""
     if grid.dcp_tp == 1:
-        return attention_work(layout, positions, dcp_size=grid.dcp, interleave=interleave, token_mask=token_mask,
+        return attention_work(layout, positions, dcp_size=grid.dcp, interleave=interleave, request_mask=request_mask,
                               dcp_rest=dcp_rest)
-    skip = layout.is_padding
-    if token_mask is not None:
-        skip = skip | ~np.asarray(token_mask, dtype=bool)[layout.padded_gather_idx]
-    ctx = np.where(skip, 0, positions[layout.padded_gather_idx] + 1)
-    member = np.array([dcp_local_seq_lens(ctx, grid.dcp, d, interleave).sum() for d in range(grid.dcp)])
+    first, rows, _ = (np.concatenate(x) for x in zip(*segment_runs(layout, positions, request_mask)))
+    member = shard_pairs(first, rows, dcp_size=grid.dcp, interleave=interleave)
     return member.reshape(-1, grid.dcp_tp).max(axis=1).repeat(grid.pcp // (grid.dcp // grid.dcp_tp))
 
 

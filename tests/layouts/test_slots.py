@@ -15,6 +15,7 @@ from pcpflow.layouts.slots import (
     dcp_local_positions,
     dcp_local_seq_lens,
     dcp_owner,
+    dcp_shard_len_sums,
     expand_to_gathered,
 )
 
@@ -23,6 +24,14 @@ PROPERTY = settings(max_examples=80, deadline=None, database=None)
 
 def test_pad_slot_id():
     assert PAD_SLOT_ID == -1
+
+
+@pytest.mark.parametrize("p, interleave", [(1, 1), (2, 1), (3, 2), (4, 4), (5, 3)])
+def test_shard_len_sums_are_the_sums_of_shard_lengths(p, interleave):
+    sums = dcp_shard_len_sums(np.arange(0, 200), p, interleave)
+    for rank in range(p):
+        lens = dcp_local_seq_lens(np.arange(1, 200), p, rank, interleave)
+        assert sums[rank].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
 
 
 def test_owner_and_local_positions_by_hand():

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from pcpflow.layouts.accounting import attention_work, ring_attention_work
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.layouts.ring import plan_ring
-from pcpflow.layouts.slots import dcp_local_seq_lens
 from pcpflow.simulate import flash
 
 PROPERTY = settings(max_examples=60, deadline=None, database=None)
@@ -46,14 +45,6 @@ def test_a_square_block_is_the_figures_point():
     few = flash.Blocks(np.zeros(1, np.int64), np.array([100]), np.array([s]), np.array([s]), np.array([100 * s]))
     assert few.peak_pairs()[0] == pytest.approx(100 * s / (646 / 989) * 128 / 100)
     assert few.peak_pairs(group=16)[0] == pytest.approx(100 * s / (646 / 989) * 13 * 128 / 1600)
-
-
-@pytest.mark.parametrize("p, rank, interleave", [(1, 0, 1), (2, 1, 1), (3, 2, 2), (4, 0, 4), (5, 3, 3)])
-def test_local_len_sum_is_the_sum_of_shard_lengths(p, rank, interleave):
-    x = np.arange(0, 200)
-    lens = dcp_local_seq_lens(np.arange(1, 200), p, rank, interleave)
-    want = np.concatenate([[0], np.cumsum(lens)])
-    assert flash.local_len_sum(x, p, rank, interleave).tolist() == want.tolist()
 
 
 @st.composite
@@ -105,11 +96,10 @@ def test_the_engines_calls_score_its_prefill_pairs(case):
     ``attention_work``'s prefill pairs."""
     layout, positions = _layout(case)
     p, inter = case["p"], case["interleave"]
-    prefill_rows = case["pre"][np.repeat(np.arange(len(case["q"])), case["q"])]
     for dcp, mode in ((1, "queries"), (p, "context"), (p, "queries")):
         lay = plan_layout(case["q"], case["pre"], pcp_size=p, dcp_size=dcp, shard_decodes=case["shard"],
                           num_computed_tokens=case["c"])
         blocks = flash.engine_blocks(lay, positions, case["pre"], dcp_size=dcp, interleave=inter, dcp_rest=mode)
-        want = attention_work(lay, positions, dcp_size=dcp, interleave=inter, dcp_rest=mode, token_mask=prefill_rows)
+        want = attention_work(lay, positions, dcp_size=dcp, interleave=inter, dcp_rest=mode, request_mask=case["pre"])
         got = np.zeros(p) if blocks is None else np.bincount(blocks.bin, weights=blocks.pairs, minlength=p)
         assert got.tolist() == want.tolist(), (dcp, mode)
