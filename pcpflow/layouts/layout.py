@@ -19,6 +19,7 @@ so ``gathered = global[padded_gather_idx]`` and ``global = gathered[hidden_resto
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -55,12 +56,71 @@ class BatchLayout:
     owner: np.ndarray
     per_rank_num_tokens: np.ndarray  # int64 [P]
     padded_num_tokens: int  # N
-    padded_gather_idx: np.ndarray  # int64 [P*N], rank-major; 0 on padding rows
-    kv_write_mask: np.ndarray  # bool [P*N]: the one canonical writer row of each token
-    hidden_restore_idx: np.ndarray  # int64 [T]: global token -> its writer's gathered row
     segments: tuple[RankSegments, ...]  # P entries
     # Leading local rows identical on every rank (the replicated decodes); 0 when sharded.
     num_replicated_decode_tokens: int
+
+    # NOTE: the per-token views derive from the segments on first read: a priced step reads
+    # none of them (it counts by segment), an executed one reads them all.
+    @cached_property
+    def padded_gather_idx(self) -> np.ndarray:
+        """int64 [P*N], rank-major: gathered row -> global token; 0 on padding rows."""
+        rank, _, global_start, length, local_start = self._pieces()
+        p, n = self.pcp_size, self.padded_num_tokens
+        # The padded gathered view as runs: each rank's pieces, then its padding (a run of
+        # n - per_rank_num_tokens rows), so one repeat fills it, padding zeroed after.
+        at = _iota(rank.shape[0]) + rank
+        run_shift = np.zeros(rank.shape[0] + p, dtype=np.int64)
+        run_shift[at] = global_start - rank * n - local_start
+        gather_idx = run_shift.repeat(self._run_lengths(at, length))
+        gather_idx += _iota(p * n)
+        for r, num_real in enumerate(self.per_rank_num_tokens.tolist()):
+            gather_idx[r * n + num_real : (r + 1) * n] = 0
+        return gather_idx
+
+    @cached_property
+    def kv_write_mask(self) -> np.ndarray:
+        """bool [P*N]: the one canonical writer row of each token."""
+        rank, req, _, length, _ = self._pieces()
+        at = _iota(rank.shape[0]) + rank
+        run_writes = np.zeros(rank.shape[0] + self.pcp_size, dtype=bool)
+        run_writes[at] = self._writes(rank, req)
+        return run_writes.repeat(self._run_lengths(at, length))
+
+    @cached_property
+    def hidden_restore_idx(self) -> np.ndarray:
+        """int64 [T]: global token -> its KV writer's gathered row."""
+        rank, req, global_start, length, local_start = self._pieces()
+        writes = self._writes(rank, req)
+        # The writer pieces tile [0, T): in global order, each is a run of rows.
+        order = global_start[writes].argsort(kind="stable")
+        shift = (rank * self.padded_num_tokens + local_start - global_start)[writes][order]
+        restore_idx = shift.repeat(length[writes][order])
+        restore_idx += _iota(self.num_tokens)
+        return restore_idx
+
+    def _pieces(self) -> tuple[np.ndarray, ...]:
+        """Every rank's segments, rank-major: rank, req_idx, global_start, length, local_start."""
+        segs = self.segments
+        rank = _iota(self.pcp_size).repeat([len(s) for s in segs])
+        cat = [np.concatenate([getattr(s, f) for s in segs]).astype(np.int64, copy=False)
+               for f in ("req_idx", "global_start", "length", "local_start")]
+        return (rank, *cat)
+
+    def _run_lengths(self, at: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Rows of each run of the gathered view: the pieces ``at``, each rank's padding after."""
+        p = self.pcp_size
+        run_length = np.empty(at.shape[0] + p, dtype=np.int64)
+        run_length[at] = length
+        pad_at = np.cumsum([len(s) for s in self.segments]) + _iota(p)
+        run_length[pad_at] = self.padded_num_tokens - self.per_rank_num_tokens
+        return run_length
+
+    def _writes(self, rank: np.ndarray, req: np.ndarray) -> np.ndarray:
+        """bool: the piece writes its KV (every piece, but a replicated request's copies off rank 0)."""
+        if self.shard_decodes:
+            return np.ones(rank.shape[0], dtype=bool)
+        return (rank == 0) | ~self.replicated[req]
 
     @property
     def is_padding(self) -> np.ndarray:
@@ -196,41 +256,6 @@ def plan_layout(
         n = int(padded_num_tokens)
 
     local_start = first_row - rank_first_row[rank_s]
-    gathered_start_s = rank_s * n
-    gathered_start_s += local_start
-    # The padded gathered view as runs: each rank's pieces, then its padding (a run of
-    # n - per_rank_num_tokens rows), so one repeat fills it, padding zeroed after.
-    num_pieces = rank_s.shape[0]
-    at = _iota(num_pieces) + rank_s
-    pad_at = bounds[1:] + _iota(p)
-    run_length = np.empty(num_pieces + p, dtype=np.int64)
-    run_length[at] = length_s
-    run_length[pad_at] = n - per_rank_num_tokens
-    run_shift = np.zeros(num_pieces + p, dtype=np.int64)
-    run_shift[at] = global_start_s - gathered_start_s
-    padded_gather_idx = run_shift.repeat(run_length)
-    padded_gather_idx += _iota(p * n)
-    for r, num_real in enumerate(per_rank_num_tokens.tolist()):
-        padded_gather_idx[r * n + num_real : (r + 1) * n] = 0
-    # Every piece writes its KV, except the copies of a replicated request off rank 0.
-    run_writes = np.zeros(num_pieces + p, dtype=bool)
-    if shard_decodes:
-        writer = None
-        run_writes[at] = True
-    else:
-        writer = (rank == 0) | ~replicated[req]
-        run_writes[at] = writer[local_order]
-    kv_write_mask = run_writes.repeat(run_length)
-
-    # The writer pieces, in generation order, tile [0, T) in order.
-    gathered_start = np.empty_like(gathered_start_s)
-    gathered_start[local_order] = gathered_start_s
-    shift = gathered_start - global_start
-    if writer is not None:
-        shift, length = shift[writer], length[writer]
-    hidden_restore_idx = shift.repeat(length)
-    hidden_restore_idx += _iota(num_tokens)
-
     req_s = req[local_order]
     segments = tuple(
         RankSegments(req_s[lo:hi], global_start_s[lo:hi], length_s[lo:hi], local_start[lo:hi])
@@ -247,9 +272,6 @@ def plan_layout(
         owner=owner,
         per_rank_num_tokens=per_rank_num_tokens,
         padded_num_tokens=n,
-        padded_gather_idx=padded_gather_idx,
-        kv_write_mask=kv_write_mask,
-        hidden_restore_idx=hidden_restore_idx,
         segments=segments,
         num_replicated_decode_tokens=num_replicated_decode_tokens,
     )
@@ -258,7 +280,7 @@ def plan_layout(
 def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_tokens: int | None) -> BatchLayout:
     """``plan_layout`` of a batch of decodes copied to every rank (no ``shard_decodes``): every
     rank holds every token in batch order, rank 0 writes the KV. The general plan yields the
-    same arrays; a decode step (most steps of a serving run) skips its pieces and sorts."""
+    same layout; a decode step (most steps of a serving run) skips its pieces and sorts."""
     num_reqs = q.shape[0]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     q.cumsum(out=query_start_loc[1:])
@@ -274,10 +296,6 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
         )
     else:
         n = int(padded_num_tokens)
-    padded_gather_idx = np.zeros((p, n), dtype=np.int64)
-    padded_gather_idx[:, :num_tokens] = _iota(num_tokens)
-    kv_write_mask = np.zeros((p, n), dtype=bool)
-    kv_write_mask[0, :num_tokens] = True
     # Each rank's segments: its own copy of every held request, in batch order (a request's
     # local start is its global one: every rank holds every token).
     # NOTE: the ranks' segments are equal: one read-only object stands for all of them.
@@ -296,9 +314,6 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
         owner=owner,
         per_rank_num_tokens=np.full(p, num_tokens, dtype=np.int64),
         padded_num_tokens=n,
-        padded_gather_idx=padded_gather_idx.reshape(-1),
-        kv_write_mask=kv_write_mask.reshape(-1),
-        hidden_restore_idx=np.arange(num_tokens, dtype=np.int64),
         segments=(segment,) * p,
         num_replicated_decode_tokens=num_tokens,
     )
@@ -307,8 +322,8 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
 def pad_layout(layout: BatchLayout, padded_num_tokens: int) -> BatchLayout:
     """``layout`` with every rank padded to ``padded_num_tokens`` rows: what ``plan_layout``
     returns for the same batch given that ``padded_num_tokens``, without planning it again
-    (padding moves only the gathered rows: rank r's local row i is gathered row ``r * N + i``)."""
-    n_old, p = layout.padded_num_tokens, layout.pcp_size
+    (padding moves only the gathered rows: rank r's local row i is gathered row ``r * N + i``,
+    and the per-token views derive from the segments at the new N)."""
     largest = max(layout.per_rank_num_tokens.tolist())
     if padded_num_tokens < largest:
         raise ValueError(
@@ -316,22 +331,7 @@ def pad_layout(layout: BatchLayout, padded_num_tokens: int) -> BatchLayout:
             f"rank-local batch ({largest})"
         )
     n = int(padded_num_tokens)
-    if n == n_old:
-        return layout
-    gather_idx = np.zeros((p, n), dtype=np.int64)
-    gather_idx[:, :n_old] = layout.padded_gather_idx.reshape(p, n_old)
-    kv_write_mask = np.zeros((p, n), dtype=bool)
-    kv_write_mask[:, :n_old] = layout.kv_write_mask.reshape(p, n_old)
-    restore_idx = layout.hidden_restore_idx
-    if n_old:
-        restore_idx = restore_idx + (restore_idx // n_old) * (n - n_old)
-    return replace(
-        layout,
-        padded_num_tokens=n,
-        padded_gather_idx=gather_idx.reshape(-1),
-        kv_write_mask=kv_write_mask.reshape(-1),
-        hidden_restore_idx=restore_idx,
-    )
+    return layout if n == layout.padded_num_tokens else replace(layout, padded_num_tokens=n)
 
 
 def _balanced_owners(work: np.ndarray, pcp_size: int) -> np.ndarray:

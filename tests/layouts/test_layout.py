@@ -448,17 +448,19 @@ def test_padding_a_plan_is_planning_it_padded(batch, extra):
     tight = plan_layout(**kwargs)
     n = tight.padded_num_tokens + extra
     padded, planned = pad_layout(tight, n), plan_layout(**kwargs, padded_num_tokens=n)
-    for f in fields(planned):
-        a, b = getattr(padded, f.name), getattr(planned, f.name)
-        if f.name == "segments":
+    # NOTE: the per-token views are properties (derived on first read), not fields
+    views = ("padded_gather_idx", "kv_write_mask", "hidden_restore_idx", "is_padding")
+    for name in [f.name for f in fields(planned)] + list(views):
+        a, b = getattr(padded, name), getattr(planned, name)
+        if name == "segments":
             for sa, sb in zip(a, b, strict=True):
                 for g in fields(sb):
                     np.testing.assert_array_equal(getattr(sa, g.name), getattr(sb, g.name))
         elif isinstance(b, np.ndarray):
-            assert a.dtype == b.dtype, f.name
-            np.testing.assert_array_equal(a, b, err_msg=f.name)
+            assert a.dtype == b.dtype, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
         else:
-            assert a == b, f.name
+            assert a == b, name
     if tight.per_rank_num_tokens.max() > 0:
         with pytest.raises(ValueError, match="padded_num_tokens"):
             pad_layout(tight, int(tight.per_rank_num_tokens.max()) - 1)
