@@ -7,6 +7,7 @@ from it. Arrays are numpy (int64 / bool) so that planning stays free of torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -31,20 +32,28 @@ class GlobalBatch:
     logits_indices: np.ndarray  # int64 [S]: global token rows whose logits are sampled
     num_draft_tokens: np.ndarray  # int64 [R]: speculative tokens in this row (0 if none)
     query_start_loc: np.ndarray = field(init=False)  # int64 [R+1]
-    positions: np.ndarray = field(init=False)  # int64 [T]
-    req_indices: np.ndarray = field(init=False)  # int64 [T]: batch row of each token
 
     def __post_init__(self) -> None:
         q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
         qsl = np.zeros(len(q) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
-        req_indices = np.repeat(np.arange(len(q), dtype=np.int64), q)
-        # token t of row r sits at c_r + (t - qsl_r)
-        start = np.asarray(self.num_computed_tokens, dtype=np.int64) - qsl[:-1]
-        positions = np.repeat(start, q) + np.arange(int(qsl[-1]), dtype=np.int64)
         object.__setattr__(self, "query_start_loc", qsl)
-        object.__setattr__(self, "req_indices", req_indices)
-        object.__setattr__(self, "positions", positions)
+
+    # NOTE: the per-token arrays are built on first read: a priced step reads neither (it
+    # goes by request), an executed one both.
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """int64 [T]: position of each token."""
+        q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
+        # token t of row r sits at c_r + (t - qsl_r)
+        start = np.asarray(self.num_computed_tokens, dtype=np.int64) - self.query_start_loc[:-1]
+        return np.repeat(start, q) + np.arange(self.num_tokens, dtype=np.int64)
+
+    @cached_property
+    def req_indices(self) -> np.ndarray:
+        """int64 [T]: batch row of each token."""
+        q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
+        return np.repeat(np.arange(len(q), dtype=np.int64), q)
 
     @property
     def num_reqs(self) -> int:
@@ -61,8 +70,9 @@ class GlobalBatch:
 
     @property
     def logits_req_indices(self) -> np.ndarray:
-        """Batch row of each sampled logit."""
-        return self.req_indices[self.logits_indices]
+        """Batch row of each sampled logit: the last row starting at or before its token
+        (rows without tokens start where the next row does)."""
+        return self.query_start_loc.searchsorted(self.logits_indices, side="right") - 1
 
     def with_block_tables(self, block_tables: np.ndarray) -> GlobalBatch:
         """The same batch over another KV layout (the single-rank reference's blocks)."""
