@@ -12,6 +12,7 @@ from pcpflow.layouts.layout import pad_layout, plan_layout
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
 from pcpflow.rank.cudagraph import (
+    FULL_DECODE_MODES,
     capture_sizes,
     dispatch,
     is_uniform_decode,
@@ -42,7 +43,9 @@ class DualChunkSwapPlan(Stage):
             num_computed_tokens=b.num_computed_tokens,
             decode_assignment=cfg.decode.assignment,
         )
-        desc = dispatch(cfg.cudagraph_mode, num_tokens_for_dispatch(layout), is_uniform_decode(b), self.sizes)
+        mode = cfg.cudagraph_mode
+        uniform = mode in FULL_DECODE_MODES and is_uniform_decode(b)
+        desc = dispatch(mode, num_tokens_for_dispatch(layout), uniform, self.sizes)
         if desc.num_tokens is not None and desc.num_tokens != layout.padded_num_tokens:
             layout = pad_layout(layout, desc.num_tokens)
         state.layout, state.dispatch = layout, desc

@@ -19,9 +19,9 @@ so nothing is captured at world size > 1 (docs/gpu.md).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 
 from pcpflow.errors import Problem
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from pcpflow.scheduling.batch import GlobalBatch
 
 CUDAGRAPH_MODES = ("none", "piecewise", "full_decode_only", "full_and_piecewise", "full")
+# The modes with a full graph for uniform decode steps: only they ask is_uniform_decode.
+FULL_DECODE_MODES = ("full_decode_only", "full_and_piecewise", "full")
 CUDAGraphMode = Literal["none", "piecewise", "full_decode_only", "full_and_piecewise", "full"]
 
 FULL_WITH_PCP = (
@@ -63,7 +65,7 @@ def capture_sizes(cfg: RunConfig) -> list[int]:
 
 def num_tokens_for_dispatch(layout: BatchLayout) -> int:
     """The largest real rank-local batch before graph padding."""
-    return int(layout.per_rank_num_tokens.max()) if layout.pcp_size else 0
+    return max(layout.per_rank_num_tokens.tolist()) if layout.pcp_size else 0  # NOTE: P ints: no numpy call
 
 
 def is_uniform_decode(batch: GlobalBatch) -> bool:
@@ -80,8 +82,8 @@ def dispatch(mode: str, num_tokens: int, uniform_decode: bool, sizes: list[int])
     """vLLM's dispatcher over pcpflow's modes (see module docstring)."""
     if mode == "none" or not sizes or num_tokens > sizes[-1] or num_tokens == 0:
         return BatchDescriptor("none", None)
-    padded = sizes[int(np.searchsorted(sizes, num_tokens))]
-    if uniform_decode and mode in ("full_decode_only", "full_and_piecewise", "full"):
+    padded = sizes[bisect_left(sizes, num_tokens)]  # NOTE: sizes ascend (capture_sizes)
+    if uniform_decode and mode in FULL_DECODE_MODES:
         return BatchDescriptor("full", padded)
     if mode in ("piecewise", "full_and_piecewise"):
         return BatchDescriptor("piecewise", padded)
