@@ -41,7 +41,7 @@ from typing import Literal
 
 import numpy as np
 
-from pcpflow.layouts.layout import BatchLayout
+from pcpflow.layouts.layout import BatchLayout, as_positions
 from pcpflow.layouts.ring import (
     REPLICATED,
     STAYS,
@@ -637,7 +637,7 @@ def segment_runs(
     local row), int64 [S] each; no rows for the requests ``request_mask`` (bool [R]) leaves out.
     Pairs are counted by run, not by row (``context_pairs``, ``shard_pairs``): a segment holds
     one request's tokens in order, at consecutive positions."""
-    pos = np.asarray(positions, dtype=np.int64)
+    pos = as_positions(positions)
     runs = []
     for seg in layout.segments:
         rows = seg.length if request_mask is None else np.where(request_mask[seg.req_idx], seg.length, 0)

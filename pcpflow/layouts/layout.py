@@ -136,6 +136,40 @@ class BatchLayout:
         return slice(rank * n, (rank + 1) * n)
 
 
+@dataclass(frozen=True, eq=False)
+class TokenPositions:
+    """The positions of a batch's T tokens, held per request: token t of request r sits at
+    ``num_computed_tokens[r] + t - query_start_loc[r]``. Indexed by token rows it gives what
+    the int64 [T] array gives, without building it (a priced step reads one per segment);
+    ``np.asarray`` builds the array."""
+
+    query_start_loc: np.ndarray  # int64 [R+1]
+    num_computed_tokens: np.ndarray  # int64 [R]
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (int(self.query_start_loc[-1]),)
+
+    def __getitem__(self, tokens) -> np.ndarray:
+        """Positions of the token rows ``tokens`` (int, in [0, T))."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        # NOTE: a token's request is the last one starting at or before it (an empty one
+        # starts where the next does)
+        req = self.query_start_loc.searchsorted(tokens, side="right") - 1
+        return np.asarray(self.num_computed_tokens, dtype=np.int64)[req] + (tokens - self.query_start_loc[req])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        qsl = self.query_start_loc
+        start = np.asarray(self.num_computed_tokens, dtype=np.int64) - qsl[:-1]
+        positions = start.repeat(np.diff(qsl)) + _iota(int(qsl[-1]))
+        return positions if dtype is None else positions.astype(dtype, copy=False)
+
+
+def as_positions(positions) -> np.ndarray | TokenPositions:
+    """``positions`` (int [T], or ``TokenPositions``) ready to index by token rows."""
+    return positions if isinstance(positions, TokenPositions) else np.asarray(positions, dtype=np.int64)
+
+
 def plan_layout(
     num_scheduled_tokens,
     is_prefilling,

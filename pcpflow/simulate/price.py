@@ -59,6 +59,7 @@ from pcpflow.layouts.accounting import (
     shard_pairs,
     step_traffic,
 )
+from pcpflow.layouts.layout import TokenPositions
 from pcpflow.layouts.ring import RingPlan, plan_ring
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
@@ -193,11 +194,12 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan)
         work, decode_work = pairs, np.zeros_like(pairs)  # a ring's price reads its plan (flash.ring_blocks)
     else:
-        pairs = attention_work(layout, batch.positions, dcp_size=grid.layout_dcp, interleave=interleave,
+        positions = TokenPositions(batch.query_start_loc, batch.num_computed_tokens)  # NOTE: read per segment
+        pairs = attention_work(layout, positions, dcp_size=grid.layout_dcp, interleave=interleave,
                                dcp_rest=dcp_rest.mode)
         # NOTE: with DCP inside PCP (dcp_tp = 1, so layout_dcp = dcp) the busiest shard's work is
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
-        work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, batch.positions, grid, interleave,
+        work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, positions, grid, interleave,
                                                              dcp_rest.mode, None)
         # NOTE: whether any, or every, token is a decode reads the requests that have tokens
         scheduled = batch.num_scheduled_tokens > 0
@@ -206,7 +208,7 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         elif batch.is_prefilling[scheduled].all():
             decode_work = np.zeros_like(work)
         else:
-            decode_work = _busiest_shard(layout, batch.positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
+            decode_work = _busiest_shard(layout, positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -589,7 +591,8 @@ class Pricer:
             return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
                              zeros)
         ratio = np.ones(P)
-        blocks = flash.engine_blocks(layout, batch.positions, batch.is_prefilling, dcp_size=grid.dcp,
+        positions = TokenPositions(batch.query_start_loc, batch.num_computed_tokens)  # NOTE: read per segment
+        blocks = flash.engine_blocks(layout, positions, batch.is_prefilling, dcp_size=grid.dcp,
                                      interleave=self.interleave, dcp_rest=counts.dcp_rest)
         if blocks is not None:
             shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local

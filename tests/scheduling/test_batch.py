@@ -4,6 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pcpflow.layouts.layout import TokenPositions
 from pcpflow.scheduling.batch import GlobalBatch
 
 rows = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 20)), max_size=8)
@@ -29,3 +30,8 @@ def test_per_token_arrays_and_sampled_rows(reqs, data):
     assert batch.req_indices.dtype == batch.positions.dtype == batch.logits_req_indices.dtype == np.int64
     assert batch.logits_req_indices.tolist() == [row[i] for i in logits]
     assert batch.num_tokens == t and batch.query_start_loc.tolist() == [0, *np.cumsum(q).tolist()]
+    # the same positions held per request: indexed by any token rows, and built whole
+    per_request = TokenPositions(batch.query_start_loc, c)
+    tokens = np.array(data.draw(st.lists(st.integers(0, max(t - 1, 0)), max_size=2 * t)) if t else [], dtype=np.int64)
+    assert per_request.shape == (t,) and per_request[tokens].tolist() == [pos[i] for i in tokens]
+    assert np.asarray(per_request).tolist() == pos and np.asarray(per_request).dtype == np.int64
