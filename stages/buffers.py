@@ -12,6 +12,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from pcpflow.layouts.tensors import int64_tensor
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import LocalBatch, StepState
 
@@ -80,4 +81,4 @@ class PersistentBuffers(Stage):
 
 
 def _put(buf: torch.Tensor, values: np.ndarray) -> None:
-    buf[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)))
+    buf[: len(values)].copy_(int64_tensor(values))

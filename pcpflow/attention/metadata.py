@@ -14,6 +14,7 @@ import torch
 from pcpflow.layouts.dcp_context import ContextGather
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.slots import compute_slot_mapping, dcp_local_seq_lens, expand_to_gathered
+from pcpflow.layouts.tensors import int64_tensor
 
 
 class KVGeometry(Protocol):
@@ -118,7 +119,7 @@ def build_attention_metadata(
         row_ctx = dcp_local_seq_lens(row_ctx, dcp_size, dcp_rank, kv.interleave)
 
     def to(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+        return int64_tensor(a, device)
 
     return AttentionMetadata(
         gathered_slot_mapping=to(expand_to_gathered(slots, layout)),

@@ -28,12 +28,13 @@ import torch
 
 from pcpflow.attention.paged import merge_attention_partials, paged_attention
 from pcpflow.layouts.ring import RankRing
+from pcpflow.layouts.tensors import int64_tensor
 from pcpflow.models.base import AttentionSpec
 from pcpflow.parallel.comm import Comm
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+    return int64_tensor(a, device)
 
 
 class _HopTensors:

@@ -16,6 +16,7 @@ import torch
 from pcpflow.layouts.accounting import rest_requests
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.slots import dcp_local_seq_lens
+from pcpflow.layouts.tensors import int64_tensor
 
 
 class ContextPlan(NamedTuple):
@@ -124,7 +125,7 @@ class ContextGather:
         tables[reqs] = plan.block_tables
 
         def to(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+            return int64_tensor(a, self.device)
 
         return ContextTensors(
             to(plan.send_slots), to(plan.source), to(tables), to(self.row_context_lens)

@@ -181,3 +181,20 @@ def test_expand_to_gathered_writes_each_token_once(q, pcp, data):
     assert (gathered[~layout.kv_write_mask] == PAD_SLOT_ID).all()
     written = gathered[gathered != PAD_SLOT_ID]
     assert sorted(written.tolist()) == slots.tolist()
+
+
+def test_a_read_only_index_array_reaches_torch_without_a_warning_and_unaliased():
+    import warnings
+
+    from pcpflow.layouts.tensors import int64_tensor
+
+    a = np.arange(5, dtype=np.int64)
+    a.flags.writeable = False  # as a decode-only layout's shared segments are
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = int64_tensor(a)
+    assert t.tolist() == [0, 1, 2, 3, 4]
+    t[0] = 7  # the tensor owns a copy: the shared array is untouched
+    assert a[0] == 0
+    b = np.arange(3, dtype=np.int32)
+    assert str(int64_tensor(b).dtype) == "torch.int64" and int64_tensor(b).tolist() == [0, 1, 2]
