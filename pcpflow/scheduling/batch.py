@@ -11,6 +11,8 @@ from functools import cached_property
 
 import numpy as np
 
+from pcpflow.layouts.layout import TokenPositions
+
 
 @dataclass(frozen=True)
 class GlobalBatch:
@@ -44,10 +46,12 @@ class GlobalBatch:
     @cached_property
     def positions(self) -> np.ndarray:
         """int64 [T]: position of each token."""
-        q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
-        # token t of row r sits at c_r + (t - qsl_r)
-        start = np.asarray(self.num_computed_tokens, dtype=np.int64) - self.query_start_loc[:-1]
-        return np.repeat(start, q) + np.arange(self.num_tokens, dtype=np.int64)
+        return np.asarray(self.token_positions)
+
+    @cached_property
+    def token_positions(self) -> TokenPositions:
+        """The tokens' positions held per request (read per segment without building [T])."""
+        return TokenPositions(self.query_start_loc, self.num_computed_tokens)
 
     @cached_property
     def req_indices(self) -> np.ndarray:

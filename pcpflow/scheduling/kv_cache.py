@@ -250,8 +250,9 @@ class KVCacheManager:
     def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
         that hash to it: a hash another block holds is left as it is, a stale entry is
-        replaced, and of a hash computed twice in one call the first block wins. One dict
-        lookup and at most one insertion per block; the rest are array operations."""
+        replaced, and of a hash computed twice in one call the first block wins. Per block, a
+        dict probe and an insertion (a second probe where a hash is cached already); the rest
+        are array operations."""
         if not self.prefix_caching or not len(hashes):
             return 0
         hashes = np.asarray(hashes, dtype=np.uint64)

@@ -59,7 +59,6 @@ from pcpflow.layouts.accounting import (
     shard_pairs,
     step_traffic,
 )
-from pcpflow.layouts.layout import TokenPositions
 from pcpflow.layouts.ring import RingPlan, plan_ring
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
@@ -194,7 +193,7 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan)
         work, decode_work = pairs, np.zeros_like(pairs)  # a ring's price reads its plan (flash.ring_blocks)
     else:
-        positions = TokenPositions(batch.query_start_loc, batch.num_computed_tokens)  # NOTE: read per segment
+        positions = batch.token_positions  # NOTE: read per segment
         pairs = attention_work(layout, positions, dcp_size=grid.layout_dcp, interleave=interleave,
                                dcp_rest=dcp_rest.mode)
         # NOTE: with DCP inside PCP (dcp_tp = 1, so layout_dcp = dcp) the busiest shard's work is
@@ -591,8 +590,7 @@ class Pricer:
             return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
                              zeros)
         ratio = np.ones(P)
-        positions = TokenPositions(batch.query_start_loc, batch.num_computed_tokens)  # NOTE: read per segment
-        blocks = flash.engine_blocks(layout, positions, batch.is_prefilling, dcp_size=grid.dcp,
+        blocks = flash.engine_blocks(layout, batch.token_positions, batch.is_prefilling, dcp_size=grid.dcp,
                                      interleave=self.interleave, dcp_rest=counts.dcp_rest)
         if blocks is not None:
             shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
