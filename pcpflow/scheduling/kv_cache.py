@@ -22,7 +22,9 @@ The queue is an array with lazy deletion (a hit leaves its stale entry behind; a
 live while its sequence number is the block's), so taking k blocks and freeing a request
 are array operations. The hash -> block dict forgets lazily too (an evicted block's entry
 stays until a rebuild, dead once the block no longer holds that hash), so Python-level work
-runs per newly cached or looked-up block only.
+runs per newly cached or looked-up block only; and a block whose hash only its own request
+can ever ask for (``RequestTable.private_from``: a simulated run knows every prompt) holds
+it without an entry until that request is preempted.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ class KVCacheManager:
         # one rebuild when they outnumber the blocks a few times over.
         self._cached: dict[int, int] = {}
         self._num_cached = 0
+        # NOTE: cached blocks whose hash only their own request can ask for (``cache_block_ids``'
+        # ``private``) stay out of the dict until that request is preempted (``index``).
+        self._unindexed = np.zeros(n, dtype=bool)
         # The free queue: entries [head, tail) of _queue, live while _qseq matches _seq_of.
         self._queue = np.arange(n, dtype=np.int64)
         self._qseq = np.arange(n, dtype=np.int64)
@@ -247,20 +252,36 @@ class KVCacheManager:
         """The block at table entry ``entries[k]`` of request ``req_ids[k]``."""
         return self._table[self._row_of[np.asarray(req_ids, dtype=np.int64)], entries]
 
-    def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray) -> int:
+    def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray, private: np.ndarray | None = None) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
         that hash to it: a hash another block holds is left as it is, a stale entry is
         replaced, and of a hash computed twice in one call the first block wins. Per block, a
         dict probe and an insertion (a second probe where a hash is cached already); the rest
-        are array operations."""
+        are array operations.
+
+        ``private`` (bool per block): blocks whose hash no other request can compute or ask
+        for (``RequestTable.private_from``), of a request never preempted: they hold their
+        hash without a dict entry, until ``index`` gives them one for their own request's
+        lookup. Nothing another request sees changes."""
         if not self.prefix_caching or not len(hashes):
             return 0
         hashes = np.asarray(hashes, dtype=np.uint64)
         todo = self._hash[blocks] == 0
+        if private is not None:
+            mine = todo & private
+            if mine.any():
+                own = blocks[mine]
+                self._hash[own] = hashes[mine]
+                self._unindexed[own] = True
+                self._num_cached += len(own)
+                todo &= ~private
+            n_own = int(mine.sum())
+        else:
+            n_own = 0
         if not todo.all():
             blocks, hashes = blocks[todo], hashes[todo]
             if not len(blocks):
-                return 0
+                return n_own
         keys = hashes.tolist()
         if not self._cached.keys().isdisjoint(keys):  # NOTE: the usual case is none cached yet
             old = np.fromiter(map(self._cached.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
@@ -280,7 +301,20 @@ class KVCacheManager:
         if len(self._cached) > STALE_ENTRIES_PER_BLOCK * self.num_blocks:
             live = np.flatnonzero(self._hash)
             self._cached = dict(zip(self._hash[live].tolist(), live.tolist()))
-        return len(blocks)
+            self._unindexed[:] = False
+        return n_own + len(blocks)
+
+    def index(self, req_id: int) -> None:
+        """Give ``req_id``'s private cached blocks their dict entries (before it is preempted:
+        readmitted, it looks its own blocks up)."""
+        row = self._row(req_id)
+        if row < 0:
+            return
+        blocks = self._table[row, :self._row_num_blocks[row]]
+        blocks = blocks[self._unindexed[blocks]]
+        if len(blocks):
+            self._cached.update(zip(self._hash[blocks].tolist(), blocks.tolist()))
+            self._unindexed[blocks] = False
 
     # -- mutation --------------------------------------------------------------------------
 
@@ -425,6 +459,7 @@ class KVCacheManager:
         self._ref[blocks] = 1
         self._num_free -= k
         if self.prefix_caching:
+            self._unindexed[blocks] = False
             hashed = blocks[self._hash[blocks] != 0]
             if len(hashed):
                 self._hash[hashed] = 0  # evicted: forgotten (its dict entry goes stale)

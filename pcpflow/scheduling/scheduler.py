@@ -217,6 +217,11 @@ class Scheduler:
             if problems:
                 raise ConfigError(problems, header="requests that can never fit the KV cache")
         self.columns = _Columns(table, self.num_speculative_tokens) if share is None else share.columns
+        # NOTE: the block from which each request's blocks are its own (no dict entry needed while it runs)
+        self._private_from = None
+        if kv.prefix_caching and table.tokens is None:
+            same = share is not None and share.kv.tokens_per_block == kv.tokens_per_block
+            self._private_from = share._private_from if same else table.private_from(kv.tokens_per_block)
         # NOTE: self._<name> is the shared column <name> (arrays and dicts are never rebound).
         for name, value in vars(self.columns).items():
             setattr(self, f"_{name}", value)
@@ -407,6 +412,7 @@ class Scheduler:
         """Request i gives back its blocks (full cached ones stay findable) and goes to the
         front of the waiting queue, keeping its outputs: readmitted, it prefills its prompt
         and those outputs."""
+        self.kv.index(i)  # NOTE: readmitted, it looks up its own blocks too
         self._freed.append(self.kv.free(i))
         self._preempted.append(i)
         self._num_computed[i] = 0
@@ -586,6 +592,7 @@ class Scheduler:
         its entries now live in the other pool. Returns the blocks freed."""
         self._prompt_contents.pop(int(i), None)
         self._keys.pop(int(i), None)
+        self.kv.index(int(i))
         return self.kv.free(int(i))
 
     # -- prefix caching ------------------------------------------------------------------------
@@ -609,7 +616,7 @@ class Scheduler:
         if fast.any():
             r, j = rows[fast], have[fast]
             values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
-            self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
+            self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values), self._private(r, j))
             self._chain_last[r] = values
             self._hashed[r] = j + 1
         if fast.all():
@@ -621,9 +628,17 @@ class Scheduler:
             else:
                 values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
                 keys = prefix.keys(values)
-            self.kv.cache_block_ids(self.kv.blocks_of(i)[first:n], keys)
+            private = self._private(np.full(n - first, i), np.arange(first, n))
+            self.kv.cache_block_ids(self.kv.blocks_of(i)[first:n], keys, private)
             self._chain_last[i] = values[-1]
             self._hashed[i] = n
+
+    def _private(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray | None:
+        """Whether block ``j[k]`` of request ``rows[k]`` is its own (``RequestTable.private_from``)
+        while it has never been preempted; None when no block is."""
+        if self._private_from is None:
+            return None
+        return (j >= self._private_from[rows]) & (self._num_preempted[rows] == 0)
 
     def _lookup_keys(self, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(chain values, cache keys) of request i's first n blocks, kept while it lives: a

@@ -359,6 +359,10 @@ class BlockIdentity:
     trace_block_tokens: float = float(TRACE_BLOCK_TOKENS)
 
 
+NEVER_PRIVATE = np.iinfo(np.int64).max
+"""``RequestTable.private_from`` where every block a request computes may be another's too."""
+
+
 @dataclass
 class RequestTable:
     """The workload's requests as columns (request i has ``req_id`` i): what a scheduler
@@ -446,13 +450,7 @@ class RequestTable:
         if ident.hash_ids is not None:
             # A block whose positions all lie in hash blocks holds the tokens of those hash
             # blocks, which the chain of hash ids up to its last position identifies.
-            # NOTE: hash block k covers [bounds[k], bounds[k + 1]), the same bounds for every request
-            lens = ident.hash_starts[reqs + 1] - ident.hash_starts[reqs]
-            first = np.cumsum(lens) - lens
-            at = np.repeat(ident.hash_starts[reqs] - first, lens) + np.arange(lens.sum())
-            heads = prefix.splitmix64(prefix.chain(prefix.splitmix64(ident.hash_ids[at]), lengths=lens))
-            bounds = np.floor(np.arange(lens.max(initial=0) + 1) * ident.trace_block_tokens).astype(np.int64)
-            hashed_end = np.minimum(bounds[lens], n)
+            heads, first, bounds, hashed_end = self._trace_heads(reqs)
             last_pos = (j + 1) * U - 1
             inside = np.flatnonzero(last_pos < hashed_end[row])
             k = np.searchsorted(bounds, last_pos[inside], side="right") - 1
@@ -462,6 +460,82 @@ class RequestTable:
             key_head[whole] = heads[first[whole] + k]
         # NOTE: mix(head, x) = mix_with(mix(head), x): each head mixed once
         return prefix.mix_with(head, j), starts, prefix.mix_with(key_head, n)
+
+    def _trace_heads(self, reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The heads of requests ``reqs``' hash blocks (the chain of their hash ids, mixed),
+        back to back, request ``reqs[r]``'s from ``first[r]``; the hash blocks' bounds in
+        tokens (block k covers ``[bounds[k], bounds[k + 1])`` in every request); and where
+        each request's hashed positions end (``min(its hash blocks' end, its prompt)``)."""
+        ident = self.identity
+        lens = ident.hash_starts[reqs + 1] - ident.hash_starts[reqs]
+        first = np.cumsum(lens) - lens
+        at = np.repeat(ident.hash_starts[reqs] - first, lens) + np.arange(lens.sum())
+        heads = prefix.splitmix64(prefix.chain(prefix.splitmix64(ident.hash_ids[at]), lengths=lens))
+        bounds = np.floor(np.arange(lens.max(initial=0) + 1) * ident.trace_block_tokens).astype(np.int64)
+        return heads, first, bounds, np.minimum(bounds[lens], self.prompt_lens[reqs])
+
+    def private_from(self, tokens_per_block: int) -> np.ndarray:
+        """For each request, the first block-table entry from which its chain of blocks is its
+        own: no other request of the table can compute a block with the same key there or
+        later (it would need the same content in every block up to it). int64 [N];
+        ``NEVER_PRIVATE`` where that cannot be told: token ids (any prompt may repeat
+        another's) or a prompt whose every block another request may share.
+
+        Block j's content is ``mix(head_j, j)`` (``identity_contents``): a head no other
+        request carries makes block j, and by the chain every block after it, the
+        request's own; a block past the prompt's full blocks holds outputs, keyed by the
+        whole prompt. The bound is conservative: a head counts as shared if another
+        request carries it anywhere."""
+        N = len(self)
+        never = np.full(N, NEVER_PRIVATE, dtype=np.int64)
+        ident = self.identity
+        if self.tokens is not None or ident is None or not N:
+            return never
+        U = tokens_per_block
+        reqs = np.arange(N)
+        n = self.prompt_lens
+        full = n // U
+        own = prefix.splitmix64(ident.salts)
+        key_head = own.copy()
+        candidates = [never]
+        if ident.hash_ids is not None:
+            heads, first, bounds, hashed_end = self._trace_heads(reqs)
+            lens = np.diff(np.append(first, len(heads)))
+            whole = np.flatnonzero(n <= hashed_end)
+            key_head[whole] = heads[first[whole] + np.searchsorted(bounds, n[whole] - 1, side="right") - 1]
+        else:
+            heads, lens, hashed_end = np.zeros(0, np.uint64), np.zeros(N, np.int64), np.zeros(N, np.int64)
+        shared = _carried_twice(np.concatenate([heads, own]))
+        inside = hashed_end // U  # blocks 0..inside-1 lie in hash blocks; the rest of the prompt is its own
+        if len(heads):
+            # the first hash block whose head no other request carries, and the first block in it
+            row = np.repeat(reqs, lens)
+            lone = np.flatnonzero(~shared[:len(heads)])
+            owners, at = np.unique(row[lone], return_index=True)
+            k0 = lone[at] - first[owners]
+            j = bounds[k0] // U
+            ok = j < inside[owners]
+            candidates.append(_scatter(never, owners[ok], j[ok]))
+        own_block = np.where(~shared[len(heads):] & (inside < full), inside, NEVER_PRIVATE)
+        candidates.append(own_block)
+        out = np.minimum.reduce(candidates)
+        # every prompt block may be shared: the outputs are the request's own unless its whole prompt is another's
+        key_lone = ~_carried_twice(prefix.mix_with(key_head, n))
+        rest = out >= full
+        out[rest] = np.where(key_lone[rest], full[rest], NEVER_PRIVATE)
+        return out
+
+
+def _scatter(base: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = base.copy()
+    out[at] = values
+    return out
+
+
+def _carried_twice(values: np.ndarray) -> np.ndarray:
+    """Whether each of ``values`` occurs more than once among them."""
+    uniq, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    return counts[inverse] > 1
 
 
 def build_requests(config: WorkloadConfig, *, vocab_size: int, seed: int) -> list[Request]:

@@ -126,6 +126,29 @@ def test_cache_blocks_keeps_the_first_holder_of_a_key():
     assert off.cache_blocks(0, 0, key) == 0 and off.find_cached(key, 1).tolist() == []
 
 
+def test_a_private_block_is_cached_without_an_entry_until_its_request_is_preempted():
+    """``private``: a block only its own request can ask for holds its hash (cached, counted,
+    evicted like any other) without a dict entry; ``index`` gives it one, so that its
+    request, readmitted, finds it; evicted, it needs none."""
+    kv = KVCacheManager(num_blocks=4, block_size=1, prefix_caching=True)
+    kv.allocate(0, 3)  # blocks 0 1 2
+    keys = np.array([21, 22, 23], dtype=np.uint64)
+    assert kv.cache_block_ids(np.array([0, 1, 2]), keys, np.array([False, True, True])) == 3
+    assert kv.num_cached_blocks == 3 and [kv.block_hash(b) for b in range(3)] == [21, 22, 23]
+    assert kv.find_cached(keys, 3).tolist() == [0]  # no entry: not found by anyone
+    kv.index(0)  # request 0 is about to be preempted
+    kv.free(0)
+    assert kv.find_cached(keys, 3).tolist() == [0, 1, 2]
+    # a second request's private block, then evicted: forgotten like any other
+    kv.allocate(1, 1)  # block 3 (never used)
+    kv.cache_block_ids(np.array([3]), np.array([31], dtype=np.uint64), np.array([True]))
+    kv.free(1)
+    np.testing.assert_array_equal(kv.free_queue(), [2, 1, 0, 3])
+    kv.allocate(2, 4)  # every block evicted, the private one too
+    assert kv.num_evicted == 4 and kv.num_cached_blocks == 0 and kv.block_hash(3) is None
+    assert kv.find_cached(keys, 3).tolist() == [] and not kv._unindexed.any()
+
+
 # -- property: the pool against a list-based model ---------------------------------------------
 #
 # The model keeps the free queue as a Python list (front first) and the cache as dicts: what

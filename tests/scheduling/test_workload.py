@@ -10,6 +10,7 @@ from pydantic import TypeAdapter, ValidationError
 from pcpflow.errors import ConfigError
 from pcpflow.scheduling import prefix
 from pcpflow.scheduling.workload import (
+    NEVER_PRIVATE,
     ExplicitWorkload,
     SyntheticWorkload,
     TraceWorkload,
@@ -299,6 +300,55 @@ def test_trace_block_keys_equal_exactly_where_the_tokens_are_equal(scale, block)
             equal = np.array_equal(pa, pb)
             assert (prompt_keys[a] == prompt_keys[b]) == equal
     assert same_blocks > 20  # NOTE: the trace's shared system prompt and conversations
+
+
+def _private_cases(tmp_path):
+    """The real trace's head at two scales, and a hand-made trace: a repeated prompt (its
+    outputs are keyed alike: never private), one that stops inside a shared hash block, and
+    one whose only hash block is its own."""
+    yield TraceWorkload(path=str(REAL_TRACE), max_requests=60, length_scale=0.05), 4
+    yield TraceWorkload(path=str(REAL_TRACE), max_requests=60, length_scale=0.2), 32
+    path = _write(tmp_path, [
+        _row(0, 2000, 4, [7, 8, 9, 10]),  # NOTE: 100 tokens, all inside the 4 hash blocks (102)
+        _row(0, 2000, 4, [7, 8, 9, 10]),
+        _row(0, 1100, 4, [7, 8, 9]),
+        _row(0, 1536, 4, [7, 8, 11]),
+        _row(0, 700, 4, [12]),
+    ])
+    yield TraceWorkload(path=path, length_scale=0.05), 3
+
+
+def test_private_from_no_other_prompt_shares_a_private_block(tmp_path):
+    """``private_from``: from that block on, no other request can hold a block with the same
+    key. Checked on the token ids an executed run draws (the independent reference): no
+    other prompt has the same first j + 1 blocks for a private prompt block j, and none is
+    the same whole prompt where the outputs are private."""
+    for cfg, block in _private_cases(tmp_path):
+        lengths, tokens = (request_table(cfg, vocab_size=1 << 20, seed=5, with_tokens=w) for w in (False, True))
+        private = lengths.private_from(block)
+        assert np.array_equal(tokens.private_from(block), np.full(len(tokens), NEVER_PRIVATE))
+        prompts = [tokens.prompt(i) for i in range(len(tokens))]
+        privates = 0
+        for a, pa in enumerate(prompts):
+            full = len(pa) // block
+            j = int(private[a])
+            if j == NEVER_PRIVATE:
+                continue
+            assert 0 <= j <= full
+            privates += 1
+            for b, pb in enumerate(prompts):
+                if b == a:
+                    continue
+                if j < full:  # block j of a's prompt: b's first j + 1 blocks differ
+                    assert not np.array_equal(pa[:(j + 1) * block], pb[:(j + 1) * block]), (a, b, j)
+                else:  # the outputs: b's prompt is another
+                    assert not np.array_equal(pa, pb), (a, b)
+        assert privates >= len(prompts) // 2
+        # a block before private_from may be shared: not tight, but not empty either
+        assert (private < NEVER_PRIVATE).any() and (private > 0).any()
+    # the hand-made trace: the repeated prompt never, the lone hash block from its first block
+    assert private[0] == private[1] == NEVER_PRIVATE
+    assert private[4] == 0
 
 
 # -- shipped YAML ------------------------------------------------------------------------

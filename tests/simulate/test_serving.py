@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from pcpflow.output.metrics import MetricsRecorder
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.scheduler import Scheduler
-from pcpflow.scheduling.workload import RequestTable
+from pcpflow.scheduling.workload import NEVER_PRIVATE, RequestTable
 from pcpflow.simulate.engine import SimulatedRun
 from pcpflow.simulate.serving import Router
 from pcpflow.testing import compose
@@ -147,3 +148,44 @@ def test_a_burst_in_time_and_arrivals_in_steps_are_two_request_tables():
     assert requests_of(burst, 1000, 0).arrival_s.tolist() == [0.0, 0.0]
     assert requests_of(steps, 1000, 0).arrival_s is None
     assert requests_of(burst, 1000, 0).arrival_s.tolist() == [0.0, 0.0]
+
+
+TRACE_HEAD = Path(__file__).resolve().parents[2] / "scripts" / "data" / "mooncake_conversation_head.jsonl"
+
+
+@pytest.mark.parametrize("overrides", [
+    ["kv.num_blocks=1600", "serving.replicas=2", "serving.router=prefix_aware"],
+    ["kv.num_blocks=1600", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
+     "disagg.decode_pool.num_blocks=800"],
+])
+def test_private_blocks_change_nothing_a_run_reports(monkeypatch, overrides):
+    """Blocks only their own request can ask for stay out of the prefix cache's dict
+    (``RequestTable.private_from``) until that request is preempted. The reference: the same
+    run with every block indexed. Every step record and request column is equal, with
+    preemptions and prefix hits in the run and private blocks indexed for readmissions."""
+    cfg = compose(SIM + ["workload=trace", f"workload.path={TRACE_HEAD}", "workload.max_requests=250",
+                         "workload.length_scale=0.2", "workload.time_scale=0.3", "pcp=2", *overrides])
+    indexed = []
+    index = KVCacheManager.index
+
+    def counting(self, req_id):
+        indexed.append(int(np.count_nonzero(self._unindexed)))
+        index(self, req_id)
+
+    monkeypatch.setattr(KVCacheManager, "index", counting)
+
+    def run():
+        sim = SimulatedRun(cfg)
+        result = sim.run()
+        return result["metrics"], sim.records, sim._request_columns()
+
+    metrics, records, cols = run()
+    monkeypatch.setattr(RequestTable, "private_from", lambda self, u: np.full(len(self), NEVER_PRIVATE))
+    ref_metrics, ref_records, ref_cols = run()
+    assert metrics["preemptions"] > 0 and metrics["prefix_cache"]["hit_tokens"] > 0
+    assert max(indexed) > 0  # private blocks were there when a request was preempted
+    assert records == ref_records
+    for k in cols:
+        np.testing.assert_array_equal(cols[k], ref_cols[k])
+    for k in ("ttft", "tpot", "throughput", "kv_usage", "prefix_cache", "preemptions", "goodput"):
+        assert metrics[k] == ref_metrics[k], k
