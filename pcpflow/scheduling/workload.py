@@ -487,54 +487,40 @@ class RequestTable:
         whole prompt. The bound is conservative: a head counts as shared if another
         request carries it anywhere."""
         N = len(self)
-        never = np.full(N, NEVER_PRIVATE, dtype=np.int64)
         ident = self.identity
         if self.tokens is not None or ident is None or not N:
-            return never
+            return np.full(N, NEVER_PRIVATE, dtype=np.int64)
         U = tokens_per_block
-        reqs = np.arange(N)
         n = self.prompt_lens
         full = n // U
         own = prefix.splitmix64(ident.salts)
         key_head = own.copy()
-        candidates = [never]
+        heads, hashed_end = np.zeros(0, np.uint64), np.zeros(N, np.int64)
         if ident.hash_ids is not None:
-            heads, first, bounds, hashed_end = self._trace_heads(reqs)
-            lens = np.diff(np.append(first, len(heads)))
+            heads, first, bounds, hashed_end = self._trace_heads(np.arange(N))
             whole = np.flatnonzero(n <= hashed_end)
             key_head[whole] = heads[first[whole] + np.searchsorted(bounds, n[whole] - 1, side="right") - 1]
-        else:
-            heads, lens, hashed_end = np.zeros(0, np.uint64), np.zeros(N, np.int64), np.zeros(N, np.int64)
         shared = _carried_twice(np.concatenate([heads, own]))
         inside = hashed_end // U  # blocks 0..inside-1 lie in hash blocks; the rest of the prompt is its own
+        out = np.where(~shared[len(heads):] & (inside < full), inside, NEVER_PRIVATE)
         if len(heads):
             # the first hash block whose head no other request carries, and the first block in it
-            row = np.repeat(reqs, lens)
+            row = np.repeat(np.arange(N), np.diff(np.append(first, len(heads))))
             lone = np.flatnonzero(~shared[:len(heads)])
             owners, at = np.unique(row[lone], return_index=True)
-            k0 = lone[at] - first[owners]
-            j = bounds[k0] // U
+            j = bounds[lone[at] - first[owners]] // U
             ok = j < inside[owners]
-            candidates.append(_scatter(never, owners[ok], j[ok]))
-        own_block = np.where(~shared[len(heads):] & (inside < full), inside, NEVER_PRIVATE)
-        candidates.append(own_block)
-        out = np.minimum.reduce(candidates)
+            out[owners[ok]] = np.minimum(out[owners[ok]], j[ok])
         # every prompt block may be shared: the outputs are the request's own unless its whole prompt is another's
-        key_lone = ~_carried_twice(prefix.mix_with(key_head, n))
         rest = out >= full
+        key_lone = ~_carried_twice(prefix.mix_with(key_head, n))
         out[rest] = np.where(key_lone[rest], full[rest], NEVER_PRIVATE)
         return out
 
 
-def _scatter(base: np.ndarray, at: np.ndarray, values: np.ndarray) -> np.ndarray:
-    out = base.copy()
-    out[at] = values
-    return out
-
-
 def _carried_twice(values: np.ndarray) -> np.ndarray:
     """Whether each of ``values`` occurs more than once among them."""
-    uniq, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
     return counts[inverse] > 1
 
 
