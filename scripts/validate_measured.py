@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 SPREAD_OK = 0.05
 MEDIAN_GOAL, MAX_GOAL, PAIR_GOAL = 0.15, 0.30, 0.15
-COMMON = ["dtype=float32", "verify=false", "output.plots=false", "output.progress=false", "kv.block_size=16"]
+BIND = ["cpu_bind=cores"]  # NOTE: the profile's ranks and the executed ones on the same cores, one each
+COMMON = ["dtype=float32", "verify=false", "output.plots=false", "output.progress=false", "kv.block_size=16", *BIND]
 
 
 def _gqa(hidden: int, heads: int, kv: int, dim: int, inter: int, layers: int) -> list[str]:
@@ -124,7 +125,7 @@ def check(profile: str | None = None) -> int:
 
 def profile_machine(out: Path, world: int) -> str:
     run = out / "profile"
-    cmd = [sys.executable, "-m", "pcpflow", "mode=profile", f"pcp={world}", f"hydra.run.dir={run}"]
+    cmd = [sys.executable, "-m", "pcpflow", "mode=profile", f"pcp={world}", *BIND, f"hydra.run.dir={run}"]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
     return str(run / "hardware.yaml")

@@ -249,6 +249,7 @@ class Measured(_Strict):
     tp: int = Field(ge=1)
     pcp: int = Field(ge=1)
     threads_per_rank: int = Field(ge=1)
+    cpu_bind: Literal["none", "cores"] = Field("none", description="where its ranks' threads ran (``cpu_bind``)")
     dtypes: list[str]
     quick: bool
     status: Literal["complete", "partial"]

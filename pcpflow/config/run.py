@@ -152,6 +152,12 @@ class RunConfig(_Strict):
         description="torch threads of each rank (also of the in-process rank at pcp=1), so "
         "that layouts are compared on equal terms",
     )
+    cpu_bind: Literal["none", "cores"] = Field(
+        "none",
+        description="cores: each rank's threads run on cores of their own (the r-th rank of a node "
+        "on its r-th group of threads_per_rank cores), when the node's ranks fit the cores this job "
+        "may use; none: the OS places them",
+    )
     collective_timeout_s: float = Field(
         60.0, gt=0, description="a collective waiting longer fails the job"
     )

@@ -24,7 +24,8 @@ class Document:
     """The profile as it grows; ``write`` puts it on disk (partial until ``complete``)."""
 
     def __init__(self, path: Path, *, device: str, backend: str, tp: int, pcp: int, threads: int, dtypes: list[str],
-                 quick: bool, attention: str, sections: list[str], collectives_from: dict[str, Any] | None) -> None:
+                 quick: bool, attention: str, sections: list[str], collectives_from: dict[str, Any] | None,
+                 cpu_bind: str = "none") -> None:
         import torch
 
         self.path, self.sections = path, list(sections)
@@ -40,7 +41,7 @@ class Document:
             "device": device,
             "torch": str(torch.__version__),
             "backend": backend,
-            "tp": tp, "pcp": pcp, "threads_per_rank": threads,
+            "tp": tp, "pcp": pcp, "threads_per_rank": threads, "cpu_bind": cpu_bind,
             "dtypes": dtypes, "quick": quick,
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else [],
         }

@@ -42,47 +42,49 @@ def section_names(dtypes: list[str], *, collectives: bool) -> list[str]:
 
 def measure(cfg, run_dir: Path | None) -> dict[str, Any] | None:
     """Every section on this rank; rank 0 returns the result sections (others None)."""
+    from pcpflow.rank.devices import rank_threads
+
+    with rank_threads(cfg.threads_per_rank, cfg.cpu_bind):
+        return _measure(cfg, run_dir)
+
+
+def _measure(cfg, run_dir: Path | None) -> dict[str, Any] | None:
     from pcpflow.parallel.comm import CommStats
     from pcpflow.pipeline.context import build_comms
     from pcpflow.rank.devices import pick_device
     from pcpflow.rank.progress import mark_stage
 
-    saved_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads_per_rank)
-    try:
-        device = pick_device(cfg.device)
-        grid = grid_of(cfg.profile.quick)
-        dtypes = list(cfg.profile.dtypes or default_dtypes(device.type, cfg.profile.quick))
-        comms = _distinct_groups(build_comms(cfg.grid, CommStats(), timeout_s=cfg.collective_timeout_s), cfg)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        names = section_names(dtypes, collectives=bool(comms))
-        doc = progress = None
-        if rank == 0 and run_dir is not None:
-            doc = _document(cfg, run_dir, device, dtypes, names, bool(comms))
-            progress = _Progress(run_dir / PROGRESS_FILE, _points(grid, dtypes, comms))
-        bench = S.Bench(device=device, grid=grid, dtypes=dtypes, block_size=cfg.kv.block_size, comms=comms,
-                        attention=_attention_setting(cfg), run_cfg=cfg,
-                        tick=progress.tick if progress is not None else (lambda n: None))
-        t0 = time.perf_counter()
+    device = pick_device(cfg.device)
+    grid = grid_of(cfg.profile.quick)
+    dtypes = list(cfg.profile.dtypes or default_dtypes(device.type, cfg.profile.quick))
+    comms = _distinct_groups(build_comms(cfg.grid, CommStats(), timeout_s=cfg.collective_timeout_s), cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    names = section_names(dtypes, collectives=bool(comms))
+    doc = progress = None
+    if rank == 0 and run_dir is not None:
+        doc = _document(cfg, run_dir, device, dtypes, names, bool(comms))
+        progress = _Progress(run_dir / PROGRESS_FILE, _points(grid, dtypes, comms))
+    bench = S.Bench(device=device, grid=grid, dtypes=dtypes, block_size=cfg.kv.block_size, comms=comms,
+                    attention=_attention_setting(cfg), run_cfg=cfg,
+                    tick=progress.tick if progress is not None else (lambda n: None))
+    t0 = time.perf_counter()
+    if doc is not None:
+        doc.write(elapsed_s=0.0)
+    for name in names:
+        mark_stage(f"profile {name}")
+        started = time.perf_counter()
+        figures = _reduce(name, _run(bench, name))
         if doc is not None:
-            doc.write(elapsed_s=0.0)
-        for name in names:
-            mark_stage(f"profile {name}")
-            started = time.perf_counter()
-            figures = _reduce(name, _run(bench, name))
-            if doc is not None:
-                doc.add(name, figures, seconds=time.perf_counter() - started)
-                doc.write(elapsed_s=time.perf_counter() - t0)
-        if doc is None:
-            return None
-        mark_stage("profile: the file")
-        final = doc.write(elapsed_s=time.perf_counter() - t0, complete=True)
-        return {"profile": {"path": str(run_dir / PROFILE_FILE), "status": final["measured"]["status"],
-                            "dtypes": dtypes, "sections": names, "elapsed_s": final["measured"]["elapsed_s"],
-                            "peak_tflops": final.get("peak_tflops"), "hbm_tbps": final.get("hbm_tbps"),
-                            "launch_us": (final.get("host") or {}).get("launch_us")}}
-    finally:
-        torch.set_num_threads(saved_threads)
+            doc.add(name, figures, seconds=time.perf_counter() - started)
+            doc.write(elapsed_s=time.perf_counter() - t0)
+    if doc is None:
+        return None
+    mark_stage("profile: the file")
+    final = doc.write(elapsed_s=time.perf_counter() - t0, complete=True)
+    return {"profile": {"path": str(run_dir / PROFILE_FILE), "status": final["measured"]["status"],
+                        "dtypes": dtypes, "sections": names, "elapsed_s": final["measured"]["elapsed_s"],
+                        "peak_tflops": final.get("peak_tflops"), "hbm_tbps": final.get("hbm_tbps"),
+                        "launch_us": (final.get("host") or {}).get("launch_us")}}
 
 
 def _attention_setting(cfg) -> str:
@@ -107,7 +109,7 @@ def _document(cfg, run_dir: Path, device: torch.device, dtypes: list[str], names
     if device.type == "cuda" and not measured_comms:
         borrowed = borrowed_sections(cfg.profile.collectives_from)
     doc = Document(run_dir / PROFILE_FILE, device=what, backend=backend, tp=cfg.tp, pcp=cfg.pcp,
-                   threads=cfg.threads_per_rank, dtypes=dtypes, quick=cfg.profile.quick,
+                   threads=cfg.threads_per_rank, cpu_bind=cfg.cpu_bind, dtypes=dtypes, quick=cfg.profile.quick,
                    attention=resolve_attention(_attention_setting(cfg), device), sections=names,
                    collectives_from=borrowed)
     if device.type == "cuda":

@@ -11,6 +11,8 @@ run with more ranks on a node than visible GPUs is refused before any rank start
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +28,43 @@ if TYPE_CHECKING:
 def local_rank() -> int:
     """This process's rank on its node (``LOCAL_RANK``; 0 when no launcher set it)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+@contextmanager
+def rank_threads(threads: int, cpu_bind: str = "none") -> Iterator[set[int] | None]:
+    """This rank's torch threads (``threads_per_rank``) and, with ``cpu_bind=cores``, the
+    cores they run on (``rank_cores``; yielded, None where unbound); both restored after
+    (the in-process rank is the driver's own thread)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    cores = rank_cores(threads) if cpu_bind == "cores" else None
+    before = os.sched_getaffinity(0) if cores else None
+    if cores:
+        os.sched_setaffinity(0, cores)  # NOTE: this thread, and the threads it starts from now on
+    try:
+        yield cores
+    finally:
+        torch.set_num_threads(saved)
+        if before is not None:
+            os.sched_setaffinity(0, before)
+
+
+def rank_cores(threads: int) -> set[int] | None:
+    """The cores of this rank under ``cpu_bind=cores``: the r-th rank of its node (``LOCAL_RANK``,
+    else its rank in the group) takes the r-th ``threads`` of the cores this process may use,
+    in order; None where the node's ranks (``LOCAL_WORLD_SIZE``, else the group) would not fit
+    them, or the platform cannot bind."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    import torch.distributed as dist
+
+    group = dist.is_initialized()
+    rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if group else 0))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if group else 1))
+    cores = sorted(os.sched_getaffinity(0))
+    if ranks * threads > len(cores):
+        return None
+    return set(cores[rank * threads:(rank + 1) * threads])
 
 
 def uses_cuda(device: str) -> bool:

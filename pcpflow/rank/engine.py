@@ -6,7 +6,6 @@ the single-rank reference in lockstep (``verify``) and writes the metrics.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from pcpflow.parallel.tensor_parallel import shard_model
 from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
 from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches, build_comms
 from pcpflow.pipeline.state import StepState
-from pcpflow.rank.devices import pick_device
+from pcpflow.rank.devices import pick_device, rank_threads
 from pcpflow.rank.progress import mark_stage, mark_step, startup_done
 from pcpflow.rank.verify import Verifier
 from pcpflow.scheduling.kv_cache import KVCacheManager
@@ -47,18 +46,11 @@ def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | No
     torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1
     (``disagg=pd`` runs ``pcpflow.rank.pools.run_pools`` instead).
     """
-    with _torch_threads(cfg.threads_per_rank):
-        return _run_rank(cfg, run_dir)
-
-
-@contextmanager
-def _torch_threads(n: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    with rank_threads(cfg.threads_per_rank, cfg.cpu_bind) as cores:
+        result = _run_rank(cfg, run_dir)
+    if result is not None and cfg.cpu_bind == "cores":  # rank 0's; None: the ranks did not fit, the OS placed them
+        result["metrics"]["cpu_cores"] = None if cores is None else sorted(cores)
+    return result
 
 
 def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:

@@ -53,16 +53,17 @@ def test_ctrl_c_keeps_a_partial_profile(tmp_path):
 
 
 def test_a_quick_profile_of_two_ranks_measures_every_section(tmp_path):
-    """A whole quick profile at pcp=2: complete, every section's table, the waits for the
-    slowest rank among them, and a simulated run prices on it."""
+    """A whole quick profile at pcp=2, its ranks bound to cores of their own: complete, every
+    section's table, the waits for the slowest rank among them, and a simulated run prices on it."""
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "pcpflow", "mode=profile", "pcp=2", "profile.quick=true",
+    r = subprocess.run([sys.executable, "-m", "pcpflow", "mode=profile", "pcp=2", "profile.quick=true", "cpu_bind=cores",
                         f"hydra.run.dir={run}", "output.progress=false"],
                        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, text=True,
                        capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = yaml.safe_load((run / "hardware.yaml").read_text())
     assert doc["measured"]["status"] == "complete" and not doc["measured"]["missing"]
+    assert doc["measured"]["cpu_bind"] == "cores"
     tables = doc["tables"]
     assert {"gemm", "attention", "memory", "launch", "host", "collectives", "sync"} <= set(tables)
     sync = tables["sync"]
