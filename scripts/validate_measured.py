@@ -17,7 +17,9 @@ batches of 1-8, chunked prefills beside decodes, pcp 1/2, dcp 1/2, both decode m
 an MoE model, at most as many ranks as cores; their shapes lie off the profile's grid points.
 Goal (docs/simulate.md): where the repeats' spread is under 5%, the median |error| of TTFT and
 TPOT at most 15%, none beyond 30%; the faster of two layouts right whenever the executed times
-differ by more than 15%. The load average is recorded before and after.
+differ by more than 15%. The load average is recorded before and after. The profile's ranks
+and the executed ones run on cores of their own (``cpu_bind=cores``): a profile given with
+``--profile`` should have been measured so too (it says so under ``measured.cpu_bind``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -275,6 +279,9 @@ def main(argv=None) -> int:
     world = min(2, cores)
     profile = args.profile or profile_machine(out, world)
     check(profile)
+    bound = (yaml.safe_load(Path(profile).read_text()).get("measured") or {}).get("cpu_bind", "none")
+    if f"cpu_bind={bound}" not in BIND:
+        print(f"note: {profile} was measured with cpu_bind={bound}; the executed rows run with {' '.join(BIND)}")
     executed = execute(args.repeats)
     simulated = simulate(profile, args.repeats)
     load["after"] = [round(x, 2) for x in os.getloadavg()]
