@@ -6,6 +6,7 @@ the single-rank reference in lockstep (``verify``) and writes the metrics.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,16 @@ def run_rank(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | No
     torch.distributed must be initialized with ``tp * pcp`` ranks, unless that is 1
     (``disagg=pd`` runs ``pcpflow.rank.pools.run_pools`` instead).
     """
+    return run_on_cores(cfg, lambda: _run_rank(cfg, run_dir))
+
+
+def run_on_cores(cfg: RunConfig, work: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """``work()`` with this rank's threads and cores (``rank_threads``); rank 0's result says
+    where it ran (``metrics.cpu_cores``, under ``cpu_bind=cores``; None: the ranks did not fit,
+    the OS placed them)."""
     with rank_threads(cfg.threads_per_rank, cfg.cpu_bind) as cores:
-        result = _run_rank(cfg, run_dir)
-    if result is not None and cfg.cpu_bind == "cores":  # rank 0's; None: the ranks did not fit, the OS placed them
+        result = work()
+    if result is not None and cfg.cpu_bind == "cores":
         result["metrics"]["cpu_cores"] = None if cores is None else sorted(cores)
     return result
 

@@ -46,8 +46,8 @@ from pcpflow.parallel.transfer import KVTransfer
 from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
 from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
-from pcpflow.rank.devices import pick_device, rank_threads
-from pcpflow.rank.engine import batch_record, draft_record
+from pcpflow.rank.devices import pick_device
+from pcpflow.rank.engine import batch_record, draft_record, run_on_cores
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier
 from pcpflow.scheduling.loop import request_columns, request_rows
@@ -58,8 +58,7 @@ from pcpflow.tokens.text import decode_outputs, stop_token_ids
 
 def run_pools(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     """``pcpflow.rank.engine.run_rank`` for ``disagg=pd``: rank 0 returns the result sections."""
-    with rank_threads(cfg.threads_per_rank, cfg.cpu_bind):
-        return _PoolRank(cfg, run_dir).run()
+    return run_on_cores(cfg, lambda: _PoolRank(cfg, run_dir).run())
 
 
 class _PoolRank:

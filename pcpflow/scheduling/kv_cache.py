@@ -267,17 +267,15 @@ class KVCacheManager:
             return 0
         hashes = np.asarray(hashes, dtype=np.uint64)
         todo = self._hash[blocks] == 0
-        if private is not None:
+        n_own = 0
+        if private is not None and (todo & private).any():
             mine = todo & private
-            if mine.any():
-                own = blocks[mine]
-                self._hash[own] = hashes[mine]
-                self._unindexed[own] = True
-                self._num_cached += len(own)
-                todo &= ~private
-            n_own = int(mine.sum())
-        else:
-            n_own = 0
+            own = blocks[mine]
+            self._hash[own] = hashes[mine]
+            self._unindexed[own] = True
+            n_own = len(own)
+            self._num_cached += n_own
+            todo &= ~private
         if not todo.all():
             blocks, hashes = blocks[todo], hashes[todo]
             if not len(blocks):
