@@ -398,6 +398,28 @@ class KVCacheManager:
             self._table[rows[owner], column] = new_blocks
         self._row_num_blocks[rows] = np.maximum(need, have)
 
+    def grow(self, req_ids: np.ndarray, extra: np.ndarray) -> None:
+        """Running requests' step: each of ``req_ids`` (distinct, holding blocks) gets
+        ``extra[k] >= 1`` more blocks, from the front of the free queue in request order:
+        ``allocate_many`` without its checks of arguments the scheduler derived itself."""
+        rows = self._row_of[req_ids]
+        have = self._row_num_blocks[rows]
+        total = int(extra.sum())
+        if total > self._num_free:
+            raise RuntimeError(f"{total} more blocks wanted, only {self._num_free} of {self.num_blocks} are free")
+        need = have + extra
+        width = int(need.max())
+        if width > self.max_blocks_per_req:
+            raise RuntimeError(f"a request needs {width} blocks, more than max_blocks_per_req ({self.max_blocks_per_req})")
+        self._ensure_width(width)
+        new_blocks = self._take(total)
+        if total == len(rows):  # NOTE: the usual step: one block each
+            self._table[rows, have] = new_blocks
+        else:
+            owner = np.repeat(np.arange(len(rows)), extra)
+            self._table[rows[owner], np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]] = new_blocks
+        self._row_num_blocks[rows] = need
+
     def free(self, req_id: int) -> np.ndarray:
         """Release every block of ``req_id``: blocks no other request holds go to the back of
         the free queue, last table entry first (cached ones keep their hash). Returns the

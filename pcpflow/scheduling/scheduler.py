@@ -325,7 +325,7 @@ class Scheduler:
         self._running = run
         more = np.flatnonzero(grow > 0)
         if len(more):
-            self.kv.allocate_many(run[more], written[more])
+            self.kv.grow(run[more], grow[more])
         hits = queries = 0
         if not self._preempted:  # NOTE: as vLLM: a step that preempted admits no one
             run, q, hits, queries = self._admit(step, run, q)
@@ -621,17 +621,25 @@ class Scheduler:
             self._hashed[r] = j + 1
         if fast.all():
             return
-        for i, first, n in zip(rows[~fast].tolist(), have[~fast].tolist(), full[~fast].tolist()):
+        # The others' keys one row at a time, cached in one call: as one call per row would
+        # (of a hash two rows compute, the first row's block wins).
+        rows, have, full = rows[~fast], have[~fast], full[~fast]
+        parts = []
+        for i, first, n in zip(rows.tolist(), have.tolist(), full.tolist()):
             looked_up = self._keys.get(i)
             if looked_up is not None and len(looked_up[0]) >= n:  # the admission's lookup has them
                 values, keys = looked_up[0][first:n], looked_up[1][first:n]
             else:
                 values = prefix.chain(self._block_contents(i, first, n), self._chain_last[i])
                 keys = prefix.keys(values)
-            private = self._private(np.full(n - first, i), np.arange(first, n))
-            self.kv.cache_block_ids(self.kv.blocks_of(i)[first:n], keys, private)
+            parts.append(keys)
             self._chain_last[i] = values[-1]
-            self._hashed[i] = n
+        count = full - have
+        r = np.repeat(rows, count)
+        j = np.arange(len(r)) + np.repeat(have - (count.cumsum() - count), count)
+        self.kv.cache_block_ids(self.kv.block_ids(r, j), parts[0] if len(parts) == 1 else np.concatenate(parts),
+                                self._private(r, j))
+        self._hashed[rows] = full
 
     def _private(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray | None:
         """Whether block ``j[k]`` of request ``rows[k]`` is its own (``RequestTable.private_from``)

@@ -312,3 +312,43 @@ def test_allocate_many_is_allocate_in_a_loop(ops, batch):
     holding = [rid for rid in range(21) if looped.num_blocks_of(rid)]
     if holding:
         np.testing.assert_array_equal(batched.block_tables(holding), looped.block_tables(holding))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.one_of(st.none(), st.integers(0, 40))), max_size=60),
+    st.lists(st.integers(1, 3), min_size=1, max_size=8),
+)
+def test_grow_is_allocate_in_a_loop(ops, extra):
+    """``grow`` (the scheduler's step: requests holding blocks each get one or more) leaves
+    the pool as ``allocate`` in a loop would, or refuses and changes nothing."""
+    def replay():
+        kv = KVCacheManager(16, 2, 2)
+        for rid, tokens in ops:
+            if tokens is None:
+                if kv.num_blocks_of(rid):
+                    kv.free(rid)
+            elif kv.blocks_needed(tokens) - kv.num_blocks_of(rid) <= kv.num_free_blocks:
+                kv.allocate(rid, tokens)
+        return kv
+
+    looped, grown = replay(), replay()
+    holding = [rid for rid in range(13) if looped.num_blocks_of(rid)][:len(extra)]
+    extra = np.array(extra[:len(holding)], dtype=np.int64)
+    if not holding:
+        return
+    want = [(looped.num_blocks_of(rid) + k) * 4 for rid, k in zip(holding, extra.tolist())]  # 4 tokens a block
+    before = (grown.num_free_blocks, grown.free_queue(), grown._table.copy())
+    if int(extra.sum()) > looped.num_free_blocks:
+        with pytest.raises(RuntimeError):
+            grown.grow(np.array(holding), extra)
+        assert grown.num_free_blocks == before[0]
+        np.testing.assert_array_equal(grown.free_queue(), before[1])
+        np.testing.assert_array_equal(grown._table, before[2])
+        return
+    for rid, n in zip(holding, want):
+        looped.allocate(rid, n)
+    grown.grow(np.array(holding), extra)
+    assert grown.num_free_blocks == looped.num_free_blocks
+    np.testing.assert_array_equal(grown.free_queue(), looped.free_queue())
+    np.testing.assert_array_equal(grown.block_tables(holding), looped.block_tables(holding))
