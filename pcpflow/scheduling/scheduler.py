@@ -599,8 +599,8 @@ class Scheduler:
 
     def _cache_full_blocks(self, rows: np.ndarray, computed: np.ndarray) -> None:
         """Register the blocks each row (``computed`` tokens in the KV cache) filled this
-        step under their chained hashes: rows that filled one block at once (decodes), the
-        others (prefill chunks) one by one."""
+        step under their chained hashes: rows that filled one block at once (decodes), then
+        the others (prefill chunks), their keys row by row, in one call."""
         U = self.kv.tokens_per_block
         full = computed // U
         have = self._hashed[rows]
