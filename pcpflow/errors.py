@@ -1,9 +1,15 @@
-"""Configuration problems: collected, reported once, exit code 2."""
+"""Configuration problems: collected, reported once, exit code 2; and ``Settings``, the base
+of every config model: unknown keys refused, values frozen, numbers finite and never a
+boolean (YAML's ``true`` is not ``1``: ``pcp=true`` is a mistake, not one rank). A field that
+means something by ``inf`` says so itself (``Field(allow_inf_nan=True)``)."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -50,3 +56,39 @@ def missing_extra(modules: tuple[str, ...], extra: str) -> str | None:
     if not missing:
         return None
     return f"{' and '.join(missing)} not installed: install pcpflow's {extra!r} extra (pip install -e '.[{extra}]' in a checkout, pip install 'pcpflow[{extra}]' otherwise)"
+
+
+# ------------------------------------------------------------------------ config models
+_TAKES_BOOL: dict[tuple[type, str], bool] = {}
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field of this type may hold a boolean (bool, Any, a Literal of one, or a
+    union or container of such)."""
+    if annotation is bool or annotation is Any:
+        return True
+    if typing.get_origin(annotation) is typing.Literal:
+        return any(isinstance(v, bool) for v in typing.get_args(annotation))
+    return any(_takes_bool(a) for a in typing.get_args(annotation))
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        """A boolean given to a field that takes none reaches it as the word the user typed
+        (``true``), which the field's own check refuses, naming what it takes."""
+        if not isinstance(data, dict):
+            return data
+        bad = [k for k, v in data.items() if isinstance(v, bool) and k in cls.model_fields and not _field_takes_bool(cls, k)]
+        return {**data, **{k: str(data[k]).lower() for k in bad}} if bad else data
+
+
+def _field_takes_bool(cls: type[BaseModel], name: str) -> bool:
+    key = (cls, name)
+    takes = _TAKES_BOOL.get(key)
+    if takes is None:
+        takes = _TAKES_BOOL[key] = _takes_bool(cls.model_fields[name].annotation)
+    return takes

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pcpflow.errors import Problem
+from pcpflow.errors import Problem, Settings
 from pcpflow.parallel.grid import RankGrid
 
 # NOTE: the run config (pcpflow.config.run.RunConfig) holds a DisaggConfig: it is typed Any here,
@@ -31,11 +31,7 @@ POOL_FIELDS = ("tp", "pcp", "dcp", "kv.interleave", "kv.num_blocks", "scheduler.
 """The settings each pool has its own of (the decode pool's under ``disagg.decode_pool``)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DecodePoolConfig(_Strict):
+class DecodePoolConfig(Settings):
     """The decode pool's grid and sizes (defaults: one rank, the top-level sizes)."""
 
     tp: int = Field(1, ge=1, description="tensor parallel size of the decode pool")
@@ -50,7 +46,7 @@ class DecodePoolConfig(_Strict):
         None, ge=1, description="token budget of a decode-pool step; null: scheduler.max_num_batched_tokens")
 
 
-class DisaggConfig(_Strict):
+class DisaggConfig(Settings):
     kind: Literal["none", "pd"] = Field(
         "none", description="none: one pool (tp x pcp ranks); pd: a prefill pool (tp, pcp, dcp, kv.interleave) hands "
         "each request's KV to a decode pool (disagg.decode_pool), point to point")

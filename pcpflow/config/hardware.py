@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
+from pcpflow.errors import Settings
 
 PEAK_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}
 """The one mapping from the run's ``dtype`` to a key of ``hardware.peak_tflops`` (activations,
@@ -20,7 +17,7 @@ attention, the KV cache at ``simulate.kv_dtype=bf16``). The GPU profiles have no
 (``float64`` is refused there); a measured CPU profile has one when it measured float64."""
 
 
-class Peaks(_Strict):
+class Peaks(Settings):
     """Dense (not sparse) peaks of one GPU, TFLOP/s, keyed by the operand dtype."""
 
     fp32: float | None = Field(gt=0, description="FP32 (no tensor cores: torch's float32 matmul), TFLOP/s; null: not measured")
@@ -33,7 +30,7 @@ class Peaks(_Strict):
         return getattr(self, key)
 
 
-class NcclGraph(_Strict):
+class NcclGraph(Settings):
     """What NCCL's topology search (``src/graph/search.cc``) settles on for one algorithm's
     graph: its channels and each channel's bandwidth (``graph->nChannels``, ``bwIntra`` /
     ``bwInter``), the inputs of its tuning model (``src/graph/tuning.cc``)."""
@@ -46,10 +43,10 @@ class NcclGraph(_Strict):
         return self.channels * self.channel_gbps
 
 
-class _Borrowed(_Strict):
+class _Borrowed(Settings):
     """A section a measured profile could not measure names the profile it took it from."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     from_: str | None = Field(
         None, alias="from", description="a measured profile: the shipped profile this section's numbers come from"
@@ -76,7 +73,7 @@ class Network(_Borrowed):
     latency_us: float = Field(0.0, ge=0, description="graph->latencyInter: the NET plugin's latency, microseconds")
 
 
-class Host(_Strict):
+class Host(Settings):
     """The CPU side of a step: launching kernels, replaying graphs."""
 
     launch_us: float = Field(gt=0, description="host time to launch one kernel eagerly (on a CPU: one op of "
@@ -89,7 +86,7 @@ class Host(_Strict):
     )
 
 
-class Overlap(_Strict):
+class Overlap(Settings):
     """What hides behind what, per mechanism (docs/simulate.md, "Overlap, per mechanism").
     The engine's own collectives wait for their inputs and are waited for: always exposed."""
 
@@ -106,7 +103,7 @@ class Overlap(_Strict):
     )
 
 
-class HeadShape(_Strict):
+class HeadShape(Settings):
     """A head shape the attention tables were measured at (a basis of the price): GQA
     (``heads`` query heads over ``kv_heads`` KV heads of ``head_dim``), or MLA's absorbed
     attention (``heads`` query heads over one latent of ``head_dim`` = kv_lora_rank plus
@@ -125,7 +122,7 @@ class HeadShape(_Strict):
         return self
 
 
-class GemmTable(_Strict):
+class GemmTable(Settings):
     """Seconds of one ``F.linear`` of ``[m, k]`` by ``[n, k]`` at every point of the grid."""
 
     m: list[int] = Field(min_length=1)
@@ -139,7 +136,7 @@ class GemmTable(_Strict):
         return self
 
 
-class AttentionTable(_Strict):
+class AttentionTable(Settings):
     """One phase of one dtype through the attention backend: seconds of one call (the KV write
     and the kernel) with ``rows`` query rows over ``keys`` keys each, per basis head shape."""
 
@@ -148,7 +145,7 @@ class AttentionTable(_Strict):
     seconds: list[list[list[float]]] = Field(description="[rows][keys][basis]")
 
 
-class AttentionTables(_Strict):
+class AttentionTables(Settings):
     backend: str = Field(description="the paged-attention kernel measured (pipeline.forward.attention resolved)")
     basis: list[HeadShape] = Field(
         min_length=4,
@@ -168,14 +165,14 @@ class AttentionTables(_Strict):
         return self
 
 
-class MemoryTable(_Strict):
+class MemoryTable(Settings):
     """Streaming: seconds of a copy of ``bytes`` (read once, written once)."""
 
     bytes: list[int] = Field(min_length=1)
     seconds: list[float] = Field(min_length=1)
 
 
-class LaunchTable(_Strict):
+class LaunchTable(Settings):
     op_us: float = Field(gt=0, description="one trivial op (a one-element add), microseconds")
     layer_op_us: dict[str, float] = Field(
         default_factory=dict,
@@ -184,7 +181,7 @@ class LaunchTable(_Strict):
     graph_replay_us: float | None = Field(None, gt=0, description="one CUDA graph replay (GPU), microseconds")
 
 
-class HostTable(_Strict):
+class HostTable(Settings):
     """pcpflow's per-step host work outside the forward (scheduler, validate, plan, buffers,
     slots, the restore's indexing and sampling), and its fit ``fixed + per_request x requests +
     per_token x tokens``."""
@@ -197,7 +194,7 @@ class HostTable(_Strict):
     per_token_us: float = Field(ge=0)
 
 
-class SyncTable(_Strict):
+class SyncTable(Settings):
     """How long a collective waits for the slowest rank beyond its own cost, after ``work_s``
     of work on every rank (means: with every core busy, what else the machine runs delays one
     rank and the others wait), and its fit ``fixed + per_work x work``."""
@@ -211,7 +208,7 @@ class SyncTable(_Strict):
 COLLECTIVE_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 
 
-class CollectiveTable(_Strict):
+class CollectiveTable(Settings):
     """One collective on one group of the profiled grid, by one rank's tensor bytes (an
     all-gather's shard, a reduce-scatter's whole input, a send's tensor), and its fit
     ``latency + bytes / bandwidth`` on its own points."""
@@ -225,7 +222,7 @@ class CollectiveTable(_Strict):
     gbps: float = Field(gt=0)
 
 
-class Tables(_Strict):
+class Tables(Settings):
     """What ``mode=profile`` measured (docs/profile.md); the price interpolates them and falls
     back to the roofline with the measured peaks outside."""
 
@@ -238,7 +235,7 @@ class Tables(_Strict):
     sync: SyncTable | None = None
 
 
-class Measured(_Strict):
+class Measured(Settings):
     """Where and when a profile was measured; ``status: partial`` says it was interrupted and
     ``missing`` what it lacks (a simulated run refuses it)."""
 
@@ -259,7 +256,7 @@ class Measured(_Strict):
     load_average: list[float] = Field(default_factory=list, description="1, 5 and 15 min, when it started")
 
 
-class HardwareConfig(_Strict):
+class HardwareConfig(Settings):
     """One GPU type in nodes of ``gpus_per_node``: NVLink inside a node, ``network`` between
     (one NIC per GPU); or a host measured by ``mode=profile`` (``measured``, ``tables``; a CPU
     host's ranks are its cores). Every number in ``conf/hardware/*.yaml`` cites its source."""
@@ -315,6 +312,8 @@ def load_profile(path: str | None) -> dict:
         raise ValueError("hardware=measured loads a profile: hardware.path=<profile run dir>/hardware.yaml "
                          "(python -m pcpflow mode=profile writes one)")
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise ValueError(f"a profile file; {file} is a directory (mode=profile writes <run dir>/hardware.yaml)")
     if not file.is_file():
         raise ValueError(f"a profile file that exists ({file} does not exist); python -m pcpflow mode=profile writes "
                          "<run dir>/hardware.yaml")
@@ -355,7 +354,7 @@ REMOVED_SIMULATE = {
 }
 
 
-class SimulateConfig(_Strict):
+class SimulateConfig(Settings):
     """How a simulated run prices a step (``pcpflow.simulate``). Two factors are fitted
     (``FITTED``, docs/simulate.md says on what); every other number comes from the hardware
     profile's sources."""

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from pcpflow.errors import Settings
 
 PROFILE_DTYPES = ("float32", "float64", "bfloat16")
 
 
-class ProfileConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ProfileConfig(Settings):
     quick: bool = Field(
         False, description="a reduced grid (<= 20 s on 2 cores: tests); false: the full grid (<= 3 min)"
     )

@@ -13,12 +13,12 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from pcpflow.config.disagg import DisaggConfig, disagg_problems, pool_problems
 from pcpflow.config.hardware import HardwareConfig, SimulateConfig
 from pcpflow.config.profile import ProfileConfig
-from pcpflow.errors import ConfigError, Problem
+from pcpflow.errors import ConfigError, Problem, Settings
 from pcpflow.models import ModelConfig
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.parallel.moe_dispatch import MoERunConfig
@@ -30,11 +30,7 @@ BF16_LOGITS_ATOL = 0.25
 PCP run rounds in a different order than one rank (other batch shapes, merged shards)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DecodeConfig(_Strict):
+class DecodeConfig(Settings):
     mode: Literal["replicated", "sharded"] = Field(
         "replicated",
         description="replicated: every PCP rank holds every decode; sharded: each decode "
@@ -47,12 +43,12 @@ class DecodeConfig(_Strict):
     )
 
 
-class SchedulerConfig(_Strict):
+class SchedulerConfig(Settings):
     max_num_batched_tokens: int = Field(128, ge=1, description="token budget of one step")
     max_num_seqs: int = Field(8, ge=1, description="most requests running at once")
 
 
-class KVConfig(_Strict):
+class KVConfig(Settings):
     block_size: int = Field(16, ge=1, description="KV slots per physical block")
     num_blocks: int = Field(256, ge=1, description="physical blocks per rank and layer")
     interleave: int = Field(
@@ -65,7 +61,7 @@ class KVConfig(_Strict):
     )
 
 
-class ServingConfig(_Strict):
+class ServingConfig(Settings):
     """Copies of the instance behind a router (simulated runs)."""
 
     replicas: int = Field(1, ge=1, description="copies of the tp x pcp instance, each with its own KV cache")
@@ -76,7 +72,7 @@ class ServingConfig(_Strict):
     )
 
 
-class SLOConfig(_Strict):
+class SLOConfig(Settings):
     """Latency targets a request must meet to count in ``metrics.goodput``."""
 
     ttft_s: float | None = Field(None, gt=0, description="time to first token, seconds; null: no target")
@@ -90,7 +86,7 @@ class SLOConfig(_Strict):
     )
 
 
-class SearchConfig(_Strict):
+class SearchConfig(Settings):
     """``mode=search``: the layouts for ``search.gpus`` GPUs (``pcpflow.search``, docs/search.md)."""
 
     gpus: int | None = Field(None, ge=1, description="GPUs to lay out (required in mode=search); replicas "
@@ -111,7 +107,7 @@ class SearchConfig(_Strict):
     trials: int = Field(256, ge=1, description="layouts Optuna screens when the space is not enumerated")
 
 
-class VerifyConfig(_Strict):
+class VerifyConfig(Settings):
     logits_atol: float | None = Field(
         None,
         gt=0,
@@ -120,7 +116,7 @@ class VerifyConfig(_Strict):
     )
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Settings):
     plots: bool = Field(True, description="write PNG plots next to result.json")
     progress: bool = Field(True, description="show a progress bar on the console")
     save_logits: bool = Field(
@@ -130,7 +126,7 @@ class OutputConfig(_Strict):
     )
 
 
-class RunConfig(_Strict):
+class RunConfig(Settings):
     """Everything one pcpflow run needs; see conf/config.yaml for the defaults."""
 
     pcp: int = Field(2, ge=1, description="prefill context parallel size (PCP ranks)")
@@ -358,8 +354,8 @@ def mode_problems(cfg: RunConfig) -> list[Problem]:
         if isinstance(value, BaseModel) and isinstance(default, BaseModel):  # name the keys set
             keys = [k for k in type(value).model_fields if getattr(value, k) != getattr(default, k)]
             given = {f"{name}.{k}": getattr(value, k) for k in keys}
-        else:
-            given = getattr(value, "name", value)
+        else:  # NOTE: a measured profile is what the user typed (hardware=measured), not its name inside
+            given = "measured" if getattr(value, "path", None) else getattr(value, "name", value)
         where = " / ".join(f"mode={m}" for m in modes)
         p.append(Problem(name, given, f"a setting of {where}, and this run is mode={cfg.mode}: add {where.split(' / ')[0]} or leave it out"))
     return p

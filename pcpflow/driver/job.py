@@ -46,15 +46,20 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
         from pcpflow.scheduling.trace import read_once
 
         raw = {**raw, "workload": {**workload, "path": read_once(workload["path"])}}  # a pipe is read once
+    derived: frozenset[str] = frozenset()
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
-        from pcpflow.simulate.prepare import prepare_raw
+        from pcpflow.simulate.prepare import DERIVED, prepare_raw
 
+        derived = frozenset(f for f in DERIVED if ((raw.get(f.split(".")[0]) or {}).get(f.split(".")[1])) is None)
         raw, placeholders = prepare_raw(raw)
     try:
         cfg = _prepared(raw, kind)
     except ConfigError as exc:
-        # NOTE: a derived setting holding a placeholder is not the user's problem: its inputs are.
-        raise ConfigError([p for p in exc.problems if p.field not in placeholders] or exc.problems) from None
+        # NOTE: a derived setting is not the user's problem where its inputs are named (a request
+        # larger than the HBM left makes the derived kv.num_blocks too small for it as well),
+        # and one holding a placeholder never is.
+        kept = [p for p in exc.problems if p.field not in placeholders] or exc.problems
+        raise ConfigError([p for p in kept if p.field not in derived] or kept) from None
     if placeholders:  # nothing said why they could not be derived: never run on a placeholder
         raise ConfigError([Problem(f, None, "could not be derived from the hardware and workload; set it") for f in sorted(placeholders)])
     return cfg

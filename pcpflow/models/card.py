@@ -8,17 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from pcpflow.errors import Settings
 from pcpflow.models.moe_config import MoEConfig
 
 CARD_NAMES = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3")
 
 
-class ModelCard(BaseModel):
+class ModelCard(Settings):
     """GQA (Llama) or MLA (DeepSeek) decoder sizes; ``moe`` set: MoE MLPs."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Literal["llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "hf_card"]
     source: str | None = Field(None, description="where the sizes come from (hf_card: the config.json)")

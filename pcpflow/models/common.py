@@ -9,10 +9,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
 
+from pcpflow.errors import Settings
 from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
 
 
@@ -203,10 +204,8 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_norm(x))
 
 
-class TinyModelConfig(BaseModel):
+class TinyModelConfig(Settings):
     """What every tiny model with seeded random weights has (``tiny_gqa``, ``tiny_mla``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     vocab_size: int = Field(256, gt=0, description="vocabulary size")
     hidden_size: int = Field(64, gt=0, description="residual stream width")

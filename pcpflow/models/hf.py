@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from pcpflow.errors import ConfigError, Problem, missing_extra
+from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
@@ -106,10 +106,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 class HFModel(DecoderLM):
     """A Llama or DeepSeek model with the weights of a Hugging Face checkpoint."""
 
-    class Config(BaseModel):
+    class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""
-
-        model_config = ConfigDict(extra="forbid", frozen=True)
 
         name: Literal["hf"] = "hf"
         path: str | None = Field(

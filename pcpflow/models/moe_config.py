@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from pcpflow.errors import Settings
 
 
-class MoEConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class MoEConfig(Settings):
     num_experts: int = Field(8, ge=1, description="routed experts per MoE layer (n_routed_experts)")
     top_k: int = Field(2, ge=1, description="routed experts per token (num_experts_per_tok)")
     intermediate_size: int | None = Field(

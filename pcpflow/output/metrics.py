@@ -225,6 +225,9 @@ class MetricsRecorder:
         framework = sum(v for k, v in self.stage_s.items() if k in FRAMEWORK_STAGES)
         out: dict[str, Any] = {
             "num_steps": self.num_steps,
+            # NOTE: fewer finished than requests: the run was cut short (max_steps, an SLO watch)
+            "num_requests": len(requests["req_id"]),
+            "num_finished_requests": int(np.count_nonzero(requests["finish_step"] >= 0)),
             "num_tokens": self.num_tokens,
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_generated_tokens": generated,

@@ -26,9 +26,9 @@ from contextlib import contextmanager
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pcpflow.errors import Problem
+from pcpflow.errors import Problem, Settings
 from pcpflow.layouts.accounting import moe_all_to_all_calls
 from pcpflow.models.moe import LocalDispatch, MoEMLP, moe_config_problems, use_dispatch
 from pcpflow.models.moe_config import MoEConfig
@@ -37,10 +37,8 @@ from pcpflow.parallel.comm import Comm
 STATS_KEY = "moe_stats"
 
 
-class MoERunConfig(BaseModel):
+class MoERunConfig(Settings):
     """How MoE layers run under PCP (the ``moe:`` section)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     dispatch: Literal["local", "gather", "all_to_all"] | None = Field(
         None,

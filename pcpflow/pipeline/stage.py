@@ -30,9 +30,9 @@ import importlib.metadata
 import inspect
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from pcpflow.errors import Problem
+from pcpflow.errors import Problem, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -47,10 +47,8 @@ SLOTS = ("validate", "plan", "buffers", "slots", "forward", "restore", "draft")
 ENTRY_POINT_GROUP = "pcpflow.stages"
 
 
-class StageConfig(BaseModel):
+class StageConfig(Settings):
     """Base of every stage's nested ``Config``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: str = Field(description="registered stage kind, or 'pkg.module:Class'")
 

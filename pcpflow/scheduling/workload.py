@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from pcpflow.errors import ConfigError, Problem
+from pcpflow.errors import ConfigError, Problem, Settings
 from pcpflow.scheduling import prefix
 from pcpflow.scheduling.trace import TraceColumns, read_trace, trace_problem
 
@@ -54,7 +54,7 @@ Seed = Annotated[
 
 RequestRate = Annotated[
     float | None,
-    Field(gt=0, description="simulated runs: requests per second, Poisson arrivals in time "
+    Field(gt=0, allow_inf_nan=True, description="simulated runs: requests per second, Poisson arrivals in time "
           "(inf: all at once); null: arrivals in steps"),
 ]
 MaxConcurrency = Annotated[
@@ -65,11 +65,7 @@ MaxConcurrency = Annotated[
 ]
 
 
-class _WorkloadBase(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _RateChecks(_WorkloadBase):
+class _RateChecks(Settings):
     """``request_rate`` is arrivals in time: not beside arrivals in steps."""
 
     @field_validator("request_rate", check_fields=False)
@@ -115,7 +111,7 @@ class SyntheticWorkload(_RateChecks):
         return value
 
 
-class ChatMessage(_WorkloadBase):
+class ChatMessage(Settings):
     """One turn of a conversation (``workload.chats``)."""
 
     role: str = Field(description="user, assistant, system, ... (as the chat template knows them)")
@@ -268,7 +264,7 @@ def _num_prompts(data: dict[str, Any]) -> int | None:
     return None
 
 
-class TraceWorkload(_WorkloadBase):
+class TraceWorkload(Settings):
     """Requests from a Mooncake-format JSONL trace (one JSON object a line:
     ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``), lengths scaled.
 

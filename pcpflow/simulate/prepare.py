@@ -64,6 +64,9 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     raw = copy.deepcopy(raw)
     model = raw.get("model") or {}
     if model.get("name") == "hf":
+        if not model.get("path"):
+            raise ConfigError([Problem("model.path", model.get("path"), "required with model=hf: a checkpoint "
+                                       "directory with a config.json (model.path=DIR)")])
         try:
             raw["model"] = card_from_hf_config(model.get("path") or "")
         except ValueError as exc:
@@ -299,7 +302,7 @@ def dtype_problems(cfg) -> list[Problem]:
                          f"{' | '.join(known)}"))
     weights = cfg.simulate.weights_dtype
     if weights is not None and hw.peak(weights) is None:
-        have = [k for k in ("bf16", "fp8", "fp4") if hw.peak(k) is not None]
+        have = [k for k in ("bf16", "fp8", "fp4", "fp32", "fp64") if hw.peak(k) is not None]
         p.append(Problem("simulate.weights_dtype", weights, f"{hw.name} has no {weights} tensor-core peak "
                          f"(hardware.peak_tflops.{weights}: null); one of: {' | '.join(have)}"))
     return p

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from pcpflow.errors import Settings
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.pipeline.stage import StageConfig
@@ -137,10 +138,8 @@ def greedy(model: CausalLM, hidden: torch.Tensor) -> np.ndarray:
     return model.compute_logits(hidden).argmax(dim=-1).cpu().numpy().astype(np.int64)
 
 
-class MLALayerConfig(BaseModel):
+class MLALayerConfig(Settings):
     """A draft decoder layer with multi-head latent attention (DeepSeek-style, absorbed)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_heads: int = Field(4, gt=0, description="query heads")
     q_lora_rank: int | None = Field(

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from pcpflow.errors import Settings
 
 
-class SamplingConfig(BaseModel):
+class SamplingConfig(Settings):
     """``sampling.*``: how a token is chosen from the logits (temperature 0 = greedy)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(0.0, ge=0, description="0: greedy (argmax); > 0: softmax(logits / T)")
     top_p: float = Field(1.0, gt=0, le=1, description="keep the fewest top tokens whose probability sums to >= top_p")

@@ -189,3 +189,14 @@ def test_private_blocks_change_nothing_a_run_reports(monkeypatch, overrides):
         np.testing.assert_array_equal(cols[k], ref_cols[k])
     for k in ("ttft", "tpot", "throughput", "kv_usage", "prefix_cache", "preemptions", "goodput"):
         assert metrics[k] == ref_metrics[k], k
+
+
+def test_a_run_cut_short_says_how_many_requests_finished():
+    """max_steps=3 with outputs of 8 tokens: no request can have finished (one token a step at
+    most), where the whole run finishes all three."""
+    base = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload=explicit",
+            "workload.prompt_lens=[64,64,64]", "workload.output_lens=[8]", "output.plots=false", "output.progress=false"]
+    full = SimulatedRun(compose(base)).run()["metrics"]
+    cut = SimulatedRun(compose([*base, "max_steps=3"])).run()["metrics"]
+    assert (full["num_requests"], full["num_finished_requests"]) == (3, 3)
+    assert (cut["num_requests"], cut["num_finished_requests"], cut["num_steps"]) == (3, 0, 3)

@@ -4,6 +4,7 @@ never a traceback; every problem of a command listed together."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,13 +12,14 @@ from pcpflow.driver.compose import validate_overrides
 from pcpflow.errors import ConfigError
 from pcpflow.testing import cli, compose
 
+REPO = Path(__file__).resolve().parents[2]
 RUN = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[1000]",
        "workload.output_lens=[2]", "output.plots=false", "output.progress=false"]
 
 
-def problems(*overrides: str) -> dict[str, str]:
+def problems(*overrides: str, base: list[str] = RUN) -> dict[str, str]:
     with pytest.raises(ConfigError) as exc:
-        validate_overrides([*RUN, *overrides])
+        validate_overrides([*base, *overrides])
     found = {}
     for p in exc.value.problems:
         assert p.field not in found, f"{p.field} reported twice"
@@ -125,3 +127,40 @@ def test_every_problem_is_listed_together():
                      "simulate.ring_step_us=1", "pcp=2")
     assert {"simulate.weights_dtype", "simulate.gemm_efficiency", "kv.block_size", "simulate.ring_step_us"} <= set(found)
     assert "kv.num_blocks" not in found and "scheduler.max_num_batched_tokens" not in found
+
+
+TRACE = [*(o for o in RUN if not o.startswith("workload")), "workload=trace",
+         f"workload.path={REPO / 'scripts' / 'data' / 'mooncake_conversation_head.jsonl'}", "workload.max_requests=4"]
+
+
+@pytest.mark.parametrize("base, override, key", [
+    (RUN, "slo.ttft_s=inf", "slo.ttft_s"),
+    (RUN, "slo.tpot_s=inf", "slo.tpot_s"),
+    (TRACE, "workload.time_scale=inf", "workload.time_scale"),  # it hung: arrivals at inf * 0
+    (TRACE, "workload.step_ms=inf", "workload.step_ms"),
+])
+def test_only_request_rate_means_something_by_inf(base, override, key):
+    found = problems(override, base=base)
+    assert list(found) == [key] and "finite" in found[key]
+    validate_overrides([*RUN, "workload.request_rate=inf"])  # all at once: valid
+
+
+@pytest.mark.parametrize("override, key", [
+    ("pcp=true", "pcp"), ("serving.replicas=true", "serving.replicas"),
+    ("workload.max_concurrency=true", "workload.max_concurrency"), ("workload.request_rate=true", "workload.request_rate"),
+    ("slo.ttft_s=false", "slo.ttft_s"), ("simulate.gemm_efficiency=true", "simulate.gemm_efficiency"),
+])
+def test_a_boolean_is_not_a_number(override, key):
+    found = problems(override)
+    assert list(found) == [key], found
+    assert found[key].startswith(override.split("=")[1] + " |") and "valid" in found[key]
+
+
+def test_a_request_larger_than_the_hbm_left_is_one_problem():
+    """The derived kv.num_blocks is too small for it as well; only what the user can change is
+    named (it said kv.num_blocks must be >= 1250001 beside it, which no setting could give)."""
+    base = [o for o in RUN if not o.startswith(("workload.prompt_lens", "workload.output_lens"))]
+    found = problems("workload.prompt_lens=[20000000]", "workload.output_lens=[4]", base=base)
+    assert list(found) == ["workload"] and "GiB are left" in found["workload"]
+    found = problems("workload.prompt_lens=[200000]", "workload.output_lens=[4]", "kv.num_blocks=100", base=base)
+    assert list(found) == ["kv.num_blocks"] and "must be >= 12501" in found["kv.num_blocks"]  # set by the user: named
