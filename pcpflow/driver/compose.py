@@ -37,7 +37,9 @@ def validate_overrides(overrides: list[str]) -> None:
     raw, problems = compose_checked(overrides)
     if raw is not None and raw.get("mode") == "search":
         problems += _search_group_problems(overrides)
-    if raw is not None:
+    # NOTE: a mode that could not be placed leaves mode=execute behind, which would then refuse
+    # every setting of the mode meant: what belongs to which mode is judged once it is known
+    if raw is not None and "mode" not in {p.field for p in problems}:
         refused = {p.field for p in problems}
         try:
             prepare_job(raw)

@@ -164,3 +164,9 @@ def test_a_request_larger_than_the_hbm_left_is_one_problem():
     assert list(found) == ["workload"] and "GiB are left" in found["workload"]
     found = problems("workload.prompt_lens=[200000]", "workload.output_lens=[4]", "kv.num_blocks=100", base=base)
     assert list(found) == ["kv.num_blocks"] and "must be >= 12501" in found["kv.num_blocks"]  # set by the user: named
+
+
+def test_a_mistyped_mode_is_one_problem_not_every_setting_of_the_mode_meant():
+    """mode=simulat left mode=execute behind, which refused the hardware and the model card too."""
+    found = problems("mode=simulat", base=[o for o in RUN if o != "mode=simulate"])
+    assert list(found) == ["mode"] and "did you mean 'simulate'" in found["mode"]
