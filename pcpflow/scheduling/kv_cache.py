@@ -385,23 +385,15 @@ class KVCacheManager:
             )
         for i in np.flatnonzero(rows < 0).tolist():
             rows[i] = self._claim_row(int(ids[i]))
-        if not total:
-            return
-        self._ensure_width(int(need.max()))
-        # Handed out from the front of the free queue, in request order: what allocate() in a loop does.
-        new_blocks = self._take(total)
-        if total == len(ids) and int(extra.min()) == 1:  # NOTE: the usual step: one block each
-            self._table[rows, have] = new_blocks
-        else:
-            owner = np.repeat(np.arange(len(ids)), extra)
-            column = np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]
-            self._table[rows[owner], column] = new_blocks
-        self._row_num_blocks[rows] = np.maximum(need, have)
+        more = extra > 0
+        if more.any():
+            self.grow(ids[more], extra[more])
 
     def grow(self, req_ids: np.ndarray, extra: np.ndarray) -> None:
         """Running requests' step: each of ``req_ids`` (distinct, holding blocks) gets
-        ``extra[k] >= 1`` more blocks, from the front of the free queue in request order:
-        ``allocate_many`` without its checks of arguments the scheduler derived itself."""
+        ``extra[k] >= 1`` more blocks, from the front of the free queue in request order (what
+        ``allocate`` in a loop does): ``allocate_many`` without its checks of arguments the
+        scheduler derived itself."""
         rows = self._row_of[req_ids]
         have = self._row_num_blocks[rows]
         total = int(extra.sum())
