@@ -5,6 +5,7 @@ means something by ``inf`` says so itself (``Field(allow_inf_nan=True)``)."""
 
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +60,6 @@ def missing_extra(modules: tuple[str, ...], extra: str) -> str | None:
 
 
 # ------------------------------------------------------------------------ config models
-_TAKES_BOOL: dict[tuple[type, str], bool] = {}
-
-
 def _takes_bool(annotation: Any) -> bool:
     """Whether a field of this type may hold a boolean (bool, Any, a Literal of one, or a
     union or container of such)."""
@@ -86,9 +84,6 @@ class Settings(BaseModel):
         return {**data, **{k: str(data[k]).lower() for k in bad}} if bad else data
 
 
+@functools.cache
 def _field_takes_bool(cls: type[BaseModel], name: str) -> bool:
-    key = (cls, name)
-    takes = _TAKES_BOOL.get(key)
-    if takes is None:
-        takes = _TAKES_BOOL[key] = _takes_bool(cls.model_fields[name].annotation)
-    return takes
+    return _takes_bool(cls.model_fields[name].annotation)

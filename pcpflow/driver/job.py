@@ -48,9 +48,9 @@ def prepare_job(raw: dict[str, Any], *, kind: str | None = None) -> RunConfig:
         raw = {**raw, "workload": {**workload, "path": read_once(workload["path"])}}  # a pipe is read once
     derived: frozenset[str] = frozenset()
     if raw.get("mode") == "simulate":  # a model card's defaults, hardware sizes (docs/simulate.md)
-        from pcpflow.simulate.prepare import DERIVED, prepare_raw
+        from pcpflow.simulate.prepare import prepare_raw, unset_derived
 
-        derived = frozenset(f for f in DERIVED if ((raw.get(f.split(".")[0]) or {}).get(f.split(".")[1])) is None)
+        derived = frozenset(unset_derived(raw))
         raw, placeholders = prepare_raw(raw)
     try:
         cfg = _prepared(raw, kind)

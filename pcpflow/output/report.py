@@ -115,7 +115,7 @@ def print_summary(result: dict[str, Any]) -> None:
     table.add_column("value")
     status = result["status"]
     table.add_row("status", f"[green]{status}[/]" if status == "ok" else f"[red]{status}[/]")
-    if m.get("num_finished_requests", m.get("num_requests")) != m.get("num_requests"):
+    if "num_requests" in m and m["num_finished_requests"] < m["num_requests"]:
         table.add_row("cut short", f"[yellow]{m['num_finished_requests']} of {m['num_requests']} requests finished[/]"
                       + (f" (max_steps={cfg.get('max_steps')})" if cfg.get("max_steps") else ""))
     if result.get("verification"):  # mode=simulate

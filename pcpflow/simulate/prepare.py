@@ -29,6 +29,16 @@ DERIVED = ("scheduler.max_num_batched_tokens", "kv.num_blocks")
 """The settings a simulated run derives when left null."""
 
 
+def unset_derived(raw: dict[str, Any]) -> list[str]:
+    """The ``DERIVED`` settings the composed dict leaves null (the run derives them)."""
+    out = []
+    for field in DERIVED:
+        section, key = field.split(".")
+        if (raw.get(section) or {}).get(key) is None:
+            out.append(field)
+    return out
+
+
 def hardware_names() -> list[str]:
     from pathlib import Path
 
@@ -78,8 +88,7 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     if raw.get("hardware") is None:
         raise ConfigError([Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")])
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})
-    derive = [f for f, node, key in (("scheduler.max_num_batched_tokens", sched, "max_num_batched_tokens"),
-                                     ("kv.num_blocks", kv, "num_blocks")) if node.get(key) is None]
+    derive = unset_derived(raw)
     if not derive:
         return raw, frozenset()
     try:
