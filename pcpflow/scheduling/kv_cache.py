@@ -20,24 +20,22 @@ The pool (vLLM's ``BlockPool``):
 
 The queue is an array with lazy deletion (a hit leaves its stale entry behind; an entry is
 live while its sequence number is the block's), so taking k blocks and freeing a request
-are array operations. The hash -> block dict forgets lazily too (an evicted block's entry
-stays until a rebuild, dead once the block no longer holds that hash), so Python-level work
-runs per newly cached or looked-up block only; and a block whose hash only its own request
+are array operations. The hash -> block dict holds exactly the cached blocks (an evicted
+block's entry goes with it), so Python-level work runs per newly cached, looked-up or
+evicted block only; and a block whose hash only its own request
 can ever ask for (``RequestTable.private_from``: a simulated run knows every prompt) holds
 it without an entry until that request is preempted.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 
 import numpy as np
 
 from pcpflow.errors import Problem
 
 SHOWN_PROBLEMS = 5
-STALE_ENTRIES_PER_BLOCK = 4
-"""The prefix cache's dict is rebuilt from the live hashes past this many entries per block."""
 
 
 def fit_problems(
@@ -113,10 +111,8 @@ class KVCacheManager:
         n = self.num_blocks
         self._ref = np.zeros(n, dtype=np.int64)  # requests holding each block
         self._hash = np.zeros(n, dtype=np.uint64)  # 0 = not cached
-        # NOTE: hash -> the block it was last cached in. An evicted block only zeroes its
-        # _hash (a dict pop per evicted block cost more than the rest of an allocation): an
-        # entry is live while its block still holds its hash, and stale ones are dropped in
-        # one rebuild when they outnumber the blocks a few times over.
+        # NOTE: hash -> the block holding it, for every cached block but the private ones
+        # below; an evicted block's entry goes with it (``_take``).
         self._cached: dict[int, int] = {}
         self._num_cached = 0
         # NOTE: cached blocks whose hash only their own request can ask for (``cache_block_ids``'
@@ -211,12 +207,7 @@ class KVCacheManager:
             keys = hashes[start:min(start + size, max_blocks)]
             chunk = list(map(self._cached.get, keys.tolist()))
             end = chunk.index(None) if None in chunk else len(chunk)
-            blocks = np.asarray(chunk[:end], dtype=np.int64)
-            live = self._hash[blocks] == keys[:end]  # a stale entry is a miss too
-            if not live.all():
-                end = int(np.argmin(live))
-                blocks = blocks[:end]
-            found.append(blocks)
+            found.append(np.asarray(chunk[:end], dtype=np.int64))
             if end < len(keys):
                 break
             start, size = start + size, 2 * size
@@ -233,8 +224,7 @@ class KVCacheManager:
 
     def _holds(self, h: int) -> bool:
         """Whether a block holds hash ``h`` (its dict entry is live)."""
-        b = self._cached.get(h)
-        return b is not None and int(self._hash[b]) == h
+        return h in self._cached
 
     def evictable(self, blocks: np.ndarray) -> int:
         """How many of ``blocks`` (cached ones found by ``find_cached``) are free: taking them
@@ -254,10 +244,9 @@ class KVCacheManager:
 
     def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray, private: np.ndarray | None = None) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
-        that hash to it: a hash another block holds is left as it is, a stale entry is
-        replaced, and of a hash computed twice in one call the first block wins. Per block, a
-        dict probe and an insertion (a second probe where a hash is cached already); the rest
-        are array operations.
+        that hash to it: a hash another block holds is left as it is, and of a hash computed
+        twice in one call the first block wins. Per block, a dict probe and an insertion (a
+        second probe where a hash is cached already); the rest are array operations.
 
         ``private`` (bool per block): blocks whose hash no other request can compute or ask
         for (``RequestTable.private_from``), of a request never preempted: they hold their
@@ -281,25 +270,19 @@ class KVCacheManager:
             if not len(blocks):
                 return n_own
         keys = hashes.tolist()
-        if not self._cached.keys().isdisjoint(keys):  # NOTE: the usual case is none cached yet
-            old = np.fromiter(map(self._cached.get, keys, itertools.repeat(-1)), dtype=np.int64, count=len(keys))
-            held = old >= 0  # live where the block it names still holds it; else stale, replaced
-            held[held] = self._hash[old[held]] == hashes[held]
-            if held.any():
-                blocks, hashes = blocks[~held], hashes[~held]
-                keys = hashes.tolist()
+        cached = self._cached
+        if not cached.keys().isdisjoint(keys):  # NOTE: rare: a hash another block holds stays there
+            held = np.fromiter(map(cached.__contains__, keys), dtype=bool, count=len(keys))
+            blocks, hashes = blocks[~held], hashes[~held]
+            keys = hashes.tolist()
         # NOTE: reversed, so that the first block of a hash computed twice in one call wins
-        before = len(self._cached)
-        self._cached.update(zip(reversed(keys), reversed(blocks.tolist())))
-        if len(self._cached) - before < len(blocks) and len(set(keys)) < len(keys):
-            won = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(keys))
-            blocks, hashes = blocks[won == blocks], hashes[won == blocks]
+        before = len(cached)
+        cached.update(zip(reversed(keys), reversed(blocks.tolist())))
+        if len(cached) - before < len(blocks):
+            won = np.fromiter(map(cached.__getitem__, keys), dtype=np.int64, count=len(keys)) == blocks
+            blocks, hashes = blocks[won], hashes[won]
         self._hash[blocks] = hashes
         self._num_cached += len(blocks)
-        if len(self._cached) > STALE_ENTRIES_PER_BLOCK * self.num_blocks:
-            live = np.flatnonzero(self._hash)
-            self._cached = dict(zip(self._hash[live].tolist(), live.tolist()))
-            self._unindexed[:] = False
         return n_own + len(blocks)
 
     def index(self, req_id: int) -> None:
@@ -471,10 +454,13 @@ class KVCacheManager:
         self._ref[blocks] = 1
         self._num_free -= k
         if self.prefix_caching:
-            self._unindexed[blocks] = False
             hashed = blocks[self._hash[blocks] != 0]
             if len(hashed):
-                self._hash[hashed] = 0  # evicted: forgotten (its dict entry goes stale)
+                indexed = hashed[~self._unindexed[hashed]]
+                if len(indexed):
+                    collections.deque(map(self._cached.__delitem__, self._hash[indexed].tolist()), maxlen=0)
+                self._unindexed[hashed] = False
+                self._hash[hashed] = 0  # evicted: forgotten
                 self.num_evicted += len(hashed)
                 self._num_cached -= len(hashed)
         return blocks

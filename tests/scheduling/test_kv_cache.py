@@ -265,6 +265,8 @@ def test_pool_matches_the_list_model_and_loses_nothing(ops):
         assert kv.num_free_blocks == len(queue)
         # a block shared by two tables is a cached (read-only) one
         assert all(kv.block_hash(b) is not None for b in np.flatnonzero(held_by > 1))
+        # the prefix cache's index holds exactly the cached blocks: no entry outlives its block
+        assert kv._cached == m.block_of
     for r in list(m.tables):
         kv.free(r)
     assert not kv.ref_counts().any() and kv.num_free_blocks == N
