@@ -223,7 +223,7 @@ class KVCacheManager:
         return n >= min(max_blocks, len(hashes)) or not self._holds(hashes[n].item())
 
     def _holds(self, h: int) -> bool:
-        """Whether a block holds hash ``h`` (its dict entry is live)."""
+        """Whether an indexed block holds hash ``h``."""
         return h in self._cached
 
     def evictable(self, blocks: np.ndarray) -> int:
