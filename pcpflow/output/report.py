@@ -203,7 +203,9 @@ def serving_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
     g = m.get("goodput") or {}
     if g.get("req_s") is not None:
         slo = " and ".join(f"{k.split('_')[0].upper()} <= {v * 1e3:.0f} ms" for k, v in g["slo"].items() if v is not None)
-        rows.append(("goodput", f"{g['req_s']:.2f} req/s · {g['share']:.1%} of requests meet {slo}"))
+        share = ("no request finished" if g["share"] is None  # NOTE: a run cut short (max_steps)
+                 else f"{g['share']:.1%} of finished requests meet {slo}")
+        rows.append(("goodput", f"{g['req_s']:.2f} req/s · {share}"))
     return rows
 
 

@@ -104,3 +104,22 @@ def test_phases_draw_a_bar_per_phase_on_a_terminal_and_nothing_when_piped():
     drawn = draw(True)
     assert "screen on the first 50 requests" in drawn and "3/3" in drawn and "1/2" in drawn
     assert draw(False) == ""
+
+
+def test_the_summary_of_a_run_cut_short_before_any_request_finished(capsys, monkeypatch):
+    """max_steps=1 with an SLO set: no request finished, so there is no SLO attainment to show
+    (metrics.goodput.share is None): the summary says so rather than failing, one pool or two."""
+    from pcpflow.simulate.engine import SimulatedRun
+    from pcpflow.testing import compose
+
+    monkeypatch.setenv("COLUMNS", "400")
+    base = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload.num_requests=4", "max_steps=1",
+            "slo.ttft_s=1", "output.plots=false", "output.progress=false"]
+    for extra in ([], ["disagg=pd"]):
+        cfg = compose([*base, *extra])
+        metrics = SimulatedRun(cfg).run()["metrics"]
+        assert metrics["num_finished_requests"] == 0 and metrics["goodput"]["share"] is None
+        print_summary({"config": cfg.model_dump(mode="json"), "metrics": metrics, "status": "ok", "run_dir": "/r",
+                       "verification": "off"})
+        text = " ".join(capsys.readouterr().out.split())
+        assert "0.00 req/s · no request finished" in text, extra
