@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
@@ -330,7 +331,8 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
 
 MODE_SETTINGS = {"simulate": ("simulate", "search"), "hardware": ("simulate", "search"),
                  "serving": ("simulate", "search"), "workload.request_rate": ("simulate", "search"),
-                 "profile": ("profile",), "search": ("search",), "slo.attainment": ("search",)}
+                 "profile": ("profile",), "search": ("search",), "slo.attainment": ("search",),
+                 "verify_options": ("execute",), "output.save_logits": ("execute",)}
 """Settings that only some modes read (a section or a dotted key -> those modes). Set in
 another mode they would be silently ignored, so they are refused there."""
 
@@ -433,7 +435,7 @@ def validate_run_config(
             cfg = RunConfig.model_validate(data)
         except ValidationError as exc:
             found = pydantic_problems(exc, model=RunConfig)
-            problems += [p for p in found if p.field not in bad]
+            problems += [p for p in found if p.field not in bad and not _echoes(p, bad)]
             salvaged = _without(data, [tuple(str(x) for x in e["loc"]) for e in exc.errors()])
             bad |= {p.field for p in found}
             if salvaged == data:
@@ -441,9 +443,16 @@ def validate_run_config(
             data = salvaged
             continue
         found = cross_field_problems(cfg) + (rules(cfg) if rules is not None else [])
-        problems += [p for p in found if p.field not in bad]
+        problems += [p for p in found if p.field not in bad and not _echoes(p, bad)]
         return cfg, problems
     return None, problems
+
+
+def _echoes(problem: Problem, bad: set[str]) -> bool:
+    """Whether ``problem`` names a field already in error: found once that field fell back to
+    its default (``workload.prompt_lens=[]``, then "give prompt_lens or prompts"), it is the
+    same problem again."""
+    return any(re.search(rf"\b{re.escape(field.rsplit('.', 1)[-1])}\b", problem.allowed) for field in bad)
 
 
 def _without(raw: dict[str, Any], locs: list[tuple[str, ...]]) -> dict[str, Any]:

@@ -123,7 +123,7 @@ class ExplicitWorkload(_RateChecks):
 
     kind: Literal["explicit"] = "explicit"
     prompt_lens: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]] | None = Field(
-        None, description="prompt length of each request (token ids drawn at random)"
+        None, min_length=1, description="prompt length of each request (token ids drawn at random)"
     )
     # --- text in (pcpflow.tokens.text): texts / chats, tokenized by the driver into text_token_ids
     texts: list[Annotated[str, Field(min_length=1)]] | None = Field(
@@ -141,6 +141,7 @@ class ExplicitWorkload(_RateChecks):
     # --- end text in
     prompts: list[list[Annotated[int, Field(ge=0, le=2**63 - 1)]]] | None = Field(
         None,
+        min_length=1,
         validate_default=True,
         description="token ids of each prompt; when given, prompt_lens is ignored; each in [0, vocab_size)",
     )

@@ -110,3 +110,30 @@ def test_a_setting_of_another_mode_is_refused_naming_the_mode():
 def test_a_validator_s_message_is_shown_without_pydantic_s_prefix():
     found = problems_of(["workload.prompt_len=[9,3]"])
     assert found["workload.prompt_len"] == "prompt_len is [min, max] with 1 <= min <= max; got [9, 3]"
+
+
+def test_an_empty_workload_is_refused_once():
+    """No request at all: refused naming the list, not run as zero requests (nor left to
+    fail inside the run); the list falling back to its default is not a second problem."""
+    assert problems_of(["workload=explicit", "workload.prompt_lens=[]"]) == {
+        "workload.prompt_lens": "List should have at least 1 item after validation, not 0"}
+    assert list(problems_of(["workload=explicit", "workload.prompts=[]", "workload.prompt_lens=[5]"])) == ["workload.prompts"]
+    assert list(problems_of(["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload=explicit",
+                             "workload.prompt_lens=[]"])) == ["workload.prompt_lens"]
+
+
+def test_a_rule_that_reads_a_setting_in_error_is_not_judged_on_its_default():
+    """pcp=0 falls back to pcp=2 so that the rest can be checked; dcp's rule, which reads pcp,
+    would quote that default (pcp(2)), a value the user never gave."""
+    found = problems_of(["pcp=0", "dcp=3"])
+    assert list(found) == ["pcp"]
+    found = problems_of(["pcp=0", "kv.interleave=3"])  # a problem that does not read pcp still shows
+    assert set(found) == {"pcp", "kv.interleave"}
+
+
+def test_settings_only_an_executed_run_reads_are_refused_in_a_simulated_one():
+    sim = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm"]
+    found = problems_of([*sim, "verify_options.logits_atol=0.1", "output.save_logits=true"])
+    assert set(found) == {"verify_options", "output.save_logits"}
+    assert all("a setting of mode=execute" in v for v in found.values())
+    validate_overrides(["verify_options.logits_atol=0.1", "output.save_logits=true"])  # executed: fine
