@@ -204,12 +204,11 @@ def _search(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool
             started: float) -> int:
     """``mode=search``: the layouts screened and priced in this process (``pcpflow.search``);
     config.json is the search's composed config (each layout's is in search.csv)."""
-    import json
 
-    from pcpflow.output.rundir import CONFIG_FILE
+    from pcpflow.output.rundir import CONFIG_FILE, dumps
     from pcpflow.search.job import run_search
 
-    (run_dir / CONFIG_FILE).write_text(json.dumps(raw, indent=2, default=str) + "\n")
+    (run_dir / CONFIG_FILE).write_text(dumps(raw) + "\n")
     try:
         sections = run_search(raw, run_dir, prepare_job, overrides=overrides, console=console)
     except Interrupted as exc:

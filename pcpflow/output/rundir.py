@@ -8,6 +8,7 @@ here, and neither imports the other.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,9 +19,30 @@ RESULT_FILE = "result.json"
 LOCK_FILE = ".pcpflow.lock"
 
 
+def dumps(obj: Any) -> str:
+    """Strict JSON of a run's dict (what every JSON reader takes): numpy values as Python
+    ones, and a float that is not finite, which JSON has no number for, as the string Python
+    and pydantic read back (``workload.request_rate=inf``: ``"inf"``)."""
+    return json.dumps(_strict(obj), indent=2, allow_nan=False, default=_jsonable)
+
+
+def _strict(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_strict(v) for v in obj]
+    if isinstance(obj, np.ndarray | np.generic):
+        return _strict(obj.tolist())
+    return obj
+
+
 def write_frozen_config(cfg: Any, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
+    (run_dir / CONFIG_FILE).write_text(dumps(cfg.model_dump(mode="json")) + "\n")
 
 
 def load_frozen_config(run_dir: Path) -> Any:
@@ -35,7 +57,7 @@ def write_result(run_dir: Path, result: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     result.setdefault("error", None)
     tmp = run_dir / f".{RESULT_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=_jsonable) + "\n")
+    tmp.write_text(dumps(result) + "\n")
     os.replace(tmp, run_dir / RESULT_FILE)
 
 

@@ -1,0 +1,40 @@
+"""pcpflow.output.rundir: result.json and config.json are strict JSON that any reader takes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from pcpflow.driver.cli import main
+from pcpflow.output.rundir import dumps, load_frozen_config
+
+
+def _strict_loads(text: str):
+    """json.loads that refuses Infinity and NaN, as strict readers (JavaScript, jq) do."""
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_float_that_is_not_finite_is_written_as_the_string_python_reads_back():
+    text = dumps({"rate": float("inf"), "low": -np.inf, "nan": [np.float64("nan")], "ok": np.float32(0.5),
+                  "arr": np.array([1.0, np.inf])})
+    got = _strict_loads(text)
+    assert got == {"rate": "inf", "low": "-inf", "nan": ["nan"], "ok": 0.5, "arr": [1.0, "inf"]}
+    assert float(got["rate"]) == float("inf") and np.isnan(float(got["nan"][0]))
+
+
+def test_request_rate_inf_gives_strict_json_that_loads_back(tmp_path):
+    """workload.request_rate=inf (all at once, as documented) in result.json and config.json."""
+    code = main(["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload.num_requests=3",
+                 "workload.request_rate=inf", "output.plots=false", "output.progress=false",
+                 f"hydra.run.dir={tmp_path}"])
+    assert code == 0
+    for name in ("result.json", "config.json"):
+        text = (tmp_path / name).read_text()
+        assert "Infinity" not in text, name
+        _strict_loads(text)
+    assert _strict_loads((tmp_path / "result.json").read_text())["config"]["workload"]["request_rate"] == "inf"
+    assert load_frozen_config(tmp_path).workload.request_rate == float("inf")
