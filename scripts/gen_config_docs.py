@@ -66,13 +66,17 @@ def render() -> str:
         for kind in kinds:
             prefix = "draft." if slot == "draft" else f"pipeline.{slot}."
             out.append(f"### {slot}: `{kind}`\n")
-            rows = _rows(_REGISTRY[kind].Config, prefix, skip={"kind"})
+            rows = _rows(_REGISTRY[kind].Config, prefix, skip={"kind"},
+                         group=_group_values("draft", kind) if slot == "draft" else None)
             out.append(_table(rows) if rows else "No settings.\n")
     return "\n".join(out)
 
 
-def _rows(model: type[BaseModel], prefix: str, skip: set[str] = frozenset()) -> list[tuple[str, str, str, str]]:
-    rows = []
+def _rows(model: type[BaseModel], prefix: str, skip: set[str] = frozenset(),
+          group: dict[str, Any] | None = None) -> list[tuple[str, str, str, str]]:
+    """A table row per key; ``group``: the values a config group's YAML sets, which are the
+    defaults a user gets with that option (``draft=self``), shown over the model's own."""
+    rows, group = [], group or {}
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -81,10 +85,19 @@ def _rows(model: type[BaseModel], prefix: str, skip: set[str] = frozenset()) -> 
             continue
         sub = _model_of(field.annotation)
         if sub is not None:
-            rows += _rows(sub, f"{prefix}{name}.")
+            rows += _rows(sub, f"{prefix}{name}.", group=group.get(name))
             continue
-        rows.append((f"`{prefix}{name}`", _type(field.annotation), _default(field), _one_line(field.description)))
+        default = _format(group[name]) if name in group else _default(field)
+        rows.append((f"`{prefix}{name}`", _type(field.annotation), default, _one_line(field.description)))
     return rows
+
+
+def _group_values(group: str, option: str) -> dict[str, Any]:
+    """What ``conf/<group>/<option>.yaml`` sets (empty without one)."""
+    import yaml
+
+    path = ROOT / "conf" / group / f"{option}.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
@@ -116,6 +129,10 @@ def _default(field: Any) -> str:
         value = field.default
     if isinstance(value, BaseModel):
         return ""
+    return _format(value)
+
+
+def _format(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
