@@ -182,6 +182,10 @@ def _agent_log(path: Path):
     loggers = [logging.getLogger(n) for n in names]
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # NOTE: with no signals to handle (LaunchConfig.signals_to_handle="", on purpose) the agent
+    # still tries the one empty name and logs a warning with a traceback: noise, not a fault.
+    handler.addFilter(lambda record: not (record.getMessage().startswith("Failed to register signal handler")
+                                          and record.args == ("",)))
     saved = [logger.propagate for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)

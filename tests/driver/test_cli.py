@@ -190,6 +190,8 @@ def test_every_ranks_print_reaches_the_console_once_with_its_rank(tmp_path):
     # and the rank's own log has them too
     (log,) = tmp_path.glob("logs/*/attempt_0/1/stdout.log")
     assert log.read_text().count("pcp rank 1 holds ") == len(due)
+    # the launcher's log holds no traceback of a run that went well
+    assert "Traceback" not in (tmp_path / "logs" / "launcher.log").read_text()
 
 
 @pytest.mark.dist
