@@ -262,7 +262,9 @@ def run_hydra(argv: list[str]) -> int:
             sweep_dir = Path(_SWEEP_DIR[0])
             rows = write_sweep_report(sweep_dir, announce=False)
             report = f"; report: {sweep_dir / 'sweep.md'}" if rows else ""
-            print(f"pcpflow: sweep {exc} after {len(rows)} job(s){report}", file=sys.stderr, flush=True)
+            cut = sum(str(r.get("error", "")).startswith("interrupted") for r in rows)  # the job it stopped
+            ran = f"after {len(rows) - cut} job(s)" + (f" and during job {len(rows)}" if cut else "")
+            print(f"pcpflow: sweep {exc} {ran}{report}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
         sys.argv = saved

@@ -203,7 +203,7 @@ def test_ctrl_c_stops_a_sweep_and_the_report_lists_what_ran(tmp_path):
     assert not (tmp_path / "2").exists()
     rows = (tmp_path / "sweep.csv").read_text().splitlines()
     assert len(rows) == 3 and ",ok," in rows[1] and "interrupted by SIGINT" in rows[2]
-    assert "sweep interrupted by SIGINT after 2 job(s)" in r.stderr
+    assert "sweep interrupted by SIGINT after 1 job(s) and during job 2" in r.stderr
 
 
 @pytest.mark.slow
