@@ -133,9 +133,10 @@ def _read_trace_file(cfg: Any) -> TraceColumns:
             cfg, f"a readable JSONL trace file; reading {cfg.path} failed: {e}"
         ) from None
     if not ts:
-        raise trace_problem(
-            cfg, f"a trace with requests after skip={cfg.skip}; {cfg.path} has {seen} request(s)"
-        )
+        if seen and cfg.skip >= seen:  # NOTE: the skip is what went wrong, not the file
+            raise ConfigError([Problem(field="workload.skip", given=cfg.skip,
+                                       allowed=f"fewer than the trace's requests; {cfg.path} has {seen}")])
+        raise trace_problem(cfg, f"a trace with requests; {cfg.path} has none")
     return TraceColumns(
         timestamps=np.asarray(ts, dtype=np.float64),
         input_lens=np.asarray(inp, dtype=np.int64),

@@ -244,8 +244,15 @@ def test_trace_unreadable_file_and_empty_window(tmp_path):
     with pytest.raises(ConfigError, match="workload.path"):
         build_requests(TraceWorkload(path=str(tmp_path)), vocab_size=9, seed=0)  # a directory
     path = _write(tmp_path, [_row(0, 5, 3, [0])])
-    with pytest.raises(ConfigError, match="skip=1"):
+    with pytest.raises(ConfigError) as e:
         build_requests(TraceWorkload(path=path, skip=1), vocab_size=9, seed=0)
+    (p,) = e.value.problems  # the skip is what is wrong, not the file
+    assert (p.field, p.given) == ("workload.skip", 1) and p.allowed.endswith(f"{path} has 1")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(ConfigError) as e:
+        build_requests(TraceWorkload(path=str(tmp_path / "blank.jsonl")), vocab_size=9, seed=0)
+    (p,) = e.value.problems
+    assert p.field == "workload.path" and p.allowed.endswith("has none")
 
 
 def test_trace_relative_path_resolves_against_cwd(tmp_path, monkeypatch):
