@@ -68,6 +68,15 @@ MaxConcurrency = Annotated[
 class _RateChecks(Settings):
     """``request_rate`` is arrivals in time: not beside arrivals in steps."""
 
+    @field_validator("request_rate", mode="before", check_fields=False)
+    @classmethod
+    def _rate_is_a_number(cls, rate):
+        # NOTE: nan passes allow_inf_nan (which is for inf) and then fails gt=0 with a message
+        # that hides what is wrong with it
+        if isinstance(rate, float | str) and str(rate).strip().lower() == "nan":
+            raise ValueError("a rate > 0 in requests/s, or inf (all at once); nan is not a rate")
+        return rate
+
     @field_validator("request_rate", check_fields=False)
     @classmethod
     def _rate_alone(cls, rate, info: ValidationInfo):

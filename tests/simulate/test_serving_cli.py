@@ -43,6 +43,13 @@ def test_every_bad_serving_value_is_listed_and_exits_2():
     assert "(6 problem(s))" in r.stderr
 
 
+def test_a_rate_of_nan_is_named_as_no_rate():
+    for workload in (["workload=synthetic"], ["workload=explicit", "workload.prompt_lens=[8]"]):
+        found = problems([*SIM, *workload, "workload.request_rate=nan"])
+        assert found == {"workload.request_rate": "nan | a rate > 0 in requests/s, or inf (all at once); "
+                                                  "nan is not a rate"}
+
+
 def test_simulated_serving_is_refused_in_executed_runs():
     found = problems(["workload.request_rate=2", "serving.replicas=2", "serving.router=least_loaded"])
     assert "mode=simulate" in found["workload.request_rate"]
