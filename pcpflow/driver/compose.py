@@ -213,9 +213,16 @@ def unknown_key_problem(key: str, given: Any) -> Problem:
     if owners:
         return Problem(key, given, _belongs(key, owners))
 
-    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.75)
-    if close:
+    known = known_keys()
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    if close and not key.startswith(close[0] + "."):
         return Problem(key, given, f"not a pcpflow setting (did you mean {close[0]!r}?)")
+    parts = key.lstrip("+~").split(".")
+    for n in range(len(parts) - 1, 0, -1):  # NOTE: the innermost known section it names: list what it holds
+        section = ".".join(parts[:n])
+        inside = sorted({k[len(section) + 1:].split(".")[0] for k in known if k.startswith(section + ".")})
+        if inside:
+            return Problem(key, given, f"not a setting of {section}; its settings: {', '.join(inside)}")
     top = ", ".join(n for n, f in RunConfig.model_fields.items() if not _derived(f))
     return Problem(
         key,

@@ -137,3 +137,11 @@ def test_settings_only_an_executed_run_reads_are_refused_in_a_simulated_one():
     assert set(found) == {"verify_options", "output.save_logits"}
     assert all("a setting of mode=execute" in v for v in found.values())
     validate_overrides(["verify_options.logits_atol=0.1", "output.save_logits=true"])  # executed: fine
+
+
+def test_an_unknown_key_inside_a_known_section_lists_the_section_s_settings():
+    found = problems_of(["kv.foo=1", "mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "disagg=pd",
+                         "disagg.decode_pool.foo=1"])
+    assert found["kv.foo"] == "not a setting of kv; its settings: block_size, interleave, num_blocks, prefix_caching"
+    assert found["disagg.decode_pool.foo"].startswith("not a setting of disagg.decode_pool; its settings: dcp, ")
+    assert " tp" in found["disagg.decode_pool.foo"]
