@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,6 +31,11 @@ SIMULATED_CLOCKS = {
     "loop_s": "the simulator's own wall time on this machine (wall_s)",
     "job_s": "job wall time in the driver: validation, the simulation, results",
 }
+
+
+STEP_COUNTS = ("prefix_hit_tokens", "prefix_query_tokens", "num_preempted")
+"""The scheduler's ``StepStats`` that count what one ``schedule()`` did (the recorder sums
+them over steps); the others are gauges of the state it left."""
 
 
 def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str, int], nbytes: dict[str, int],
@@ -71,14 +77,18 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
 
 def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp: dict[str, int],
                      num_blocks: dict[str, int], stats: dict[str, Any], transfer: dict[str, Any], queue: int,
-                     step_s: float, time_s: float, generated: int, to_generate: int) -> dict[str, Any]:
+                     step_s: float, time_s: float, generated: int, to_generate: int,
+                     scheduled: Collection[str] | None = None) -> dict[str, Any]:
     """One step of a run with a prefill pool and a decode pool (``disagg=pd``): each pool's
     own record (``step_record``; None where the pool ran nothing) under ``pools``, the
     handover's ``transfer`` (the requests, their messages, bytes and seconds) and the
     ``handover_queue``, and the fields every run has, over both pools: per-rank lists are
     the prefill pool's PCP ranks, then the decode pool's; calls and bytes add up by purpose
     (``kv_transfer``: the handover's); serving counts, each pool's scheduler ``stats`` as of
-    this step, add up (the queue counts as waiting)."""
+    this step, add up (the queue counts as waiting). ``scheduled``: the pools whose
+    ``schedule()`` made this step (None: both, a global step); only theirs count
+    preemptions and prefix hits and queries, which the recorder sums over steps: another
+    pool's ``stats`` are those of its own latest step, already counted there."""
     recs = [(name, pools.get(name)) for name in pcp]
 
     def total(key: str) -> int:
@@ -101,8 +111,10 @@ def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp:
         for k, v in (r or {}).get("stage_s", {}).items():
             stage_s[k] += v
     ranks = sum(pcp.values())
-    serving = {k: sum(getattr(st, k) for st in stats.values()) for k in (
-        "num_running", "num_waiting", "kv_blocks_used", "prefix_hit_tokens", "prefix_query_tokens", "num_preempted")}
+    serving = {k: sum(getattr(st, k) for st in stats.values()) for k in ("num_running", "num_waiting",
+                                                                         "kv_blocks_used")}
+    counted = [st for name, st in stats.items() if scheduled is None or name in scheduled]
+    serving.update({k: sum(getattr(st, k) for st in counted) for k in STEP_COUNTS})
     serving["num_waiting"] += queue
     return {
         "step": step,

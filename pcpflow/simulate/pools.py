@@ -32,7 +32,7 @@ import numpy as np
 from pcpflow.config.disagg import POOLS, pool_config
 from pcpflow.config.run import RunConfig
 from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, handover_counts
-from pcpflow.output.metrics import MetricsRecorder, pool_step_record, step_record
+from pcpflow.output.metrics import STEP_COUNTS, MetricsRecorder, pool_step_record, step_record
 from pcpflow.parallel.transfer import pool_kv
 from pcpflow.pipeline.state import StepState
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
@@ -151,13 +151,15 @@ class PooledRun:
         return {"req_ids": [h[0] for h in handed], "tokens": [h[1] for h in handed], "calls": calls, "bytes": nbytes,
                 "s": exposed_total}
 
-    def _record(self, step: int, recs: dict, transfer: dict, step_s: float, time_s: float, generated: int) -> None:
+    def _record(self, step: int, recs: dict, transfer: dict, step_s: float, time_s: float, generated: int,
+                scheduled: tuple[str, ...] | None = None) -> None:
+        """``scheduled``: the pools whose ``schedule()`` made this step (None: both, a global step)."""
         record = pool_step_record(
             step, recs, pcp={n: self.configs[n].pcp for n in POOLS},
             num_blocks={n: self.configs[n].kv.num_blocks for n in POOLS},
             stats={"prefill": self.prefill.stats, "decode": self.decode.stats}, transfer=transfer,
             queue=len(self._handover), step_s=step_s, time_s=time_s, generated=generated,
-            to_generate=self.recorder.num_to_generate)
+            to_generate=self.recorder.num_to_generate, scheduled=scheduled)
         for k in ("per_rank_compute_s", "per_rank_memory_s", "per_rank_communication_s"):  # load.png: both pools' ranks
             record[k] = [v for n in POOLS for v in (recs[n][k] if recs.get(n) else [0.0] * self.configs[n].pcp)]
         self.recorder.step(record)
@@ -225,6 +227,8 @@ class PooledRun:
                 # NOTE: a step that preempted admits no one: the next may (no wait for a transfer then)
                 blocked = batch is None and self.prefill.has_work and not self.prefill.stats.num_preempted
                 if batch is None:
+                    if _counts(self.prefill.stats):  # NOTE: it preempted all it ran (the queue holds blocks)
+                        self._record(self.recorder.num_steps, {}, {}, 0.0, p_next, generated, ("prefill",))
                     continue
                 rec = self.pools["prefill"].price(batch, self.prefill.stats, p_next)
                 out = self.prefill.update(batch, np.zeros(len(batch.logits_indices), np.int64),
@@ -233,7 +237,8 @@ class PooledRun:
                 p_loop.advance(batch, rec["step_s"], out.num_new_tokens)
                 generated += out.num_new_tokens
                 executed += 1
-                self._record(self.recorder.num_steps, {"prefill": rec}, {}, rec["step_s"], p_next, generated)
+                self._record(self.recorder.num_steps, {"prefill": rec}, {}, rec["step_s"], p_next, generated,
+                             ("prefill",))
                 if self._hopeless(p_loop, d_loop, ho):
                     break
                 continue
@@ -249,8 +254,9 @@ class PooledRun:
                 released.append((arrive, i))
             batch = d_loop.schedule_step()
             if batch is None:
-                if transfer:
-                    self._record(self.recorder.num_steps, {}, transfer, 0.0, d_next, generated)
+                # NOTE: it may have preempted all it ran (blocks held by requests still in transfer)
+                if transfer or _counts(self.decode.stats):
+                    self._record(self.recorder.num_steps, {}, transfer, 0.0, d_next, generated, ("decode",))
                 if self.decode.has_work:  # NOTE: blocks held by requests still in transfer
                     d_loop.clock = min((t for t, _ in inflight), default=np.inf)
                 continue
@@ -261,7 +267,8 @@ class PooledRun:
             d_loop.advance(batch, rec["step_s"], out.num_new_tokens)
             generated += out.num_new_tokens
             executed += 1
-            self._record(self.recorder.num_steps, {"decode": rec}, transfer, rec["step_s"], d_next, generated)
+            self._record(self.recorder.num_steps, {"decode": rec}, transfer, rec["step_s"], d_next, generated,
+                         ("decode",))
             if self._hopeless(p_loop, d_loop, ho):
                 break
         self._clock = max(p_loop.clock, d_loop.clock)
@@ -329,6 +336,11 @@ class PooledRun:
                    purpose_s={k: v["exposed_s"] for k, v in sorted(breakdown.items())},
                    pools=per_pool, decode_pool_first_gpu=self.offset)
         return out
+
+
+def _counts(stats) -> bool:
+    """Whether a ``schedule()`` that ran nothing still did something the metrics count."""
+    return any(getattr(stats, k) for k in STEP_COUNTS)
 
 
 def pooled_run(cfg: RunConfig, run_dir: Path | None = None) -> dict[str, Any]:

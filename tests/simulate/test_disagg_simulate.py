@@ -4,6 +4,8 @@ clocks when requests arrive in time (the queue between them modelled)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pcpflow.simulate.pools import PooledRun
@@ -95,3 +97,37 @@ def test_both_pools_full_in_time_finish():
     assert all(r["finish_step"] is not None for r in res["requests"])
     assert res["metrics"]["transfer"]["requests"] == sum(r["output_len"] > 1 for r in res["requests"])
     assert sim._handover.waited.sum() >= 1
+
+
+TRACE_HEAD = Path(__file__).resolve().parents[2] / "scripts" / "data" / "mooncake_conversation_head.jsonl"
+
+
+@pytest.mark.parametrize("overrides", [
+    # by hand: 4 prompts of 300, each looked up once, on its first admission: 1,200 tokens
+    ("workload=explicit", "workload.prompt_lens=[300,300,300,300]", "workload.output_lens=[20]",
+     "workload.request_rate=10"),
+    # shared prefixes: prefix hits on the prefill pool
+    ("workload=trace", f"workload.path={TRACE_HEAD}", "workload.max_requests=30", "workload.length_scale=0.1"),
+    # both pools short of blocks: preemptions, some in a schedule() that then ran nothing
+    ("workload.num_requests=30", "workload.request_rate=100", "workload.prompt_len=[500,2000]",
+     "workload.output_len=[50,200]", "kv.num_blocks=400", "disagg.decode_pool.num_blocks=300"),
+], ids=["explicit", "trace", "preempting"])
+def test_serving_counts_in_time_are_the_requests_own(overrides):
+    """Each pool on its own clock: a step record counts the preemptions and prefix lookups
+    of the one ``schedule()`` that made it, so the run's totals are the requests' own. A
+    request counts as looked up once, on its first admission (the prefill pool's), with its
+    whole prompt; a readmission after a preemption (on either pool) counts only in its
+    ``num_preemptions``, as with one pool (``StepStats.prefix_query_tokens``)."""
+    sim, res = run(*overrides)
+    m, rows = res["metrics"], res["requests"]
+    assert sim.timed and all(r["finish_step"] is not None for r in rows)
+    assert m["prefix_cache"]["query_tokens"] == sum(r["prompt_len"] for r in rows)
+    assert m["prefix_cache"]["hit_tokens"] == sum(r["prefix_hit_tokens"] for r in rows)
+    assert m["preemptions"] == sum(r["num_preemptions"] for r in rows)
+    if overrides[0] == "workload=explicit":
+        assert m["prefix_cache"]["query_tokens"] == 1200
+    if overrides[0] == "workload=trace":
+        assert m["prefix_cache"]["hit_tokens"] > 0
+    if overrides[0] == "workload.num_requests=30":
+        ran_nothing = [r for r in sim.records if r["num_preempted"] and not any(r["pools"].values())]
+        assert m["preemptions"] > 0 and ran_nothing
