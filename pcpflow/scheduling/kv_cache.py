@@ -30,7 +30,6 @@ it without an entry until that request is preempted.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 
 import numpy as np
 
@@ -119,7 +118,6 @@ class KVCacheManager:
         # NOTE: cached blocks whose hash only their own request can ask for (``cache_block_ids``'
         # ``private``) stay out of the dict until that request is preempted (``index``).
         self._unindexed = np.zeros(n, dtype=bool)
-        self._unknown = np.zeros(n, dtype=bool)  # of those, cached by ``cache_own``: no hash yet
         # The free queue: entries [head, tail) of _queue, live while _qseq matches _seq_of.
         self._queue = np.arange(n, dtype=np.int64)
         self._qseq = np.arange(n, dtype=np.int64)
@@ -180,9 +178,8 @@ class KVCacheManager:
         return ids[self._seq_of[ids] == seqs]
 
     def block_hash(self, block: int) -> int | None:
-        """The hash ``block`` holds; None if it holds none, or none known yet (``cache_own``)."""
         h = int(self._hash[block])
-        return h if h and not self._unknown[block] else None
+        return h or None
 
     def fit_problems(self, prompt_lens, output_lens, num_speculative_tokens: int = 0) -> list[Problem]:
         """``fit_problems`` of this cache (the module's one rule)."""
@@ -221,7 +218,7 @@ class KVCacheManager:
         answer: each still holds its hash (so the cache still maps it there) and the first
         miss after them is still one."""
         n = len(blocks)
-        if n and not ((self._hash[blocks] == hashes[:n]) & ~self._unindexed[blocks]).all():
+        if n and not (self._hash[blocks] == hashes[:n]).all():
             return False
         return n >= min(max_blocks, len(hashes)) or not self._holds(hashes[n].item())
 
@@ -288,36 +285,17 @@ class KVCacheManager:
         self._num_cached += len(blocks)
         return n_own + len(blocks)
 
-    def cache_own(self, blocks: np.ndarray) -> None:
-        """Private blocks (``cache_block_ids``' ``private``) cached before their hashes are
-        known: they count as cached and hold a placeholder until ``index`` gives them their
-        hashes (a running request's own blocks are never looked up, so most never need one)."""
-        if not self.prefix_caching or not len(blocks):
-            return
-        blocks = blocks[self._hash[blocks] == 0]
-        self._hash[blocks] = 1  # NOTE: any nonzero value: "cached"; _unknown says it is no hash
-        self._unindexed[blocks] = self._unknown[blocks] = True
-        self._num_cached += len(blocks)
-
-    def index(self, req_id: int, hashes_of: Callable[[int], np.ndarray] | None = None) -> None:
+    def index(self, req_id: int) -> None:
         """Give ``req_id``'s private cached blocks their dict entries (before it is preempted:
-        readmitted, it looks its own blocks up). ``hashes_of(n)``: the hashes of its first n
-        table entries, asked for when ``cache_own`` cached some of them without theirs."""
+        readmitted, it looks its own blocks up)."""
         row = self._row(req_id)
         if row < 0:
             return
-        at = np.flatnonzero(self._unindexed[self._table[row, :self._row_num_blocks[row]]])
-        if not len(at):
-            return
-        blocks = self._table[row, at]
-        unknown = self._unknown[blocks]
-        if unknown.any():
-            if hashes_of is None:
-                raise ValueError(f"request {req_id} holds blocks cached without their hashes: index() needs hashes_of")
-            self._hash[blocks[unknown]] = np.asarray(hashes_of(int(at[-1]) + 1), dtype=np.uint64)[at[unknown]]
-            self._unknown[blocks] = False
-        self._cached.update(zip(self._hash[blocks].tolist(), blocks.tolist()))
-        self._unindexed[blocks] = False
+        blocks = self._table[row, :self._row_num_blocks[row]]
+        blocks = blocks[self._unindexed[blocks]]
+        if len(blocks):
+            self._cached.update(zip(self._hash[blocks].tolist(), blocks.tolist()))
+            self._unindexed[blocks] = False
 
     # -- mutation --------------------------------------------------------------------------
 
@@ -481,7 +459,7 @@ class KVCacheManager:
                 indexed = hashed[~self._unindexed[hashed]]
                 if len(indexed):
                     collections.deque(map(self._cached.__delitem__, self._hash[indexed].tolist()), maxlen=0)
-                self._unindexed[hashed] = self._unknown[hashed] = False
+                self._unindexed[hashed] = False
                 self._hash[hashed] = 0  # evicted: forgotten
                 self.num_evicted += len(hashed)
                 self._num_cached -= len(hashed)

@@ -412,7 +412,7 @@ class Scheduler:
         """Request i gives back its blocks (full cached ones stay findable) and goes to the
         front of the waiting queue, keeping its outputs: readmitted, it prefills its prompt
         and those outputs."""
-        self._index(i)  # NOTE: readmitted, it looks up its own blocks too
+        self.kv.index(i)  # NOTE: readmitted, it looks up its own blocks too
         self._freed.append(self.kv.free(i))
         self._preempted.append(i)
         self._num_computed[i] = 0
@@ -592,7 +592,7 @@ class Scheduler:
         its entries now live in the other pool. Returns the blocks freed."""
         self._prompt_contents.pop(int(i), None)
         self._keys.pop(int(i), None)
-        self._index(int(i))
+        self.kv.index(int(i))
         return self.kv.free(int(i))
 
     # -- prefix caching ------------------------------------------------------------------------
@@ -615,24 +615,10 @@ class Scheduler:
             fast = one & (have >= self._prompt_len[rows] // U) & (self._prompt_key[rows] != 0)
         if fast.any():
             r, j = rows[fast], have[fast]
-            own = self._private(r, j)
-            if own is not None and own.any():
-                # NOTE: a request's own blocks are cached without their hashes (``cache_own``): no
-                # one looks them up while it runs, and its later blocks are its own too (its
-                # chain stops here until a preemption restarts it): ``_index`` keys them if needed.
-                if not own.all():
-                    self.kv.cache_own(self.kv.block_ids(r[own], j[own]))
-                    self._hashed[r[own]] = j[own] + 1
-                    r, j = r[~own], j[~own]
-                else:
-                    self.kv.cache_own(self.kv.block_ids(r, j))
-                    self._hashed[r] = j + 1
-                    r = r[:0]
-            if len(r):
-                values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
-                self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values))
-                self._chain_last[r] = values
-                self._hashed[r] = j + 1
+            values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
+            self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values), self._private(r, j))
+            self._chain_last[r] = values
+            self._hashed[r] = j + 1
         if fast.all():
             return
         # The others' keys one row at a time, cached in one call: as one call per row would
@@ -654,10 +640,6 @@ class Scheduler:
         self.kv.cache_block_ids(self.kv.block_ids(r, j), parts[0] if len(parts) == 1 else np.concatenate(parts),
                                 self._private(r, j))
         self._hashed[rows] = full
-
-    def _index(self, i: int) -> None:
-        """``KVCacheManager.index`` of request i, keying the blocks it cached without hashes."""
-        self.kv.index(i, lambda n: prefix.keys(self.chain_values(i, n)))
 
     def _private(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray | None:
         """Whether block ``j[k]`` of request ``rows[k]`` is its own (``RequestTable.private_from``)

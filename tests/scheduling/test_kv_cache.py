@@ -149,34 +149,6 @@ def test_a_private_block_is_cached_without_an_entry_until_its_request_is_preempt
     assert kv.find_cached(keys, 3).tolist() == [] and not kv._unindexed.any()
 
 
-
-def test_an_own_block_cached_without_its_hash_gets_it_when_indexed():
-    """``cache_own``: private blocks cached before their hashes are known count as cached
-    (and are evicted) like any other; ``index`` asks for the hashes of the request's first
-    entries only when it holds such a block, and then its request finds them."""
-    kv = KVCacheManager(num_blocks=5, block_size=1, prefix_caching=True)
-    kv.allocate(0, 4)  # blocks 0 1 2 3
-    keys = np.array([21, 22, 23, 24], dtype=np.uint64)
-    kv.cache_block_ids(np.array([0, 1]), keys[:2], np.array([False, True]))  # 1: private, hash known
-    kv.cache_own(np.array([2, 3]))  # private, hashes not known yet
-    assert kv.num_cached_blocks == 4 and [kv.block_hash(b) for b in range(4)] == [21, 22, None, None]
-    assert kv.find_cached(keys, 4).tolist() == [0]
-    with pytest.raises(ValueError, match="hashes_of"):
-        kv.index(0)
-    asked = []
-    kv.index(0, lambda n: asked.append(n) or keys[:n])
-    assert asked == [4] and [kv.block_hash(b) for b in range(4)] == [21, 22, 23, 24]
-    kv.free(0)
-    assert kv.find_cached(keys, 4).tolist() == [0, 1, 2, 3]
-    kv.index(0, lambda n: pytest.fail("nothing to key"))  # holds nothing now: nothing asked
-    # a request holding only known hashes is not asked either; an own block evicted is forgotten
-    kv.allocate(1, 1)  # block 4
-    kv.cache_own(np.array([4]))
-    kv.free(1)
-    kv.allocate(2, 5)  # every free block: the four cached ones are hits no longer, all evicted
-    assert kv.num_evicted == 5 and kv.num_cached_blocks == 0 and kv.block_hash(4) is None
-    assert not kv._unknown.any() and not kv._unindexed.any() and kv._cached == {}
-
 # -- property: the pool against a list-based model ---------------------------------------------
 #
 # The model keeps the free queue as a Python list (front first) and the cache as dicts: what
