@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from pcpflow.config.run import RunConfig, SearchConfig, SLOConfig, pydantic_problems
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.search.space import Layout, Space, get_path, set_path
+from pcpflow.simulate.decide import OBJECTIVES
 
 Prepare = Callable[[dict[str, Any]], RunConfig]
 """The driver's validation of one job's composed config (``pcpflow.driver.job.prepare_job``)."""
@@ -63,6 +64,9 @@ class SearchPlan:
     optuna: bool  # the space is larger than search.exhaustive_limit: Optuna picks the layouts
     config: RunConfig  # what ``prepare`` answers for mode=search (a feasible layout's, mode=search)
     arrivals: str  # how requests arrive: "in time", "all at once" (can be made timed), "in steps"
+    goodput: bool  # the rows price goodput (an SLO, and a rate the workload can be given)
+    requests: int  # the workload's requests
+    arrival_s: Any  # their arrival times (float64 [requests]; None: in steps)
 
 
 def layout_raw(base: dict[str, Any], layout: Layout, space: Space) -> dict[str, Any]:
@@ -169,8 +173,36 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     slo = cfg.slo.model_copy(update={"attainment": attainment})
     config = cfg.model_copy(update={"mode": "search", "search": search, "slo": slo})
     has_slo = cfg.slo.ttft_s is not None or cfg.slo.tpot_s is not None
+    table = _requests(cfg)
+    no_rate = _no_rate(cfg, table.arrival_s if table.timed else None)
+    if no_rate is not None and has_slo and OBJECTIVES[objective].needs_slo:
+        raise ConfigError([no_rate])
+    goodput = has_slo and arrivals != "in steps" and no_rate is None
     return SearchPlan(search, attainment, objective, has_slo, base, space, layouts, feasible, pruned, optuna,
-                      config, arrivals)
+                      config, arrivals, goodput, len(table), table.arrival_s if table.timed else None)
+
+
+def _requests(cfg: RunConfig):
+    from pcpflow.models import vocab_size_of
+    from pcpflow.simulate.prepare import requests_of
+
+    return requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
+
+
+def _no_rate(cfg: RunConfig, arrival_s: Any) -> Problem | None:
+    """Why goodput (the highest arrival rate keeping the SLOs) cannot be searched on this
+    input, naming the setting; None: it can."""
+    if cfg.max_steps is not None:
+        return Problem("max_steps", cfg.max_steps, "goodput counts the requests that meet every SLO at each rate, "
+                       "so every request must finish: unset max_steps in a search that ranks by goodput_per_gpu "
+                       "(or rank by another simulate.objective)")
+    wl = cfg.workload
+    if wl.kind == "trace" and arrival_s is not None and len(arrival_s) > 1 and float(arrival_s.max() - arrival_s.min()) <= 0:
+        return Problem("workload.path", str(wl.path), f"its {len(arrival_s)} requests (workload.max_requests, "
+                       "workload.skip) all arrive at once: goodput scales a trace's timestamps to search the rate, "
+                       "and these have none to scale; take more of the trace (workload.max_requests), or rank by "
+                       "another simulate.objective (ttft, tpot, throughput_per_gpu, ...)")
+    return None
 
 
 _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mode", "serving", "disagg", "kv",

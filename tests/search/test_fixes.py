@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
+import re
+
+import pytest
 
 from pcpflow.testing import cli, compose
 
@@ -32,3 +36,63 @@ def test_goodput_is_never_above_what_the_layout_serves_at_once(tmp_path):
         cfg = compose(["mode=simulate", *trace, *slo, *row["overrides"].split(), "workload.time_scale=1e-9"])
         served = simulate_run(cfg)["metrics"]["throughput"]["requests_s"]
         assert 0 < float(row["goodput_per_gpu"]) * int(row["gpus"]) <= served * (1 + 1e-6), row["overrides"]
+    # search.md: the runner-up's goodput would have to rise by the ratio of the two, i.e. by (ratio - 1)
+
+    rows = _rows(tmp_path / "search.csv")
+    md = (tmp_path / "search.md").read_text()
+    ratio, pct = map(float, re.search(r"would have to improve by ([\d.]+)x \(\+([\d.]+)%\)", md).groups())
+    assert ratio == pytest.approx(float(rows[0]["goodput_per_gpu"]) / float(rows[1]["goodput_per_gpu"]), rel=1e-3)
+    assert pct == pytest.approx((ratio - 1) * 100, abs=0.06)  # the ratio is printed to 4 digits
+
+
+# the Mooncake head: its first 10 requests arrive at 0 s, the 11th at 3 s
+HEAD = [*TRACE, "search.gpus=4", "slo.ttft_s=1", "search.candidates=['tp=1,2 pcp=1 cudagraph_mode=piecewise']"]
+
+
+def test_goodput_on_a_trace_that_arrives_at_once_is_refused_naming_the_trace(tmp_path):
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=10", "simulate.objective=goodput_per_gpu",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- workload.path:") and "all arrive at once" in line and "max_requests" in line
+    assert not (tmp_path / "search.csv").exists()
+    assert json.loads((tmp_path / "result.json").read_text())["exit_code"] == 2
+
+
+def test_an_slo_on_a_trace_that_arrives_at_once_prices_every_layout_without_goodput(tmp_path):
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=10", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert len(rows) == 2 and all(not row["error"] and float(row["ttft_p90_s"]) > 0 for row in rows)
+    assert all(row["goodput_per_gpu"] == "" for row in rows)
+
+
+def test_a_screening_sample_that_arrives_at_once_is_widened_to_the_first_later_request(tmp_path):
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=30", "search.sample=4", "simulate.objective=goodput_per_gpu",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert len(rows) == 2 and all(not row["error"] and float(row["goodput_per_gpu"]) > 0 for row in rows)
+    search = json.loads((tmp_path / "result.json").read_text())["metrics"]["search"]
+    assert search["screened_on"] == "the first 11 of 30 requests"
+
+
+def test_goodput_with_max_steps_is_refused_naming_max_steps(tmp_path):
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=2", "workload.num_requests=20",
+            "workload.request_rate=10", "max_steps=2", "slo.ttft_s=1", "simulate.objective=goodput_per_gpu",
+            "search.candidates=['tp=1 pcp=1,2 cudagraph_mode=piecewise']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- max_steps: got 2;"), line
+
+
+def test_a_search_that_prices_no_layout_fails(tmp_path, monkeypatch):
+    import pcpflow.search.run as run
+
+    monkeypatch.setattr(run, "evaluate", lambda *args: {"error": "ValueError: every layout fails here"})
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=10", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 1, r.stdout + r.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["status"], result["exit_code"]) == ("failed", 1)
+    assert "no layout could be priced: 2 of 2 failed with ValueError: every layout fails here" in result["error"]
+    assert result["metrics"]["search"]["recommended"] is None
