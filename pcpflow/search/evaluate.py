@@ -123,22 +123,14 @@ def _evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: floa
     burst_now = (wl.get("kind") != "trace" and wl.get("request_rate") is not None and math.isinf(wl["request_rate"]))
     burst = m if burst_now else _run(at_rate(raw, math.inf, own), prepare)[1]
     warm = start_rate is not None and 0 < start_rate < math.inf  # a screen's answer: bracket it closely
-    served = {math.inf: burst["throughput"]["requests_s"]}  # requests finished per second of each run
-
-    def attain(rate: float) -> float:
-        # NOTE: a probe answers only "attainment >= target?": it may stop once the answer is no
-        probe = _run(at_rate(raw, rate, own), prepare, settings.attainment)[1]
-        served[rate] = probe["throughput"]["requests_s"]
-        return _share(probe)
-
-    found = max_rate(attain, burst_attainment=_share(burst), burst_rate=served[math.inf],
+    # NOTE: a probe answers only "attainment >= target?": it may stop once the answer is no
+    found = max_rate(lambda r: _share(_run(at_rate(raw, r, own), prepare, settings.attainment)[1]),
+                     burst_attainment=_share(burst), burst_rate=burst["throughput"]["requests_s"],
                      target=settings.attainment, tolerance=settings.tolerance, start=start_rate if warm else None,
                      step=1 + 2 * settings.tolerance if warm else 2.0, lowest=settings.lowest,
                      floor_first=not warm)
-    # NOTE: goodput is requests served within their SLOs: never more than the run that kept them served
-    rate = min(found.rate, served[math.inf if found.bound == "burst" else found.rate]) if found.rate > 0 else 0.0
     # NOTE: found.tried starts with the burst, which is this run itself when the workload is a burst
-    out.update(goodput_req_s=rate, goodput_per_gpu=rate / out["gpus"], goodput_bound=found.bound,
+    out.update(goodput_req_s=found.rate, goodput_per_gpu=found.rate / out["gpus"], goodput_bound=found.bound,
                goodput_tried=found.tried, runs=found.runs + (not burst_now))
     return out
 
