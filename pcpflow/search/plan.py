@@ -75,8 +75,9 @@ def layout_raw(base: dict[str, Any], layout: Layout, space: Space) -> dict[str, 
     for d in space.dims:
         set_path(raw, d.path, layout[d.name])
     set_path(raw, ("serving", "replicas"), layout["replicas"])
-    if layout["replicas"] > 1 and _arrivals(raw) == "all at once":
-        # NOTE: replicas take requests as they arrive in time; all at step 0 is all at 0 s
+    if _arrivals(raw) == "all at once":
+        # NOTE: replicas take requests as they arrive in time: every layout of the search gets
+        # the same burst at 0 s, so that all are priced on one workload
         raw["workload"]["request_rate"] = math.inf
     for key, value in layout.extra:
         set_path(raw, tuple(key.lstrip("+").split(".")), value)
@@ -93,11 +94,13 @@ def _copy(node: Any) -> Any:
 
 
 def with_request_rate(layout: Layout) -> Layout:
-    """``layout`` as its command line writes it when its replicas need arrivals in time."""
+    """``layout`` as its command line writes it when the search's requests arrive as a burst in time."""
     return Layout(layout.values, (*layout.extra, ("workload.request_rate", math.inf)))
 
 
 def _arrivals(raw: dict[str, Any]) -> str:
+    """How the workload's requests arrive. "all at once": no arrivals in time or steps were
+    given (explicit: all at step 0; synthetic: one a step), searched as a burst in time."""
     wl = raw.get("workload") or {}
     if wl.get("kind") == "trace":
         return "in time" if wl.get("step_ms") is None else "in steps"
@@ -273,7 +276,7 @@ def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepa
 
 
 def candidate(base: dict[str, Any], layout: Layout, space: Space) -> Candidate:
-    if layout["replicas"] > 1 and _arrivals(base) == "all at once":
+    if _arrivals(base) == "all at once":
         layout = with_request_rate(layout)
     return Candidate(layout, layout_raw(base, layout, space))
 

@@ -96,3 +96,21 @@ def test_a_search_that_prices_no_layout_fails(tmp_path, monkeypatch):
     assert (result["status"], result["exit_code"]) == ("failed", 1)
     assert "no layout could be priced: 2 of 2 failed with ValueError: every layout fails here" in result["error"]
     assert result["metrics"]["search"]["recommended"] is None
+
+
+def test_every_layout_of_a_search_is_priced_on_the_same_arrivals(tmp_path):
+    """A synthetic workload without arrivals in time: layouts with replicas need them (a burst,
+    workload.request_rate=inf), so every layout, one replica or several, is priced on that
+    burst, and its row is mode=simulate's answer for the command it prints."""
+    wl = ["model=llama3_8b", "hardware=h100_sxm", "workload.num_requests=10"]
+    r = cli(*SEARCH, *wl, "search.gpus=4", "cudagraph_mode=piecewise", "search.candidates=['tp=1,2 pcp=1,2']",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert sorted(row["replicas"] for row in rows) == ["1", "2", "2", "4"]
+    assert all(row["overrides"].endswith("workload.request_rate=inf") for row in rows)
+    from pcpflow.simulate.engine import simulate_run
+
+    (one,) = [row for row in rows if row["replicas"] == "1"]
+    m = simulate_run(compose(["mode=simulate", *wl, *one["overrides"].split()]))["metrics"]
+    assert float(one["ttft_p90_s"]) == pytest.approx(m["ttft"]["p90_s"], rel=1e-5)
