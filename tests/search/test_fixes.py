@@ -114,3 +114,17 @@ def test_every_layout_of_a_search_is_priced_on_the_same_arrivals(tmp_path):
     (one,) = [row for row in rows if row["replicas"] == "1"]
     m = simulate_run(compose(["mode=simulate", *wl, *one["overrides"].split()]))["metrics"]
     assert float(one["ttft_p90_s"]) == pytest.approx(m["ttft"]["p90_s"], rel=1e-5)
+
+
+def test_a_sweep_of_searches_reports_each_jobs_recommendation(tmp_path):
+    r = cli("-m", *SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=1,2", "cudagraph_mode=piecewise",
+            "workload.num_requests=4", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "sweep.csv")
+    assert [row["config"] for row in rows] == ["search.gpus=1", "search.gpus=2"]
+    for row in rows:
+        rec = json.loads((tmp_path / row["job"] / "result.json").read_text())["metrics"]["search"]["recommended"]
+        assert row["recommended"] == rec["layout"] and int(row["gpus"]) == rec["gpus"]
+        assert float(row["ttft_p90_ms"]) == pytest.approx(rec["ttft_p90_s"] * 1e3, abs=1e-3)
+    md = (tmp_path / "sweep.md").read_text()
+    assert all(f"`{row['recommended']}`" in md for row in rows)
