@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from pcpflow.config.run import RunConfig, SearchConfig, SLOConfig, pydantic_problems
 from pcpflow.errors import ConfigError, Problem
-from pcpflow.search.space import Layout, Space, get_path, set_path
+from pcpflow.search.space import REPLICAS, Layout, Space, get_path, set_path
 from pcpflow.simulate.decide import OBJECTIVES
 
 Prepare = Callable[[dict[str, Any]], RunConfig]
@@ -215,7 +215,7 @@ _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mo
 
 def _fixed(base: dict[str, Any]) -> dict[str, Any]:
     """The dimensions the command line fixed: those not null in the composed config."""
-    from pcpflow.search.space import DIMS, REPLICAS, pool_dims
+    from pcpflow.search.space import DIMS, pool_dims
 
     dims = (*DIMS, *pool_dims("disagg" in RunConfig.model_fields), REPLICAS)
     return {d.name: get_path(base, d.path) for d in dims if get_path(base, d.path) is not None}
@@ -268,8 +268,12 @@ def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepa
             if stop_at_first:
                 break
     if not feasible and pruned:
+        # NOTE: a key the search chooses (tp, ...) is no input's: every layout of a few GPUs can
+        # share its problem (tp=1, the only tp on 1 GPU, too small) and more GPUs would mend it
+        searched = {".".join(d.path) for d in (*space.dims, REPLICAS) if d.name not in space.fixed}
         common = set.intersection(*({str(p) for p in c.problems} for c in pruned))
-        shared = [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"]
+        shared = [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"
+                  and p.field not in searched]
         if shared:
             raise ConfigError(shared)
     return feasible, pruned
@@ -321,12 +325,15 @@ def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, 
         return [Problem("search.candidates", search.candidates,
                         f"no candidate can run ({len(pruned)} pruned): {reasons_text(pruned)}")]
     smallest = _smallest_beyond(base, space, prepare, gpus)
+    if pruned:
+        why = f"the {len(pruned)} layout(s) of the space are pruned: {reasons_text(pruned)}"
+    else:
+        given = " ".join(f"{d.key}={space.fixed[d.name]}" for d in (*space.dims, REPLICAS) if d.name in space.fixed)
+        why = f"no layout of {gpus} GPU(s) has what the command line fixed ({given})"
     if smallest is not None:
-        return [Problem("search.gpus", gpus, f"at least {smallest.world}: the smallest layout that can run is "
-                        f"'{smallest.label(space.dims)}' ({smallest.world} GPUs); every layout of up to {gpus} GPUs "
-                        f"is pruned ({len(pruned)}): {reasons_text(pruned)}")]
-    return [Problem("search.gpus", gpus, f"no layout can run, up to {gpus * SMALLEST_UP_TO} GPUs "
-                    f"({len(pruned)} of up to {gpus} pruned): {reasons_text(pruned)}")]
+        return [Problem("search.gpus", gpus, f"at least {smallest.gpus}: the smallest layout that can run is "
+                        f"'{smallest.label(space.dims)}' ({smallest.gpus} GPUs); {why}")]
+    return [Problem("search.gpus", gpus, f"no layout can run, up to {gpus * SMALLEST_UP_TO} GPUs; {why}")]
 
 
 def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus: int) -> Layout | None:
@@ -338,8 +345,9 @@ def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus:
         skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
         wide = Space(g, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
                      pools_available=space.pools)
-        for layout in wide.enumerate():
-            if layout.world <= gpus or layout.values in seen:
+        # NOTE: fixed replicas multiply an instance's GPUs: a layout's GPUs are both, smallest first
+        for layout in sorted(wide.enumerate(), key=lambda lay: lay.gpus):
+            if not gpus < layout.gpus <= g or layout.values in seen:
                 continue
             seen.add(layout.values)
             c = candidate(base, layout, wide)

@@ -128,3 +128,21 @@ def test_a_sweep_of_searches_reports_each_jobs_recommendation(tmp_path):
         assert float(row["ttft_p90_ms"]) == pytest.approx(rec["ttft_p90_s"] * 1e3, abs=1e-3)
     md = (tmp_path / "sweep.md").read_text()
     assert all(f"`{row['recommended']}`" in md for row in rows)
+
+
+@pytest.mark.parametrize("args, words", [
+    # 8 fixed replicas of one GPU each: 8 GPUs (not an 8-GPU instance, 64 in all)
+    (["model=llama3_8b", "search.gpus=4", "serving.replicas=8"],
+     ["at least 8:", "'tp=1 pcp=1 dcp=1 serving.replicas=8' (8 GPUs)"]),
+    # tp=8 leaves no layout of 4 GPUs at all: said as such, not as an empty list of reasons
+    (["model=llama3_8b", "search.gpus=4", "tp=8"],
+     ["at least 8:", "'tp=8 pcp=1 dcp=1' (8 GPUs)", "no layout of 4 GPU(s) has what the command line fixed (tp=8)"]),
+    # 70B in bf16 is ~131 GiB: not on one 80 GB H100 (tp=1, the only tp there), on two it is
+    (["model=llama3_70b", "search.gpus=1"], ["at least 2:", "'tp=2 pcp=1 dcp=1' (2 GPUs)", "the weights do not fit"]),
+])
+def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(args, words, tmp_path):
+    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- search.gpus: got"), line
+    assert all(w in line for w in words), line
