@@ -145,6 +145,10 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     base.setdefault("slo", {}).pop("attainment", None)
     fixed, experts, pools = _fixed(base), _has_experts(base), "disagg" in RunConfig.model_fields
     arrivals = _arrivals(base)
+    pool_keys = [k for k in ("decode_pool_tp", "decode_pool_pcp", "decode_pool_dcp") if k in fixed]
+    if fixed.get("disagg") == "none" and pool_keys:  # NOTE: mode=simulate refuses it too; a search ignored it
+        problems.append(Problem("disagg.kind", "none", "disagg.decode_pool." + pool_keys[0].removeprefix("decode_pool_")
+                                + " sets a decode pool, which needs disagg.kind=pd: drop one"))
     space = Space(search.gpus if search and search.gpus else 1, fixed=fixed, experts=experts,
                   fill=arrivals != "in steps", pools_available=pools)
     if problems:  # the input's other problems too, judged on the smallest layout

@@ -146,3 +146,27 @@ def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(
     (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
     assert line.strip().startswith("- search.gpus: got"), line
     assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("args, field, words", [
+    (["search.candidates=['mode=execute']"], "search.candidates[0]", ["mode is the whole search's", "command line"]),
+    (["search.candidates=['tp=1 workload.num_requests=2']"], "search.candidates[0]", ["workload.num_requests"]),
+    (["tp=2", "search.candidates=['tp=4']"], "search.candidates[0]", ["tp=4 contradicts tp=2 on the command line"]),
+    (["tp=2", "search.candidates=['tp=2,4 pcp=1']"], "search.candidates[0]", ["tp=4 contradicts tp=2"]),
+    (["disagg.kind=none", "disagg.decode_pool.tp=2"], "disagg.kind", ["disagg.decode_pool.tp", "disagg.kind=pd"]),
+])
+def test_candidates_that_are_no_layout_or_contradict_the_command_line_exit_2_naming_both(args, field, words, tmp_path):
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=4", "workload.num_requests=4", *args,
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith(f"- {field}: got"), line
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "search.csv").exists()
+
+
+def test_a_candidate_that_repeats_the_command_lines_value_is_that_layout(tmp_path):
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=4", "workload.num_requests=4", "tp=2",
+            "cudagraph_mode=piecewise", "search.candidates=['tp=2 pcp=1,2']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted((row["tp"], row["pcp"]) for row in _rows(tmp_path / "search.csv")) == [("2", "1"), ("2", "2")]
