@@ -204,7 +204,8 @@ def _no_rate(cfg: RunConfig, arrival_s: Any) -> Problem | None:
                        "so every request must finish: unset max_steps in a search that ranks by goodput_per_gpu "
                        "(or rank by another simulate.objective)")
     wl = cfg.workload
-    if wl.kind == "trace" and arrival_s is not None and len(arrival_s) > 1 and float(arrival_s.max() - arrival_s.min()) <= 0:
+    at_once = arrival_s is not None and len(arrival_s) > 1 and float(arrival_s.max() - arrival_s.min()) <= 0
+    if wl.kind == "trace" and at_once:
         return Problem("workload.path", str(wl.path), f"its {len(arrival_s)} requests (workload.max_requests, "
                        "workload.skip) all arrive at once: goodput scales a trace's timestamps to search the rate, "
                        "and these have none to scale; take more of the trace (workload.max_requests), or rank by "
@@ -323,8 +324,8 @@ def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, 
     if search.candidates is not None:
         if fits:
             c = min(fits, key=lambda x: x.layout.gpus)
-            return [Problem("search.gpus", gpus, f"at least {c.layout.world}: the smallest candidate that can run, "
-                            f"'{c.layout.label(space.dims)}', needs {c.layout.world} GPUs; the others: "
+            return [Problem("search.gpus", gpus, f"at least {c.layout.gpus}: the smallest candidate that can run, "
+                            f"'{c.layout.label(space.dims)}', needs {c.layout.gpus} GPUs; the others: "
                             f"{reasons_text(pruned)}")]
         return [Problem("search.candidates", search.candidates,
                         f"no candidate can run ({len(pruned)} pruned): {reasons_text(pruned)}")]

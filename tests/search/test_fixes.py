@@ -134,6 +134,9 @@ def test_a_sweep_of_searches_reports_each_jobs_recommendation(tmp_path):
     # 8 fixed replicas of one GPU each: 8 GPUs (not an 8-GPU instance, 64 in all)
     (["model=llama3_8b", "search.gpus=4", "serving.replicas=8"],
      ["at least 8:", "'tp=1 pcp=1 dcp=1 serving.replicas=8' (8 GPUs)"]),
+    # the same among candidates: tp=2 in each of 8 fixed replicas is 16 GPUs
+    (["model=llama3_8b", "search.gpus=4", "serving.replicas=8", "search.candidates=['tp=2']"],
+     ["at least 16:", "needs 16 GPUs"]),
     # tp=8 leaves no layout of 4 GPUs at all: said as such, not as an empty list of reasons
     (["model=llama3_8b", "search.gpus=4", "tp=8"],
      ["at least 8:", "'tp=8 pcp=1 dcp=1' (8 GPUs)", "no layout of 4 GPU(s) has what the command line fixed (tp=8)"]),
