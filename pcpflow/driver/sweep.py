@@ -123,6 +123,8 @@ def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             row[f"calls_{purpose}"] = calls
         if result.get("status") != "ok" and result.get("error"):
             row["error"] = str(result["error"]).strip().splitlines()[0][:200]
+        if row["mode"] == "search":
+            row["search"] = m.get("search")
         rows.append(row)
     common = set.intersection(*map(set, overrides)) if len(rows) > 1 else set()
     fixed = [f"{k}={v}" for k, v in settings[0].items() if all(s.get(k) == v for s in settings)] if rows else []
@@ -176,6 +178,13 @@ def _headline_settings(config: dict[str, Any]) -> dict[str, Any]:
 def write_sweep_report(sweep_dir: Path, *, announce: bool = True) -> list[dict[str, Any]]:
     rows = collect_rows(sweep_dir)
     if not rows:
+        return rows
+    if any(r.get("mode") == "search" for r in rows):  # NOTE: a search's result is its recommendation, not a run
+        from pcpflow.search.sweep import search_row, write_search_sweep
+
+        write_search_sweep([search_row(r, r.get("search")) for r in rows], sweep_dir)
+        if announce:
+            print(f"pcpflow: sweep report of {len(rows)} search(es): {sweep_dir / 'sweep.md'}", file=sys.stderr)
         return rows
     purposes = sorted(
         {k.removeprefix("bytes_") for r in rows for k in r if k.startswith("bytes_")}

@@ -124,8 +124,8 @@ def _evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: floa
     burst = m if burst_now else _run(at_rate(raw, math.inf, own), prepare)[1]
     warm = start_rate is not None and 0 < start_rate < math.inf  # a screen's answer: bracket it closely
     # NOTE: a probe answers only "attainment >= target?": it may stop once the answer is no
-    found = max_rate(lambda r: _run(at_rate(raw, r, own), prepare, settings.attainment)[1]["goodput"]["share"],
-                     burst_attainment=burst["goodput"]["share"], burst_rate=burst["throughput"]["requests_s"],
+    found = max_rate(lambda r: _share(_run(at_rate(raw, r, own), prepare, settings.attainment)[1]),
+                     burst_attainment=_share(burst), burst_rate=burst["throughput"]["requests_s"],
                      target=settings.attainment, tolerance=settings.tolerance, start=start_rate if warm else None,
                      step=1 + 2 * settings.tolerance if warm else 2.0, lowest=settings.lowest,
                      floor_first=not warm)
@@ -133,6 +133,12 @@ def _evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: floa
     out.update(goodput_req_s=found.rate, goodput_per_gpu=found.rate / out["gpus"], goodput_bound=found.bound,
                goodput_tried=found.tried, runs=found.runs + (not burst_now))
     return out
+
+
+def _share(m: dict[str, Any]) -> float:
+    """The share of requests that met every SLO; a run in which none finished met none."""
+    share = m["goodput"]["share"]
+    return 0.0 if share is None else share
 
 
 def _own_rate(cfg) -> float | None:

@@ -27,7 +27,8 @@ from pydantic import ValidationError
 
 from pcpflow.config.run import RunConfig, SearchConfig, SLOConfig, pydantic_problems
 from pcpflow.errors import ConfigError, Problem
-from pcpflow.search.space import Layout, Space, get_path, set_path
+from pcpflow.search.space import REPLICAS, Layout, Space, get_path, set_path
+from pcpflow.simulate.decide import OBJECTIVES
 
 Prepare = Callable[[dict[str, Any]], RunConfig]
 """The driver's validation of one job's composed config (``pcpflow.driver.job.prepare_job``)."""
@@ -63,6 +64,9 @@ class SearchPlan:
     optuna: bool  # the space is larger than search.exhaustive_limit: Optuna picks the layouts
     config: RunConfig  # what ``prepare`` answers for mode=search (a feasible layout's, mode=search)
     arrivals: str  # how requests arrive: "in time", "all at once" (can be made timed), "in steps"
+    goodput: bool  # the rows price goodput (an SLO, and a rate the workload can be given)
+    requests: int  # the workload's requests
+    arrival_s: Any  # their arrival times (float64 [requests]; None: in steps)
 
 
 def layout_raw(base: dict[str, Any], layout: Layout, space: Space) -> dict[str, Any]:
@@ -71,8 +75,9 @@ def layout_raw(base: dict[str, Any], layout: Layout, space: Space) -> dict[str, 
     for d in space.dims:
         set_path(raw, d.path, layout[d.name])
     set_path(raw, ("serving", "replicas"), layout["replicas"])
-    if layout["replicas"] > 1 and _arrivals(raw) == "all at once":
-        # NOTE: replicas take requests as they arrive in time; all at step 0 is all at 0 s
+    if _arrivals(raw) == "all at once":
+        # NOTE: replicas take requests as they arrive in time: every layout of the search gets
+        # the same burst at 0 s, so that all are priced on one workload
         raw["workload"]["request_rate"] = math.inf
     for key, value in layout.extra:
         set_path(raw, tuple(key.lstrip("+").split(".")), value)
@@ -89,11 +94,13 @@ def _copy(node: Any) -> Any:
 
 
 def with_request_rate(layout: Layout) -> Layout:
-    """``layout`` as its command line writes it when its replicas need arrivals in time."""
+    """``layout`` as its command line writes it when the search's requests arrive as a burst in time."""
     return Layout(layout.values, (*layout.extra, ("workload.request_rate", math.inf)))
 
 
 def _arrivals(raw: dict[str, Any]) -> str:
+    """How the workload's requests arrive. "all at once": no arrivals in time or steps were
+    given (explicit: all at step 0; synthetic: one a step), searched as a burst in time."""
     wl = raw.get("workload") or {}
     if wl.get("kind") == "trace":
         return "in time" if wl.get("step_ms") is None else "in steps"
@@ -138,6 +145,10 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     base.setdefault("slo", {}).pop("attainment", None)
     fixed, experts, pools = _fixed(base), _has_experts(base), "disagg" in RunConfig.model_fields
     arrivals = _arrivals(base)
+    pool_keys = [k for k in ("decode_pool_tp", "decode_pool_pcp", "decode_pool_dcp") if k in fixed]
+    if fixed.get("disagg") == "none" and pool_keys:  # NOTE: mode=simulate refuses it too; a search ignored it
+        problems.append(Problem("disagg.kind", "none", "disagg.decode_pool." + pool_keys[0].removeprefix("decode_pool_")
+                                + " sets a decode pool, which needs disagg.kind=pd: drop one"))
     space = Space(search.gpus if search and search.gpus else 1, fixed=fixed, experts=experts,
                   fill=arrivals != "in steps", pools_available=pools)
     if problems:  # the input's other problems too, judged on the smallest layout
@@ -169,8 +180,37 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     slo = cfg.slo.model_copy(update={"attainment": attainment})
     config = cfg.model_copy(update={"mode": "search", "search": search, "slo": slo})
     has_slo = cfg.slo.ttft_s is not None or cfg.slo.tpot_s is not None
+    table = _requests(cfg)
+    no_rate = _no_rate(cfg, table.arrival_s if table.timed else None)
+    if no_rate is not None and has_slo and OBJECTIVES[objective].needs_slo:
+        raise ConfigError([no_rate])
+    goodput = has_slo and arrivals != "in steps" and no_rate is None
     return SearchPlan(search, attainment, objective, has_slo, base, space, layouts, feasible, pruned, optuna,
-                      config, arrivals)
+                      config, arrivals, goodput, len(table), table.arrival_s if table.timed else None)
+
+
+def _requests(cfg: RunConfig):
+    from pcpflow.models import vocab_size_of
+    from pcpflow.simulate.prepare import requests_of
+
+    return requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
+
+
+def _no_rate(cfg: RunConfig, arrival_s: Any) -> Problem | None:
+    """Why goodput (the highest arrival rate keeping the SLOs) cannot be searched on this
+    input, naming the setting; None: it can."""
+    if cfg.max_steps is not None:
+        return Problem("max_steps", cfg.max_steps, "goodput counts the requests that meet every SLO at each rate, "
+                       "so every request must finish: unset max_steps in a search that ranks by goodput_per_gpu "
+                       "(or rank by another simulate.objective)")
+    wl = cfg.workload
+    at_once = arrival_s is not None and len(arrival_s) > 1 and float(arrival_s.max() - arrival_s.min()) <= 0
+    if wl.kind == "trace" and at_once:
+        return Problem("workload.path", str(wl.path), f"its {len(arrival_s)} requests (workload.max_requests, "
+                       "workload.skip) all arrive at once: goodput scales a trace's timestamps to search the rate, "
+                       "and these have none to scale; take more of the trace (workload.max_requests), or rank by "
+                       "another simulate.objective (ttft, tpot, throughput_per_gpu, ...)")
+    return None
 
 
 _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mode", "serving", "disagg", "kv",
@@ -180,7 +220,7 @@ _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mo
 
 def _fixed(base: dict[str, Any]) -> dict[str, Any]:
     """The dimensions the command line fixed: those not null in the composed config."""
-    from pcpflow.search.space import DIMS, REPLICAS, pool_dims
+    from pcpflow.search.space import DIMS, pool_dims
 
     dims = (*DIMS, *pool_dims("disagg" in RunConfig.model_fields), REPLICAS)
     return {d.name: get_path(base, d.path) for d in dims if get_path(base, d.path) is not None}
@@ -233,15 +273,19 @@ def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepa
             if stop_at_first:
                 break
     if not feasible and pruned:
+        # NOTE: a key the search chooses (tp, ...) is no input's: every layout of a few GPUs can
+        # share its problem (tp=1, the only tp on 1 GPU, too small) and more GPUs would mend it
+        searched = {".".join(d.path) for d in (*space.dims, REPLICAS) if d.name not in space.fixed}
         common = set.intersection(*({str(p) for p in c.problems} for c in pruned))
-        shared = [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"]
+        shared = [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"
+                  and p.field not in searched]
         if shared:
             raise ConfigError(shared)
     return feasible, pruned
 
 
 def candidate(base: dict[str, Any], layout: Layout, space: Space) -> Candidate:
-    if layout["replicas"] > 1 and _arrivals(base) == "all at once":
+    if _arrivals(base) == "all at once":
         layout = with_request_rate(layout)
     return Candidate(layout, layout_raw(base, layout, space))
 
@@ -280,18 +324,21 @@ def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, 
     if search.candidates is not None:
         if fits:
             c = min(fits, key=lambda x: x.layout.gpus)
-            return [Problem("search.gpus", gpus, f"at least {c.layout.world}: the smallest candidate that can run, "
-                            f"'{c.layout.label(space.dims)}', needs {c.layout.world} GPUs; the others: "
+            return [Problem("search.gpus", gpus, f"at least {c.layout.gpus}: the smallest candidate that can run, "
+                            f"'{c.layout.label(space.dims)}', needs {c.layout.gpus} GPUs; the others: "
                             f"{reasons_text(pruned)}")]
         return [Problem("search.candidates", search.candidates,
                         f"no candidate can run ({len(pruned)} pruned): {reasons_text(pruned)}")]
     smallest = _smallest_beyond(base, space, prepare, gpus)
+    if pruned:
+        why = f"the {len(pruned)} layout(s) of the space are pruned: {reasons_text(pruned)}"
+    else:
+        given = " ".join(f"{d.key}={space.fixed[d.name]}" for d in (*space.dims, REPLICAS) if d.name in space.fixed)
+        why = f"no layout of {gpus} GPU(s) has what the command line fixed ({given})"
     if smallest is not None:
-        return [Problem("search.gpus", gpus, f"at least {smallest.world}: the smallest layout that can run is "
-                        f"'{smallest.label(space.dims)}' ({smallest.world} GPUs); every layout of up to {gpus} GPUs "
-                        f"is pruned ({len(pruned)}): {reasons_text(pruned)}")]
-    return [Problem("search.gpus", gpus, f"no layout can run, up to {gpus * SMALLEST_UP_TO} GPUs "
-                    f"({len(pruned)} of up to {gpus} pruned): {reasons_text(pruned)}")]
+        return [Problem("search.gpus", gpus, f"at least {smallest.gpus}: the smallest layout that can run is "
+                        f"'{smallest.label(space.dims)}' ({smallest.gpus} GPUs); {why}")]
+    return [Problem("search.gpus", gpus, f"no layout can run, up to {gpus * SMALLEST_UP_TO} GPUs; {why}")]
 
 
 def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus: int) -> Layout | None:
@@ -303,8 +350,9 @@ def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus:
         skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
         wide = Space(g, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
                      pools_available=space.pools)
-        for layout in wide.enumerate():
-            if layout.world <= gpus or layout.values in seen:
+        # NOTE: fixed replicas multiply an instance's GPUs: a layout's GPUs are both, smallest first
+        for layout in sorted(wide.enumerate(), key=lambda lay: lay.gpus):
+            if not gpus < layout.gpus <= g or layout.values in seen:
                 continue
             seen.add(layout.values)
             c = candidate(base, layout, wide)

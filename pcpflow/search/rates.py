@@ -7,6 +7,12 @@ bisecting geometrically until the rate that keeps the attainment and the one tha
 are within ``tolerance``. Attainment is assumed to fall as the rate rises (queues only
 grow); the search reports every rate it tried, so a non-monotone case is visible.
 
+It never tries a rate above the burst's served rate (``highest``): past it the layout
+cannot serve the requests as fast as they arrive, whatever share of them a compressed
+trace lets meet its SLOs (attainment is not monotone there: a burst of a trace can miss
+where 16x its rate keeps it). A layout that keeps the attainment at that rate has it as
+its goodput (bound ``served``).
+
 By the same assumption, once a first guess misses, the floor (the lowest rate the search
 tries) settles in one run whether the layout keeps the attainment at any rate it would try
 (``floor_first``): a descent finds a layout that meets its SLOs at no rate only after several
@@ -28,7 +34,8 @@ from dataclasses import dataclass, field
 @dataclass
 class RateSearch:
     rate: float  # requests/s: the highest rate found that keeps the attainment (0: none)
-    bound: str  # "burst": even all at once keeps it | "bisected" | "at least" | "below": not at the lowest tried
+    bound: str  # "burst": even all at once keeps it | "bisected" | "served": kept at the burst's served rate,
+    # the most it tries | "below": not at the lowest tried
     tried: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment) in the order run
 
     @property
@@ -38,13 +45,13 @@ class RateSearch:
 
 def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst_rate: float, target: float,
              tolerance: float, start: float | None = None, step: float = 2.0, lowest: float = 1 / 64,
-             highest: float = 64.0, floor_first: bool = False) -> RateSearch:
+             highest: float = 1.0, floor_first: bool = False) -> RateSearch:
     """``attain(rate)``: the share of requests meeting the SLOs at ``rate``. The burst's
     attainment and served rate (requests per second of its span) are given (one run the
     caller made). ``start``: a first guess (a screen's answer); ``step``: the first
     bracketing factor (squared after each step that does not bracket); the search gives up
-    below ``lowest x burst_rate`` (rate 0, bound "below": it tried that rate) and above
-    ``highest x burst_rate`` (bound "at least"). ``floor_first``: once the first guess
+    below ``lowest x burst_rate`` (rate 0, bound "below": it tried that rate) and tries
+    nothing above ``highest x burst_rate`` (kept there: that rate, bound "served"). ``floor_first``: once the first guess
     misses, the floor is tried next, then the rate bisected between the two."""
     found = RateSearch(0.0, "below", [(math.inf, burst_attainment)])
     if burst_attainment >= target:
@@ -56,7 +63,8 @@ def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst
         found.tried.append((rate, a))
         return a >= target
 
-    r = start if start is not None and 0 < start < math.inf else burst_rate
+    cap = burst_rate * highest
+    r = min(start, cap) if start is not None and 0 < start < math.inf else cap
     lo, hi = (r, None) if ok(r) else (None, r)
     if lo is None and floor_first:
         assert hi is not None
@@ -72,10 +80,10 @@ def max_rate(attain: Callable[[float], float], *, burst_attainment: float, burst
         lo, hi = (r, hi) if ok(r) else (None, r)
         step *= step
     while hi is None:
-        r = lo * step
-        if r > burst_rate * highest:
-            found.rate, found.bound = lo, "at least"
+        if lo >= cap:
+            found.rate, found.bound = lo, "served"
             return found
+        r = min(lo * step, cap)
         lo, hi = (r, None) if ok(r) else (lo, r)
         step *= step
     while hi / lo > 1 + tolerance:

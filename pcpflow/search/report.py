@@ -11,6 +11,7 @@ import csv
 import math
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,22 @@ def write_report(search: Search, run_dir: Path | None, *, partial: bool = False)
                 write_search_plot(search, rows, run_dir / "search.png")
     if search.console and not partial:
         print_console(search, summary, run_dir)
-    return {"outputs": None, "verification": "off: mode=search prices layouts (counts and prices only)",
-            "metrics": {"search": summary}}
+    sections = {"outputs": None, "verification": "off: mode=search prices layouts (counts and prices only)",
+                "metrics": {"search": summary}}
+    if not partial and summary["recommended"] is None:  # NOTE: a search that recommends nothing failed
+        from pcpflow.errors import EXIT_FAILED
+
+        sections.update(status="failed", error=unpriced(rows, search.plan.objective), exit_code=EXIT_FAILED)
+    return sections
+
+
+def unpriced(rows: list[dict[str, Any]], objective: str) -> str:
+    """Why no layout could be recommended: the commonest error, or no value for the objective."""
+    errors = Counter(r["error"] for r in rows if r.get("error"))
+    if errors:
+        error, n = errors.most_common(1)[0]
+        return f"no layout could be priced: {n} of {len(rows)} failed with {error} (search.csv says why)"
+    return f"no layout could be priced: none of {len(rows)} has a value for {objective} (search.csv)"
 
 
 # -- rows ---------------------------------------------------------------------------------------
@@ -306,8 +321,9 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
         v1, v2 = search.value(best), search.value(runner)
         if v1 is not None and v2 is not None and v1 and v2 and v1 != v2:
             ratio = v2 / v1 if not obj.higher_is_better else v1 / v2
+            change = f"+{ratio - 1:.2%}" if obj.higher_is_better else f"-{1 - 1 / ratio:.2%}"
             lines.append(f"- For the runner-up to win, its {plan.objective} would have to improve by "
-                         f"{ratio:.4g}x ({abs(1 - 1 / ratio):.2%}), all else equal.")
+                         f"{ratio:.4g}x ({change}), all else equal.")
         elif v1 == v2:
             lines.append(f"- They tie on {plan.objective}: the other measures order them.")
         if terms:
@@ -449,7 +465,7 @@ def print_console(search: Search, summary: dict[str, Any], run_dir: Path | None)
              f"pricing, {summary['screened']} screened on {summary['screened_on']}, {summary['priced_in_full']} "
              f"priced in full; {summary['wall_s'].get('total', 0):.1f} s (up to {summary['jobs']} joblib worker(s))"]
     if rec is None:
-        lines.append("no layout could be priced (search.csv says why)")
+        lines.append(unpriced(_ranked_rows(search), summary["objective"]))
     else:
         lines.append(f"recommended ({summary['objective']}): {rec['layout']}: "
                      + " · ".join(f"{NAMES[m]} {_fmt(m, rec[m])}" for m in MEASURES if rec.get(m) is not None))

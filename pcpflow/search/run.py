@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pcpflow.output.report import Phases
 from pcpflow.search.evaluate import Settings, evaluate
 from pcpflow.search.plan import Candidate, SearchPlan, _validate, candidate, plan_search
@@ -73,6 +75,16 @@ def parallel(tasks: list[tuple], jobs: int, *, more: int = 0):
         yield from pool(delayed(_indexed)(k, tasks[k]) for k in range(i, len(tasks)))
 
 
+def screen_sample(sample: int | None, arrival_s, goodput: bool) -> int | None:
+    """The requests a layout is screened on: the first ``sample``, widened, where goodput is
+    searched on timed arrivals that all come at once in them (no rate to scale: a trace's
+    head often does), to the first that arrives later."""
+    if sample is None or not goodput or arrival_s is None or sample >= len(arrival_s):
+        return sample
+    later = np.flatnonzero(arrival_s[sample - 1:] != arrival_s[0]) if (arrival_s[:sample] == arrival_s[0]).all() else []
+    return sample + int(later[0]) if len(later) else sample
+
+
 def _indexed(i: int, args: tuple) -> tuple[int, dict[str, Any]]:
     return i, evaluate(*args)
 
@@ -89,25 +101,17 @@ class Search:
         self.objective = OBJECTIVES[self.plan.objective]
         self.rows: dict[tuple, dict[str, Any]] = {}
         self.pruned: list[Candidate] = list(self.plan.pruned)
-        self.total = self._total_requests()
-        sample = self.plan.search.sample
+        self.total = self.plan.requests
+        sample = screen_sample(self.plan.search.sample, self.plan.arrival_s, self.objective.needs_slo)
         self.sample = sample if sample is not None and sample < self.total else None
-        goodput_ok = self.plan.slo and self.plan.arrivals != "in steps"
         self.screen_settings = Settings(self.sample, self.objective.needs_slo, self.plan.attainment,
                                         SCREEN_TOLERANCE, SCREEN_LOWEST)
-        self.full_settings = Settings(None, goodput_ok, self.plan.attainment, FULL_TOLERANCE, FULL_LOWEST)
+        self.full_settings = Settings(None, self.plan.goodput, self.plan.attainment, FULL_TOLERANCE, FULL_LOWEST)
         self.sensitivity: dict[str, Any] = {}
         self.started = time.perf_counter()
         self.wall_s: dict[str, float] = {}
         self.screened = 0
         self.progress = Phases(enabled=console and self.plan.config.output.progress)
-
-    def _total_requests(self) -> int:
-        from pcpflow.models import vocab_size_of
-        from pcpflow.simulate.prepare import requests_of
-
-        cfg = self.plan.config
-        return len(requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed))
 
     # -- the three stages -----------------------------------------------------------------------
 

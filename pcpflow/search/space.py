@@ -281,6 +281,18 @@ class Space:
                 key = o.get_key_element().lstrip("+~")
                 values = ([_value(parser, key, s) for s in o.sweep_string_iterator()] if o.is_sweep_override()
                           else [o.value()])
+                if key.split(".")[0] in SEARCH_WIDE:
+                    problems.append(Problem(field, text, f"{key} is the whole search's, not a layout's: set it on "
+                                            "the command line; a candidate sets layout keys (tp, pcp, dcp, "
+                                            "decode.mode, cudagraph_mode, serving.replicas, ...) and per-layout "
+                                            "settings (kv.*, scheduler.*, pipeline.*)"))
+                    continue
+                name = names.get(key)
+                clash = [v for v in values if name in self.fixed and v != self.fixed[name]]
+                if clash:
+                    problems.append(Problem(field, text, f"{key}={clash[0]} contradicts {key}={self.fixed[name]} "
+                                            "on the command line, which fixes it for every candidate: drop one"))
+                    continue
                 options.append([(key, val) for val in values])
             for combo in itertools.product(*options):
                 values, extra = dict(self.fixed), []
@@ -301,6 +313,11 @@ class Space:
         if layout is None:
             return None
         return layout if all(layout[k] == v for k, v in values.items() if k != "replicas") else None
+
+
+SEARCH_WIDE = {"mode", "search", "hydra", "model", "hardware", "workload", "slo", "simulate", "seed", "max_steps",
+               "output"}
+"""Settings that apply to the whole search (every layout alike): no candidate's to set."""
 
 
 def _value(parser: Any, key: str, text: str) -> Any:

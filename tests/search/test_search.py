@@ -115,8 +115,9 @@ def test_goodput_per_gpu_is_a_rate_whose_attainment_holds(tmp_path):
 def test_slos_no_layout_meets_at_any_rate_are_said_and_settled_at_the_floor(tmp_path):
     """A TTFT target no prefill can meet: every layout misses at its burst's rate and then at the
     floor (1/16 of it on the screen, 1/64 in full), so its rate search ends after those two
-    runs (plus the burst and the run at the workload's own arrivals, which is the burst itself
-    for replicas: they take requests in time, all at once) with goodput 0."""
+    runs (plus the run at the workload's own arrivals, which is the burst itself: a workload
+    without arrivals in time is searched as a burst, workload.request_rate=inf, on every
+    layout) with goodput 0."""
     r = cli("mode=search", "model=llama3_8b", "hardware=h100_sxm", "workload=synthetic", "workload.num_requests=6",
             "workload.prompt_len=[2000,4000]", "workload.output_len=[4,8]", "slo.ttft_s=0.0001",
             "simulate.objective=goodput_per_gpu", "search.gpus=2", "search.jobs=1", "cudagraph_mode=none",
@@ -124,7 +125,7 @@ def test_slos_no_layout_meets_at_any_rate_are_said_and_settled_at_the_floor(tmp_
     assert r.returncode == 0, r.stderr
     rows = _rows(tmp_path / "search.csv")
     runs = {row["overrides"].split()[0]: row["runs"] for row in rows}
-    assert runs == {"tp=2": "4", "tp=1": "3"}
+    assert runs == {"tp=2": "3", "tp=1": "3"}
     assert {(row["goodput_per_gpu"], row["goodput_bound"]) for row in rows} == {("0", "below")}
     said = "no layout priced keeps 90% of requests within TTFT <= 0.0001 s at any rate it tried (down to 1/64"
     assert said in r.stdout and said in (tmp_path / "search.md").read_text()
@@ -193,7 +194,7 @@ def test_pools_are_searched_beside_one_pool_and_a_pools_row_is_its_simulated_run
     assert len(rows) + len(pruned) == 18
     (pools,) = [row for row in rows if row["disagg"] == "pd"]
     assert (pools["tp"], pools["pcp"], pools["dcp"], pools["decode_pool_tp"], pools["decode_pool_dcp"]) == ("1",) * 5
-    assert pools["gpus"] == "2" and pools["replicas"] == "1" and pools["overrides"] == "tp=1 pcp=1 dcp=1 disagg=pd"
+    assert pools["gpus"] == "2" and pools["replicas"] == "1" and pools["overrides"] == "tp=1 pcp=1 dcp=1 disagg=pd workload.request_rate=inf"
     # the row is mode=simulate's answer for the same command line (both pools priced)
     from pcpflow.driver.job import _simulate
 

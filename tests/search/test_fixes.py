@@ -1,0 +1,175 @@
+"""Searches the probes found wrong: each case worked by hand or checked against an invariant."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+
+from pcpflow.testing import cli, compose
+
+TRACE = ["model=llama3_8b", "hardware=h100_sxm", "workload=trace",
+         "workload.path=/work/shared/traces/mooncake_conversation.jsonl", "workload.length_scale=0.1"]
+SEARCH = ["mode=search", "search.jobs=1", "output.progress=false"]
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_goodput_is_never_above_what_the_layout_serves_at_once(tmp_path):
+    """On a compressed trace, attainment need not fall as the rate rises; the goodput is still
+    requests served within their SLOs, so at most the layout's served rate with every request
+    arriving at once (the burst: mode=simulate with the timestamps scaled to nothing)."""
+    trace = [*TRACE, "workload.max_requests=40"]
+    slo = ["slo.ttft_s=0.5", "slo.tpot_s=0.05"]
+    r = cli(*SEARCH, *trace, *slo, "search.gpus=4", "simulate.objective=goodput_per_gpu",
+            "search.candidates=['tp=2 pcp=2 dcp=1 decode.mode=sharded cudagraph_mode=piecewise',"
+            "'tp=4 pcp=1 cudagraph_mode=piecewise']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    from pcpflow.simulate.engine import simulate_run
+
+    for row in _rows(tmp_path / "search.csv"):
+        cfg = compose(["mode=simulate", *trace, *slo, *row["overrides"].split(), "workload.time_scale=1e-9"])
+        served = simulate_run(cfg)["metrics"]["throughput"]["requests_s"]
+        assert 0 < float(row["goodput_per_gpu"]) * int(row["gpus"]) <= served * (1 + 1e-6), row["overrides"]
+    # search.md: the runner-up's goodput would have to rise by the ratio of the two, i.e. by (ratio - 1)
+
+    rows = _rows(tmp_path / "search.csv")
+    md = (tmp_path / "search.md").read_text()
+    ratio, pct = map(float, re.search(r"would have to improve by ([\d.]+)x \(\+([\d.]+)%\)", md).groups())
+    assert ratio == pytest.approx(float(rows[0]["goodput_per_gpu"]) / float(rows[1]["goodput_per_gpu"]), rel=1e-3)
+    assert pct == pytest.approx((ratio - 1) * 100, abs=0.06)  # the ratio is printed to 4 digits
+
+
+# the Mooncake head: its first 10 requests arrive at 0 s, the 11th at 3 s
+HEAD = [*TRACE, "search.gpus=4", "slo.ttft_s=1", "search.candidates=['tp=1,2 pcp=1 cudagraph_mode=piecewise']"]
+
+
+def test_goodput_on_a_trace_that_arrives_at_once_is_refused_naming_the_trace(tmp_path):
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=10", "simulate.objective=goodput_per_gpu",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- workload.path:") and "all arrive at once" in line and "max_requests" in line
+    assert not (tmp_path / "search.csv").exists()
+    assert json.loads((tmp_path / "result.json").read_text())["exit_code"] == 2
+
+
+def test_an_slo_on_a_trace_that_arrives_at_once_prices_every_layout_without_goodput(tmp_path):
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=10", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert len(rows) == 2 and all(not row["error"] and float(row["ttft_p90_s"]) > 0 for row in rows)
+    assert all(row["goodput_per_gpu"] == "" for row in rows)
+
+
+def test_a_screening_sample_that_arrives_at_once_is_widened_to_the_first_later_request(tmp_path):
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=30", "search.sample=4", "simulate.objective=goodput_per_gpu",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert len(rows) == 2 and all(not row["error"] and float(row["goodput_per_gpu"]) > 0 for row in rows)
+    search = json.loads((tmp_path / "result.json").read_text())["metrics"]["search"]
+    assert search["screened_on"] == "the first 11 of 30 requests"
+
+
+def test_goodput_with_max_steps_is_refused_naming_max_steps(tmp_path):
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=2", "workload.num_requests=20",
+            "workload.request_rate=10", "max_steps=2", "slo.ttft_s=1", "simulate.objective=goodput_per_gpu",
+            "search.candidates=['tp=1 pcp=1,2 cudagraph_mode=piecewise']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- max_steps: got 2;"), line
+
+
+def test_a_search_that_prices_no_layout_fails(tmp_path, monkeypatch):
+    import pcpflow.search.run as run
+
+    monkeypatch.setattr(run, "evaluate", lambda *args: {"error": "ValueError: every layout fails here"})
+    r = cli(*SEARCH, *HEAD, "workload.max_requests=10", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 1, r.stdout + r.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["status"], result["exit_code"]) == ("failed", 1)
+    assert "no layout could be priced: 2 of 2 failed with ValueError: every layout fails here" in result["error"]
+    assert result["metrics"]["search"]["recommended"] is None
+
+
+def test_every_layout_of_a_search_is_priced_on_the_same_arrivals(tmp_path):
+    """A synthetic workload without arrivals in time: layouts with replicas need them (a burst,
+    workload.request_rate=inf), so every layout, one replica or several, is priced on that
+    burst, and its row is mode=simulate's answer for the command it prints."""
+    wl = ["model=llama3_8b", "hardware=h100_sxm", "workload.num_requests=10"]
+    r = cli(*SEARCH, *wl, "search.gpus=4", "cudagraph_mode=piecewise", "search.candidates=['tp=1,2 pcp=1,2']",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert sorted(row["replicas"] for row in rows) == ["1", "2", "2", "4"]
+    assert all(row["overrides"].endswith("workload.request_rate=inf") for row in rows)
+    from pcpflow.simulate.engine import simulate_run
+
+    (one,) = [row for row in rows if row["replicas"] == "1"]
+    m = simulate_run(compose(["mode=simulate", *wl, *one["overrides"].split()]))["metrics"]
+    assert float(one["ttft_p90_s"]) == pytest.approx(m["ttft"]["p90_s"], rel=1e-5)
+
+
+def test_a_sweep_of_searches_reports_each_jobs_recommendation(tmp_path):
+    r = cli("-m", *SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=1,2", "cudagraph_mode=piecewise",
+            "workload.num_requests=4", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _rows(tmp_path / "sweep.csv")
+    assert [row["config"] for row in rows] == ["search.gpus=1", "search.gpus=2"]
+    for row in rows:
+        rec = json.loads((tmp_path / row["job"] / "result.json").read_text())["metrics"]["search"]["recommended"]
+        assert row["recommended"] == rec["layout"] and int(row["gpus"]) == rec["gpus"]
+        assert float(row["ttft_p90_ms"]) == pytest.approx(rec["ttft_p90_s"] * 1e3, abs=1e-3)
+    md = (tmp_path / "sweep.md").read_text()
+    assert all(f"`{row['recommended']}`" in md for row in rows)
+
+
+@pytest.mark.parametrize("args, words", [
+    # 8 fixed replicas of one GPU each: 8 GPUs (not an 8-GPU instance, 64 in all)
+    (["model=llama3_8b", "search.gpus=4", "serving.replicas=8"],
+     ["at least 8:", "'tp=1 pcp=1 dcp=1 serving.replicas=8' (8 GPUs)"]),
+    # the same among candidates: tp=2 in each of 8 fixed replicas is 16 GPUs
+    (["model=llama3_8b", "search.gpus=4", "serving.replicas=8", "search.candidates=['tp=2']"],
+     ["at least 16:", "needs 16 GPUs"]),
+    # tp=8 leaves no layout of 4 GPUs at all: said as such, not as an empty list of reasons
+    (["model=llama3_8b", "search.gpus=4", "tp=8"],
+     ["at least 8:", "'tp=8 pcp=1 dcp=1' (8 GPUs)", "no layout of 4 GPU(s) has what the command line fixed (tp=8)"]),
+    # 70B in bf16 is ~131 GiB: not on one 80 GB H100 (tp=1, the only tp there), on two it is
+    (["model=llama3_70b", "search.gpus=1"], ["at least 2:", "'tp=2 pcp=1 dcp=1' (2 GPUs)", "the weights do not fit"]),
+])
+def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(args, words, tmp_path):
+    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- search.gpus: got"), line
+    assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("args, field, words", [
+    (["search.candidates=['mode=execute']"], "search.candidates[0]", ["mode is the whole search's", "command line"]),
+    (["search.candidates=['tp=1 workload.num_requests=2']"], "search.candidates[0]", ["workload.num_requests"]),
+    (["tp=2", "search.candidates=['tp=4']"], "search.candidates[0]", ["tp=4 contradicts tp=2 on the command line"]),
+    (["tp=2", "search.candidates=['tp=2,4 pcp=1']"], "search.candidates[0]", ["tp=4 contradicts tp=2"]),
+    (["disagg.kind=none", "disagg.decode_pool.tp=2"], "disagg.kind", ["disagg.decode_pool.tp", "disagg.kind=pd"]),
+])
+def test_candidates_that_are_no_layout_or_contradict_the_command_line_exit_2_naming_both(args, field, words, tmp_path):
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=4", "workload.num_requests=4", *args,
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith(f"- {field}: got"), line
+    assert all(w in line for w in words), line
+    assert not (tmp_path / "search.csv").exists()
+
+
+def test_a_candidate_that_repeats_the_command_lines_value_is_that_layout(tmp_path):
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=4", "workload.num_requests=4", "tp=2",
+            "cudagraph_mode=piecewise", "search.candidates=['tp=2 pcp=1,2']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted((row["tp"], row["pcp"]) for row in _rows(tmp_path / "search.csv")) == [("2", "1"), ("2", "2")]
