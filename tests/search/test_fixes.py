@@ -5,13 +5,15 @@ from __future__ import annotations
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from pcpflow.testing import cli, compose
 
-TRACE = ["model=llama3_8b", "hardware=h100_sxm", "workload=trace",
-         "workload.path=/work/shared/traces/mooncake_conversation.jsonl", "workload.length_scale=0.1"]
+# NOTE: the bundled head of the Mooncake conversation trace (its first 1,000 requests), in the repo
+TRACE_HEAD = Path(__file__).resolve().parents[2] / "scripts" / "data" / "mooncake_conversation_head.jsonl"
+TRACE = ["model=llama3_8b", "hardware=h100_sxm", "workload=trace", f"workload.path={TRACE_HEAD}", "workload.length_scale=0.1"]
 SEARCH = ["mode=search", "search.jobs=1", "output.progress=false"]
 
 
