@@ -74,6 +74,7 @@ class DSparkDraft(Stage):
         kind: Literal["dspark"] = "dspark"
         target_layers: list[int] | None = Field(
             None,
+            min_length=1,
             description="target layers whose hidden states feed the drafter (negative "
             "counts from the end); None: first, middle and last",
         )

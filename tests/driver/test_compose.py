@@ -145,3 +145,9 @@ def test_an_unknown_key_inside_a_known_section_lists_the_section_s_settings():
     assert found["kv.foo"] == "not a setting of kv; its settings: block_size, interleave, num_blocks, prefix_caching"
     assert found["disagg.decode_pool.foo"].startswith("not a setting of disagg.decode_pool; its settings: dcp, ")
     assert " tp" in found["disagg.decode_pool.foo"]
+
+
+def test_dspark_with_no_target_layer_is_refused():
+    # no hidden state to feed the drafter; None (the default) is first, middle and last
+    assert problems_of(["draft=dspark", "draft.target_layers=[]"]) == {
+        "draft.target_layers": "List should have at least 1 item after validation, not 0"}
