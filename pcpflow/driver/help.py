@@ -86,13 +86,23 @@ def _settings() -> str:
             continue
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
-            for key, f in sub.model_fields.items():
-                lines.append(_line(f"{name}.{key}", f.default, f.description))
+            lines += _section(name, sub)
         elif name in ("model", "workload", "draft", "pipeline"):
             lines.append(f"  {name + '.<key>':<34} the settings of the {name} option in use (config groups above)")
         else:
             lines.append(_line(name, field.default if field.default_factory is None else field.default_factory(), field.description))
     return "\n".join(lines) + "\n"
+
+
+def _section(prefix: str, model: type[BaseModel]) -> list[str]:
+    """A line per setting of a section, a nested section's settings under its own prefix."""
+    lines = []
+    for key, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            lines += _section(f"{prefix}.{key}", f.annotation)
+        else:
+            lines.append(_line(f"{prefix}.{key}", f.get_default(call_default_factory=True), f.description))
+    return lines
 
 
 def _line(key: str, default: Any, description: str | None) -> str:

@@ -75,6 +75,9 @@ def test_help_is_pcpflow_s_own_page(capsys):
     assert "  kv.block_size                      KV slots per physical block [16]" in page
     assert "2 invalid configuration" in page and "result.json" in page
     assert "num_speculative_tokens" not in page  # derived, not a setting
+    # a nested section's settings, each with its default (no placeholder for the section)
+    assert "  disagg.decode_pool.tp              tensor parallel size of the decode pool [1]" in page
+    assert "Undefined" not in page
 
 
 def test_cfg_job_validates_like_a_run(capsys):
