@@ -97,6 +97,8 @@ def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
         cfg = tokenize_workload(cfg)
     except ConfigError as exc:
         raise ConfigError(problems + exc.problems) from None
+    if hasattr(cfg.workload, "text_problems"):
+        problems += cfg.workload.text_problems()
     try:
         cfg = check_job(cfg, raw, kind=kind)
     except ConfigError as exc:

@@ -235,25 +235,29 @@ class ExplicitWorkload(_RateChecks):
     def _cached_lens_fit(cls, cached_lens, info: ValidationInfo):
         if cached_lens is None:
             return None
-        if info.data.get("prompts") is not None:
+        texts = info.data.get("texts") if info.data.get("texts") is not None else info.data.get("chats")
+        if texts is not None:  # NOTE: their lengths are known once tokenized (pcpflow.tokens.text)
+            lens = None
+            if len(cached_lens) not in (1, len(texts)):
+                raise ValueError(cached_lens_problem(cached_lens, [0] * len(texts)))
+        elif info.data.get("prompts") is not None:
             lens = [len(p) for p in info.data["prompts"]]
         elif info.data.get("prompt_lens") is not None:
             lens = list(info.data["prompt_lens"])
         else:
-            return cached_lens
-        if len(cached_lens) not in (1, len(lens)):
-            raise ValueError(
-                f"cached_lens has {len(cached_lens)} values for {len(lens)} prompts; allowed: "
-                f"1 value (used for every prompt) or {len(lens)} values"
-            )
-        full = cached_lens * len(lens) if len(cached_lens) == 1 else cached_lens
-        bad = {i: (c, n) for i, (c, n) in enumerate(zip(full, lens)) if c >= n}
-        if bad:
-            raise ValueError(
-                "each cached_lens value must be < its prompt length (at least one token is "
-                "prefilled); got " + ", ".join(f"request {i}: {c} >= {n}" for i, (c, n) in bad.items())
-            )
+            lens = None
+        problem = cached_lens_problem(cached_lens, lens) if lens is not None else None
+        if problem:
+            raise ValueError(problem)
         return cached_lens
+
+    def text_problems(self) -> list[Problem]:
+        """``cached_lens`` against the tokenized texts / chats (``text_token_ids``, set once
+        the driver tokenized them: ``prompt_lens`` does not apply to texts)."""
+        if self.cached_lens is None or self.text_token_ids is None:
+            return []
+        problem = cached_lens_problem(self.cached_lens, [len(p) for p in self.text_token_ids])
+        return [Problem("workload.cached_lens", self.cached_lens, problem)] if problem else []
 
     @property
     def num_requests(self) -> int:
@@ -261,6 +265,20 @@ class ExplicitWorkload(_RateChecks):
             if source is not None:
                 return len(source)
         return len(self.prompts) if self.prompts is not None else len(self.prompt_lens or ())
+
+
+def cached_lens_problem(cached_lens: list[int], prompt_lens: list[int]) -> str | None:
+    """What is wrong with ``workload.cached_lens`` for prompts of these lengths (None: fine)."""
+    n = len(prompt_lens)
+    if len(cached_lens) not in (1, n):
+        return (f"cached_lens has {len(cached_lens)} values for {n} prompts; allowed: "
+                f"1 value (used for every prompt) or {n} values")
+    full = cached_lens * n if len(cached_lens) == 1 else cached_lens
+    bad = {i: (c, p) for i, (c, p) in enumerate(zip(full, prompt_lens)) if c >= p}
+    if bad:
+        return ("each cached_lens value must be < its prompt length (at least one token is "
+                "prefilled); got " + ", ".join(f"request {i}: {c} >= {p}" for i, (c, p) in bad.items()))
+    return None
 
 
 def _num_prompts(data: dict[str, Any]) -> int | None:

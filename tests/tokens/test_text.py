@@ -230,6 +230,18 @@ def test_empty_or_ambiguous_prompts_are_rejected(ckpt, bad, field):
     assert field in report
 
 
+def test_cached_lens_of_texts_are_checked_against_their_tokens(ckpt):
+    """prompt_lens do not apply to texts: cached_lens is judged on the tokenized prompts,
+    whatever prompt_lens the workload's YAML or the command line carries."""
+    n = [len(ckpt["tok"](t)["input_ids"]) for t in TEXTS]
+    base = ["model=hf", f"model.path={ckpt['path']}", "workload=explicit", _texts()]
+    compose([*base, "workload.prompt_lens=[1]", f"workload.cached_lens=[{min(n) - 1}]"])  # fits every text
+    report = _problem([*base, "workload.prompt_lens=[100]", f"workload.cached_lens=[{max(n)}]"])
+    assert "workload.cached_lens" in report and f"request 0: {max(n)} >= {n[0]}" in report
+    report = _problem([*base, "workload.cached_lens=[1,1,1,1,1,1,1]"])
+    assert f"cached_lens has 7 values for {len(TEXTS)} prompts" in report
+
+
 def test_cli_exit_code_2_for_texts_without_tokenizer(tmp_path):
     r = cli("model=tiny_mla", "workload=explicit", _texts(), f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr
