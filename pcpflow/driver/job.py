@@ -102,7 +102,9 @@ def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
     try:
         cfg = check_job(cfg, raw, kind=kind)
     except ConfigError as exc:
-        problems += exc.problems
+        # NOTE: a setting already in error is not judged again by the job's checks
+        refused = {p.field for p in problems}
+        problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -213,6 +213,10 @@ def simulate_problems(cfg) -> list[Problem]:
         p.append(Problem("simulate.cp_decode", "ring_pass_q", "the executed ring passes queries over the KV "
                          f"shards of its ring: it needs pcp > 1 and dcp = pcp; got pcp={cfg.pcp} dcp={cfg.dcp} "
                          f"(use engine, or pcp=dcp={max(cfg.pcp, 2)})"))
+    texts = [k for k in ("texts", "chats") if getattr(cfg.workload, k, None) is not None]
+    if texts:  # NOTE: tokenizing is an executed run's (pcpflow.tokens.text); a simulation prices lengths
+        return p + [Problem(f"workload.{texts[0]}", "<" + texts[0] + ">", "a simulated run prices prompt lengths, "
+                            "not text: give workload.prompt_lens (or workload.prompts: token ids)")]
     try:
         requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     except ConfigError as exc:  # the workload's own problems (a trace, its size)

@@ -88,8 +88,8 @@ def tokenize_workload(cfg):
     (unchanged for other workloads); ConfigError without a usable tokenizer."""
     w = cfg.workload
     texts, chats = getattr(w, "texts", None), getattr(w, "chats", None)
-    if texts is None and chats is None:
-        return cfg
+    if texts is None and chats is None or cfg.mode in ("simulate", "search"):
+        return cfg  # NOTE: a simulation prices lengths; its own checks refuse texts (simulate_problems)
     field = "workload.texts" if texts is not None else "workload.chats"
     given = texts if texts is not None else "<conversations>"
     if cfg.model.name != "hf":

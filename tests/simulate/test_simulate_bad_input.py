@@ -170,3 +170,12 @@ def test_a_mistyped_mode_is_one_problem_not_every_setting_of_the_mode_meant():
     """mode=simulat left mode=execute behind, which refused the hardware and the model card too."""
     found = problems("mode=simulat", base=[o for o in RUN if o != "mode=simulate"])
     assert list(found) == ["mode"] and "did you mean 'simulate'" in found["mode"]
+
+
+def test_texts_in_a_simulated_run_are_one_problem_naming_what_to_give():
+    base = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload=explicit"]
+    for source in ("workload.texts=[hello]", "workload.chats=[[{role: user, content: hi}]]"):
+        with pytest.raises(ConfigError) as exc:
+            validate_overrides([*base, source])
+        (p,) = exc.value.problems
+        assert p.field == source.split("=")[0] and "prices prompt lengths" in p.allowed and "prompt_lens" in p.allowed
