@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,7 +26,12 @@ from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_llama import LlamaCheckpoint
-from pcpflow.models.hf_weights import checkpoint_files, load_checkpoint, read_safetensors_header
+from pcpflow.models.hf_weights import (
+    checkpoint_files,
+    load_checkpoint,
+    plan_names,
+    read_safetensors_header,
+)
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "LlamaForCausalLM": LlamaCheckpoint,
@@ -98,6 +104,12 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
     return checkpoint
 
 
+def _skip(checkpoint: CheckpointConfig) -> tuple[str, ...]:
+    """Checkpoint tensors the loader leaves out beyond ``hf_weights.IGNORED``."""
+    # NOTE: tied checkpoints may still carry a copy of the embedding as lm_head
+    return (r"lm_head\.weight",) if checkpoint.tie_word_embeddings else ()
+
+
 def _is_moe(raw: dict, arch: str) -> bool:
     keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
     return "moe" in arch.lower() or "mixtral" in arch.lower() or any(raw.get(k) for k in keys)
@@ -159,8 +171,7 @@ class HFModel(DecoderLM):
             Path(config.path),
             checkpoint.renames,
             num_layers=checkpoint.num_hidden_layers,
-            # NOTE: tied checkpoints may still carry a copy of the embedding as lm_head
-            skip=(r"lm_head\.weight",) if checkpoint.tie_word_embeddings else (),
+            skip=_skip(checkpoint),
         )
         return model
 
@@ -175,7 +186,8 @@ class HFModel(DecoderLM):
 # ------------------------------------------------------------------------------ before a run
 def checkpoint_problems(model_config: Any) -> list[Problem]:
     """A Hugging Face checkpoint's safetensors files are whole, are safetensors, and hold
-    tensors of the shapes its config.json implies: all from the headers (a few kB each)."""
+    exactly the tensors (names and shapes) its config.json implies: all from the headers
+    (a few kB each). Its generation_config.json's EOS ids are readable."""
     if getattr(model_config, "name", None) != "hf" or not model_config.path:
         return []
     from pcpflow.tokens.text import has_tokenizer
@@ -189,7 +201,7 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
         files = checkpoint_files(path)
     except (ValueError, OSError) as exc:
         return [Problem("model.path", str(path), str(exc))]
-    problems, shapes = [], {}
+    problems, shapes, names = [], {}, []
     for f in files:
         try:
             header = read_safetensors_header(f)
@@ -197,20 +209,44 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
             problems.append(Problem("model.path", str(f), f"a whole safetensors file; {exc}"))
             continue
         shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        names += [k for k in header if k != "__metadata__"]
     if problems:
         return problems
-    return _shape_problems(path, shapes)
+    from pcpflow.tokens.text import eos_problems
+
+    return _tensor_problems(path, shapes, names) + eos_problems(model_config)
 
 
-def _shape_problems(path: Path, shapes: dict[str, tuple[int, ...]]) -> list[Problem]:
-    """Tensors whose shape differs from the parameter config.json gives them."""
+def _some(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list[str]) -> list[Problem]:
+    """Tensors the model needs and the checkpoint lacks, tensors with no place in the model
+    (by the loader's rules: ``hf_weights.plan_names``), tensors stored twice, and tensors
+    whose shape differs from the parameter config.json gives them."""
     try:
         checkpoint = read_checkpoint(path)
         model = build_uninitialized(lambda: HFModel(checkpoint), "meta")
     except Exception:  # config.json problems are the model's own validation's to report
         return []
     params = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    plan = plan_names(names, [n for n, _ in model.named_parameters()], checkpoint.renames,
+                      num_layers=checkpoint.num_hidden_layers, skip=_skip(checkpoint))
     problems = []
+    if plan.unfilled:
+        stored = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+        hint = ""
+        if len(stored) < checkpoint.num_hidden_layers:
+            hint = f" (config.json says num_hidden_layers={checkpoint.num_hidden_layers}; the weights hold {len(stored)} layer(s))"
+        problems.append(Problem("model.path", str(path), f"a checkpoint with every tensor config.json implies; "
+                                f"{len(plan.unfilled)} missing: {_some(plan.unfilled)}{hint}"))
+    if plan.unknown:
+        problems.append(Problem("model.path", str(path), f"only tensors the model has a place for; "
+                                f"{len(plan.unknown)} have none: {_some(plan.unknown)}"))
+    if plan.twice:
+        problems.append(Problem("model.path", str(path), f"each tensor stored once; "
+                                f"{len(plan.twice)} stored more than once: {_some(plan.twice)}"))
     for hf_name, shape in shapes.items():
         for rename in checkpoint.renames:
             m = rename.pattern().fullmatch(hf_name)

@@ -100,6 +100,68 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def is_skipped(hf_name: str, *, num_layers: int, skip: tuple[str, ...] = ()) -> bool:
+    """Whether the loader leaves ``hf_name`` out on purpose: a layer ``>= num_layers`` (e.g.
+    DeepSeek-V3's MTP layer), a name matching ``skip`` or ``IGNORED`` (saved rotary tables)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
+    if layer and int(layer.group(1)) >= num_layers:
+        return True
+    return any(re.fullmatch(p, hf_name) for p in (*IGNORED, *skip))
+
+
+@dataclass
+class NamePlan:
+    """Which checkpoint tensor fills which parameter (slice), and what does not fit."""
+
+    targets: dict[str, tuple[str, tuple[int, int] | None]]
+    unknown: list[str]  # checkpoint tensors with no place in the model
+    twice: list[str]  # checkpoint tensors filling a parameter (slice) already filled
+    unfilled: list[str]  # parameters (or their missing slices) as the checkpoint would name them
+
+
+def plan_names(
+    names: list[str],
+    params: list[str],
+    renames: tuple[Rename, ...],
+    *,
+    num_layers: int,
+    skip: tuple[str, ...] = (),
+) -> NamePlan:
+    """Match the checkpoint tensor ``names`` against the model's parameter names ``params``
+    by the rules ``load_checkpoint`` loads with (the same skips); the driver's pre-run
+    check calls it on the safetensors headers alone."""
+    compiled = [(r.pattern(), r) for r in renames]
+    filled: dict[str, set[int]] = {name: set() for name in params}
+    plan = NamePlan({}, [], [], [])
+    for hf_name in names:
+        if is_skipped(hf_name, num_layers=num_layers, skip=skip):
+            continue
+        target = _rename(hf_name, compiled)
+        if target is None or target[0] not in filled:
+            plan.unknown.append(hf_name)
+            continue
+        name, part = target
+        index = part[0] if part else 0
+        if index in filled[name]:
+            plan.twice.append(hf_name)
+        else:
+            plan.targets[hf_name] = target
+        filled[name].add(index)
+    for name in params:
+        missing = set(range(_num_parts(name, renames))) - filled[name]
+        plan.unfilled += [_hf_name(name, k, renames) for k in sorted(missing)]
+    return plan
+
+
+def _hf_name(name: str, part: int, renames: tuple[Rename, ...]) -> str:
+    """The checkpoint name of parameter ``name`` (its slice ``part``), else ``name``."""
+    for rule in renames:
+        m = rule.target_pattern().fullmatch(name)
+        if m and (rule.part is None or rule.part[0] == part):
+            return rule.hf.format(**m.groupdict())
+    return name
+
+
 def load_checkpoint(
     model: nn.Module,
     path: Path,
@@ -115,46 +177,34 @@ def load_checkpoint(
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    filled: dict[str, set[int]] = {name: set() for name in params}
-    compiled = [(r.pattern(), r) for r in renames]
-    ignored = [re.compile(p) for p in (*IGNORED, *skip)]
-    unknown: list[str] = []
-    twice: list[str] = []
+    files = checkpoint_files(path)
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    plan = plan_names(names, list(params), renames, num_layers=num_layers, skip=skip)
+    if plan.unknown:
+        raise ValueError(
+            f"{path}: {len(plan.unknown)} checkpoint tensor(s) have no place in the model: "
+            + _some(plan.unknown)
+        )
+    if plan.twice:
+        raise ValueError(f"{path}: tensors stored more than once: {_some(plan.twice)}")
+    if plan.unfilled:
+        raise ValueError(f"{path}: the checkpoint does not provide {_some(plan.unfilled)}")
     nonfinite: list[str] = []
-    for file in checkpoint_files(path):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                layer = re.match(r"model\.layers\.(\d+)\.", hf_name)
-                if layer and int(layer.group(1)) >= num_layers:
+                if hf_name not in plan.targets:
                     continue
-                if any(p.fullmatch(hf_name) for p in ignored):
-                    continue
-                target = _rename(hf_name, compiled)
-                if target is None or target[0] not in params:
-                    unknown.append(hf_name)
-                    continue
-                name, part = target
-                index = part[0] if part else 0
-                if index in filled[name]:
-                    twice.append(hf_name)
+                name, part = plan.targets[hf_name]
                 tensor = f.get_tensor(hf_name)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # --- faults
                     nonfinite.append(f"{hf_name} ({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} values)")
                 _copy(params[name], tensor, part, hf_name, name)
-                filled[name].add(index)
-    if unknown:
-        raise ValueError(
-            f"{path}: {len(unknown)} checkpoint tensor(s) have no place in the model: "
-            + _some(unknown)
-        )
-    if twice:
-        raise ValueError(f"{path}: tensors stored more than once: {_some(twice)}")
     if nonfinite:
         raise ValueError(f"{path}: non-finite (NaN or inf) weights in {_some(nonfinite)}")
-    expected = {name: set(range(_num_parts(name, renames))) for name in params}
-    unfilled = [name for name in params if filled[name] != expected[name]]
-    if unfilled:
-        raise ValueError(f"{path}: the checkpoint does not provide {_some(unfilled)}")
 
 
 def _some(names: list[str], limit: int = 8) -> str:

@@ -46,17 +46,43 @@ def load_tokenizer(path: str):
 
 def eos_token_ids(model_config: Any) -> list[int]:
     """The checkpoint's EOS ids (generation_config.json, else config.json); [] for tiny
-    models and checkpoints without one."""
+    models and checkpoints without one. ValueError naming the file and ``eos_token_id``
+    if generation_config.json is not a JSON object or an ``eos_token_id`` is not an id or
+    a list of ids (the driver reports it before a run: ``eos_problems``)."""
     path = _checkpoint_dir(model_config)
     if path is None:
         return []
     for name in ("generation_config.json", "config.json"):
+        file = path / name
         try:
-            eos = json.loads((path / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
+            raw = json.loads(file.read_text())
+        except FileNotFoundError:
             continue
-        if eos is not None:
-            return sorted({int(e) for e in (eos if isinstance(eos, list) else [eos])})
+        except (OSError, ValueError) as exc:
+            if name == "config.json":  # the checkpoint's own validation reports it
+                continue
+            raise ValueError(f"{file} is not readable JSON, so its eos_token_id cannot be read ({exc})") from None
+        if not isinstance(raw, dict):
+            if name == "config.json":
+                continue
+            raise ValueError(f"{file} is not a JSON object, so its eos_token_id cannot be read")
+        eos = raw.get("eos_token_id")
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+            raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids; got {eos!r}")
+        return sorted(set(ids))
+    return []
+
+
+def eos_problems(model_config: Any) -> list[Problem]:
+    """The checkpoint's EOS ids cannot be read (see ``eos_token_ids``): one problem on
+    ``model.path``."""
+    try:
+        eos_token_ids(model_config)
+    except ValueError as exc:
+        return [Problem("model.path", str(model_config.path), str(exc))]
     return []
 
 

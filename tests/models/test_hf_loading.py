@@ -245,37 +245,44 @@ def test_unknown_missing_and_misshapen_tensors_are_errors(ckpts, tmp_path):
         return build_model(cfg.model, dtype=torch.float32, seed=0)
 
     src = ckpts["llama"]
+    good = compose(["model=hf", f"model.path={src}", "pcp=1"]).model
+
+    def load(path):  # the loader, which a library user may call directly, without the driver's checks
+        return build_model(good.model_copy(update={"path": str(path)}), dtype=torch.float32, seed=0)
+
     extra = _with_tensors(
         src,
         tmp_path / "extra",
         lambda t: t.update({"model.layers.0.mlp.fc9.weight": torch.zeros(2)}),
     )
+    # The driver reads the safetensors headers before any rank starts (pcpflow.driver.checks) ...
+    assert "only tensors the model has a place for; 1 have none: model.layers.0.mlp.fc9.weight" in _problem(extra)
+    # ... and the loader says the same.
     with pytest.raises(ValueError, match=r"1 checkpoint tensor\(s\) have no place.*mlp.fc9"):
-        build(extra)
+        load(extra)
     missing = _with_tensors(
         src, tmp_path / "missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")
     )
-    with pytest.raises(ValueError, match="does not provide layers.1.mlp.gate_up_proj.weight"):
-        build(missing)
+    assert "1 missing: model.layers.1.mlp.up_proj.weight" in _problem(missing)
+    with pytest.raises(ValueError, match="does not provide model.layers.1.mlp.up_proj.weight"):
+        load(missing)
     shape = _with_tensors(
         src, tmp_path / "shape", lambda t: t.update({"model.norm.weight": torch.ones(63)})
     )
-    # The driver reads the safetensors header before any rank starts (pcpflow.driver.checks) ...
     with pytest.raises(ConfigError, match=r"tensor model.norm.weight has shape \[63\]; config.json implies \[64\]"):
         build(shape)
-    # ... and the loader, which a library user may call directly, says the same.
-    good = compose(["model=hf", f"model.path={src}", "pcp=1"]).model
     with pytest.raises(
         ValueError, match=r"model.norm.weight is \[63\], but norm.weight wants \[64\]"
     ):
-        build_model(good.model_copy(update={"path": str(shape)}), dtype=torch.float32, seed=0)
+        load(shape)
     twice = _with_tensors(src, tmp_path / "twice", lambda t: None)
     (twice / "model.safetensors").rename(twice / "model-1.safetensors")
     safetensors_torch.save_file(
         {"model.norm.weight": torch.ones(64)}, str(twice / "model-2.safetensors")
     )
+    assert "1 stored more than once: model.norm.weight" in _problem(twice)
     with pytest.raises(ValueError, match="stored more than once: model.norm.weight"):
-        build(twice)
+        load(twice)
     # an MTP layer past num_hidden_layers (DeepSeek-V3) and saved rotary tables are skipped
     skipped = _with_tensors(
         src,
@@ -289,6 +296,81 @@ def test_unknown_missing_and_misshapen_tensors_are_errors(ckpts, tmp_path):
     )
     a, b = build(skipped), build(src)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+
+@pytest.mark.parametrize("arch", ["llama", "dsv3"])
+def test_missing_and_extra_tensors_exit_2_before_any_rank_starts(ckpts, tmp_path, arch):
+    """A tensor the model needs, absent; a tensor with no place in the model; config.json
+    giving more layers than are stored: one problem on model.path naming the tensors, exit
+    2 from the driver (not exit 1 from the ranks)."""
+    src = ckpts[arch]
+    some_layer_tensor = sorted(k for k in _hf_tensors(src) if k.startswith("model.layers.0.mlp."))[0]
+    missing = _with_tensors(src, tmp_path / "missing", lambda t: t.pop(some_layer_tensor))
+    assert f"1 missing: {some_layer_tensor}" in _problem(missing)
+    extra = _with_tensors(src, tmp_path / "extra", lambda t: t.update({"model.layers.0.self_attn.bogus.weight": torch.zeros(3)}))
+    assert "1 have none: model.layers.0.self_attn.bogus.weight" in _problem(extra)
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    more = _copy(src, tmp_path / "more", num_hidden_layers=layers + 1)
+    msg = _problem(more)
+    assert f"missing: model.layers.{layers}." in msg and "in all)" in msg
+    assert f"num_hidden_layers={layers + 1}; the weights hold {layers} layer(s)" in msg
+    result = cli("model=hf", f"model.path={missing}", "pcp=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and "model.path" in result.stderr + result.stdout
+    assert some_layer_tensor in result.stderr + result.stdout and not (tmp_path / "run" / "result.json").exists()
+
+
+def test_tensors_the_loader_skips_pass_the_pre_run_check(ckpts, tmp_path):
+    """What the loader leaves out on purpose is not refused before the run: layers past
+    num_hidden_layers (DeepSeek-V3's MTP layers), saved rotary inv_freq, the lm_head copy of
+    a tied checkpoint."""
+    src = ckpts["dsv3"]
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    mtp = _with_tensors(src, tmp_path / "mtp", lambda t: t.update({
+        f"model.layers.{layers}.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(3),
+        f"model.layers.{layers}.enorm.weight": torch.zeros(3),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8),
+    }))
+    assert compose(["model=hf", f"model.path={mtp}", "pcp=1"]).model.path == str(mtp)
+    tied = ckpts["llama_tied_bias"]
+    with_head = _with_tensors(tied, tmp_path / "tied", lambda t: t.setdefault("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    assert compose(["model=hf", f"model.path={with_head}", "pcp=1"]).model.path == str(with_head)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"eos_token_id": "x"}', "generation_config.json: eos_token_id must be a token id or a list of token ids; got 'x'"),
+        ('{"eos_token_id": [1, "x"]}', "eos_token_id must be a token id or a list of token ids; got [1, 'x']"),
+        ('{"eos_token_id": {"a": 1}}', "eos_token_id must be a token id or a list of token ids; got {'a': 1}"),
+        ('{"eos_token_id": true}', "eos_token_id must be a token id or a list of token ids; got True"),
+        ("{nope", "generation_config.json is not readable JSON, so its eos_token_id cannot be read"),
+        ("[3]", "generation_config.json is not a JSON object, so its eos_token_id cannot be read"),
+    ],
+)
+def test_an_unreadable_eos_token_id_exits_2_naming_the_file(ckpts, tmp_path, text, says):
+    """A malformed generation_config.json is refused before any rank starts, not a bare
+    int() error in the ranks (exit 1) nor silently ignored (generation would not stop at EOS)."""
+    path = _copy(ckpts["llama"], tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(text)
+    assert says in _problem(path)
+    result = cli("model=hf", f"model.path={path}", "pcp=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode == 2 and "generation_config.json" in result.stderr + result.stdout
+
+
+def test_eos_token_ids_are_read_from_generation_config_then_config(ckpts, tmp_path):
+    from types import SimpleNamespace
+
+    from pcpflow.tokens.text import eos_token_ids
+
+    path = _copy(ckpts["llama"], tmp_path / "ckpt", eos_token_id=7)
+    model = SimpleNamespace(name="hf", path=str(path))
+    (path / "generation_config.json").write_text('{"eos_token_id": [5, 2, 5]}')
+    assert eos_token_ids(model) == [2, 5]
+    (path / "generation_config.json").write_text('{"bos_token_id": 0}')
+    assert eos_token_ids(model) == [7]
+    (path / "generation_config.json").unlink()
+    assert eos_token_ids(model) == [7]
 
 
 # ------------------------------------------------------------------ rope
