@@ -45,6 +45,7 @@ def profile_dict(**over) -> dict:
                              "seconds": [1e-4 + 1000 / 1e9, 1e-4 + 10**6 / 1e9], "latency_us": 100.0, "gbps": 1.0}
                             for op in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast",
                                        "sendrecv")],
+            "sync": {"work_s": [0.001], "excess_s": [0.0], "fixed_us": 0.0, "per_work": 0.0},  # no wait
         },
     }
     doc.update(over)

@@ -5,9 +5,9 @@ runs on, ``conf/hardware/<name>.yaml``, or a profile that ``mode=profile`` measu
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pcpflow.errors import Settings
 
@@ -122,27 +122,63 @@ class HeadShape(Settings):
         return self
 
 
+Size = Annotated[int, Field(ge=1)]
+"""A point of a size axis (rows, keys, bytes, ...): at least 1."""
+Seconds = Annotated[float, Field(gt=0)]
+"""A measured time: finite (``Settings``) and above 0 (the profiler never measures 0)."""
+Wait = Annotated[float, Field(ge=0)]
+"""A time 0 may be (a fitted excess clamped at 0, a point of a fit)."""
+
+
+def _increasing(values: list, what: str = "") -> list:
+    """A size axis: strictly increasing (the tables interpolate along it)."""
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{what or 'a size axis'}: strictly increasing sizes (the tables interpolate along it)")
+    return values
+
+
+def _paired(values: list, info: ValidationInfo, other: str) -> list:
+    """``values``, one per point of ``other`` (validated before it)."""
+    given = info.data.get(other)
+    if given is not None and len(values) != len(given):
+        raise ValueError(f"one value per point of {other}: {len(given)} values, not {len(values)}")
+    return values
+
+
 class GemmTable(Settings):
     """Seconds of one ``F.linear`` of ``[m, k]`` by ``[n, k]`` at every point of the grid."""
 
-    m: list[int] = Field(min_length=1)
-    n: list[int] = Field(min_length=1)
-    k: list[int] = Field(min_length=1)
-    seconds: list[list[list[float]]] = Field(description="[m][n][k], seconds of one call")
+    m: list[Size] = Field(min_length=1)
+    n: list[Size] = Field(min_length=1)
+    k: list[Size] = Field(min_length=1)
+    seconds: list[list[list[Seconds]]] = Field(description="[m][n][k], seconds of one call")
 
-    @model_validator(mode="after")
-    def _shape(self) -> GemmTable:
-        _check_grid(self.seconds, (len(self.m), len(self.n), len(self.k)), "seconds[m][n][k]")
-        return self
+    _axes = field_validator("m", "n", "k")(_increasing)
+
+    @field_validator("seconds")
+    @classmethod
+    def _shape(cls, v: list, info: ValidationInfo) -> list:
+        if all(a in info.data for a in "mnk"):
+            _check_grid(v, tuple(len(info.data[a]) for a in "mnk"), "seconds[m][n][k]")
+        return v
 
 
 class AttentionTable(Settings):
     """One phase of one dtype through the attention backend: seconds of one call (the KV write
     and the kernel) with ``rows`` query rows over ``keys`` keys each, per basis head shape."""
 
-    rows: list[int] = Field(min_length=1)
-    keys: list[int] = Field(min_length=1)
-    seconds: list[list[list[float]]] = Field(description="[rows][keys][basis]")
+    rows: list[Size] = Field(min_length=1)
+    keys: list[Size] = Field(min_length=1)
+    seconds: list[list[list[Seconds]]] = Field(description="[rows][keys][basis]")
+
+    _axes = field_validator("rows", "keys")(_increasing)
+
+    @field_validator("seconds")
+    @classmethod
+    def _shape(cls, v: list, info: ValidationInfo) -> list:
+        if "rows" in info.data and "keys" in info.data:
+            _check_grid(v, (len(info.data["rows"]), len(info.data["keys"])), "seconds[rows][keys]")
+        return v
 
 
 class AttentionTables(Settings):
@@ -168,13 +204,20 @@ class AttentionTables(Settings):
 class MemoryTable(Settings):
     """Streaming: seconds of a copy of ``bytes`` (read once, written once)."""
 
-    bytes: list[int] = Field(min_length=1)
-    seconds: list[float] = Field(min_length=1)
+    bytes: list[Size] = Field(min_length=1)
+    seconds: list[Seconds] = Field(min_length=1)
+
+    _axes = field_validator("bytes")(_increasing)
+
+    @field_validator("seconds")
+    @classmethod
+    def _paired(cls, v: list, info: ValidationInfo) -> list:
+        return _paired(v, info, "bytes")
 
 
 class LaunchTable(Settings):
     op_us: float = Field(gt=0, description="one trivial op (a one-element add), microseconds")
-    layer_op_us: dict[str, float] = Field(
+    layer_op_us: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict,
         description="per attention kind (gqa, mla): a pcpflow decoder layer at minimal widths, its time over "
         "its counted ops (views and the module code included), microseconds")
@@ -186,12 +229,17 @@ class HostTable(Settings):
     slots, the restore's indexing and sampling), and its fit ``fixed + per_request x requests +
     per_token x tokens``."""
 
-    requests: list[int] = Field(min_length=1)
-    tokens: list[int] = Field(min_length=1)
-    seconds: list[float] = Field(min_length=1)
+    requests: list[Size] = Field(min_length=1)
+    tokens: list[Size] = Field(min_length=1)
+    seconds: list[Wait] = Field(min_length=1)
     fixed_us: float = Field(ge=0)
     per_request_us: float = Field(ge=0)
     per_token_us: float = Field(ge=0)
+
+    @field_validator("tokens", "seconds")
+    @classmethod
+    def _paired(cls, v: list, info: ValidationInfo) -> list:
+        return _paired(v, info, "requests")
 
 
 class SyncTable(Settings):
@@ -199,10 +247,15 @@ class SyncTable(Settings):
     of work on every rank (means: with every core busy, what else the machine runs delays one
     rank and the others wait), and its fit ``fixed + per_work x work``."""
 
-    work_s: list[float] = Field(min_length=1)
-    excess_s: list[float] = Field(min_length=1)
+    work_s: list[Seconds] = Field(min_length=1)
+    excess_s: list[Wait] = Field(min_length=1, description="0 when the call waited no longer than alone")
     fixed_us: float = Field(ge=0)
     per_work: float = Field(ge=0)
+
+    @field_validator("excess_s")
+    @classmethod
+    def _paired(cls, v: list, info: ValidationInfo) -> list:
+        return _paired(v, info, "work_s")
 
 
 COLLECTIVE_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
@@ -216,23 +269,45 @@ class CollectiveTable(Settings):
     group: str = Field(description="the grid's group it ran on: tp, pcp, dcp, dcp_heads or world")
     ranks: int = Field(ge=2)
     op: Literal[COLLECTIVE_OPS]  # type: ignore[valid-type]
-    bytes: list[int] = Field(min_length=1)
-    seconds: list[float] = Field(min_length=1)
+    bytes: list[Size] = Field(min_length=1)
+    seconds: list[Seconds] = Field(min_length=1)
     latency_us: float = Field(ge=0)
     gbps: float = Field(gt=0)
+
+    _axes = field_validator("bytes")(_increasing)
+
+    @field_validator("seconds")
+    @classmethod
+    def _paired(cls, v: list, info: ValidationInfo) -> list:
+        return _paired(v, info, "bytes")
 
 
 class Tables(Settings):
     """What ``mode=profile`` measured (docs/profile.md); the price interpolates them and falls
-    back to the roofline with the measured peaks outside."""
+    back to the roofline with the measured peaks outside. ``mode=profile`` always writes
+    gemm, attention, memory, launch and host (the price has no right substitute for any of
+    them: required); collectives and sync only with more than one rank. Times are finite and
+    above 0 (a sync excess or a host point may be 0), sizes at least 1, size axes strictly
+    increasing, paired lists of one length."""
 
-    gemm: dict[str, GemmTable] = Field(default_factory=dict, description="by dtype (float32, bfloat16, ...)")
-    attention: AttentionTables | None = None
-    memory: MemoryTable | None = None
-    launch: LaunchTable | None = None
-    host: HostTable | None = None
-    collectives: list[CollectiveTable] = Field(default_factory=list)
-    sync: SyncTable | None = None
+    gemm: dict[str, GemmTable] = Field(min_length=1, description="by dtype (float32, bfloat16, ...)")
+    attention: AttentionTables
+    memory: MemoryTable
+    launch: LaunchTable
+    host: HostTable
+    collectives: list[CollectiveTable] = Field(
+        default_factory=list, description="none on a profile of one rank (no collective ran)")
+    sync: SyncTable | None = Field(None, validate_default=True,
+                                   description="with collectives: required; null: one rank, no collective")
+
+    @field_validator("sync")
+    @classmethod
+    def _sync(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("collectives"):
+            raise ValueError("a profile with collectives measured how long they wait for the slowest rank "
+                             "(sync: work_s, excess_s, fixed_us, per_work; mode=profile writes it with them); "
+                             "run mode=profile again")
+        return v
 
 
 class Measured(Settings):
@@ -278,7 +353,17 @@ class HardwareConfig(Settings):
     overlap: Overlap = Field(default_factory=Overlap)
     path: str | None = Field(None, description="hardware=measured: the profile file (mode=profile's hardware.yaml)")
     measured: Measured | None = Field(None, description="a measured profile: where, when, complete or partial")
-    tables: Tables | None = Field(None, description="a measured profile's tables (docs/profile.md)")
+    tables: Tables | None = Field(None, validate_default=True,
+                                  description="a measured profile's tables (docs/profile.md)")
+
+    @field_validator("tables")
+    @classmethod
+    def _measured(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("measured") is not None:
+            raise ValueError("a measured profile (it has measured) holds the tables mode=profile measured: gemm, "
+                             "attention, memory, launch, host (and collectives, sync with more than one rank); "
+                             "run mode=profile again")
+        return v
 
     @model_validator(mode="after")
     def _complete(self) -> HardwareConfig:
@@ -287,7 +372,8 @@ class HardwareConfig(Settings):
             raise ValueError(f"NCCL's model needs arch, nvlink and network together; missing: {', '.join(nccl)}")
         # NOTE: without NCCL's graphs, collectives come from the tables; a run with a group the
         # profile did not measure is refused (pcpflow.simulate.prepare.measured_problems).
-        if self.sm_count is None and not (self.tables and self.tables.gemm):
+        # NOTE: a measured profile's tables are checked on their own (``Tables``: gemm required)
+        if self.sm_count is None and self.tables is None and not self.path:
             raise ValueError("no way to price GEMMs: set sm_count (tiles in waves) or measure them (tables.gemm)")
         return self
 
@@ -323,6 +409,9 @@ def load_profile(path: str | None) -> dict:
         raise ValueError(f"a YAML hardware profile; {file} does not parse: {' '.join(str(exc).split())}") from None
     if not isinstance(values, dict) or "name" not in values:
         raise ValueError(f"a hardware profile (a mapping with name, peak_tflops, host, ...); {file} is not one")
+    if values.get("tables") is not None and values.get("measured") is None:
+        raise ValueError(f"a measured profile; {file} has tables but no measured section (date, device, status, "
+                         "...: mode=profile writes it, and a partial profile is known by it); run mode=profile again")
     measured = values.get("measured") or {}
     if isinstance(measured, dict) and measured.get("status") == "partial":
         missing = ", ".join(map(str, measured.get("missing") or [])) or "unknown sections"

@@ -202,3 +202,47 @@ def test_the_cold_pool_is_twice_the_last_level_cache_within_bounds(monkeypatch):
     for cache, pool in ((480 << 20, 960 << 20), (32 << 20, 256 << 20), (4 << 30, 2 << 30), (None, 256 << 20)):
         monkeypatch.setattr(sections, "last_level_cache_bytes", lambda device, c=cache: c)
         assert sections.cold_pool_bytes(FULL, cpu) == pool
+
+
+def _edit(doc: dict, path: str, value) -> None:
+    """Set (or, with ``...``, remove) the value at a dotted path of a profile dict."""
+    *parents, last = path.split(".")
+    node = doc
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if value is ...:
+        del node[last]
+    else:
+        node[int(last) if isinstance(node, list) else last] = value
+
+
+@pytest.mark.parametrize("path, value, field, says", [
+    ("tables.collectives.0.seconds.1", -0.001, "hardware.tables.collectives.0.seconds.1", "greater than 0"),
+    ("tables.gemm.float32.seconds.0.0.0", -1.0, "hardware.tables.gemm.float32.seconds.0.0.0", "greater than 0"),
+    ("tables.memory.seconds.0", 0.0, "hardware.tables.memory.seconds.0", "greater than 0"),
+    ("tables.memory.bytes", [1024, 2**20], "hardware.tables.memory.seconds", "one value per point of bytes"),
+    ("tables.collectives.0.bytes", [10**6, 1000], "hardware.tables.collectives.0.bytes", "strictly increasing"),
+    ("tables.gemm.float32.m", [1, 64], "hardware.tables.gemm.float32.seconds", "must be 2 x 3 x 3"),
+    ("tables.host", ..., "hardware.tables.host", "required"),
+    ("tables.launch", ..., "hardware.tables.launch", "required"),
+    ("tables.memory", ..., "hardware.tables.memory", "required"),
+    ("tables.gemm", ..., "hardware.tables.gemm", "required"),
+    ("tables.attention", ..., "hardware.tables.attention", "required"),
+    ("tables.sync", ..., "hardware.tables.sync", "slowest rank"),
+    ("tables", ..., "hardware.tables", "gemm, attention, memory, launch, host"),
+    ("measured", ..., "hardware.path", "no measured section"),
+])
+def test_a_broken_table_is_one_problem_naming_it(tmp_path, path, value, field, says):
+    doc = profile_dict()
+    _edit(doc, path, value)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(doc))
+    line = _one_problem(*SIM, f"hardware.path={broken}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert line.strip().startswith(f"- {field}:") and says in line, line
+    assert len(line) < 600, line  # the table or field at fault, never the whole profile
+
+
+def test_a_profile_of_one_rank_needs_no_collectives_or_sync(tmp_path):
+    doc = profile_dict()
+    doc["tables"].update(collectives=[], sync=None)
+    assert HardwareConfig.model_validate(doc).tables.sync is None

@@ -179,7 +179,7 @@ def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
 
 
 def test_each_collective_waits_for_the_slowest_rank_as_the_sync_table_says(tmp_path):
-    """The same pcp=2 run priced without and with a sync table (fixed 100 us, 5% of the work).
+    """The same pcp=2 run priced on a sync table of no wait and on one (fixed 100 us, 5% of the work).
     Each step waits ``calls x fixed + per_work x busy``: its collective calls (the prefill: two
     KV gathers and the restore, 3; a decode: the restore, 1), and its time outside them on the
     table-less run. At pcp=1 no collective runs, and nothing waits."""
