@@ -18,6 +18,7 @@ class ProfileConfig(Settings):
     )
     dtypes: list[Literal[PROFILE_DTYPES]] | None = Field(  # type: ignore[valid-type]
         None,
+        min_length=1,
         description="the dtypes its GEMM and attention tables cover; null: the device's (CPU: float32, "
         "float64, bfloat16; CUDA: bfloat16, float32; quick: the first)",
     )

@@ -66,6 +66,15 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
 
         print(help_text())
         return EXIT_OK
+    if "--version" in argv:  # NOTE: pcpflow's, and what it runs on (Hydra would print its own)
+        import hydra
+        import torch
+
+        from pcpflow import __version__
+
+        print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
+              f"python {sys.version.split()[0]})")
+        return EXIT_OK
     overrides, multirun, no_run = split_args(argv)
     # NOTE: `--cfg job` shows what a run would run: it is validated like one.
     if not no_run or any(a.split("=", 1)[0] in ("--cfg", "-c") for a in argv):

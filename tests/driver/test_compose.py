@@ -154,3 +154,15 @@ def test_dspark_with_no_target_layer_is_refused():
     # no hidden state to feed the drafter; None (the default) is first, middle and last
     assert problems_of(["draft=dspark", "draft.target_layers=[]"]) == {
         "draft.target_layers": "List should have at least 1 item after validation, not 0"}
+
+
+def test_version_is_pcpflow_s_own(capsys):
+    from pcpflow import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith(f"pcpflow {__version__} (torch ")
+
+
+def test_a_profile_of_no_dtype_is_refused():
+    assert problems_of(["mode=profile", "profile.dtypes=[]"]) == {
+        "profile.dtypes": "List should have at least 1 item after validation, not 0"}
