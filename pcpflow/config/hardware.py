@@ -201,8 +201,8 @@ class AttentionTables(Settings):
         return self
 
 
-class MemoryTable(Settings):
-    """Streaming: seconds of a copy of ``bytes`` (read once, written once)."""
+class _BySize(Settings):
+    """Seconds measured at increasing sizes in bytes, one per size."""
 
     bytes: list[Size] = Field(min_length=1)
     seconds: list[Seconds] = Field(min_length=1)
@@ -213,6 +213,10 @@ class MemoryTable(Settings):
     @classmethod
     def _paired(cls, v: list, info: ValidationInfo) -> list:
         return _paired(v, info, "bytes")
+
+
+class MemoryTable(_BySize):
+    """Streaming: seconds of a copy of ``bytes`` (read once, written once)."""
 
 
 class LaunchTable(Settings):
@@ -261,7 +265,7 @@ class SyncTable(Settings):
 COLLECTIVE_OPS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 
 
-class CollectiveTable(Settings):
+class CollectiveTable(_BySize):
     """One collective on one group of the profiled grid, by one rank's tensor bytes (an
     all-gather's shard, a reduce-scatter's whole input, a send's tensor), and its fit
     ``latency + bytes / bandwidth`` on its own points."""
@@ -269,17 +273,8 @@ class CollectiveTable(Settings):
     group: str = Field(description="the grid's group it ran on: tp, pcp, dcp, dcp_heads or world")
     ranks: int = Field(ge=2)
     op: Literal[COLLECTIVE_OPS]  # type: ignore[valid-type]
-    bytes: list[Size] = Field(min_length=1)
-    seconds: list[Seconds] = Field(min_length=1)
     latency_us: float = Field(ge=0)
     gbps: float = Field(gt=0)
-
-    _axes = field_validator("bytes")(_increasing)
-
-    @field_validator("seconds")
-    @classmethod
-    def _paired(cls, v: list, info: ValidationInfo) -> list:
-        return _paired(v, info, "bytes")
 
 
 class Tables(Settings):

@@ -197,8 +197,6 @@ class MeasuredKernels:
         and written): at the rate of a copy of half that (in cache when small); past the
         table, the largest copy's."""
         m = self.tables.memory
-        if m is None:
-            return np.asarray(nbytes, dtype=np.float64) / self.hbm
         half = float(op_bytes) / 2 if op_bytes else float(m.bytes[-1])
         copy = np.asarray(m.bytes, float)
         half = min(max(half, copy[0]), copy[-1])
@@ -229,10 +227,8 @@ class MeasuredCollectives:
 
 
 def host_seconds(tables: Tables, requests: int, tokens: int) -> float:
-    """pcpflow's per-step host work outside the layers (0 without a host table)."""
+    """pcpflow's per-step host work outside the layers."""
     h = tables.host
-    if h is None:
-        return 0.0
     return (h.fixed_us + h.per_request_us * requests + h.per_token_us * tokens) * 1e-6
 
 
