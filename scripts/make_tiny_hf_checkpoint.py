@@ -2,14 +2,23 @@
 
 The checkpoint is a normal ``save_pretrained`` directory (config.json + safetensors, sharded
 with an index when ``--max-shard-size`` is small), so it exercises exactly the loading
-path a real Llama / DeepSeek checkpoint takes::
+path a real Llama / Qwen / Mistral / DeepSeek checkpoint takes::
 
     python scripts/make_tiny_hf_checkpoint.py --arch llama --out /tmp/tiny-llama
+    python scripts/make_tiny_hf_checkpoint.py --arch qwen2 --tie-word-embeddings --out /tmp/tiny-qwen2
+    python scripts/make_tiny_hf_checkpoint.py --arch qwen3 --out /tmp/tiny-qwen3
+    python scripts/make_tiny_hf_checkpoint.py --arch mistral --sliding-window 4096 --out /tmp/tiny-mistral
     python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v3 --out /tmp/tiny-dsv3
     python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v2 --q-lora-rank none \
         --out /tmp/tiny-dsv2
     python scripts/make_tiny_hf_checkpoint.py --arch deepseek_v3 --moe --out /tmp/tiny-dsv3-moe
     python -m pcpflow model=hf model.path=/tmp/tiny-dsv3 pcp=2 dcp=2
+
+The GQA families differ as transformers builds them: Qwen2 always has q/k/v biases (never
+o or MLP ones), Qwen3 has per-head q/k RMSNorms and ``head_dim=24`` != hidden/heads (16),
+``--bias`` gives Llama attention and MLP biases and Qwen3 q/k/v/o ones (Mistral has none).
+``--sliding-window N`` (Mistral; Qwen with ``use_sliding_window``) writes a sliding window;
+without it there is none (``sliding_window`` null).
 
 ``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
 in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
@@ -52,7 +61,13 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "deepseek_v3", "deepseek_v2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "deepseek_v2")
+GQA_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 
 ROPE_SCALINGS = {
     "none": None,
@@ -74,7 +89,14 @@ ROPE_SCALINGS = {
     },
 }
 
-DEFAULT_ROPE_SCALING = {"llama": "llama3", "deepseek_v3": "yarn", "deepseek_v2": "yarn"}
+DEFAULT_ROPE_SCALING = {
+    "llama": "llama3",
+    "qwen2": "yarn",
+    "qwen3": "none",
+    "mistral": "none",
+    "deepseek_v3": "yarn",
+    "deepseek_v2": "yarn",
+}
 
 
 def tiny_config(
@@ -88,6 +110,7 @@ def tiny_config(
     vocab_size: int = 384,
     num_layers: int = 2,
     moe: bool = False,
+    sliding_window: int | None = None,
 ):
     """The transformers config of a tiny ``arch`` model (``rope_scaling`` None: the arch's
     default, see ``DEFAULT_ROPE_SCALING``)."""
@@ -110,8 +133,17 @@ def tiny_config(
         eos_token_id=None,
         pad_token_id=None,
     )
-    if arch == "llama":
-        return transformers.LlamaConfig(**common, num_key_value_heads=2, head_dim=16, mlp_bias=bias)
+    if arch in GQA_ARCHS:
+        family = dict(
+            llama=dict(head_dim=16, mlp_bias=bias),
+            qwen2=dict(use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0),
+            qwen3=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                       max_window_layers=0),
+            mistral=dict(head_dim=16, sliding_window=sliding_window),
+        )[arch]
+        if arch in ("qwen2", "mistral"):  # NOTE: their attention ignores attention_bias
+            common.pop("attention_bias")
+        return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(
         q_lora_rank=q_lora_rank,
         kv_lora_rank=32,
@@ -242,7 +274,7 @@ def build_checkpoint(
         config_kwargs["vocab_size"] = len(tok)
     config = tiny_config(arch, **config_kwargs)
     cls = {
-        "llama": transformers.LlamaForCausalLM,
+        **{name: getattr(transformers, model) for name, (_, model) in GQA_ARCHS.items()},
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
     }[arch]
@@ -273,11 +305,12 @@ def main(argv: list[str] | None = None) -> None:
         "--rope-scaling",
         choices=sorted(ROPE_SCALINGS),
         default=None,
-        help="default: llama3 for llama, yarn for deepseek",
+        help="default: llama3 for llama, yarn for qwen2 and deepseek, none for qwen3 and mistral",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie-word-embeddings", action="store_true")
-    p.add_argument("--bias", action="store_true", help="attention (and Llama MLP) biases")
+    p.add_argument("--bias", action="store_true", help="attention (and Llama MLP) biases; Qwen2 has q/k/v biases always")
+    p.add_argument("--sliding-window", type=int, default=None, help="Mistral / Qwen: a sliding window of N tokens")
     p.add_argument(
         "--no-rope-interleave",
         action="store_true",
@@ -305,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         bias=args.bias,
         rope_interleave=not args.no_rope_interleave,
         moe=args.moe,
+        sliding_window=args.sliding_window,
         tokenizer=args.tokenizer,
         eos_token_id=args.eos_token_id,
     )

@@ -6,7 +6,8 @@ the plugins and the stages (``pcpflow.pipeline``), the checkpoint (``pcpflow.mod
 safetensors headers against config.json), the workload from its lengths alone
 (``pcpflow.scheduling``: no token array is built to find out that it is too big, and the
 one "can this request ever fit" rule of the KV cache), and for an executed run, which
-allocates on this host, the host's memory (``pcpflow.rank.devices``). A simulated run
+allocates on this host, the host's memory (``pcpflow.rank.devices``) and a checkpoint's
+sliding window against the longest request (``pcpflow.models.hf.window_problems``). A simulated run
 (``mode=simulate``) reads only config.json and sizes its KV cache from the hardware it
 prices, so host-memory limits are skipped there.
 
@@ -28,7 +29,7 @@ from pcpflow.errors import ConfigError, Problem
 def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None = None) -> Any:
     """Every pre-run check; returns ``cfg`` with the fields derived from its stages
     (``num_speculative_tokens``), raises ConfigError listing every problem."""
-    from pcpflow.models.hf import checkpoint_problems
+    from pcpflow.models.hf import checkpoint_problems, window_problems
     from pcpflow.pipeline.assemble import stage_problems
     from pcpflow.pipeline.stage import plugin_problems
     from pcpflow.rank.devices import host_memory_problems
@@ -56,6 +57,9 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
                                                             num_blocks=c.kv.num_blocks), pool)
             if kind == "execute":
                 problems += host_memory_problems(cfg, *lengths)
+                if len(lengths[0]):
+                    longest = int((lengths[0] + lengths[1]).max()) + cfg.num_speculative_tokens
+                    problems += window_problems(cfg.model, longest)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -2,12 +2,19 @@
 
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
-Supported: ``LlamaForCausalLM`` (``hf_llama``) and ``DeepseekV2ForCausalLM`` /
-``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is
-checked when the run config is validated — an unsupported architecture (other MoE
-families such as Mixtral and Qwen-MoE are named as such), a quantized checkpoint, a missing
-directory or weights are configuration errors (exit 2, no rank started). The weights are
-cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
+Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (``hf_llama``: one model, the families'
+differences — biases, Qwen3's q/k norms, head_dim — in a table) and
+``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+(``hf_deepseek``). The config is checked when the run config is validated — an unsupported
+architecture (other MoE families such as Mixtral and Qwen-MoE are named as such), a
+quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
+rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
+``use_sliding_window``) shorter than a request of the run (``window_problems``): pcpflow
+attends to the whole sequence, which equals the window only until a request outgrows it.
+The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
+A simulated run reads the same architectures' sizes (quantized ones too) and prices full
+attention.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
-from pcpflow.models.hf_llama import LlamaCheckpoint
+from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
 from pcpflow.models.hf_weights import (
     checkpoint_files,
     load_checkpoint,
@@ -34,12 +41,15 @@ from pcpflow.models.hf_weights import (
 )
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
-    "LlamaForCausalLM": LlamaCheckpoint,
+    **dict.fromkeys(FAMILIES, LlamaCheckpoint),
     "DeepseekV2ForCausalLM": DeepseekCheckpoint,
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -59,11 +69,6 @@ def read_config_json(path: str | Path) -> dict:
     return raw
 
 
-SIZES_ONLY = {"MistralForCausalLM": LlamaCheckpoint, "Qwen2ForCausalLM": LlamaCheckpoint}
-"""Architectures a simulated run can size from config.json (GQA decoders with Llama's
-fields), though pcpflow does not load their weights."""
-
-
 def architecture_of(raw: dict) -> str:
     """The architecture a config.json names (``architectures[0]``, else its ``model_type``)."""
     archs = raw.get("architectures")
@@ -77,19 +82,17 @@ def architecture_of(raw: dict) -> str:
 
 def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> CheckpointConfig:
     """The checkpoint config of ``path``'s config.json alone (strictly validated); ValueError
-    saying what is wrong. ``sizes_only`` (a simulated run): quantized checkpoints and the
-    architectures of ``SIZES_ONLY`` are read too."""
+    saying what is wrong. ``sizes_only`` (a simulated run): quantized checkpoints are read too."""
     raw = read_config_json(path)
     arch = architecture_of(raw)
-    known = {**ARCHITECTURES, **SIZES_ONLY} if sizes_only else ARCHITECTURES
-    if arch not in known and _is_moe(raw, arch):
+    if arch not in ARCHITECTURES and _is_moe(raw, arch):
         raise ValueError(
             f"unsupported architecture {arch}: a mixture-of-experts variant whose router is not "
             "DeepSeek's; supported MoE checkpoints: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"
         )
-    if arch not in known:
-        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(known)}")
-    return known[arch].parse(raw, arch, allow_quantized=sizes_only)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[arch].parse(raw, arch, allow_quantized=sizes_only)
 
 
 def read_checkpoint(path: str | Path) -> CheckpointConfig:
@@ -116,7 +119,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama or DeepSeek model with the weights of a Hugging Face checkpoint."""
+    """A Llama-style (Llama, Mistral, Qwen2/3) or DeepSeek model with the weights of a
+    Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""
@@ -215,6 +219,28 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
     from pcpflow.tokens.text import eos_problems
 
     return _tensor_problems(path, shapes, names) + eos_problems(model_config)
+
+
+def window_problems(model_config: Any, longest: int) -> list[Problem]:
+    """A checkpoint's sliding window against the run's longest request (``longest``: prompt
+    plus output plus speculative tokens): pcpflow attends to every earlier token, which is
+    the window's attention exactly while no request is longer than the window."""
+    if getattr(model_config, "name", None) != "hf" or not model_config.path:
+        return []
+    try:
+        checkpoint = read_checkpoint(model_config.path)
+    except ValueError:
+        return []  # the model's own validation reports it
+    window = getattr(checkpoint, "window", None)
+    if window is None or longest <= window:
+        return []
+    return [Problem("model.path", model_config.path, (
+        f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
+        f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
+        f"attends to every earlier token, so it runs {checkpoint.architecture} exactly only for "
+        f"requests of at most {window} tokens (prompt + output), or with sliding_window null"
+        + (" / use_sliding_window false" if checkpoint.family.sliding == "use_sliding_window" else "")
+    ))]
 
 
 def _some(names: list[str], limit: int = 5) -> str:

@@ -1,13 +1,28 @@
-"""Llama checkpoints (``LlamaForCausalLM``): grouped-query attention with RoPE.
+"""Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` — grouped-query attention with RoPE.
 
-The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. Biases on the
-attention and MLP projections are loaded when the config asks for them
-(``attention_bias`` / ``mlp_bias``).
+The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. The four read the
+same config.json fields and differ only where ``FAMILIES`` says (transformers'
+``modeling_<family>.py``):
+
+- Llama: biases on q/k/v/o when ``attention_bias``, on the MLP when ``mlp_bias``.
+- Mistral: no biases whatever the config says; a sliding window unless ``sliding_window``
+  is null (absent: transformers' default, 4096).
+- Qwen2: biases on q/k/v always, never on o or the MLP; a sliding window on the layers
+  ``>= max_window_layers`` (or those ``layer_types`` names) only when ``use_sliding_window``.
+- Qwen3: q/k/v/o biases when ``attention_bias``; an RMSNorm over each head of q and of k
+  (``q_norm``, ``k_norm``, eps ``rms_norm_eps``) before RoPE; ``head_dim`` defaults to 128,
+  not hidden/heads; a sliding window as Qwen2.
+
+pcpflow attends to the whole sequence, so a sliding window is exact only while no request
+is longer than it: ``LlamaCheckpoint.window`` is what the driver checks the run's
+requests against (``pcpflow.models.hf.window_problems``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -18,12 +33,43 @@ from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import gqa_layers, gqa_spec
 
 
+@dataclass(frozen=True)
+class GQAFamily:
+    """How one architecture reads Llama's fields; a bias None: config.json's field decides
+    (``attention_bias`` for q/k/v and o, ``mlp_bias`` for the MLP)."""
+
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool = False
+    head_dim: int | None = None  # when config.json gives none (None: hidden_size / heads)
+    sliding: Literal["never", "every_layer", "use_sliding_window"] = "never"
+
+
+FAMILIES = {
+    "LlamaForCausalLM": GQAFamily(),
+    "MistralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer"),
+    "Qwen2ForCausalLM": GQAFamily(qkv_bias=True, o_bias=False, mlp_bias=False, sliding="use_sliding_window"),
+    "Qwen3ForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, head_dim=128, sliding="use_sliding_window"),
+}
+
+DEFAULT_SLIDING_WINDOW = 4096
+"""transformers' ``sliding_window`` where a Mistral / Qwen config.json gives none."""
+
+DEFAULT_MAX_WINDOW_LAYERS = 28
+"""transformers' Qwen ``max_window_layers`` (layers from it on slide)."""
+
+
 class LlamaCheckpoint(CheckpointConfig):
-    """The config.json fields of a Llama checkpoint that pcpflow uses."""
+    """The config.json fields of a Llama-style checkpoint that pcpflow uses."""
 
     num_key_value_heads: int | None = Field(None, gt=0)
     head_dim: int | None = Field(None, gt=0)
     mlp_bias: bool = False
+    sliding_window: int | None = Field(None, gt=0)
+    use_sliding_window: bool = False
+    max_window_layers: int = Field(DEFAULT_MAX_WINDOW_LAYERS, ge=0)
+    layer_types: list[str] | None = None
 
     renames: ClassVar[tuple[Rename, ...]] = (
         *DECODER_RENAMES,
@@ -31,6 +77,8 @@ class LlamaCheckpoint(CheckpointConfig):
         attention_rename("k_proj.{wb}", "k_proj.{wb}"),
         attention_rename("v_proj.{wb}", "v_proj.{wb}"),
         attention_rename("o_proj.{wb}", "o_proj.{wb}"),
+        attention_rename("q_norm.weight", "q_norm.weight"),
+        attention_rename("k_norm.weight", "k_norm.weight"),
     )
 
     @model_validator(mode="after")
@@ -45,20 +93,60 @@ class LlamaCheckpoint(CheckpointConfig):
         return self
 
     @property
+    def family(self) -> GQAFamily:
+        return FAMILIES[self.architecture]
+
+    @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        return self.head_dim or self.family.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        """The layers transformers gives a sliding window of ``window`` tokens."""
+        sliding = self.family.sliding
+        given = self.sliding_window if "sliding_window" in self.model_fields_set else DEFAULT_SLIDING_WINDOW
+        if sliding == "never" or given is None or (sliding == "use_sliding_window" and not self.use_sliding_window):
+            return []
+        layers = range(self.num_hidden_layers)
+        if sliding == "every_layer":
+            return list(layers)
+        if self.layer_types is not None:
+            return [i for i in layers if i < len(self.layer_types) and self.layer_types[i] == "sliding_attention"]
+        return [i for i in layers if i >= self.max_window_layers]
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window (the most recent keys a query sees, itself included) of the
+        layers that have one; None: every layer sees the whole sequence, as pcpflow does."""
+        if not self.sliding_layers:
+            return None
+        return self.sliding_window if "sliding_window" in self.model_fields_set else DEFAULT_SLIDING_WINDOW
+
+    def window_setting(self) -> str:
+        """The config.json fields that put ``window`` in effect, as config.json spells them."""
+        if self.family.sliding == "every_layer":
+            return f"sliding_window={self.window} (every layer)"
+        layers = self.sliding_layers
+        return (f"use_sliding_window=true, sliding_window={self.window} ({len(layers)} of "
+                f"{self.num_hidden_layers} layers, from layer {layers[0]})")
 
     def attn_spec(self) -> AttentionSpec:
         return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
 
     def build_layers(self) -> list[DecoderLayer]:
+        f = self.family
+
+        def given(fixed: bool | None, field: bool) -> bool:
+            return field if fixed is None else fixed
+
         return gqa_layers(
             self.num_hidden_layers, hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
             num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            bias=self.attention_bias, mlp_bias=self.mlp_bias,
+            bias=given(f.qkv_bias, self.attention_bias), o_bias=given(f.o_bias, self.attention_bias),
+            mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=f.qk_norm,
         )

@@ -3,7 +3,7 @@
 drafters all use these, so one definition carries the math that is proven against
 transformers.
 
-- ``GQAAttention`` (Llama): cache entry = roped K of every kv head, then V.
+- ``GQAAttention`` (Llama, Mistral, Qwen2/3): cache entry = roped K of every kv head, then V.
 - ``MLAAttention`` (DeepSeek): cache entry = the normalized latent ``c_kv`` and the roped,
   head-shared ``k_pe``. Queries are absorbed into latent space (``q_nope @ W_UK`` per
   head) so the backend sees one "kv head" whose keys are the whole entry and whose values
@@ -49,6 +49,10 @@ def mla_spec(num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> 
 
 
 class GQAAttention(nn.Module):
+    """Grouped-query attention. ``bias``: biases on q/k/v, and on o unless ``o_bias`` says
+    otherwise (Qwen2: q/k/v only). ``qk_norm_eps``: an RMSNorm over each head's ``head_dim``
+    of q and of k (one weight shared by the heads) before RoPE, as Qwen3; None: none."""
+
     def __init__(
         self,
         *,
@@ -58,20 +62,24 @@ class GQAAttention(nn.Module):
         head_dim: int,
         rotary: RotaryEmbedding,
         bias: bool = False,
+        o_bias: bool | None = None,
+        qk_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
+        norm = (lambda: RMSNorm(head_dim, qk_norm_eps)) if qk_norm_eps is not None else nn.Identity
+        self.q_norm, self.k_norm = norm(), norm()
         self.rotary = rotary
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
-        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))
+        k = self.k_norm(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         q = self.rotary.apply(q, cos, sin)
         k = self.rotary.apply(k, cos, sin)
@@ -150,9 +158,12 @@ def gqa_layers(
     rope_theta: float,
     rope_scaling: RopeScaling | None = None,
     bias: bool = False,
+    o_bias: bool | None = None,
     mlp_bias: bool = False,
+    qk_norm: bool = False,
 ) -> list[DecoderLayer]:
-    """``num_layers`` pre-norm decoder layers with GQA attention (Llama; the tiny GQA model)."""
+    """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
+    ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps``."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -162,6 +173,8 @@ def gqa_layers(
                 head_dim=head_dim,
                 rotary=RotaryEmbedding(head_dim, rope_theta, scaling=rope_scaling),
                 bias=bias,
+                o_bias=o_bias,
+                qk_norm_eps=eps if qk_norm else None,
             ),
             hidden_size,
             intermediate_size,

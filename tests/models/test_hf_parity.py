@@ -1,11 +1,11 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama and DeepSeek-V2/V3 checkpoints are written by transformers itself
+Tiny random Llama, Qwen2, Qwen3, Mistral and DeepSeek-V2/V3 checkpoints are written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
 one longer than ``scheduler.max_num_batched_tokens`` so it is prefilled in chunks — at
 pcp in {1, 2, 4}, dcp in {1, pcp}, replicated and sharded decodes, and tensor parallel
-at tp=2 pcp=2 (Llama dcp 1, 2; DeepSeek dcp 1, 2, 4). The expected values
+at tp=2 pcp=2 (Llama, Qwen2, Qwen3 dcp 1, 2; DeepSeek dcp 1, 2, 4). The expected values
 come from transformers alone: its forward with its own cache, prompt then one token at a
 time (the logits at the last prompt token and at every decode step), and
 ``model.generate(do_sample=False)`` for the tokens. pcpflow must match them within 1e-5
@@ -52,6 +52,7 @@ TOL = {"float32": 1e-5, "float64": 1e-10}
 MAX_BATCHED = 32
 PROMPT_LENS = [1, 6, 19, 45, 70]  # 45 and 70 are chunked (> MAX_BATCHED)
 OUTPUT_LENS = [5, 3, 6, 4, 2]
+LONGEST = max(p + o for p, o in zip(PROMPT_LENS, OUTPUT_LENS))
 
 # name -> make_tiny_hf_checkpoint.build_checkpoint options
 CHECKPOINTS = {
@@ -63,6 +64,13 @@ CHECKPOINTS = {
         bias=True,
         max_shard_size="100KB",
     ),
+    # Qwen2 as its small instruct models: q/k/v biases, tied embeddings; YaRN
+    "qwen2_tied": dict(arch="qwen2", rope_scaling="yarn", tie_word_embeddings=True),
+    # Qwen3: q/k norms, head_dim 24 != hidden/heads
+    "qwen3": dict(arch="qwen3", rope_scaling="none"),
+    # NOTE: a sliding window exactly as long as the longest request: transformers masks with
+    # it, pcpflow attends to everything, the same attention (the driver's window check)
+    "mistral_window": dict(arch="mistral", rope_scaling="none", sliding_window=LONGEST),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -88,6 +96,17 @@ MATRIX = [
     ("dsv3_rotate_half", "float32", 2, 2, "sharded", []),
     ("dsv2_no_q_lora", "float32", 1, 1, "replicated", []),
     ("dsv2_no_q_lora", "float64", 4, 4, "sharded", []),
+    ("qwen2_tied", "float64", 1, 1, "replicated", []),
+    ("qwen2_tied", "float32", 2, 2, "sharded", []),
+    ("qwen2_tied", "float32", 4, 4, "sharded", []),
+    ("qwen2_tied", "float64", 4, 1, "replicated", []),
+    ("qwen3", "float32", 1, 1, "sharded", []),
+    ("qwen3", "float64", 2, 1, "sharded", []),
+    ("qwen3", "float64", 2, 2, "replicated", []),
+    ("qwen3", "float32", 4, 4, "replicated", []),
+    ("mistral_window", "float32", 1, 1, "replicated", []),
+    ("mistral_window", "float64", 2, 2, "sharded", []),
+    ("mistral_window", "float32", 4, 4, "replicated", []),
     # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
     # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
     ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
@@ -96,15 +115,23 @@ MATRIX = [
     ("dsv3", "float32", 2, 2, "replicated", ["tp=2"]),
     ("dsv3", "float64", 2, 4, "sharded", ["tp=2"]),
     ("dsv2_no_q_lora", "float32", 2, 4, "replicated", ["tp=2"]),
+    # Qwen2's q/k/v biases split with their heads; Qwen3's q/k norms replicated
+    ("qwen2_tied", "float64", 2, 1, "replicated", ["tp=2"]),
+    ("qwen2_tied", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("qwen3", "float32", 2, 1, "replicated", ["tp=2"]),
+    ("qwen3", "float64", 2, 2, "sharded", ["tp=2"]),
 ]
 
 
-# NOTE: a representative default set (Llama and DeepSeek, pcp 2/4, dcp, both decode modes,
+# NOTE: a representative default set (each family once, pcp 2/4, dcp, both decode modes,
 # both dtypes, tp); the rest of the matrix runs with the slow set (.ci/run runs both).
 DEFAULT_CASES = {
     ("llama", "float64", 4, 4, "replicated"),
     ("dsv3", "float64", 2, 2, "replicated"),
     ("dsv3", "float32", 4, 4, "sharded"),
+    ("qwen2_tied", "float32", 4, 4, "sharded"),
+    ("qwen3", "float64", 2, 2, "replicated"),
+    ("mistral_window", "float32", 4, 4, "replicated"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 
