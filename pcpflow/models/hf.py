@@ -234,12 +234,13 @@ def window_problems(model_config: Any, longest: int) -> list[Problem]:
     window = getattr(checkpoint, "window", None)
     if window is None or longest <= window:
         return []
+    off = "use_sliding_window false" if checkpoint.family.sliding == "use_sliding_window" else "sliding_window null"
     return [Problem("model.path", model_config.path, (
         f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
         f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
-        f"attends to every earlier token, so it runs {checkpoint.architecture} exactly only for "
-        f"requests of at most {window} tokens (prompt + output), or with sliding_window null"
-        + (" / use_sliding_window false" if checkpoint.family.sliding == "use_sliding_window" else "")
+        f"does not implement sliding-window attention (it attends to every earlier token), which is "
+        f"exact only for requests of at most {window} tokens (prompt + output + speculative tokens): "
+        f"shorten the requests, or use a checkpoint with {off}"
     ))]
 
 

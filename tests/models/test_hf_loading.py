@@ -87,9 +87,10 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     (bad_json / "config.json").write_text("{not json")
     assert "not readable JSON" in _problem(bad_json)
 
-    mistral = _copy(ckpts["llama"], tmp_path / "mistral", architectures=["MistralForCausalLM"])
-    msg = _problem(mistral)
-    assert "unsupported architecture MistralForCausalLM" in msg and "DeepseekV3ForCausalLM" in msg
+    gemma = _copy(ckpts["llama"], tmp_path / "gemma", architectures=["Gemma2ForCausalLM"])
+    msg = _problem(gemma)
+    assert "unsupported architecture Gemma2ForCausalLM" in msg
+    assert all(a in msg for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"))
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
     mixtral = _copy(ckpts["llama"], tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
@@ -335,6 +336,116 @@ def test_tensors_the_loader_skips_pass_the_pre_run_check(ckpts, tmp_path):
     tied = ckpts["llama_tied_bias"]
     with_head = _with_tensors(tied, tmp_path / "tied", lambda t: t.setdefault("lm_head.weight", t["model.embed_tokens.weight"].clone()))
     assert compose(["model=hf", f"model.path={with_head}", "pcp=1"]).model.path == str(with_head)
+
+
+# ------------------------------------------------------------------ sliding windows
+def _explicit(path: Path, prompt_len: int, output_len: int) -> list[str]:
+    return ["model=hf", f"model.path={path}", "pcp=2", "workload=explicit",
+            f"workload.prompts=[{list(range(prompt_len))}]".replace(" ", ""), f"workload.output_lens=[{output_len}]"]
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """Mistral and Qwen2 checkpoints whose layers slide over 16 tokens."""
+    root = tmp_path_factory.mktemp("window")
+    return {arch: script.build_checkpoint(root / arch, arch, sliding_window=16) for arch in ("mistral", "qwen2")}
+
+
+@pytest.mark.parametrize("arch, says", [
+    ("mistral", "config.json has sliding_window=16 (every layer)"),
+    ("qwen2", "config.json has use_sliding_window=true, sliding_window=16 (2 of 2 layers, from layer 0)"),
+])
+def test_a_sliding_window_a_request_outgrows_exits_2_naming_the_field(windowed, tmp_path, arch, says):
+    """pcpflow attends to every earlier token: the same attention as a window only while no
+    request is longer than the window, so a longer one is refused before any rank starts
+    (exit 2, on model.path, naming config.json's fields and the longest length allowed)."""
+    path = windowed[arch]
+    assert compose(_explicit(path, 12, 4)).model.path == str(path)  # 16 tokens: the window never slides
+    with pytest.raises(ConfigError) as exc:
+        compose(_explicit(path, 12, 5))
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path" and says in problem.allowed
+    assert "the longest request reaches 17 tokens" in problem.allowed
+    assert "exact only for requests of at most 16 tokens (prompt + output" in problem.allowed
+    run_dir = tmp_path / "run"
+    r = cli(*_explicit(path, 12, 5), f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2 and "sliding_window=16" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert not run_dir.exists()
+
+
+def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
+    """Mistral: every layer, unless sliding_window is null (absent: transformers' 4096).
+    Qwen2/3: only with use_sliding_window, on the layers from max_window_layers (or those
+    layer_types names). Llama has no window whatever config.json says."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    def window(arch, **fields):
+        path = _copy(ckpts["llama"], tmp_path / f"w{len(list(tmp_path.iterdir()))}", architectures=[arch], **fields)
+        c = read_checkpoint_config(path)
+        return c.window, c.sliding_layers
+
+    assert window("MistralForCausalLM", sliding_window=None) == (None, [])
+    assert window("MistralForCausalLM", sliding_window=_DELETE) == (4096, [0, 1])
+    assert window("LlamaForCausalLM", sliding_window=8) == (None, [])
+    assert window("Qwen2ForCausalLM", sliding_window=8, use_sliding_window=False) == (None, [])
+    assert window("Qwen2ForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=1) == (8, [1])
+    assert window("Qwen2ForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=2) == (None, [])
+    assert window("Qwen3ForCausalLM", sliding_window=8, use_sliding_window=True,
+                  layer_types=["sliding_attention", "full_attention"]) == (8, [0])
+    assert window("Qwen3ForCausalLM", sliding_window=_DELETE, use_sliding_window=True, max_window_layers=0) == (4096, [0, 1])
+
+
+# ------------------------------------------------------------------ what each family builds
+def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
+    """Built from the same config.json, pcpflow's model has a parameter (after the loader's
+    renames) for exactly each of transformers' tensors, of its shape: Qwen2's q/k/v biases
+    and no o bias, Qwen3's per-head q/k norms over its explicit head_dim, Mistral's none."""
+    from pcpflow.models.hf import read_checkpoint
+    from pcpflow.models.hf_weights import plan_names
+
+    for arch in ("qwen2", "qwen3", "mistral", "llama"):
+        path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2 and Mistral ignore it
+        theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
+        checkpoint = read_checkpoint(path)
+        ours = HFModel(checkpoint)
+        params = {n: tuple(p.shape) for n, p in ours.named_parameters()}
+        plan = plan_names(list(theirs), list(params), checkpoint.renames, num_layers=checkpoint.num_hidden_layers)
+        assert (plan.unknown, plan.unfilled, plan.twice) == ([], [], []), arch
+        assert all(theirs[hf] == params[name] for hf, (name, part) in plan.targets.items() if part is None), arch
+
+
+def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
+    """config.json of Qwen2.5-0.5B-Instruct, Qwen3-0.6B and Mistral-7B-Instruct-v0.3 (their
+    published numbers): a simulated run sizes Qwen3's explicit head_dim (128, not
+    hidden/heads = 64), GQA KV heads and tied embeddings; none has a window in effect."""
+    from pcpflow.models.card import card_from_hf_config
+    from pcpflow.models.hf import read_checkpoint_config
+
+    configs = {
+        "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                             num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24, vocab_size=151936,
+                             max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             use_sliding_window=False, sliding_window=32768, max_window_layers=21),
+        "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_hidden_layers=28, vocab_size=151936,
+                           max_position_embeddings=40960, rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                           attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=28),
+        "mistral-7b-v0.3": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096,
+                                intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+                                vocab_size=32768, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                                sliding_window=None, tie_word_embeddings=False),
+    }
+    want = {"qwen2.5-0.5b": (2, 64, True), "qwen3-0.6b": (8, 128, True), "mistral-7b-v0.3": (8, 128, False)}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        card = card_from_hf_config(tmp_path / name)
+        assert (card["attention"], card["num_kv_heads"], card["head_dim"], card["tie_word_embeddings"]) == ("gqa", *want[name]), name
+        assert read_checkpoint_config(tmp_path / name).window is None, name
+        cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path / name}", "pcp=2",
+                       "workload=explicit", "workload.prompt_lens=[4096]", "workload.output_lens=[2]"])
+        kv, d = want[name][:2]
+        assert (cfg.model.num_kv_heads, cfg.model.head_dim) == (kv, d), name
 
 
 @pytest.mark.parametrize(
