@@ -103,14 +103,16 @@ def graph_of(hw: HardwareConfig, comm: Comm) -> Graphs:
     the same NICs, spread over its channels."""
     nv = hw.nvlink
     if comm.nnodes == 1:
-        as_t = lambda g: (g.channels, g.channel_gbps, g.channel_gbps)  # noqa: E731
+        as_t = lambda g: (g.channels, g.channel_gbps, g.bw_inter)  # noqa: E731
         return Graphs(as_t(nv.ring), as_t(nv.tree), as_t(nv.nvls) if nv.nvls and comm.local_ranks > 1 else None)
     k, net = comm.local_ranks, hw.network.ring
     channels = net.channels * k
     bw = min(net.channel_gbps, nv.ring.gbps / channels) if k > 1 else net.channel_gbps
     nvls = None
     if nv.nvls is not None and k > 1:
-        inter = min(nv.nvls.channel_gbps, k * net.gbps / nv.nvls.channels)
+        # NOTE: search.cc's pass 2 raises an NVLS graph's bwInter above its bwIntra (up to twice
+        # it) as far as the paths it checks with bwInter allow: across nodes, the heads' NICs.
+        inter = min(nv.nvls.bw_inter, k * net.gbps / nv.nvls.channels)
         nvls = (nv.nvls.channels, nv.nvls.channel_gbps, inter)
     return Graphs((channels, bw, bw), (channels, bw, bw), nvls)
 

@@ -29,17 +29,18 @@ def h100():
 
 
 def test_ring_and_nvls_inside_a_node_as_tuning_cc_prices_them(h100):
-    """8 H100s, one node: the ring graph 12 x 30 GB/s, NVLS 8 x 40 (profile). All-reduce:
-    ring Simple bus bandwidth 360, algorithm bandwidth x 8/14, latency base 8.4 + 14 steps x
-    3.4 (NVLink Ring Simple); LL: min(llMaxBw 141 (Hopper, one node), 360 x .5); NVLS: 8 x
-    min(40 x .85 x 7/8 x 2, 40), latency 25 (NVLink NVLS Simple), no base."""
+    """8 H100s, one node: the ring graph 12 x 30 GB/s, NVLS 8 x 40 with bwInter 60 (profile).
+    All-reduce: ring Simple bus bandwidth 360, algorithm bandwidth x 8/14, latency base 8.4 +
+    14 steps x 3.4 (NVLink Ring Simple); LL: min(llMaxBw 141 (Hopper, one node), 360 x .5);
+    NVLS: 8 x min(40 x .85 x 7/8 x 2 = 59.5, bwInter 60) = 476 (the ~480 GB/s bus bandwidth
+    NVLS is known for on H100), x 8/14; latency 25 (NVLink NVLS Simple), no base."""
     t = NcclTuner(h100, Comm(8, 1, 8))
     ar, ring, nvls = 2, 1, 4  # FUNCS.index("all_reduce"), RING, NVLS
     assert t.bandwidth[ar][ring][2] == pytest.approx(360 * 8 / 14)
     assert t.latency[ar][ring][2] == pytest.approx(8.4 + 14 * 3.4)
     assert t.bandwidth[ar][ring][0] == pytest.approx(141 * 8 / 14)
     assert t.latency[ar][ring][0] == pytest.approx(6.6 + 14 * 0.6)
-    assert t.bandwidth[ar][nvls][2] == pytest.approx(8 * 40 * 8 / 14)
+    assert t.bandwidth[ar][nvls][2] == pytest.approx(8 * 40 * .85 * 7 / 8 * 2 * 8 / 14)
     assert t.latency[ar][nvls][2] == pytest.approx(25.0)
     # a 32 KiB all-reduce (a decode's hidden state): ring LL, 15 us + 32768 / (1000 x 80.57) us
     algo, proto, s = t.pick("all_reduce", 32768)
@@ -49,6 +50,33 @@ def test_ring_and_nvls_inside_a_node_as_tuning_cc_prices_them(h100):
     busbw = min(360, 8 * 40 * .85 * 7 / 8 * 7 / 8)  # NVLS all-gather: (ppn-1)/ppn, no algbw conversion
     assert (algo, proto) == ("ring", "Simple") and busbw < 360 * 8 / 7
     assert s == pytest.approx((8.4 + 7 * 3.4 + 8 * 2**30 / (1000 * 360 * 8 / 7)) * 1e-6)
+
+
+def test_a_large_all_reduce_in_a_node_runs_nvls():
+    """search.cc settles NVLS on 8 H100s at 8 channels of bwIntra 40 (9 x 40 <= 18 x 20.6: each
+    GPU's link carries every channel, twice as its head) and raises bwInter in pass 2, which no
+    path inside a node checks, to 60. A 256 MiB all-reduce (a TP8 prefill of 8K rows of 16384
+    bf16): NVLS 25 + 268435456 / (1000 x 476 x 8/14) = 1011.9 us, the ring 8.4 + 14 x 3.4 +
+    268435456 / (1000 x 360 x 8/14) = 1361.3 us: NVLS runs. B200: 9 x 80 <= 18 x 40.1 (90 does
+    not fit), bwInter 90: 8 x min(80 x .74 x 7/8 x 2, 90) = 720."""
+    for name in ("h100_sxm", "h200_sxm", "gtt_h100"):
+        hw = compose(["mode=simulate", f"hardware={name}"]).hardware
+        algo, proto, s = NcclTuner(hw, Comm(8, 1, 8)).pick("all_reduce", 2**28)
+        assert (algo, proto) == ("nvls", "Simple")
+        assert s == pytest.approx((25 + 2**28 / (1000 * 476 * 8 / 14)) * 1e-6)
+        assert NcclTuner(hw, Comm(8, 1, 8)).time_us("all_reduce", 1, 2, 2**28) == pytest.approx(
+            8.4 + 14 * 3.4 + 2**28 / (1000 * 360 * 8 / 14))
+    b200 = compose(["mode=simulate", "hardware=b200"]).hardware
+    assert NcclTuner(b200, Comm(8, 1, 8)).bandwidth[2][4][2] == pytest.approx(720 * 8 / 14)
+
+
+def test_nvls_across_nodes_reaches_the_heads_nics(h100):
+    """TP over nodes, 8 GPUs a node: the NVLS graph's bwInter is what each head's NIC path takes
+    (one GPU's network graph, 2 x 24 = 48, per NVLS channel: 8 NICs / 8 channels), below the 60
+    a node alone reaches. NVLS Tree's bus bandwidth per channel: two nodes min(59.5, 2 x 48,
+    perChMaxNVLSTreeBw 57.7) = 57.7; four nodes min(59.5, 48, 45.5) = 45.5; x nRanks / nSteps."""
+    assert NcclTuner(h100, Comm(16, 2, 8)).bandwidth[2][5][2] == pytest.approx(8 * 57.7 * 16 / 30)
+    assert NcclTuner(h100, Comm(32, 4, 8)).bandwidth[2][5][2] == pytest.approx(8 * 45.5 * 32 / 62)
 
 
 def test_a_cp_group_gathers_with_pat_when_small_and_the_ring_when_large(h100):
