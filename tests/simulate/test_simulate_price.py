@@ -337,3 +337,31 @@ def test_the_fitted_factors_are_two_and_say_their_share():
         assert 0 <= f["share"] <= 1 and f["fitted_on"] and 0 < f["value"] <= 1
     assert fitted["gemm_efficiency"]["share"] > 0.3  # a 128K prefill is mostly GEMMs and attention
     assert np.isclose(fitted["p2p_efficiency"]["share"], 0.0)  # the ring's SendRecv all hides
+
+
+def test_the_lm_head_is_whole_on_every_tp_rank():
+    """pcpflow replicates the LM head (pcpflow.parallel.tensor_parallel: every TP rank computes
+    every logit, no gather), so a decode's LM head reads the whole 128,256 x 16,384 bf16 matrix
+    on each rank at any tp: (16384 x 2 + 128256 x 16384 x 2 + 128256 x 2) B at 2.4 TB/s x 0.9 =
+    1.946 ms (its tiles: 8 waves of 132 8 x 128 tiles at 800 x 0.4229 TF/s, 0.105 ms)."""
+    lm = (16384 * 2 + 128256 * 16384 * 2 + 128256 * 2) / (2.4e12 * 0.9)
+    for tp in (8, 16):
+        run = SimulatedRun(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", f"tp={tp}",
+                                    "simulate.weights_dtype=fp8", "output.plots=false"]))
+        assert run.pricer._dense_cost(0, 1)[0] == pytest.approx(lm, rel=1e-12)
+
+
+def test_weights_a_tp_rank_holds():
+    """Llama 3 405B, fp8, tp=16: the linear weights 126 x (16384 x 16384 x 2 (q, o) + 2 x 16384
+    x 1024 (k, v) + 3 x 16384 x 53248) split 16 ways; its 8 KV heads over 16 ranks leave each
+    rank one whole (126 x 2 x 16384 x 128 x (1 - 8/16) more); embedding and LM head whole in
+    bf16 (2 x 128256 x 16384 x 2 B)."""
+    from pcpflow.simulate.prepare import weight_bytes_per_gpu
+
+    sizes = model_sizes(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", "tp=8",
+                                 "simulate.weights_dtype=fp8"]).model)
+    linear = 126 * (16384 * 16384 * 2 + 2 * 16384 * 1024 + 3 * 16384 * 53248)
+    kv_whole = 126 * 2 * 16384 * 128 * (1 - 8 / 16)
+    embed = 2 * 128256 * 16384 * 2
+    assert weight_bytes_per_gpu(sizes, "fp8", 16) == pytest.approx(linear / 16 + kv_whole + embed, rel=1e-12)
+    assert weight_bytes_per_gpu(sizes, "fp8", 8) == pytest.approx(linear / 8 + embed, rel=1e-12)
