@@ -365,3 +365,21 @@ def test_weights_a_tp_rank_holds():
     embed = 2 * 128256 * 16384 * 2
     assert weight_bytes_per_gpu(sizes, "fp8", 16) == pytest.approx(linear / 16 + kv_whole + embed, rel=1e-12)
     assert weight_bytes_per_gpu(sizes, "fp8", 8) == pytest.approx(linear / 8 + embed, rel=1e-12)
+
+
+def test_tp16_over_two_nodes_decodes_with_tree_ll(h100):
+    """TP16 on two nodes (tp innermost: ranks 0-15 on nodes 0 and 1; with pcp=2 the PCP group
+    {0, 16} is one rank on each of nodes 0 and 2). A decode's all-reduce, 1 x 16384 bf16 =
+    32 KiB: Tree LL latency 6.8 + 2 x ((16/2 - 1) x 0.6 + log2(2) x 5.0) = 25.2 us (NVLink
+    Tree LL inside, NET Tree LL across); bandwidth min(16 x 22.5 x .92 / 3.8, llMaxBw 39 (an
+    Intel host, 2 nodes)) x .5 = 19.5 GB/s, x 0.7 (treeCorrectionFactor[LL] at 32768 >> 6 =
+    2^9): 25.2 + 32768 / (1000 x 13.65) = 27.60 us. Ring LL: 6.6 + 28 x max(0.6, 1.0 network
+    overhead) + 2 x 2.7 = 40 us of latency: the tree runs."""
+    place = Placement(RankGrid(tp=16, pcp=2, dcp=2), h100)
+    assert place.comm("tp") == Comm(16, 2, 8) and place.comm("pcp") == Comm(2, 2, 1)
+    t = NcclTuner(h100, Comm(16, 2, 8))
+    assert t.latency[2][0][0] == pytest.approx(6.8 + 2 * (7 * 0.6 + 5.0))
+    assert t.latency[2][1][0] == pytest.approx(6.6 + 28 * 1.0 + 2 * 2.7)
+    algo, proto, s = t.pick("all_reduce", 32768)
+    assert (algo, proto) == ("tree", "LL")
+    assert s == pytest.approx((25.2 + 32768 / (1000 * 39 * .5 * .7)) * 1e-6)
