@@ -105,7 +105,8 @@ class Placement:
         self.comms: dict[str, Comm] = {}
         for g, m in members.items():
             nodes = Counter(r // hw.gpus_per_node for r in m)
-            self.comms[g] = Comm(len(m), len(nodes), max(nodes.values()))
+            most, fewest = max(nodes.values()), min(nodes.values())
+            self.comms[g] = Comm(len(m), len(nodes), most, fewest if fewest != most else None)
         self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()} if hw.nccl else {}
         self._seconds: dict[tuple[str, str, float], tuple[float, str]] = {}
 

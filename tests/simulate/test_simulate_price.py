@@ -383,3 +383,32 @@ def test_tp16_over_two_nodes_decodes_with_tree_ll(h100):
     algo, proto, s = t.pick("all_reduce", 32768)
     assert (algo, proto) == ("tree", "LL")
     assert s == pytest.approx((25.2 + 32768 / (1000 * 39 * .5 * .7)) * 1e-6)
+
+
+def test_a_tree_over_one_gpu_a_node_is_the_plain_tree_pattern(h100):
+    """tuning.cc (v2.29.7) takes 15% off Tree's bus bandwidth when maxTreePattern is TREE, the
+    pattern search.cc gives a node that holds one GPU of the communicator. Two ranks on two
+    nodes: the one-GPU network graph 2 x 24 = 48, Tree all-reduce min(48 x .92, 2 x 41.4
+    (perChMaxTreeBw, Hopper, 2 nodes)) x .85 x .5 = 18.768 GB/s. Eight GPUs a node keep
+    BALANCED_TREE: TP16 over two nodes min(360 x .92, 16 x 41.4) x .5 = 165.6. Ranks 0-3 and 8
+    of a 9-rank group (nodes of 4 and 1): the single-GPU node makes it TREE."""
+    assert NcclTuner(h100, Comm(2, 2, 1)).bandwidth[2][0][2] == pytest.approx(48 * .92 * .85 * .5)
+    assert NcclTuner(h100, Comm(16, 2, 8)).bandwidth[2][0][2] == pytest.approx(360 * .92 * .5)
+    assert Comm(5, 2, 4, 1).tree_pattern and not Comm(16, 2, 8).tree_pattern
+    assert Placement(RankGrid(tp=4, pcp=3, dcp=3), h100).comm("dcp") == Comm(3, 2, 2, 1)
+
+
+def test_nvls_tree_on_blackwell_with_an_x86_host_takes_the_tree_correction():
+    """v2.29.7 ncclTopoGetAlgoTime: NVLS Tree all-reduce bandwidth x treeCorrectionFactor on
+    compute capability >= 100 and an x86 host. B200 (Intel host), TP16 over two nodes, 1 MiB:
+    log2(2^20 >> 6) = 14, the Simple row's factor .5; NVLS Tree: 8 channels, bwIntra 80,
+    bwInter min(90, 8 NICs x 48 / 8 channels) = 48: min(80 x .74 x 7/8 x 2 = 103.6, 2 x 48 (two
+    nodes), perChMaxNVLSTreeBw 96 (Blackwell, 2 nodes)) = 96, x 8 x 16/30; latency 25 + 2 x 20.9."""
+    b200 = compose(["mode=simulate", "hardware=b200"]).hardware
+    t = NcclTuner(b200, Comm(16, 2, 8))
+    bw = 8 * 96 * 16 / 30
+    assert t.bandwidth[2][5][2] == pytest.approx(bw)
+    assert t.time_us("all_reduce", 5, 2, 2**20) == pytest.approx(25 + 2 * 20.9 + 2**20 / (1000 * bw * .5))
+    h100 = compose(["mode=simulate", "hardware=h100_sxm"]).hardware  # Hopper: no correction
+    t = NcclTuner(h100, Comm(16, 2, 8))
+    assert t.time_us("all_reduce", 5, 2, 2**20) == pytest.approx(t.latency[2][5][2] + 2**20 / (1000 * t.bandwidth[2][5][2]))
