@@ -37,6 +37,13 @@ class NcclGraph(Settings):
 
     channels: int = Field(ge=1, description="graph->nChannels")
     channel_gbps: float = Field(gt=0, description="graph->bwIntra (or bwInter) of one channel, GB/s")
+    inter_gbps: float | None = Field(
+        None, gt=0, description="graph->bwInter where the search sets it apart from bwIntra (NVLS: pass 2 raises "
+        "it, search.cc ncclTopoCompute); null: bwIntra")
+
+    @property
+    def bw_inter(self) -> float:
+        return self.inter_gbps or self.channel_gbps
 
     @property
     def gbps(self) -> float:
@@ -464,7 +471,7 @@ class SimulateConfig(Settings):
         "dcp_rest) | ring_pass_q (a step of decodes only runs the executed ring pass-Q; needs dcp = pcp > 1)",
     )
     gemm_efficiency: float = Field(
-        0.4553, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
+        0.4229, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
     )
     p2p_efficiency: float = Field(
         0.4646, gt=0, le=1,

@@ -8,7 +8,9 @@ bandwidth and latency per collective, algorithm and protocol; ``ncclTopoGetAlgoT
 all-gather or reduce-scatter is the whole output, ``ncclFuncMaxSendRecvCount``):
 
 - algorithms Tree, Ring, CollNet Direct / Chain, NVLS, NVLS Tree, PAT; protocols LL, LL128,
-  Simple; time = latency + nBytes / bandwidth, the smallest over the enabled pairs;
+  Simple; time = latency + nBytes / bandwidth, the smallest over the enabled pairs; Tree at
+  0.85 where a node holds one rank of the communicator (the TREE pattern); NVLS Tree with the
+  tree's correction factors on Blackwell with an x86 host;
 - CollNet (and NVLS across nodes, which needs it) is off: it needs the SHARP collnet plugin
   (``collnetEnable``), which no profile here has; PAT serves all-gather / reduce-scatter
   when every rank is on its own node (``ncclPatEnable``): a CP group;
@@ -79,11 +81,21 @@ def _log2i(n: int) -> int:
 
 @dataclass(frozen=True)
 class Comm:
-    """A communicator as NCCL sees it: ranks, nodes, and the most ranks it has in one node."""
+    """A communicator as NCCL sees it: ranks, nodes, the most ranks it has in one node, and
+    the fewest (None: as many as the most)."""
 
     nranks: int
     nnodes: int
     local_ranks: int
+    min_local_ranks: int | None = None
+
+    @property
+    def tree_pattern(self) -> bool:
+        """``comm->maxTreePattern == NCCL_TOPO_PATTERN_TREE``: search.cc gives a node where the
+        communicator has one GPU the plain TREE pattern (``ngpus == 1``), and init.cc keeps the
+        largest pattern over the nodes; with more GPUs a node's search keeps BALANCED_TREE, its
+        first choice (NVIDIA/nccl#1197's H100 dump: "Pattern 1")."""
+        return self.nranks > 1 and (self.min_local_ranks or self.local_ranks) == 1
 
 
 @dataclass(frozen=True)
@@ -103,14 +115,16 @@ def graph_of(hw: HardwareConfig, comm: Comm) -> Graphs:
     the same NICs, spread over its channels."""
     nv = hw.nvlink
     if comm.nnodes == 1:
-        as_t = lambda g: (g.channels, g.channel_gbps, g.channel_gbps)  # noqa: E731
+        as_t = lambda g: (g.channels, g.channel_gbps, g.bw_inter)  # noqa: E731
         return Graphs(as_t(nv.ring), as_t(nv.tree), as_t(nv.nvls) if nv.nvls and comm.local_ranks > 1 else None)
     k, net = comm.local_ranks, hw.network.ring
     channels = net.channels * k
     bw = min(net.channel_gbps, nv.ring.gbps / channels) if k > 1 else net.channel_gbps
     nvls = None
     if nv.nvls is not None and k > 1:
-        inter = min(nv.nvls.channel_gbps, k * net.gbps / nv.nvls.channels)
+        # NOTE: search.cc's pass 2 raises an NVLS graph's bwInter above its bwIntra (up to twice
+        # it) as far as the paths it checks with bwInter allow: across nodes, the heads' NICs.
+        inter = min(nv.nvls.bw_inter, k * net.gbps / nv.nvls.channels)
         nvls = (nv.nvls.channels, nv.nvls.channel_gbps, inter)
     return Graphs((channels, bw, bw), (channels, bw, bw), nvls)
 
@@ -121,6 +135,8 @@ class NcclTuner:
 
     def __init__(self, hw: HardwareConfig, comm: Comm) -> None:
         self.comm = comm
+        # NOTE: minCompCap >= 100 on an x86 host: NVLS Tree takes the tree's correction factors too
+        self.blackwell_x86 = hw.arch == "blackwell" and hw.cpu in ("intel", "amd")
         n, nodes = comm.nranks, comm.nnodes
         self.bandwidth = [[[0.0] * 3 for _ in ALGOS] for _ in FUNCS]
         self.latency = [[[0.0] * 3 for _ in ALGOS] for _ in FUNCS]
@@ -184,6 +200,8 @@ class NcclTuner:
                         bus = min(bus * 1.0 / 3.8, ll_max)
                     if a == TREE and p == LL128:
                         bus = min(bus * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0), nch * tree_ll128_max)
+                    if a == TREE and comm.tree_pattern:
+                        bus *= .85
                     if a == PAT:
                         bus *= .75
                     if not (a != RING and func in ("all_gather", "reduce_scatter")):
@@ -224,6 +242,8 @@ class NcclTuner:
             return -1.0
         log_size = _log2i(int(nbytes) >> 6) if int(nbytes) >> 6 else -1
         if a == TREE and func == "all_reduce" and 0 <= log_size < 23:
+            bw *= TREE_CORRECTION[p][log_size]
+        if a == NVLS_TREE and func == "all_reduce" and 0 <= log_size < 24 and self.blackwell_x86:
             bw *= TREE_CORRECTION[p][log_size]
         if (a == RING and p == SIMPLE and self.comm.nnodes > 1 and func == "all_reduce"
                 and nbytes / (self.comm_channels * self.comm.nranks) >= 64):

@@ -165,8 +165,16 @@ def _positive(value: Any) -> int:
 
 
 def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str | None, tp: int) -> float:
-    """Every linear weight in ``weights_dtype``, embedding and LM head in bf16, split by tp."""
-    return (sizes.total_weight_params() * DTYPE_BYTES[weights_dtype or "bf16"] + sizes.embedding_params * 2) / tp
+    """One TP rank's weights as ``pcpflow.parallel.tensor_parallel`` leaves them: the linear
+    weights in ``weights_dtype`` split by tp, GQA's K/V projections whole per KV head a rank
+    holds (``tp / num_kv_heads`` ranks share one when tp exceeds them), embedding and LM head
+    in bf16, replicated."""
+    extra = 0.0
+    if sizes.attention == "gqa":
+        (d,) = sizes.head_dims
+        extra = sizes.num_layers * 2 * sizes.hidden_size * d * (sizes.kv_heads_per_rank(tp) - sizes.num_kv_heads / tp)
+    linear = sizes.total_weight_params() / tp + extra
+    return linear * DTYPE_BYTES[weights_dtype or "bf16"] + sizes.embedding_params * 2
 
 
 def kv_budget_bytes(sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig, *, tp: int) -> float:

@@ -4,7 +4,7 @@ its slowest rank (docs/simulate.md, "Operators").
 Per PCP rank (its TP ranks hold the same rows and cost the same; ``N`` its padded rows):
 
 - ``gemm``: every projection of every layer by its ``M x N x K`` (``ModelSizes``' lists; MoE
-  experts where ``moe.dispatch`` runs them; the LM head on the sampled rows), priced by
+  experts where ``moe.dispatch`` runs them; the LM head, replicated, on the sampled rows), priced by
   ``pcpflow.simulate.kernels`` (tiles, waves, roofline, floor);
 - ``attention``: the pairs of the rank's busiest DCP shard (``attention_work``, the executed
   count; a ring's ``ring_attention_work``), prefill rows through FlashAttention-3's kernel at
@@ -105,7 +105,8 @@ class Placement:
         self.comms: dict[str, Comm] = {}
         for g, m in members.items():
             nodes = Counter(r // hw.gpus_per_node for r in m)
-            self.comms[g] = Comm(len(m), len(nodes), max(nodes.values()))
+            most, fewest = max(nodes.values()), min(nodes.values())
+            self.comms[g] = Comm(len(m), len(nodes), most, fewest if fewest != most else None)
         self._tuners = {g: tuner(hw, c) for g, c in self.comms.items()} if hw.nccl else {}
         self._seconds: dict[tuple[str, str, float], tuple[float, str]] = {}
 
@@ -408,8 +409,9 @@ class Pricer:
         return tuple(out)
 
     def _dense_cost(self, rows: int, samples: int) -> tuple[float, float, float, float]:
-        """Every rank's projections and dense MLPs on ``rows`` padded rows, the LM head on
-        ``samples`` rows: (seconds, compute-bound seconds, FLOPs, weight bytes), cached."""
+        """Every rank's projections and dense MLPs on ``rows`` padded rows, the LM head (whole on
+        every TP rank) on ``samples`` rows: (seconds, compute-bound seconds, FLOPs, weight
+        bytes), cached."""
         key = (rows, samples)
         hit = self._dense_cache.get(key)
         if hit is not None:
@@ -418,7 +420,9 @@ class Pricer:
         attn, mlp = self._dense
         parts = [(rows, N, K, s.num_layers, self.w_key, self.w_bytes) for _, N, K in attn]
         parts += [(rows, N, K, s.num_dense_layers, self.w_key, self.w_bytes) for _, N, K in mlp]
-        parts.append((samples, s.vocab_size // self.grid.tp, s.hidden_size, 1, "bf16", 2))
+        # NOTE: every TP rank computes every logit: pcpflow replicates the LM head
+        # (pcpflow.parallel.tensor_parallel) and gathers no logits over TP.
+        parts.append((samples, s.vocab_size, s.hidden_size, 1, "bf16", 2))
         t = tc = flops = wbytes = 0.0
         for m, N, K, count, peak_key, wb in parts:
             sec, bound = self.kern.gemm_scalar(m, N, K, peak_key=peak_key, w_bytes=wb, a_bytes=self.act_bytes)

@@ -93,13 +93,14 @@ def test_local_experts_are_not_split_by_tp_and_gather_splits_them_by_world():
         layout = run.plan(StepState(batch)).layout
         return float(run.pricer._gemms(layout, batch, 1.0)[2][0])
 
-    # tp=2 halves the attention and LM head, not the MoE block (router, 2 routed and 1
-    # shared expert per row) under local dispatch
+    # tp=2 halves the attention, not the MoE block (router, 2 routed and 1 shared expert per
+    # row) under local dispatch, nor the LM head (every TP rank computes every logit)
     sizes = model_sizes(compose(BASE + MOE).model)
     moe_part = 2 * sizes.num_moe_layers * 12 * ((sizes.top_k + 1) * sizes.expert_params + 64 * 8)
     f1, f2 = flops(["pcp=1", "tp=1"]), flops(["pcp=1", "tp=2"])
-    # MLA's q_a and kv_a projections are not split over TP either (replicated)
+    # MLA's q_a and kv_a projections are not split over TP either (replicated); the LM head on the sampled row
     replicated = 2 * sizes.num_layers * 12 * 64 * (sizes.head_dims[0] + sizes.head_dims[1] + sizes.head_dims[3])
+    replicated += 2 * 1 * sizes.vocab_size * 64
     assert (f1 - moe_part - replicated) == pytest.approx(2 * (f2 - moe_part - replicated), rel=1e-9)
     # gather over tp=2: each rank runs all 12 rows with half of every expert, the shared one whole
     g2 = flops(["pcp=1", "tp=2", "moe.dispatch=gather"])

@@ -29,17 +29,18 @@ def h100():
 
 
 def test_ring_and_nvls_inside_a_node_as_tuning_cc_prices_them(h100):
-    """8 H100s, one node: the ring graph 12 x 30 GB/s, NVLS 8 x 40 (profile). All-reduce:
-    ring Simple bus bandwidth 360, algorithm bandwidth x 8/14, latency base 8.4 + 14 steps x
-    3.4 (NVLink Ring Simple); LL: min(llMaxBw 141 (Hopper, one node), 360 x .5); NVLS: 8 x
-    min(40 x .85 x 7/8 x 2, 40), latency 25 (NVLink NVLS Simple), no base."""
+    """8 H100s, one node: the ring graph 12 x 30 GB/s, NVLS 8 x 40 with bwInter 60 (profile).
+    All-reduce: ring Simple bus bandwidth 360, algorithm bandwidth x 8/14, latency base 8.4 +
+    14 steps x 3.4 (NVLink Ring Simple); LL: min(llMaxBw 141 (Hopper, one node), 360 x .5);
+    NVLS: 8 x min(40 x .85 x 7/8 x 2 = 59.5, bwInter 60) = 476 (the ~480 GB/s bus bandwidth
+    NVLS is known for on H100), x 8/14; latency 25 (NVLink NVLS Simple), no base."""
     t = NcclTuner(h100, Comm(8, 1, 8))
     ar, ring, nvls = 2, 1, 4  # FUNCS.index("all_reduce"), RING, NVLS
     assert t.bandwidth[ar][ring][2] == pytest.approx(360 * 8 / 14)
     assert t.latency[ar][ring][2] == pytest.approx(8.4 + 14 * 3.4)
     assert t.bandwidth[ar][ring][0] == pytest.approx(141 * 8 / 14)
     assert t.latency[ar][ring][0] == pytest.approx(6.6 + 14 * 0.6)
-    assert t.bandwidth[ar][nvls][2] == pytest.approx(8 * 40 * 8 / 14)
+    assert t.bandwidth[ar][nvls][2] == pytest.approx(8 * 40 * .85 * 7 / 8 * 2 * 8 / 14)
     assert t.latency[ar][nvls][2] == pytest.approx(25.0)
     # a 32 KiB all-reduce (a decode's hidden state): ring LL, 15 us + 32768 / (1000 x 80.57) us
     algo, proto, s = t.pick("all_reduce", 32768)
@@ -49,6 +50,33 @@ def test_ring_and_nvls_inside_a_node_as_tuning_cc_prices_them(h100):
     busbw = min(360, 8 * 40 * .85 * 7 / 8 * 7 / 8)  # NVLS all-gather: (ppn-1)/ppn, no algbw conversion
     assert (algo, proto) == ("ring", "Simple") and busbw < 360 * 8 / 7
     assert s == pytest.approx((8.4 + 7 * 3.4 + 8 * 2**30 / (1000 * 360 * 8 / 7)) * 1e-6)
+
+
+def test_a_large_all_reduce_in_a_node_runs_nvls():
+    """search.cc settles NVLS on 8 H100s at 8 channels of bwIntra 40 (9 x 40 <= 18 x 20.6: each
+    GPU's link carries every channel, twice as its head) and raises bwInter in pass 2, which no
+    path inside a node checks, to 60. A 256 MiB all-reduce (a TP8 prefill of 8K rows of 16384
+    bf16): NVLS 25 + 268435456 / (1000 x 476 x 8/14) = 1011.9 us, the ring 8.4 + 14 x 3.4 +
+    268435456 / (1000 x 360 x 8/14) = 1361.3 us: NVLS runs. B200: 9 x 80 <= 18 x 40.1 (90 does
+    not fit), bwInter 90: 8 x min(80 x .74 x 7/8 x 2, 90) = 720."""
+    for name in ("h100_sxm", "h200_sxm", "gtt_h100"):
+        hw = compose(["mode=simulate", f"hardware={name}"]).hardware
+        algo, proto, s = NcclTuner(hw, Comm(8, 1, 8)).pick("all_reduce", 2**28)
+        assert (algo, proto) == ("nvls", "Simple")
+        assert s == pytest.approx((25 + 2**28 / (1000 * 476 * 8 / 14)) * 1e-6)
+        assert NcclTuner(hw, Comm(8, 1, 8)).time_us("all_reduce", 1, 2, 2**28) == pytest.approx(
+            8.4 + 14 * 3.4 + 2**28 / (1000 * 360 * 8 / 14))
+    b200 = compose(["mode=simulate", "hardware=b200"]).hardware
+    assert NcclTuner(b200, Comm(8, 1, 8)).bandwidth[2][4][2] == pytest.approx(720 * 8 / 14)
+
+
+def test_nvls_across_nodes_reaches_the_heads_nics(h100):
+    """TP over nodes, 8 GPUs a node: the NVLS graph's bwInter is what each head's NIC path takes
+    (one GPU's network graph, 2 x 24 = 48, per NVLS channel: 8 NICs / 8 channels), below the 60
+    a node alone reaches. NVLS Tree's bus bandwidth per channel: two nodes min(59.5, 2 x 48,
+    perChMaxNVLSTreeBw 57.7) = 57.7; four nodes min(59.5, 48, 45.5) = 45.5; x nRanks / nSteps."""
+    assert NcclTuner(h100, Comm(16, 2, 8)).bandwidth[2][5][2] == pytest.approx(8 * 57.7 * 16 / 30)
+    assert NcclTuner(h100, Comm(32, 4, 8)).bandwidth[2][5][2] == pytest.approx(8 * 45.5 * 32 / 62)
 
 
 def test_a_cp_group_gathers_with_pat_when_small_and_the_ring_when_large(h100):
@@ -309,3 +337,78 @@ def test_the_fitted_factors_are_two_and_say_their_share():
         assert 0 <= f["share"] <= 1 and f["fitted_on"] and 0 < f["value"] <= 1
     assert fitted["gemm_efficiency"]["share"] > 0.3  # a 128K prefill is mostly GEMMs and attention
     assert np.isclose(fitted["p2p_efficiency"]["share"], 0.0)  # the ring's SendRecv all hides
+
+
+def test_the_lm_head_is_whole_on_every_tp_rank():
+    """pcpflow replicates the LM head (pcpflow.parallel.tensor_parallel: every TP rank computes
+    every logit, no gather), so a decode's LM head reads the whole 128,256 x 16,384 bf16 matrix
+    on each rank at any tp: (16384 x 2 + 128256 x 16384 x 2 + 128256 x 2) B at 2.4 TB/s x 0.9 =
+    1.946 ms (its tiles: 8 waves of 132 8 x 128 tiles at 800 x 0.4229 TF/s, 0.105 ms)."""
+    lm = (16384 * 2 + 128256 * 16384 * 2 + 128256 * 2) / (2.4e12 * 0.9)
+    for tp in (8, 16):
+        run = SimulatedRun(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", f"tp={tp}",
+                                    "simulate.weights_dtype=fp8", "output.plots=false"]))
+        assert run.pricer._dense_cost(0, 1)[0] == pytest.approx(lm, rel=1e-12)
+
+
+def test_weights_a_tp_rank_holds():
+    """Llama 3 405B, fp8, tp=16: the linear weights 126 x (16384 x 16384 x 2 (q, o) + 2 x 16384
+    x 1024 (k, v) + 3 x 16384 x 53248) split 16 ways; its 8 KV heads over 16 ranks leave each
+    rank one whole (126 x 2 x 16384 x 128 x (1 - 8/16) more); embedding and LM head whole in
+    bf16 (2 x 128256 x 16384 x 2 B)."""
+    from pcpflow.simulate.prepare import weight_bytes_per_gpu
+
+    sizes = model_sizes(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", "tp=8",
+                                 "simulate.weights_dtype=fp8"]).model)
+    linear = 126 * (16384 * 16384 * 2 + 2 * 16384 * 1024 + 3 * 16384 * 53248)
+    kv_whole = 126 * 2 * 16384 * 128 * (1 - 8 / 16)
+    embed = 2 * 128256 * 16384 * 2
+    assert weight_bytes_per_gpu(sizes, "fp8", 16) == pytest.approx(linear / 16 + kv_whole + embed, rel=1e-12)
+    assert weight_bytes_per_gpu(sizes, "fp8", 8) == pytest.approx(linear / 8 + embed, rel=1e-12)
+
+
+def test_tp16_over_two_nodes_decodes_with_tree_ll(h100):
+    """TP16 on two nodes (tp innermost: ranks 0-15 on nodes 0 and 1; with pcp=2 the PCP group
+    {0, 16} is one rank on each of nodes 0 and 2). A decode's all-reduce, 1 x 16384 bf16 =
+    32 KiB: Tree LL latency 6.8 + 2 x ((16/2 - 1) x 0.6 + log2(2) x 5.0) = 25.2 us (NVLink
+    Tree LL inside, NET Tree LL across); bandwidth min(16 x 22.5 x .92 / 3.8, llMaxBw 39 (an
+    Intel host, 2 nodes)) x .5 = 19.5 GB/s, x 0.7 (treeCorrectionFactor[LL] at 32768 >> 6 =
+    2^9): 25.2 + 32768 / (1000 x 13.65) = 27.60 us. Ring LL: 6.6 + 28 x max(0.6, 1.0 network
+    overhead) + 2 x 2.7 = 40 us of latency: the tree runs."""
+    place = Placement(RankGrid(tp=16, pcp=2, dcp=2), h100)
+    assert place.comm("tp") == Comm(16, 2, 8) and place.comm("pcp") == Comm(2, 2, 1)
+    t = NcclTuner(h100, Comm(16, 2, 8))
+    assert t.latency[2][0][0] == pytest.approx(6.8 + 2 * (7 * 0.6 + 5.0))
+    assert t.latency[2][1][0] == pytest.approx(6.6 + 28 * 1.0 + 2 * 2.7)
+    algo, proto, s = t.pick("all_reduce", 32768)
+    assert (algo, proto) == ("tree", "LL")
+    assert s == pytest.approx((25.2 + 32768 / (1000 * 39 * .5 * .7)) * 1e-6)
+
+
+def test_a_tree_over_one_gpu_a_node_is_the_plain_tree_pattern(h100):
+    """tuning.cc (v2.29.7) takes 15% off Tree's bus bandwidth when maxTreePattern is TREE, the
+    pattern search.cc gives a node that holds one GPU of the communicator. Two ranks on two
+    nodes: the one-GPU network graph 2 x 24 = 48, Tree all-reduce min(48 x .92, 2 x 41.4
+    (perChMaxTreeBw, Hopper, 2 nodes)) x .85 x .5 = 18.768 GB/s. Eight GPUs a node keep
+    BALANCED_TREE: TP16 over two nodes min(360 x .92, 16 x 41.4) x .5 = 165.6. Ranks 0-3 and 8
+    of a 9-rank group (nodes of 4 and 1): the single-GPU node makes it TREE."""
+    assert NcclTuner(h100, Comm(2, 2, 1)).bandwidth[2][0][2] == pytest.approx(48 * .92 * .85 * .5)
+    assert NcclTuner(h100, Comm(16, 2, 8)).bandwidth[2][0][2] == pytest.approx(360 * .92 * .5)
+    assert Comm(5, 2, 4, 1).tree_pattern and not Comm(16, 2, 8).tree_pattern
+    assert Placement(RankGrid(tp=4, pcp=3, dcp=3), h100).comm("dcp") == Comm(3, 2, 2, 1)
+
+
+def test_nvls_tree_on_blackwell_with_an_x86_host_takes_the_tree_correction():
+    """v2.29.7 ncclTopoGetAlgoTime: NVLS Tree all-reduce bandwidth x treeCorrectionFactor on
+    compute capability >= 100 and an x86 host. B200 (Intel host), TP16 over two nodes, 1 MiB:
+    log2(2^20 >> 6) = 14, the Simple row's factor .5; NVLS Tree: 8 channels, bwIntra 80,
+    bwInter min(90, 8 NICs x 48 / 8 channels) = 48: min(80 x .74 x 7/8 x 2 = 103.6, 2 x 48 (two
+    nodes), perChMaxNVLSTreeBw 96 (Blackwell, 2 nodes)) = 96, x 8 x 16/30; latency 25 + 2 x 20.9."""
+    b200 = compose(["mode=simulate", "hardware=b200"]).hardware
+    t = NcclTuner(b200, Comm(16, 2, 8))
+    bw = 8 * 96 * 16 / 30
+    assert t.bandwidth[2][5][2] == pytest.approx(bw)
+    assert t.time_us("all_reduce", 5, 2, 2**20) == pytest.approx(25 + 2 * 20.9 + 2**20 / (1000 * bw * .5))
+    h100 = compose(["mode=simulate", "hardware=h100_sxm"]).hardware  # Hopper: no correction
+    t = NcclTuner(h100, Comm(16, 2, 8))
+    assert t.time_us("all_reduce", 5, 2, 2**20) == pytest.approx(t.latency[2][5][2] + 2**20 / (1000 * t.bandwidth[2][5][2]))
