@@ -6,10 +6,11 @@ the plugins and the stages (``pcpflow.pipeline``), the checkpoint (``pcpflow.mod
 safetensors headers against config.json), the workload from its lengths alone
 (``pcpflow.scheduling``: no token array is built to find out that it is too big, and the
 one "can this request ever fit" rule of the KV cache), and for an executed run, which
-allocates on this host, the host's memory (``pcpflow.rank.devices``) and a checkpoint's
-sliding window against the longest request (``pcpflow.models.hf.window_problems``). A simulated run
-(``mode=simulate``) reads only config.json and sizes its KV cache from the hardware it
-prices, so host-memory limits are skipped there.
+allocates on this host, the host's memory (``pcpflow.rank.devices``); for every run, a
+checkpoint's sliding window against the longest request (``pcpflow.models.hf.window_problems``:
+a simulated run prices the whole-sequence attention pcpflow executes, so a window a request
+outgrows is refused there too). A simulated run (``mode=simulate``) reads only config.json and
+sizes its KV cache from the hardware it prices, so host-memory limits are skipped there.
 
 ``feature_problems`` are the features' rules on the config itself (run beside its
 cross-field rules); ``check_run_dir`` and ``capacity_warnings`` are the driver's checks of
@@ -57,9 +58,9 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
                                                             num_blocks=c.kv.num_blocks), pool)
             if kind == "execute":
                 problems += host_memory_problems(cfg, *lengths)
-                if len(lengths[0]):
-                    longest = int((lengths[0] + lengths[1]).max()) + cfg.num_speculative_tokens
-                    problems += window_problems(cfg.model, longest)
+            if len(lengths[0]):  # NOTE: simulated too: it prices the whole-sequence attention pcpflow runs
+                longest = int((lengths[0] + lengths[1]).max()) + cfg.num_speculative_tokens
+                problems += window_problems(cfg.model, longest)
     if problems:
         raise ConfigError(problems)
     return cfg

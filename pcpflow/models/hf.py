@@ -224,18 +224,24 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
 def window_problems(model_config: Any, longest: int) -> list[Problem]:
     """A checkpoint's sliding window against the run's longest request (``longest``: prompt
     plus output plus speculative tokens): pcpflow attends to every earlier token, which is
-    the window's attention exactly while no request is longer than the window."""
-    if getattr(model_config, "name", None) != "hf" or not model_config.path:
+    the window's attention exactly while no request is longer than the window. A simulated
+    run's card (``hf_card``) is checked against the config.json it was read from."""
+    name = getattr(model_config, "name", None)
+    if name == "hf" and model_config.path:
+        path = model_config.path
+    elif name == "hf_card" and model_config.source:
+        path = Path(model_config.source).parent
+    else:
         return []
     try:
-        checkpoint = read_checkpoint(model_config.path)
+        checkpoint = read_checkpoint_config(path, sizes_only=True)  # NOTE: config.json is all it reads
     except ValueError:
         return []  # the model's own validation reports it
     window = getattr(checkpoint, "window", None)
     if window is None or longest <= window:
         return []
     off = "use_sliding_window false" if checkpoint.family.sliding == "use_sliding_window" else "sliding_window null"
-    return [Problem("model.path", model_config.path, (
+    return [Problem("model.path", str(path), (
         f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
         f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
         f"does not implement sliding-window attention (it attends to every earlier token), which is "

@@ -373,6 +373,18 @@ def test_a_sliding_window_a_request_outgrows_exits_2_naming_the_field(windowed, 
     assert not run_dir.exists()
 
 
+def test_a_simulated_run_refuses_the_window_too(windowed):
+    """A simulated run prices the whole-sequence attention pcpflow executes: with a window a
+    request outgrows, that price would be of another model, so the same rule refuses it."""
+    sim = ["mode=simulate", "hardware=h100_sxm", "model=hf", f"model.path={windowed['mistral']}", "pcp=2",
+           "workload=explicit", "workload.prompt_lens=[12]"]
+    assert compose([*sim, "workload.output_lens=[4]"]).mode == "simulate"
+    with pytest.raises(ConfigError) as exc:
+        compose([*sim, "workload.output_lens=[5]"])
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path" and "the longest request reaches 17 tokens" in problem.allowed
+
+
 def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
     """Mistral: every layer, unless sliding_window is null (absent: transformers' 4096).
     Qwen2/3: only with use_sliding_window, on the layers from max_window_layers (or those
