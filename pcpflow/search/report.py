@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow.search.plan import count_reasons
-from pcpflow.search.run import FULL_LOWEST, SCREEN_LOWEST, Search, same_price
+from pcpflow.search.run import FULL_LOWEST, SCREEN_LOWEST, Search, same_price, tie_break
 from pcpflow.search.space import DIMS, REPLICAS, Layout
 from pcpflow.simulate.decide import OBJECTIVES, pareto_front, term_differences
 
@@ -83,14 +83,19 @@ def _ranked_rows(search: Search) -> list[dict[str, Any]]:
     ranked = search.ranked()
     values = [search.value(r) for r in ranked]
     dims = ("ttft_p90_s", "tpot_p90_s", "goodput_per_gpu", "gpus")
-    usable = [d for d in dims if all(r.get(d) is not None for r in ranked if not r.get("error"))]
-    ok = [r for r in ranked if not r.get("error") and all(r.get(d) is not None for d in usable)]
+    # NOTE: a row screened on a sample has the sample's measures: set against the whole
+    # workload's it would "dominate" them (fewer requests queue less), so it is left off
+    whole = [r for r in ranked if not r.get("error") and search.on_whole(r)]
+    usable = [d for d in dims if all(r.get(d) is not None for r in whole)]
+    ok = [r for r in whole if all(r.get(d) is not None for d in usable)]
     front = pareto_front([tuple(-r[d] if d in HIGHER_IS_BETTER else r[d] for d in usable) for r in ok])
     on_front = {id(r) for r, f in zip(ok, front) if f}
+    judged = {id(r) for r in ok}
     for i, (r, v) in enumerate(zip(ranked, values)):
         row = {**_layout_cells(search, r["layout"]), **{m: r.get(m) for m in MEASURES},
                "objective": search.plan.objective, "objective_value": v,
-               "rank": i + 1 if v is not None else None, "pareto": id(r) in on_front,
+               "rank": i + 1 if v is not None else None,
+               "pareto": id(r) in on_front if id(r) in judged else None,
                "priced": r["priced"], "requests": r.get("requests"), "goodput_bound": r.get("goodput_bound"),
                "runs": r.get("runs"), "error": r.get("error")}
         for term, s in (r.get("breakdown_s") or {}).items():
@@ -351,7 +356,10 @@ def _per_objective(search: Search, rows: list[dict[str, Any]]) -> list[str]:
         scored = [(v, r) for v, r in scored if v is not None]
         if not scored:
             continue
-        scored.sort(key=lambda vr: (vr[1]["priced"] != "full", obj.key(vr[0])))
+        # NOTE: a row screened on the whole workload has this objective's full price unless
+        # it is goodput (bracketed more coarsely on the screen): it competes with those priced in full
+        exact = lambda r: r["priced"] == "full" or (search.sample is None and not obj.needs_slo)  # noqa: E731
+        scored.sort(key=lambda vr: (not exact(vr[1]), obj.key(vr[0]), vr[1]["priced"] != "full", *tie_break(vr[1])))
         v, r = scored[0]
         nxt = next((rr for vv, rr in scored[1:] if not same_price(r, rr)), None)
         terms = deciding_terms(r, nxt, 1) if nxt is not None else []
@@ -387,7 +395,9 @@ def _sensitivity(search: Search) -> list[str]:
 def _front(search: Search, rows: list[dict[str, Any]]) -> list[str]:
     front = [r for r in rows if r["pareto"]]
     out = ["", "## Pareto front (TTFT p90, TPOT p90, goodput per GPU, GPUs)", "",
-           "No other priced layout is at least as good on every one and better on one.", "",
+           "No other layout priced on the whole workload is at least as good on every one and better on one"
+           + (f" (those screened only on the first {search.sample} requests are left off: their measures are the "
+              "sample's; search.csv leaves their pareto empty)." if search.sample is not None else "."), "",
            "| layout | TTFT p90 | TPOT p90 | goodput per GPU | GPUs | priced |", "|---|--:|--:|--:|--:|---|"]
     for r in front[:30]:
         out.append(f"| `{r['overrides']}` | {_fmt('ttft_p90_s', r['ttft_p90_s'])} | {_fmt('tpot_p90_s', r['tpot_p90_s'])}"

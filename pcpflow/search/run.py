@@ -150,6 +150,12 @@ class Search:
         self.progress.advance()
         return row
 
+    def on_whole(self, row: dict[str, Any]) -> bool:
+        """The row's measures are the whole workload's: priced in full, or screened on every
+        request (its TTFT, TPOT and throughput then are the full price's; only its goodput
+        was bracketed more coarsely)."""
+        return row["priced"] == "full" or self.sample is None
+
     def value(self, row: dict[str, Any], objective: str | None = None) -> float | None:
         obj = OBJECTIVES[objective or self.plan.objective]
         if row.get("error"):

@@ -175,3 +175,50 @@ def test_a_candidate_that_repeats_the_command_lines_value_is_that_layout(tmp_pat
             "cudagraph_mode=piecewise", "search.candidates=['tp=2 pcp=1,2']", f"hydra.run.dir={tmp_path}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted((row["tp"], row["pcp"]) for row in _rows(tmp_path / "search.csv")) == [("2", "1"), ("2", "2")]
+
+
+def test_the_pareto_front_sets_no_row_screened_on_a_sample_against_the_whole_workload(tmp_path):
+    """A row screened on the first requests has the sample's measures (fewer requests queue
+    less): it is not comparable with a row priced on the whole workload, so it must neither
+    push one off the front nor be judged itself. The recommended layout (the lowest TTFT p90
+    priced on the whole workload, objective ttft) is on the front by definition."""
+    r = cli(*SEARCH, *TRACE, "workload.max_requests=40", "search.gpus=4", "search.sample=12", "search.top_k=2",
+            "search.candidates=['tp=1,2,4 pcp=1 cudagraph_mode=piecewise','tp=1 pcp=2,4 cudagraph_mode=piecewise']",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    full = [row for row in rows if row["priced"] == "full"]
+    sampled = [row for row in rows if row["priced"] == "screen"]
+    assert len(full) == 2 and sampled and all(row["requests"] == "12" for row in sampled)
+    assert rows[0]["rank"] == "1" and rows[0]["pareto"] == "True"
+    assert all(row["pareto"] == "" for row in sampled)
+
+    def better_or_equal(a, b):
+        return all(float(a[k]) <= float(b[k]) for k in ("ttft_p90_s", "tpot_p90_s", "gpus"))
+
+    for row in full:  # the front among the rows of the whole workload, by definition
+        dominated = any(better_or_equal(o, row) and o is not row and any(o[k] != row[k] for k in ("ttft_p90_s",
+                        "tpot_p90_s", "gpus")) for o in full)
+        assert (row["pareto"] == "True") == (not dominated), row["overrides"]
+
+
+def test_the_best_per_objective_counts_rows_screened_on_the_whole_workload(tmp_path):
+    """Screened on every request, a row's TTFT, TPOT and throughput are its full price (the same
+    run at the workload's arrivals); only its goodput was bracketed more coarsely. With top_k=1
+    only the goodput winner is priced again, yet the best TTFT is the lowest of all rows."""
+    r = cli(*SEARCH, *TRACE, "workload.max_requests=40", "search.gpus=4", "slo.ttft_s=0.5", "slo.tpot_s=0.05",
+            "simulate.objective=goodput_per_gpu", "search.top_k=1",
+            "search.candidates=['tp=4 pcp=1 cudagraph_mode=piecewise','tp=1 pcp=1 cudagraph_mode=piecewise']",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert [row["priced"] for row in rows] == ["full", "screen"] and all(row["requests"] == "40" for row in rows)
+    md = (tmp_path / "search.md").read_text()
+    for objective, column, lower in (("ttft", "ttft_p90_s", True), ("tpot", "tpot_p90_s", True),
+                                     ("throughput_per_gpu", "throughput_per_gpu", False)):
+        best = (min if lower else max)(rows, key=lambda row: float(row[column]))
+        (line,) = [ln for ln in md.splitlines() if ln.startswith(f"| {objective} |")]
+        assert f"`{best['overrides']}`" in line, (objective, line)
+    (line,) = [ln for ln in md.splitlines() if ln.startswith("| goodput_per_gpu |")]
+    assert f"`{rows[0]['overrides']}`" in line  # goodput: the one priced in full
+    assert all(row["pareto"] in ("True", "False") for row in rows)  # every row is the whole workload's
