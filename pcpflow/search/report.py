@@ -28,7 +28,7 @@ HIGHER_IS_BETTER = {"throughput_per_gpu", "goodput_per_gpu"}
 OBJECTIVE_MEASURE = {"ttft": "ttft_p90_s", "tpot": "tpot_p90_s", "gpus": "gpus", "throughput_per_gpu":
                      "throughput_per_gpu", "goodput_per_gpu": "goodput_per_gpu", "ttft_x_gpus": "ttft_p90_s",
                      "tpot_x_gpus": "tpot_p90_s"}
-DROPPED_FROM_COMMANDS = ("mode", "search", "slo.attainment", "decode.mode")
+DROPPED_FROM_COMMANDS = ("mode", "search", "slo.attainment", "decode.mode", "disagg.kind")
 
 
 def layout_columns(search: Search) -> list[str]:
@@ -185,11 +185,13 @@ def _brief(search: Search, r: dict[str, Any] | None) -> dict[str, Any] | None:
 
 # -- commands -----------------------------------------------------------------------------------
 
-def _layout_key(o: str) -> bool:
-    """A key of the search's own or of the layout (the layout's values replace them)."""
+def _layout_key(o: str, pools: bool) -> bool:
+    """A key of the search's own or of the layout (the layout's values replace them); a
+    setting of the pools (``disagg.transfer``, ``disagg.decode_pool.num_blocks``, ...) is kept
+    for a layout with pools (``pools``) only: a run without them refuses it."""
     key = o.lstrip("+~").split("=", 1)[0]
     keys = {d.key for d in (*search_dims(), REPLICAS)} | set(DROPPED_FROM_COMMANDS)
-    return key in keys or key.startswith(("search.", "disagg."))
+    return key in keys or key.startswith("search.") or (key.startswith("disagg.") and not pools)
 
 
 def search_dims():
@@ -198,14 +200,16 @@ def search_dims():
     return DIMS + pool_dims(True)
 
 
-def _given(search: Search) -> list[str]:
+def _given(search: Search, layout: Layout) -> list[str]:
     if search.overrides is None:
         return ["<this command's other settings>"]
-    return [o for o in search.overrides if not _layout_key(o) and not o.startswith("hydra.")]
+    pools = layout.get("disagg") == "pd"
+    return [o for o in search.overrides if not _layout_key(o, pools) and not o.startswith("hydra.")]
 
 
 def simulate_command(search: Search, layout: Layout) -> str:
-    parts = ["python", "-m", "pcpflow", "mode=simulate", *_given(search), *layout.overrides(search.plan.space.dims)]
+    parts = ["python", "-m", "pcpflow", "mode=simulate", *_given(search, layout),
+             *layout.overrides(search.plan.space.dims)]
     return " ".join(p if p.startswith("<") else shlex.quote(p) for p in parts)
 
 
@@ -218,7 +222,7 @@ def execute_command(search: Search, layout: Layout) -> str | None:
     model = (search.plan.base.get("model") or {}).get("name")
     if model not in ("tiny_mla", "tiny_gqa", "hf"):
         return None
-    given = [o for o in _given(search) if not o.lstrip("+~").startswith(SIMULATE_ONLY)]
+    given = [o for o in _given(search, layout) if not o.lstrip("+~").startswith(SIMULATE_ONLY)]
     keep = [o for o in layout.overrides(search.plan.space.dims) if not o.startswith(("serving.", "workload.request_rate"))]
     return " ".join(p if p.startswith("<") else shlex.quote(p) for p in ["python", "-m", "pcpflow", *given, *keep])
 

@@ -222,3 +222,39 @@ def test_the_best_per_objective_counts_rows_screened_on_the_whole_workload(tmp_p
     (line,) = [ln for ln in md.splitlines() if ln.startswith("| goodput_per_gpu |")]
     assert f"`{rows[0]['overrides']}`" in line  # goodput: the one priced in full
     assert all(row["pareto"] in ("True", "False") for row in rows)  # every row is the whole workload's
+
+
+def test_the_pools_settings_apply_to_the_layouts_with_pools_and_their_printed_commands(tmp_path):
+    """disagg.transfer and disagg.decode_pool.{num_blocks, max_num_seqs, ...} are settings a
+    search with pools takes (they once exited 2 asking for disagg=pd, which a search refuses):
+    a row with pools is mode=simulate's answer with them, and the printed command carries them;
+    a one-pool layout is priced without them (a run of one pool refuses them)."""
+    wl = ["model=tiny_mla", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[4000,6000]",
+          "workload.output_lens=[8]", "cudagraph_mode=none"]
+    pools = ["disagg.transfer=after_prefill", "disagg.decode_pool.max_num_seqs=1"]
+    r = cli(*SEARCH, *wl, *pools, "search.gpus=4", "simulate.objective=tpot",
+            "search.candidates=['tp=1 disagg.kind=pd','tp=2']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows = {row["disagg"]: row for row in _rows(tmp_path / "search.csv")}
+    assert set(rows) == {"none", "pd"} and not _rows(tmp_path / "pruned.csv")
+    from pcpflow.driver.job import _simulate
+
+    def tpot(*args):
+        return _simulate(compose(["mode=simulate", *wl, *args]), None)["metrics"]["tpot"]["p90_s"]
+
+    with_pools, without = tpot(*pools, *rows["pd"]["overrides"].split()), tpot(*rows["pd"]["overrides"].split())
+    assert with_pools != pytest.approx(without, rel=1e-3)  # one decode seat and no overlap: they matter here
+    assert float(rows["pd"]["tpot_p90_s"]) == pytest.approx(with_pools, rel=1e-6)
+    assert float(rows["none"]["tpot_p90_s"]) == pytest.approx(tpot(*rows["none"]["overrides"].split()), rel=1e-6)
+    result = json.loads((tmp_path / "result.json").read_text())["metrics"]["search"]
+    for brief in (result["recommended"], result["runner_up"]):
+        has = [p in brief["simulate_command"].split() for p in pools]
+        assert has == [brief["layout"].count("disagg=pd") == 1] * 2, brief["simulate_command"]
+
+
+def test_the_pools_settings_with_one_pool_fixed_exit_2_naming_both():
+    r = cli(*SEARCH, "model=tiny_mla", "hardware=h100_sxm", "search.gpus=4", "disagg.kind=none",
+            "disagg.transfer=after_prefill")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- disagg.kind:") and "disagg.transfer" in line
