@@ -329,10 +329,8 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
                   + ("; " + lab(runner) + " wins " + "; ".join(losses) if losses else "") + "."]
         v1, v2 = search.value(best), search.value(runner)
         if v1 is not None and v2 is not None and v1 and v2 and v1 != v2:
-            ratio = v2 / v1 if not obj.higher_is_better else v1 / v2
-            change = f"+{ratio - 1:.2%}" if obj.higher_is_better else f"-{1 - 1 / ratio:.2%}"
             lines.append(f"- For the runner-up to win, its {plan.objective} would have to improve by "
-                         f"{ratio:.4g}x ({change}), all else equal.")
+                         f"{to_win(v1, v2, obj.higher_is_better)}, all else equal.")
         elif v1 == v2:
             lines.append(f"- They tie on {plan.objective}: the other measures order them.")
         if terms:
@@ -349,6 +347,24 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
     counted = count_reasons(search.pruned)
     lines += [f"- {n} x {example}" for n, _, example in counted[:12]] or ["- none"]
     return "\n".join(lines) + "\n"
+
+
+def to_win(best: float, runner: float, higher_is_better: bool) -> str:
+    """How much the runner-up's objective must improve to reach the best's, as a factor and a
+    percentage, each rounded away from what falls short (applied to the runner-up's value,
+    either one reaches the best's): "1.018x (+1.74%)", "1.046x (-4.35%)"."""
+    ratio = best / runner if higher_is_better else runner / best
+    change = (ratio - 1) if higher_is_better else (1 - 1 / ratio)
+    return f"{_ceil(ratio, 4)}x ({'+' if higher_is_better else '-'}{_ceil(change * 100, 2, places=True)}%)"
+
+
+def _ceil(x: float, digits: int, *, places: bool = False) -> str:
+    """``x`` rounded up to ``digits`` significant digits (``places``: decimal places)."""
+    from decimal import ROUND_CEILING, Decimal
+
+    d = Decimal(repr(x))
+    up = d.quantize(Decimal(1).scaleb(-digits if places else d.adjusted() - digits + 1), rounding=ROUND_CEILING)
+    return f"{up:f}" if places else f"{up.normalize():f}"
 
 
 def _per_objective(search: Search, rows: list[dict[str, Any]]) -> list[str]:
