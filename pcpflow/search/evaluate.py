@@ -40,7 +40,11 @@ def evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: float
     try:
         return _evaluate(raw, prepare, settings, start_rate)
     except Exception as exc:  # noqa: BLE001 (one layout's failure must not end the search)
-        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "trace": traceback.format_exc()[-2000:]}
+        from pcpflow.errors import ConfigError
+
+        # NOTE: a ConfigError's first line is its header only: the problems say what is wrong
+        text = " | ".join(str(p) for p in exc.problems) if isinstance(exc, ConfigError) else str(exc)
+        return {"error": f"{type(exc).__name__}: {text}".splitlines()[0][:300], "trace": traceback.format_exc()[-2000:]}
 
 
 def variant(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:

@@ -187,7 +187,7 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     config = cfg.model_copy(update={"mode": "search", "search": search, "slo": slo})
     has_slo = cfg.slo.ttft_s is not None or cfg.slo.tpot_s is not None
     table = _requests(cfg)
-    no_rate = _no_rate(cfg, table.arrival_s if table.timed else None)
+    no_rate = _no_rate(cfg, table.arrival_s if table.timed else None) or _in_steps(base)
     if no_rate is not None and has_slo and OBJECTIVES[objective].needs_slo:
         raise ConfigError([no_rate])
     goodput = has_slo and arrivals != "in steps" and no_rate is None
@@ -229,6 +229,19 @@ def _no_rate(cfg: RunConfig, arrival_s: Any) -> Problem | None:
                        "and these have none to scale; take more of the trace (workload.max_requests), or rank by "
                        "another simulate.objective (ttft, tpot, throughput_per_gpu, ...)")
     return None
+
+
+def _in_steps(base: dict[str, Any]) -> Problem | None:
+    """Goodput searches the arrival rate in time: arrivals in steps have none to give (the
+    setting that puts them in steps named); None where they arrive in time or can."""
+    if _arrivals(base) != "in steps":
+        return None
+    wl = base["workload"]
+    key = next(k for k in ("step_ms", "arrival_steps", "arrival_every") if wl.get(k) is not None)
+    return Problem(f"workload.{key}", wl[key], "puts the arrivals in steps, and goodput searches the arrival rate in "
+                   f"time (requests/s): leave workload.{key} out (a trace replays its timestamps, a synthetic "
+                   "workload takes workload.request_rate), or rank by another simulate.objective (ttft, tpot, "
+                   "throughput_per_gpu, ...)")
 
 
 _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mode", "serving", "disagg", "kv",

@@ -276,3 +276,38 @@ def test_the_pools_settings_with_one_pool_fixed_exit_2_naming_both():
     assert r.returncode == 2, r.stdout + r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
     assert line.strip().startswith("- disagg.kind:") and "disagg.transfer" in line
+
+
+@pytest.mark.parametrize("workload, field", [
+    (["workload=synthetic", "workload.num_requests=8", "workload.arrival_every=2"], "workload.arrival_every"),
+    (["workload=explicit", "workload.prompt_lens=[100,200]", "workload.output_lens=[4]", "workload.arrival_steps=[0,3]"],
+     "workload.arrival_steps"),
+    (["workload=trace", f"workload.path={TRACE_HEAD}", "workload.max_requests=20", "workload.step_ms=10"],
+     "workload.step_ms"),
+])
+def test_goodput_on_arrivals_in_steps_is_refused_naming_the_setting(workload, field, tmp_path):
+    """Goodput searches a rate in requests/s; arrivals in steps have none (every layout once
+    failed at the screen, exit 1, each row's error the header of a ConfigError). Another
+    objective keeps the SLOs and prices the layouts."""
+    args = [*SEARCH, "model=llama3_8b", "hardware=h100_sxm", *workload, "search.gpus=2", "slo.ttft_s=0.5",
+            "search.candidates=['tp=1 cudagraph_mode=piecewise']"]
+    r = cli(*args, "simulate.objective=goodput_per_gpu", f"hydra.run.dir={tmp_path / 'goodput'}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith(f"- {field}:") and "in steps" in line
+    assert not (tmp_path / "goodput" / "search.csv").exists()
+    r = cli(*args, "simulate.objective=ttft", f"hydra.run.dir={tmp_path / 'ttft'}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = _rows(tmp_path / "ttft" / "search.csv")
+    assert not row["error"] and float(row["ttft_p90_s"]) > 0 and row["goodput_per_gpu"] == ""
+
+
+def test_a_layout_refused_while_priced_says_the_problem_not_the_header(monkeypatch):
+    from pcpflow.errors import ConfigError, Problem
+    from pcpflow.search.evaluate import Settings, evaluate
+
+    def prepare(raw):
+        raise ConfigError([Problem("kv.num_blocks", 3, "must be >= 4")])
+
+    out = evaluate({"workload": {}}, prepare, Settings(None, False, 0.9, 0.05, 1 / 64))
+    assert out["error"] == "ConfigError: kv.num_blocks: got 3; must be >= 4"
