@@ -107,7 +107,7 @@ def measures(m: dict[str, Any]) -> dict[str, Any]:
         "ttft_mean_s": (m.get("ttft") or {}).get("mean_s"),
         "throughput_per_gpu": (m.get("throughput") or {}).get("output_tok_s_per_gpu"),
         "gpus": sim.get("gpus"),
-        "requests": (m.get("serving") or {}).get("requests"),
+        "requests": m.get("num_requests"),  # NOTE: the pools' metrics have no "serving" section
         "attainment": goodput.get("share"),
         "breakdown_s": {k: v["exposed_s"] for k, v in (sim.get("breakdown_s") or {}).items()},
         "fitted": {k: {"value": v["value"], "share": v["share"]} for k, v in (sim.get("fitted") or {}).items()},

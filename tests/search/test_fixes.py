@@ -255,6 +255,7 @@ def test_the_pools_settings_apply_to_the_layouts_with_pools_and_their_printed_co
     assert r.returncode == 0, r.stderr
     rows = {row["disagg"]: row for row in _rows(tmp_path / "search.csv")}
     assert set(rows) == {"none", "pd"} and not _rows(tmp_path / "pruned.csv")
+    assert rows["pd"]["requests"] == rows["none"]["requests"] == "2"  # the pools' row once left it empty
     from pcpflow.driver.job import _simulate
 
     def tpot(*args):
