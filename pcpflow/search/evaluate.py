@@ -51,27 +51,48 @@ def variant(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """``raw`` with the first ``settings.sample`` requests and the fitted factors scaled."""
     raw = copy.deepcopy(raw)
     if settings.sample is not None:
-        raw["workload"] = sampled(raw["workload"], settings.sample)
+        raw["workload"] = sampled(raw["workload"], settings.sample, int(raw.get("seed") or 0))
     for name, factor in settings.scale:
         sim = raw.setdefault("simulate", {})
         sim[name] = min(1.0, float(sim[name]) * factor)
     return raw
 
 
-def sampled(workload: dict[str, Any], n: int) -> dict[str, Any]:
-    """The workload's first ``n`` requests (a trace: its first lines after ``skip``)."""
+def sampled(workload: dict[str, Any], n: int, seed: int = 0) -> dict[str, Any]:
+    """The workload's first ``n`` requests (a trace: its first lines after ``skip``; a
+    synthetic workload: its first ``n``, spelled out; ``seed``: the run's)."""
     wl = dict(workload)
     kind = wl.get("kind")
     if kind == "trace":
         wl["max_requests"] = min(n, int(wl.get("max_requests") or n))
     elif kind == "synthetic":
-        wl["num_requests"] = min(n, int(wl.get("num_requests") or n))
+        wl = first_synthetic(wl, n, seed)
     else:
         for key in ("prompt_lens", "prompts", "texts", "chats", "text_token_ids", "cached_lens", "arrival_steps",
                     "output_lens"):
             if isinstance(wl.get(key), list) and (key != "output_lens" or len(wl[key]) > 1):
                 wl[key] = wl[key][:n]
     return wl
+
+
+def first_synthetic(workload: dict[str, Any], n: int, seed: int) -> dict[str, Any]:
+    """A synthetic workload's first ``n`` requests as an explicit one: the same lengths,
+    arrivals and block identities. NOTE: ``num_requests=n`` would not be them: the generator
+    draws every prompt length, then every output length, so the first output lengths of a
+    shorter draw are other ones."""
+    from pcpflow.scheduling.workload import SyntheticWorkload, request_lengths
+
+    cfg = SyntheticWorkload.model_validate(workload)
+    if n >= cfg.num_requests:
+        return workload
+    prompt, output = request_lengths(cfg, seed=seed, vocab_size=1)  # NOTE: lengths only: no token is drawn
+    out = {"kind": "explicit", "prompt_lens": prompt[:n].tolist(), "output_lens": output[:n].tolist(),
+           "request_rate": cfg.request_rate, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed,
+           "ignore_eos": cfg.ignore_eos}
+    if cfg.request_rate is None:  # arrivals in steps: request i at floor(i * arrival_every), 1 when null
+        every = 1.0 if cfg.arrival_every is None else cfg.arrival_every
+        out["arrival_steps"] = [math.floor(i * every) for i in range(n)]
+    return out
 
 
 def at_rate(raw: dict[str, Any], rate: float, own_rate: float | None) -> dict[str, Any]:

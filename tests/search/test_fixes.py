@@ -312,3 +312,27 @@ def test_a_layout_refused_while_priced_says_the_problem_not_the_header(monkeypat
 
     out = evaluate({"workload": {}}, prepare, Settings(None, False, 0.9, 0.05, 1 / 64))
     assert out["error"] == "ConfigError: kv.num_blocks: got 3; must be >= 4"
+
+
+def test_a_synthetic_workloads_sample_is_its_first_requests(tmp_path):
+    """search.sample screens on the workload's first requests. A synthetic workload's generator
+    draws every prompt length before the first output length, so num_requests=4 draws other
+    output lengths than the first 4 of 12 have: the sample once screened other requests."""
+    wl = ["model=llama3_8b", "hardware=h100_sxm", "workload=synthetic", "workload.num_requests=12",
+          "workload.prompt_len=[200,3000]", "workload.output_len=[2,60]", "cudagraph_mode=piecewise"]
+    r = cli(*SEARCH, *wl, "search.gpus=2", "search.sample=4", "search.top_k=1",
+            "search.candidates=['tp=1 pcp=1','tp=2 pcp=1']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    (screened,) = [row for row in _rows(tmp_path / "search.csv") if row["priced"] == "screen"]
+    assert screened["requests"] == "4"
+    from pcpflow.driver.job import _simulate
+    from pcpflow.scheduling.workload import request_lengths
+
+    full = compose(["mode=simulate", *wl])
+    prompt, output = request_lengths(full.workload, seed=full.seed, vocab_size=full.model.vocab_size)
+    first = ["workload=explicit", f"workload.prompt_lens=[{','.join(map(str, prompt[:4]))}]",
+             f"workload.output_lens=[{','.join(map(str, output[:4]))}]"]
+    cfg = compose(["mode=simulate", *wl[:2], *first, wl[-1], *screened["overrides"].split()])
+    m = _simulate(cfg, None)["metrics"]
+    assert float(screened["tpot_p90_s"]) == pytest.approx(m["tpot"]["p90_s"], rel=1e-5)
+    assert float(screened["ttft_p90_s"]) == pytest.approx(m["ttft"]["p90_s"], rel=1e-5)
