@@ -336,3 +336,26 @@ def test_a_synthetic_workloads_sample_is_its_first_requests(tmp_path):
     m = _simulate(cfg, None)["metrics"]
     assert float(screened["tpot_p90_s"]) == pytest.approx(m["tpot"]["p90_s"], rel=1e-5)
     assert float(screened["ttft_p90_s"]) == pytest.approx(m["ttft"]["p90_s"], rel=1e-5)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_layouts_that_price_the_same_are_ranked_alike_whatever_order_the_workers_finish_in(reverse, tmp_path,
+                                                                                          monkeypatch):
+    """dcp_rest=context and its default price the same here; the recommended one is the one
+    with fewer settings away from the defaults, not whichever worker finished first."""
+    from pcpflow.search import run
+
+    parallel = run.parallel
+    def finished(*args, **kwargs):
+        done = list(parallel(*args, **kwargs))
+        return done[::-1] if reverse else done
+
+    monkeypatch.setattr(run, "parallel", finished)
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[3000,5000]",
+            "workload.output_lens=[8]", "search.gpus=4", "cudagraph_mode=piecewise",
+            "search.candidates=['tp=2 pcp=2 dcp=2 pipeline.forward.dcp_rest=auto,context']", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rows = _rows(tmp_path / "search.csv")
+    assert rows[0]["ttft_p90_s"] == rows[1]["ttft_p90_s"] and rows[0]["tpot_p90_s"] == rows[1]["tpot_p90_s"]
+    assert rows[0]["overrides"] == "tp=2 pcp=2 dcp=2 cudagraph_mode=piecewise workload.request_rate=inf"
+    assert "recommended (ttft): tp=2 pcp=2 dcp=2 cudagraph_mode=piecewise workload.request_rate=inf" in r.stdout
