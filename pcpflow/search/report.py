@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pcpflow.search.evaluate import BURST
 from pcpflow.search.plan import count_reasons
 from pcpflow.search.run import FULL_LOWEST, SCREEN_LOWEST, Search, same_price, tie_break
 from pcpflow.search.space import DIMS, REPLICAS, Layout
@@ -180,7 +181,7 @@ def _brief(search: Search, r: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"layout": r["layout"].label(search.plan.space.dims), **{m: r.get(m) for m in MEASURES},
             "objective_value": search.value(r), "breakdown_s": r.get("breakdown_s"),
             "fitted": r.get("fitted"), "simulate_command": simulate_command(search, r["layout"]),
-            "execute_command": execute_command(search, r["layout"])}
+            "goodput_command": goodput_command(search, r), "execute_command": execute_command(search, r["layout"])}
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -207,10 +208,34 @@ def _given(search: Search, layout: Layout) -> list[str]:
     return [o for o in search.overrides if not _layout_key(o, pools) and not o.startswith("hydra.")]
 
 
-def simulate_command(search: Search, layout: Layout) -> str:
+def simulate_command(search: Search, layout: Layout, setting: str | None = None) -> str:
+    """The mode=simulate run of ``layout``; ``setting`` ("key=value") replaces that key's."""
     parts = ["python", "-m", "pcpflow", "mode=simulate", *_given(search, layout),
              *layout.overrides(search.plan.space.dims)]
+    if setting is not None:
+        key = setting.split("=", 1)[0]
+        parts = [p for p in parts if p.lstrip("+~").split("=", 1)[0] != key] + [setting]
     return " ".join(p if p.startswith("<") else shlex.quote(p) for p in parts)
+
+
+def goodput_command(search: Search, row: dict[str, Any]) -> str | None:
+    """The simulated run of ``row``'s layout with the requests offered at its goodput rate
+    (``goodput_per_gpu`` x GPUs: a trace's timestamps scaled, else Poisson arrivals at that
+    rate; every request at once where even that kept the attainment): at least
+    ``slo.attainment`` of its requests meet the SLOs (``metrics.goodput.share``). None where
+    no goodput was found."""
+    rate, bound = row.get("goodput_req_s"), row.get("goodput_bound")
+    if not rate or bound in (None, "below") or search.overrides is None:
+        return None
+    wl = search.plan.config.workload
+    rate = math.inf if bound == "burst" else rate
+    if wl.kind == "trace":
+        t = search.plan.arrival_s  # NOTE: the timestamps already x workload.time_scale
+        own = (len(t) - 1) / float(t.max() - t.min())
+        setting = f"workload.time_scale={wl.time_scale * (BURST if math.isinf(rate) else own / rate)!r}"
+    else:
+        setting = f"workload.request_rate={rate!r}"
+    return simulate_command(search, row["layout"], setting)
 
 
 SIMULATE_ONLY = ("hardware", "simulate.", "serving.", "workload.request_rate", "slo.")
@@ -316,6 +341,10 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
         lines.append(f"- {len(ties)} other layout(s) price the same (they differ only where nothing is priced): "
                      + ", ".join(lab(t) for t in ties[:5]) + (" ..." if len(ties) > 5 else "") + ".")
     lines += [f"- Simulate it: `{simulate_command(search, best['layout'])}`"]
+    at_goodput = goodput_command(search, best)
+    if at_goodput:
+        lines += [f"- At its goodput rate ({best['goodput_per_gpu'] * best['gpus']:.4g} req/s offered; at least "
+                  f"{search.plan.attainment:.0%} of requests meet the SLOs, `metrics.goodput.share`): `{at_goodput}`"]
     ex = execute_command(search, best["layout"])
     lines += [f"- Execute it: `{ex}`" if ex else
               "- Execute it: a model card has no weights; `model=hf model.path=DIR` (a checkpoint) runs the layout."]
@@ -506,6 +535,10 @@ def print_console(search: Search, summary: dict[str, Any], run_dir: Path | None)
             lines.append(f"  runner-up: {run['layout']}: "
                          + " · ".join(f"{NAMES[m]} {_fmt(m, run[m])}" for m in MEASURES if run.get(m) is not None))
         lines.append(f"  simulate it: {rec['simulate_command']}")
+        if rec["goodput_command"]:
+            lines.append(f"  at its goodput rate ({rec['goodput_per_gpu'] * rec['gpus']:.4g} req/s; at least "
+                         f"{search.plan.attainment:.0%} meet the SLOs, metrics.goodput.share): "
+                         f"{rec['goodput_command']}")
         lines.append(f"  execute it:  {rec['execute_command']}" if rec["execute_command"] else
                      "  execute it:  not with a model card (no weights); model=hf model.path=DIR runs the layout")
     if run_dir is not None:

@@ -359,3 +359,37 @@ def test_layouts_that_price_the_same_are_ranked_alike_whatever_order_the_workers
     assert rows[0]["ttft_p90_s"] == rows[1]["ttft_p90_s"] and rows[0]["tpot_p90_s"] == rows[1]["tpot_p90_s"]
     assert rows[0]["overrides"] == "tp=2 pcp=2 dcp=2 cudagraph_mode=piecewise workload.request_rate=inf"
     assert "recommended (ttft): tp=2 pcp=2 dcp=2 cudagraph_mode=piecewise workload.request_rate=inf" in r.stdout
+
+
+@pytest.mark.parametrize("workload", [
+    [*TRACE, "workload.max_requests=20"],
+    ["model=llama3_8b", "hardware=h100_sxm", "workload=synthetic", "workload.num_requests=12",
+     "workload.prompt_len=[500,3000]", "workload.output_len=[10,40]"],
+])
+def test_the_goodput_command_offers_the_goodput_rate_and_keeps_the_attainment(workload, tmp_path):
+    """The simulate command runs the workload's own arrivals, whose goodput is not the search's
+    (the highest rate keeping the attainment): the goodput command offers that rate, and its
+    run keeps the attainment (metrics.goodput.share)."""
+    r = cli(*SEARCH, *workload, "search.gpus=4", "slo.ttft_s=0.8", "slo.tpot_s=0.012",
+            "simulate.objective=goodput_per_gpu",
+            "search.candidates=['tp=1 pcp=1 cudagraph_mode=piecewise','tp=2 cudagraph_mode=piecewise']",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((tmp_path / "result.json").read_text())["metrics"]["search"]["recommended"]
+    assert rec["goodput_command"] in r.stdout and rec["goodput_command"] in (tmp_path / "search.md").read_text()
+    import shlex
+
+    from pcpflow.driver.job import _simulate
+
+    args = shlex.split(rec["goodput_command"])[3:]
+    assert args[0] == "mode=simulate"
+    m = _simulate(compose(args), None)["metrics"]
+    assert m["goodput"]["share"] >= 0.9
+    rate = rec["goodput_per_gpu"] * rec["gpus"]
+    (row,) = [row for row in _rows(tmp_path / "search.csv") if row["overrides"] == rec["layout"]]
+    assert row["goodput_bound"] in ("served", "bisected")  # a rate to offer (a burst would be inf)
+    if "workload=trace" in args:  # the timestamps scaled: their mean rate is the goodput
+        assert (m["serving"]["requests"] - 1) / m["serving"]["arrival_span_s"] == pytest.approx(rate, rel=1e-6)
+    else:  # Poisson arrivals at the goodput
+        (given,) = [a for a in args if a.startswith("workload.request_rate=")]
+        assert float(given.split("=")[1]) == pytest.approx(rate, rel=1e-12)
