@@ -393,3 +393,12 @@ def test_the_goodput_command_offers_the_goodput_rate_and_keeps_the_attainment(wo
     else:  # Poisson arrivals at the goodput
         (given,) = [a for a in args if a.startswith("workload.request_rate=")]
         assert float(given.split("=")[1]) == pytest.approx(rate, rel=1e-12)
+
+
+def test_weights_that_do_not_fit_in_fp8_are_not_told_to_use_fp8():
+    """405B in fp8 takes ~382 GiB: not on 2 H200s; the advice is more GPUs, not the dtype it has."""
+    r = cli(*SEARCH, "model=llama3_405b", "hardware=h200_sxm", "simulate.weights_dtype=fp8", "search.gpus=2",
+            "workload.num_requests=2")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "the fp8 weights take" in r.stderr and "raise tp" in r.stderr
+    assert "use simulate.weights_dtype=fp8" not in r.stderr
