@@ -17,7 +17,7 @@ from typing import Any
 
 from pcpflow.search.evaluate import BURST
 from pcpflow.search.plan import count_reasons
-from pcpflow.search.run import FULL_LOWEST, SCREEN_LOWEST, Search, same_price, tie_break
+from pcpflow.search.run import ALL_DIMS, FULL_LOWEST, SCREEN_LOWEST, Search, same_price, tie_break
 from pcpflow.search.space import DIMS, REPLICAS, Layout
 from pcpflow.simulate.decide import OBJECTIVES, pareto_front, term_differences
 
@@ -191,14 +191,8 @@ def _layout_key(o: str, pools: bool) -> bool:
     setting of the pools (``disagg.transfer``, ``disagg.decode_pool.num_blocks``, ...) is kept
     for a layout with pools (``pools``) only: a run without them refuses it."""
     key = o.lstrip("+~").split("=", 1)[0]
-    keys = {d.key for d in (*search_dims(), REPLICAS)} | set(DROPPED_FROM_COMMANDS)
+    keys = {d.key for d in (*ALL_DIMS, REPLICAS)} | set(DROPPED_FROM_COMMANDS)
     return key in keys or key.startswith("search.") or (key.startswith("disagg.") and not pools)
-
-
-def search_dims():
-    from pcpflow.search.space import pool_dims
-
-    return DIMS + pool_dims(True)
 
 
 def _given(search: Search, layout: Layout) -> list[str]:
