@@ -40,34 +40,59 @@ def evaluate(raw: dict[str, Any], prepare, settings: Settings, start_rate: float
     try:
         return _evaluate(raw, prepare, settings, start_rate)
     except Exception as exc:  # noqa: BLE001 (one layout's failure must not end the search)
-        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300], "trace": traceback.format_exc()[-2000:]}
+        from pcpflow.errors import ConfigError
+
+        # NOTE: a ConfigError's first line is its header only: the problems say what is wrong
+        text = " | ".join(str(p) for p in exc.problems) if isinstance(exc, ConfigError) else str(exc)
+        return {"error": f"{type(exc).__name__}: {text}".splitlines()[0][:300], "trace": traceback.format_exc()[-2000:]}
 
 
 def variant(raw: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """``raw`` with the first ``settings.sample`` requests and the fitted factors scaled."""
     raw = copy.deepcopy(raw)
     if settings.sample is not None:
-        raw["workload"] = sampled(raw["workload"], settings.sample)
+        raw["workload"] = sampled(raw["workload"], settings.sample, int(raw.get("seed") or 0))
     for name, factor in settings.scale:
         sim = raw.setdefault("simulate", {})
         sim[name] = min(1.0, float(sim[name]) * factor)
     return raw
 
 
-def sampled(workload: dict[str, Any], n: int) -> dict[str, Any]:
-    """The workload's first ``n`` requests (a trace: its first lines after ``skip``)."""
+def sampled(workload: dict[str, Any], n: int, seed: int = 0) -> dict[str, Any]:
+    """The workload's first ``n`` requests (a trace: its first lines after ``skip``; a
+    synthetic workload: its first ``n``, spelled out; ``seed``: the run's)."""
     wl = dict(workload)
     kind = wl.get("kind")
     if kind == "trace":
         wl["max_requests"] = min(n, int(wl.get("max_requests") or n))
     elif kind == "synthetic":
-        wl["num_requests"] = min(n, int(wl.get("num_requests") or n))
+        wl = first_synthetic(wl, n, seed)
     else:
         for key in ("prompt_lens", "prompts", "texts", "chats", "text_token_ids", "cached_lens", "arrival_steps",
                     "output_lens"):
             if isinstance(wl.get(key), list) and (key != "output_lens" or len(wl[key]) > 1):
                 wl[key] = wl[key][:n]
     return wl
+
+
+def first_synthetic(workload: dict[str, Any], n: int, seed: int) -> dict[str, Any]:
+    """A synthetic workload's first ``n`` requests as an explicit one: the same lengths,
+    arrivals and block identities. NOTE: ``num_requests=n`` would not be them: the generator
+    draws every prompt length, then every output length, so the first output lengths of a
+    shorter draw are other ones."""
+    from pcpflow.scheduling.workload import SyntheticWorkload, request_lengths
+
+    cfg = SyntheticWorkload.model_validate(workload)
+    if n >= cfg.num_requests:
+        return workload
+    prompt, output = request_lengths(cfg, seed=seed, vocab_size=1)  # NOTE: lengths only: no token is drawn
+    out = {"kind": "explicit", "prompt_lens": prompt[:n].tolist(), "output_lens": output[:n].tolist(),
+           "request_rate": cfg.request_rate, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed,
+           "ignore_eos": cfg.ignore_eos}
+    if cfg.request_rate is None:  # arrivals in steps: request i at floor(i * arrival_every), 1 when null
+        every = 1.0 if cfg.arrival_every is None else cfg.arrival_every
+        out["arrival_steps"] = [math.floor(i * every) for i in range(n)]
+    return out
 
 
 def at_rate(raw: dict[str, Any], rate: float, own_rate: float | None) -> dict[str, Any]:
@@ -103,7 +128,7 @@ def measures(m: dict[str, Any]) -> dict[str, Any]:
         "ttft_mean_s": (m.get("ttft") or {}).get("mean_s"),
         "throughput_per_gpu": (m.get("throughput") or {}).get("output_tok_s_per_gpu"),
         "gpus": sim.get("gpus"),
-        "requests": (m.get("serving") or {}).get("requests"),
+        "requests": m.get("num_requests"),  # NOTE: the pools' metrics have no "serving" section
         "attainment": goodput.get("share"),
         "breakdown_s": {k: v["exposed_s"] for k, v in (sim.get("breakdown_s") or {}).items()},
         "fitted": {k: {"value": v["value"], "share": v["share"]} for k, v in (sim.get("fitted") or {}).items()},

@@ -75,6 +75,10 @@ def layout_raw(base: dict[str, Any], layout: Layout, space: Space) -> dict[str, 
     for d in space.dims:
         set_path(raw, d.path, layout[d.name])
     set_path(raw, ("serving", "replicas"), layout["replicas"])
+    if layout.get("disagg") != "pd" and isinstance(raw.get("disagg"), dict):
+        # NOTE: the pools' settings given on the command line (disagg.transfer, ...) are for the
+        # layouts with pools; a run of one pool refuses them
+        raw["disagg"] = {"kind": raw["disagg"].get("kind") or "none"}
     if _arrivals(raw) == "all at once":
         # NOTE: replicas take requests as they arrive in time: every layout of the search gets
         # the same burst at 0 s, so that all are priced on one workload
@@ -145,10 +149,12 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     base.setdefault("slo", {}).pop("attainment", None)
     fixed, experts, pools = _fixed(base), _has_experts(base), "disagg" in RunConfig.model_fields
     arrivals = _arrivals(base)
-    pool_keys = [k for k in ("decode_pool_tp", "decode_pool_pcp", "decode_pool_dcp") if k in fixed]
+    pool_keys = [k.replace("decode_pool_", "decode_pool.") for k in ("decode_pool_tp", "decode_pool_pcp",
+                                                                     "decode_pool_dcp") if k in fixed]
+    pool_keys += pool_settings(base)
     if fixed.get("disagg") == "none" and pool_keys:  # NOTE: mode=simulate refuses it too; a search ignored it
-        problems.append(Problem("disagg.kind", "none", "disagg.decode_pool." + pool_keys[0].removeprefix("decode_pool_")
-                                + " sets a decode pool, which needs disagg.kind=pd: drop one"))
+        problems.append(Problem("disagg.kind", "none", f"disagg.{pool_keys[0]} is a setting of the pools, which "
+                                "need disagg.kind=pd: drop one"))
     space = Space(search.gpus if search and search.gpus else 1, fixed=fixed, experts=experts,
                   fill=arrivals != "in steps", pools_available=pools)
     if problems:  # the input's other problems too, judged on the smallest layout
@@ -181,12 +187,24 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     config = cfg.model_copy(update={"mode": "search", "search": search, "slo": slo})
     has_slo = cfg.slo.ttft_s is not None or cfg.slo.tpot_s is not None
     table = _requests(cfg)
-    no_rate = _no_rate(cfg, table.arrival_s if table.timed else None)
+    no_rate = _no_rate(cfg, table.arrival_s if table.timed else None) or _in_steps(base)
     if no_rate is not None and has_slo and OBJECTIVES[objective].needs_slo:
         raise ConfigError([no_rate])
     goodput = has_slo and arrivals != "in steps" and no_rate is None
     return SearchPlan(search, attainment, objective, has_slo, base, space, layouts, feasible, pruned, optuna,
                       config, arrivals, goodput, len(table), table.arrival_s if table.timed else None)
+
+
+def pool_settings(base: dict[str, Any]) -> list[str]:
+    """The pools' settings other than their grid that the command line moved from their
+    defaults (``transfer``, ``decode_pool.num_blocks``, ...), as ``disagg.`` keys end."""
+    from pcpflow.config.disagg import DisaggConfig
+
+    given, default = base.get("disagg") or {}, DisaggConfig()
+    pool = given.get("decode_pool") or {}
+    out = [f"decode_pool.{k}" for k, v in pool.items()
+           if k not in ("tp", "pcp", "dcp") and v != getattr(default.decode_pool, k, v)]
+    return out + (["transfer"] if given.get("transfer", default.transfer) != default.transfer else [])
 
 
 def _requests(cfg: RunConfig):
@@ -211,6 +229,19 @@ def _no_rate(cfg: RunConfig, arrival_s: Any) -> Problem | None:
                        "and these have none to scale; take more of the trace (workload.max_requests), or rank by "
                        "another simulate.objective (ttft, tpot, throughput_per_gpu, ...)")
     return None
+
+
+def _in_steps(base: dict[str, Any]) -> Problem | None:
+    """Goodput searches the arrival rate in time: arrivals in steps have none to give (the
+    setting that puts them in steps named); None where they arrive in time or can."""
+    if _arrivals(base) != "in steps":
+        return None
+    wl = base["workload"]
+    key = next(k for k in ("step_ms", "arrival_steps", "arrival_every") if wl.get(k) is not None)
+    return Problem(f"workload.{key}", wl[key], "puts the arrivals in steps, and goodput searches the arrival rate in "
+                   f"time (requests/s): leave workload.{key} out (a trace replays its timestamps, a synthetic "
+                   "workload takes workload.request_rate), or rank by another simulate.objective (ttft, tpot, "
+                   "throughput_per_gpu, ...)")
 
 
 _LAYOUT_FIELDS = {"tp", "pcp", "dcp", "decode", "pipeline", "moe", "cudagraph_mode", "serving", "disagg", "kv",

@@ -15,8 +15,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pcpflow.search.evaluate import BURST
 from pcpflow.search.plan import count_reasons
-from pcpflow.search.run import FULL_LOWEST, SCREEN_LOWEST, Search, same_price
+from pcpflow.search.run import ALL_DIMS, FULL_LOWEST, SCREEN_LOWEST, Search, same_price, tie_break
 from pcpflow.search.space import DIMS, REPLICAS, Layout
 from pcpflow.simulate.decide import OBJECTIVES, pareto_front, term_differences
 
@@ -28,7 +29,7 @@ HIGHER_IS_BETTER = {"throughput_per_gpu", "goodput_per_gpu"}
 OBJECTIVE_MEASURE = {"ttft": "ttft_p90_s", "tpot": "tpot_p90_s", "gpus": "gpus", "throughput_per_gpu":
                      "throughput_per_gpu", "goodput_per_gpu": "goodput_per_gpu", "ttft_x_gpus": "ttft_p90_s",
                      "tpot_x_gpus": "tpot_p90_s"}
-DROPPED_FROM_COMMANDS = ("mode", "search", "slo.attainment", "decode.mode")
+DROPPED_FROM_COMMANDS = ("mode", "search", "slo.attainment", "decode.mode", "disagg.kind")
 
 
 def layout_columns(search: Search) -> list[str]:
@@ -83,14 +84,19 @@ def _ranked_rows(search: Search) -> list[dict[str, Any]]:
     ranked = search.ranked()
     values = [search.value(r) for r in ranked]
     dims = ("ttft_p90_s", "tpot_p90_s", "goodput_per_gpu", "gpus")
-    usable = [d for d in dims if all(r.get(d) is not None for r in ranked if not r.get("error"))]
-    ok = [r for r in ranked if not r.get("error") and all(r.get(d) is not None for d in usable)]
+    # NOTE: a row screened on a sample has the sample's measures: set against the whole
+    # workload's it would "dominate" them (fewer requests queue less), so it is left off
+    whole = [r for r in ranked if not r.get("error") and search.on_whole(r)]
+    usable = [d for d in dims if all(r.get(d) is not None for r in whole)]
+    ok = [r for r in whole if all(r.get(d) is not None for d in usable)]
     front = pareto_front([tuple(-r[d] if d in HIGHER_IS_BETTER else r[d] for d in usable) for r in ok])
     on_front = {id(r) for r, f in zip(ok, front) if f}
+    judged = {id(r) for r in ok}
     for i, (r, v) in enumerate(zip(ranked, values)):
         row = {**_layout_cells(search, r["layout"]), **{m: r.get(m) for m in MEASURES},
                "objective": search.plan.objective, "objective_value": v,
-               "rank": i + 1 if v is not None else None, "pareto": id(r) in on_front,
+               "rank": i + 1 if v is not None else None,
+               "pareto": id(r) in on_front if id(r) in judged else None,
                "priced": r["priced"], "requests": r.get("requests"), "goodput_bound": r.get("goodput_bound"),
                "runs": r.get("runs"), "error": r.get("error")}
         for term, s in (r.get("breakdown_s") or {}).items():
@@ -175,33 +181,55 @@ def _brief(search: Search, r: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"layout": r["layout"].label(search.plan.space.dims), **{m: r.get(m) for m in MEASURES},
             "objective_value": search.value(r), "breakdown_s": r.get("breakdown_s"),
             "fitted": r.get("fitted"), "simulate_command": simulate_command(search, r["layout"]),
-            "execute_command": execute_command(search, r["layout"])}
+            "goodput_command": goodput_command(search, r), "execute_command": execute_command(search, r["layout"])}
 
 
 # -- commands -----------------------------------------------------------------------------------
 
-def _layout_key(o: str) -> bool:
-    """A key of the search's own or of the layout (the layout's values replace them)."""
+def _layout_key(o: str, pools: bool) -> bool:
+    """A key of the search's own or of the layout (the layout's values replace them); a
+    setting of the pools (``disagg.transfer``, ``disagg.decode_pool.num_blocks``, ...) is kept
+    for a layout with pools (``pools``) only: a run without them refuses it."""
     key = o.lstrip("+~").split("=", 1)[0]
-    keys = {d.key for d in (*search_dims(), REPLICAS)} | set(DROPPED_FROM_COMMANDS)
-    return key in keys or key.startswith(("search.", "disagg."))
+    keys = {d.key for d in (*ALL_DIMS, REPLICAS)} | set(DROPPED_FROM_COMMANDS)
+    return key in keys or key.startswith("search.") or (key.startswith("disagg.") and not pools)
 
 
-def search_dims():
-    from pcpflow.search.space import pool_dims
-
-    return DIMS + pool_dims(True)
-
-
-def _given(search: Search) -> list[str]:
+def _given(search: Search, layout: Layout) -> list[str]:
     if search.overrides is None:
         return ["<this command's other settings>"]
-    return [o for o in search.overrides if not _layout_key(o) and not o.startswith("hydra.")]
+    pools = layout.get("disagg") == "pd"
+    return [o for o in search.overrides if not _layout_key(o, pools) and not o.startswith("hydra.")]
 
 
-def simulate_command(search: Search, layout: Layout) -> str:
-    parts = ["python", "-m", "pcpflow", "mode=simulate", *_given(search), *layout.overrides(search.plan.space.dims)]
+def simulate_command(search: Search, layout: Layout, setting: str | None = None) -> str:
+    """The mode=simulate run of ``layout``; ``setting`` ("key=value") replaces that key's."""
+    parts = ["python", "-m", "pcpflow", "mode=simulate", *_given(search, layout),
+             *layout.overrides(search.plan.space.dims)]
+    if setting is not None:
+        key = setting.split("=", 1)[0]
+        parts = [p for p in parts if p.lstrip("+~").split("=", 1)[0] != key] + [setting]
     return " ".join(p if p.startswith("<") else shlex.quote(p) for p in parts)
+
+
+def goodput_command(search: Search, row: dict[str, Any]) -> str | None:
+    """The simulated run of ``row``'s layout with the requests offered at its goodput rate
+    (``goodput_per_gpu`` x GPUs: a trace's timestamps scaled, else Poisson arrivals at that
+    rate; every request at once where even that kept the attainment): at least
+    ``slo.attainment`` of its requests meet the SLOs (``metrics.goodput.share``). None where
+    no goodput was found."""
+    rate, bound = row.get("goodput_req_s"), row.get("goodput_bound")
+    if not rate or bound in (None, "below") or search.overrides is None:
+        return None
+    wl = search.plan.config.workload
+    rate = math.inf if bound == "burst" else rate
+    if wl.kind == "trace":
+        t = search.plan.arrival_s  # NOTE: the timestamps already x workload.time_scale
+        own = (len(t) - 1) / float(t.max() - t.min())
+        setting = f"workload.time_scale={wl.time_scale * (BURST if math.isinf(rate) else own / rate)!r}"
+    else:
+        setting = f"workload.request_rate={rate!r}"
+    return simulate_command(search, row["layout"], setting)
 
 
 SIMULATE_ONLY = ("hardware", "simulate.", "serving.", "workload.request_rate", "slo.")
@@ -213,7 +241,7 @@ def execute_command(search: Search, layout: Layout) -> str | None:
     model = (search.plan.base.get("model") or {}).get("name")
     if model not in ("tiny_mla", "tiny_gqa", "hf"):
         return None
-    given = [o for o in _given(search) if not o.lstrip("+~").startswith(SIMULATE_ONLY)]
+    given = [o for o in _given(search, layout) if not o.lstrip("+~").startswith(SIMULATE_ONLY)]
     keep = [o for o in layout.overrides(search.plan.space.dims) if not o.startswith(("serving.", "workload.request_rate"))]
     return " ".join(p if p.startswith("<") else shlex.quote(p) for p in ["python", "-m", "pcpflow", *given, *keep])
 
@@ -307,6 +335,10 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
         lines.append(f"- {len(ties)} other layout(s) price the same (they differ only where nothing is priced): "
                      + ", ".join(lab(t) for t in ties[:5]) + (" ..." if len(ties) > 5 else "") + ".")
     lines += [f"- Simulate it: `{simulate_command(search, best['layout'])}`"]
+    at_goodput = goodput_command(search, best)
+    if at_goodput:
+        lines += [f"- At its goodput rate ({best['goodput_per_gpu'] * best['gpus']:.4g} req/s offered; at least "
+                  f"{search.plan.attainment:.0%} of requests meet the SLOs, `metrics.goodput.share`): `{at_goodput}`"]
     ex = execute_command(search, best["layout"])
     lines += [f"- Execute it: `{ex}`" if ex else
               "- Execute it: a model card has no weights; `model=hf model.path=DIR` (a checkpoint) runs the layout."]
@@ -320,10 +352,8 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
                   + ("; " + lab(runner) + " wins " + "; ".join(losses) if losses else "") + "."]
         v1, v2 = search.value(best), search.value(runner)
         if v1 is not None and v2 is not None and v1 and v2 and v1 != v2:
-            ratio = v2 / v1 if not obj.higher_is_better else v1 / v2
-            change = f"+{ratio - 1:.2%}" if obj.higher_is_better else f"-{1 - 1 / ratio:.2%}"
             lines.append(f"- For the runner-up to win, its {plan.objective} would have to improve by "
-                         f"{ratio:.4g}x ({change}), all else equal.")
+                         f"{to_win(v1, v2, obj.higher_is_better)}, all else equal.")
         elif v1 == v2:
             lines.append(f"- They tie on {plan.objective}: the other measures order them.")
         if terms:
@@ -342,6 +372,24 @@ def search_md(search: Search, rows: list[dict[str, Any]], summary: dict[str, Any
     return "\n".join(lines) + "\n"
 
 
+def to_win(best: float, runner: float, higher_is_better: bool) -> str:
+    """How much the runner-up's objective must improve to reach the best's, as a factor and a
+    percentage, each rounded away from what falls short (applied to the runner-up's value,
+    either one reaches the best's): "1.018x (+1.74%)", "1.046x (-4.35%)"."""
+    ratio = best / runner if higher_is_better else runner / best
+    change = (ratio - 1) if higher_is_better else (1 - 1 / ratio)
+    return f"{_ceil(ratio, 4)}x ({'+' if higher_is_better else '-'}{_ceil(change * 100, 2, places=True)}%)"
+
+
+def _ceil(x: float, digits: int, *, places: bool = False) -> str:
+    """``x`` rounded up to ``digits`` significant digits (``places``: decimal places)."""
+    from decimal import ROUND_CEILING, Decimal
+
+    d = Decimal(repr(x))
+    up = d.quantize(Decimal(1).scaleb(-digits if places else d.adjusted() - digits + 1), rounding=ROUND_CEILING)
+    return f"{up:f}" if places else f"{up.normalize():f}"
+
+
 def _per_objective(search: Search, rows: list[dict[str, Any]]) -> list[str]:
     out = ["", "## Recommended per objective", "",
            "| objective | best layout | value | priced | breakdown | term that decides it (against the next) |",
@@ -351,7 +399,10 @@ def _per_objective(search: Search, rows: list[dict[str, Any]]) -> list[str]:
         scored = [(v, r) for v, r in scored if v is not None]
         if not scored:
             continue
-        scored.sort(key=lambda vr: (vr[1]["priced"] != "full", obj.key(vr[0])))
+        # NOTE: a row screened on the whole workload has this objective's full price unless
+        # it is goodput (bracketed more coarsely on the screen): it competes with those priced in full
+        exact = lambda r: r["priced"] == "full" or (search.sample is None and not obj.needs_slo)  # noqa: E731
+        scored.sort(key=lambda vr: (not exact(vr[1]), obj.key(vr[0]), vr[1]["priced"] != "full", *tie_break(vr[1])))
         v, r = scored[0]
         nxt = next((rr for vv, rr in scored[1:] if not same_price(r, rr)), None)
         terms = deciding_terms(r, nxt, 1) if nxt is not None else []
@@ -387,7 +438,9 @@ def _sensitivity(search: Search) -> list[str]:
 def _front(search: Search, rows: list[dict[str, Any]]) -> list[str]:
     front = [r for r in rows if r["pareto"]]
     out = ["", "## Pareto front (TTFT p90, TPOT p90, goodput per GPU, GPUs)", "",
-           "No other priced layout is at least as good on every one and better on one.", "",
+           "No other layout priced on the whole workload is at least as good on every one and better on one"
+           + (f" (those screened only on the first {search.sample} requests are left off: their measures are the "
+              "sample's; search.csv leaves their pareto empty)." if search.sample is not None else "."), "",
            "| layout | TTFT p90 | TPOT p90 | goodput per GPU | GPUs | priced |", "|---|--:|--:|--:|--:|---|"]
     for r in front[:30]:
         out.append(f"| `{r['overrides']}` | {_fmt('ttft_p90_s', r['ttft_p90_s'])} | {_fmt('tpot_p90_s', r['tpot_p90_s'])}"
@@ -476,6 +529,10 @@ def print_console(search: Search, summary: dict[str, Any], run_dir: Path | None)
             lines.append(f"  runner-up: {run['layout']}: "
                          + " · ".join(f"{NAMES[m]} {_fmt(m, run[m])}" for m in MEASURES if run.get(m) is not None))
         lines.append(f"  simulate it: {rec['simulate_command']}")
+        if rec["goodput_command"]:
+            lines.append(f"  at its goodput rate ({rec['goodput_per_gpu'] * rec['gpus']:.4g} req/s; at least "
+                         f"{search.plan.attainment:.0%} meet the SLOs, metrics.goodput.share): "
+                         f"{rec['goodput_command']}")
         lines.append(f"  execute it:  {rec['execute_command']}" if rec["execute_command"] else
                      "  execute it:  not with a model card (no weights); model=hf model.path=DIR runs the layout")
     if run_dir is not None:

@@ -31,8 +31,11 @@ import numpy as np
 from pcpflow.output.report import Phases
 from pcpflow.search.evaluate import Settings, evaluate
 from pcpflow.search.plan import Candidate, SearchPlan, _validate, candidate, plan_search
+from pcpflow.search.space import DIMS, pool_dims
 from pcpflow.simulate.decide import OBJECTIVES
 
+ALL_DIMS = DIMS + pool_dims(True)
+"""Every dimension a layout may have (one without pools shows none of the pools')."""
 SCREEN_TOLERANCE, FULL_TOLERANCE = 0.25, 0.05
 """How close the goodput rate search brackets the rate: on the screen, and priced in full."""
 SCREEN_LOWEST, FULL_LOWEST = 1 / 16, 1 / 64
@@ -149,6 +152,12 @@ class Search:
             self.screened += 1
         self.progress.advance()
         return row
+
+    def on_whole(self, row: dict[str, Any]) -> bool:
+        """The row's measures are the whole workload's: priced in full, or screened on every
+        request (its TTFT, TPOT and throughput then are the full price's; only its goodput
+        was bracketed more coarsely)."""
+        return row["priced"] == "full" or self.sample is None
 
     def value(self, row: dict[str, Any], objective: str | None = None) -> float | None:
         obj = OBJECTIVES[objective or self.plan.objective]
@@ -350,14 +359,20 @@ def measures_of(row: dict[str, Any]) -> dict[str, Any]:
             "throughput_per_gpu": row.get("throughput_per_gpu"), "goodput_per_gpu": row.get("goodput_per_gpu")}
 
 
-def tie_break(row: dict[str, Any]) -> tuple[float, ...]:
+def tie_break(row: dict[str, Any]) -> tuple[Any, ...]:
     """Among equal objectives, the better on the other measures first (TTFT, TPOT, goodput,
-    throughput, GPUs; a missing one last)."""
+    throughput, GPUs; a missing one last); among layouts that price the same, the one with
+    the fewest settings away from their defaults, then by its command line. NOTE: without the
+    last two, equal rows kept the order the workers finished in: two runs of one search could
+    recommend different layouts."""
     m = measures_of(row)
     inf = float("inf")
     lower = [m[k] if m[k] is not None else inf for k in ("ttft_s", "tpot_s")]
     higher = [-m[k] if m[k] is not None else inf for k in ("goodput_per_gpu", "throughput_per_gpu")]
-    return (*lower, *higher, m["gpus"] if m["gpus"] is not None else inf)
+    layout = row["layout"]
+    dims = tuple(d for d in ALL_DIMS if layout.get(d.name, KeyError) is not KeyError)
+    return (*lower, *higher, m["gpus"] if m["gpus"] is not None else inf, len(layout.overrides(dims)),
+            layout.label(dims))
 
 
 def _close(a: float | None, b: float | None, rel: float = 1e-9) -> bool:

@@ -351,7 +351,9 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
     where = (f"{hw.name} has {hw.hbm_gib:.1f} GiB per GPU, x simulate.hbm_utilization {sim.hbm_utilization} = "
              f"{usable / GIB:.1f} GiB; the {sim.weights_dtype} weights take {weights / GIB:.1f} GiB at tp={tp}")
     if weights >= usable:
-        return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp or use simulate.weights_dtype=fp8")]
+        # NOTE: a narrower dtype is advice only where the weights are wider than fp8 already
+        narrower = " or use simulate.weights_dtype=fp8" if sim.weights_dtype in ("bf16", "fp32", "fp64") else ""
+        return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp{narrower}")]
     free = usable - weights
     per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[sim.kv_dtype]
     per_block = block_bytes(sizes, tp=tp, block_size=cfg.kv.block_size, kv_dtype=sim.kv_dtype)
