@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(argv)
     # NOTE: first thing, so that a Ctrl-C during imports, validation or between a sweep's jobs
-    # ends as one during the steps does: one line, exit 130 / 143, result.json where it can.
+    # ends as one during the steps does: one line, exit 130 / 143 / 129, result.json where it can.
     with interruptible():
         run_dir: list[Path] = []
         try:
@@ -256,8 +256,10 @@ _EXIT_CODES: list[int] = []
 def run_hydra(argv: list[str]) -> int:
     import hydra
 
+    from pcpflow.driver.sweep import forget_sweep
+
     _EXIT_CODES.clear()
-    _SWEEP_DIR.clear()
+    forget_sweep()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "pcpflow", *argv]
     try:
@@ -265,22 +267,26 @@ def run_hydra(argv: list[str]) -> int:
     except Interrupted as exc:
         # NOTE: the sweep stops here (Hydra's launcher would run the remaining jobs on);
         # the report lists the jobs that ran, the interrupted one as failed.
-        if _SWEEP_DIR:
-            from pcpflow.driver.sweep import write_sweep_report
+        from pcpflow.driver.sweep import close_interrupted_jobs, started_sweep, write_sweep_report
 
-            sweep_dir = Path(_SWEEP_DIR[0])
+        sweep_dir = started_sweep()
+        if sweep_dir is not None:
+            close_interrupted_jobs(sweep_dir, exc)
             rows = write_sweep_report(sweep_dir, announce=False)
             report = f"; report: {sweep_dir / 'sweep.md'}" if rows else ""
-            cut = sum(str(r.get("error", "")).startswith("interrupted") for r in rows)  # the job it stopped
-            ran = f"after {len(rows) - cut} job(s)" + (f" and during job {len(rows)}" if cut else "")
-            print(f"pcpflow: sweep {exc} {ran}{report}", file=sys.stderr, flush=True)
+            # the job(s) it stopped: one with the basic launcher, as many as ran at once with joblib
+            cut = [str(_job_number(r["job"])) for r in rows if str(r.get("error", "")).startswith("interrupted")]
+            during = f" and during job {cut[0]}" if len(cut) == 1 else f" and during jobs {', '.join(cut)}" if cut else ""
+            print(f"pcpflow: sweep {exc} after {len(rows) - len(cut)} job(s){during}{report}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
         sys.argv = saved
     return max(_EXIT_CODES, default=EXIT_OK)
 
 
-_SWEEP_DIR: list[str] = []
+def _job_number(name: str) -> int | str:
+    """A job's number as the console counts (1-based; its dir is Hydra's 0-based num)."""
+    return int(name) + 1 if name.isdigit() else name
 
 
 def _task(cfg: Any) -> int:
@@ -294,12 +300,10 @@ def _task(cfg: Any) -> int:
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
     hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN and not _SWEEP_DIR:
-        _SWEEP_DIR.append(str(hc.sweep.dir))
     run_dir = Path(hc.runtime.output_dir)
     code = run_job(raw, run_dir, in_sweep=hc.mode == RunMode.MULTIRUN, overrides=list(hc.overrides.task))
     _EXIT_CODES.append(code)
-    if code - 128 in (2, 15):  # SIGINT, SIGTERM
+    if code - 128 in {int(s) for s in HANDLED}:  # the job was interrupted: the sweep stops too
         raise Interrupted(code - 128)
     return code
 
@@ -318,7 +322,12 @@ def torchrun_main(argv: list[str]) -> int:
 def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
     from pcpflow.driver.checks import check_run_dir
     from pcpflow.driver.job import prepare_job
-    from pcpflow.output.rundir import failed_result, write_frozen_config, write_result
+    from pcpflow.output.rundir import (
+        discard_result,
+        failed_result,
+        write_frozen_config,
+        write_result,
+    )
 
     run_dir = None
     try:
@@ -340,6 +349,7 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         if run_dir is not None and run_dir.is_dir():
             write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
         return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
+    discard_result(run_dir)
     write_frozen_config(cfg, run_dir)
     return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}
 

@@ -110,7 +110,22 @@ def live_lock_owner(run_dir: Path) -> int | None:
 
 
 def take_lock(run_dir: Path) -> None:
+    """The dir is this run's now: an older run's result.json goes with it (``discard_result``)."""
     (run_dir / LOCK_FILE).write_text(f"{os.getpid()} {' '.join(sys.argv)}\n")
+    discard_result(run_dir)
+
+
+def discard_result(run_dir: Path) -> None:
+    """Removes an older run's ``result.json`` as a new run starts in its dir.
+
+    NOTE: the new run rewrites config.json and metrics.jsonl at once; a run killed outright
+    (SIGKILL, the OOM killer, a power cut) cannot write its own result, and the older one's
+    "ok" beside the new config would say that this run succeeded. No result.json says it did
+    not finish."""
+    try:
+        (run_dir / RESULT_FILE).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def release_lock(run_dir: Path) -> None:
@@ -120,3 +135,13 @@ def release_lock(run_dir: Path) -> None:
             path.unlink()
     except (OSError, ValueError, IndexError):
         pass
+
+
+def release_lock_of_dead(run_dir: Path) -> None:
+    """Removes the lock of a run whose process is gone (never a live one's)."""
+    path = run_dir / LOCK_FILE
+    if path.exists() and live_lock_owner(run_dir) is None:
+        try:
+            path.unlink()
+        except OSError:
+            pass

@@ -38,3 +38,16 @@ def test_request_rate_inf_gives_strict_json_that_loads_back(tmp_path):
         _strict_loads(text)
     assert _strict_loads((tmp_path / "result.json").read_text())["config"]["workload"]["request_rate"] == "inf"
     assert load_frozen_config(tmp_path).workload.request_rate == float("inf")
+
+
+def test_a_run_that_takes_a_dir_drops_the_older_result(tmp_path):
+    """An older run's ok beside a new run's config would describe a run that never finished
+    (one killed outright writes nothing)."""
+    from pcpflow.output.rundir import release_lock, result_of, take_lock, write_result
+
+    write_result(tmp_path, result_of({}, {"seed": 0}))
+    take_lock(tmp_path)
+    try:
+        assert not (tmp_path / "result.json").exists()
+    finally:
+        release_lock(tmp_path)

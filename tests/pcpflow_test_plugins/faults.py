@@ -146,7 +146,7 @@ class SendSignal(_Fault):
 
     class Config(_FaultConfig):
         kind: Literal["test_signal"] = "test_signal"
-        signal: Literal["SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP"] = "SIGINT"
+        signal: Literal["SIGINT", "SIGTERM", "SIGHUP", "SIGKILL", "SIGSTOP"] = "SIGINT"
         to_parent: bool = False
         stamp: str | None = Field(None, description="a file to write the time of the signal to")
 
