@@ -81,6 +81,12 @@ def interruptible() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if any(isinstance(h, _RaiseOnce) for h in handlers().values()):
+        # NOTE: nested (a rank's job inside its bootstrap, a run inside the driver): one handler,
+        # so that a signal after the first (the launcher forwarding the terminal's Ctrl-C) is
+        # ignored on the way out of every level, not raised again by the outer one.
+        yield
+        return
     saved = handlers()
     handler = _RaiseOnce()
     for s in HANDLED:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -333,8 +334,8 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
     try:
         if multirun:
             raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
-        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         run_dir = planned_run_dir(overrides)
+        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         check_run_dir(run_dir)
         cfg = prepare_job(raw)
         if cfg.mode == "search":
@@ -349,6 +350,12 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         if run_dir is not None and run_dir.is_dir():
             write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
         return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
+    except Interrupted as exc:  # composing / checking: the run dir the run would use says so
+        if run_dir is not None:
+            with contextlib.suppress(OSError):
+                write_result(run_dir, failed_result(f"{exc} before the run started", {"overrides": overrides}, exc.exit_code,
+                                                    run_dir=str(run_dir), launcher="external (torchrun)"))
+        raise
     discard_result(run_dir)
     write_frozen_config(cfg, run_dir)
     return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}

@@ -237,7 +237,10 @@ class RankBoard:
             if causes:
                 _, r, s = min(causes)
                 return Blame(r, s["message"], s["step"], s["stage"])
-            if time.monotonic() > deadline:
+            # NOTE: a silent peer whose process is gone will never post: no need to wait out the
+            # grace (under torchrun the agent's SIGTERM follows a death within ~0.1 s)
+            if time.monotonic() > deadline or any(_process_gone(self.read("progress", r) or {})
+                                                  for r, s in statuses.items() if s is None):
                 break
             time.sleep(0.1)
         if isinstance(exc, StalledRanks):
@@ -247,7 +250,7 @@ class RankBoard:
         for r in silent:
             p = self.read("progress", r) or {}
             waited = f"its peers waited collective_timeout_s={collective_timeout_s:g}"
-            if p.get("beat") != beats.get(r):
+            if p.get("beat") != beats.get(r) and not _process_gone(p):
                 what = f"stalled: it stopped taking part in collectives; {waited}"
             else:
                 what = _silent_peer(p, waited)
@@ -278,6 +281,16 @@ def _process_start(pid: int) -> str | None:
     return stat[19] if stat and len(stat) > 19 else None
 
 
+def _process_gone(progress: dict[str, Any]) -> bool:
+    """The process of a board entry (``progress/<rank>``) is known to be gone: on this host, and
+    exited, a zombie, or its pid now another process's."""
+    pid = progress.get("pid")
+    if progress.get("host") != _HOST or pid is None:
+        return False
+    stat = _process_stat(pid)
+    return stat is None or _process_start(pid) != progress.get("started") or stat[0] in ("Z", "X")
+
+
 def _silent_peer(progress: dict[str, Any], waited: str) -> str:
     """What became of a peer whose heartbeat stopped, from its process where it can be seen
     (the same host): frozen (stopped, or alive with a dead heartbeat) is a stall, gone is a death."""
@@ -285,12 +298,9 @@ def _silent_peer(progress: dict[str, Any], waited: str) -> str:
     if progress.get("host") != _HOST or pid is None:
         return (f"stopped responding: no heartbeat and no error (on another host: killed, crashed or frozen); "
                 f"{waited}; last seen")
-    stat = _process_stat(pid)
-    if stat is None or _process_start(pid) != progress.get("started"):
+    if _process_gone(progress):
         return "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
-    state = stat[0]
-    if state in ("Z", "X"):
-        return "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
+    state = (_process_stat(pid) or ["?"])[0]
     # NOTE: a frozen process cannot act on the launcher's SIGTERM, which would hold the job
     # ~30 s more (torch's own grace) before its SIGKILL: the job is failing, end it now.
     with contextlib.suppress(OSError):

@@ -317,6 +317,45 @@ def test_torchrun_forwards_sighup_and_the_workers_write_interrupted(tmp_path):
     assert res["exit_code"] == 129 and res["error"].startswith("interrupted by SIGHUP (rank "), res["error"]
 
 
+@pytest.mark.slow
+def test_torchrun_a_rank_killed_mid_run_is_named_in_result_json(tmp_path):
+    # torchrun SIGTERMs the survivor ~0.1 s after the death: its report must not be cut short
+    marker = uuid.uuid4().hex
+    r, elapsed = torchrun("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS,
+                          fault("SendSignal", rank=1, step=1, signal="SIGKILL"), e=env(marker))
+    assert r.returncode == 1
+    res = result(tmp_path)
+    assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: died without a Python error"), res
+    assert "at step 1" in res["error"] and elapsed < 120
+    assert_none_left(marker)
+
+
+@pytest.mark.slow
+def test_torchrun_ctrl_c_while_rank_0_composes_ends_at_once_with_a_result(tmp_path):
+    """Rank 1 waits for rank 0's config; a Ctrl-C then must end both within seconds (not
+    torchrun's 30 s kill of a rank deaf in a blocking store wait), each with one line, and
+    the run dir says interrupted."""
+    marker, flag, run = uuid.uuid4().hex, tmp_path / "paused", tmp_path / "run"
+    e = {**env(marker), "PCPFLOW_TEST_PAUSE": "pcpflow.driver.job:prepare_job", "PCPFLOW_TEST_PAUSE_FLAG": str(flag)}
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS / "signal_pause"), e["PYTHONPATH"]])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pcpflow",
+           "pcp=2", f"hydra.run.dir={run}", *QUIET]
+    proc = subprocess.Popen(cmd, env=e, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not flag.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert time.monotonic() - t0 < 10, err[-3000:]
+    assert "pcpflow: interrupted by SIGINT (rank 0)" in err and "pcpflow: interrupted by SIGINT (rank 1)" in err
+    assert "KeyboardInterrupt" not in err, err[-3000:]
+    res = result(run)
+    assert res["exit_code"] == 130 and res["error"] == "interrupted by SIGINT before the run started"
+    assert_none_left(marker)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,83 @@
+"""pcpflow.rank.progress and the failure report of pcpflow.rank.bootstrap, on an in-process store
+(no process group): how fast a dead peer is named, and that the launcher's SIGTERM cannot cut
+the report short."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from pcpflow.rank.bootstrap import RankError, RankSession
+from pcpflow.rank.progress import GRACE_S, RankBoard
+from pcpflow.signals import interruptible
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _board_with_a_dead_peer() -> RankBoard:
+    store = dist.HashStore()
+    board = RankBoard(store, 0, 2, job=1)
+    # rank 1 beat once at step 2, then its process vanished (SIGKILL, the OOM killer) posting nothing
+    store.set(board._key("progress", 1), json.dumps({"step": 2, "stage": "forward", "beat": 1, "pid": _dead_pid(),
+                                                      "host": socket.gethostname(), "started": "1"}))
+    return board
+
+
+def test_a_peer_whose_process_is_gone_is_named_without_waiting_out_the_grace():
+    board = _board_with_a_dead_peer()
+    t0 = time.monotonic()
+    blame = board.diagnose(RuntimeError("Connection closed by peer"), collective_timeout_s=60)
+    assert time.monotonic() - t0 < GRACE_S / 3
+    assert blame.rank == 1 and blame.message.startswith("died without a Python error") and blame.step == 2
+
+
+def test_the_launchers_sigterm_during_the_failure_report_does_not_cut_it(tmp_path, monkeypatch):
+    """torchrun SIGTERMs the survivors of a death within ~0.1 s: the rank that writes
+    result.json must still write it, naming the dead rank."""
+    from pcpflow.testing import compose
+
+    board = _board_with_a_dead_peer()
+    diagnose = board.diagnose
+
+    def diagnose_while_signalled(exc, **kw):
+        signal.raise_signal(signal.SIGTERM)
+        return diagnose(exc, **kw)
+
+    monkeypatch.setattr(board, "diagnose", diagnose_while_signalled)
+    session = RankSession(board.store, 0, 2)
+    with interruptible():
+        failure = session._failure(RuntimeError("Connection closed by peer"), compose(["pcp=2"]), tmp_path, board, True)
+    assert isinstance(failure, RankError) and failure.blame.rank == 1 and failure.exit_code == 1
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["failed_rank"] == 1 and result["error"].startswith("rank 1 failed: died without a Python error")
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_one_handler_raises_once_however_deeply_nested(nested):
+    """A rank's job runs inside its bootstrap's handler: the second signal (the launcher
+    forwarding the terminal's Ctrl-C) must not raise again in the outer level."""
+    from pcpflow.signals import Interrupted
+
+    raised = 0
+    with interruptible():
+        try:
+            if nested:
+                with interruptible():
+                    signal.raise_signal(signal.SIGINT)
+            else:
+                signal.raise_signal(signal.SIGINT)
+        except Interrupted:
+            raised += 1
+        signal.raise_signal(signal.SIGINT)  # ignored
+    assert raised == 1
