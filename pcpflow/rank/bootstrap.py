@@ -209,7 +209,8 @@ class RankSession:
                 blame = Blame(self.rank, describe(exc), step, stage)
             else:
                 blame = board.diagnose(exc, collective_timeout_s=cfg.collective_timeout_s)
-            code = exc.exit_code if isinstance(exc, Interrupted) else EXIT_FAILED
+            # a SIGTERM that stopped this rank because a peer failed is that peer's failure
+            code = exc.exit_code if isinstance(exc, Interrupted) and blame.rank == self.rank else EXIT_FAILED
             if writes_result and run_dir is not None and (board is None or board.claim_report()):
                 error = f"rank {blame.rank} failed: {str(blame).split('] ', 1)[1]}"
                 if isinstance(exc, Interrupted) and blame.rank == self.rank:
@@ -281,7 +282,7 @@ def _torchrun_rank(prepare: Callable[[], dict[str, Any]], job: dict[str, Any]) -
         try:
             sections = session.run(cfg, run_dir, writes_result=True)
         except RankError as exc:
-            if isinstance(exc.__cause__, Interrupted):
+            if isinstance(exc.__cause__, Interrupted) and exc.blame.rank == session.rank:
                 print(f"pcpflow: {exc.__cause__} (rank {session.rank})", file=sys.stderr, flush=True)
             elif exc.blame.rank == session.rank:
                 print(f"pcpflow: rank {exc.blame.rank} failed: {str(exc.blame).split('] ', 1)[1]}", file=sys.stderr, flush=True)

@@ -226,9 +226,14 @@ class RankBoard:
             self.post("consequence" if kind == "stalled" else kind, message)
         except Exception:
             return mine
+        others = [r for r in range(self.world_size) if r != self.rank]
+        if kind == "interrupted" and getattr(exc, "signum", None) == signal.SIGTERM:
+            # NOTE: a launcher stops the survivors of a failure with SIGTERM (torchrun ~0.1 s after a
+            # death), often before their collective has failed: a peer that failed or is gone is
+            # the cause then, not this rank.
+            return self._failed_peer(others) or mine
         if kind in ("error", "exited", "interrupted"):
             return mine
-        others = [r for r in range(self.world_size) if r != self.rank]
         beats = {r: (self.read("progress", r) or {}).get("beat") for r in others}
         deadline = time.monotonic() + GRACE_S
         while True:
@@ -260,6 +265,21 @@ class RankBoard:
             s = statuses[done[0]]
             return Blame(done[0], "left the job early (its engine returned while peers still ran)", s["step"], s["stage"])
         return mine
+
+
+    def _failed_peer(self, others: list[int]) -> Blame | None:
+        """The earliest peer that posted an error or an early exit, or else one whose process
+        is gone without posting; None if every peer is alive or was interrupted too."""
+        statuses = {r: self.read("status", r) for r in others}
+        causes = [(s["seq"], r, s) for r, s in statuses.items() if s and s["kind"] in ("error", "exited")]
+        if causes:
+            _, r, s = min(causes)
+            return Blame(r, s["message"], s["step"], s["stage"])
+        for r in (r for r, s in statuses.items() if s is None):
+            p = self.read("progress", r) or {}
+            if _process_gone(p):
+                return Blame(r, _silent_peer(p, ""), p.get("step", -1), p.get("stage", ""))
+        return None
 
 
 _HOST = socket.gethostname()

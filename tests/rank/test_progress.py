@@ -5,6 +5,7 @@ the report short."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -81,3 +82,26 @@ def test_one_handler_raises_once_however_deeply_nested(nested):
             raised += 1
         signal.raise_signal(signal.SIGINT)  # ignored
     assert raised == 1
+
+
+@pytest.mark.parametrize(("sig", "peer_gone", "blamed"), [(signal.SIGTERM, True, 1), (signal.SIGTERM, False, 0),
+                                                          (signal.SIGINT, True, 0)])
+def test_a_sigterm_that_follows_a_peers_death_blames_the_peer(sig, peer_gone, blamed):
+    """torchrun SIGTERMs the survivors of a death, often before their collective noticed it:
+    that SIGTERM is the peer's failure. A SIGTERM with every peer alive, or a Ctrl-C, is this rank's."""
+    from pcpflow.signals import Interrupted
+
+    board = _board_with_a_dead_peer()
+    if not peer_gone:
+        board.store.set(board._key("progress", 1), json.dumps({"step": 2, "stage": "forward", "beat": 1, "pid": os.getpid(),
+                                                                "host": socket.gethostname(), "started": _start_of_self()}))
+    blame = board.diagnose(Interrupted(sig), collective_timeout_s=60)
+    assert blame.rank == blamed
+    if blamed == 1:
+        assert blame.message.startswith("died without a Python error") and blame.step == 2
+
+
+def _start_of_self() -> str | None:
+    from pcpflow.rank.progress import _process_start
+
+    return _process_start(os.getpid())
