@@ -79,12 +79,14 @@ def in_flight(message: str) -> dict[str, Any]:
     return {"transfer_in_flight": int(m.group(1))} if m else {}
 
 
-def startup_done(timeout_s: float) -> None:
+def startup_done(timeout_s: float, stall_s: float | None = None) -> None:
     """The engine's hook between start-up (model load, reference build) and the first step:
     every rank waits here up to ``startup_timeout_s``, so a slow load is not a stalled
-    collective and a rank that never finishes loading is named."""
+    collective and a rank that never finishes loading is named. A rank whose process is
+    stopped (SIGSTOP, a debugger) with no heartbeat for ``stall_s`` (``collective_timeout_s``)
+    is named then: a slow load beats, a stopped process never will."""
     if _BOARD is not None:
-        _BOARD.barrier("startup", timeout_s, what=f"start-up within startup_timeout_s={timeout_s:g}")
+        _BOARD.barrier("startup", timeout_s, what=f"start-up within startup_timeout_s={timeout_s:g}", stall_s=stall_s)
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,12 @@ class Blame:
 
 
 class StalledRanks(RuntimeError):
-    """Ranks that did not reach a point every rank must reach in time."""
+    """Ranks that did not reach a point every rank must reach in time (``stopped``: before the
+    time was up, their processes being stopped)."""
 
-    def __init__(self, ranks: list[int], what: str, names: str) -> None:
-        self.ranks, self.what = ranks, what
-        super().__init__(f"{names} did not finish {what}")
+    def __init__(self, ranks: list[int], what: str, names: str, *, stopped: bool = False) -> None:
+        self.ranks, self.what, self.stopped = ranks, what, stopped
+        super().__init__(f"{names} did not finish {what}" + (" (its process is stopped)" if stopped else ""))
 
 
 class RankBoard:
@@ -163,19 +166,38 @@ class RankBoard:
         got = self.store.compare_set(key, "", str(self.rank))
         return (got.decode() if isinstance(got, bytes) else str(got)) == str(self.rank)
 
-    def barrier(self, name: str, timeout_s: float, *, what: str) -> None:
-        """Wait until every rank reached ``name``; StalledRanks naming the others if not."""
+    def barrier(self, name: str, timeout_s: float, *, what: str, stall_s: float | None = None) -> None:
+        """Wait until every rank reached ``name``; StalledRanks naming the others if not.
+        ``stall_s``: a missing rank whose process is stopped and has not beaten for that long
+        is named at once (``stopped``)."""
         self.store.set(self._key(name, self.rank), "1")
         keys = [self._key(name, r) for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
+        beats: dict[int, tuple[Any, float]] = {}  # rank -> (its last beat, when it changed)
+        looked = 0.0
         while True:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             if not missing:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 names = ", ".join(self._describe(r) for r in missing)
                 raise StalledRanks(missing, what, names)
+            if stall_s is not None and now - looked >= HEARTBEAT_S:
+                looked = now
+                stopped = [r for r in missing if self._stopped_for(r, beats, now) > stall_s]
+                if stopped:
+                    raise StalledRanks(stopped, what, ", ".join(self._describe(r) for r in stopped), stopped=True)
             time.sleep(0.05)
+
+    def _stopped_for(self, rank: int, beats: dict[int, tuple[Any, float]], now: float) -> float:
+        """How long ``rank`` has not beaten while its process (on this host) is stopped; 0 otherwise."""
+        p = self.read("progress", rank) or {}
+        beat = p.get("beat")
+        if rank not in beats or beats[rank][0] != beat:
+            beats[rank] = (beat, now)
+        stat = _process_stat(p["pid"]) if p.get("host") == _HOST and p.get("pid") else None
+        return now - beats[rank][1] if stat and stat[0] in ("T", "t") else 0.0
 
     def leave(self, timeout_s: float) -> None:
         """After the last barrier: rank 0 returns only once every other rank is done with
@@ -250,6 +272,9 @@ class RankBoard:
             time.sleep(0.1)
         if isinstance(exc, StalledRanks):
             p = self.read("progress", exc.ranks[0]) or {}
+            if exc.stopped:  # named (and killed, as a frozen peer is) before the time was up
+                what = _silent_peer(p, f"its peers waited collective_timeout_s={collective_timeout_s:g} for its heartbeat")
+                return Blame(exc.ranks[0], what, p.get("step", -1), p.get("stage", ""))
             return Blame(exc.ranks[0], f"did not finish {exc.what}", p.get("step", -1), p.get("stage", ""))
         silent = [r for r, s in statuses.items() if s is None]
         for r in silent:

@@ -404,6 +404,20 @@ def test_start_up_has_its_own_timeout():
         run([_slow_start_cfg(100, collective_timeout_s=30, startup_timeout_s=3)])
 
 
+@pytest.mark.slow
+def test_a_rank_stopped_in_start_up_is_named_within_the_collective_timeout(tmp_path):
+    """Start-up may take startup_timeout_s (600 s), but a stopped process is no slow load: its
+    heartbeat stops, and the job ends within collective_timeout_s + a few s, naming it."""
+    marker = uuid.uuid4().hex
+    r, elapsed = pcpflow("pcp=2", "collective_timeout_s=5", f"hydra.run.dir={tmp_path}", FAULTS,
+                         fault("SlowStart", rank=1, seconds=1, stop=True), e=env(marker))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: stalled: its process is stopped"), res["error"]
+    assert res["error"].endswith("during start-up") and elapsed < 90, (res["error"], elapsed)
+    assert_none_left(marker)
+
+
 # ------------------------------------------------------------------------------ disagg=pd
 @pytest.mark.slow
 @pytest.mark.parametrize("rank,die", [(1, False), (2, True)])

@@ -105,3 +105,30 @@ def _start_of_self() -> str | None:
     from pcpflow.rank.progress import _process_start
 
     return _process_start(os.getpid())
+
+
+def test_a_rank_stopped_before_a_barrier_is_named_long_before_its_timeout():
+    """The start-up barrier waits startup_timeout_s for a slow load; a process that is stopped
+    (and so beats no heartbeat) is named after stall_s, and the diagnosis kills it."""
+    from pcpflow.rank.progress import StalledRanks, _process_start
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store = dist.HashStore()
+        board = RankBoard(store, 0, 2, job=1)
+        store.set(board._key("progress", 1), json.dumps({"step": -1, "stage": "startup", "beat": 3, "pid": peer.pid,
+                                                          "host": socket.gethostname(), "started": _process_start(peer.pid)}))
+        with pytest.raises(StalledRanks) as slow:  # alive and running: only the timeout ends the wait
+            board.barrier("startup", 1.0, what="start-up within startup_timeout_s=1", stall_s=0.2)
+        assert not slow.value.stopped
+        peer.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(StalledRanks) as stopped:
+            board.barrier("startup", 600, what="start-up within startup_timeout_s=600", stall_s=0.5)
+        assert stopped.value.stopped and stopped.value.ranks == [1] and time.monotonic() - t0 < 5
+        blame = board.diagnose(stopped.value, collective_timeout_s=0.5)
+        assert blame.rank == 1 and blame.message.startswith("stalled: its process is stopped") and blame.step == -1
+        assert peer.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if peer.poll() is None:
+            peer.kill()
