@@ -104,6 +104,7 @@ def close_interrupted_jobs(sweep_dir: Path, exc: Any, *, wait_s: float = 5.0) ->
         RESULT_FILE,
         failed_result,
         live_lock_owner,
+        progress_of,
         release_lock_of_dead,
         write_result,
     )
@@ -123,7 +124,7 @@ def close_interrupted_jobs(sweep_dir: Path, exc: Any, *, wait_s: float = 5.0) ->
             except (OSError, ValueError):
                 config = {}
             try:
-                write_result(job_dir, failed_result(str(exc), config, exc.exit_code, run_dir=str(job_dir)))
+                write_result(job_dir, failed_result(str(exc), config, exc.exit_code, run_dir=str(job_dir), **progress_of(job_dir)))
                 closed.append(job_dir)
             except OSError:
                 continue

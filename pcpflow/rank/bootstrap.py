@@ -29,7 +29,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from pcpflow import signals
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG
-from pcpflow.output.rundir import failed_result, load_frozen_config, result_of, write_result
+from pcpflow.output.rundir import (
+    failed_result,
+    load_frozen_config,
+    progress_of,
+    result_of,
+    write_result,
+)
 from pcpflow.rank.progress import Blame, RankBoard, in_flight, store_timeout
 from pcpflow.signals import Interrupted, interruptible
 
@@ -216,7 +222,8 @@ class RankSession:
                 if isinstance(exc, Interrupted) and blame.rank == self.rank:
                     error = f"{exc} (rank {self.rank})"
                 write_result(run_dir, failed_result(error, cfg.model_dump(mode="json"), code, failed_rank=blame.rank,
-                                                    run_dir=str(run_dir), launcher="external (torchrun)", **in_flight(error)))
+                                                    run_dir=str(run_dir), launcher="external (torchrun)", **in_flight(error),
+                                                    **progress_of(run_dir)))
         return RankError(blame, code)
 
 

@@ -187,6 +187,9 @@ def test_ctrl_c_at_pcp_1_is_interrupted_with_a_result(tmp_path, sig):
     assert f"pcpflow: interrupted by {sig}" in r.stderr and "Traceback" not in r.stderr
     res = result(tmp_path)
     assert res["status"] == "failed" and res["error"] == f"interrupted by {sig}" and res["exit_code"] == code
+    # what it got through: step 0 (the signal came inside step 1), not every token
+    progress = res["progress"]
+    assert progress["last_step"] in (0, 1) and 1 <= progress["num_generated"] < progress["num_to_generate"], progress
 
 
 def test_a_run_killed_outright_leaves_no_older_ok_result_beside_its_config(tmp_path):

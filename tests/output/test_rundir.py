@@ -51,3 +51,42 @@ def test_a_run_that_takes_a_dir_drops_the_older_result(tmp_path):
         assert not (tmp_path / "result.json").exists()
     finally:
         release_lock(tmp_path)
+
+
+def test_a_write_cut_short_leaves_the_previous_result_whole_and_no_temporary_file(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+
+    from pcpflow.output.rundir import result_of, write_result
+    from pcpflow.signals import Interrupted
+
+    write_result(tmp_path, result_of({}, {"seed": 0}))
+    before = (tmp_path / "result.json").read_text()
+
+    def interrupted(*_):
+        raise Interrupted(2)  # the signal lands between the write and the rename
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(Interrupted):
+        write_result(tmp_path, result_of({}, {"seed": 1}))
+    assert (tmp_path / "result.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+def test_progress_of_a_run_that_did_not_finish_is_its_last_whole_step(tmp_path):
+    from pcpflow.output.rundir import progress_of
+
+    assert progress_of(tmp_path) == {"progress": {"last_step": None, "num_generated": 0, "num_to_generate": None}}
+    lines = [json.dumps({"step": s, "num_generated": 3 * s, "num_to_generate": 30}) for s in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "num_gen')  # a crash cut the last one
+    assert progress_of(tmp_path) == {"progress": {"last_step": 3, "num_generated": 9, "num_to_generate": 30}}
+
+
+def test_a_run_that_takes_a_dir_drops_the_older_metrics_too(tmp_path):
+    from pcpflow.output.rundir import progress_of, release_lock, take_lock
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 99, "num_generated": 5, "num_to_generate": 5}) + "\n")
+    take_lock(tmp_path)
+    release_lock(tmp_path)
+    assert progress_of(tmp_path)["progress"]["last_step"] is None
