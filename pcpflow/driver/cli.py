@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], run_dir: list[Path]) -> int:
     """``run_dir`` receives the run dir a single run will use, as soon as it is known."""
+    _PLANNED_JOBS.clear()
     if "--help" in argv or "-h" in argv:
         from pcpflow.driver.help import help_text
 
@@ -213,6 +214,7 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         else:
             choices.append([o.input_line])
     jobs = list(itertools.product(*choices)) or [()]
+    _PLANNED_JOBS[:] = [len(jobs)]
     found: list[list[Problem]] = []
     for job in jobs:
         try:
@@ -278,11 +280,17 @@ def run_hydra(argv: list[str]) -> int:
             # the job(s) it stopped: one with the basic launcher, as many as ran at once with joblib
             cut = [str(_job_number(r["job"])) for r in rows if str(r.get("error", "")).startswith("interrupted")]
             during = f" and during job {cut[0]}" if len(cut) == 1 else f" and during jobs {', '.join(cut)}" if cut else ""
-            print(f"pcpflow: sweep {exc} after {len(rows) - len(cut)} job(s){during}{report}", file=sys.stderr, flush=True)
+            planned = _PLANNED_JOBS[0] if _PLANNED_JOBS else 0
+            never = f" ({planned - len(rows)} of {planned} not run)" if planned > len(rows) else ""
+            print(f"pcpflow: sweep {exc} after {len(rows) - len(cut)} job(s){during}{never}{report}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
         sys.argv = saved
     return max(_EXIT_CODES, default=EXIT_OK)
+
+
+_PLANNED_JOBS: list[int] = []
+"""How many jobs the command line's sweep makes (``precheck``): an interrupted sweep says how many never ran."""
 
 
 def _job_number(name: str) -> int | str:
