@@ -145,12 +145,12 @@ def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> No
     """An invalid command whose run dir exists leaves ``failed`` in it, so that an earlier
     run's ``ok`` there never looks current (a dir held by a live run is left alone; a dir
     that does not exist is not made: nothing starts for an invalid command)."""
-    from pcpflow.output.rundir import failed_result, live_lock_owner, write_result
+    from pcpflow.output.rundir import failed_result, live_lock_owner, write_refusal
 
     if live_lock_owner(run_dir) is not None:
         return
     try:
-        write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+        write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
     except OSError:  # the report already named the run dir if that is the problem
         pass
 
@@ -335,6 +335,7 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         discard_result,
         failed_result,
         write_frozen_config,
+        write_refusal,
         write_result,
     )
 
@@ -356,7 +357,7 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
             raise ConfigError([Problem("pcp", cfg.pcp, f"{ranks} must equal the {world} ranks torchrun started")])
     except ConfigError as exc:
         if run_dir is not None and run_dir.is_dir():
-            write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+            write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
         return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
     except Interrupted as exc:  # composing / checking: the run dir the run would use says so
         if run_dir is not None:

@@ -18,6 +18,7 @@ from pcpflow.config.run import RunConfig, validate_run_config
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
 from pcpflow.output.rundir import (
+    discard_result,
     failed_result,
     live_lock_owner,
     progress_of,
@@ -25,6 +26,7 @@ from pcpflow.output.rundir import (
     result_of,
     take_lock,
     write_frozen_config,
+    write_refusal,
     write_result,
 )
 from pcpflow.rank.progress import in_flight
@@ -161,9 +163,10 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         cfg = prepare_job(raw)
     except ConfigError as exc:
         print_err(exc.report())
-        # NOTE: overwrites an older run's result.json, so that its "ok" never looks current
-        write_result(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
+        # NOTE: an older run's result.json is kept aside, so that its "ok" never looks current
+        write_refusal(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
         return EXIT_INVALID_CONFIG
+    discard_result(run_dir)  # the dir is this run's now
     from pcpflow.driver.checks import capacity_warnings
 
     for warning in capacity_warnings(cfg) if cfg.mode != "search" else ():

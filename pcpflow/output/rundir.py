@@ -118,13 +118,30 @@ def live_lock_owner(run_dir: Path) -> int | None:
 
 
 def take_lock(run_dir: Path) -> None:
-    """The dir is this run's now: an older run's result.json goes with it (``discard_result``)."""
     (run_dir / LOCK_FILE).write_text(f"{os.getpid()} {' '.join(sys.argv)}\n")
-    discard_result(run_dir)
+
+
+PREVIOUS_RESULT_FILE = "result.previous.json"
+
+
+def write_refusal(run_dir: Path, result: dict[str, Any]) -> None:
+    """``result.json`` of a command refused as invalid (exit 2) in a dir that may hold an older
+    run's: that one is kept as ``result.previous.json`` (a typo loses nothing), and the
+    refusal is what ``result.json`` says (an old "ok" never looks current). A refusal replaces
+    an earlier refusal, never the result kept aside."""
+    current = run_dir / RESULT_FILE
+    try:
+        earlier = json.loads(current.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if isinstance(earlier, dict) and earlier.get("exit_code") != result.get("exit_code"):
+        os.replace(current, run_dir / PREVIOUS_RESULT_FILE)
+    write_result(run_dir, result)
 
 
 def discard_result(run_dir: Path) -> None:
-    """Removes an older run's ``result.json`` and ``metrics.jsonl`` as a new run starts in its dir.
+    """Removes an older run's ``result.json`` and ``metrics.jsonl`` as a new run, validated,
+    starts in its dir.
 
     NOTE: the new run rewrites config.json at once; a run killed outright (SIGKILL, the OOM
     killer, a power cut) cannot write its own result, and the older one's "ok" beside the new

@@ -235,11 +235,12 @@ def test_run_dir_problems_end_the_job_with_exit_2(tmp_path, capsys):
     assert run_job(raw, live, console=False) == 2
     assert "is running in it" in capsys.readouterr().err
     assert json.loads((live / "result.json").read_text()) == {"status": "ok"}  # not ours to touch
-    # a dead owner's lock is stale; a config error there replaces the old "ok"
+    # a dead owner's lock is stale; a config error there replaces the old "ok", kept aside
     (live / LOCK_FILE).write_text("999999999 gone\n")
     assert run_job(compose_raw(["pcp=1", "kv.num_blocks=1"]), live, console=False) == 2
     result = json.loads((live / "result.json").read_text())
     assert result["status"] == "failed" and "kv.num_blocks" in result["error"] and result["exit_code"] == 2
+    assert json.loads((live / "result.previous.json").read_text()) == {"status": "ok"}
     assert not (live / LOCK_FILE).exists()
 
 

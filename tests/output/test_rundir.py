@@ -43,14 +43,25 @@ def test_request_rate_inf_gives_strict_json_that_loads_back(tmp_path):
 def test_a_run_that_takes_a_dir_drops_the_older_result(tmp_path):
     """An older run's ok beside a new run's config would describe a run that never finished
     (one killed outright writes nothing)."""
-    from pcpflow.output.rundir import release_lock, result_of, take_lock, write_result
+    from pcpflow.output.rundir import discard_result, result_of, write_result
 
     write_result(tmp_path, result_of({}, {"seed": 0}))
-    take_lock(tmp_path)
-    try:
-        assert not (tmp_path / "result.json").exists()
-    finally:
-        release_lock(tmp_path)
+    discard_result(tmp_path)
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_a_refused_command_keeps_the_older_result_aside(tmp_path):
+    """Bad input loses nothing: the older run's result is result.previous.json, and result.json
+    says the command was refused; a second refusal keeps the same older result aside."""
+    from pcpflow.output.rundir import failed_result, result_of, write_refusal, write_result
+
+    write_result(tmp_path, result_of({}, {"seed": 0}))
+    older = (tmp_path / "result.json").read_text()
+    for typo in ("pcp=x", "pcp=y"):
+        write_refusal(tmp_path, failed_result(f"{typo}: invalid", {"overrides": [typo]}, 2))
+        assert (tmp_path / "result.previous.json").read_text() == older
+        assert json.loads((tmp_path / "result.json").read_text())["error"] == f"{typo}: invalid"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "result.previous.json"]
 
 
 def test_a_write_cut_short_leaves_the_previous_result_whole_and_no_temporary_file(tmp_path, monkeypatch):
@@ -84,9 +95,8 @@ def test_progress_of_a_run_that_did_not_finish_is_its_last_whole_step(tmp_path):
 
 
 def test_a_run_that_takes_a_dir_drops_the_older_metrics_too(tmp_path):
-    from pcpflow.output.rundir import progress_of, release_lock, take_lock
+    from pcpflow.output.rundir import discard_result, progress_of
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 99, "num_generated": 5, "num_to_generate": 5}) + "\n")
-    take_lock(tmp_path)
-    release_lock(tmp_path)
+    discard_result(tmp_path)
     assert progress_of(tmp_path)["progress"]["last_step"] is None
