@@ -69,9 +69,12 @@ def rank_start_method(*, log: Path | None = None) -> str:
     # NOTE: read when the server starts (here, once); a later call changes nothing. The server
     # starts with SIGINT ignored: a Ctrl-C while it imports torch would print a traceback
     # (it ignores SIGINT itself only once its imports are done). Its ranks install their own
-    # handlers first thing (elastic_rank, RankSession.run).
+    # handlers first thing (elastic_rank, RankSession.run). SIGHUP too, for the server and the
+    # resource tracker started with it (which ignores SIGINT and SIGTERM itself, not SIGHUP): a
+    # closed terminal would kill the tracker, and the driver's relaunch of it floods the console
+    # with tracebacks. The driver handles SIGHUP and stops the ranks.
     multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
-    with signals.ignored(signal.SIGINT), _stdio_to(log):
+    with signals.ignored(signal.SIGINT, signal.SIGHUP), _stdio_to(log):
         forkserver.ensure_running()
     return "forkserver"
 

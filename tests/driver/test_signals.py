@@ -64,6 +64,7 @@ def _assert_one_line(err: str, signame: str) -> str:
         ("validation", "pcpflow.driver.job:prepare_job", signal.SIGINT),
         ("start-up", "pcpflow.driver.launch:launch_ranks", signal.SIGTERM),
         ("steps", None, signal.SIGINT),
+        ("steps", None, signal.SIGHUP),  # a closed terminal: the resource tracker must not die noisily
         ("plots", "pcpflow.output.report:write_plots", signal.SIGINT),
         ("summary", "pcpflow.output.report:print_summary", signal.SIGTERM),
     ],
