@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from pcpflow.driver.compose import (
     with_measured_overrides,
 )
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
-from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
+from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.signals import HANDLED, Interrupted, interruptible
 
@@ -265,6 +267,7 @@ def run_hydra(argv: list[str]) -> int:
     forget_sweep()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "pcpflow", *argv]
+    started = time.time()
     try:
         hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task)()
     except Interrupted as exc:
@@ -286,7 +289,25 @@ def run_hydra(argv: list[str]) -> int:
         return exc.exit_code
     finally:
         sys.argv = saved
-    return max(_EXIT_CODES, default=EXIT_OK)
+    return max([*_EXIT_CODES, *_sweep_exit_codes(since=started)], default=EXIT_OK)
+
+
+def _sweep_exit_codes(since: float) -> list[int]:
+    """The exit codes in the result.json files this multirun's jobs wrote.
+
+    NOTE: a parallel launcher (joblib) runs ``_task`` in worker processes, whose codes never
+    reach ``_EXIT_CODES`` here: without these, a sweep whose job failed would exit 0."""
+    from pcpflow.driver.sweep import started_sweep
+
+    sweep_dir = started_sweep()
+    codes = []
+    for path in sweep_dir.glob("*/result.json") if sweep_dir is not None else ():
+        try:
+            if path.stat().st_mtime >= since - 1:
+                codes.append(int(json.loads(path.read_text()).get("exit_code", EXIT_FAILED)))
+        except (OSError, ValueError, TypeError, AttributeError):  # unreadable: the report says so
+            codes.append(EXIT_FAILED)
+    return codes
 
 
 _PLANNED_JOBS: list[int] = []

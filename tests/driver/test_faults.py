@@ -272,6 +272,18 @@ def test_ctrl_c_in_a_joblib_sweep_gives_every_running_job_its_result(tmp_path, t
 
 
 @pytest.mark.slow
+def test_a_joblib_sweep_with_a_failed_job_exits_1_and_runs_the_others(tmp_path):
+    # the jobs run in joblib's worker processes: their exit codes come back through result.json
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    r, _ = pcpflow("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "pcp=1", "max_steps=4,2",
+                   f"hydra.sweep.dir={tmp_path}", FAULTS, fault("Crash", rank=0, step=3))  # only max_steps=4 reaches step 3
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert result(tmp_path / "0")["status"] == "failed" and result(tmp_path / "1")["status"] == "ok"
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3 and "injected failure" in rows[1] and ",ok," in rows[2]
+
+
+@pytest.mark.slow
 def test_joblib_launcher_runs_multi_rank_jobs_in_parallel(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     r, _ = pcpflow("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "pcp=1,2", "max_steps=3",

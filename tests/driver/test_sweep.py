@@ -443,3 +443,24 @@ def test_an_interrupted_sweep_closes_the_jobs_whose_process_was_killed(tmp_path)
     assert (got["1"]["status"], got["1"]["error"], got["1"]["exit_code"]) == ("failed", "interrupted by SIGINT", 130)
     assert got["1"]["config"] == {"pcp": 2}
     assert not any((j / LOCK_FILE).exists() for j in jobs.values())
+
+
+def test_a_sweeps_exit_code_counts_the_jobs_other_processes_ran(tmp_path, monkeypatch):
+    """joblib runs the jobs in worker processes: the driver reads their codes from the result.json
+    files this sweep wrote (an older file in the dir is not this sweep's)."""
+    import time
+
+    from pcpflow.driver import sweep
+    from pcpflow.driver.cli import _sweep_exit_codes
+    from pcpflow.output.rundir import failed_result, result_of, write_result
+
+    monkeypatch.setattr(sweep, "_STARTED", [tmp_path])
+    write_result(tmp_path / "9", failed_result("an older sweep's", {}, 1))
+    os.utime(tmp_path / "9" / "result.json", (0, 0))
+    since = time.time()
+    write_result(tmp_path / "0", result_of({}, {}))
+    assert _sweep_exit_codes(since) == [0]
+    write_result(tmp_path / "1", failed_result("rank 0 failed: boom", {}, 1))
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "result.json").write_text("{trunc")
+    assert sorted(_sweep_exit_codes(since)) == [0, 1, 1]
