@@ -159,12 +159,12 @@ def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> No
 
 def interrupted_before_the_job(exc: Interrupted, run_dir: Path | None) -> int:
     """Interrupted while validating or starting Hydra: no job owns the run dir yet."""
-    from pcpflow.output.rundir import failed_result, live_lock_owner, write_result
+    from pcpflow.output.rundir import failed_result, live_lock_owner, write_refusal
 
     where = ""
     if run_dir is not None and live_lock_owner(run_dir) is None:
-        try:
-            write_result(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
+        try:  # NOTE: a run that never started loses nothing: an older result there is kept aside
+            write_refusal(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
             where = f"; result.json: {run_dir / 'result.json'}"
         except OSError:
             pass

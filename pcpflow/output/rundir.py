@@ -125,10 +125,10 @@ PREVIOUS_RESULT_FILE = "result.previous.json"
 
 
 def write_refusal(run_dir: Path, result: dict[str, Any]) -> None:
-    """``result.json`` of a command refused as invalid (exit 2) in a dir that may hold an older
-    run's: that one is kept as ``result.previous.json`` (a typo loses nothing), and the
-    refusal is what ``result.json`` says (an old "ok" never looks current). A refusal replaces
-    an earlier refusal, never the result kept aside."""
+    """``result.json`` of a command refused as invalid (exit 2), or interrupted before its run
+    started, in a dir that may hold an older run's: that one is kept as ``result.previous.json``
+    (a typo loses nothing), and the refusal is what ``result.json`` says (an old "ok" never
+    looks current). A refusal replaces an earlier one of its kind, never the result kept aside."""
     current = run_dir / RESULT_FILE
     try:
         earlier = json.loads(current.read_text())

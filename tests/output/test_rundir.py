@@ -100,3 +100,18 @@ def test_a_run_that_takes_a_dir_drops_the_older_metrics_too(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 99, "num_generated": 5, "num_to_generate": 5}) + "\n")
     discard_result(tmp_path)
     assert progress_of(tmp_path)["progress"]["last_step"] is None
+
+
+def test_a_ctrl_c_before_the_run_started_keeps_the_older_result_aside(tmp_path, capsys):
+    import signal
+
+    from pcpflow.driver.cli import interrupted_before_the_job
+    from pcpflow.output.rundir import result_of, write_result
+    from pcpflow.signals import Interrupted
+
+    write_result(tmp_path, result_of({}, {"seed": 0}))
+    older = (tmp_path / "result.json").read_text()
+    assert interrupted_before_the_job(Interrupted(signal.SIGINT), tmp_path) == 130
+    assert (tmp_path / "result.previous.json").read_text() == older
+    assert json.loads((tmp_path / "result.json").read_text())["error"] == "interrupted by SIGINT before the run started"
+    assert "interrupted by SIGINT before the run started" in capsys.readouterr().err
