@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM end a job as "interrupted": result.json says so, exit 130 / 143.
+"""Ctrl-C, SIGTERM and SIGHUP end a job as "interrupted": result.json says so, exit 130 / 143 / 129.
 
 ``Interrupted`` is a BaseException (as KeyboardInterrupt is) so that a stage's or a
 launcher's ``except Exception`` cannot swallow it, and a Hydra multirun stops at it
@@ -16,7 +16,9 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""NOTE: SIGHUP too: a closed terminal or ssh session sends it, and torchrun forwards it to its
+workers; its default action kills a process before it can write result.json."""
 
 
 class Interrupted(BaseException):
@@ -24,9 +26,12 @@ class Interrupted(BaseException):
         self.signum = int(signum)
         super().__init__(f"interrupted by {signal.Signals(self.signum).name}")
 
+    def __reduce__(self) -> tuple[type, tuple[int]]:  # NOTE: a joblib worker's job sends it back pickled
+        return (Interrupted, (self.signum,))
+
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 SIGINT, 143 SIGTERM
+        return 128 + self.signum  # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
 
     @classmethod
     def of(cls, exc: BaseException) -> Interrupted | None:
@@ -70,16 +75,24 @@ def restore(saved: dict[int, object]) -> None:
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """SIGINT / SIGTERM raise Interrupted (once) in the main thread while inside; the
+    """SIGINT / SIGTERM / SIGHUP raise Interrupted (once) in the main thread while inside; the
     previous handlers come back after, also where a library replaced ours meanwhile
     (torch's elastic agent installs its own and never restores them)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if any(isinstance(h, _RaiseOnce) for h in handlers().values()):
+        # NOTE: nested (a rank's job inside its bootstrap, a run inside the driver): one handler,
+        # so that a signal after the first (the launcher forwarding the terminal's Ctrl-C) is
+        # ignored on the way out of every level, not raised again by the outer one.
+        yield
+        return
     saved = handlers()
     handler = _RaiseOnce()
     for s in HANDLED:
-        signal.signal(s, handler)
+        # NOTE: `nohup` ignores SIGHUP so that the run outlives its terminal: that stays so
+        if not (s == signal.SIGHUP and saved[s] == signal.SIG_IGN):
+            signal.signal(s, handler)
     try:
         yield
     finally:

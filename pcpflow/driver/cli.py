@@ -11,10 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from pcpflow.driver.compose import (
     with_measured_overrides,
 )
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
-from pcpflow.errors import EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
+from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.signals import HANDLED, Interrupted, interruptible
 
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return torchrun_main(argv)
     # NOTE: first thing, so that a Ctrl-C during imports, validation or between a sweep's jobs
-    # ends as one during the steps does: one line, exit 130 / 143, result.json where it can.
+    # ends as one during the steps does: one line, exit 130 / 143 / 129, result.json where it can.
     with interruptible():
         run_dir: list[Path] = []
         try:
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], run_dir: list[Path]) -> int:
     """``run_dir`` receives the run dir a single run will use, as soon as it is known."""
+    _PLANNED_JOBS.clear()
     if "--help" in argv or "-h" in argv:
         from pcpflow.driver.help import help_text
 
@@ -143,24 +147,24 @@ def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> No
     """An invalid command whose run dir exists leaves ``failed`` in it, so that an earlier
     run's ``ok`` there never looks current (a dir held by a live run is left alone; a dir
     that does not exist is not made: nothing starts for an invalid command)."""
-    from pcpflow.output.rundir import failed_result, live_lock_owner, write_result
+    from pcpflow.output.rundir import failed_result, live_lock_owner, write_refusal
 
     if live_lock_owner(run_dir) is not None:
         return
     try:
-        write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+        write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
     except OSError:  # the report already named the run dir if that is the problem
         pass
 
 
 def interrupted_before_the_job(exc: Interrupted, run_dir: Path | None) -> int:
     """Interrupted while validating or starting Hydra: no job owns the run dir yet."""
-    from pcpflow.output.rundir import failed_result, live_lock_owner, write_result
+    from pcpflow.output.rundir import failed_result, live_lock_owner, write_refusal
 
     where = ""
     if run_dir is not None and live_lock_owner(run_dir) is None:
-        try:
-            write_result(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
+        try:  # NOTE: a run that never started loses nothing: an older result there is kept aside
+            write_refusal(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
             where = f"; result.json: {run_dir / 'result.json'}"
         except OSError:
             pass
@@ -212,6 +216,7 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         else:
             choices.append([o.input_line])
     jobs = list(itertools.product(*choices)) or [()]
+    _PLANNED_JOBS[:] = [len(jobs)]
     found: list[list[Problem]] = []
     for job in jobs:
         try:
@@ -256,31 +261,62 @@ _EXIT_CODES: list[int] = []
 def run_hydra(argv: list[str]) -> int:
     import hydra
 
+    from pcpflow.driver.sweep import forget_sweep
+
     _EXIT_CODES.clear()
-    _SWEEP_DIR.clear()
+    forget_sweep()
     saved = sys.argv
     sys.argv = [saved[0] if saved else "pcpflow", *argv]
+    started = time.time()
     try:
         hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task)()
     except Interrupted as exc:
         # NOTE: the sweep stops here (Hydra's launcher would run the remaining jobs on);
         # the report lists the jobs that ran, the interrupted one as failed.
-        if _SWEEP_DIR:
-            from pcpflow.driver.sweep import write_sweep_report
+        from pcpflow.driver.sweep import close_interrupted_jobs, started_sweep, write_sweep_report
 
-            sweep_dir = Path(_SWEEP_DIR[0])
+        sweep_dir = started_sweep()
+        if sweep_dir is not None:
+            close_interrupted_jobs(sweep_dir, exc)
             rows = write_sweep_report(sweep_dir, announce=False)
             report = f"; report: {sweep_dir / 'sweep.md'}" if rows else ""
-            cut = sum(str(r.get("error", "")).startswith("interrupted") for r in rows)  # the job it stopped
-            ran = f"after {len(rows) - cut} job(s)" + (f" and during job {len(rows)}" if cut else "")
-            print(f"pcpflow: sweep {exc} {ran}{report}", file=sys.stderr, flush=True)
+            # the job(s) it stopped: one with the basic launcher, as many as ran at once with joblib
+            cut = [str(_job_number(r["job"])) for r in rows if str(r.get("error", "")).startswith("interrupted")]
+            during = f" and during job {cut[0]}" if len(cut) == 1 else f" and during jobs {', '.join(cut)}" if cut else ""
+            planned = _PLANNED_JOBS[0] if _PLANNED_JOBS else 0
+            never = f" ({planned - len(rows)} of {planned} not run)" if planned > len(rows) else ""
+            print(f"pcpflow: sweep {exc} after {len(rows) - len(cut)} job(s){during}{never}{report}", file=sys.stderr, flush=True)
         return exc.exit_code
     finally:
         sys.argv = saved
-    return max(_EXIT_CODES, default=EXIT_OK)
+    return max([*_EXIT_CODES, *_sweep_exit_codes(since=started)], default=EXIT_OK)
 
 
-_SWEEP_DIR: list[str] = []
+def _sweep_exit_codes(since: float) -> list[int]:
+    """The exit codes in the result.json files this multirun's jobs wrote.
+
+    NOTE: a parallel launcher (joblib) runs ``_task`` in worker processes, whose codes never
+    reach ``_EXIT_CODES`` here: without these, a sweep whose job failed would exit 0."""
+    from pcpflow.driver.sweep import started_sweep
+
+    sweep_dir = started_sweep()
+    codes = []
+    for path in sweep_dir.glob("*/result.json") if sweep_dir is not None else ():
+        try:
+            if path.stat().st_mtime >= since - 1:
+                codes.append(int(json.loads(path.read_text()).get("exit_code", EXIT_FAILED)))
+        except (OSError, ValueError, TypeError, AttributeError):  # unreadable: the report says so
+            codes.append(EXIT_FAILED)
+    return codes
+
+
+_PLANNED_JOBS: list[int] = []
+"""How many jobs the command line's sweep makes (``precheck``): an interrupted sweep says how many never ran."""
+
+
+def _job_number(name: str) -> int | str:
+    """A job's number as the console counts (1-based; its dir is Hydra's 0-based num)."""
+    return int(name) + 1 if name.isdigit() else name
 
 
 def _task(cfg: Any) -> int:
@@ -294,12 +330,10 @@ def _task(cfg: Any) -> int:
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
     hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN and not _SWEEP_DIR:
-        _SWEEP_DIR.append(str(hc.sweep.dir))
     run_dir = Path(hc.runtime.output_dir)
     code = run_job(raw, run_dir, in_sweep=hc.mode == RunMode.MULTIRUN, overrides=list(hc.overrides.task))
     _EXIT_CODES.append(code)
-    if code - 128 in (2, 15):  # SIGINT, SIGTERM
+    if code - 128 in {int(s) for s in HANDLED}:  # the job was interrupted: the sweep stops too
         raise Interrupted(code - 128)
     return code
 
@@ -318,14 +352,20 @@ def torchrun_main(argv: list[str]) -> int:
 def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
     from pcpflow.driver.checks import check_run_dir
     from pcpflow.driver.job import prepare_job
-    from pcpflow.output.rundir import failed_result, write_frozen_config, write_result
+    from pcpflow.output.rundir import (
+        discard_result,
+        failed_result,
+        write_frozen_config,
+        write_refusal,
+        write_result,
+    )
 
     run_dir = None
     try:
         if multirun:
             raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
-        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         run_dir = planned_run_dir(overrides)
+        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         check_run_dir(run_dir)
         cfg = prepare_job(raw)
         if cfg.mode == "search":
@@ -338,8 +378,15 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
             raise ConfigError([Problem("pcp", cfg.pcp, f"{ranks} must equal the {world} ranks torchrun started")])
     except ConfigError as exc:
         if run_dir is not None and run_dir.is_dir():
-            write_result(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
+            write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
         return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
+    except Interrupted as exc:  # composing / checking: the run dir the run would use says so
+        if run_dir is not None:
+            with contextlib.suppress(OSError):
+                write_result(run_dir, failed_result(f"{exc} before the run started", {"overrides": overrides}, exc.exit_code,
+                                                    run_dir=str(run_dir), launcher="external (torchrun)"))
+        raise
+    discard_result(run_dir)
     write_frozen_config(cfg, run_dir)
     return {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}
 

@@ -40,7 +40,7 @@ commands people run:
 _TAIL = """\
 exit codes:
   0 ok   1 failed (a rank failed, or verification found a mismatch)
-  2 invalid configuration (every problem listed, no rank started)   130/143 interrupted
+  2 invalid configuration (every problem listed, no rank started)   130/143/129 interrupted
 
 results (a run):   outputs/<date>/<time>/ or hydra.run.dir=DIR: result.json (status, verify,
                    metrics, outputs), metrics.jsonl (one line per step), config.json (the

@@ -18,12 +18,15 @@ from pcpflow.config.run import RunConfig, validate_run_config
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
 from pcpflow.output.rundir import (
+    discard_result,
     failed_result,
     live_lock_owner,
+    progress_of,
     release_lock,
     result_of,
     take_lock,
     write_frozen_config,
+    write_refusal,
     write_result,
 )
 from pcpflow.rank.progress import in_flight
@@ -141,12 +144,13 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
         release_lock(run_dir)
 
 
-def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool, note: str = "") -> int:
+def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool, note: str = "",
+                 **extra: Any) -> int:
     if announce:
         kept = getattr(exc, "note", None)  # what an interrupted search kept
         print_err(f"pcpflow: {exc}{note}{'; ' + kept if kept else ''}; result.json: {run_dir / 'result.json'}")
     with contextlib.suppress(OSError):  # a run dir that cannot be written: the line above says it all
-        write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir)))
+        write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir), **extra))
     return exc.exit_code
 
 
@@ -159,9 +163,10 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         cfg = prepare_job(raw)
     except ConfigError as exc:
         print_err(exc.report())
-        # NOTE: overwrites an older run's result.json, so that its "ok" never looks current
-        write_result(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
+        # NOTE: an older run's result.json is kept aside, so that its "ok" never looks current
+        write_refusal(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
         return EXIT_INVALID_CONFIG
+    discard_result(run_dir)  # the dir is this run's now
     from pcpflow.driver.checks import capacity_warnings
 
     for warning in capacity_warnings(cfg) if cfg.mode != "search" else ():
@@ -180,10 +185,12 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         print_err(f"pcpflow: {exc}")
         if exc.details:
             print_err(exc.details.rstrip())
-        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank, **in_flight(str(exc))))
+        write_result(run_dir, failed_result(str(exc), config, EXIT_FAILED, failed_rank=exc.rank, **in_flight(str(exc)),
+                                            **_progress(cfg, run_dir)))
         return EXIT_FAILED
     except Interrupted as exc:
-        return _interrupted(exc, config, run_dir, announce=not in_sweep, note=_partial_note(cfg, run_dir))
+        return _interrupted(exc, config, run_dir, announce=not in_sweep, note=_partial_note(cfg, run_dir),
+                            **_progress(cfg, run_dir))
     clocks = (sections.get("metrics") or {}).get("clocks")
     if clocks is not None:
         clocks["job_s"] = time.time() - started
@@ -230,6 +237,11 @@ def _profile(cfg: RunConfig, run_dir: Path, *, console: bool) -> dict[str, Any]:
 
     with Progress(run_dir / PROGRESS_FILE, enabled=console and cfg.output.progress, unit="points"):
         return launch_ranks(cfg, run_dir, work=measure)
+
+
+def _progress(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """How far a run that did not finish got (its steps: ``metrics.jsonl``); a profile says it itself."""
+    return {} if cfg.mode == "profile" else progress_of(run_dir)
 
 
 def _partial_note(cfg: RunConfig, run_dir: Path) -> str:

@@ -69,8 +69,67 @@ BASE_COLUMNS = [
 
 
 class SweepReport(Callback):
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        # NOTE: in the driver, whichever launcher runs the jobs (joblib's run in other processes)
+        _STARTED[:] = [Path(str(config.hydra.sweep.dir))]
+
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         write_sweep_report(Path(str(config.hydra.sweep.dir)))
+
+
+_STARTED: list[Path] = []
+
+
+def forget_sweep() -> None:
+    _STARTED.clear()
+
+
+def started_sweep() -> Path | None:
+    """The sweep dir of the multirun this driver process started, if any."""
+    return _STARTED[0] if _STARTED else None
+
+
+def close_interrupted_jobs(sweep_dir: Path, exc: Any, *, wait_s: float = 5.0) -> list[Path]:
+    """Every job of an interrupted sweep that was still running gets its ``result.json``.
+
+    A job that a parallel launcher (joblib) ran in a worker process is killed with its worker
+    when the driver is interrupted (joblib aborts its pool with SIGKILL), mostly before it
+    could write "interrupted" itself: its run dir is left with the lock of a dead process and
+    no result. A job whose process is still alive gets ``wait_s`` to write its own. Returns
+    the dirs written."""
+    import time
+
+    from pcpflow.output.rundir import (
+        LOCK_FILE,
+        RESULT_FILE,
+        failed_result,
+        live_lock_owner,
+        progress_of,
+        release_lock_of_dead,
+        write_result,
+    )
+
+    locked = sorted(sweep_dir.glob(f"*/{LOCK_FILE}"))
+    deadline = time.monotonic() + wait_s
+    while any(live_lock_owner(p.parent) is not None for p in locked) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    closed = []
+    for lock in locked:
+        job_dir = lock.parent
+        if live_lock_owner(job_dir) is not None or not lock.exists():
+            continue
+        if not (job_dir / RESULT_FILE).exists():
+            try:
+                config = json.loads((job_dir / "config.json").read_text())
+            except (OSError, ValueError):
+                config = {}
+            try:
+                write_result(job_dir, failed_result(str(exc), config, exc.exit_code, run_dir=str(job_dir), **progress_of(job_dir)))
+                closed.append(job_dir)
+            except OSError:
+                continue
+        release_lock_of_dead(job_dir)
+    return closed
 
 
 def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -265,7 +265,53 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             raise ValueError(f"{path.name} is not safetensors (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path.name} is not safetensors (its header is not a JSON object)")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)), default=0)
+    end = _data_end(path.name, header)
     if 8 + n + end > size:
         raise ValueError(f"{path.name} is truncated: its header says {8 + n + end} bytes, the file has {size}")
+    if 8 + n + end < size:
+        raise ValueError(f"{path.name} has {size - 8 - n - end} bytes after the tensors its header describes "
+                         f"(the header says {8 + n + end} bytes, the file has {size})")
     return header
+
+
+SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+                    "F8_E5M2FNUZ": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16,
+                    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+"""Bits per element of each dtype a safetensors header may name (the format's own list)."""
+
+
+def _data_end(name: str, header: dict[str, Any]) -> int:
+    """Where the tensors' data ends, after the checks the safetensors loader makes as a rank
+    opens the file (each entry a dtype, a shape and offsets that span exactly its bytes; the
+    entries tile the data without gap or overlap): a header that lies is found here, in the
+    driver, not as a rank's SafetensorError mid-load."""
+    spans = []
+    for key, v in header.items():
+        if key == "__metadata__":
+            continue
+        entry = f"{name}: tensor {key}"
+        if not isinstance(v, dict):
+            raise ValueError(f"{entry} is not an object with dtype, shape and data_offsets")
+        dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if dtype not in SAFETENSORS_BITS:
+            raise ValueError(f"{entry} has dtype {dtype!r}; a safetensors dtype is one of {', '.join(SAFETENSORS_BITS)}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"{entry} has shape {shape!r}; a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{entry} has data_offsets {offsets!r}; [begin, end] with 0 <= begin <= end")
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * SAFETENSORS_BITS[dtype] / 8
+        if offsets[1] - offsets[0] != nbytes:
+            raise ValueError(f"{entry} is {dtype} {shape} ({nbytes:g} bytes), but its data_offsets {offsets} "
+                             f"span {offsets[1] - offsets[0]} bytes")
+        spans.append((offsets[0], offsets[1], key))
+    at = 0
+    for begin, stop, key in sorted(spans):
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else f"leaves a gap of {begin - at} bytes before it"
+            raise ValueError(f"{name}: tensor {key}'s data_offsets [{begin}, {stop}] {what}")
+        at = stop
+    return at

@@ -16,6 +16,7 @@ from typing import Any
 
 CONFIG_FILE = "config.json"
 RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = ".pcpflow.lock"
 
 
@@ -57,8 +58,15 @@ def write_result(run_dir: Path, result: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     result.setdefault("error", None)
     tmp = run_dir / f".{RESULT_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(dumps(result) + "\n")
-    os.replace(tmp, run_dir / RESULT_FILE)
+    try:
+        tmp.write_text(dumps(result) + "\n")
+        os.replace(tmp, run_dir / RESULT_FILE)
+    except BaseException:  # a full disk, or a signal mid-write: no half file left behind either
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
 
 
 def result_of(sections: dict[str, Any], config: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -113,6 +121,62 @@ def take_lock(run_dir: Path) -> None:
     (run_dir / LOCK_FILE).write_text(f"{os.getpid()} {' '.join(sys.argv)}\n")
 
 
+PREVIOUS_RESULT_FILE = "result.previous.json"
+
+
+def write_refusal(run_dir: Path, result: dict[str, Any]) -> None:
+    """``result.json`` of a command refused as invalid (exit 2), or interrupted before its run
+    started, in a dir that may hold an older run's: that one is kept as ``result.previous.json``
+    (a typo loses nothing), and the refusal is what ``result.json`` says (an old "ok" never
+    looks current). A refusal replaces an earlier one of its kind, never the result kept aside."""
+    current = run_dir / RESULT_FILE
+    try:
+        earlier = json.loads(current.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if isinstance(earlier, dict) and earlier.get("exit_code") != result.get("exit_code"):
+        os.replace(current, run_dir / PREVIOUS_RESULT_FILE)
+    write_result(run_dir, result)
+
+
+def discard_result(run_dir: Path) -> None:
+    """Removes an older run's ``result.json`` and ``metrics.jsonl`` as a new run, validated,
+    starts in its dir.
+
+    NOTE: the new run rewrites config.json at once; a run killed outright (SIGKILL, the OOM
+    killer, a power cut) cannot write its own result, and the older one's "ok" beside the new
+    config would say that this run succeeded. No result.json says it did not finish; the
+    steps in metrics.jsonl are this run's (``progress_of``)."""
+    for name in (RESULT_FILE, METRICS_FILE):
+        try:
+            (run_dir / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def progress_of(run_dir: Path) -> dict[str, Any]:
+    """``{"progress": ...}`` of a run that did not finish, from the last line of its
+    ``metrics.jsonl`` (read from the end: the file may be large): the last step it ran and the
+    tokens generated of those to generate (``last_step`` null: no step ran)."""
+    last: dict[str, Any] = {}
+    try:
+        with open(run_dir / METRICS_FILE, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (1 << 20)))
+            for line in reversed(f.read().splitlines()):
+                try:
+                    last = json.loads(line)
+                    break
+                except ValueError:  # the line a crash cut short
+                    continue
+    except OSError:
+        pass
+    if not isinstance(last, dict):
+        last = {}
+    return {"progress": {"last_step": last.get("step"), "num_generated": last.get("num_generated", 0),
+                         "num_to_generate": last.get("num_to_generate")}}
+
+
 def release_lock(run_dir: Path) -> None:
     path = run_dir / LOCK_FILE
     try:
@@ -120,3 +184,13 @@ def release_lock(run_dir: Path) -> None:
             path.unlink()
     except (OSError, ValueError, IndexError):
         pass
+
+
+def release_lock_of_dead(run_dir: Path) -> None:
+    """Removes the lock of a run whose process is gone (never a live one's)."""
+    path = run_dir / LOCK_FILE
+    if path.exists() and live_lock_owner(run_dir) is None:
+        try:
+            path.unlink()
+        except OSError:
+            pass

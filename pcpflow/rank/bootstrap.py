@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from pcpflow import signals
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG
-from pcpflow.output.rundir import failed_result, load_frozen_config, result_of, write_result
+from pcpflow.output.rundir import (
+    failed_result,
+    load_frozen_config,
+    progress_of,
+    result_of,
+    write_result,
+)
 from pcpflow.rank.progress import Blame, RankBoard, in_flight, store_timeout
 from pcpflow.signals import Interrupted, interruptible
 
@@ -62,9 +69,12 @@ def rank_start_method(*, log: Path | None = None) -> str:
     # NOTE: read when the server starts (here, once); a later call changes nothing. The server
     # starts with SIGINT ignored: a Ctrl-C while it imports torch would print a traceback
     # (it ignores SIGINT itself only once its imports are done). Its ranks install their own
-    # handlers first thing (elastic_rank, RankSession.run).
+    # handlers first thing (elastic_rank, RankSession.run). SIGHUP too, for the server and the
+    # resource tracker started with it (which ignores SIGINT and SIGTERM itself, not SIGHUP): a
+    # closed terminal would kill the tracker, and the driver's relaunch of it floods the console
+    # with tracebacks. The driver handles SIGHUP and stops the ranks.
     multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
-    with signals.ignored(signal.SIGINT), _stdio_to(log):
+    with signals.ignored(signal.SIGINT, signal.SIGHUP), _stdio_to(log):
         forkserver.ensure_running()
     return "forkserver"
 
@@ -156,7 +166,14 @@ class RankSession:
                 print(job["error"], file=sys.stderr, flush=True)
             self.store.set(key, json.dumps(job))
             return job
-        self.store.wait([key], timedelta(seconds=STARTUP_STORE_TIMEOUT_S))
+        # NOTE: polled, not one blocking store.wait: a signal's handler runs only between Python
+        # bytecodes, and a Ctrl-C while rank 0 composes would wait out the whole timeout here
+        # (torchrun then kills this rank after its own 30 s).
+        deadline = time.monotonic() + STARTUP_STORE_TIMEOUT_S
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not compose the job's config within {STARTUP_STORE_TIMEOUT_S} s")
+            time.sleep(0.05)
         return json.loads(self.store.get(key))
 
     def run(self, cfg: Any, run_dir: Path | None, *, writes_result: bool = False,
@@ -192,18 +209,24 @@ class RankSession:
         from pcpflow.rank.progress import describe, where
 
         exc = Interrupted.of(exc) or exc
-        if board is None:
-            step, stage = where()
-            blame = Blame(self.rank, describe(exc), step, stage)
-        else:
-            blame = board.diagnose(exc, collective_timeout_s=cfg.collective_timeout_s)
-        code = exc.exit_code if isinstance(exc, Interrupted) else EXIT_FAILED
-        if writes_result and run_dir is not None and (board is None or board.claim_report()):
-            error = f"rank {blame.rank} failed: {str(blame).split('] ', 1)[1]}"
-            if isinstance(exc, Interrupted) and blame.rank == self.rank:
-                error = f"{exc} (rank {self.rank})"
-            write_result(run_dir, failed_result(error, cfg.model_dump(mode="json"), code, failed_rank=blame.rank,
-                                                run_dir=str(run_dir), launcher="external (torchrun)", **in_flight(error)))
+        # NOTE: the launcher SIGTERMs the survivors of a failure at once (torchrun within ~0.1 s of
+        # a death); raised in the middle of the diagnosis, it would leave no result.json and
+        # name no cause. The diagnosis is bounded (progress.GRACE_S), and this rank is ending.
+        with signals.ignored(*signals.HANDLED):
+            if board is None:
+                step, stage = where()
+                blame = Blame(self.rank, describe(exc), step, stage)
+            else:
+                blame = board.diagnose(exc, collective_timeout_s=cfg.collective_timeout_s)
+            # a SIGTERM that stopped this rank because a peer failed is that peer's failure
+            code = exc.exit_code if isinstance(exc, Interrupted) and blame.rank == self.rank else EXIT_FAILED
+            if writes_result and run_dir is not None and (board is None or board.claim_report()):
+                error = f"rank {blame.rank} failed: {str(blame).split('] ', 1)[1]}"
+                if isinstance(exc, Interrupted) and blame.rank == self.rank:
+                    error = f"{exc} (rank {self.rank})"
+                write_result(run_dir, failed_result(error, cfg.model_dump(mode="json"), code, failed_rank=blame.rank,
+                                                    run_dir=str(run_dir), launcher="external (torchrun)", **in_flight(error),
+                                                    **progress_of(run_dir)))
         return RankError(blame, code)
 
 
@@ -240,18 +263,36 @@ def torchrun_rank(prepare: Callable[[], dict[str, Any]]) -> int:
     """This process is one rank of a torchrun / srun job. ``prepare`` (rank 0 only) returns
     ``{"config", "run_dir"}`` or ``{"error", "exit_code"}``. Returns this rank's exit code:
     pcpflow's codes (torchrun's own exit code is 1 for any failed worker)."""
+    rank, job = int(os.environ.get("RANK", "0")), {}
+    # NOTE: from the first moment: a Ctrl-C (or torchrun's forwarded SIGTERM / SIGHUP) while rank
+    # 0 composes the config or a rank imports the engine ends as one during the steps does.
+    with interruptible():
+        try:
+            return _torchrun_rank(prepare, job)
+        except Interrupted as exc:
+            if rank == 0 and "run_dir" in job:  # config.json is there: its result must be too
+                with contextlib.suppress(OSError):
+                    write_result(Path(job["run_dir"]), failed_result(
+                        f"{exc} (rank 0)", job["config"], exc.exit_code, failed_rank=0, run_dir=job["run_dir"],
+                        launcher="external (torchrun)"))
+            print(f"pcpflow: {exc} (rank {rank})", file=sys.stderr, flush=True)
+            return exc.exit_code
+
+
+def _torchrun_rank(prepare: Callable[[], dict[str, Any]], job: dict[str, Any]) -> int:
+    """``job`` receives the job rank 0 prepared, as soon as this rank knows it."""
     from pcpflow.config.run import parse_run_config
 
     session = RankSession.connect()
     try:
-        job = session.exchange(prepare)
+        job.update(session.exchange(prepare))
         if "error" in job:
             return int(job.get("exit_code", EXIT_INVALID_CONFIG))
         cfg, run_dir = parse_run_config(job["config"]), Path(job["run_dir"])
         try:
             sections = session.run(cfg, run_dir, writes_result=True)
         except RankError as exc:
-            if isinstance(exc.__cause__, Interrupted):
+            if isinstance(exc.__cause__, Interrupted) and exc.blame.rank == session.rank:
                 print(f"pcpflow: {exc.__cause__} (rank {session.rank})", file=sys.stderr, flush=True)
             elif exc.blame.rank == session.rank:
                 print(f"pcpflow: rank {exc.blame.rank} failed: {str(exc.blame).split('] ', 1)[1]}", file=sys.stderr, flush=True)

@@ -113,7 +113,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     forward = next((s for s in specs if s.name == "forward"), None)
     rings = getattr(forward.config, "cp_attention", "allgather") != "allgather" and cfg.pcp > 1
     steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder, unaccounted_world if rings else None)
-    startup_done(cfg.startup_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
+    startup_done(cfg.startup_timeout_s, cfg.collective_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
     # NOTE: the board's barrier lets each rank go within its poll (50 ms) of the others: one
     # collective more, so that every rank's run clock starts at the same moment (else a
     # rank's first step waits for a late peer, and the first TTFT counts that wait).

@@ -113,7 +113,7 @@ class _PoolRank:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any] | None:
-        startup_done(self.cfg.startup_timeout_s)
+        startup_done(self.cfg.startup_timeout_s, self.cfg.collective_timeout_s)
         t0 = time.perf_counter()
         try:
             for ps in self.loop.steps():

@@ -79,12 +79,14 @@ def in_flight(message: str) -> dict[str, Any]:
     return {"transfer_in_flight": int(m.group(1))} if m else {}
 
 
-def startup_done(timeout_s: float) -> None:
+def startup_done(timeout_s: float, stall_s: float | None = None) -> None:
     """The engine's hook between start-up (model load, reference build) and the first step:
     every rank waits here up to ``startup_timeout_s``, so a slow load is not a stalled
-    collective and a rank that never finishes loading is named."""
+    collective and a rank that never finishes loading is named. A rank whose process is
+    stopped (SIGSTOP, a debugger) with no heartbeat for ``stall_s`` (``collective_timeout_s``)
+    is named then: a slow load beats, a stopped process never will."""
     if _BOARD is not None:
-        _BOARD.barrier("startup", timeout_s, what=f"start-up within startup_timeout_s={timeout_s:g}")
+        _BOARD.barrier("startup", timeout_s, what=f"start-up within startup_timeout_s={timeout_s:g}", stall_s=stall_s)
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,12 @@ class Blame:
 
 
 class StalledRanks(RuntimeError):
-    """Ranks that did not reach a point every rank must reach in time."""
+    """Ranks that did not reach a point every rank must reach in time (``stopped``: before the
+    time was up, their processes being stopped)."""
 
-    def __init__(self, ranks: list[int], what: str, names: str) -> None:
-        self.ranks, self.what = ranks, what
-        super().__init__(f"{names} did not finish {what}")
+    def __init__(self, ranks: list[int], what: str, names: str, *, stopped: bool = False) -> None:
+        self.ranks, self.what, self.stopped = ranks, what, stopped
+        super().__init__(f"{names} did not finish {what}" + (" (its process is stopped)" if stopped else ""))
 
 
 class RankBoard:
@@ -163,19 +166,38 @@ class RankBoard:
         got = self.store.compare_set(key, "", str(self.rank))
         return (got.decode() if isinstance(got, bytes) else str(got)) == str(self.rank)
 
-    def barrier(self, name: str, timeout_s: float, *, what: str) -> None:
-        """Wait until every rank reached ``name``; StalledRanks naming the others if not."""
+    def barrier(self, name: str, timeout_s: float, *, what: str, stall_s: float | None = None) -> None:
+        """Wait until every rank reached ``name``; StalledRanks naming the others if not.
+        ``stall_s``: a missing rank whose process is stopped and has not beaten for that long
+        is named at once (``stopped``)."""
         self.store.set(self._key(name, self.rank), "1")
         keys = [self._key(name, r) for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
+        beats: dict[int, tuple[Any, float]] = {}  # rank -> (its last beat, when it changed)
+        looked = 0.0
         while True:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             if not missing:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 names = ", ".join(self._describe(r) for r in missing)
                 raise StalledRanks(missing, what, names)
+            if stall_s is not None and now - looked >= HEARTBEAT_S:
+                looked = now
+                stopped = [r for r in missing if self._stopped_for(r, beats, now) > stall_s]
+                if stopped:
+                    raise StalledRanks(stopped, what, ", ".join(self._describe(r) for r in stopped), stopped=True)
             time.sleep(0.05)
+
+    def _stopped_for(self, rank: int, beats: dict[int, tuple[Any, float]], now: float) -> float:
+        """How long ``rank`` has not beaten while its process (on this host) is stopped; 0 otherwise."""
+        p = self.read("progress", rank) or {}
+        beat = p.get("beat")
+        if rank not in beats or beats[rank][0] != beat:
+            beats[rank] = (beat, now)
+        stat = _process_stat(p["pid"]) if p.get("host") == _HOST and p.get("pid") else None
+        return now - beats[rank][1] if stat and stat[0] in ("T", "t") else 0.0
 
     def leave(self, timeout_s: float) -> None:
         """After the last barrier: rank 0 returns only once every other rank is done with
@@ -226,9 +248,14 @@ class RankBoard:
             self.post("consequence" if kind == "stalled" else kind, message)
         except Exception:
             return mine
+        others = [r for r in range(self.world_size) if r != self.rank]
+        if kind == "interrupted" and getattr(exc, "signum", None) == signal.SIGTERM:
+            # NOTE: a launcher stops the survivors of a failure with SIGTERM (torchrun ~0.1 s after a
+            # death), often before their collective has failed: a peer that failed or is gone is
+            # the cause then, not this rank.
+            return self._failed_peer(others) or mine
         if kind in ("error", "exited", "interrupted"):
             return mine
-        others = [r for r in range(self.world_size) if r != self.rank]
         beats = {r: (self.read("progress", r) or {}).get("beat") for r in others}
         deadline = time.monotonic() + GRACE_S
         while True:
@@ -237,17 +264,23 @@ class RankBoard:
             if causes:
                 _, r, s = min(causes)
                 return Blame(r, s["message"], s["step"], s["stage"])
-            if time.monotonic() > deadline:
+            # NOTE: a silent peer whose process is gone will never post: no need to wait out the
+            # grace (under torchrun the agent's SIGTERM follows a death within ~0.1 s)
+            if time.monotonic() > deadline or any(_process_gone(self.read("progress", r) or {})
+                                                  for r, s in statuses.items() if s is None):
                 break
             time.sleep(0.1)
         if isinstance(exc, StalledRanks):
             p = self.read("progress", exc.ranks[0]) or {}
+            if exc.stopped:  # named (and killed, as a frozen peer is) before the time was up
+                what = _silent_peer(p, f"its peers waited collective_timeout_s={collective_timeout_s:g} for its heartbeat")
+                return Blame(exc.ranks[0], what, p.get("step", -1), p.get("stage", ""))
             return Blame(exc.ranks[0], f"did not finish {exc.what}", p.get("step", -1), p.get("stage", ""))
         silent = [r for r, s in statuses.items() if s is None]
         for r in silent:
             p = self.read("progress", r) or {}
             waited = f"its peers waited collective_timeout_s={collective_timeout_s:g}"
-            if p.get("beat") != beats.get(r):
+            if p.get("beat") != beats.get(r) and not _process_gone(p):
                 what = f"stalled: it stopped taking part in collectives; {waited}"
             else:
                 what = _silent_peer(p, waited)
@@ -257,6 +290,21 @@ class RankBoard:
             s = statuses[done[0]]
             return Blame(done[0], "left the job early (its engine returned while peers still ran)", s["step"], s["stage"])
         return mine
+
+
+    def _failed_peer(self, others: list[int]) -> Blame | None:
+        """The earliest peer that posted an error or an early exit, or else one whose process
+        is gone without posting; None if every peer is alive or was interrupted too."""
+        statuses = {r: self.read("status", r) for r in others}
+        causes = [(s["seq"], r, s) for r, s in statuses.items() if s and s["kind"] in ("error", "exited")]
+        if causes:
+            _, r, s = min(causes)
+            return Blame(r, s["message"], s["step"], s["stage"])
+        for r in (r for r, s in statuses.items() if s is None):
+            p = self.read("progress", r) or {}
+            if _process_gone(p):
+                return Blame(r, _silent_peer(p, ""), p.get("step", -1), p.get("stage", ""))
+        return None
 
 
 _HOST = socket.gethostname()
@@ -278,6 +326,16 @@ def _process_start(pid: int) -> str | None:
     return stat[19] if stat and len(stat) > 19 else None
 
 
+def _process_gone(progress: dict[str, Any]) -> bool:
+    """The process of a board entry (``progress/<rank>``) is known to be gone: on this host, and
+    exited, a zombie, or its pid now another process's."""
+    pid = progress.get("pid")
+    if progress.get("host") != _HOST or pid is None:
+        return False
+    stat = _process_stat(pid)
+    return stat is None or _process_start(pid) != progress.get("started") or stat[0] in ("Z", "X")
+
+
 def _silent_peer(progress: dict[str, Any], waited: str) -> str:
     """What became of a peer whose heartbeat stopped, from its process where it can be seen
     (the same host): frozen (stopped, or alive with a dead heartbeat) is a stall, gone is a death."""
@@ -285,12 +343,9 @@ def _silent_peer(progress: dict[str, Any], waited: str) -> str:
     if progress.get("host") != _HOST or pid is None:
         return (f"stopped responding: no heartbeat and no error (on another host: killed, crashed or frozen); "
                 f"{waited}; last seen")
-    stat = _process_stat(pid)
-    if stat is None or _process_start(pid) != progress.get("started"):
+    if _process_gone(progress):
         return "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
-    state = stat[0]
-    if state in ("Z", "X"):
-        return "died without a Python error (killed by a signal, os._exit or a crash; see its log); last seen"
+    state = (_process_stat(pid) or ["?"])[0]
     # NOTE: a frozen process cannot act on the launcher's SIGTERM, which would hold the job
     # ~30 s more (torch's own grace) before its SIGKILL: the job is failing, end it now.
     with contextlib.suppress(OSError):

@@ -158,6 +158,51 @@ def test_checkpoint_files_checked_from_headers(llama, tmp_path):
     assert read_safetensors_header(weights)  # the original reads
 
 
+def _header_lies(src: Path, dst: Path, edit) -> Path:
+    """A copy of ``src`` whose safetensors header ``edit`` changed, the data left as it was."""
+    import struct
+
+    _variant(src, dst)
+    raw = (dst / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    return dst
+
+
+def test_a_safetensors_header_that_lies_is_refused_before_the_ranks_load_it(llama, tmp_path):
+    """What safetensors itself refuses as a rank opens the file (a SafetensorError mid-load, exit 1)
+    or pcpflow's header reader tripped over (a KeyError, a traceback) is a model.path problem, exit 2."""
+    up, down = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"  # both F32, 32 kB
+
+    def entry(**kv):
+        return lambda h: h[up].update(kv)
+
+    def offsets_of_down(h):
+        h[up]["data_offsets"] = list(h[down]["data_offsets"])
+
+    cases = {
+        "dtype_lie": (entry(dtype="F16"), f"tensor {up} is F16 [128, 64] (16384 bytes), but its data_offsets"),
+        "unknown_dtype": (entry(dtype="F99"), "has dtype 'F99'; a safetensors dtype is one of BOOL"),
+        "no_offsets": (lambda h: h[up].pop("data_offsets"), "has data_offsets None; [begin, end]"),
+        "text_offsets": (entry(data_offsets=["0", "10"]), "has data_offsets ['0', '10']"),
+        "overlap": (offsets_of_down, "overlaps the tensor before it"),
+        "not_an_entry": (lambda h: h.update({up: [1, 2]}), f"tensor {up} is not an object with dtype, shape and data_offsets"),
+    }
+    for name, (edit, words) in cases.items():
+        path = _header_lies(llama, tmp_path / name, edit)
+        found = problems_of(["model=hf", f"model.path={path}", "pcp=1"])
+        assert len(found) == 1 and found[0][0] == "model.path" and words in found[0][1], (name, found)
+    longer = _variant(llama, tmp_path / "longer")
+    with open(longer / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    found = problems_of(["model=hf", f"model.path={longer}", "pcp=1"])
+    assert found[0][0] == "model.path" and "8 bytes after the tensors its header describes" in found[0][1], found
+
+
 def test_non_finite_weights_are_reported_by_the_loader_naming_the_tensor(llama, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -190,11 +235,12 @@ def test_run_dir_problems_end_the_job_with_exit_2(tmp_path, capsys):
     assert run_job(raw, live, console=False) == 2
     assert "is running in it" in capsys.readouterr().err
     assert json.loads((live / "result.json").read_text()) == {"status": "ok"}  # not ours to touch
-    # a dead owner's lock is stale; a config error there replaces the old "ok"
+    # a dead owner's lock is stale; a config error there replaces the old "ok", kept aside
     (live / LOCK_FILE).write_text("999999999 gone\n")
     assert run_job(compose_raw(["pcp=1", "kv.num_blocks=1"]), live, console=False) == 2
     result = json.loads((live / "result.json").read_text())
     assert result["status"] == "failed" and "kv.num_blocks" in result["error"] and result["exit_code"] == 2
+    assert json.loads((live / "result.previous.json").read_text()) == {"status": "ok"}
     assert not (live / LOCK_FILE).exists()
 
 

@@ -177,13 +177,43 @@ def test_a_rank_that_dies_without_unwinding_is_named(tmp_path):
     assert err.startswith("rank 1 failed: died without a Python error") and "step 2" in err, err
 
 
-def test_ctrl_c_at_pcp_1_is_interrupted_with_a_result(tmp_path):
-    # pcp=1 runs in the driver's own process: the signal goes to the driver itself.
-    r, _ = pcpflow("pcp=1", f"hydra.run.dir={tmp_path}", FAULTS, fault("SendSignal", rank=0, step=1, signal="SIGINT"))
-    assert r.returncode == 130, r.stderr[-2000:]
-    assert "pcpflow: interrupted by SIGINT" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGHUP"])
+def test_ctrl_c_at_pcp_1_is_interrupted_with_a_result(tmp_path, sig):
+    # pcp=1 runs in the driver's own process: the signal goes to the driver itself. SIGHUP: a
+    # closed terminal or ssh session (its default action would kill the driver with no result).
+    r, _ = pcpflow("pcp=1", f"hydra.run.dir={tmp_path}", FAULTS, fault("SendSignal", rank=0, step=1, signal=sig))
+    code = 128 + getattr(signal, sig)
+    assert r.returncode == code, r.stderr[-2000:]
+    assert f"pcpflow: interrupted by {sig}" in r.stderr and "Traceback" not in r.stderr
     res = result(tmp_path)
-    assert res["status"] == "failed" and res["error"] == "interrupted by SIGINT" and res["exit_code"] == 130
+    assert res["status"] == "failed" and res["error"] == f"interrupted by {sig}" and res["exit_code"] == code
+    # what it got through: step 0 (the signal came inside step 1), not every token
+    progress = res["progress"]
+    assert progress["last_step"] in (0, 1) and 1 <= progress["num_generated"] < progress["num_to_generate"], progress
+
+
+def test_a_run_killed_outright_leaves_no_older_ok_result_beside_its_config(tmp_path):
+    """A run dir that holds an earlier run's ok result.json: the new run (config.json, metrics.jsonl
+    its own) is SIGKILLed and writes nothing; the old "ok" must not describe it."""
+    run = tmp_path / "run"
+    sim = ["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload.num_requests=3", "output.plots=false"]
+    first, _ = pcpflow(*sim, f"hydra.run.dir={run}")
+    assert first.returncode == 0 and result(run)["status"] == "ok", first.stderr[-2000:]
+    flag = tmp_path / "paused"
+    e = {**env(), "PCPFLOW_TEST_PAUSE": "pcpflow.driver.job:_simulate", "PCPFLOW_TEST_PAUSE_FLAG": str(flag)}
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS / "signal_pause"), e["PYTHONPATH"]])
+    proc = subprocess.Popen([sys.executable, "-m", "pcpflow", *sim, "seed=7", f"hydra.run.dir={run}", *QUIET], env=e, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert json.loads((run / "config.json").read_text())["seed"] == 7  # the killed run's
+    assert not (run / "result.json").exists()
 
 
 @pytest.mark.slow
@@ -203,7 +233,54 @@ def test_ctrl_c_stops_a_sweep_and_the_report_lists_what_ran(tmp_path):
     assert not (tmp_path / "2").exists()
     rows = (tmp_path / "sweep.csv").read_text().splitlines()
     assert len(rows) == 3 and ",ok," in rows[1] and "interrupted by SIGINT" in rows[2]
-    assert "sweep interrupted by SIGINT after 1 job(s) and during job 2" in r.stderr
+    assert "sweep interrupted by SIGINT after 1 job(s) and during job 2 (1 of 3 not run)" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to_group", [True, False])
+def test_ctrl_c_in_a_joblib_sweep_gives_every_running_job_its_result(tmp_path, to_group):
+    """joblib's pool SIGKILLs its workers when the driver is interrupted: the jobs they ran
+    (and their ranks) are gone before they can write "interrupted"; the driver writes it,
+    reports the sweep and says so (a Ctrl-C reaches the whole group, a SIGTERM maybe the driver only)."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    marker = uuid.uuid4().hex
+    sig = signal.SIGINT if to_group else signal.SIGTERM
+    proc = subprocess.Popen([sys.executable, "-m", "pcpflow", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                             "pcp=1,2", f"hydra.sweep.dir={tmp_path}", *QUIET, "workload.num_requests=300"],
+                            env=env(marker), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+    def stepping(job: str) -> bool:
+        path = tmp_path / job / "metrics.jsonl"
+        return path.exists() and path.read_text().count("\n") >= 2
+
+    deadline = time.monotonic() + 240
+    while not (stepping("0") and stepping("1")):  # both jobs running at once
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    (os.killpg if to_group else os.kill)(proc.pid, sig)
+    _, err = proc.communicate(timeout=60)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert f"pcpflow: sweep interrupted by {name} after 0 job(s) and during jobs 1, 2" in err, err[-3000:]
+    for job in ("0", "1"):
+        res = result(tmp_path / job)
+        assert res["status"] == "failed" and res["error"] == f"interrupted by {name}" and res["exit_code"] == 128 + sig
+        assert not (tmp_path / job / ".pcpflow.lock").exists()
+    assert (tmp_path / "sweep.csv").read_text().count(f"interrupted by {name}") == 2
+    assert_none_left(marker)
+
+
+@pytest.mark.slow
+def test_a_joblib_sweep_with_a_failed_job_exits_1_and_runs_the_others(tmp_path):
+    # the jobs run in joblib's worker processes: their exit codes come back through result.json
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    r, _ = pcpflow("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "pcp=1", "max_steps=4,2",
+                   f"hydra.sweep.dir={tmp_path}", FAULTS, fault("Crash", rank=0, step=3))  # only max_steps=4 reaches step 3
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert result(tmp_path / "0")["status"] == "failed" and result(tmp_path / "1")["status"] == "ok"
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 3 and "injected failure" in rows[1] and ",ok," in rows[2]
 
 
 @pytest.mark.slow
@@ -243,6 +320,55 @@ def test_torchrun_sigterm_workers_exit_143_and_write_interrupted(tmp_path):
     assert r.returncode != 0  # torchrun's own (1, after its SignalException)
     res = result(tmp_path)
     assert res["exit_code"] == 143 and res["error"].startswith("interrupted by SIGTERM (rank ")
+
+
+@pytest.mark.slow
+def test_torchrun_forwards_sighup_and_the_workers_write_interrupted(tmp_path):
+    # torchrun's agent forwards SIGHUP (a closed terminal) to its workers: their default action
+    # would kill them before any wrote result.json
+    r, _ = torchrun("pcp=2", f"hydra.run.dir={tmp_path}", FAULTS, fault("SendSignal", rank=1, step=1, signal="SIGHUP", to_parent=True))
+    assert r.returncode != 0
+    res = result(tmp_path)
+    assert res["exit_code"] == 129 and res["error"].startswith("interrupted by SIGHUP (rank "), res["error"]
+
+
+@pytest.mark.slow
+def test_torchrun_a_rank_killed_mid_run_is_named_in_result_json(tmp_path):
+    # torchrun SIGTERMs the survivor ~0.1 s after the death: its report must not be cut short
+    marker = uuid.uuid4().hex
+    r, elapsed = torchrun("pcp=2", "collective_timeout_s=20", f"hydra.run.dir={tmp_path}", FAULTS,
+                          fault("SendSignal", rank=1, step=1, signal="SIGKILL"), e=env(marker))
+    assert r.returncode == 1
+    res = result(tmp_path)
+    assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: died without a Python error"), res
+    assert "at step 1" in res["error"] and elapsed < 120
+    assert_none_left(marker)
+
+
+@pytest.mark.slow
+def test_torchrun_ctrl_c_while_rank_0_composes_ends_at_once_with_a_result(tmp_path):
+    """Rank 1 waits for rank 0's config; a Ctrl-C then must end both within seconds (not
+    torchrun's 30 s kill of a rank deaf in a blocking store wait), each with one line, and
+    the run dir says interrupted."""
+    marker, flag, run = uuid.uuid4().hex, tmp_path / "paused", tmp_path / "run"
+    e = {**env(marker), "PCPFLOW_TEST_PAUSE": "pcpflow.driver.job:prepare_job", "PCPFLOW_TEST_PAUSE_FLAG": str(flag)}
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS / "signal_pause"), e["PYTHONPATH"]])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pcpflow",
+           "pcp=2", f"hydra.run.dir={run}", *QUIET]
+    proc = subprocess.Popen(cmd, env=e, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not flag.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert time.monotonic() - t0 < 10, err[-3000:]
+    assert "pcpflow: interrupted by SIGINT (rank 0)" in err and "pcpflow: interrupted by SIGINT (rank 1)" in err
+    assert "KeyboardInterrupt" not in err, err[-3000:]
+    res = result(run)
+    assert res["exit_code"] == 130 and res["error"] == "interrupted by SIGINT before the run started"
+    assert_none_left(marker)
 
 
 def _free_port() -> int:
@@ -291,6 +417,20 @@ def test_start_up_has_its_own_timeout():
     assert ok["verify"]["passed"]
     with pytest.raises(Exception, match=r"\[rank 1\] did not finish start-up within startup_timeout_s=3 during start-up"):
         run([_slow_start_cfg(100, collective_timeout_s=30, startup_timeout_s=3)])
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_in_start_up_is_named_within_the_collective_timeout(tmp_path):
+    """Start-up may take startup_timeout_s (600 s), but a stopped process is no slow load: its
+    heartbeat stops, and the job ends within collective_timeout_s + a few s, naming it."""
+    marker = uuid.uuid4().hex
+    r, elapsed = pcpflow("pcp=2", "collective_timeout_s=5", f"hydra.run.dir={tmp_path}", FAULTS,
+                         fault("SlowStart", rank=1, seconds=1, stop=True), e=env(marker))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: stalled: its process is stopped"), res["error"]
+    assert res["error"].endswith("during start-up") and elapsed < 90, (res["error"], elapsed)
+    assert_none_left(marker)
 
 
 # ------------------------------------------------------------------------------ disagg=pd

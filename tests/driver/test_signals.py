@@ -64,6 +64,7 @@ def _assert_one_line(err: str, signame: str) -> str:
         ("validation", "pcpflow.driver.job:prepare_job", signal.SIGINT),
         ("start-up", "pcpflow.driver.launch:launch_ranks", signal.SIGTERM),
         ("steps", None, signal.SIGINT),
+        ("steps", None, signal.SIGHUP),  # a closed terminal: the resource tracker must not die noisily
         ("plots", "pcpflow.output.report:write_plots", signal.SIGINT),
         ("summary", "pcpflow.output.report:print_summary", signal.SIGTERM),
     ],
@@ -90,7 +91,7 @@ def test_a_signal_between_the_jobs_of_a_sweep_stops_it_and_reports_what_ran(tmp_
     err, took = _signal_when(proc, flag.exists, signal.SIGINT)
     assert proc.returncode == 130 and took < 10, err[-3000:]
     line = _assert_one_line(err, "SIGINT")
-    assert "after 1 job(s)" in line and str(sweep / "sweep.md") in line
+    assert "after 1 job(s) (2 of 3 not run)" in line and str(sweep / "sweep.md") in line
     rows = (sweep / "sweep.csv").read_text().splitlines()
     assert len(rows) == 2 and ",ok," in rows[1]
     assert not (sweep / "1").exists()

@@ -414,3 +414,53 @@ def test_serving_columns_and_when_sweep_md_shows_them(tmp_path):
     assert "goodput req/s" in md and "out tok/s/GPU" in md and "preempted" in md and "KV use" in md
     # an executed sweep without hits or preemptions keeps its table as it was
     assert "preempted" not in _markdown([{**r, "mode": "execute", "preemptions": 0, "prefix_hit_rate": 0.0} for r in rows], [])
+
+
+def test_an_interrupted_sweep_closes_the_jobs_whose_process_was_killed(tmp_path):
+    """joblib kills its workers when the driver is interrupted: a job dir left with a dead
+    process's lock and no result gets "interrupted"; a finished job and one that wrote its own
+    result keep theirs."""
+    import signal
+
+    from pcpflow.driver.sweep import close_interrupted_jobs
+    from pcpflow.output.rundir import LOCK_FILE, failed_result, result_of, write_result
+    from pcpflow.signals import Interrupted
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    jobs = {name: tmp_path / name for name in ("0", "1", "2")}
+    for job in jobs.values():
+        job.mkdir()
+        (job / "config.json").write_text(json.dumps({"pcp": int(job.name) + 1}))
+    write_result(jobs["0"], result_of({}, {"pcp": 1}))  # finished, lock released
+    for name in ("1", "2"):
+        (jobs[name] / LOCK_FILE).write_text(f"{dead.pid} python -m pcpflow\n")
+    write_result(jobs["2"], failed_result("rank 1 failed: boom", {"pcp": 3}, 1))  # wrote its own, then was killed
+    closed = close_interrupted_jobs(tmp_path, Interrupted(signal.SIGINT), wait_s=0)
+    assert closed == [jobs["1"]]
+    got = {n: json.loads((j / "result.json").read_text()) for n, j in jobs.items()}
+    assert got["0"]["status"] == "ok" and got["2"]["error"] == "rank 1 failed: boom"
+    assert (got["1"]["status"], got["1"]["error"], got["1"]["exit_code"]) == ("failed", "interrupted by SIGINT", 130)
+    assert got["1"]["config"] == {"pcp": 2}
+    assert not any((j / LOCK_FILE).exists() for j in jobs.values())
+
+
+def test_a_sweeps_exit_code_counts_the_jobs_other_processes_ran(tmp_path, monkeypatch):
+    """joblib runs the jobs in worker processes: the driver reads their codes from the result.json
+    files this sweep wrote (an older file in the dir is not this sweep's)."""
+    import time
+
+    from pcpflow.driver import sweep
+    from pcpflow.driver.cli import _sweep_exit_codes
+    from pcpflow.output.rundir import failed_result, result_of, write_result
+
+    monkeypatch.setattr(sweep, "_STARTED", [tmp_path])
+    write_result(tmp_path / "9", failed_result("an older sweep's", {}, 1))
+    os.utime(tmp_path / "9" / "result.json", (0, 0))
+    since = time.time()
+    write_result(tmp_path / "0", result_of({}, {}))
+    assert _sweep_exit_codes(since) == [0]
+    write_result(tmp_path / "1", failed_result("rank 0 failed: boom", {}, 1))
+    (tmp_path / "2").mkdir()
+    (tmp_path / "2" / "result.json").write_text("{trunc")
+    assert sorted(_sweep_exit_codes(since)) == [0, 1, 1]

@@ -146,7 +146,7 @@ class SendSignal(_Fault):
 
     class Config(_FaultConfig):
         kind: Literal["test_signal"] = "test_signal"
-        signal: Literal["SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP"] = "SIGINT"
+        signal: Literal["SIGINT", "SIGTERM", "SIGHUP", "SIGKILL", "SIGSTOP"] = "SIGINT"
         to_parent: bool = False
         stamp: str | None = Field(None, description="a file to write the time of the signal to")
 
@@ -184,10 +184,13 @@ class SlowStart(_Fault):
     class Config(_FaultConfig):
         kind: Literal["test_slow_start"] = "test_slow_start"
         seconds: float = Field(10.0, gt=0)
+        stop: bool = Field(False, description="SIGSTOP the rank instead (frozen in start-up, as under a debugger)")
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
         if not ctx.is_reference and ctx.world.rank == config.rank:
+            if config.stop:
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(config.seconds)
 
     def __call__(self, state: StepState) -> StepState:

@@ -1,0 +1,37 @@
+"""pcpflow.signals: which signals end a job as interrupted, and how the exception travels."""
+
+from __future__ import annotations
+
+import pickle
+import signal
+
+import pytest
+
+from pcpflow.signals import HANDLED, Interrupted, interruptible
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_each_handled_signal_raises_interrupted_with_the_shells_exit_code(sig, code):
+    assert sig in HANDLED
+    with pytest.raises(Interrupted) as caught:
+        with interruptible():
+            signal.raise_signal(sig)
+    assert caught.value.exit_code == code and str(caught.value) == f"interrupted by {signal.Signals(sig).name}"
+
+
+def test_nohup_keeps_sighup_ignored():
+    # `nohup python -m pcpflow ...`: the run is meant to outlive its terminal
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with interruptible():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGHUP)  # ignored: nothing raised
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+
+
+def test_interrupted_survives_pickling():
+    # a joblib worker's job (hydra's joblib launcher) sends its exception back pickled
+    back = pickle.loads(pickle.dumps(Interrupted(signal.SIGTERM)))
+    assert isinstance(back, Interrupted) and back.signum == signal.SIGTERM and back.exit_code == 143
