@@ -400,7 +400,7 @@ def _host_budget() -> tuple[int, int] | None:
 def _need(nbytes: float, budget: tuple[int, int], what: str) -> str:
     from pcpflow.output.report import human_bytes
 
-    return (f"a size this host can hold in a simulated run: {what} need ~{human_bytes(nbytes)}, and "
+    return (f"a size this host can hold: {what} need ~{human_bytes(nbytes)}, and "
             f"{human_bytes(budget[0])} of memory is available to the run (80% of {human_bytes(budget[1])})")
 
 
