@@ -167,12 +167,16 @@ def _positive(value: Any) -> int:
 def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str | None, tp: int) -> float:
     """One TP rank's weights as ``pcpflow.parallel.tensor_parallel`` leaves them: the linear
     weights in ``weights_dtype`` split by tp, GQA's K/V projections whole per KV head a rank
-    holds (``tp / num_kv_heads`` ranks share one when tp exceeds them), embedding and LM head
-    in bf16, replicated."""
-    extra = 0.0
+    holds (``tp / num_kv_heads`` ranks share one when tp exceeds them), MLA's q_a and kv_a
+    whole on every rank (the latent all heads share), embedding and LM head in bf16,
+    replicated. Routed experts are split by tp as an expert-parallel deployment places them
+    (an executed run's tiny MoE keeps every expert on every rank: docs/moe.md)."""
     if sizes.attention == "gqa":
         (d,) = sizes.head_dims
         extra = sizes.num_layers * 2 * sizes.hidden_size * d * (sizes.kv_heads_per_rank(tp) - sizes.num_kv_heads / tp)
+    else:
+        q_lora, kv_lora, _, rope, _ = sizes.head_dims
+        extra = sizes.num_layers * sizes.hidden_size * ((q_lora or 0) + kv_lora + rope) * (1 - 1 / tp)
     linear = sizes.total_weight_params() / tp + extra
     return linear * DTYPE_BYTES[weights_dtype or "bf16"] + sizes.embedding_params * 2
 

@@ -367,6 +367,23 @@ def test_weights_a_tp_rank_holds():
     assert weight_bytes_per_gpu(sizes, "fp8", 8) == pytest.approx(linear / 8 + embed, rel=1e-12)
 
 
+def test_mla_latent_projections_are_whole_on_every_tp_rank():
+    """DeepSeek-V3, fp8, tp=8. Linear weights: 61 MLA layers of q_a 7168 x 1536, q_b 1536 x
+    128 x 192, kv_a 7168 x 576, kv_b 512 x 128 x 256, o 16384 x 7168; 3 dense MLPs 3 x 7168 x
+    18432; 58 MoE layers of 257 experts 3 x 7168 x 2048 and a 7168 x 256 router. q_a and kv_a
+    stay whole on every rank (61 x 7168 x (1536 + 576), split by none); embedding and LM head
+    129280 x 7168 each, bf16."""
+    from pcpflow.simulate.prepare import weight_bytes_per_gpu
+
+    sizes = model_sizes(compose(["mode=simulate", "hardware=h200_sxm", "model=deepseek_v3", "tp=8"]).model)
+    attention = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    linear = 61 * attention + 3 * 3 * 7168 * 18432 + 58 * (257 * 3 * 7168 * 2048 + 7168 * 256)
+    whole = 61 * 7168 * (1536 + 576)
+    embed = 2 * 129280 * 7168 * 2
+    assert weight_bytes_per_gpu(sizes, "fp8", 8) == pytest.approx((linear - whole) / 8 + whole + embed, rel=1e-12)
+    assert weight_bytes_per_gpu(sizes, "fp8", 1) == pytest.approx(linear + embed, rel=1e-12)
+
+
 def test_tp16_over_two_nodes_decodes_with_tree_ll(h100):
     """TP16 on two nodes (tp innermost: ranks 0-15 on nodes 0 and 1; with pcp=2 the PCP group
     {0, 16} is one rank on each of nodes 0 and 2). A decode's all-reduce, 1 x 16384 bf16 =
