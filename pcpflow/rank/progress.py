@@ -276,9 +276,11 @@ class RankBoard:
                 what = _silent_peer(p, f"its peers waited collective_timeout_s={collective_timeout_s:g} for its heartbeat")
                 return Blame(exc.ranks[0], what, p.get("step", -1), p.get("stage", ""))
             return Blame(exc.ranks[0], f"did not finish {exc.what}", p.get("step", -1), p.get("stage", ""))
-        silent = [r for r, s in statuses.items() if s is None]
-        for r in silent:
-            p = self.read("progress", r) or {}
+        # NOTE: a peer whose process is gone first: the wait above ends at once when one is, before
+        # a survivor still blocked in its collective has posted (silent too, but alive)
+        progress = {r: self.read("progress", r) or {} for r, s in statuses.items() if s is None}
+        for r in sorted(progress, key=lambda r: not _process_gone(progress[r])):
+            p = progress[r]
             waited = f"its peers waited collective_timeout_s={collective_timeout_s:g}"
             if p.get("beat") != beats.get(r) and not _process_gone(p):
                 what = f"stalled: it stopped taking part in collectives; {waited}"
