@@ -100,7 +100,11 @@ class Blame:
 
     def __str__(self) -> str:
         at = "during start-up" if self.step < 0 else f"at step {self.step} ({self.stage})"
-        return f"[rank {self.rank}] {self.message} {at}"
+        if self.step >= 0 and re.search(rf"\bat step {self.step}\b", self.message):
+            # NOTE: a message that names its step already (a stage's own error): only the stage is
+            # added, if it is not there too, rather than "at step 3 at step 3"
+            at = "" if f"({self.stage})" in self.message else f"({self.stage})"
+        return f"[rank {self.rank}] {self.message} {at}".rstrip()
 
 
 class StalledRanks(RuntimeError):

@@ -301,3 +301,26 @@ def test_an_invalid_command_replaces_an_older_ok_result_in_its_run_dir(tmp_path)
     # a run dir that does not exist is not made for a refused command
     code, _ = cli("pcp=0", f"hydra.run.dir={tmp_path / 'never'}")
     assert code == 2 and not (tmp_path / "never").exists()
+
+
+def test_a_ctrl_c_while_a_run_validates_keeps_the_older_result_aside(tmp_path, monkeypatch, capsys):
+    """Hydra has started the run; its config is not valid yet (the dir is not this run's):
+    the interrupted run's result.json must not cost the older one, as a refused command's does not."""
+    import signal
+
+    from pcpflow.driver import job
+    from pcpflow.signals import Interrupted
+
+    def interrupted(raw, **kw):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(job, "prepare_job", interrupted)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    older = {"status": "ok", "error": None, "exit_code": 0}
+    (run_dir / "result.json").write_text(json.dumps(older))
+    assert job.run_job({"pcp": 1}, run_dir) == 130
+    assert json.loads((run_dir / "result.previous.json").read_text()) == older
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["exit_code"] == 130 and result["error"] == "interrupted by SIGINT before the run started"
+    assert capsys.readouterr().err.strip() == f"pcpflow: interrupted by SIGINT before the run started; result.json: {run_dir / 'result.json'}"
