@@ -28,6 +28,7 @@ from pcpflow.driver.compose import (
     with_measured_overrides,
 )
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
+from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.signals import HANDLED, Interrupted, interruptible
@@ -57,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return torchrun_main(argv)
             except Interrupted as exc:  # importing torch and the engine, before the rank's own handling
-                rank = int(os.environ["RANK"])
-                named = _named_run_dir(split_args(argv)[0])
-                known = Path(named) if rank == 0 and named and "${" not in named else None
-                return interrupted_before_the_job(exc, known, rank=rank)
+                return interrupted_early(exc, argv)
         run_dir: list[Path] = []
         try:
             return _main(argv, run_dir)
@@ -161,25 +159,6 @@ def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> No
         write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
     except OSError:  # the report already named the run dir if that is the problem
         pass
-
-
-def interrupted_before_the_job(exc: Interrupted, run_dir: Path | None, *, rank: int | None = None) -> int:
-    """Interrupted while validating or starting Hydra (or, ``rank`` under torchrun, while the
-    rank imports torch): no job owns the run dir yet."""
-    from pcpflow.output.rundir import failed_result, live_lock_owner, write_refusal
-
-    where = ""
-    launcher = {} if rank is None else {"launcher": "external (torchrun)"}
-    if run_dir is not None and live_lock_owner(run_dir) is None:
-        try:  # NOTE: a run that never started loses nothing: an older result there is kept aside
-            write_refusal(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir),
-                                                 **launcher))
-            where = f"; result.json: {run_dir / 'result.json'}"
-        except OSError:
-            pass
-    ranked = "" if rank is None else f" (rank {rank})"
-    print(f"pcpflow: {exc} before the run started{ranked}{where}", file=sys.stderr, flush=True)
-    return exc.exit_code
 
 
 def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:

@@ -280,9 +280,12 @@ class RankBoard:
                 what = _silent_peer(p, f"its peers waited collective_timeout_s={collective_timeout_s:g} for its heartbeat")
                 return Blame(exc.ranks[0], what, p.get("step", -1), p.get("stage", ""))
             return Blame(exc.ranks[0], f"did not finish {exc.what}", p.get("step", -1), p.get("stage", ""))
-        silent = [r for r, s in statuses.items() if s is None]
-        for r in silent:
-            p = self.read("progress", r) or {}
+        silent = {r: self.read("progress", r) or {} for r, s in statuses.items() if s is None}
+        # NOTE: a peer whose process is gone first: it ended the grace at once, before a live
+        # peer still blocked in the same collective could post (or beat): judged first, that one
+        # would look frozen, and be killed for it.
+        for r in sorted(silent, key=lambda r: not _process_gone(silent[r])):
+            p = silent[r]
             waited = f"its peers waited collective_timeout_s={collective_timeout_s:g}"
             if p.get("beat") != beats.get(r) and not _process_gone(p):
                 what = f"stalled: it stopped taking part in collectives; {waited}"

@@ -43,6 +43,28 @@ def test_a_peer_whose_process_is_gone_is_named_without_waiting_out_the_grace():
     assert blame.rank == 1 and blame.message.startswith("died without a Python error") and blame.step == 2
 
 
+def test_a_dead_peer_is_the_cause_not_a_live_one_that_has_not_posted_yet():
+    """A ring of three: rank 1 dies, rank 2 sees its connection close at once, rank 0 is still
+    blocked waiting (alive, silent, no beat yet in so short a time). Rank 1 is the cause; rank 0
+    is not "frozen" (and is not killed for it)."""
+    from pcpflow.rank.progress import _process_start
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store = dist.HashStore()
+        board = RankBoard(store, 2, 3, job=1)
+        store.set(board._key("progress", 0), json.dumps({"step": 1, "stage": "forward", "beat": 4, "pid": peer.pid,
+                                                          "host": socket.gethostname(), "started": _process_start(peer.pid)}))
+        store.set(board._key("progress", 1), json.dumps({"step": 1, "stage": "forward", "beat": 4, "pid": _dead_pid(),
+                                                          "host": socket.gethostname(), "started": "1"}))
+        blame = board.diagnose(RuntimeError("Connection closed by peer"), collective_timeout_s=5)
+        assert blame.rank == 1 and blame.message.startswith("died without a Python error"), blame
+        assert peer.poll() is None
+    finally:
+        peer.kill()
+        peer.wait()
+
+
 def test_the_launchers_sigterm_during_the_failure_report_does_not_cut_it(tmp_path, monkeypatch, capsys):
     """torchrun SIGTERMs the survivors of a death within ~0.1 s: the rank that writes
     result.json must still write it, naming the dead rank, and say it on the console (the
