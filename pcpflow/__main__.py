@@ -1,4 +1,21 @@
-from pcpflow.driver.cli import entry
+"""``python -m pcpflow``.
+
+NOTE: the signal handler goes in before the driver's own imports (pydantic, Hydra: a tenth of
+a second, more on a loaded machine; a torchrun job's ranks start all at once), so that a Ctrl-C
+there too is one line and the shell's exit code, not a KeyboardInterrupt traceback
+(``pcpflow.driver.cli.main`` takes over from here).
+"""
+
+import sys
+
+from pcpflow.signals import Interrupted, interruptible
 
 if __name__ == "__main__":
+    with interruptible():
+        try:
+            from pcpflow.driver.cli import entry
+        except Interrupted as exc:
+            from pcpflow.driver.interrupted import interrupted_early
+
+            sys.exit(interrupted_early(exc, sys.argv[1:]))
     entry()

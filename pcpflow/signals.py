@@ -1,4 +1,4 @@
-"""Ctrl-C, SIGTERM and SIGHUP end a job as "interrupted": result.json says so, exit 130 / 143 / 129.
+"""Ctrl-C, SIGTERM, SIGHUP and SIGQUIT end a job as "interrupted": result.json says so, exit 130 / 143 / 129 / 131.
 
 ``Interrupted`` is a BaseException (as KeyboardInterrupt is) so that a stage's or a
 launcher's ``except Exception`` cannot swallow it, and a Hydra multirun stops at it
@@ -16,9 +16,12 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 """NOTE: SIGHUP too: a closed terminal or ssh session sends it, and torchrun forwards it to its
-workers; its default action kills a process before it can write result.json."""
+workers; its default action kills a process before it can write result.json. SIGQUIT (Ctrl-\\)
+as well: torchrun treats it as a stop request like SIGTERM and forwards it to every worker, whose
+default action would dump core once per rank and leave no result.json (the survivors would then
+report the quit rank as dead); a job runner asked to quit ends the job as interrupted (131)."""
 
 
 class Interrupted(BaseException):
@@ -31,7 +34,7 @@ class Interrupted(BaseException):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
+        return 128 + self.signum  # the shell's convention: 130 SIGINT, 143 SIGTERM, 129 SIGHUP, 131 SIGQUIT
 
     @classmethod
     def of(cls, exc: BaseException) -> Interrupted | None:
@@ -56,12 +59,21 @@ class _RaiseOnce:
     traceback)."""
 
     def __init__(self) -> None:
-        self.fired: int | None = None
+        self.fired: int | None = None  # the signal it raised for (0: none, the process is leaving)
 
     def __call__(self, signum: int, frame: object) -> None:
         if self.fired is None:
             self.fired = signum
             raise Interrupted(signum)
+
+
+def leaving() -> None:
+    """The handler in place ignores every signal from now on, as it ignores a second one: this
+    process is reporting its failure on its way out, and a signal raised into that (a launcher
+    stopping the survivors of a failure) would replace its report with "interrupted"."""
+    for h in handlers().values():
+        if isinstance(h, _RaiseOnce) and h.fired is None:
+            h.fired = 0
 
 
 def handlers() -> dict[int, object]:
@@ -75,7 +87,7 @@ def restore(saved: dict[int, object]) -> None:
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """SIGINT / SIGTERM / SIGHUP raise Interrupted (once) in the main thread while inside; the
+    """SIGINT / SIGTERM / SIGHUP / SIGQUIT raise Interrupted (once) in the main thread while inside; the
     previous handlers come back after, also where a library replaced ours meanwhile
     (torch's elastic agent installs its own and never restores them)."""
     if threading.current_thread() is not threading.main_thread():

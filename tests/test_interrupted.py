@@ -10,7 +10,8 @@ import pytest
 from pcpflow.signals import HANDLED, Interrupted, interruptible
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129),
+                                           (signal.SIGQUIT, 131)])  # torchrun forwards SIGQUIT as a stop request
 def test_each_handled_signal_raises_interrupted_with_the_shells_exit_code(sig, code):
     assert sig in HANDLED
     with pytest.raises(Interrupted) as caught:

@@ -28,6 +28,7 @@ from pcpflow.driver.compose import (
     with_measured_overrides,
 )
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
+from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.signals import HANDLED, Interrupted, interruptible
@@ -50,11 +51,14 @@ def entry() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return torchrun_main(argv)
     # NOTE: first thing, so that a Ctrl-C during imports, validation or between a sweep's jobs
     # ends as one during the steps does: one line, exit 130 / 143 / 129, result.json where it can.
     with interruptible():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            try:
+                return torchrun_main(argv)
+            except Interrupted as exc:  # importing torch and the engine, before the rank's own handling
+                return interrupted_early(exc, argv)
         run_dir: list[Path] = []
         try:
             return _main(argv, run_dir)
@@ -155,21 +159,6 @@ def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> No
         write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
     except OSError:  # the report already named the run dir if that is the problem
         pass
-
-
-def interrupted_before_the_job(exc: Interrupted, run_dir: Path | None) -> int:
-    """Interrupted while validating or starting Hydra: no job owns the run dir yet."""
-    from pcpflow.output.rundir import failed_result, live_lock_owner, write_refusal
-
-    where = ""
-    if run_dir is not None and live_lock_owner(run_dir) is None:
-        try:  # NOTE: a run that never started loses nothing: an older result there is kept aside
-            write_refusal(run_dir, failed_result(f"{exc} before the run started", {}, exc.exit_code, run_dir=str(run_dir)))
-            where = f"; result.json: {run_dir / 'result.json'}"
-        except OSError:
-            pass
-    print(f"pcpflow: {exc} before the run started{where}", file=sys.stderr, flush=True)
-    return exc.exit_code
 
 
 def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
@@ -357,7 +346,6 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         failed_result,
         write_frozen_config,
         write_refusal,
-        write_result,
     )
 
     run_dir = None
@@ -380,10 +368,10 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         if run_dir is not None and run_dir.is_dir():
             write_refusal(run_dir, failed_result(exc.report(), {"overrides": overrides}, EXIT_INVALID_CONFIG))
         return {"error": exc.report(), "exit_code": EXIT_INVALID_CONFIG}
-    except Interrupted as exc:  # composing / checking: the run dir the run would use says so
+    except Interrupted as exc:  # composing / checking: the run dir the run would use says so (an older result kept aside)
         if run_dir is not None:
             with contextlib.suppress(OSError):
-                write_result(run_dir, failed_result(f"{exc} before the run started", {"overrides": overrides}, exc.exit_code,
+                write_refusal(run_dir, failed_result(f"{exc} before the run started", {"overrides": overrides}, exc.exit_code,
                                                     run_dir=str(run_dir), launcher="external (torchrun)"))
         raise
     discard_result(run_dir)

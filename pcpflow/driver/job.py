@@ -145,12 +145,16 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
 
 
 def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool, note: str = "",
-                 **extra: Any) -> int:
+                 started: bool = True, **extra: Any) -> int:
+    """``started``: the run dir is this run's (its config valid, an older result discarded);
+    before that, an older run's result.json is kept aside, as a refused command keeps it."""
+    error = str(exc) if started else f"{exc} before the run started"
     if announce:
         kept = getattr(exc, "note", None)  # what an interrupted search kept
-        print_err(f"pcpflow: {exc}{note}{'; ' + kept if kept else ''}; result.json: {run_dir / 'result.json'}")
+        print_err(f"pcpflow: {error}{note}{'; ' + kept if kept else ''}; result.json: {run_dir / 'result.json'}")
     with contextlib.suppress(OSError):  # a run dir that cannot be written: the line above says it all
-        write_result(run_dir, failed_result(str(exc), raw, exc.exit_code, run_dir=str(run_dir), **extra))
+        (write_result if started else write_refusal)(run_dir, failed_result(error, raw, exc.exit_code, run_dir=str(run_dir),
+                                                                            **extra))
     return exc.exit_code
 
 
@@ -166,6 +170,8 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         # NOTE: an older run's result.json is kept aside, so that its "ok" never looks current
         write_refusal(run_dir, failed_result(exc.report(), raw, EXIT_INVALID_CONFIG))
         return EXIT_INVALID_CONFIG
+    except Interrupted as exc:  # validating: the dir is not this run's yet
+        return _interrupted(exc, raw, run_dir, announce=not in_sweep, started=False)
     discard_result(run_dir)  # the dir is this run's now
     from pcpflow.driver.checks import capacity_warnings
 

@@ -72,9 +72,10 @@ def rank_start_method(*, log: Path | None = None) -> str:
     # handlers first thing (elastic_rank, RankSession.run). SIGHUP too, for the server and the
     # resource tracker started with it (which ignores SIGINT and SIGTERM itself, not SIGHUP): a
     # closed terminal would kill the tracker, and the driver's relaunch of it floods the console
-    # with tracebacks. The driver handles SIGHUP and stops the ranks.
+    # with tracebacks. The driver handles SIGHUP and stops the ranks. SIGQUIT (Ctrl-\ reaches the
+    # whole group) would dump the server's and the tracker's core: the driver handles it as well.
     multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
-    with signals.ignored(signal.SIGINT, signal.SIGHUP), _stdio_to(log):
+    with signals.ignored(signal.SIGINT, signal.SIGHUP, signal.SIGQUIT), _stdio_to(log):
         forkserver.ensure_running()
     return "forkserver"
 
@@ -103,8 +104,10 @@ def _stdio_to(path: Path | None):
 class RankError(RuntimeError):
     """A rank's job ended early; ``blame`` is the job's root cause (maybe another rank)."""
 
-    def __init__(self, blame: Blame, exit_code: int) -> None:
+    def __init__(self, blame: Blame, exit_code: int, *, rank: int | None = None, reported: Path | None = None) -> None:
         self.blame, self.exit_code = blame, exit_code
+        self.rank = blame.rank if rank is None else rank  # the rank that raised it
+        self.reported = reported  # the result.json this rank wrote (torchrun: one rank does)
         super().__init__(str(blame))
 
 
@@ -208,6 +211,8 @@ class RankSession:
     def _failure(self, exc: BaseException, cfg: Any, run_dir: Path | None, board: RankBoard | None, writes_result: bool) -> RankError:
         from pcpflow.rank.progress import describe, where
 
+        if board is not None:  # a rank of a failing job: it leaves with this report, whatever signal follows
+            signals.leaving()
         exc = Interrupted.of(exc) or exc
         # NOTE: the launcher SIGTERMs the survivors of a failure at once (torchrun within ~0.1 s of
         # a death); raised in the middle of the diagnosis, it would leave no result.json and
@@ -219,15 +224,30 @@ class RankSession:
             else:
                 blame = board.diagnose(exc, collective_timeout_s=cfg.collective_timeout_s)
             # a SIGTERM that stopped this rank because a peer failed is that peer's failure
-            code = exc.exit_code if isinstance(exc, Interrupted) and blame.rank == self.rank else EXIT_FAILED
-            if writes_result and run_dir is not None and (board is None or board.claim_report()):
-                error = f"rank {blame.rank} failed: {str(blame).split('] ', 1)[1]}"
-                if isinstance(exc, Interrupted) and blame.rank == self.rank:
-                    error = f"{exc} (rank {self.rank})"
+            interrupted = isinstance(exc, Interrupted) and blame.rank == self.rank
+            code = exc.exit_code if interrupted else EXIT_FAILED
+            reported = None
+            if writes_result and run_dir is not None and (board is None or _claims_report(board)):
+                error = f"{exc} (rank {self.rank})" if interrupted else f"rank {blame.rank} failed: {str(blame).split('] ', 1)[1]}"
                 write_result(run_dir, failed_result(error, cfg.model_dump(mode="json"), code, failed_rank=blame.rank,
                                                     run_dir=str(run_dir), launcher="external (torchrun)", **in_flight(error),
                                                     **progress_of(run_dir)))
-        return RankError(blame, code)
+                reported = run_dir / "result.json"
+                if not interrupted:
+                    # NOTE: said by the rank that wrote result.json, so once, whichever rank failed:
+                    # a rank that died (SIGKILL, the OOM killer) cannot say it itself. (An
+                    # interrupted rank says so in torchrun_rank, each rank for itself.)
+                    print(f"pcpflow: {error}", file=sys.stderr, flush=True)
+        return RankError(blame, code, rank=self.rank, reported=reported)
+
+
+def _claims_report(board: RankBoard) -> bool:
+    """This rank writes the failure's result.json. NOTE: where rank 0 hosts the store (srun
+    with env://) and died, no rank can claim it: each survivor then reports what it knows."""
+    try:
+        return board.claim_report()
+    except Exception:
+        return True
 
 
 # ------------------------------------------------------------------------------ entries
@@ -241,6 +261,12 @@ def elastic_rank(run_dir: str, work: Callable[[Any, Path | None], dict[str, Any]
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(line_buffering=True)
+    # NOTE: what the handlers go back to as the rank leaves: ignored. Its error file (the
+    # diagnosis of a dead peer, with its step) is written by @record after this function has
+    # raised, and the agent SIGTERMs the survivors of a death just then: by default that signal
+    # would kill the rank first, and the driver would know only "died with signal SIGKILL".
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_IGN)
     with interruptible():
         try:
             path = Path(run_dir)
@@ -251,12 +277,24 @@ def elastic_rank(run_dir: str, work: Callable[[Any, Path | None], dict[str, Any]
             finally:
                 session.close()
         except BaseException as exc:
-            stopped = Interrupted.of(exc) or (exc.__cause__ if isinstance(exc.__cause__, Interrupted) else None)
+            stopped = _own_interruption(exc)
             if stopped is None:
                 raise
             # NOTE: the driver got the same signal and reports it in one line; a traceback from
             # each rank would bury that line on the console.
             raise SystemExit(stopped.exit_code) from None
+
+
+def _own_interruption(exc: BaseException) -> Interrupted | None:
+    """The signal that stopped this rank, where the rank's diagnosis blames no peer for it.
+
+    NOTE: the elastic agent SIGTERMs the survivors of a death at once, often before their
+    collective has failed; a survivor's diagnosis then names the dead rank and its step
+    (``RankBoard.diagnose``). That RankError must reach the driver through its error file
+    (``@record``): left as a quiet exit, the driver knows only "died with signal SIGKILL"."""
+    if isinstance(exc, RankError) and exc.blame.rank != exc.rank:
+        return None
+    return Interrupted.of(exc) or (exc.__cause__ if isinstance(exc.__cause__, Interrupted) else None)
 
 
 def torchrun_rank(prepare: Callable[[], dict[str, Any]]) -> int:
@@ -291,11 +329,9 @@ def _torchrun_rank(prepare: Callable[[], dict[str, Any]], job: dict[str, Any]) -
         cfg, run_dir = parse_run_config(job["config"]), Path(job["run_dir"])
         try:
             sections = session.run(cfg, run_dir, writes_result=True)
-        except RankError as exc:
+        except RankError as exc:  # the failure's line came from the rank that wrote result.json
             if isinstance(exc.__cause__, Interrupted) and exc.blame.rank == session.rank:
                 print(f"pcpflow: {exc.__cause__} (rank {session.rank})", file=sys.stderr, flush=True)
-            elif exc.blame.rank == session.rank:
-                print(f"pcpflow: rank {exc.blame.rank} failed: {str(exc.blame).split('] ', 1)[1]}", file=sys.stderr, flush=True)
             return exc.exit_code
     finally:
         session.close()

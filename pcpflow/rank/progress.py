@@ -100,7 +100,11 @@ class Blame:
 
     def __str__(self) -> str:
         at = "during start-up" if self.step < 0 else f"at step {self.step} ({self.stage})"
-        return f"[rank {self.rank}] {self.message} {at}"
+        if self.step >= 0 and re.search(rf"\bat step {self.step}\b", self.message):
+            # NOTE: a message that names its step already (a stage's own error): only the stage is
+            # added, if it is not there too, rather than "at step 3 at step 3"
+            at = "" if f"({self.stage})" in self.message else f"({self.stage})"
+        return f"[rank {self.rank}] {self.message} {at}".rstrip()
 
 
 class StalledRanks(RuntimeError):
@@ -276,11 +280,12 @@ class RankBoard:
                 what = _silent_peer(p, f"its peers waited collective_timeout_s={collective_timeout_s:g} for its heartbeat")
                 return Blame(exc.ranks[0], what, p.get("step", -1), p.get("stage", ""))
             return Blame(exc.ranks[0], f"did not finish {exc.what}", p.get("step", -1), p.get("stage", ""))
-        # NOTE: a peer whose process is gone first: the wait above ends at once when one is, before
-        # a survivor still blocked in its collective has posted (silent too, but alive)
-        progress = {r: self.read("progress", r) or {} for r, s in statuses.items() if s is None}
-        for r in sorted(progress, key=lambda r: not _process_gone(progress[r])):
-            p = progress[r]
+        silent = {r: self.read("progress", r) or {} for r, s in statuses.items() if s is None}
+        # NOTE: a peer whose process is gone first: it ended the grace at once, before a live
+        # peer still blocked in the same collective could post (or beat): judged first, that one
+        # would look frozen, and be killed for it.
+        for r in sorted(silent, key=lambda r: not _process_gone(silent[r])):
+            p = silent[r]
             waited = f"its peers waited collective_timeout_s={collective_timeout_s:g}"
             if p.get("beat") != beats.get(r) and not _process_gone(p):
                 what = f"stalled: it stopped taking part in collectives; {waited}"

@@ -301,3 +301,55 @@ def test_an_invalid_command_replaces_an_older_ok_result_in_its_run_dir(tmp_path)
     # a run dir that does not exist is not made for a refused command
     code, _ = cli("pcp=0", f"hydra.run.dir={tmp_path / 'never'}")
     assert code == 2 and not (tmp_path / "never").exists()
+
+
+def test_a_ctrl_c_while_a_run_validates_keeps_the_older_result_aside(tmp_path, monkeypatch, capsys):
+    """Hydra has started the run; its config is not valid yet (the dir is not this run's):
+    the interrupted run's result.json must not cost the older one, as a refused command's does not."""
+    import signal
+
+    from pcpflow.driver import job
+    from pcpflow.signals import Interrupted
+
+    def interrupted(raw, **kw):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(job, "prepare_job", interrupted)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    older = {"status": "ok", "error": None, "exit_code": 0}
+    (run_dir / "result.json").write_text(json.dumps(older))
+    assert job.run_job({"pcp": 1}, run_dir) == 130
+    assert json.loads((run_dir / "result.previous.json").read_text()) == older
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["exit_code"] == 130 and result["error"] == "interrupted by SIGINT before the run started"
+    assert capsys.readouterr().err.strip() == f"pcpflow: interrupted by SIGINT before the run started; result.json: {run_dir / 'result.json'}"
+
+
+@pytest.mark.parametrize("rank", [None, "0", "1"])
+def test_a_ctrl_c_while_pcpflow_imports_itself_leaves_a_result_where_the_command_names_the_run_dir(
+        tmp_path, monkeypatch, capsys, rank):
+    """``python -m pcpflow`` catches a Ctrl-C before the driver (pydantic, Hydra) is imported:
+    the run dir is known only where the command names it; under torchrun rank 0 writes there."""
+    import signal
+
+    from pcpflow.driver.interrupted import interrupted_early
+    from pcpflow.signals import Interrupted
+
+    monkeypatch.chdir(tmp_path)
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    if rank is not None:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    run_dir = tmp_path / "run"
+    assert interrupted_early(Interrupted(signal.SIGINT), ["pcp=2", f"hydra.run.dir={run_dir}"]) == 130
+    ranked = "" if rank is None else f" (rank {rank})"
+    writes = rank in (None, "0")
+    where = f"; result.json: {run_dir / 'result.json'}" if writes else ""
+    assert capsys.readouterr().err == f"pcpflow: interrupted by SIGINT before the run started{ranked}{where}\n"
+    assert (run_dir / "result.json").exists() == writes
+    # a dir left for Hydra to compose, or a sweep's, is not known yet: the line only
+    assert interrupted_early(Interrupted(signal.SIGINT), ["-m", "pcp=1,2", f"hydra.run.dir={tmp_path / 'x'}"]) == 130
+    assert interrupted_early(Interrupted(signal.SIGINT), ["hydra.run.dir=runs/${now:%H}"]) == 130
+    assert not (tmp_path / "x").exists() and not (tmp_path / "runs").exists()

@@ -342,6 +342,8 @@ def test_torchrun_a_rank_killed_mid_run_is_named_in_result_json(tmp_path):
     res = result(tmp_path)
     assert res["failed_rank"] == 1 and res["error"].startswith("rank 1 failed: died without a Python error"), res
     assert "at step 1" in res["error"] and elapsed < 120
+    # the dead rank cannot say it: the survivor that wrote result.json does, once
+    assert [line for line in r.stderr.splitlines() if line.startswith("pcpflow: ")] == [f"pcpflow: {res['error']}"], r.stderr[-3000:]
     assert_none_left(marker)
 
 
@@ -369,6 +371,31 @@ def test_torchrun_ctrl_c_while_rank_0_composes_ends_at_once_with_a_result(tmp_pa
     res = result(run)
     assert res["exit_code"] == 130 and res["error"] == "interrupted by SIGINT before the run started"
     assert_none_left(marker)
+
+
+def test_torchrun_ctrl_c_while_a_rank_imports_torch_is_one_line_and_a_result(tmp_path):
+    """The rank's handler is installed before it imports torch and the engine (seconds): a Ctrl-C
+    then is one line and exit 130, and rank 0 leaves result.json in a run dir the command names
+    (an older result there kept aside), not a KeyboardInterrupt traceback."""
+    flag, run = tmp_path / "paused", tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").write_text(json.dumps({"status": "ok", "error": None, "exit_code": 0}))
+    e = {**env(), "PCPFLOW_TEST_PAUSE": "pcpflow.driver.cli:torchrun_main", "PCPFLOW_TEST_PAUSE_FLAG": str(flag),
+         "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS / "signal_pause"), e["PYTHONPATH"]])
+    proc = subprocess.Popen([sys.executable, "-m", "pcpflow", "pcp=2", f"hydra.run.dir={run}"], env=e, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not flag.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip() == f"pcpflow: interrupted by SIGINT before the run started (rank 0); result.json: {run / 'result.json'}"
+    res = result(run)
+    assert res["exit_code"] == 130 and res["error"] == "interrupted by SIGINT before the run started"
+    assert json.loads((run / "result.previous.json").read_text())["status"] == "ok"
 
 
 def _free_port() -> int:

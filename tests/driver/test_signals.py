@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM at every moment of a job: validation, rank start-up, the steps, the
+"""Ctrl-C and SIGTERM (SIGHUP, SIGQUIT) at every moment of a job: validation, rank start-up, the steps, the
 plots, between a sweep's jobs. Each ends within seconds with exit 130 / 143, one line on the
 console (no traceback, no launcher chatter), and result.json ``failed`` naming the signal;
 a sweep stops and reports the jobs it finished.
@@ -65,6 +65,7 @@ def _assert_one_line(err: str, signame: str) -> str:
         ("start-up", "pcpflow.driver.launch:launch_ranks", signal.SIGTERM),
         ("steps", None, signal.SIGINT),
         ("steps", None, signal.SIGHUP),  # a closed terminal: the resource tracker must not die noisily
+        ("steps", None, signal.SIGQUIT),  # Ctrl-\: no core dumped by every process, 131 and a result
         ("plots", "pcpflow.output.report:write_plots", signal.SIGINT),
         ("summary", "pcpflow.output.report:print_summary", signal.SIGTERM),
     ],

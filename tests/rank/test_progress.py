@@ -43,9 +43,32 @@ def test_a_peer_whose_process_is_gone_is_named_without_waiting_out_the_grace():
     assert blame.rank == 1 and blame.message.startswith("died without a Python error") and blame.step == 2
 
 
-def test_the_launchers_sigterm_during_the_failure_report_does_not_cut_it(tmp_path, monkeypatch):
+def test_a_dead_peer_is_the_cause_not_a_live_one_that_has_not_posted_yet():
+    """A ring of three: rank 1 dies, rank 2 sees its connection close at once, rank 0 is still
+    blocked waiting (alive, silent, no beat yet in so short a time). Rank 1 is the cause; rank 0
+    is not "frozen" (and is not killed for it)."""
+    from pcpflow.rank.progress import _process_start
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store = dist.HashStore()
+        board = RankBoard(store, 2, 3, job=1)
+        store.set(board._key("progress", 0), json.dumps({"step": 1, "stage": "forward", "beat": 4, "pid": peer.pid,
+                                                          "host": socket.gethostname(), "started": _process_start(peer.pid)}))
+        store.set(board._key("progress", 1), json.dumps({"step": 1, "stage": "forward", "beat": 4, "pid": _dead_pid(),
+                                                          "host": socket.gethostname(), "started": "1"}))
+        blame = board.diagnose(RuntimeError("Connection closed by peer"), collective_timeout_s=5)
+        assert blame.rank == 1 and blame.message.startswith("died without a Python error"), blame
+        assert peer.poll() is None
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_the_launchers_sigterm_during_the_failure_report_does_not_cut_it(tmp_path, monkeypatch, capsys):
     """torchrun SIGTERMs the survivors of a death within ~0.1 s: the rank that writes
-    result.json must still write it, naming the dead rank."""
+    result.json must still write it, naming the dead rank, and say it on the console (the
+    dead rank cannot)."""
     from pcpflow.testing import compose
 
     board = _board_with_a_dead_peer()
@@ -62,6 +85,65 @@ def test_the_launchers_sigterm_during_the_failure_report_does_not_cut_it(tmp_pat
     assert isinstance(failure, RankError) and failure.blame.rank == 1 and failure.exit_code == 1
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["failed_rank"] == 1 and result["error"].startswith("rank 1 failed: died without a Python error")
+    assert failure.reported == tmp_path / "result.json"
+    assert capsys.readouterr().err.splitlines() == [f"pcpflow: {result['error']}"]
+
+
+def test_only_the_rank_that_writes_result_json_prints_the_failure(tmp_path, capsys):
+    """Every torchrun rank reports to the same terminal: the failure is said once, by the rank
+    that claimed the report, whichever rank failed."""
+    from pcpflow.testing import compose
+
+    board = _board_with_a_dead_peer()
+    assert RankBoard(board.store, 2, 3, job=1).claim_report()  # another survivor got there first
+    failure = RankSession(board.store, 0, 3)._failure(RuntimeError("Connection closed by peer"), compose(["pcp=2"]),
+                                                       tmp_path, board, True)
+    assert failure.blame.rank == 1 and failure.reported is None
+    assert capsys.readouterr().err == "" and not (tmp_path / "result.json").exists()
+
+
+def test_a_survivor_stopped_by_the_agent_hands_its_diagnosis_of_a_dead_peer_to_the_driver():
+    """pcpflow's launch SIGTERMs the survivors of a death, often before their collective fails:
+    the survivor's diagnosis (the dead rank, its step) must reach the driver as an error, not
+    vanish in a quiet exit (the driver would know only "died with signal SIGKILL")."""
+    from pcpflow.rank.bootstrap import _own_interruption
+    from pcpflow.rank.progress import Blame
+    from pcpflow.signals import Interrupted
+
+    def stopped(blamed: int) -> RankError:
+        err = RankError(Blame(blamed, "died without a Python error; last seen", 2, "forward"), 1 if blamed else 143, rank=0)
+        err.__cause__ = Interrupted(signal.SIGTERM)
+        return err
+
+    assert _own_interruption(stopped(1)) is None  # raised: @record writes it to the error file
+    assert _own_interruption(stopped(0)).signum == signal.SIGTERM  # its own: the driver's line says it
+    assert _own_interruption(Interrupted(signal.SIGINT)).signum == signal.SIGINT
+
+
+def test_a_rank_reporting_its_failure_leaves_with_that_report_whatever_signal_follows(tmp_path):
+    """The agent SIGTERMs the survivors of a death just as they report it: raised after the
+    diagnosis (on the way out, before @record writes the error file), the signal would replace
+    the report naming the dead rank with a quiet "interrupted"."""
+    from pcpflow.testing import compose
+
+    board = _board_with_a_dead_peer()
+    with interruptible():
+        failure = RankSession(board.store, 0, 2)._failure(RuntimeError("Connection closed by peer"), compose(["pcp=2"]),
+                                                          None, board, False)
+        signal.raise_signal(signal.SIGTERM)  # ignored: nothing raised
+    assert failure.blame.rank == 1
+
+
+@pytest.mark.parametrize(("message", "said"), [
+    ("RuntimeError: NaN at step 3", "[rank 1] RuntimeError: NaN at step 3 (forward)"),
+    ("RuntimeError: NaN at step 3 (forward)", "[rank 1] RuntimeError: NaN at step 3 (forward)"),
+    ("RuntimeError: NaN at step 33", "[rank 1] RuntimeError: NaN at step 33 at step 3 (forward)"),
+    ("RuntimeError: NaN", "[rank 1] RuntimeError: NaN at step 3 (forward)"),
+])
+def test_a_message_that_names_its_step_is_not_given_it_twice(message, said):
+    from pcpflow.rank.progress import Blame
+
+    assert str(Blame(1, message, 3, "forward")) == said
 
 
 @pytest.mark.parametrize("nested", [False, True])
