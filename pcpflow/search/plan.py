@@ -381,7 +381,8 @@ def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, 
         why = f"no layout of {gpus} GPU(s) has what the command line fixed ({given})"
     if largest is not None:
         fewer = (f"'{largest.label(space.dims)}' runs on {largest.gpus} of them, but the search lays out only "
-                 "instances whose GPUs divide search.gpus (replicas fill them)")
+                 "instances whose GPUs divide search.gpus" + (" (replicas fill them)" if "replicas" not in space.fixed
+                                                               else ""))
         above_text = (f"the smallest layout that can run above {gpus} GPUs is '{smallest.label(space.dims)}' "
                       f"({smallest.gpus} GPUs)" if smallest is not None else f"none above {gpus} up to {up_to}")
         at_least = f" or at least {smallest.gpus}" if smallest is not None else ""

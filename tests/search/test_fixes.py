@@ -205,8 +205,15 @@ def test_the_smallest_count_that_runs_is_any_the_grid_reaches_not_only_doublings
     # first count holding tp >= 4 is 8 (tp=4 pcp=2); doublings said 20 (tp=4 pcp=5)
     (["model=llama3_70b", "search.gpus=5"],
      ["got 5; 4 or at least 8:", "'tp=4 pcp=1 dcp=1' runs on 4 of them", "'tp=4 pcp=2 dcp=1' (8 GPUs)"]),
+    # tp=4 on 6: 4 x pcp never divides 6; 4 runs (pcp=1), above 6 it is 8 (pcp=2); doublings said 12 (pcp=3)
+    (["model=llama3_8b", "search.gpus=6", "tp=4"],
+     ["got 6; 4 or at least 8:", "'tp=4 pcp=1 dcp=1' runs on 4 of them", "'tp=4 pcp=2 dcp=1' (8 GPUs)"]),
+    # fixed replicas: 2 x tp=2 is 4 GPUs of the 5 (no replicas fill them), 2 x tp=2 pcp=2 is 8 above
+    (["model=llama3_8b", "search.gpus=5", "tp=2", "serving.replicas=2"],
+     ["got 5; 4 or at least 8:", "'tp=2 pcp=1 dcp=1 serving.replicas=2' runs on 4 of them",
+      "'tp=2 pcp=2 dcp=1 serving.replicas=2' (8 GPUs)"]),
 ])
-def test_a_layout_that_fits_in_fewer_gpus_than_a_prime_count_is_named(args, words, tmp_path):
+def test_a_layout_that_fits_in_fewer_gpus_than_a_count_it_does_not_divide_is_named(args, words, tmp_path):
     r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
     assert r.returncode == 2, r.stdout + r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
