@@ -303,16 +303,19 @@ def _screenable(layouts: list[Layout], base: dict[str, Any], space: Space, prepa
             feasible.append(c)
             if stop_at_first:
                 break
-    if not feasible and pruned:
-        # NOTE: a key the search chooses (tp, ...) is no input's: every layout of a few GPUs can
-        # share its problem (tp=1, the only tp on 1 GPU, too small) and more GPUs would mend it
-        searched = {".".join(d.path) for d in (*space.dims, REPLICAS) if d.name not in space.fixed}
-        common = set.intersection(*({str(p) for p in c.problems} for c in pruned))
-        shared = [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"
-                  and p.field not in searched]
-        if shared:
-            raise ConfigError(shared)
+    if not feasible and pruned and (shared := _shared(pruned, space)):
+        raise ConfigError(shared)
     return feasible, pruned
+
+
+def _shared(pruned: list[Candidate], space: Space) -> list[Problem]:
+    """The problems every pruned layout has, of keys the search does not choose: the input's."""
+    # NOTE: a key the search chooses (tp, ...) is no input's: every layout of a few GPUs can
+    # share its problem (tp=1, the only tp on 1 GPU, too small) and more GPUs would mend it
+    searched = {".".join(d.path) for d in (*space.dims, REPLICAS) if d.name not in space.fixed}
+    common = set.intersection(*({str(p) for p in c.problems} for c in pruned))
+    return [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"
+            and p.field not in searched]
 
 
 def candidate(base: dict[str, Any], layout: Layout, space: Space) -> Candidate:
@@ -360,34 +363,57 @@ def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, 
                             f"{reasons_text(pruned)}")]
         return [Problem("search.candidates", search.candidates,
                         f"no candidate can run ({len(pruned)} pruned): {reasons_text(pruned)}")]
-    smallest = _smallest_beyond(base, space, prepare, gpus)
+    up_to = gpus * SMALLEST_UP_TO
+    wide = _skeleton_space(space, up_to)
+    above = [lay for lay in wide.up_to(up_to) if gpus < lay.gpus]
+    smallest, beyond = _first_that_runs(above, base, wide, prepare)
+    if smallest is None and beyond and (shared := _shared(beyond, space)):
+        return shared  # NOTE: a fixed key no count mends (tp=3 of 32 heads): the input's, as on a count it divides
+    # NOTE: an instance's GPUs divide search.gpus; one that does not may still fit in them (tp=2 on 5 GPUs)
+    narrow = _skeleton_space(space, gpus)
+    below = sorted((lay for lay in narrow.up_to(gpus) if lay.gpus < gpus and gpus % lay.world),
+                   key=lambda lay: -lay.gpus)
+    largest, _ = _first_that_runs(below, base, narrow, prepare)
     if pruned:
         why = f"the {len(pruned)} layout(s) of the space are pruned: {reasons_text(pruned)}"
     else:
         given = " ".join(f"{d.key}={space.fixed[d.name]}" for d in (*space.dims, REPLICAS) if d.name in space.fixed)
         why = f"no layout of {gpus} GPU(s) has what the command line fixed ({given})"
+    if largest is not None:
+        fewer = (f"'{largest.label(space.dims)}' runs on {largest.gpus} of them, but the search lays out only "
+                 "instances whose GPUs divide search.gpus" + (" (replicas fill them)" if "replicas" not in space.fixed
+                                                               else ""))
+        above_text = (f"the smallest layout that can run above {gpus} GPUs is '{smallest.label(space.dims)}' "
+                      f"({smallest.gpus} GPUs)" if smallest is not None else f"none above {gpus} up to {up_to}")
+        at_least = f" or at least {smallest.gpus}" if smallest is not None else ""
+        return [Problem("search.gpus", gpus, f"{largest.gpus}{at_least}: {fewer}; {above_text}; {why}")]
     if smallest is not None:
         return [Problem("search.gpus", gpus, f"at least {smallest.gpus}: the smallest layout that can run is "
                         f"'{smallest.label(space.dims)}' ({smallest.gpus} GPUs); {why}")]
-    return [Problem("search.gpus", gpus, f"no layout can run, up to {gpus * SMALLEST_UP_TO} GPUs; {why}")]
+    if beyond:  # NOTE: the largest first: its reason is the one more GPUs no longer mend
+        why = (f"the {len(beyond)} layout(s) of {gpus + 1} to {up_to} GPUs are pruned: "
+               f"{reasons_text(beyond[::-1])}; and on {gpus} GPU(s), {why}")
+    return [Problem("search.gpus", gpus, f"no layout can run, up to {up_to} GPUs; {why}")]
 
 
-def _smallest_beyond(base: dict[str, Any], space: Space, prepare: Prepare, gpus: int) -> Layout | None:
-    """The smallest layout that can run with more GPUs: tp, pcp and dcp only (the other
-    dimensions at their defaults, unless the command line fixed them)."""
-    seen: set[tuple] = set()
-    g = gpus * 2
-    while g <= gpus * SMALLEST_UP_TO:
-        skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
-        wide = Space(g, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
-                     pools_available=space.pools)
-        # NOTE: fixed replicas multiply an instance's GPUs: a layout's GPUs are both, smallest first
-        for layout in sorted(wide.enumerate(), key=lambda lay: lay.gpus):
-            if not gpus < layout.gpus <= g or layout.values in seen:
-                continue
-            seen.add(layout.values)
-            c = candidate(base, layout, wide)
-            if not _validate(c, prepare, None):
-                return layout
-        g *= 2
-    return None
+def _skeleton_space(space: Space, gpus: int) -> Space:
+    """The layouts of up to ``gpus`` GPUs that tell how many GPUs run: tp, pcp and dcp only
+    (the other dimensions at their defaults, unless the command line fixed them), one
+    instance unless the command line fixed the replicas."""
+    skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
+    return Space(gpus, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
+                 pools_available=space.pools)
+
+
+def _first_that_runs(layouts: list[Layout], base: dict[str, Any], space: Space,
+                     prepare: Prepare) -> tuple[Layout | None, list[Candidate]]:
+    """The first of ``layouts`` that can run (None: none), and those pruned before it.
+    ``Space.up_to`` lists every count the grid's products reach (tp=2 dcp=3 runs on 6 GPUs,
+    pcp=3), not only search.gpus x 2^k; fixed replicas multiply an instance's GPUs."""
+    pruned = []
+    for layout in layouts:
+        c = candidate(base, layout, space)
+        if not _validate(c, prepare, None):
+            return layout, pruned
+        pruned.append(c)
+    return None, pruned

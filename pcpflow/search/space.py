@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcpflow.errors import Problem
+from pcpflow.parallel.grid import RankGrid
 
 
 @dataclass(frozen=True)
@@ -160,13 +161,32 @@ class Space:
                     seen[layout.values] = layout
         return sorted(seen.values(), key=lambda lay: (lay.world, lay["tp"], lay["pcp"], lay["dcp"]))
 
-    def _skeletons(self, gpus: int):
-        """(tp, pcp, dcp) whose GPUs divide ``gpus`` (replicas fill them): tp a power of two,
-        dcp by the grid's rules (1, pcp, tp*pcp; pcp=1: the divisors of tp)."""
+    def up_to(self, gpus: int) -> list[Layout]:
+        """Every distinct layout whose instance has at most ``gpus`` GPUs, whether or not they
+        divide ``gpus``, on grids the grid's rules allow (``RankGrid``): the layouts of every
+        GPU count up to ``gpus`` at once, each once, smallest first."""
+        seen: dict[tuple, Layout] = {}
+        for base in self._skeletons(gpus, divides=False):
+            if RankGrid(base["tp"], base["pcp"], base["dcp"]).problems():
+                continue
+            for values in self._variants(base):
+                pool = (values.get("decode_pool_tp", 1), values.get("decode_pool_pcp", 1),
+                        values.get("decode_pool_dcp", 1))
+                if values.get("disagg") == "pd" and RankGrid(*pool).problems():
+                    continue
+                layout = self.canonical(values, gpus)
+                if layout is not None and layout.values not in seen:
+                    seen[layout.values] = layout
+        return sorted(seen.values(), key=lambda lay: (lay.gpus, lay.world, lay["tp"], lay["pcp"], lay["dcp"]))
+
+    def _skeletons(self, gpus: int, *, divides: bool = True):
+        """(tp, pcp, dcp) whose GPUs divide ``gpus`` (replicas fill them; ``divides=False``:
+        at most ``gpus``): tp a power of two, dcp by the grid's rules (1, pcp, tp*pcp; pcp=1:
+        the divisors of tp)."""
         tps = [self.fixed["tp"]] if "tp" in self.fixed else powers_of_two(gpus)
         for tp in tps:
             pcps = ([self.fixed["pcp"]] if "pcp" in self.fixed
-                    else [p for p in range(1, gpus // max(tp, 1) + 1) if gpus % (tp * p) == 0])
+                    else [p for p in range(1, gpus // max(tp, 1) + 1) if not divides or gpus % (tp * p) == 0])
             for pcp in pcps:
                 if "dcp" in self.fixed:
                     dcps = [self.fixed["dcp"]]

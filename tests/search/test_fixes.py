@@ -173,6 +173,66 @@ def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(
     assert all(w in line for w in words), line
 
 
+@pytest.mark.parametrize("args, words", [
+    # dcp=3 with tp=2: pcp=1 needs dcp | tp (no); pcp > 1 needs dcp in {1, pcp, 2 pcp}: pcp=3, 2 x 3 = 6 GPUs.
+    # 4 x 2^k (8, 16, ...) never is 2 x pcp with pcp=3: "no layout can run, up to 64 GPUs" before
+    (["model=llama3_8b", "search.gpus=4", "tp=2", "dcp=3"], ["at least 6:", "'tp=2 pcp=3 dcp=3' (6 GPUs)"]),
+    # an odd count: 405B in bf16 takes 756.0 GiB at tp=1: 94.5 at tp=8, 47.3 at tp=16 (<= 67.05): tp=16, 16
+    # GPUs, no 3 x 2^k (doublings found it too, as a divisor of 48), not tp=16 pcp=3 (48)
+    (["model=llama3_405b", "search.gpus=3"], ["at least 16:", "'tp=16 pcp=1 dcp=1' (16 GPUs)"]),
+    # the plain case, where doubling was right: 8 -> 16 (tp=8 pcp=2 is 16 GPUs too, and does not fit)
+    (["model=llama3_405b", "search.gpus=8"], ["at least 16:", "'tp=16 pcp=1 dcp=1' (16 GPUs)"]),
+    # DeepSeek-V3 in bf16: 671e9 x 2 B = 1250 GiB, 78 GiB a GPU at tp=16 before what each rank holds whole:
+    # nothing up to 16 x 1 GPUs, and the reason is the largest layout's (tp=16), not only tp=1's
+    (["model=deepseek_v3", "search.gpus=1", "simulate.weights_dtype=bf16"],
+     ["no layout can run, up to 16 GPUs", "layout(s) of 2 to 16 GPUs are pruned", "at tp=16"]),
+])
+def test_the_smallest_count_that_runs_is_any_the_grid_reaches_not_only_doublings(args, words, tmp_path):
+    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- search.gpus: got"), line
+    assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("args, words", [
+    # tp=2 on 5 GPUs: no 2 x pcp divides 5, so the space is empty; 4 of the 5 run tp=2 pcp=2 (one idle),
+    # and above 5 the first is 6 (pcp=3): "at least 6" alone sent the user to buy a GPU
+    (["model=llama3_8b", "search.gpus=5", "tp=2"],
+     ["got 5; 4 or at least 6:", "'tp=2 pcp=2 dcp=1' runs on 4 of them", "divide search.gpus",
+      "'tp=2 pcp=3 dcp=1' (6 GPUs)"]),
+    # 70B needs tp=4 (above); 5 is prime, so the space holds tp=1 only; tp=4 runs on 4, and above 5 the
+    # first count holding tp >= 4 is 8 (tp=4 pcp=2); doublings said 20 (tp=4 pcp=5)
+    (["model=llama3_70b", "search.gpus=5"],
+     ["got 5; 4 or at least 8:", "'tp=4 pcp=1 dcp=1' runs on 4 of them", "'tp=4 pcp=2 dcp=1' (8 GPUs)"]),
+    # tp=4 on 6: 4 x pcp never divides 6; 4 runs (pcp=1), above 6 it is 8 (pcp=2); doublings said 12 (pcp=3)
+    (["model=llama3_8b", "search.gpus=6", "tp=4"],
+     ["got 6; 4 or at least 8:", "'tp=4 pcp=1 dcp=1' runs on 4 of them", "'tp=4 pcp=2 dcp=1' (8 GPUs)"]),
+    # fixed replicas: 2 x tp=2 is 4 GPUs of the 5 (no replicas fill them), 2 x tp=2 pcp=2 is 8 above
+    (["model=llama3_8b", "search.gpus=5", "tp=2", "serving.replicas=2"],
+     ["got 5; 4 or at least 8:", "'tp=2 pcp=1 dcp=1 serving.replicas=2' runs on 4 of them",
+      "'tp=2 pcp=2 dcp=1 serving.replicas=2' (8 GPUs)"]),
+])
+def test_a_layout_that_fits_in_fewer_gpus_than_a_count_it_does_not_divide_is_named(args, words, tmp_path):
+    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- search.gpus: got"), line
+    assert all(w in line for w in words), line
+
+
+def test_a_fixed_key_no_count_mends_is_the_inputs_whether_or_not_it_divides_search_gpus(tmp_path):
+    """tp=3 splits none of llama3_8b's 32 heads: on 3 GPUs every layout has that problem and it
+    is said as tp's; on 4 (3 divides no layout of 4) it was "no layout can run, up to 64 GPUs"."""
+    for gpus in (3, 4):
+        r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", "model=llama3_8b", f"search.gpus={gpus}",
+                "tp=3", f"hydra.run.dir={tmp_path}")
+        assert r.returncode == 2, r.stdout + r.stderr
+        lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+        assert "- tp: got 3; must divide the model's num_heads (32)" in lines, lines
+        assert not any(ln.startswith("- search.gpus") for ln in lines), lines
+
+
 @pytest.mark.parametrize("args, field, words", [
     (["search.candidates=['mode=execute']"], "search.candidates[0]", ["mode is the whole search's", "command line"]),
     (["search.candidates=['tp=1 workload.num_requests=2']"], "search.candidates[0]", ["workload.num_requests"]),
