@@ -150,6 +150,15 @@ def test_a_sweep_of_searches_reports_each_jobs_recommendation(tmp_path):
     assert all(f"`{row['recommended']}`" in md for row in rows)
 
 
+def _too_few_gpus_says(args, words, tmp_path) -> None:
+    """The search exits 2 with one problem, on search.gpus, holding every one of ``words``."""
+    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.strip().startswith("- search.gpus: got"), line
+    assert all(w in line for w in words), line
+
+
 @pytest.mark.parametrize("args, words", [
     # 8 fixed replicas of one GPU each: 8 GPUs (not an 8-GPU instance, 64 in all)
     (["model=llama3_8b", "search.gpus=4", "serving.replicas=8"],
@@ -166,11 +175,7 @@ def test_a_sweep_of_searches_reports_each_jobs_recommendation(tmp_path):
     (["model=llama3_70b", "search.gpus=1"], ["at least 4:", "'tp=4 pcp=1 dcp=1' (4 GPUs)", "the weights do not fit"]),
 ])
 def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(args, words, tmp_path):
-    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 2, r.stdout + r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
-    assert line.strip().startswith("- search.gpus: got"), line
-    assert all(w in line for w in words), line
+    _too_few_gpus_says(args, words, tmp_path)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -188,11 +193,7 @@ def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(
      ["no layout can run, up to 16 GPUs", "layout(s) of 2 to 16 GPUs are pruned", "at tp=16"]),
 ])
 def test_the_smallest_count_that_runs_is_any_the_grid_reaches_not_only_doublings(args, words, tmp_path):
-    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 2, r.stdout + r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
-    assert line.strip().startswith("- search.gpus: got"), line
-    assert all(w in line for w in words), line
+    _too_few_gpus_says(args, words, tmp_path)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -214,11 +215,7 @@ def test_the_smallest_count_that_runs_is_any_the_grid_reaches_not_only_doublings
       "'tp=2 pcp=2 dcp=1 serving.replicas=2' (8 GPUs)"]),
 ])
 def test_a_layout_that_fits_in_fewer_gpus_than_a_count_it_does_not_divide_is_named(args, words, tmp_path):
-    r = cli(*SEARCH, "hardware=h100_sxm", "workload.num_requests=4", *args, f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 2, r.stdout + r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
-    assert line.strip().startswith("- search.gpus: got"), line
-    assert all(w in line for w in words), line
+    _too_few_gpus_says(args, words, tmp_path)
 
 
 def test_a_fixed_key_no_count_mends_is_the_inputs_whether_or_not_it_divides_search_gpus(tmp_path):
