@@ -1,4 +1,4 @@
-"""``python -m pcpflow``.
+"""``python -m pcpflow`` and the ``pcpflow`` console script.
 
 NOTE: the signal handler goes in before the driver's own imports (pydantic, Hydra: a tenth of
 a second, more on a loaded machine; a torchrun job's ranks start all at once), so that a Ctrl-C
@@ -10,7 +10,9 @@ import sys
 
 from pcpflow.signals import Interrupted, interruptible
 
-if __name__ == "__main__":
+
+def main() -> None:
+    """``python -m pcpflow`` and the ``pcpflow`` console script."""
     with interruptible():
         try:
             from pcpflow.driver.cli import entry
@@ -19,3 +21,7 @@ if __name__ == "__main__":
 
             sys.exit(interrupted_early(exc, sys.argv[1:]))
     entry()
+
+
+if __name__ == "__main__":
+    main()
