@@ -192,6 +192,7 @@ def test_ctrl_c_at_pcp_1_is_interrupted_with_a_result(tmp_path, sig):
     assert progress["last_step"] in (0, 1) and 1 <= progress["num_generated"] < progress["num_to_generate"], progress
 
 
+@pytest.mark.slow  # NOTE: ~6 s; tests/output/test_rundir.py checks discard_result itself
 def test_a_run_killed_outright_leaves_no_older_ok_result_beside_its_config(tmp_path):
     """A run dir that holds an earlier run's ok result.json: the new run (config.json, metrics.jsonl
     its own) is SIGKILLed and writes nothing; the old "ok" must not describe it."""

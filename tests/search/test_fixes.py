@@ -420,6 +420,7 @@ def test_layouts_that_price_the_same_are_ranked_alike_whatever_order_the_workers
     assert "recommended (ttft): tp=2 pcp=2 dcp=2 cudagraph_mode=piecewise workload.request_rate=inf" in r.stdout
 
 
+@pytest.mark.slow  # NOTE: a search and two runs per workload (~10 s)
 @pytest.mark.parametrize("workload", [
     [*TRACE, "workload.max_requests=20"],
     ["model=llama3_8b", "hardware=h100_sxm", "workload=synthetic", "workload.num_requests=12",
