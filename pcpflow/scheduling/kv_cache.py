@@ -30,6 +30,7 @@ it without an entry until that request is preempted.
 from __future__ import annotations
 
 import collections
+import heapq
 
 import numpy as np
 
@@ -129,7 +130,7 @@ class KVCacheManager:
         # live requests, not num_blocks x every request id ever seen.
         self._table = np.zeros((4, 4), dtype=np.int64)
         self._row_num_blocks = np.zeros(4, dtype=np.int64)
-        self._free_rows: list[int] = [3, 2, 1, 0]  # popped lowest first
+        self._free_rows: list[int] = [0, 1, 2, 3]  # a heap: popped lowest first
         self._row_of = np.full(16, -1, dtype=np.int64)  # req_id -> row, -1 = none
 
     # -- queries ---------------------------------------------------------------------------
@@ -257,18 +258,19 @@ class KVCacheManager:
         hashes = np.asarray(hashes, dtype=np.uint64)
         todo = self._hash[blocks] == 0
         n_own = 0
-        if private is not None and (todo & private).any():
+        if private is not None:
             mine = todo & private
-            own = blocks[mine]
-            self._hash[own] = hashes[mine]
-            self._unindexed[own] = True
-            n_own = len(own)
-            self._num_cached += n_own
-            todo &= ~private
+            n_own = int(np.count_nonzero(mine))
+            if n_own:
+                own = blocks[mine]
+                self._hash[own] = hashes[mine]
+                self._unindexed[own] = True
+                self._num_cached += n_own
+                todo ^= mine
         if not todo.all():
-            blocks, hashes = blocks[todo], hashes[todo]
-            if not len(blocks):
+            if not todo.any():
                 return n_own
+            blocks, hashes = blocks[todo], hashes[todo]
         keys = hashes.tolist()
         cached = self._cached
         if not cached.keys().isdisjoint(keys):  # NOTE: rare: a hash another block holds stays there
@@ -410,8 +412,7 @@ class KVCacheManager:
         self._table[row, :n] = 0
         self._row_num_blocks[row] = 0
         self._row_of[req_id] = -1
-        self._free_rows.append(row)
-        self._free_rows.sort(reverse=True)
+        heapq.heappush(self._free_rows, row)
         return freed
 
     def block_tables(self, req_ids: np.ndarray) -> np.ndarray:
@@ -518,8 +519,8 @@ class KVCacheManager:
             rows, width = self._table.shape
             self._table = np.concatenate([self._table, np.zeros((rows, width), np.int64)])
             self._row_num_blocks = np.concatenate([self._row_num_blocks, np.zeros(rows, np.int64)])
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        row = self._free_rows.pop()
+            self._free_rows = list(range(rows, 2 * rows))
+        row = heapq.heappop(self._free_rows)
         self._row_of[req_id] = row
         return row
 

@@ -202,6 +202,8 @@ class Scheduler:
         self._last_batch: GlobalBatch | None = None  # scheduled, not yet updated
         self._updated_batch: GlobalBatch | None = None  # updated, drafts not yet set
         self._batch_rows = self._running  # the request index of each row of the last batch
+        self._sampling = np.zeros(0, dtype=bool)  # whether each row of the last batch samples
+        self._zeros = np.zeros(0, dtype=np.int64)  # _zero_ids' buffer
         self._preempted: list[int] = []  # by the latest schedule()
         self._freed: list[np.ndarray] = []  # blocks freed by the latest schedule()'s preemptions
         self._last_find: tuple[np.ndarray, int, np.ndarray] | None = None  # the latest admission lookup: keys, longest, hits
@@ -437,6 +439,15 @@ class Scheduler:
         out[at] = self._outputs[self._output_start[req[at]] + pos[at] - plen[at]]
         return out
 
+    def _zero_ids(self, n: int) -> np.ndarray:
+        """``n`` input ids of a run without token ids: a read-only view of one zero buffer
+        (a step's tokens are up to max_num_batched_tokens; zeroing them each step cost more
+        than the rest of the batch)."""
+        if len(self._zeros) < n:
+            self._zeros = np.zeros(max(n, self.max_num_batched_tokens), dtype=np.int64)
+            self._zeros.flags.writeable = False
+        return self._zeros[:n]
+
     def _build_batch(self, step: int, run: np.ndarray, num_sched: np.ndarray) -> GlobalBatch:
         R = len(run)
         num_computed = self._num_computed[run]
@@ -448,11 +459,11 @@ class Scheduler:
             drafts = np.zeros(R, dtype=np.int64)
 
         qsl = np.zeros(R + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=qsl[1:])
+        np.add.accumulate(num_sched, out=qsl[1:])
         # A prefill row reads its prompt (and, readmitted, its outputs) from its first
         # uncomputed position; a decode row is its newest output token, then its drafts.
         if self._outputs is None:
-            input_ids = np.zeros(int(qsl[-1]), dtype=np.int64)
+            input_ids = self._zero_ids(int(qsl[-1]))
         else:
             token_rows = np.repeat(np.arange(R), num_sched)
             offset = np.arange(qsl[-1]) - qsl[token_rows]
@@ -463,13 +474,22 @@ class Scheduler:
 
         # Sampled: the last prompt token of a chunk that completes the prompt, and every
         # token of a decode row (the target's choice after each draft, plus the bonus).
-        completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
-        samples = np.where(is_prefilling, completes, num_sched)
-        first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
-        if self.num_speculative_tokens and drafts.any():
-            logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
-        else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
-            logits_indices = first[samples > 0]
+        if not self.num_speculative_tokens:
+            # NOTE: a chunk never passes its prompt's end and a decode row is one token past
+            # it, so the rows that sample are those with tokens that reach the end, each at
+            # its last token
+            sampling = (num_sched > 0) & (num_computed + num_sched >= prefill_end)
+            logits_indices = qsl[1:][sampling] - 1
+        else:
+            completes = (num_computed + num_sched == prefill_end) & (num_sched > 0)
+            samples = np.where(is_prefilling, completes, num_sched)
+            first = np.where(is_prefilling, qsl[1:] - 1, qsl[:-1])
+            sampling = samples > 0
+            if drafts.any():
+                logits_indices = np.repeat(first - (samples.cumsum() - samples), samples) + np.arange(int(samples.sum()))
+            else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
+                logits_indices = first[sampling]
+        self._sampling = sampling
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
@@ -496,7 +516,7 @@ class Scheduler:
         n_sched = batch.num_scheduled_tokens
         before = self._num_computed[rows]
         drafted = self.num_speculative_tokens and int(batch.num_draft_tokens.sum())
-        acc = accept_drafts(batch, sampled_token_ids) if drafted else _no_drafts(batch, sampled_token_ids)
+        acc = accept_drafts(batch, sampled_token_ids) if drafted else _no_drafts(self._sampling, sampled_token_ids)
         sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
         if self.num_speculative_tokens:
             self._num_drafts[rows] = 0
@@ -512,9 +532,14 @@ class Scheduler:
         num_out = self._num_out[rows]
         take = np.minimum(acc.num_new_tokens, self._max_out[rows] - num_out)
         # Append row r's tokens sampled[start_r : start_r + take_r] to its outputs.
-        row_of = np.repeat(np.arange(len(rows)), take)
-        j = np.arange(len(row_of)) - (take.cumsum() - take)[row_of]
-        appended = sampled[acc.sample_start[row_of] + j]
+        if drafted:
+            row_of = np.repeat(np.arange(len(rows)), take)
+            j = np.arange(len(row_of)) - (take.cumsum() - take)[row_of]
+            appended = sampled[acc.sample_start[row_of] + j]
+        else:  # NOTE: a row appends at most one token
+            row_of = np.flatnonzero(take)
+            j = np.zeros(len(row_of), dtype=np.int64)
+            appended = sampled[acc.sample_start[row_of]]
         take, row_of, j, appended, stopped = cut_at_stop(self.stop_token_ids, take, row_of, j, appended)
         if self._outputs is not None:
             self._outputs[self._output_start[rows[row_of]] + num_out[row_of] + j] = appended
@@ -809,15 +834,16 @@ def _table_of(requests: list[Request]) -> RequestTable:
     return RequestTable.from_requests(by_id)
 
 
-def _no_drafts(batch: GlobalBatch, sampled_token_ids: np.ndarray) -> Acceptance:
-    """``accept_drafts`` of a batch without drafts: one sample per sampling row."""
-    n = len(batch.logits_indices)
-    if np.asarray(sampled_token_ids).size != n:
-        raise ValueError(f"expected one sampled token per logits index ({n}), got {np.asarray(sampled_token_ids).size}")
-    samples = np.zeros(batch.num_reqs, dtype=np.int64)
-    samples[batch.logits_req_indices] = 1
-    start = np.cumsum(samples) - samples
-    return Acceptance(np.zeros(batch.num_reqs, dtype=np.int64), samples, start)
+def _no_drafts(sampling: np.ndarray, sampled_token_ids: np.ndarray) -> Acceptance:
+    """``accept_drafts`` of a batch without drafts, whose rows ``sampling`` (bool [R]) sample
+    once each: one sample per sampling row."""
+    n, got = int(np.count_nonzero(sampling)), np.asarray(sampled_token_ids).size
+    if got != n:
+        raise ValueError(f"expected one sampled token per logits index ({n}), got {got}")
+    samples = sampling.astype(np.int64)
+    start = np.cumsum(samples)
+    start -= samples
+    return Acceptance(np.zeros(len(samples), dtype=np.int64), samples, start)
 
 
 def _take_in_order(want: np.ndarray, budget: int) -> np.ndarray:
