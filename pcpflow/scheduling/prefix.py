@@ -30,18 +30,23 @@ ROOT = np.uint64(0x2545F4914F6CDD1D)
 """The chain value before a request's first block."""
 
 
+# NOTE: splitmix64's constants, made once (a numpy scalar costs as much as a small array operation)
+_GAMMA, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
 def splitmix64(x) -> np.ndarray:
     """A bijective 64-bit mixer (Vigna's splitmix64 finalizer), elementwise on uint64 (at
     least 1-d: array arithmetic wraps silently, scalar arithmetic would warn); in place on a
     fresh copy, so one temporary at a time."""
-    z = np.atleast_1d(np.asarray(x, dtype=np.uint64)) + np.uint64(0x9E3779B97F4A7C15)
-    t = z >> np.uint64(30)
+    z = np.atleast_1d(np.asarray(x, dtype=np.uint64)) + _GAMMA
+    t = z >> _S30
     z ^= t
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    np.right_shift(z, np.uint64(27), out=t)
+    z *= _M1
+    np.right_shift(z, _S27, out=t)
     z ^= t
-    z *= np.uint64(0x94D049BB133111EB)
-    np.right_shift(z, np.uint64(31), out=t)
+    z *= _M2
+    np.right_shift(z, _S31, out=t)
     z ^= t
     return z
 

@@ -314,8 +314,8 @@ class Scheduler:
         run = self._running
         la = self.num_speculative_tokens
         while True:
-            q = self._running_tokens(run)
-            written = self._num_computed[run] + q
+            q, written = self._running_tokens(run)
+            written += q
             if la:
                 written += la * (q > 0)
             grow = self.kv.blocks_needed(written) - self.kv.num_blocks_of_many(run)
@@ -340,26 +340,29 @@ class Scheduler:
         self._last_batch, self._batch_rows = batch, run
         return batch
 
-    def _running_tokens(self, run: np.ndarray) -> np.ndarray:
+    def _running_tokens(self, run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tokens each running request gets this step: decodes first (their newest token and
-        drafts), then prefill chunks, in admission order, within the budget."""
+        drafts), then prefill chunks, in admission order, within the budget; and (a copy of)
+        the tokens each has computed."""
         computed, end = self._num_computed[run], self._prefill_end[run]
         in_prompt = computed < end
         # A decode wants its newest token plus its drafts, cut to the outputs left after
         # the newest token's own; a prefill wants the rest of its prompt (first its
         # cached_lens prefix, alone).
         room = self._max_out[run] - self._num_out[run] - 1
-        cached = self._cached[run]
-        prompt_end = np.where(computed < cached, cached, end)
-        want = np.where(in_prompt, prompt_end - computed, 1 + np.minimum(self._num_drafts[run], room))
+        # NOTE: without a cached_lens prefix a prompt is all it wants, and without drafting a
+        # decode has no drafts (0 pending, so their minimum with room is room's with 0)
+        prompt_end = np.where(computed < (cached := self._cached[run]), cached, end) if self._any_cached else end
+        drafts = np.minimum(self._num_drafts[run], room) if self.num_speculative_tokens else np.minimum(room, 0, out=room)
+        want = np.where(in_prompt, prompt_end - computed, 1 + drafts)
         budget = self.max_num_batched_tokens
         if int(want.sum()) <= budget:  # NOTE: the usual step: everyone gets what they want
-            return want
+            return want, computed
         q = np.zeros(len(run), dtype=np.int64)
         for rows in (~in_prompt, in_prompt):  # decodes first, then prefill chunks
             q[rows] = _take_in_order(want[rows], budget)
             budget -= int(q[rows].sum())
-        return q
+        return q, computed
 
     def _admit(self, step: int, run: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Waiting requests join, first come first served, while there are seats, budget
