@@ -463,7 +463,7 @@ class Pricer:
     # ------------------------------------------------------------------ the step
     def price(self, batch, layout, counts: StepCounts, *, runtime_mode: str = "none") -> StepPrice:
         s, grid, k, place = self.sizes, self.grid, self.kern, self.place
-        P, L = grid.pcp, s.num_layers
+        L = s.num_layers
         nd, rest = attention_rows(layout)
         samples = float(len(batch.logits_indices))
         g_t, g_c, g_flops, w_bytes = self._gemms(layout, batch, samples)
@@ -488,22 +488,24 @@ class Pricer:
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
         small = self._small_kernels
         inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
+        # NOTE: what is the same on every rank stays one float (numpy broadcasts it, value for value)
         if inline:
             op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
-            t_mem = np.full(P, float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes)))
+            t_mem = float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes))
         else:
-            t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
+            t_mem = max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor)
 
         # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
-        comm, hidden = att.comm_s, np.zeros(P)
+        comm, calls = att.comm_s, 0
         for purpose, op, group, n_calls, tensor in counts.priced:
             sec, pick = place.seconds(op, group, tensor)
-            _add(terms, purpose, np.full(P, n_calls * sec), hidden)
+            _add(terms, purpose, n_calls * sec, 0.0)
             comm = comm + n_calls * sec
             picks[purpose] = pick
+            calls += n_calls
         gpu = g_t + t_attn + t_mem + comm
-        ring_calls = sum(counts.calls.get(p, 0) for p in RING_PURPOSES)
-        calls = sum(n for *_, n, _ in counts.priced) + ring_calls
+        if counts.ring is not None:
+            calls += sum(counts.calls.get(p, 0) for p in RING_PURPOSES)
         host = self.host.step(runtime_mode, calls)
         if counts.ring_plan is not None and runtime_mode != "full":
             # NOTE: each ring iteration past the first launches the attention backend's kernels again.
@@ -521,15 +523,15 @@ class Pricer:
             wait = sync_wait_seconds(self.hw.tables, calls, total - comm)
             total = total + wait
         slow = int(total.argmax())
-        out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
-               "memory_ops": [float(t_mem[slow]), 0.0]}
-        out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
+        out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0], "memory_ops": [t_mem, 0.0]}
+        for p, (e, h) in terms.items():
+            out[p] = [_at(e, slow), _at(h, slow)]
         out["host_launch"] = [host, 0.0] if inline else [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
         if self.measured:
             out["host_work"] = [work, 0.0]
             if wait:
                 out["sync_wait"] = [wait, 0.0]
-        p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
+        p2p = sum(out[p][0] for p in terms if picks.get(p) == "p2p")
         fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
         return StepPrice(
             step_s=float(total[slow]),
@@ -744,11 +746,17 @@ class Pricer:
         return passes * rows * width * s.num_layers
 
 
-def _add(terms: dict, name: str, exposed: np.ndarray, hidden: np.ndarray) -> None:
+def _add(terms: dict, name: str, exposed: np.ndarray | float, hidden: np.ndarray | float) -> None:
+    """Add a term's [P] seconds (a float: the same on every rank)."""
     if name in terms:
         terms[name] = (terms[name][0] + exposed, terms[name][1] + hidden)
     else:
         terms[name] = (exposed, hidden)
+
+
+def _at(v: np.ndarray | float, rank: int) -> float:
+    """A term's seconds on ``rank`` (a float is every rank's)."""
+    return float(v[rank]) if isinstance(v, np.ndarray) else float(v)
 
 
 def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask) -> np.ndarray:
