@@ -580,8 +580,14 @@ class Pricer:
         k, L = self.kern, self.sizes.num_layers
         _, fpp, entry = self._per_pair()
         pairs = np.asarray(pairs, dtype=np.float64)
-        t, bound = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
-        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), bound
+        floor = L * k.floor
+        # NOTE: a few ranks' floats: plain Python (each operation numpy's, value for value), not a numpy call each
+        t, bound = [], []
+        for x in pairs.ravel().tolist():
+            sec, flops_bound = k.decode_attention_scalar(fpp * x, entry * x, peak_key=self.act_key)
+            t.append(max(sec, floor) if x > 0 else 0.0)
+            bound.append(flops_bound)
+        return np.array(t, dtype=np.float64).reshape(pairs.shape), np.array(bound, dtype=bool).reshape(pairs.shape)
 
     def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
         """The all-gather paths: one call per rank, its rows over the context or its DCP shard
@@ -589,8 +595,9 @@ class Pricer:
         grid, P = self.grid, self.grid.pcp
         fpp, dpp, entry = self._per_pair()
         decode_pairs = counts.decode_work.astype(np.float64)
-        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
-        if not prefill_pairs.any():  # NOTE: a step of decodes: _prefill of no pairs is 0.0 on every rank
+        # NOTE: a step of decodes (its work is its decode work): _prefill of no pairs is 0.0 on every rank
+        prefill_pairs = None if counts.work is counts.decode_work else counts.work.astype(np.float64) - decode_pairs
+        if prefill_pairs is None or not prefill_pairs.any():
             t_dec, dec_bound = self._decode(decode_pairs)
             zeros = np.zeros(P)  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
             return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
