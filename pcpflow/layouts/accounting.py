@@ -41,7 +41,7 @@ from typing import Literal
 
 import numpy as np
 
-from pcpflow.layouts.layout import BatchLayout, as_positions
+from pcpflow.layouts.layout import BatchLayout, TokenPositions, as_positions
 from pcpflow.layouts.ring import (
     REPLICATED,
     STAYS,
@@ -648,7 +648,11 @@ def segment_runs(
             runs.append(runs[-1])
             continue
         rows = seg.length if request_mask is None else np.where(request_mask[seg.req_idx], seg.length, 0)
-        runs.append((pos[seg.global_start], rows, seg.local_start))
+        if isinstance(pos, TokenPositions):  # NOTE: a segment is one request's: no search for it
+            first = pos.of_requests(seg.global_start, seg.req_idx)
+        else:
+            first = pos[seg.global_start]
+        runs.append((first, rows, seg.local_start))
         prev = seg
     return runs
 

@@ -158,6 +158,12 @@ class TokenPositions:
         req = self.query_start_loc.searchsorted(tokens, side="right") - 1
         return np.asarray(self.num_computed_tokens, dtype=np.int64)[req] + (tokens - self.query_start_loc[req])
 
+    def of_requests(self, tokens: np.ndarray, req: np.ndarray) -> np.ndarray:
+        """``self[tokens]`` where ``req`` holds each token's request (a segment's, say): the
+        same positions, without searching for the requests."""
+        computed = np.asarray(self.num_computed_tokens, dtype=np.int64)
+        return computed[req] + (tokens - self.query_start_loc[req])
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         qsl = self.query_start_loc
         start = np.asarray(self.num_computed_tokens, dtype=np.int64) - qsl[:-1]
@@ -322,7 +328,8 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
     A function of ``q`` alone (and ``p``, ``dcp_size``, ``padded_num_tokens``): batches that
     repeat it (a serving run's decode steps at one batch size) share one layout, its arrays
     read-only."""
-    key = (q.tobytes(), p, dcp_size, padded_num_tokens)  # NOTE: q is int64 (_int_vector): its bytes say it all
+    # NOTE: q is int64 (_int_vector): its bytes say it all
+    key = (q.tobytes(), p, dcp_size, padded_num_tokens)
     hit = _DECODES_LAYOUTS.get(key)
     if hit is None:
         hit = _build_replicated_decodes_layout(q, p, dcp_size, padded_num_tokens)
