@@ -333,7 +333,7 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
     hit = _DECODES_LAYOUTS.get(key)
     if hit is None:
         hit = _build_replicated_decodes_layout(q, p, dcp_size, padded_num_tokens)
-        if len(_DECODES_LAYOUTS) > 4096:
+        if len(_DECODES_LAYOUTS) > 1024:  # NOTE: a few hundred at most in a serving run: bounded memory
             _DECODES_LAYOUTS.clear()
         _DECODES_LAYOUTS[key] = hit
     return hit
