@@ -41,7 +41,7 @@ from typing import Literal
 
 import numpy as np
 
-from pcpflow.layouts.layout import BatchLayout, as_positions
+from pcpflow.layouts.layout import BatchLayout, TokenPositions, as_positions
 from pcpflow.layouts.ring import (
     REPLICATED,
     STAYS,
@@ -614,7 +614,11 @@ def attention_work(
     p, nd = layout.pcp_size, layout.num_replicated_decode_tokens
     runs = segment_runs(layout, positions, request_mask)
     if dcp_size == 1:
-        return np.array([context_pairs(a, n) for a, n, _ in runs], dtype=np.int64)
+        # NOTE: ranks that share one run (a decode-only layout's) share its count: counted once
+        work = [context_pairs(runs[0][0], runs[0][1])]
+        for prev, run in zip(runs, runs[1:]):
+            work.append(work[-1] if run is prev else context_pairs(run[0], run[1]))
+        return np.array(work, dtype=np.int64)
     # NOTE: replicated decodes are whole segments filling the first nd rows of every rank
     a, n, local = runs[0]
     decode = local < nd
@@ -638,10 +642,18 @@ def segment_runs(
     Pairs are counted by run, not by row (``context_pairs``, ``shard_pairs``): a segment holds
     one request's tokens in order, at consecutive positions."""
     pos = as_positions(positions)
-    runs = []
+    runs, prev = [], None
     for seg in layout.segments:
+        if seg is prev:  # NOTE: ranks that share one segments object (a decode-only layout's) share its run
+            runs.append(runs[-1])
+            continue
         rows = seg.length if request_mask is None else np.where(request_mask[seg.req_idx], seg.length, 0)
-        runs.append((pos[seg.global_start], rows, seg.local_start))
+        if isinstance(pos, TokenPositions):  # NOTE: a segment is one request's: no search for it
+            first = pos.of_requests(seg.global_start, seg.req_idx)
+        else:
+            first = pos[seg.global_start]
+        runs.append((first, rows, seg.local_start))
+        prev = seg
     return runs
 
 

@@ -158,6 +158,12 @@ class TokenPositions:
         req = self.query_start_loc.searchsorted(tokens, side="right") - 1
         return np.asarray(self.num_computed_tokens, dtype=np.int64)[req] + (tokens - self.query_start_loc[req])
 
+    def of_requests(self, tokens: np.ndarray, req: np.ndarray) -> np.ndarray:
+        """``self[tokens]`` where ``req`` holds each token's request (a segment's, say): the
+        same positions, without searching for the requests."""
+        computed = np.asarray(self.num_computed_tokens, dtype=np.int64)
+        return computed[req] + (tokens - self.query_start_loc[req])
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         qsl = self.query_start_loc
         start = np.asarray(self.num_computed_tokens, dtype=np.int64) - qsl[:-1]
@@ -311,10 +317,30 @@ def plan_layout(
     )
 
 
+_DECODES_LAYOUTS: dict[tuple, BatchLayout] = {}
+
+
 def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_tokens: int | None) -> BatchLayout:
     """``plan_layout`` of a batch of decodes copied to every rank (no ``shard_decodes``): every
     rank holds every token in batch order, rank 0 writes the KV. The general plan yields the
-    same layout; a decode step (most steps of a serving run) skips its pieces and sorts."""
+    same layout; a decode step (most steps of a serving run) skips its pieces and sorts.
+
+    A function of ``q`` alone (and ``p``, ``dcp_size``, ``padded_num_tokens``): batches that
+    repeat it (a serving run's decode steps at one batch size) share one layout, its arrays
+    read-only."""
+    # NOTE: q is int64 (_int_vector): its bytes say it all
+    key = (q.tobytes(), p, dcp_size, padded_num_tokens)
+    hit = _DECODES_LAYOUTS.get(key)
+    if hit is None:
+        hit = _build_replicated_decodes_layout(q, p, dcp_size, padded_num_tokens)
+        if len(_DECODES_LAYOUTS) > 1024:  # NOTE: a few hundred at most in a serving run: bounded memory
+            _DECODES_LAYOUTS.clear()
+        _DECODES_LAYOUTS[key] = hit
+    return hit
+
+
+def _build_replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int,
+                                     padded_num_tokens: int | None) -> BatchLayout:
     num_reqs = q.shape[0]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     q.cumsum(out=query_start_loc[1:])
@@ -336,7 +362,8 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
     held_idx = held.nonzero()[0]
     start = query_start_loc[held_idx]
     segment = RankSegments(held_idx, start, q[held_idx], start)
-    for a in (held_idx, start, segment.length):
+    replicated, per_rank_num_tokens = np.ones(num_reqs, dtype=bool), np.full(p, num_tokens, dtype=np.int64)
+    for a in (held_idx, start, segment.length, query_start_loc, replicated, owner, per_rank_num_tokens):
         a.flags.writeable = False
     return BatchLayout(
         pcp_size=p,
@@ -344,9 +371,9 @@ def _replicated_decodes_layout(q: np.ndarray, p: int, dcp_size: int, padded_num_
         shard_decodes=False,
         num_tokens=num_tokens,
         query_start_loc=query_start_loc,
-        replicated=np.ones(num_reqs, dtype=bool),
+        replicated=replicated,
         owner=owner,
-        per_rank_num_tokens=np.full(p, num_tokens, dtype=np.int64),
+        per_rank_num_tokens=per_rank_num_tokens,
         padded_num_tokens=n,
         segments=(segment,) * p,
         num_replicated_decode_tokens=num_tokens,

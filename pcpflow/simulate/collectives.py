@@ -233,6 +233,10 @@ class NcclTuner:
         # NOTE: comm->nChannels after ncclTopoPostset doubles the rings (connect.cc), for the
         # ring's plateau rule below.
         self.comm_channels = 2 * min(g.ring[0], g.tree[0])
+        # NOTE: pick tries the enabled pairs alone, in NCCL's order: a disabled one (bandwidth
+        # 0, time -1) is never picked.
+        self.enabled = {func: [(a, p) for a in range(len(ALGOS)) for p in range(3) if self.bandwidth[f][a][p] != 0]
+                        for f, func in enumerate(FUNCS)}
 
     def time_us(self, func: str, a: int, p: int, nbytes: float) -> float:
         """``ncclTopoGetAlgoTime``; -1 when the pair is disabled."""
@@ -255,11 +259,10 @@ class NcclTuner:
         if self.comm.nranks <= 1:
             return "ring", "Simple", 0.0
         best = (math.inf, RING, SIMPLE)
-        for a in range(len(ALGOS)):
-            for p in range(3):
-                t = self.time_us(func, a, p, nbytes)
-                if 0 <= t < best[0]:
-                    best = (t, a, p)
+        for a, p in self.enabled[func]:
+            t = self.time_us(func, a, p, nbytes)
+            if 0 <= t < best[0]:
+                best = (t, a, p)
         t, a, p = best
         return ALGOS[a], PROTOS[p], t * 1e-6
 

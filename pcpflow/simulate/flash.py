@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pcpflow.layouts.layout import BatchLayout, as_positions
+from pcpflow.layouts.layout import BatchLayout, TokenPositions, as_positions
 from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, RingPlan
 from pcpflow.layouts.slots import dcp_shard_len_sums, dcp_shard_lens
 
@@ -113,7 +113,10 @@ def _segments(layout: BatchLayout, positions) -> tuple[np.ndarray, ...]:
     cat = lambda f: np.concatenate([getattr(s, f) for s in segs]) if sum(lens) else np.zeros(0, np.int64)  # noqa: E731
     start, n, req, local = cat("global_start"), cat("length"), cat("req_idx"), cat("local_start")
     pos = as_positions(positions)
-    a = pos[np.minimum(start, max(pos.shape[0] - 1, 0))] if pos.shape[0] else start
+    if isinstance(pos, TokenPositions):  # NOTE: a segment is one request's: no search for it
+        a = pos.of_requests(start, req)
+    else:
+        a = pos[np.minimum(start, max(pos.shape[0] - 1, 0))] if pos.shape[0] else start
     if rank.shape[0] > 1:
         # NOTE: adjacent segments of one request (rank P-1's chunks P-1 and P) are one run.
         new = np.ones(rank.shape[0], dtype=bool)

@@ -95,6 +95,12 @@ class Kernels:
         t = np.maximum(t_bytes, t_flops)
         return np.where(t > 0, np.maximum(t, self.floor), 0.0), t_flops >= t_bytes
 
+    def decode_attention_scalar(self, flops: float, kv_bytes: float, *, peak_key: str) -> tuple[float, bool]:
+        """``decode_attention`` of one rank's figures (the hot path), in plain floats."""
+        t_flops, t_bytes = flops / self.peak(peak_key), kv_bytes / self.hbm
+        t = max(t_bytes, t_flops)
+        return (max(t, self.floor) if t > 0 else 0.0), t_flops >= t_bytes
+
     def memory(self, nbytes):
         """Seconds of memory-bound ops moving ``nbytes`` (floors are counted by kernel)."""
         return np.asarray(nbytes, dtype=np.float64) / self.hbm

@@ -463,7 +463,7 @@ class Pricer:
     # ------------------------------------------------------------------ the step
     def price(self, batch, layout, counts: StepCounts, *, runtime_mode: str = "none") -> StepPrice:
         s, grid, k, place = self.sizes, self.grid, self.kern, self.place
-        P, L = grid.pcp, s.num_layers
+        L = s.num_layers
         nd, rest = attention_rows(layout)
         samples = float(len(batch.logits_indices))
         g_t, g_c, g_flops, w_bytes = self._gemms(layout, batch, samples)
@@ -488,22 +488,24 @@ class Pricer:
         merge_bytes = self._merge_bytes(layout, counts, nd, rest)
         small = self._small_kernels
         inline = not self.hw.overlap.host  # NOTE: the host runs each op: its launch is in the op's time
+        # NOTE: what is the same on every rank stays one float (numpy broadcasts it, value for value)
         if inline:
             op_bytes = float(layout.padded_num_tokens) * s.hidden_size * self.act_bytes
-            t_mem = np.full(P, float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes)))
+            t_mem = float(k.memory(mem_bytes + merge_bytes, op_bytes=op_bytes))
         else:
-            t_mem = np.full(P, max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor))
+            t_mem = max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor)
 
         # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
-        comm, hidden = att.comm_s, np.zeros(P)
+        comm, calls = att.comm_s, 0
         for purpose, op, group, n_calls, tensor in counts.priced:
             sec, pick = place.seconds(op, group, tensor)
-            _add(terms, purpose, np.full(P, n_calls * sec), hidden)
+            _add(terms, purpose, n_calls * sec, 0.0)
             comm = comm + n_calls * sec
             picks[purpose] = pick
+            calls += n_calls
         gpu = g_t + t_attn + t_mem + comm
-        ring_calls = sum(counts.calls.get(p, 0) for p in RING_PURPOSES)
-        calls = sum(n for *_, n, _ in counts.priced) + ring_calls
+        if counts.ring is not None:
+            calls += sum(counts.calls.get(p, 0) for p in RING_PURPOSES)
         host = self.host.step(runtime_mode, calls)
         if counts.ring_plan is not None and runtime_mode != "full":
             # NOTE: each ring iteration past the first launches the attention backend's kernels again.
@@ -521,15 +523,15 @@ class Pricer:
             wait = sync_wait_seconds(self.hw.tables, calls, total - comm)
             total = total + wait
         slow = int(total.argmax())
-        out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0],
-               "memory_ops": [float(t_mem[slow]), 0.0]}
-        out.update({p: [float(e[slow]), float(h[slow])] for p, (e, h) in terms.items()})
+        out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0], "memory_ops": [t_mem, 0.0]}
+        for p, (e, h) in terms.items():
+            out[p] = [_at(e, slow), _at(h, slow)]
         out["host_launch"] = [host, 0.0] if inline else [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
         if self.measured:
             out["host_work"] = [work, 0.0]
             if wait:
                 out["sync_wait"] = [wait, 0.0]
-        p2p = sum(float(terms[p][0][slow]) for p in terms if picks.get(p) == "p2p")
+        p2p = sum(out[p][0] for p in terms if picks.get(p) == "p2p")
         fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
         return StepPrice(
             step_s=float(total[slow]),
@@ -578,8 +580,14 @@ class Pricer:
         k, L = self.kern, self.sizes.num_layers
         _, fpp, entry = self._per_pair()
         pairs = np.asarray(pairs, dtype=np.float64)
-        t, bound = k.decode_attention(fpp * pairs, entry * pairs, peak_key=self.act_key)
-        return np.where(pairs > 0, np.maximum(t, L * k.floor), 0.0), bound
+        floor = L * k.floor
+        # NOTE: a few ranks' floats: plain Python (each operation numpy's, value for value), not a numpy call each
+        t, bound = [], []
+        for x in pairs.ravel().tolist():
+            sec, flops_bound = k.decode_attention_scalar(fpp * x, entry * x, peak_key=self.act_key)
+            t.append(max(sec, floor) if x > 0 else 0.0)
+            bound.append(flops_bound)
+        return np.array(t, dtype=np.float64).reshape(pairs.shape), np.array(bound, dtype=bool).reshape(pairs.shape)
 
     def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
         """The all-gather paths: one call per rank, its rows over the context or its DCP shard
@@ -587,8 +595,9 @@ class Pricer:
         grid, P = self.grid, self.grid.pcp
         fpp, dpp, entry = self._per_pair()
         decode_pairs = counts.decode_work.astype(np.float64)
-        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
-        if not prefill_pairs.any():  # NOTE: a step of decodes: _prefill of no pairs is 0.0 on every rank
+        # NOTE: a step of decodes (its work is its decode work): _prefill of no pairs is 0.0 on every rank
+        prefill_pairs = None if counts.work is counts.decode_work else counts.work.astype(np.float64) - decode_pairs
+        if prefill_pairs is None or not prefill_pairs.any():
             t_dec, dec_bound = self._decode(decode_pairs)
             zeros = np.zeros(P)  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
             return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
@@ -744,11 +753,17 @@ class Pricer:
         return passes * rows * width * s.num_layers
 
 
-def _add(terms: dict, name: str, exposed: np.ndarray, hidden: np.ndarray) -> None:
+def _add(terms: dict, name: str, exposed: np.ndarray | float, hidden: np.ndarray | float) -> None:
+    """Add a term's [P] seconds (a float: the same on every rank)."""
     if name in terms:
         terms[name] = (terms[name][0] + exposed, terms[name][1] + hidden)
     else:
         terms[name] = (exposed, hidden)
+
+
+def _at(v: np.ndarray | float, rank: int) -> float:
+    """A term's seconds on ``rank`` (a float is every rank's)."""
+    return float(v[rank]) if isinstance(v, np.ndarray) else float(v)
 
 
 def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask) -> np.ndarray:

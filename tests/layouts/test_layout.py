@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pcpflow.layouts.layout import pad_layout, plan_layout
+from pcpflow.layouts.layout import TokenPositions, pad_layout, plan_layout
 
 REPO = Path(__file__).resolve().parents[2]
 PROPERTY = settings(max_examples=80, deadline=None, database=None)
@@ -419,6 +419,33 @@ def test_leading_decode_rows_are_identical_on_every_rank(batch):
     view = layout.padded_gather_idx.reshape(layout.pcp_size, -1)[:, :nd]
     assert (view == view[0]).all()
     assert layout.kv_write_mask.reshape(layout.pcp_size, -1)[1:, :nd].sum() == 0
+
+
+def test_a_repeated_decode_batch_shares_one_read_only_layout():
+    q, pre = np.array([1, 0, 1, 3], dtype=np.int64), np.zeros(4, dtype=bool)
+    first = plan_layout(q, pre, pcp_size=2)
+    again = plan_layout(q.copy(), pre, pcp_size=2, num_computed_tokens=[5, 6, 7, 8])  # no part of their layout
+    assert again is first
+    assert segments_of(first, 0) == segments_of(first, 1) == [(0, 0, 1, 0), (2, 1, 1, 1), (3, 2, 3, 2)]
+    assert first.owner.tolist() == [0, -1, 0, 0] and first.per_rank_num_tokens.tolist() == [5, 5]
+    for a in (first.query_start_loc, first.replicated, first.owner, first.per_rank_num_tokens,
+              first.segments[0].req_idx):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = a[0]
+    assert plan_layout(q, pre, pcp_size=2, padded_num_tokens=8).padded_num_tokens == 8  # its own entry
+
+
+@PROPERTY
+@given(batches())
+def test_segment_positions_by_request_are_the_tokens_positions(batch):
+    layout = plan(batch)
+    q, c = batch["num_scheduled_tokens"], batch["num_computed_tokens"]
+    positions = TokenPositions(layout.query_start_loc, c)
+    per_token = [int(c[r]) + i for r, n in enumerate(q.tolist()) for i in range(n)]
+    for seg in layout.segments:
+        got = positions.of_requests(seg.global_start, seg.req_idx).tolist()
+        assert got == [per_token[t] for t in seg.global_start.tolist()]
+        assert got == positions[seg.global_start].tolist()
 
 
 @PROPERTY
