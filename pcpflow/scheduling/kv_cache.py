@@ -165,6 +165,11 @@ class KVCacheManager:
         rows = self._rows_of(np.asarray(req_ids, dtype=np.int64))
         return np.where(rows >= 0, self._row_num_blocks[rows], 0)
 
+    def num_blocks_held(self, req_ids: np.ndarray) -> np.ndarray:
+        """``num_blocks_of_many`` of requests that each hold blocks (int64 ``req_ids``): the
+        scheduler's running requests, without the checks for ids holding none."""
+        return self._row_num_blocks[self._row_of[req_ids]]
+
     def blocks_of(self, req_id: int) -> np.ndarray:
         """The blocks ``req_id`` holds, in table order (a copy)."""
         row = self._row(req_id)
@@ -267,9 +272,9 @@ class KVCacheManager:
                 self._unindexed[own] = True
                 self._num_cached += n_own
                 todo ^= mine
+        if not todo.any():  # NOTE: the usual call: every block private, or cached already
+            return n_own
         if not todo.all():
-            if not todo.any():
-                return n_own
             blocks, hashes = blocks[todo], hashes[todo]
         keys = hashes.tolist()
         cached = self._cached
