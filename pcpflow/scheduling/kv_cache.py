@@ -282,7 +282,7 @@ class KVCacheManager:
         # NOTE: setdefault leaves a hash another block holds where it is, and keeps the first
         # block of a hash computed twice in one call: one dict operation per block
         collections.deque(map(cached.setdefault, keys, blocks.tolist()), maxlen=0)
-        if len(cached) - before < len(keys):  # rare: those blocks hold no hash
+        if len(cached) - before < len(keys):  # rare: the blocks setdefault passed over stay uncached
             won = np.fromiter(map(cached.__getitem__, keys), dtype=np.int64, count=len(keys)) == blocks
             blocks, hashes = blocks[won], hashes[won]
         self._hash[blocks] = hashes
