@@ -165,6 +165,11 @@ class KVCacheManager:
         rows = self._rows_of(np.asarray(req_ids, dtype=np.int64))
         return np.where(rows >= 0, self._row_num_blocks[rows], 0)
 
+    def num_blocks_held(self, req_ids: np.ndarray) -> np.ndarray:
+        """``num_blocks_of_many`` of requests that each hold blocks (int64 ``req_ids``): the
+        scheduler's running requests, without the checks for ids holding none."""
+        return self._row_num_blocks[self._row_of[req_ids]]
+
     def blocks_of(self, req_id: int) -> np.ndarray:
         """The blocks ``req_id`` holds, in table order (a copy)."""
         row = self._row(req_id)
@@ -246,8 +251,8 @@ class KVCacheManager:
     def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray, private: np.ndarray | None = None) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
         that hash to it: a hash another block holds is left as it is, and of a hash computed
-        twice in one call the first block wins. Per block, a dict probe and an insertion (a
-        second probe where a hash is cached already); the rest are array operations.
+        twice in one call the first block wins. Per block, one ``setdefault`` (and a probe
+        when a hash was cached already or came twice); the rest are array operations.
 
         ``private`` (bool per block): blocks whose hash no other request can compute or ask
         for (``RequestTable.private_from``), of a request never preempted: they hold their
@@ -267,20 +272,17 @@ class KVCacheManager:
                 self._unindexed[own] = True
                 self._num_cached += n_own
                 todo ^= mine
+        if not todo.any():  # NOTE: the usual call: every block private, or cached already
+            return n_own
         if not todo.all():
-            if not todo.any():
-                return n_own
             blocks, hashes = blocks[todo], hashes[todo]
         keys = hashes.tolist()
         cached = self._cached
-        if not cached.keys().isdisjoint(keys):  # NOTE: rare: a hash another block holds stays there
-            held = np.fromiter(map(cached.__contains__, keys), dtype=bool, count=len(keys))
-            blocks, hashes = blocks[~held], hashes[~held]
-            keys = hashes.tolist()
-        # NOTE: reversed, so that the first block of a hash computed twice in one call wins
         before = len(cached)
-        cached.update(zip(reversed(keys), reversed(blocks.tolist())))
-        if len(cached) - before < len(blocks):
+        # NOTE: setdefault leaves a hash another block holds where it is, and keeps the first
+        # block of a hash computed twice in one call: one dict operation per block
+        collections.deque(map(cached.setdefault, keys, blocks.tolist()), maxlen=0)
+        if len(cached) - before < len(keys):  # rare: the blocks setdefault passed over stay uncached
             won = np.fromiter(map(cached.__getitem__, keys), dtype=np.int64, count=len(keys)) == blocks
             blocks, hashes = blocks[won], hashes[won]
         self._hash[blocks] = hashes
@@ -458,8 +460,9 @@ class KVCacheManager:
             hashed = blocks[self._hash[blocks] != 0]
             if len(hashed):
                 indexed = hashed[~self._unindexed[hashed]]
-                if len(indexed):
-                    collections.deque(map(self._cached.__delitem__, self._hash[indexed].tolist()), maxlen=0)
+                cached = self._cached
+                for h in self._hash[indexed].tolist():  # NOTE: a loop beats map(cached.__delitem__, ...)
+                    del cached[h]
                 self._unindexed[hashed] = False
                 self._hash[hashed] = 0  # evicted: forgotten
                 self.num_evicted += len(hashed)
@@ -517,7 +520,10 @@ class KVCacheManager:
             self._row_of = grown
         if not self._free_rows:
             rows, width = self._table.shape
-            self._table = np.concatenate([self._table, np.zeros((rows, width), np.int64)])
+            # NOTE: np.zeros maps its pages lazily: only the rows copied (and later used) are touched
+            grown = np.zeros((2 * rows, width), dtype=np.int64)
+            grown[:rows] = self._table
+            self._table = grown
             self._row_num_blocks = np.concatenate([self._row_num_blocks, np.zeros(rows, np.int64)])
             self._free_rows = list(range(rows, 2 * rows))
         row = heapq.heappop(self._free_rows)

@@ -312,20 +312,20 @@ class Scheduler:
         self._updated_batch = None
         self._preempted, self._freed = [], []
         run = self._running
-        la = self.num_speculative_tokens
+        la, U = self.num_speculative_tokens, self.kv.tokens_per_block
         while True:
             q, written = self._running_tokens(run)
             written += q
             if la:
                 written += la * (q > 0)
-            grow = self.kv.blocks_needed(written) - self.kv.num_blocks_of_many(run)
+            grow = -(-written // U) - self.kv.num_blocks_held(run)  # NOTE: blocks_needed, less its checks
             if int(np.maximum(grow, 0).sum()) <= self.kv.num_free_blocks or not len(run):
                 break
             # FCFS: the last admitted gives its blocks back, and recomputes later.
             self._preempt(int(run[-1]))
             run = run[:-1]
         self._running = run
-        more = np.flatnonzero(grow > 0)
+        more = (grow > 0).nonzero()[0]
         if len(more):
             self.kv.grow(run[more], grow[more])
         hits = queries = 0
@@ -540,7 +540,7 @@ class Scheduler:
             j = np.arange(len(row_of)) - (take.cumsum() - take)[row_of]
             appended = sampled[acc.sample_start[row_of] + j]
         else:  # NOTE: a row appends at most one token
-            row_of = np.flatnonzero(take)
+            row_of = take.nonzero()[0]
             j = np.zeros(len(row_of), dtype=np.int64)
             appended = sampled[acc.sample_start[row_of]]
         take, row_of, j, appended, stopped = cut_at_stop(self.stop_token_ids, take, row_of, j, appended)
@@ -844,7 +844,7 @@ def _no_drafts(sampling: np.ndarray, sampled_token_ids: np.ndarray) -> Acceptanc
     if got != n:
         raise ValueError(f"expected one sampled token per logits index ({n}), got {got}")
     samples = sampling.astype(np.int64)
-    start = np.cumsum(samples)
+    start = samples.cumsum()
     start -= samples
     return Acceptance(np.zeros(len(samples), dtype=np.int64), samples, start)
 
