@@ -258,9 +258,23 @@ class NcclTuner:
         """(algorithm, protocol, seconds) NCCL chooses for ``nbytes`` (``topoGetAlgoInfo``)."""
         if self.comm.nranks <= 1:
             return "ring", "Simple", 0.0
+        # NOTE: time_us's expressions, inlined (a prefill step's sizes are new: every pick runs)
+        f = FUNCS.index(func)
+        bandwidth, latency = self.bandwidth[f], self.latency[f]
+        log_size = _log2i(int(nbytes) >> 6) if int(nbytes) >> 6 else -1
+        reduce = func == "all_reduce"
+        plateau = (reduce and self.comm.nnodes > 1
+                   and nbytes / (self.comm_channels * self.comm.nranks) >= 64)
         best = (math.inf, RING, SIMPLE)
         for a, p in self.enabled[func]:
-            t = self.time_us(func, a, p, nbytes)
+            bw, lat = bandwidth[a][p], latency[a][p]
+            if a == TREE and reduce and 0 <= log_size < 23:
+                bw *= TREE_CORRECTION[p][log_size]
+            if a == NVLS_TREE and reduce and 0 <= log_size < 24 and self.blackwell_x86:
+                bw *= TREE_CORRECTION[p][log_size]
+            if a == RING and p == SIMPLE and plateau:
+                lat *= 1.4
+            t = lat + nbytes / (1000.0 * bw)
             if 0 <= t < best[0]:
                 best = (t, a, p)
         t, a, p = best
