@@ -389,7 +389,8 @@ class Pricer:
 
     def _gemms_of(self, layout, samples: int, ctx, moe: bool):
         s, P = self.sizes, self.grid.pcp
-        out = [np.zeros(P) for _ in range(4)]
+        # NOTE: the dense GEMMs are every rank's: 0.0 + v is what adding them to zeros gave, one array each
+        out = [np.full(P, 0.0 + v) for v in self._dense_cost(int(layout.padded_num_tokens), samples)]
 
         def add(m, N, K, count, key=None, wb=None):
             kk = dict(peak_key=key or self.w_key, w_bytes=self.w_bytes if wb is None else wb, a_bytes=self.act_bytes)
@@ -399,8 +400,6 @@ class Pricer:
                                    count * N * K * kk["w_bytes"] * (m > 0))):
                 out[i] = out[i] + v
 
-        for i, v in enumerate(self._dense_cost(int(layout.padded_num_tokens), samples)):
-            out[i] = out[i] + v
         if ctx is not None:
             _, N, K = next(g for g in self._dense[0] if g[0] == "kv_b_proj")
             add(ctx, N, K, s.num_layers)
