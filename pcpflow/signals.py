@@ -39,7 +39,12 @@ class Interrupted(BaseException):
     @classmethod
     def of(cls, exc: BaseException) -> Interrupted | None:
         """The Interrupted an exception stands for (KeyboardInterrupt, torch elastic's
-        SignalException), or None."""
+        SignalException, or any error raised after this process's handler raised one), or None.
+
+        NOTE: our Interrupted, raised into a library's frame, can be replaced on its way out by
+        an error of that library's own cleanup: torch elastic's metrics wrapper, when the signal
+        lands before its first line, fails in its ``finally`` on an unbound local. The signal is
+        what happened; the error is its consequence."""
         if isinstance(exc, Interrupted):
             return exc
         if isinstance(exc, KeyboardInterrupt):
@@ -47,7 +52,8 @@ class Interrupted(BaseException):
         sigval = getattr(exc, "sigval", None)
         if sigval is not None and int(sigval) in (int(s) for s in HANDLED):
             return cls(int(sigval))
-        return None
+        fired = next((h.fired for h in handlers().values() if isinstance(h, _RaiseOnce) and h.fired), None)
+        return cls(fired) if fired else None
 
 
 class _RaiseOnce:
@@ -107,6 +113,11 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, handler)
     try:
         yield
+    except Exception as exc:
+        interrupted = Interrupted.of(exc)  # NOTE: our Interrupted, replaced by a library's cleanup error
+        if interrupted is None:
+            raise
+        raise interrupted from exc
     finally:
         restore(saved)
 

@@ -36,3 +36,30 @@ def test_interrupted_survives_pickling():
     # a joblib worker's job (hydra's joblib launcher) sends its exception back pickled
     back = pickle.loads(pickle.dumps(Interrupted(signal.SIGTERM)))
     assert isinstance(back, Interrupted) and back.signum == signal.SIGTERM and back.exit_code == 143
+
+
+def _metrics_wrapper(f):
+    # the shape of torch elastic's metrics wrapper (metrics/api.py): a signal that lands before
+    # its first line leaves `start` unbound, and its `finally` replaces our Interrupted
+    def wrapper():
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            start = 0.0
+            f()
+        finally:
+            print(start)  # noqa: F821 - UnboundLocalError, as in torch
+    return wrapper
+
+
+def test_a_library_error_that_replaces_our_interrupted_is_still_the_signal():
+    with pytest.raises(Interrupted) as caught:
+        with interruptible():
+            _metrics_wrapper(lambda: None)()
+    assert caught.value.exit_code == 143 and isinstance(caught.value.__cause__, UnboundLocalError)
+
+
+def test_an_error_without_a_signal_stays_what_it_is():
+    with pytest.raises(ValueError):
+        with interruptible():
+            raise ValueError("a stage's own error")
+    assert Interrupted.of(ValueError("outside any handler")) is None

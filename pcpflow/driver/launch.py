@@ -83,6 +83,11 @@ def launch_ranks(cfg: RunConfig, run_dir: Path, *, work: Callable[[Any, Path | N
         raise RankFailure.root_cause(exc, log_dir.glob(f"{config.run_id}*/attempt_*/*/error.json"), log_dir) from None
     except SignalException as exc:
         raise Interrupted(int(exc.sigval)) from None
+    except Exception as exc:  # NOTE: our Interrupted, replaced by an error of the agent's own cleanup
+        interrupted = Interrupted.of(exc)
+        if interrupted is None:
+            raise
+        raise interrupted from exc
     finally:
         for k, v in saved.items():
             if v is None:
