@@ -167,16 +167,20 @@ def held_out() -> str:
     rule = [simulated(4, CONTEXT_CACHED, ring="ring_auto", cached=CONTEXT_CACHED - t)[1].records[-1]["cp_attention"]
             for t in miss]
     out.append("| ring_auto | " + " | ".join({"ring_pass_kv": "pass-KV", "ring_pass_q": "pass-Q"}[r] for r in rule) + " |")
-    out += ["", "Decode, batch 1, time per output token over 16 tokens (ms; CP > 1: the ring's pass-Q, the "
-            "replicated query staying on every rank, its partials moving):", "",
-            "| context | CP1 x TP8 | CP2 x TP8 | CP4 x TP8 |", "|---|--:|--:|--:|"]
+    out += ["", "Decode, batch 1, time per output token over 16 tokens (ms). CP > 1 runs the ring's pass-Q "
+            "(`simulate.cp_decode=ring_pass_q`): Meta's decode splits the batch's queries over the ring "
+            "(`decode=sharded`: a query travels N - 1 hops, its partials come back in one all-to-all); "
+            "`decode=replicated` keeps the query on every rank and moves only the partials:", "",
+            "| context | decode | CP1 x TP8 | CP2 x TP8 | CP4 x TP8 |", "|---|---|--:|--:|--:|"]
     for context in (8_192, 131_072):
-        cells = []
-        for n in (1, 2, 4):
-            extra = ["cudagraph_mode=full_decode_only", *(["simulate.cp_decode=ring_pass_q"] if n > 1 else [])]
-            m, _ = simulated(n, context, extra, outputs=17)
-            cells.append(f"{m['tpot']['mean_s'] * 1e3:.1f}")
-        out.append(f"| {context:,} | " + " | ".join(cells) + " |")
+        for mode in ("sharded", "replicated"):
+            cells = []
+            for n in (1, 2, 4):
+                extra = ["cudagraph_mode=full_decode_only", f"decode={mode}",
+                         *(["simulate.cp_decode=ring_pass_q"] if n > 1 else [])]
+                m, _ = simulated(n, context, extra, outputs=17)
+                cells.append(f"{m['tpot']['mean_s'] * 1e3:.1f}")
+            out.append(f"| {context:,} | {mode}{' (Meta)' if mode == 'sharded' else ''} | " + " | ".join(cells) + " |")
     out += ["", "TP spread over nodes against CP x TP8, full prefill TTFT (ms):", "",
             "| context | CP2 x TP8 | TP16 (2 nodes) | CP4 x TP8 | TP32 (4 nodes) |", "|---|--:|--:|--:|--:|"]
     for context in (8_192, 32_768, 131_072):

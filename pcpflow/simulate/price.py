@@ -645,13 +645,15 @@ class Pricer:
         exposed, hidden = np.maximum(hop - attention, 0.0), np.minimum(hop, attention)
         if not self.hw.overlap.p2p:  # NOTE: the profile's transfers run on the thread that computes
             exposed, hidden = hop, np.zeros_like(hop)
+        # NOTE: a hop is its send and its receive: each purpose's share of the bytes of both (a
+        # rank that sends nothing still waits for what it receives)
         total_b = np.zeros((P, P))
-        total_b[:, : P - 1] = kv_b + q_b
+        total_b[:, : P - 1] = kv_b + q_b + np.roll(kv_b + q_b, 1, axis=0)
         for purpose, b in (("ring_send_kv", kv_b), ("ring_send_q", q_b)):
             if not b.any():
                 continue
             part = np.zeros((P, P))
-            part[:, : P - 1] = b
+            part[:, : P - 1] = b + np.roll(b, 1, axis=0)
             w = np.where(total_b > 0, part / np.maximum(total_b, 1e-300), 0.0)
             _add(terms, purpose, (exposed * w).sum(axis=1), (hidden * w).sum(axis=1))
             picks[purpose] = "p2p"

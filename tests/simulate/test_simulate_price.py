@@ -164,10 +164,18 @@ def test_one_prefill_by_hand():
     assert m["per_rank_attention_work"] == [pairs]
 
 
-def test_every_step_is_the_sum_of_its_exposed_terms():
+@pytest.mark.parametrize("extra", [
+    [],
+    ["pipeline.forward.cp_attention=ring_pass_kv"],
+    ["pipeline.forward.cp_attention=ring_pass_q"],
+    # a batch-1 decode's query travels from its owner: the rank that only receives waits for it
+    ["simulate.cp_decode=ring_pass_q", "workload.prompt_lens=[20000]", "cudagraph_mode=full_decode_only"],
+    ["simulate.cp_decode=ring_pass_q", "decode=replicated"],
+], ids=["allgather", "pass_kv", "pass_q", "ring_decode_one_query", "ring_decode_replicated"])
+def test_every_step_is_the_sum_of_its_exposed_terms(extra):
     run = SimulatedRun(compose(["mode=simulate", "hardware=h200_sxm", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2",
                                 "decode=sharded", "workload=explicit", "workload.prompt_lens=[20000,3000]",
-                                "workload.output_lens=[4]", "output.plots=false"]))
+                                "workload.output_lens=[4]", "output.plots=false", *extra]))
     m = run.run()["metrics"]
     for r in run.records:
         assert sum(r["purpose_s"].values()) == pytest.approx(r["step_s"], rel=1e-9)
