@@ -477,7 +477,11 @@ class RequestTable:
             heads, first, bounds, hashed_end = self._trace_heads(reqs)
             last_pos = (j + 1) * U - 1
             inside = np.flatnonzero(last_pos < hashed_end[row])
-            k = np.searchsorted(bounds, last_pos[inside], side="right") - 1
+            tokens = ident.trace_block_tokens
+            if float(tokens).is_integer():  # NOTE: bounds are multiples of it: the hash block is a division
+                k = last_pos[inside] // int(tokens)
+            else:
+                k = np.searchsorted(bounds, last_pos[inside], side="right") - 1
             head[inside] = heads[first[row[inside]] + k]
             whole = np.flatnonzero(n <= hashed_end)  # the prompt ends inside its hash blocks
             k = np.searchsorted(bounds, n[whole] - 1, side="right") - 1
