@@ -97,7 +97,9 @@ def chain(contents: np.ndarray, start=ROOT, lengths=None) -> np.ndarray:
     first = np.cumsum(lengths) - lengths
     run = np.repeat(np.arange(len(lengths)), lengths)
     j = np.arange(n) - first[run]
-    start = np.broadcast_to(np.asarray(start, dtype=np.uint64), lengths.shape)[run]
+    start = np.asarray(start, dtype=np.uint64)
+    if start.ndim:  # NOTE: one start per run; a single one multiplies as a scalar, no gather
+        start = np.broadcast_to(start, lengths.shape)[run]
     with np.errstate(over="ignore"):
         s = np.cumsum(c * down[j], dtype=np.uint64)
         s -= np.concatenate([np.zeros(1, np.uint64), s])[first][run]
