@@ -26,6 +26,7 @@ of the instance run behind a router (``pcpflow.simulate.serving``).
 from __future__ import annotations
 
 import time
+from operator import add
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -57,6 +58,9 @@ from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_coun
 from pcpflow.simulate.serving import Router, run_replicas
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 from pcpflow.simulate.slo_watch import GaveUp, SloWatch
+
+TOTALS = ("compute_s", "memory_s", "communication_s", "flops", "hbm_bytes")
+"""The per-rank figures of every step's price that a run sums (``SimulatedRun.totals``)."""
 
 REQUEST_ROWS_IN_RESULT = 20_000
 """result.json lists each request up to this many; beyond, requests.csv in the run dir does."""
@@ -108,7 +112,8 @@ class SimulatedRun:
         self.keep_records = keep_records
         self.watch = SloWatch.of(cfg, self.requests, fixed_outputs=True, target=give_up_below)
         self.records: list[dict[str, Any]] = []
-        self.totals = {k: np.zeros(cfg.pcp) for k in ("compute_s", "memory_s", "communication_s", "flops", "hbm_bytes")}
+        # NOTE: per-rank sums as lists of floats (each step adds P floats, as numpy's += did); ``totals`` arrays them
+        self._totals = {k: [0.0] * cfg.pcp for k in TOTALS}
         self.breakdown: dict[str, list[float]] = {}
         self.fitted_s: dict[str, float] = {}
         self.picks: dict[str, dict[str, int]] = {}
@@ -140,6 +145,11 @@ class SimulatedRun:
             table = self.requests
             self.arrivals = Arrivals(table.arrival_s if table.timed else table.arrival_steps, table.max_concurrency)
             self.router = Router(cfg.serving.router, self.schedulers)
+
+    @property
+    def totals(self) -> dict[str, np.ndarray]:
+        """Per-rank sums over the steps: compute, memory and exposed communication seconds, FLOPs, HBM bytes."""
+        return {k: np.array(v, dtype=np.float64) for k, v in self._totals.items()}
 
     @property
     def clock(self) -> float:
@@ -268,7 +278,7 @@ class SimulatedRun:
         for rest in candidates:
             counts = self._counts(batch, layout, rest)
             priced.append((rest, counts, self.pricer.price(batch, layout, counts, runtime_mode=mode)))
-        rest, counts, p = min(priced, key=lambda x: x[2].step_s)
+        rest, counts, p = priced[0] if len(priced) == 1 else min(priced, key=lambda x: x[2].step_s)
         return rest, counts, p, meta
 
     def _ring_variant(self, batch, layout) -> str | None:
@@ -298,9 +308,10 @@ class SimulatedRun:
         return "context" if self._choose("ring_auto", batch, layout) == "pass_kv" else "queries"
 
     def _accumulate(self, rest: DCPRest | None, p: StepPrice, meta: str | None) -> None:
+        t = self._totals
         for k, v in (("compute_s", p.compute_s), ("memory_s", p.memory_s), ("communication_s", p.communication_s),
                      ("flops", p.flops), ("hbm_bytes", p.hbm_bytes)):
-            self.totals[k] += v
+            t[k] = list(map(add, t[k], v))
         for k, (e, h) in p.terms.items():
             acc = self.breakdown.setdefault(k, [0.0, 0.0])
             acc[0] += e
@@ -350,9 +361,9 @@ def _step_fields(rest: DCPRest | None, counts, p: StepPrice, meta: str | None) -
         "cp_attention": counts.ring or "allgather",
         **({"per_rank_collective_calls": counts.per_rank_calls,
             "per_rank_collective_bytes": counts.per_rank_bytes} if counts.ring else {}),
-        "per_rank_compute_s": p.compute_s.tolist(),
-        "per_rank_memory_s": p.memory_s.tolist(),
-        "per_rank_communication_s": p.communication_s.tolist(),
+        "per_rank_compute_s": p.compute_s,
+        "per_rank_memory_s": p.memory_s,
+        "per_rank_communication_s": p.communication_s,
         "purpose_s": p.purpose_s,
         "hidden_s": {k: v[1] for k, v in p.terms.items() if v[1]},
     }
@@ -365,7 +376,8 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
     cfg, sim, hw, grid = run.cfg, run.sim, run.hw, run.grid
     run_s = run.recorder.run_s  # busy time, summed over replicas
     gpus = grid.world_size * cfg.serving.replicas
-    flops = run.totals["flops"] * grid.tp  # a PCP rank's TP ranks each do 1/tp
+    totals = run.totals
+    flops = totals["flops"] * grid.tp  # a PCP rank's TP ranks each do 1/tp
     breakdown = {k: {"exposed_s": v[0], "hidden_s": v[1]} for k, v in sorted(run.breakdown.items())}
     return {
         "hardware": hw.name,
@@ -388,7 +400,7 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
         "attention": flash.SOURCE,
         "kernels_per_layer": run.pricer.host.per_layer,
         "collectives": run.picks,
-        "per_rank": {k: v.tolist() for k, v in run.totals.items()},
+        "per_rank": {k: v.tolist() for k, v in totals.items()},
         "dcp_rest_steps": run.dcp_rest_steps,
         **({"dcp_rest_meta_rule_steps": run.meta_rule_steps} if run.meta_rule_steps else {}),
         # NOTE: all_to_all MoE bytes follow the router; simulated, they are uniform routing's expectation.

@@ -201,11 +201,19 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
         work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, positions, grid, interleave,
                                                              dcp_rest.mode, None)
-        # NOTE: whether any, or every, token is a decode reads the requests that have tokens
-        scheduled = batch.num_scheduled_tokens > 0
-        if not batch.is_prefilling[scheduled].any():
+        # NOTE: whether any, or every, token is a decode reads the requests that have tokens;
+        # without shard_decodes the layout counts their tokens (num_replicated_decode_tokens:
+        # every decode token of the step), so that is all of the step's, or none, without a numpy call
+        nd = layout.num_replicated_decode_tokens
+        if layout.shard_decodes:
+            scheduled = batch.num_scheduled_tokens > 0
+            decodes_only = not batch.is_prefilling[scheduled].any()
+            prefills_only = not decodes_only and batch.is_prefilling[scheduled].all()
+        else:
+            decodes_only, prefills_only = nd == layout.num_tokens, nd == 0
+        if decodes_only:
             decode_work = work
-        elif batch.is_prefilling[scheduled].all():
+        elif prefills_only:
             decode_work = np.zeros_like(work)
         else:
             decode_work = _busiest_shard(layout, positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
@@ -299,15 +307,17 @@ def _tensor_bytes(c, dtype_bytes: int) -> float:
 
 @dataclass
 class StepPrice:
+    """One step's price; per-rank figures are lists of P floats (the step record's form)."""
+
     step_s: float
     terms: dict[str, list[float]]  # slowest rank: term -> [exposed_s, hidden_s]
-    compute_s: np.ndarray  # [P]: FLOP-bound kernel time
-    memory_s: np.ndarray  # [P]: HBM-bound kernel time
-    communication_s: np.ndarray  # [P]: exposed collective and host time
+    compute_s: list[float]  # [P]: FLOP-bound kernel time
+    memory_s: list[float]  # [P]: HBM-bound kernel time
+    communication_s: list[float]  # [P]: exposed collective and host time
     fitted_s: dict[str, float]  # slowest rank: exposed seconds each fitted factor scales
     picks: dict[str, str]  # purpose -> what NCCL picked (algorithm/protocol) or p2p
-    flops: np.ndarray
-    hbm_bytes: np.ndarray
+    flops: list[float]  # [P]
+    hbm_bytes: list[float]  # [P]
 
     @property
     def purpose_s(self) -> dict[str, float]:
@@ -318,14 +328,15 @@ class StepPrice:
 @dataclass
 class Attention:
     """A step's attention per PCP rank: seconds (prefill and decode kernels), their
-    compute-bound part, FLOPs, decode KV bytes read, and a ring's exposed transfers."""
+    compute-bound part, FLOPs, decode KV bytes read, and a ring's exposed transfers
+    (arrays, or lists of floats)."""
 
-    prefill_s: np.ndarray
-    decode_s: np.ndarray
-    compute_s: np.ndarray
-    flops: np.ndarray
-    decode_bytes: np.ndarray
-    comm_s: np.ndarray
+    prefill_s: np.ndarray | list[float]
+    decode_s: np.ndarray | list[float]
+    compute_s: np.ndarray | list[float]
+    flops: np.ndarray | list[float]
+    decode_bytes: np.ndarray | list[float]
+    comm_s: np.ndarray | list[float]
 
 
 class Pricer:
@@ -348,7 +359,7 @@ class Pricer:
         self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
         self._dense = self._gemm_set()
         self._dense_cache: dict[tuple[int, int], tuple[float, float, float, float]] = {}
-        self._gemms_cache: dict[tuple, tuple[np.ndarray, ...]] = {}
+        self._gemms_cache: dict[tuple, tuple[list[float], ...]] = {}
         # NOTE: what depends only on the run (model, grid, hardware, host) is computed once, by
         # the same expressions a step used to evaluate: every step reads the same floats.
         self._pair_costs = self._pair_costs_of_run()
@@ -364,7 +375,8 @@ class Pricer:
 
     # ------------------------------------------------------------------ compute
     def _gemms(self, layout, batch, samples: float):
-        """[P] GEMM seconds, [P] of them compute-bound seconds, [P] FLOPs, [P] weight bytes."""
+        """[P] GEMM seconds, [P] of them compute-bound seconds, [P] FLOPs, [P] weight bytes
+        (lists of floats, shared by the steps that repeat the inputs: read-only)."""
         s = self.sizes
         ctx = None
         if s.attention == "mla" and s.kv_b_params and not self.measured:  # pcpflow's own MLA stays absorbed
@@ -374,14 +386,13 @@ class Pricer:
         moe_rows = layout.per_rank_num_tokens if s.num_experts and s.num_moe_layers else None
         # NOTE: the GEMMs are a function of these inputs alone (padded rows, sampled rows, MLA's
         # expanded context, the MoE layers' real rows per rank): steps that repeat them (decode
-        # steps at one batch size) reuse the arrays, read-only, that the same sums produced.
+        # steps at one batch size) reuse the values, read-only, that the same sums produced.
         key = (int(layout.padded_num_tokens), int(samples), None if ctx is None else ctx.tobytes(),
                None if moe_rows is None else moe_rows.tobytes())
         hit = self._gemms_cache.get(key)
         if hit is None:
-            hit = self._gemms_of(layout, int(samples), ctx, moe_rows is not None)
-            for a in hit:
-                a.flags.writeable = False
+            # NOTE: kept as lists of floats (tolist: value for value), for price's per-rank sums
+            hit = tuple(a.tolist() for a in self._gemms_of(layout, int(samples), ctx, moe_rows is not None))
             if len(self._gemms_cache) > 4096:
                 self._gemms_cache.clear()
             self._gemms_cache[key] = hit
@@ -476,7 +487,13 @@ class Pricer:
             att = self._measured_attention(batch, layout, counts)
         else:
             att = self._engine_attention(batch, layout, counts)
-        t_attn = att.prefill_s + att.decode_s
+        # NOTE: from here every [P] figure is a list of floats: P is a few ranks, and numpy's
+        # elementwise float64 operations are Python's, value for value (the same operations in
+        # the same order), without a numpy call each.
+        pre_s, dec_s, att_compute, att_flops, att_dec_bytes, att_comm = (
+            x.tolist() if isinstance(x, np.ndarray) else x
+            for x in (att.prefill_s, att.decode_s, att.compute_s, att.flops, att.decode_bytes, att.comm_s))
+        t_attn = [a + b for a, b in zip(pre_s, dec_s)]
 
         # Memory-bound ops: bytes per row and layer, and at least a floor per small kernel.
         if self.counted_bytes is not None:
@@ -495,14 +512,15 @@ class Pricer:
             t_mem = max(float(k.memory(mem_bytes + merge_bytes)), small * k.floor)
 
         # Collectives: the engine's all exposed (a ring's hops hide behind its iterations: _ring).
-        comm, calls = att.comm_s, 0
+        comm, calls = att_comm, 0
         for purpose, op, group, n_calls, tensor in counts.priced:
             sec, pick = place.seconds(op, group, tensor)
-            _add(terms, purpose, n_calls * sec, 0.0)
-            comm = comm + n_calls * sec
+            sec = n_calls * sec
+            _add(terms, purpose, sec, 0.0)
+            comm = [c + sec for c in comm]
             picks[purpose] = pick
             calls += n_calls
-        gpu = g_t + t_attn + t_mem + comm
+        gpu = [g + a + t_mem + c for g, a, c in zip(g_t, t_attn, comm)]
         if counts.ring is not None:
             calls += sum(counts.calls.get(p, 0) for p in RING_PURPOSES)
         host = self.host.step(runtime_mode, calls)
@@ -514,34 +532,36 @@ class Pricer:
         work = host_seconds(self.hw.tables, len(batch.num_scheduled_tokens), int(batch.num_tokens)) if self.measured else 0.0
         if inline:
             host = self._inline_ops(layout) * self.launch_s
-            total = gpu + host + work
+            total = [x + host + work for x in gpu]
         else:
-            total = np.maximum(gpu, host) + work
+            # NOTE: max(x, host) is np.maximum's value (no NaN here)
+            total = [max(x, host) + work for x in gpu]
         wait = 0.0
         if self.measured:
-            wait = sync_wait_seconds(self.hw.tables, calls, total - comm)
-            total = total + wait
-        slow = int(total.argmax())
-        out = {"gemm": [float(g_t[slow]), 0.0], "attention": [float(t_attn[slow]), 0.0], "memory_ops": [t_mem, 0.0]}
+            wait = sync_wait_seconds(self.hw.tables, calls, [t - c for t, c in zip(total, comm)])
+            total = [t + wait for t in total]
+        slow = total.index(max(total))  # NOTE: the first of the largest, as argmax
+        out = {"gemm": [g_t[slow], 0.0], "attention": [t_attn[slow], 0.0], "memory_ops": [t_mem, 0.0]}
         for p, (e, h) in terms.items():
             out[p] = [_at(e, slow), _at(h, slow)]
-        out["host_launch"] = [host, 0.0] if inline else [max(host - float(gpu[slow]), 0.0), min(host, float(gpu[slow]))]
+        out["host_launch"] = [host, 0.0] if inline else [max(host - gpu[slow], 0.0), min(host, gpu[slow])]
         if self.measured:
             out["host_work"] = [work, 0.0]
             if wait:
                 out["sync_wait"] = [wait, 0.0]
         p2p = sum(out[p][0] for p in terms if picks.get(p) == "p2p")
-        fitted = {"gemm_efficiency": float(g_c[slow]), "p2p_efficiency": p2p}
+        fitted = {"gemm_efficiency": g_c[slow], "p2p_efficiency": p2p}
         return StepPrice(
-            step_s=float(total[slow]),
+            step_s=total[slow],
             terms=out,
-            compute_s=g_c + att.compute_s,
-            memory_s=(g_t - g_c) + (t_attn - att.compute_s) + t_mem,
-            communication_s=total - g_t - t_attn - t_mem,  # exposed collectives and host
+            compute_s=[a + b for a, b in zip(g_c, att_compute)],
+            memory_s=[gt - gc + (ta - ac) + t_mem for gt, gc, ta, ac in zip(g_t, g_c, t_attn, att_compute)],
+            # exposed collectives and host
+            communication_s=[t - gt - ta - t_mem for t, gt, ta in zip(total, g_t, t_attn)],
             fitted_s=fitted,
             picks=picks,
-            flops=g_flops + att.flops,
-            hbm_bytes=w_bytes + att.decode_bytes + mem_bytes + merge_bytes,
+            flops=[a + b for a, b in zip(g_flops, att_flops)],
+            hbm_bytes=[w + d + mem_bytes + merge_bytes for w, d in zip(w_bytes, att_dec_bytes)],
         )
 
     def _per_pair(self) -> tuple[float, float, float]:
@@ -576,17 +596,22 @@ class Pricer:
 
     def _decode(self, pairs):
         """Seconds of split-KV decode attention of ``pairs`` and whether FLOPs bound it."""
+        pairs = np.asarray(pairs, dtype=np.float64)
+        t, bound = self._decode_lists(pairs.ravel().tolist())
+        return np.array(t, dtype=np.float64).reshape(pairs.shape), np.array(bound, dtype=bool).reshape(pairs.shape)
+
+    def _decode_lists(self, pairs: list[float]) -> tuple[list[float], list[bool]]:
+        """``_decode`` of a few ranks' pairs (floats), as lists."""
         k, L = self.kern, self.sizes.num_layers
         _, fpp, entry = self._per_pair()
-        pairs = np.asarray(pairs, dtype=np.float64)
         floor = L * k.floor
         # NOTE: a few ranks' floats: plain Python (each operation numpy's, value for value), not a numpy call each
         t, bound = [], []
-        for x in pairs.ravel().tolist():
+        for x in pairs:
             sec, flops_bound = k.decode_attention_scalar(fpp * x, entry * x, peak_key=self.act_key)
             t.append(max(sec, floor) if x > 0 else 0.0)
             bound.append(flops_bound)
-        return np.array(t, dtype=np.float64).reshape(pairs.shape), np.array(bound, dtype=bool).reshape(pairs.shape)
+        return t, bound
 
     def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
         """The all-gather paths: one call per rank, its rows over the context or its DCP shard
@@ -597,10 +622,12 @@ class Pricer:
         # NOTE: a step of decodes (its work is its decode work): _prefill of no pairs is 0.0 on every rank
         prefill_pairs = None if counts.work is counts.decode_work else counts.work.astype(np.float64) - decode_pairs
         if prefill_pairs is None or not prefill_pairs.any():
-            t_dec, dec_bound = self._decode(decode_pairs)
-            zeros = np.zeros(P)  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
-            return Attention(zeros, t_dec, np.where(dec_bound, t_dec, 0.0), dpp * decode_pairs, entry * decode_pairs,
-                             zeros)
+            # NOTE: per-rank lists of floats (astype's values): price sums them in plain Python
+            dec = decode_pairs.tolist()
+            t_dec, dec_bound = self._decode_lists(dec)
+            zeros = [0.0] * P  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
+            return Attention(zeros, t_dec, [t if b else 0.0 for t, b in zip(t_dec, dec_bound)],
+                             [dpp * x for x in dec], [entry * x for x in dec], zeros)
         ratio = np.ones(P)
         blocks = flash.engine_blocks(layout, batch.token_positions, batch.is_prefilling, dcp_size=grid.dcp,
                                      interleave=self.interleave, dcp_rest=counts.dcp_rest)
