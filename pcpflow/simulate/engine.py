@@ -309,9 +309,8 @@ class SimulatedRun:
 
     def _accumulate(self, rest: DCPRest | None, p: StepPrice, meta: str | None) -> None:
         t = self._totals
-        for k, v in (("compute_s", p.compute_s), ("memory_s", p.memory_s), ("communication_s", p.communication_s),
-                     ("flops", p.flops), ("hbm_bytes", p.hbm_bytes)):
-            t[k] = list(map(add, t[k], v))
+        for k in TOTALS:
+            t[k] = list(map(add, t[k], getattr(p, k)))
         for k, (e, h) in p.terms.items():
             acc = self.breakdown.setdefault(k, [0.0, 0.0])
             acc[0] += e
