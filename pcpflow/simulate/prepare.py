@@ -85,8 +85,6 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     raw["simulate"] = sim_raw
     if sim_raw.get("weights_dtype") is None:
         sim_raw["weights_dtype"] = (raw.get("model") or {}).get("weights_dtype") or _executed_weights(raw)
-    if raw.get("hardware") is None:
-        raise ConfigError([Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")])
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})
     derive = unset_derived(raw)
     if not derive:
@@ -111,6 +109,9 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         for field in derive:
             section, key = field.split(".")
             raw[section][key] = 1
+        disagg = raw.get("disagg") or {}
+        if disagg.get("kind") == "pd" and (disagg.get("decode_pool") or {}).get("num_blocks") is None:
+            derive.append("disagg.decode_pool.num_blocks")  # it falls back to the placeholder kv.num_blocks
         return raw, frozenset(derive)
     if sched.get("max_num_batched_tokens") is None:
         # A prompt prefilled unchunked, beside a decode on every other seat.
@@ -199,7 +200,7 @@ def simulate_problems(cfg) -> list[Problem]:
                              "(executed runs take tiny_mla, tiny_gqa or hf)"))
         return p
     if cfg.hardware is None:
-        return [Problem("hardware", None, f"mode=simulate prices on a hardware profile: hardware=one of {', '.join(hardware_names())}")]
+        return [Problem("hardware", None, f"mode=simulate and mode=search price on a hardware profile: hardware=one of {', '.join(hardware_names())}")]
     try:
         sizes = model_sizes(cfg.model)
     except ValueError as exc:

@@ -129,6 +129,16 @@ def test_every_problem_is_listed_together():
     assert "kv.num_blocks" not in found and "scheduler.max_num_batched_tokens" not in found
 
 
+
+@pytest.mark.parametrize("extra", [[], ["disagg=pd"]])
+def test_a_missing_hardware_profile_does_not_hide_the_other_problems(extra):
+    """Without a profile nothing can be derived (kv.num_blocks, a decode pool's blocks): the
+    command's own problems are listed beside it, and no placeholder is judged."""
+    base = [o for o in RUN if not o.startswith("hardware")]
+    found = problems("workload.request_rate=0", "slo.ttft_s=-1", "workload.max_concurrency=0", *extra, base=base)
+    assert set(found) == {"hardware", "workload.request_rate", "slo.ttft_s", "workload.max_concurrency"}, found
+    assert "h200_sxm" in found["hardware"] and "mode=simulate" in found["hardware"]
+
 TRACE = [*(o for o in RUN if not o.startswith("workload")), "workload=trace",
          f"workload.path={REPO / 'scripts' / 'data' / 'mooncake_conversation_head.jsonl'}", "workload.max_requests=4"]
 
