@@ -152,7 +152,8 @@ def held_out() -> str:
     """Predictions for the shapes of the paper's held-out tables (no published value here:
     they are the reviewers'): a cached 128K context continued on CP4 x TP8 by pass-KV and
     pass-Q (and what ``ring_auto`` runs: ``choose_ring_variant``, the executed rule, with this
-    hardware's rates), decode time per token by layout, and TP spread over nodes against CP."""
+    hardware's rates), decode time per token by layout and its attention by operator, and TP spread
+    over nodes against CP."""
     miss = (1_280, 6_400, 12_800, 25_600, 64_000, 128_000)
     out = ["Cached prefix, 128,000 tokens of context, CP4 x TP8, TTFT of the continued prefill (ms):", "",
            "| new tokens (miss rate) | " + " | ".join(f"{t:,} ({t / 1280:.0f}%)" for t in miss) + " |",
@@ -172,15 +173,26 @@ def held_out() -> str:
             "(`decode=sharded`: a query travels N - 1 hops, its partials come back in one all-to-all); "
             "`decode=replicated` keeps the query on every rank and moves only the partials:", "",
             "| context | decode | CP1 x TP8 | CP2 x TP8 | CP4 x TP8 |", "|---|---|--:|--:|--:|"]
+    breakdown = []
     for context in (8_192, 131_072):
         for mode in ("sharded", "replicated"):
             cells = []
             for n in (1, 2, 4):
                 extra = ["cudagraph_mode=full_decode_only", f"decode={mode}",
                          *(["simulate.cp_decode=ring_pass_q"] if n > 1 else [])]
-                m, _ = simulated(n, context, extra, outputs=17)
+                m, run = simulated(n, context, extra, outputs=17)
                 cells.append(f"{m['tpot']['mean_s'] * 1e3:.1f}")
+                if mode == "sharded":
+                    breakdown.append(decode_operators(run, context, n))
             out.append(f"| {context:,} | {mode}{' (Meta)' if mode == 'sharded' else ''} | " + " | ".join(cells) + " |")
+    out += ["", "Decode attention by operator, batch 1, Meta's pass-Q (`decode=sharded`), per layer and output "
+            "token (us; each operator's whole time, hidden or not): the attention kernel (ATTN, on the slowest rank), "
+            "one hop of the query with the new token's KV entry (SendRecv; N - 1 hops a layer, a rank sends one "
+            "and receives one), the partials' all-to-all (All2All), and what the slowest rank's attention "
+            "takes with them (exposed):", "",
+            "| context | layout | ATTN | SendRecv | All2All | attention, exposed |", "|---|---|--:|--:|--:|--:|"]
+    for row in breakdown:
+        out.append("| " + " | ".join(row) + " |")
     out += ["", "TP spread over nodes against CP x TP8, full prefill TTFT (ms):", "",
             "| context | CP2 x TP8 | TP16 (2 nodes) | CP4 x TP8 | TP32 (4 nodes) |", "|---|--:|--:|--:|--:|"]
     for context in (8_192, 32_768, 131_072):
@@ -188,6 +200,28 @@ def held_out() -> str:
         cells = [ms(2), ms(1, tp=16), ms(4), ms(1, tp=32)]
         out.append(f"| {context:,} | " + " | ".join(f"{c:,.0f}" for c in cells) + " |")
     return "\n".join(out)
+
+
+def decode_operators(run, context: int, n: int) -> list[str]:
+    """Cells of one decode layout's operator row, per layer, the mean over its decode steps
+    (every step after the prefill): the attention kernel and the all-to-all on the slowest
+    rank (the step's own terms, hidden or not), one hop as the run prices it (its bytes: the
+    query and the new token's KV entry, over the ring's N - 1 hops a layer), and the attention
+    the slowest rank's step exposes (kernel and transfers)."""
+    steps, layers = run.records[1:], run.sizes.num_layers
+    def mean(key: str, purposes) -> float:
+        return sum(r[key].get(k, 0.0) for r in steps for k in purposes) / len(steps)
+
+    whole = lambda k: mean("purpose_s", (k,)) + mean("hidden_s", (k,))  # noqa: E731
+    exposed = mean("purpose_s", ("attention", "ring_send_kv", "ring_send_q", "ring_all2all"))
+    us = lambda seconds: f"{seconds / layers * 1e6:,.1f}"  # noqa: E731
+    hop = "n/a"
+    if n > 1:
+        sent = sum(sum(r["per_rank_collective_bytes"].get(k, [0])[:: run.grid.tp]) for r in steps
+                   for k in ("ring_send_kv", "ring_send_q")) / len(steps)
+        hop = f"{run.pricer.place.seconds('sendrecv', 'dcp', sent / (layers * (n - 1)))[0] * 1e6:,.1f}"
+    return [f"{context:,}", f"CP{n} x TP8", us(whole("attention")), hop,
+            us(whole("ring_all2all")) if n > 1 else "n/a", us(exposed)]
 
 
 def markdown(rows: list[dict], ops: list[dict]) -> str:

@@ -81,7 +81,8 @@ def test_operator_table_within_10_percent(operators, new, algo, column):
 def test_held_out_shapes_show_the_physics_the_paper_describes():
     """The held-out shapes' predictions (no published value here): pass-Q wins at a 1% miss
     rate and pass-KV at 100%, ring_auto (Meta's rule) picks pass-Q at 1%, Meta's decode at 8K
-    slows with every rank added, and TP spread over nodes loses to CP on the same GPUs at every
+    slows with every rank added, its attention kernel at 128K divides by the ranks while a hop
+    costs the same at every ring size, and TP spread over nodes loses to CP on the same GPUs at every
     length."""
     text = v.held_out().splitlines()
     kv = [float(c.replace(",", "")) for c in text[4].strip("|").split("|")[1:]]
@@ -94,6 +95,15 @@ def test_held_out_shapes_show_the_physics_the_paper_describes():
     meta_8k = next(r for r in text if r.startswith("| 8,192 | sharded"))
     cp1, cp2, cp4 = (float(c) for c in meta_8k.strip("|").split("|")[2:])
     assert cp1 < cp2 < cp4
+    # Meta's decode attention by operator at 128K: each rank holds 1/N of the KV, so the kernel
+    # (bound by its reads) halves as N doubles; a hop carries one query and its new KV entry
+    # whatever N; one rank's attention is its kernel alone
+    ops = {r.split("|")[2].strip(): r.strip("|").split("|")[2:] for r in text if r.startswith("| 131,072 | CP")}
+    attn = {k: float(c[0].replace(",", "")) for k, c in ops.items()}
+    assert attn["CP1 x TP8"] / 2 == pytest.approx(attn["CP2 x TP8"], rel=0.05)
+    assert attn["CP2 x TP8"] / 2 == pytest.approx(attn["CP4 x TP8"], rel=0.05)
+    assert ops["CP2 x TP8"][1] == ops["CP4 x TP8"][1] and ops["CP1 x TP8"][1].strip() == "n/a"
+    assert ops["CP1 x TP8"][0] == ops["CP1 x TP8"][3]
     tp_rows = [r for r in text if r.startswith(("| 8,192 |", "| 32,768 |", "| 131,072 |"))][-3:]
     for row in tp_rows:
         cp2, tp16, cp4, tp32 = (float(c.replace(",", "")) for c in row.strip("|").split("|")[1:])
