@@ -1,6 +1,7 @@
 """``serving.png``: how a run served its requests. Over time: the share of KV blocks in use,
 and the requests running and waiting (each replica its own line); and the distributions of
-TTFT and TPOT (empirical CDFs, with p50 / p99 marked)."""
+TTFT and TPOT (empirical CDFs, with p50 / p99 marked, and the SLO with the share that meets it
+where the run has one: ``slo.ttft_s``, ``slo.tpot_s``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from typing import Any
 import numpy as np
 
 
-def _latencies(run_dir: Path) -> dict[str, np.ndarray]:
+def _result(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
+
+
+def _latencies(run_dir: Path, result: dict[str, Any]) -> dict[str, np.ndarray]:
     """Each request's TTFT and TPOT (s): from result.json's rows, else requests.csv."""
-    result = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
     rows = result.get("requests")
     if rows:
         return {k: np.array([r[k] for r in rows if r.get(k) is not None], dtype=float) for k in ("ttft_s", "tpot_s")}
@@ -48,7 +52,9 @@ def write_serving_plot(run_dir: Path) -> dict[str, Any] | None:
     usage = np.array([r["kv_usage"] for r in records], dtype=float)
     running = np.array([r["num_running"] for r in records], dtype=float)
     waiting = np.array([r["num_waiting"] for r in records], dtype=float)
-    lat = _latencies(run_dir)
+    result = _result(run_dir)
+    lat = _latencies(run_dir, result)
+    slo = ((result.get("metrics") or {}).get("goodput") or {}).get("slo") or {}
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     drawn: dict[str, Any] = {"replicas": sorted(set(replica.tolist())), "quantiles": {}}
     for r in drawn["replicas"]:
@@ -73,6 +79,11 @@ def write_serving_plot(run_dir: Path) -> dict[str, Any] | None:
                 ax.axvline(value, color="grey", lw=0.8, ls="--")
                 ax.annotate(f" {q} {value:.3g} s", (value, 0.05 if q == "p50" else 0.15), fontsize=7)
             drawn["quantiles"][key] = (float(p50), float(p99))
+            if slo.get(key) is not None:
+                meets = float(np.searchsorted(v, slo[key], side="right") / len(v))
+                ax.axvline(slo[key], color="tab:red", lw=1)
+                ax.annotate(f" SLO {slo[key]:.3g} s: {meets:.0%} meet it", (slo[key], 0.9), fontsize=7, color="tab:red")
+                drawn.setdefault("slo", {})[key] = (float(slo[key]), meets)
         ax.set_xlabel(f"{label}, s")
         ax.set_ylabel("share of requests at or below")
         ax.grid(alpha=0.3)

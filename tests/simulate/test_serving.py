@@ -127,14 +127,20 @@ def test_serving_plot_draws_what_the_run_measured(tmp_path):
     from pcpflow.testing import cli
 
     run = tmp_path / "run"
-    r = cli(*SIM, "workload.num_requests=12", "workload.request_rate=20", f"hydra.run.dir={run}", "output.plots=true")
+    r = cli(*SIM, "workload.num_requests=12", "workload.request_rate=20", f"hydra.run.dir={run}", "output.plots=true",
+            "slo.ttft_s=0.05", "slo.tpot_s=0.02")
     assert r.returncode == 0, r.stderr
     assert (run / "serving.png").exists()
     drawn = write_serving_plot(run)
-    m = json.loads((run / "result.json").read_text())["metrics"]
+    result = json.loads((run / "result.json").read_text())
+    m = result["metrics"]
     assert drawn["replicas"] == [0]
     assert drawn["quantiles"]["ttft_s"] == pytest.approx((m["ttft"]["p50_s"], m["ttft"]["p99_s"]))
     assert drawn["quantiles"]["tpot_s"] == pytest.approx((m["tpot"]["p50_s"], m["tpot"]["p99_s"]))
+    # each SLO with the share of the requests (those with the latency) at or below it
+    for key, slo in (("ttft_s", 0.05), ("tpot_s", 0.02)):
+        v = [row[key] for row in result["requests"] if row[key] is not None]
+        assert drawn["slo"][key] == pytest.approx((slo, sum(x <= slo for x in v) / len(v)))
 
 
 def test_a_burst_in_time_and_arrivals_in_steps_are_two_request_tables():
