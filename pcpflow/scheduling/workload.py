@@ -311,11 +311,12 @@ class TraceWorkload(Settings):
     )
     max_requests: int = Field(16, ge=1, le=MAX_TOKENS, description="requests read from the trace")
     skip: int = Field(0, ge=0, description="requests (non-blank lines) skipped before reading")
-    length_scale: float = Field(
-        0.01,
+    length_scale: float | None = Field(
+        None,
         gt=0,
         le=1,
-        description="input and output lengths are multiplied by this and rounded up to >= 1",
+        description="input and output lengths are multiplied by this and rounded up to >= 1; null: "
+        "0.01 in executed runs (tiny models on CPU ranks), 1 (the trace's own lengths) in simulated ones",
     )
     output_len_cap: int | None = Field(
         None, ge=1, description="upper bound on scaled output lengths; null = none"
@@ -672,8 +673,18 @@ def _scale(length, scale: float):
     return max(1, math.ceil(length * scale))
 
 
-def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
-    s = cfg.length_scale
+EXECUTED_TRACE_SCALE = 0.01  # ``workload.length_scale`` left null in an executed run
+
+
+def trace_length_scale(cfg: TraceWorkload, simulated: bool) -> float:
+    """The scale a run applies to the trace's lengths: ``length_scale``, else the trace's own
+    lengths when simulated (a model card's context) and 1% when executed (a tiny model)."""
+    if cfg.length_scale is not None:
+        return cfg.length_scale
+    return 1.0 if simulated else EXECUTED_TRACE_SCALE
+
+
+def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns, s: float) -> tuple[np.ndarray, np.ndarray]:
     prompt, output = _scale(rec.input_lens, s), _scale(rec.output_lens, s)
     if cfg.output_len_cap is not None:
         output = np.minimum(output, cfg.output_len_cap)
@@ -682,9 +693,9 @@ def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns) -> tuple[np.ndarray, n
 
 def _trace(cfg: TraceWorkload, vocab_size: int, seed: int, with_tokens: bool, simulated: bool) -> RequestTable:
     rec = read_trace(cfg)
-    s = cfg.length_scale
+    s = trace_length_scale(cfg, simulated)
     n = len(rec.input_lens)
-    prompt, output = _trace_lengths(cfg, rec)
+    prompt, output = _trace_lengths(cfg, rec, s)
     ts = rec.timestamps
     timed = simulated and cfg.step_ms is None
     if timed and math.isnan(ts[0]):

@@ -197,6 +197,20 @@ def test_trace_length_scale_keeps_length_order(tmp_path):
         assert [r.max_output_tokens for r in reqs] == got  # outputs scaled the same way
 
 
+def test_trace_length_scale_left_null_is_one_percent_executed_and_the_trace_simulated(tmp_path):
+    """A tiny model executes 1% of a trace's lengths; a simulated run prices a model card on the
+    trace's own; a given scale is both runs'."""
+    path = _write(tmp_path, [_row(0, 7000, 450, [0]), _row(10, 1234, 1, [1])])
+    for kw, executed, simulated in (({}, ([70, 13], [5, 1]), ([7000, 1234], [450, 1])),
+                                    ({"length_scale": 0.5}, ([3500, 617], [225, 1]), ([3500, 617], [225, 1]))):
+        cfg = TraceWorkload(path=path, **kw)
+        run = request_table(cfg, vocab_size=9, seed=0, with_tokens=False)
+        sim = request_table(cfg, vocab_size=9, seed=0, with_tokens=False, simulated=True)
+        assert (run.prompt_lens.tolist(), run.output_lens.tolist()) == executed
+        assert (sim.prompt_lens.tolist(), sim.output_lens.tolist()) == simulated
+    assert yaml.safe_load((REPO / "conf" / "workload" / "trace.yaml").read_text())["length_scale"] is None
+
+
 def test_trace_skip_max_requests_and_blank_lines(tmp_path):
     path = _write(tmp_path, [_row(100 * i, 512 * (i + 1), 10, [i]) for i in range(3)] + [""]
                   + [_row(100 * i, 512 * (i + 1), 10, [i]) for i in range(3, 6)])
