@@ -309,7 +309,10 @@ class TraceWorkload(Settings):
             "working directory when the config is validated"
         ),
     )
-    max_requests: int = Field(16, ge=1, le=MAX_TOKENS, description="requests read from the trace")
+    max_requests: int | None = Field(
+        None, ge=1, le=MAX_TOKENS,
+        description="requests read from the trace; null: 16 in executed runs, every request in simulated ones",
+    )
     skip: int = Field(0, ge=0, description="requests (non-blank lines) skipped before reading")
     length_scale: float | None = Field(
         None,
@@ -673,15 +676,17 @@ def _scale(length, scale: float):
     return max(1, math.ceil(length * scale))
 
 
-EXECUTED_TRACE_SCALE = 0.01  # ``workload.length_scale`` left null in an executed run
+# What a trace's null settings are in a run: executed, a tiny model on CPU ranks (1% of the
+# lengths, the first 16 requests); simulated, a model card at scale (the trace as it is).
+EXECUTED_TRACE = {"length_scale": 0.01, "max_requests": 16}
+SIMULATED_TRACE = {"length_scale": 1.0, "max_requests": None}
 
 
-def trace_length_scale(cfg: TraceWorkload, simulated: bool) -> float:
-    """The scale a run applies to the trace's lengths: ``length_scale``, else the trace's own
-    lengths when simulated (a model card's context) and 1% when executed (a tiny model)."""
-    if cfg.length_scale is not None:
-        return cfg.length_scale
-    return 1.0 if simulated else EXECUTED_TRACE_SCALE
+def trace_as_run(cfg: TraceWorkload, simulated: bool) -> TraceWorkload:
+    """``cfg`` with the settings it leaves null as the run takes them (``max_requests`` None
+    once resolved: every request)."""
+    defaults = SIMULATED_TRACE if simulated else EXECUTED_TRACE
+    return cfg.model_copy(update={k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
 def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns, s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -692,8 +697,9 @@ def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns, s: float) -> tuple[np.
 
 
 def _trace(cfg: TraceWorkload, vocab_size: int, seed: int, with_tokens: bool, simulated: bool) -> RequestTable:
+    cfg = trace_as_run(cfg, simulated)
     rec = read_trace(cfg)
-    s = trace_length_scale(cfg, simulated)
+    s = cfg.length_scale
     n = len(rec.input_lens)
     prompt, output = _trace_lengths(cfg, rec, s)
     ts = rec.timestamps

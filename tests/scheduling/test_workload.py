@@ -197,18 +197,22 @@ def test_trace_length_scale_keeps_length_order(tmp_path):
         assert [r.max_output_tokens for r in reqs] == got  # outputs scaled the same way
 
 
-def test_trace_length_scale_left_null_is_one_percent_executed_and_the_trace_simulated(tmp_path):
-    """A tiny model executes 1% of a trace's lengths; a simulated run prices a model card on the
-    trace's own; a given scale is both runs'."""
-    path = _write(tmp_path, [_row(0, 7000, 450, [0]), _row(10, 1234, 1, [1])])
-    for kw, executed, simulated in (({}, ([70, 13], [5, 1]), ([7000, 1234], [450, 1])),
-                                    ({"length_scale": 0.5}, ([3500, 617], [225, 1]), ([3500, 617], [225, 1]))):
+def test_a_trace_left_null_is_16_requests_at_1_percent_executed_and_the_whole_trace_simulated(tmp_path):
+    """A tiny model executes the first 16 requests at 1% of their lengths; a simulated run
+    prices a model card on every request at its own lengths; what is given is both runs'."""
+    lengths = [(7000, 450), (1234, 1)] + [(100 + i, 10) for i in range(18)]
+    path = _write(tmp_path, [_row(10 * i, p, o, [i]) for i, (p, o) in enumerate(lengths)])
+    scaled = lambda scale, n: ([math.ceil(p * scale) for p, _ in lengths[:n]],  # noqa: E731
+                               [math.ceil(o * scale) for _, o in lengths[:n]])
+    for kw, executed, simulated in (({}, scaled(0.01, 16), scaled(1, 20)),
+                                    ({"length_scale": 0.5, "max_requests": 3}, scaled(0.5, 3), scaled(0.5, 3))):
         cfg = TraceWorkload(path=path, **kw)
         run = request_table(cfg, vocab_size=9, seed=0, with_tokens=False)
         sim = request_table(cfg, vocab_size=9, seed=0, with_tokens=False, simulated=True)
         assert (run.prompt_lens.tolist(), run.output_lens.tolist()) == executed
         assert (sim.prompt_lens.tolist(), sim.output_lens.tolist()) == simulated
-    assert yaml.safe_load((REPO / "conf" / "workload" / "trace.yaml").read_text())["length_scale"] is None
+    conf = yaml.safe_load((REPO / "conf" / "workload" / "trace.yaml").read_text())
+    assert conf["length_scale"] is None and conf["max_requests"] is None
 
 
 def test_trace_skip_max_requests_and_blank_lines(tmp_path):
@@ -391,4 +395,4 @@ def test_shipped_trace_yaml_requires_path():
         workload_adapter.validate_python(raw)
     if REAL_TRACE.exists():
         cfg = workload_adapter.validate_python({**raw, "path": str(REAL_TRACE)})
-        assert len(build_requests(cfg, vocab_size=64, seed=0)) == raw["max_requests"]
+        assert len(build_requests(cfg, vocab_size=64, seed=0)) == 16  # executed: the first 16
