@@ -27,8 +27,9 @@ commands people run:
   python -m pcpflow draft=mtp                        speculative decoding with an MTP head
   python -m pcpflow workload=trace workload.path=scripts/data/mooncake_conversation_head.jsonl
   python -m pcpflow mode=simulate model=llama3_70b hardware=h200_sxm tp=8 pcp=2 workload=trace
-      workload.path=scripts/data/mooncake_conversation_head.jsonl workload.length_scale=1
-      slo.ttft_s=2 slo.tpot_s=0.1                serving: arrivals in time, prefix cache, goodput
+      workload.path=scripts/data/mooncake_conversation_head.jsonl slo.ttft_s=2 slo.tpot_s=0.1
+                                                 serving the trace as it is (every request, its
+                                                 lengths): arrivals in time, prefix cache, goodput
   python -m pcpflow mode=profile pcp=2               measure this machine -> DIR/hardware.yaml
   python -m pcpflow mode=simulate hardware=measured hardware.path=DIR/hardware.yaml dtype=float32 ...
   python -m pcpflow mode=search model=llama3_405b hardware=gtt_h100 search.gpus=32
