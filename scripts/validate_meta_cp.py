@@ -209,6 +209,7 @@ def decode_operators(run, context: int, n: int) -> list[str]:
     query and the new token's KV entry, over the ring's N - 1 hops a layer), and the attention
     the slowest rank's step exposes (kernel and transfers)."""
     steps, layers = run.records[1:], run.sizes.num_layers
+
     def mean(key: str, purposes) -> float:
         return sum(r[key].get(k, 0.0) for r in steps for k in purposes) / len(steps)
 

@@ -689,7 +689,8 @@ def trace_as_run(cfg: TraceWorkload, simulated: bool) -> TraceWorkload:
     return cfg.model_copy(update={k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
-def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns, s: float) -> tuple[np.ndarray, np.ndarray]:
+def _trace_lengths(cfg: TraceWorkload, rec: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
+    s = cfg.length_scale
     prompt, output = _scale(rec.input_lens, s), _scale(rec.output_lens, s)
     if cfg.output_len_cap is not None:
         output = np.minimum(output, cfg.output_len_cap)
@@ -701,7 +702,7 @@ def _trace(cfg: TraceWorkload, vocab_size: int, seed: int, with_tokens: bool, si
     rec = read_trace(cfg)
     s = cfg.length_scale
     n = len(rec.input_lens)
-    prompt, output = _trace_lengths(cfg, rec, s)
+    prompt, output = _trace_lengths(cfg, rec)
     ts = rec.timestamps
     timed = simulated and cfg.step_ms is None
     if timed and math.isnan(ts[0]):
