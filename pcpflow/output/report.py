@@ -106,6 +106,17 @@ def _breakdown(breakdown: dict[str, dict[str, float]], top: int = 5) -> str:
                       + (f" +{v['hidden_s']:.2g} s hidden" if v["hidden_s"] else "") for k, v in ranked)
 
 
+def _requests(m: dict[str, Any], rows: list[dict[str, Any]] | None) -> str:
+    """How many requests ran and how long they were (what a workload's defaults made of it)."""
+    text = f"{m['num_requests']:,}"
+    if rows:
+        prompt = [r["prompt_len"] for r in rows]
+        output = [r["output_len"] for r in rows]
+        text += (f" · prompts mean {sum(prompt) / len(prompt):,.0f} tokens (max {max(prompt):,})"
+                 f" · outputs mean {sum(output) / len(output):,.0f} (max {max(output):,})")
+    return text
+
+
 def print_summary(result: dict[str, Any]) -> None:
     cfg, m = result["config"], result.get("metrics", {})
     console = Console()
@@ -146,6 +157,8 @@ def print_summary(result: dict[str, Any]) -> None:
             + (f" · {len(v['near_ties'])} near-tie(s)" if v["near_ties"] else ""),
         )
     if m:
+        if "num_requests" in m:
+            table.add_row("requests", _requests(m, result.get("requests")))
         table.add_row("steps / tokens", f"{m['num_steps']} steps · {m['num_tokens']} tokens · {m['num_generated_tokens']} generated")
         clock = "simulated clock" if sim else "run clock"
         table.add_row("throughput", f"{m['tokens_per_s']:.0f} tokens/s on the {clock}")

@@ -68,6 +68,17 @@ def test_a_simulated_summary_claims_no_verification_and_no_framework_time(capsys
     assert "gemm 0.3 s (75%) · kv_gather 0.1 s (25%) +0.05 s hidden" in text
 
 
+def test_the_summary_says_how_many_requests_ran_and_how_long(capsys, monkeypatch):
+    """A workload's defaults differ by mode (a trace: 16 requests at 1% executed, all of it
+    simulated): the summary shows what ran."""
+    monkeypatch.setenv("COLUMNS", "400")
+    rows = [{"prompt_len": p, "output_len": o} for p, o in ((100, 4), (2000, 30), (1300, 2))]
+    print_summary({"config": CFG, "metrics": _metrics(num_requests=3, num_finished_requests=3), "status": "ok",
+                   "run_dir": "/r", "requests": rows})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "requests │ 3 · prompts mean 1,133 tokens (max 2,000) · outputs mean 12 (max 30)" in text
+
+
 def test_the_results_path_is_printed_whole_on_a_narrow_or_piped_console(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "60")
     run_dir = "/a/rather/long/path/" + "x" * 90 + "/2026-12-01/21-03-25-123456"
