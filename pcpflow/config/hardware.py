@@ -471,7 +471,7 @@ class SimulateConfig(Settings):
         "dcp_rest) | ring_pass_q (a step of decodes only runs the executed ring pass-Q; needs dcp = pcp > 1)",
     )
     gemm_efficiency: float = Field(
-        0.4229, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
+        0.4235, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
     )
     p2p_efficiency: float = Field(
         0.4646, gt=0, le=1,

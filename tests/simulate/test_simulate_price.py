@@ -351,7 +351,7 @@ def test_the_lm_head_is_whole_on_every_tp_rank():
     """pcpflow replicates the LM head (pcpflow.parallel.tensor_parallel: every TP rank computes
     every logit, no gather), so a decode's LM head reads the whole 128,256 x 16,384 bf16 matrix
     on each rank at any tp: (16384 x 2 + 128256 x 16384 x 2 + 128256 x 2) B at 2.4 TB/s x 0.9 =
-    1.946 ms (its tiles: 8 waves of 132 8 x 128 tiles at 800 x 0.4229 TF/s, 0.105 ms)."""
+    1.946 ms (its tiles: 8 waves of 132 8 x 128 tiles at 800 x 0.4235 TF/s, 0.105 ms)."""
     lm = (16384 * 2 + 128256 * 16384 * 2 + 128256 * 2) / (2.4e12 * 0.9)
     for tp in (8, 16):
         run = SimulatedRun(compose(["mode=simulate", "hardware=gtt_h100", "model=llama3_405b", f"tp={tp}",

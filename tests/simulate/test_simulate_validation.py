@@ -48,8 +48,8 @@ def test_the_fit_gives_the_shipped_factors():
     from pcpflow.config.hardware import SimulateConfig
 
     fitted, shipped = v.fit(), SimulateConfig()
-    assert fitted["gemm_efficiency"] == pytest.approx(shipped.gemm_efficiency, rel=0.01)
-    assert fitted["p2p_efficiency"] == pytest.approx(shipped.p2p_efficiency, rel=0.01)
+    assert fitted["gemm_efficiency"] == pytest.approx(shipped.gemm_efficiency, rel=5e-4)
+    assert fitted["p2p_efficiency"] == pytest.approx(shipped.p2p_efficiency, rel=5e-4)
     assert "attention_efficiency" not in SimulateConfig.model_fields  # FlashAttention-3's figure: a source
 
 
