@@ -666,9 +666,8 @@ class Pricer:
         q_b = q_rows * shape.num_heads * shape.qk_dim * self.act_bytes
         sizes, at = np.unique(kv_b + q_b, return_inverse=True)  # NOTE: most hops carry the same bytes
         send = np.array([place.seconds("sendrecv", "dcp", float(b))[0] for b in sizes])[at].reshape(kv_b.shape)
-        hop = np.zeros((P, P))
-        if P > 1:
-            hop[:, : P - 1] = L * np.maximum(send, np.roll(send, 1, axis=0))  # its send, and the one it receives
+        send = np.where(kv_b + q_b > 0, send, 0.0)  # NOTE: an empty package is no call
+        hop = ring_loop(attention, L * send, overlap=self.hw.overlap.p2p)
         exposed, hidden = np.maximum(hop - attention, 0.0), np.minimum(hop, attention)
         if not self.hw.overlap.p2p:  # NOTE: the profile's transfers run on the thread that computes
             exposed, hidden = hop, np.zeros_like(hop)
@@ -779,6 +778,29 @@ class Pricer:
                             or "dcp_output_reduce_scatter" in counts.calls else 0.0)
         passes = 2 * grid.dcp + 1 if counts.ring else grid.dcp + 1
         return passes * rows * width * s.num_layers
+
+
+def ring_loop(attention: np.ndarray, send: np.ndarray, *, overlap: bool = True) -> np.ndarray:
+    """How long each rank waits on each iteration's hop, ``[P, P]`` (rank, iteration; the
+    last iteration has none), as the loop runs (``pcpflow.attention.ring``): at iteration h
+    rank r sends its package to r+1 and receives the next from r-1, while its ``attention[r,
+    h]`` runs (after it, without ``overlap``); ``send[r, h]`` (``[P, P-1]`` seconds, 0: no
+    call) is r's transfer. A transfer starts once both ends have posted it, i.e. reached the
+    iteration: a hop is ``max(start[r], start[r+1]) + send[r]`` for the send and ``max(start[r
+    - 1], start[r]) + send[r-1]`` for the receive, from the rank's own start. Ranks starting
+    together make a hop ``max(send[r], send[r-1])``; a package that crosses the ring alone (a
+    decode's query: N - 1 hops) pays its hops one after another, as the ranks on its way wait
+    for it."""
+    P = attention.shape[0]
+    hop = np.zeros((P, P))
+    start = np.zeros(P)
+    for h in range(P - 1):
+        s = send[:, h]
+        sent = np.where(s > 0, np.maximum(start, np.roll(start, -1)) + s, start)
+        got = np.roll(np.where(s > 0, np.maximum(start, np.roll(start, -1)) + s, 0.0), 1)  # from r - 1
+        hop[:, h] = np.maximum(sent, got) - start
+        start = start + (np.maximum(attention[:, h], hop[:, h]) if overlap else attention[:, h] + hop[:, h])
+    return hop
 
 
 def _add(terms: dict, name: str, exposed: np.ndarray | float, hidden: np.ndarray | float) -> None:

@@ -185,6 +185,50 @@ def test_every_step_is_the_sum_of_its_exposed_terms(extra):
     assert exposed == pytest.approx(run.clock, rel=1e-9)
 
 
+def test_a_package_crossing_the_ring_alone_pays_its_hops_one_after_another():
+    """The ring's loop as it runs (``ring_loop``). Four ranks starting together, every package
+    the same (s = 1, attention a = 3 a hop): each hop is s, hidden. One package crossing alone
+    (origin 0, as a batch-1 decode's query): rank h + 1 receives it at iteration h, once rank h
+    has it: rank 2 waits 2 s for it and 1 s for its own send, rank 1 2 s, rank 0 its one send;
+    rank 3, idle until it comes, waits 3 s on the last hop. A transfer starts when both ends
+    reach it: a receiver late by 2 makes the sender's hop 3."""
+    from pcpflow.simulate.price import ring_loop
+
+    P = 4
+    balanced = ring_loop(np.full((P, P), 3.0), np.ones((P, P - 1)))
+    assert balanced[:, : P - 1].tolist() == [[1.0] * 3] * 4 and not balanced[:, -1].any()
+    alone = np.zeros((P, P - 1))
+    alone[[0, 1, 2], [0, 1, 2]] = 1.0  # rank h sends the package at iteration h
+    hop = ring_loop(np.zeros((P, P)), alone)
+    assert hop.sum(axis=1).tolist() == [1.0, 2.0, 3.0, 3.0]
+    assert hop[3, :3].tolist() == [0.0, 0.0, 3.0]  # idle until the package comes: all its wait on the last hop
+    # three ranks: rank 1 sends 2 to rank 2 at iteration 0, rank 0 sends 1 to rank 1 at iteration 1,
+    # where rank 1 arrives 2 late: the sender waits for it
+    late = ring_loop(np.zeros((3, 3)), np.array([[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]]))
+    assert late[:, :2].tolist() == [[0.0, 3.0], [2.0, 1.0], [2.0, 0.0]]
+    assert ring_loop(np.zeros((3, 3)), np.array([[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]]), overlap=False).tolist() == \
+        late.tolist()  # no attention: overlap changes nothing
+
+
+def test_a_decodes_query_pays_every_hop_of_its_ring():
+    """Batch 1, ``decode=sharded`` over CP4 x TP8 (Meta's pass-Q decode): the one query hops
+    from its owner through the three other ranks, each hop after the one before, then the
+    partials come back in one all-to-all: the slowest rank's exposed ring time a layer is 3
+    hops + the all-to-all + its attention of the visiting query (a 2 us floor at 8K), not
+    the 2 hops a rank sends and receives itself."""
+    run = SimulatedRun(compose(RING405 + ["pcp=4", "dcp=4", "workload.prompt_lens=[8192]", "workload.output_lens=[3]",
+                                          "decode=sharded", "simulate.cp_decode=ring_pass_q",
+                                          "cudagraph_mode=full_decode_only"]))
+    run.run()
+    decode, L = run.records[-1], run.sizes.num_layers
+    hop_b = (16 * 128 + 2 * 128) * 2  # a query of 16 heads x 128 and its new KV entry, bf16
+    hop = run.pricer.place.seconds("sendrecv", "dcp", float(hop_b))[0]
+    ring = sum(decode["purpose_s"].get(k, 0.0) for k in ("ring_send_q", "ring_send_kv"))
+    assert ring == pytest.approx(3 * L * hop, rel=0.02)  # the KV entry rides with the query: one latency
+    exposed = ring + decode["purpose_s"]["ring_all2all"] + decode["purpose_s"]["attention"]
+    assert exposed / L > 3 * hop + decode["purpose_s"]["ring_all2all"] / L
+
+
 def test_host_launches_every_kernel_eagerly_and_one_graph_when_replayed():
     """A decode of llama3_8b at batch 1 on h100 is host-bound eagerly (~100 kernels a layer
     at 6.4 us each) and GPU-bound replayed as a full CUDA graph (one launch)."""
