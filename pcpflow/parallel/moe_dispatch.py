@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -199,32 +200,43 @@ def _num_experts(model) -> int:
     return max((m.moe.num_experts for m in model.modules() if isinstance(m, MoEMLP)), default=0)
 
 
-def moe_step_record(ctx) -> dict:
-    """This step's MoE metrics (every rank calls it; rank 0's record holds the totals):
-    ``moe_tokens_per_expert`` [E], ``moe_expert_rows`` [W][E] (rows each rank ran through
-    each expert), ``moe_rank_load`` [W] and ``moe_load_balance`` (max / mean of the load).
-    Summed over the MoE layers. The all-gather that collects them is measurement, not the
-    layout's traffic, and is not counted."""
+def moe_step_counts(ctx) -> np.ndarray | None:
+    """This step's MoE counts of every rank of ``ctx.world``, ``[W, 2, E]`` (tokens routed to
+    each expert, rows each rank ran through each expert; summed over the MoE layers), or None
+    for a model without experts. A collective over ``ctx.world``: every rank of it calls it,
+    once a step it ran a batch. The all-gather is measurement, not the layout's traffic, and
+    is not counted."""
     stats: MoEStepStats | None = ctx.extras.get(STATS_KEY)
     if stats is None:
-        return {}
+        return None
     world = Comm(ctx.world.group, ctx.world.rank, ctx.world.size, None)
     both = world.all_gather(torch.stack([stats.tokens, stats.rows])[None], "moe_metrics")
     stats.reset()
-    both = both.cpu().numpy()
+    return both.cpu().numpy()
+
+
+def moe_step_record(ctx) -> dict:
+    """This step's MoE metrics (every rank calls it; rank 0's record holds the totals):
+    ``moe_tokens_per_expert`` [E], ``moe_expert_rows`` [W][E] (rows each rank ran through
+    each expert), ``moe_rank_load`` [W] and ``moe_load_balance`` (max / mean of the load),
+    from ``moe_step_counts``; the run's sum is kept for ``moe_run_summary``."""
+    both = moe_step_counts(ctx)
+    if both is None:
+        return {}
     run = ctx.extras.get("moe_run")
     ctx.extras["moe_run"] = both if run is None else run + both
-    return _moe_metrics(both)
+    return moe_metrics(both)
 
 
 def moe_run_summary(ctx) -> dict:
     """The run's MoE metrics (``result.json`` ``metrics``), as ``moe_step_record``'s, summed
     over the steps."""
     run = ctx.extras.get("moe_run")
-    return {} if run is None else _moe_metrics(run)
+    return {} if run is None else moe_metrics(run)
 
 
-def _moe_metrics(both) -> dict:
+def moe_metrics(both: np.ndarray) -> dict:
+    """The MoE metrics of counts ``[W, 2, E]`` (``moe_step_counts``, or their sum)."""
     rows = both[:, 1]
     load = rows.sum(axis=1)
     return {

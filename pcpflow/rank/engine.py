@@ -206,6 +206,7 @@ class _Steps:
                               to_generate=self.recorder.num_to_generate, serving=self.scheduler.stats,
                               time_s=float(self.loop.step_start[state.batch.step]))
         record.update(draft_record(outcome))
+        record.update(moe_step_record(self.ctx))  # NOTE: a collective: every rank records
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
         return record
@@ -224,7 +225,8 @@ def draft_record(outcome) -> dict[str, int]:
 def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: float, generated: int, to_generate: int,
                  serving, time_s: float) -> dict[str, Any]:
     """The metrics.jsonl fields of one batch this rank's pipeline ran (``step_record``, with
-    the attention work the path it took counts, the CP attention it ran and the MoE counts)."""
+    the attention work the path it took counts and the CP attention it ran). No collective:
+    a pool's root calls it alone; the MoE counts are ``moe_step_record``'s."""
     b, layout, cfg = state.batch, state.layout, ctx.config
     ran = state.attn.cp_attention or "allgather"
     if ran.startswith("ring_"):
@@ -241,5 +243,4 @@ def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: f
                          step_s=step_s, generated=generated, to_generate=to_generate, serving=serving,
                          num_blocks=cfg.kv.num_blocks, time_s=time_s)
     record["cp_attention"] = ran
-    record.update(moe_step_record(ctx))
     return record

@@ -40,7 +40,7 @@ from pcpflow.layouts.transfer import KV_TRANSFER
 from pcpflow.models import build_model
 from pcpflow.output.metrics import MetricsRecorder, pool_step_record
 from pcpflow.parallel.comm import Comm, CommStats
-from pcpflow.parallel.moe_dispatch import moe_run_summary
+from pcpflow.parallel.moe_dispatch import moe_metrics, moe_step_counts
 from pcpflow.parallel.tensor_parallel import shard_model
 from pcpflow.parallel.transfer import KVTransfer
 from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
@@ -110,6 +110,7 @@ class _PoolRank:
             num_to_generate=int(table.output_lens.sum()),
         )
         self.loop = PoolLoop(self.prefill, self.decode, max_steps=cfg.max_steps, on_step=mark_step)
+        self.moe_run: np.ndarray | None = None  # rank 0: both pools' MoE counts, by global rank
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any] | None:
@@ -136,6 +137,7 @@ class _PoolRank:
         pool_s = time.perf_counter() - t_pool
         calls, nbytes = self.stats.end_step()
         mark_stage("exchange")
+        moe = moe_step_counts(self.ctx) if state is not None else None  # NOTE: over the pool: each of its ranks
         payload: dict[str, Any] = {"moved": moved}
         if self.pool_root and state is not None:
             payload["tokens"] = state.sampled_token_ids
@@ -144,6 +146,9 @@ class _PoolRank:
             payload["record"] = batch_record(self.ctx, state, calls=calls, nbytes=nbytes, step_s=pool_s,
                                              generated=self.loop.generated, to_generate=self.recorder.num_to_generate,
                                              serving=sched.stats, time_s=float(self.loop.step_start[ps.step]))
+            if moe is not None:
+                payload["record"].update(moe_metrics(moe))
+                payload["moe"] = moe
             if self.verifier is not None and self.pool == "decode":
                 payload["logits"] = state.logits.cpu() if state.logits is not None else None
         every: list[Any] = [None] * self.cfg.world_size
@@ -160,6 +165,8 @@ class _PoolRank:
             mark_stage("verify")
             self.verifier.global_step(ps, state, roots, po, do, freed)
         if self.is_root:
+            for pool, first in (("prefill", 0), ("decode", self.offset)):
+                self._add_moe(roots[pool].get("moe"), first)
             records = {"prefill": roots["prefill"].get("record"), "decode": roots["decode"].get("record")}
             pools = self.pools
             record = pool_step_record(
@@ -171,6 +178,15 @@ class _PoolRank:
             if do is not None:  # NOTE: drafts are verified on the decode pool only
                 record.update(draft_record(do))
             self.recorder.step(record)
+
+    def _add_moe(self, counts: np.ndarray | None, first: int) -> None:
+        """Add one pool's MoE counts of a step (``[W_pool, 2, E]``) to the run's, whose rows
+        are the global ranks (the prefill pool's, then the decode pool's)."""
+        if counts is None:
+            return
+        if self.moe_run is None:
+            self.moe_run = np.zeros((self.cfg.world_size, *counts.shape[1:]), dtype=counts.dtype)
+        self.moe_run[first:first + len(counts)] += counts
 
     def _hand_over(self, ps: PoolStep) -> list[tuple[int, int, float]]:
         """Move each adopted request's entries, one request after another: this rank's
@@ -204,7 +220,9 @@ class _PoolRank:
         serving = {"prompt_lens": self.table.prompt_lens, "gpus": cfg.world_size, "ttft_slo_s": cfg.slo.ttft_s,
                    "tpot_slo_s": cfg.slo.tpot_s}
         outputs = self.prefill.outputs() or {}
-        metrics = {**self.recorder.summary(cols, wall_s, serving=serving), **moe_run_summary(self.ctx)}
+        metrics = self.recorder.summary(cols, wall_s, serving=serving)
+        if self.moe_run is not None:
+            metrics.update(moe_metrics(self.moe_run))
         metrics.update(self.recorder.pool_metrics(loop.clock, {n: self.pools[n].world_size for n in POOLS},
                                                   cfg.disagg.transfer))
         result: dict[str, Any] = {

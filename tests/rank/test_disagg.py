@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import tempfile
 
+import numpy as np
 import pytest
 import shared_ranks
 from pcpflow_test_plugins import draft_probe
@@ -61,12 +62,21 @@ CORRUPT = ("+pipeline.extra=[{kind: 'pcpflow_test_plugins.faults:TransferFault',
            "corrupt: true}]")
 
 
+# Experts in both pools: every MoE layer of 3 (layer 0 dense), 4 experts, top 2; the pools' MoE
+# counts are measured over each pool's own ranks (a pool's root alone once waited for the
+# other ranks in an all-gather they never joined).
+MOE_TOP_K, MOE_LAYERS = 2, 2
+MOE_POOLS = ["pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
+             "model.moe.num_experts=4", f"model.moe.top_k={MOE_TOP_K}", "model.moe.first_k_dense_replace=1",
+             "model.num_layers=3", "workload=explicit", "workload.prompt_lens=[9,14,5]", "workload.output_lens=[4,3,2]"]
+
+
 @shared_ranks.matrix("disagg/exact")
 def _exact():
     cases = [compose([*QUIET, *o]) for o in CASES.values()]
     corrupt = compose([*QUIET, "pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
                        "workload=explicit", "workload.prompt_lens=[9,14]", "workload.output_lens=[3]", FAULTS, CORRUPT])
-    return [*cases, corrupt]
+    return [*cases, corrupt, compose([*QUIET, *MOE_POOLS])]
 
 
 @shared_ranks.matrix("disagg/exact-slow")
@@ -136,9 +146,23 @@ def test_both_pools_exact_and_each_decode_rank_receives_what_it_owns(shared_runs
 @pytest.mark.dist
 @pytest.mark.matrix("disagg/exact")
 def test_a_corrupted_transfer_is_caught(shared_runs):
-    _, (_, result) = shared_runs["disagg/exact"]
+    _, (_, result), _ = shared_runs["disagg/exact"]
     assert not result["verify"]["passed"] and not result["verify"]["kv_match"]
     assert result["verify"]["kv_mismatched_slots"] >= 1
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/exact")
+def test_experts_in_both_pools(shared_runs):
+    """Exact, and the MoE counts cover both pools by global rank: 4 rows (the prefill pool's
+    two ranks, then the decode pool's two), each rank's experts fed, and every token the pools
+    ran routed to its top 2 experts in each of the 2 MoE layers."""
+    *_, (cfg, result) = shared_runs["disagg/exact"]
+    check(cfg, result)
+    m = result["metrics"]
+    rows = np.array(m["moe_expert_rows"])
+    assert rows.shape == (4, 4) and (rows.sum(axis=1) > 0).all()
+    assert sum(m["moe_tokens_per_expert"]) == MOE_TOP_K * MOE_LAYERS * m["num_tokens"]
 
 
 @pytest.mark.dist
