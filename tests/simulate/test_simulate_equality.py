@@ -99,11 +99,6 @@ CASES = {
     "pcp2_dcp2_sharded": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=queries"],
     "pcp2_dcp2_sharded_ring_pass_q": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.cp_attention=ring_pass_q"],
 }
-COUNTED = ("per_rank_tokens", "padded_num_tokens", "per_rank_attention_work", "dcp_rest", "cp_attention",
-           "collective_calls", "collective_bytes", "num_preempted", "prefix_hit_tokens", "prefix_query_tokens",
-           "kv_blocks_used", "num_running", "num_waiting")
-RING_SENT = ("collective_calls", "collective_bytes", "per_rank_collective_calls", "per_rank_collective_bytes")
-"""A ring's point-to-point sends, every rank's: from the executed run's metrics.jsonl."""
 TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_steps", "output_len")
 
 
@@ -142,11 +137,7 @@ class Runs:
                                        + ["mode=simulate", "hardware=h100_sxm"]))
             sims[name] = (sim, sim.run())
         for name, res, p, d in zip(names, run(cfgs, run_dirs=dirs), paths, dirs):
-            steps = step_counts.read(p)
-            if d is not None:  # every rank's ring sends, as the engine gathered and recorded them
-                for line, rec in zip(steps, step_counts.read(d / "metrics.jsonl")):
-                    line.update({k: rec[k] for k in RING_SENT if k in rec})
-            self.done[name] = (res, steps, *sims[name])
+            self.done[name] = (res, step_counts.executed_steps(p, d), *sims[name])
 
 
 def _ring(name: str) -> bool:
@@ -193,16 +184,7 @@ def both(tmp_path_factory, request):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_step_counts_the_same(both, name):
     _, executed_steps, sim, _ = both[name]
-    assert [s["step"] for s in sim.records] == [s["step"] for s in executed_steps]
-    expected = set(sim.records[0].get("expected_bytes", ()))
-    for ex, si in zip(executed_steps, sim.records):
-        for key in COUNTED + (RING_SENT[2:] if _ring(name) else ()):
-            if key == "per_rank_attention_work" and _dcp_over_tp(name):
-                continue
-            if key == "collective_bytes":
-                assert _counted(si[key], expected) == _counted(ex[key], expected), (name, ex["step"])
-            else:
-                assert si.get(key) == ex[key], (name, ex["step"], key)
+    assert not step_counts.mismatches(sim.records, executed_steps, ring=_ring(name), dcp_over_tp=_dcp_over_tp(name))
     if _ring(name):  # the ring ran, every step, and the all-gather paths never did
         assert all(s["cp_attention"].startswith("ring_") for s in executed_steps), name
         assert not {p for s in executed_steps for p in s["collective_calls"] if p.startswith(("kv_gather", "dcp_"))}
@@ -253,7 +235,7 @@ def test_decode_ring_counts_the_executed_rings_decode_steps(both):
     for e, r, si in zip(engine, ring, sim.records):
         ex = r if si["cp_attention"] == "ring_pass_q" else e
         kinds.add(si["cp_attention"])
-        for key in COUNTED:
+        for key in step_counts.COUNTED:
             assert si.get(key) == ex[key], (ex["step"], key)
     assert kinds == {"allgather", "ring_pass_q"}
 

@@ -1,0 +1,113 @@
+"""The twin property over layouts nobody chose by hand: seeded random configs (tiny models,
+tp 1-2, pcp 1-4, each dcp, both decode modes, both DCP paths and backends, rings, restores,
+interleaves, experts, prefix caching in small caches, cached prefixes, staggered arrivals and
+small budgets) run executed on CPU ranks and simulated; every step counts the same
+(``step_counts.mismatches``: tokens, pairs, collective calls and bytes by purpose, prefix hits,
+preemptions, blocks in use). The hand-picked matrix is ``test_simulate_equality.py``; this
+one draws its cases from a fixed seed, so a failure names a config to rerun.
+
+``dcp_rest`` is always explicit: ``auto`` takes the fewer bytes executed and the faster step
+simulated (docs/simulate.md), two choices by design.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pcpflow_test_plugins import step_counts
+
+from pcpflow.errors import ConfigError
+from pcpflow.simulate.engine import SimulatedRun
+from pcpflow.testing import compose, run
+
+SEED, CASES = 20261203, 40
+PROBE = "pcpflow_test_plugins.step_counts:StepCounts"
+SIMULATED = ["mode=simulate", "hardware=h100_sxm"]
+
+
+def draw(rng: random.Random) -> list[str]:
+    """One config's overrides."""
+    model = rng.choice(["tiny_gqa", "tiny_mla"])
+    tp = rng.choice([1, 1, 2])
+    pcp = rng.choice([1, 2, 3, 4]) if tp == 1 else rng.choice([1, 2])
+    dcp = rng.choice([1, pcp, tp * pcp])
+    ov = [f"model={model}", f"tp={tp}", f"pcp={pcp}", f"dcp={dcp}", f"decode={rng.choice(['replicated', 'sharded'])}",
+          "dtype=bfloat16", "verify=false", "output.plots=false", "output.progress=false", "kv.block_size=4",
+          f"scheduler.max_num_batched_tokens={rng.choice([8, 16, 40])}", f"scheduler.max_num_seqs={rng.choice([2, 4, 8])}",
+          f"pipeline.forward.dcp_rest={rng.choice(['queries', 'context'])}"]
+    if dcp == pcp > 1 and rng.random() < 0.3:
+        ov.append(f"pipeline.forward.cp_attention={rng.choice(['ring_pass_kv', 'ring_pass_q', 'ring_auto'])}")
+    if rng.random() < 0.3:
+        ov.append(f"dcp_comm_backend={rng.choice(['ag_rs', 'a2a'])}")
+    if rng.random() < 0.2:
+        ov.append("pipeline.restore.kind=sampled_rows")
+    if rng.random() < 0.2:
+        ov.append("kv.interleave=2")
+    if model == "tiny_mla" and rng.random() < 0.25:
+        ov += ["model.moe.num_experts=8", "model.moe.top_k=2", f"moe.dispatch={rng.choice(['local', 'gather'])}"]
+    k = rng.randint(1, 5)
+    arrivals = f"workload.arrival_steps=[{','.join(str(rng.randint(0, 4)) for _ in range(k))}]"
+    outputs = f"workload.output_lens=[{','.join(str(rng.randint(1, 6)) for _ in range(k))}]"
+    if rng.random() < 0.4:  # prompts sharing a stem, in a cache small enough to preempt
+        stem = [(5 * j + 1) % 256 for j in range(rng.choice([8, 20]))]
+        prompts = [stem + [90 + i, 3 * i][: rng.randint(0, 2)] for i in range(k)]
+        ov += ["workload=explicit", "workload.prompts=" + str(prompts).replace(" ", ""), outputs, arrivals,
+               "kv.prefix_caching=true", f"kv.num_blocks={rng.choice([12, 20, 64])}"]
+    else:
+        lens = [rng.randint(1, 40) for _ in range(k)]
+        ov += ["workload=explicit", f"workload.prompt_lens=[{','.join(map(str, lens))}]", outputs, arrivals,
+               "kv.num_blocks=64"]
+        if rng.random() < 0.4:
+            ov.append(f"workload.cached_lens=[{','.join(str(rng.randint(0, n - 1)) for n in lens)}]")
+    return ov
+
+
+def valid(ov: list[str]) -> bool:
+    try:
+        compose(ov), compose(ov + SIMULATED)
+    except ConfigError:
+        return False
+    return True
+
+
+def cases() -> list[list[str]]:
+    rng, out = random.Random(SEED), []
+    while len(out) < CASES:
+        ov = draw(rng)
+        if valid(ov):
+            out.append(ov)
+    return out
+
+
+def _value(ov: list[str], key: str) -> int:
+    return next(int(o.split("=")[1]) for o in ov if o.startswith(f"{key}="))
+
+
+@pytest.mark.slow
+def test_random_layouts_count_what_their_executed_runs_count(tmp_path):
+    drawn = cases()
+    rings = [any(o.startswith("pipeline.forward.cp_attention=ring") for o in ov) for ov in drawn]
+    # the seed reaches what the draw is for
+    assert any(rings) and any("kv.prefix_caching=true" in ov for ov in drawn)
+    assert any("model.moe.num_experts=8" in ov for ov in drawn) and any(_value(ov, "tp") == 2 for ov in drawn)
+    assert {_value(ov, "pcp") for ov in drawn} >= {1, 2, 3, 4}
+    cfgs, dirs, sims = [], [], []
+    for i, (ov, ring) in enumerate(zip(drawn, rings)):
+        d = tmp_path / f"case{i}"
+        d.mkdir()
+        cfgs.append(compose(ov + [f"+pipeline.extra=[{{kind: '{PROBE}', after: draft, path: '{d / 'steps.jsonl'}'}}]"]))
+        dirs.append(d)
+        caching = [] if "kv.prefix_caching=true" in ov else ["kv.prefix_caching=false"]  # executed runs default off
+        sim = SimulatedRun(compose(ov + caching + SIMULATED))
+        sim.run()
+        sims.append(sim)
+    run(cfgs, run_dirs=[d if ring else None for d, ring in zip(dirs, rings)])
+    failed = {}
+    for ov, ring, d, sim in zip(drawn, rings, dirs, sims):
+        executed = step_counts.executed_steps(d / "steps.jsonl", d if ring else None)
+        assert executed, " ".join(ov)
+        wrong = step_counts.mismatches(sim.records, executed, ring=ring, dcp_over_tp=_value(ov, "dcp") > _value(ov, "pcp"))
+        if wrong:
+            failed[" ".join(ov)] = wrong[:3]
+    assert not failed, failed
