@@ -1,9 +1,9 @@
 """The twin property over layouts nobody chose by hand: seeded random configs (tiny models,
 tp 1-2, pcp 1-4, each dcp, both decode modes, both DCP paths and backends, rings, restores,
 interleaves, experts, prefix caching in small caches, cached prefixes, staggered arrivals and
-small budgets) run executed on CPU ranks and simulated; every step counts the same
-(``step_counts.mismatches``: tokens, pairs, collective calls and bytes by purpose, prefix hits,
-preemptions, blocks in use). The hand-picked matrix is ``test_simulate_equality.py``; this
+small budgets) run executed on CPU ranks, verified against one rank, and simulated; every
+step counts the same (``step_counts.mismatches``: tokens, pairs, collective calls and bytes
+by purpose, prefix hits, preemptions, blocks in use). The hand-picked matrix is ``test_simulate_equality.py``; this
 one draws its cases from a fixed seed, so a failure names a config to rerun.
 
 ``dcp_rest`` is always explicit: ``auto`` takes the fewer bytes executed and the faster step
@@ -33,7 +33,7 @@ def draw(rng: random.Random) -> list[str]:
     pcp = rng.choice([1, 2, 3, 4]) if tp == 1 else rng.choice([1, 2])
     dcp = rng.choice([1, pcp, tp * pcp])
     ov = [f"model={model}", f"tp={tp}", f"pcp={pcp}", f"dcp={dcp}", f"decode={rng.choice(['replicated', 'sharded'])}",
-          "dtype=bfloat16", "verify=false", "output.plots=false", "output.progress=false", "kv.block_size=4",
+          "dtype=bfloat16", "output.plots=false", "output.progress=false", "kv.block_size=4",
           f"scheduler.max_num_batched_tokens={rng.choice([8, 16, 40])}", f"scheduler.max_num_seqs={rng.choice([2, 4, 8])}",
           f"pipeline.forward.dcp_rest={rng.choice(['queries', 'context'])}"]
     if dcp == pcp > 1 and rng.random() < 0.3:
@@ -65,7 +65,7 @@ def draw(rng: random.Random) -> list[str]:
 
 def valid(ov: list[str]) -> bool:
     try:
-        compose(ov), compose(ov + SIMULATED)
+        compose(ov), compose(ov + ["verify=false"] + SIMULATED)
     except ConfigError:
         return False
     return True
@@ -99,12 +99,13 @@ def test_random_layouts_count_what_their_executed_runs_count(tmp_path):
         cfgs.append(compose(ov + [f"+pipeline.extra=[{{kind: '{PROBE}', after: draft, path: '{d / 'steps.jsonl'}'}}]"]))
         dirs.append(d)
         caching = [] if "kv.prefix_caching=true" in ov else ["kv.prefix_caching=false"]  # executed runs default off
-        sim = SimulatedRun(compose(ov + caching + SIMULATED))
+        sim = SimulatedRun(compose(ov + caching + ["verify=false"] + SIMULATED))
         sim.run()
         sims.append(sim)
-    run(cfgs, run_dirs=[d if ring else None for d, ring in zip(dirs, rings)])
+    results = run(cfgs, run_dirs=[d if ring else None for d, ring in zip(dirs, rings)])
     failed = {}
-    for ov, ring, d, sim in zip(drawn, rings, dirs, sims):
+    for ov, ring, d, sim, result in zip(drawn, rings, dirs, sims, results):
+        assert result["verify"]["passed"], (" ".join(ov), result["verify"])  # exact, as one rank computes
         executed = step_counts.executed_steps(d / "steps.jsonl", d if ring else None)
         assert executed, " ".join(ov)
         wrong = step_counts.mismatches(sim.records, executed, ring=ring, dcp_over_tp=_value(ov, "dcp") > _value(ov, "pcp"))
