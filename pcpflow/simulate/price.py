@@ -796,9 +796,8 @@ def ring_loop(attention: np.ndarray, send: np.ndarray, *, overlap: bool = True) 
     start = np.zeros(P)
     for h in range(P - 1):
         s = send[:, h]
-        sent = np.where(s > 0, np.maximum(start, np.roll(start, -1)) + s, start)
-        got = np.roll(np.where(s > 0, np.maximum(start, np.roll(start, -1)) + s, 0.0), 1)  # from r - 1
-        hop[:, h] = np.maximum(sent, got) - start
+        done = np.where(s > 0, np.maximum(start, np.roll(start, -1)) + s, 0.0)  # r's send to r + 1 ends
+        hop[:, h] = np.maximum(np.maximum(done, start), np.roll(done, 1)) - start  # and what r - 1 sends it
         start = start + (np.maximum(attention[:, h], hop[:, h]) if overlap else attention[:, h] + hop[:, h])
     return hop
 
