@@ -213,20 +213,18 @@ def test_a_package_crossing_the_ring_alone_pays_its_hops_one_after_another():
 def test_a_decodes_query_pays_every_hop_of_its_ring():
     """Batch 1, ``decode=sharded`` over CP4 x TP8 (Meta's pass-Q decode): the one query hops
     from its owner through the three other ranks, each hop after the one before, then the
-    partials come back in one all-to-all: the slowest rank's exposed ring time a layer is 3
-    hops + the all-to-all + its attention of the visiting query (a 2 us floor at 8K), not
-    the 2 hops a rank sends and receives itself."""
+    partials come back in one all-to-all: the slowest rank's exposed hops a layer are 3, not
+    the 2 a rank sends and receives itself."""
     run = SimulatedRun(compose(RING405 + ["pcp=4", "dcp=4", "workload.prompt_lens=[8192]", "workload.output_lens=[3]",
                                           "decode=sharded", "simulate.cp_decode=ring_pass_q",
                                           "cudagraph_mode=full_decode_only"]))
     run.run()
     decode, L = run.records[-1], run.sizes.num_layers
-    hop_b = (16 * 128 + 2 * 128) * 2  # a query of 16 heads x 128 and its new KV entry, bf16
+    hop_b = (16 * 128 + 2 * 128) * 2  # a query of 16 heads x 128 and the new token's KV entry, bf16
     hop = run.pricer.place.seconds("sendrecv", "dcp", float(hop_b))[0]
     ring = sum(decode["purpose_s"].get(k, 0.0) for k in ("ring_send_q", "ring_send_kv"))
-    assert ring == pytest.approx(3 * L * hop, rel=0.02)  # the KV entry rides with the query: one latency
-    exposed = ring + decode["purpose_s"]["ring_all2all"] + decode["purpose_s"]["attention"]
-    assert exposed / L > 3 * hop + decode["purpose_s"]["ring_all2all"] / L
+    # latency-bound: a hop without the KV entry (past its owner) costs within 2% of one with it
+    assert ring == pytest.approx(3 * L * hop, rel=0.02)
 
 
 def test_host_launches_every_kernel_eagerly_and_one_graph_when_replayed():
