@@ -200,9 +200,9 @@ def minimal_model_config(kind: str, *, layers: int = 1, tp: int = 1) -> dict[str
 
 def _layer_op_us(b: Bench, kind: str) -> float:
     from pydantic import TypeAdapter
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from pcpflow.models import ModelConfig, build_model
+    from pcpflow.simulate.host import op_count
 
     model = build_model(TypeAdapter(ModelConfig).validate_python(minimal_model_config(kind)), dtype=torch.float32,
                         seed=0, device=b.device)
@@ -213,18 +213,11 @@ def _layer_op_us(b: Bench, kind: str) -> float:
     def attend(_layer, q, _kv):  # the backend is measured apart (the attention section)
         return q.new_zeros(q.shape[0], spec.num_heads, spec.v_dim)
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 0 if func.is_view else 1
-            return func(*args, **(kwargs or {}))
-
     with torch.no_grad():
-        with Count():
+        with op_count() as count:
             layer(x, positions, 0, attend)
         seconds = b.timed(lambda: layer(x, positions, 0, attend))
-    return seconds / max(Count.ops, 1) * 1e6
+    return seconds / max(count.n, 1) * 1e6
 
 
 def _graph_replay_us(b: Bench) -> float:

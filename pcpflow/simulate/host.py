@@ -68,20 +68,9 @@ def _attention_module(attention: str, hidden: int, heads: int, kv_heads: int, di
 @lru_cache(maxsize=32)
 def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int) -> LayerKernels:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from pcpflow.attention.fused import fused_decode_attention
     from pcpflow.models.common import DecoderLayer, RMSNorm, build_uninitialized
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.n += 1
-            return func(*args, **(kwargs or {}))
 
     make_attn, spec = _attention_module(attention, hidden, heads, kv_heads, dims)
     meta, dt, n, block = "meta", torch.bfloat16, 4, 16
@@ -96,7 +85,7 @@ def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[i
         def __call__(self, layer_idx, q, kv):
             cache = torch.empty(8 * block, spec.entry_dim, device=meta, dtype=dt)
             slots = torch.empty(n, dtype=torch.long, device=meta)
-            with Count() as c:
+            with op_count() as c:
                 cache.index_copy_(0, slots, kv)
                 out, _ = fused_decode_attention(q, cache, spec, torch.empty(n, 4, dtype=torch.long, device=meta),
                                                 torch.empty(n, dtype=torch.long, device=meta), block, kernel="sdpa")
@@ -106,11 +95,43 @@ def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[i
     x = torch.empty(n, hidden, device=meta, dtype=dt)
     positions = torch.empty(n, dtype=torch.long, device=meta)
     with torch.no_grad():
-        with Count() as c:
+        with op_count() as c:
             layer(x, positions, 0, StaticAttention())
-        with Count() as cn:
+        with op_count() as cn:
             norm(x)
     return LayerKernels(total=c.n, attention=StaticAttention.calls, norm=cn.n)
+
+
+def op_count(weight=None):
+    """A ``TorchDispatchMode`` that counts the ATen ops run under it (``.n``): each op but
+    views counts 1, or ``weight(func, args, kwargs, out)``."""
+    return _op_count_mode()(weight)
+
+
+@lru_cache(maxsize=1)
+def _op_count_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCount(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # NOTE: it never runs under torch.compile: without this, torch wraps the dispatch in
+            # Dynamo's ``disable``, which imports torch._dynamo (~1 s) at the first op even on
+            # CPU tensors (on meta ones, torch's Python reference kernels import it anyway)
+            return False
+
+        def __init__(self, weight) -> None:
+            super().__init__()
+            self.weight, self.n = weight, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if not func.is_view:
+                self.n += 1 if self.weight is None else self.weight(func, args, kwargs, out)
+            return out
+
+    return OpCount
 
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::linear"})
@@ -139,21 +160,15 @@ def counted_bytes(fn, *, skip=GEMM_OPS) -> int:
     """Bytes the ops ``fn()`` dispatches read and write (every tensor argument and result of
     each op but views and ``skip``); run it on ``meta`` tensors to count without computing.
     A function called inside may set ``counted_bytes.paused`` to leave its ops out."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Bytes(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not (func.is_view or counted_bytes.paused or func.name().split(".")[0] in skip):
-                Bytes.total += _tensor_bytes(args) + _tensor_bytes(list((kwargs or {}).values())) + _tensor_bytes(out)
-            return out
+    def tensor_bytes(func, args, kwargs, out) -> int:
+        if counted_bytes.paused or func.name().split(".")[0] in skip:
+            return 0
+        return _tensor_bytes(args) + _tensor_bytes(list(kwargs.values())) + _tensor_bytes(out)
 
     counted_bytes.paused = False
-    with Bytes():
+    with op_count(tensor_bytes) as c:
         fn()
-    return Bytes.total
+    return c.n
 
 
 counted_bytes.paused = False
@@ -193,17 +208,9 @@ def moe_ops(num_experts: int, top_k: int, num_shared: int) -> tuple[float, float
     real minimal tensors (CPU) for one row (``top_k`` experts reached) and for enough rows to
     reach them all; the difference over the experts it adds is the cost of one."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from pcpflow.models.moe import MoEMLP
     from pcpflow.models.moe_config import MoEConfig
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 0 if func.is_view else 1
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     moe = MoEMLP(8, 8, MoEConfig(num_experts=num_experts, top_k=top_k, num_shared_experts=num_shared), 0)
@@ -215,10 +222,9 @@ def moe_ops(num_experts: int, top_k: int, num_shared: int) -> tuple[float, float
             x = torch.randn(rows, 8)
             ids = moe.gate(x)[1]
             reached.append(len(torch.unique(ids)))
-            Count.n = 0
-            with Count():
+            with op_count() as c:
                 moe(x)
-            counts.append(Count.n)
+            counts.append(c.n)
     per_expert = (counts[1] - counts[0]) / max(reached[1] - reached[0], 1)
     return counts[0] - per_expert * reached[0], per_expert
 
