@@ -142,6 +142,9 @@ def capacity_warnings(cfg: Any) -> list[str]:
         return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     want = cfg.world_size * cfg.threads_per_rank
+    ranks = f"tp*pcp = {cfg.world_size} ranks"
+    if cfg.disagg.enabled:
+        ranks = f"{cfg.world_size} ranks ({cfg.grid.world_size} prefill + {cfg.world_size - cfg.grid.world_size} decode)"
     device = getattr(cfg, "device", "auto")
     if device != "cpu":
         try:
@@ -149,12 +152,12 @@ def capacity_warnings(cfg: Any) -> list[str]:
 
             if torch.cuda.is_available():
                 gpus = torch.cuda.device_count()
-                return [] if cfg.world_size <= gpus else [f"tp*pcp = {cfg.world_size} ranks on {gpus} GPU(s): ranks share devices"]
+                return [] if cfg.world_size <= gpus else [f"{ranks} on {gpus} GPU(s): ranks share devices"]
         except Exception:
             pass
     if want > 4 * cores:
         return [
-            f"tp*pcp = {cfg.world_size} ranks x threads_per_rank={cfg.threads_per_rank} on {cores} CPU core(s): "
+            f"{ranks} x threads_per_rank={cfg.threads_per_rank} on {cores} CPU core(s): "
             f"the run will be slow (each rank gets {cores / want:.2f} core); step times do not measure the layout"
         ]
     return []

@@ -250,6 +250,10 @@ def test_more_ranks_than_cores_warns():
     (warning,) = capacity_warnings(cfg)
     assert f"{4 * cores + 1} ranks" in warning and f"{cores} CPU core" in warning
     assert capacity_warnings(compose(["pcp=1"]).model_copy(update={"device": "cpu"})) == []
+    # with pools, the count names both (the decode pool: tp=2 pcp=2, 4 ranks)
+    pools = compose(["disagg=pd", f"pcp={4 * cores}", "disagg.decode_pool.tp=2", "disagg.decode_pool.pcp=2"])
+    (warning,) = capacity_warnings(pools.model_copy(update={"device": "cpu"}))
+    assert f"{4 * cores + 4} ranks ({4 * cores} prefill + 4 decode)" in warning and "tp*pcp" not in warning
 
 
 def test_sweep_report_flags_a_truncated_result_and_reports_the_rest(tmp_path):
