@@ -82,7 +82,12 @@ def pool_config(cfg: RunConfig, pool: str) -> RunConfig:
     sched = cfg.scheduler.model_copy(update={
         "max_num_seqs": d.max_num_seqs or cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": d.max_num_batched_tokens or cfg.scheduler.max_num_batched_tokens})
-    return cfg.model_copy(update={"tp": d.tp, "pcp": d.pcp, "dcp": d.dcp, "kv": kv, "scheduler": sched, "disagg": one})
+    # NOTE: a ring (pipeline.forward.cp_attention) is the prefill pool's; the decode pool runs its DCP path
+    pipeline = dict(cfg.pipeline or {})
+    if (pipeline.get("forward") or {}).get("cp_attention", "allgather") != "allgather":
+        pipeline["forward"] = {**pipeline["forward"], "cp_attention": "allgather"}
+    return cfg.model_copy(update={"tp": d.tp, "pcp": d.pcp, "dcp": d.dcp, "kv": kv, "scheduler": sched, "disagg": one,
+                                  "pipeline": pipeline})
 
 
 def pool_field(pool: str, field: str) -> str:
@@ -130,15 +135,11 @@ def disagg_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.kv.block_size % d.decode_pool.interleave:
         p.append(Problem("disagg.decode_pool.interleave", d.decode_pool.interleave,
                          f"must divide kv.block_size={cfg.kv.block_size} (the decode pool's blocks)"))
-    forward = (cfg.pipeline or {}).get("forward") or {}
-    if forward.get("cp_attention", "allgather") != "allgather":
-        p.append(Problem("pipeline.forward.cp_attention", forward["cp_attention"], "rings inside a pool are not "
-                         "counted with disagg=pd yet: use allgather (the pools' DCP paths: pipeline.forward.dcp_rest)"))
     if cfg.mode not in ("execute", "simulate"):
         p.append(Problem("disagg", "pd", f"mode={cfg.mode} measures one rank grid: run it with disagg=none"))
     if cfg.mode == "simulate" and cfg.simulate.cp_decode != "engine":
-        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, "rings inside a pool are not counted with "
-                         "disagg=pd yet: use engine (the decode pool's executed DCP path)"))
+        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, "with disagg=pd the decode pool runs its DCP "
+                         "path (a ring is the prefill pool's: pipeline.forward.cp_attention): use engine"))
     if cfg.mode == "simulate" and cfg.serving.replicas > 1:
         p.append(Problem("serving.replicas", cfg.serving.replicas, "one prefill pool and one decode pool per instance "
                          "(several of either, xPyD, are out of scope): serving.replicas=1 with disagg=pd"))

@@ -110,9 +110,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         pcp_size=pcp.size,
         num_to_generate=sum(r.max_output_tokens for r in requests),
     )
-    forward = next((s for s in specs if s.name == "forward"), None)
-    rings = getattr(forward.config, "cp_attention", "allgather") != "allgather" and cfg.pcp > 1
-    steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder, unaccounted_world if rings else None)
+    steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder, unaccounted_world if runs_ring(cfg, specs) else None)
     startup_done(cfg.startup_timeout_s, cfg.collective_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
     # NOTE: the board's barrier lets each rank go within its poll (50 ms) of the others: one
     # collective more, so that every rank's run clock starts at the same moment (else a
@@ -145,6 +143,13 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     if cfg.output.save_logits:
         result["logits"] = [steps.logits.get(r.req_id, []) for r in requests]
     return result
+
+
+def runs_ring(cfg: RunConfig, specs=None) -> bool:
+    """Whether a run of ``cfg`` (one pool's, with pools) runs a ring: its forward stage's
+    ``cp_attention`` (``specs``: its resolved pipeline, else resolved here) on pcp > 1."""
+    forward = next((s for s in (specs or resolve_pipeline(cfg)) if s.name == "forward"), None)
+    return getattr(forward.config, "cp_attention", "allgather") != "allgather" and cfg.pcp > 1
 
 
 class _Steps:
@@ -190,9 +195,7 @@ class _Steps:
         if self.ring_world is None:
             return None
         per_calls, per_bytes = gather_sent(self.ring_world, sent, RING_PURPOSES, self.ctx.device)
-        more_calls, more_bytes = ring_totals(per_calls, per_bytes)
-        calls.update(more_calls)
-        nbytes.update(more_bytes)
+        add_ring_totals(calls, nbytes, per_calls, per_bytes)
         return per_calls, per_bytes
 
     def _save_logits(self, state: StepState) -> None:
@@ -210,6 +213,14 @@ class _Steps:
         if logit_diff is not None:
             record["max_abs_logit_diff"] = logit_diff
         return record
+
+
+def add_ring_totals(calls: dict[str, int], nbytes: dict[str, int], per_calls, per_bytes) -> None:
+    """A ring's point-to-point sends, every rank's (by purpose, a list per rank), folded into a
+    step's ``calls`` and ``nbytes`` as the job's figures (``ring_totals``)."""
+    more_calls, more_bytes = ring_totals(per_calls, per_bytes)
+    calls.update(more_calls)
+    nbytes.update(more_bytes)
 
 
 def draft_record(outcome) -> dict[str, int]:

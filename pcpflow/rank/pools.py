@@ -36,6 +36,7 @@ import torch.distributed as dist
 from pcpflow.attention.metadata import rank_slot_mapping
 from pcpflow.config.disagg import POOLS, pool_config
 from pcpflow.config.run import RunConfig
+from pcpflow.layouts.accounting import RING_PURPOSES
 from pcpflow.layouts.transfer import KV_TRANSFER
 from pcpflow.models import build_model
 from pcpflow.output.metrics import MetricsRecorder, pool_step_record
@@ -47,7 +48,7 @@ from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
 from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
 from pcpflow.rank.devices import pick_device
-from pcpflow.rank.engine import batch_record, draft_record, run_on_cores
+from pcpflow.rank.engine import add_ring_totals, batch_record, draft_record, run_on_cores, runs_ring
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier
 from pcpflow.scheduling.loop import request_columns, request_rows
@@ -110,6 +111,8 @@ class _PoolRank:
             num_to_generate=int(table.output_lens.sum()),
         )
         self.loop = PoolLoop(self.prefill, self.decode, max_steps=cfg.max_steps, on_step=mark_step)
+        # NOTE: a pool that runs a ring (the prefill pool's pipeline.forward.cp_attention; pool_config)
+        self.rings = {name: runs_ring(self.pools[name]) for name in POOLS}
         self.moe_run: np.ndarray | None = None  # rank 0: both pools' MoE counts, by global rank
 
     # ------------------------------------------------------------------ the loop
@@ -138,7 +141,8 @@ class _PoolRank:
         calls, nbytes = self.stats.end_step()
         mark_stage("exchange")
         moe = moe_step_counts(self.ctx) if state is not None else None  # NOTE: over the pool: each of its ranks
-        payload: dict[str, Any] = {"moved": moved}
+        # NOTE: a ring's point-to-point sends, this rank's (the handover's were taken request by request)
+        payload: dict[str, Any] = {"moved": moved, "sent": self.stats.take_sent()}
         if self.pool_root and state is not None:
             payload["tokens"] = state.sampled_token_ids
             payload["drafts"] = state.draft_token_ids
@@ -168,6 +172,9 @@ class _PoolRank:
             for pool, first in (("prefill", 0), ("decode", self.offset)):
                 self._add_moe(roots[pool].get("moe"), first)
             records = {"prefill": roots["prefill"].get("record"), "decode": roots["decode"].get("record")}
+            for pool, first in (("prefill", 0), ("decode", self.offset)):
+                if records[pool] is not None and self.rings[pool]:
+                    self._add_ring_sent(records[pool], every[first:first + self.pools[pool].world_size])
             pools = self.pools
             record = pool_step_record(
                 ps.step, records, pcp={n: pools[n].pcp for n in POOLS},
@@ -178,6 +185,15 @@ class _PoolRank:
             if do is not None:  # NOTE: drafts are verified on the decode pool only
                 record.update(draft_record(do))
             self.recorder.step(record)
+
+    @staticmethod
+    def _add_ring_sent(record: dict[str, Any], payloads: list[dict[str, Any]]) -> None:
+        """A pool's ring sends, each of its ranks' (their step payloads), into the pool's step
+        record as a one-pool run records them (``_Steps._per_rank_sent``)."""
+        per_calls = {p: [int(x["sent"].get(p, (0, 0))[0]) for x in payloads] for p in RING_PURPOSES}
+        per_bytes = {p: [int(x["sent"].get(p, (0, 0))[1]) for x in payloads] for p in RING_PURPOSES}
+        add_ring_totals(record["collective_calls"], record["collective_bytes"], per_calls, per_bytes)
+        record["per_rank_collective_calls"], record["per_rank_collective_bytes"] = per_calls, per_bytes
 
     def _add_moe(self, counts: np.ndarray | None, first: int) -> None:
         """Add one pool's MoE counts of a step (``[W_pool, 2, E]``) to the run's, whose rows

@@ -241,8 +241,6 @@ class Space:
         if (v["decode_pool_pcp"] if pools else pcp) == 1:
             v["decode"] = self._unless_fixed("decode", "replicated", v)
         ring = v["cp_attention"] != "allgather"
-        if pools and ring and "cp_attention" not in self.fixed:  # rings inside a pool are not run with disagg=pd
-            return None
         if ring and not (pcp > 1 and dcp == pcp) and "cp_attention" not in self.fixed:
             return None
         if not (dcp > 1 and pcp > 1 and dcp == pcp) or ring:

@@ -3,6 +3,7 @@ numbers, nothing started (checked in process: the driver refuses before any rank
 
 from __future__ import annotations
 
+from pcpflow.config.disagg import pool_config
 from pcpflow.config.run import validate_run_config
 from pcpflow.driver.compose import compose_raw
 from pcpflow.testing import cli
@@ -73,8 +74,21 @@ def test_every_problem_together():
 def test_simulated_rings_inside_a_pool():
     got = problems("mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "pcp=2", "dcp=2", "disagg=pd",
                    "simulate.cp_decode=ring_pass_q")
-    assert "simulate.cp_decode: got 'ring_pass_q'; rings inside a pool are not counted with disagg=pd yet: use " \
-           "engine (the decode pool's executed DCP path)" in got, got
+    assert "simulate.cp_decode: got 'ring_pass_q'; with disagg=pd the decode pool runs its DCP path (a ring is the " \
+           "prefill pool's: pipeline.forward.cp_attention): use engine" in got, got
+
+
+def test_a_ring_is_the_prefill_pools():
+    ring = ["pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
+            "pipeline.forward.cp_attention=ring_pass_kv"]
+    cfg, found = validate_run_config(compose_raw(ring))
+    assert found == []
+    assert pool_config(cfg, "prefill").pipeline["forward"]["cp_attention"] == "ring_pass_kv"
+    assert pool_config(cfg, "decode").pipeline["forward"]["cp_attention"] == "allgather"
+    # the prefill pool's grid must hold the ring: the ring's own rule, on the top-level keys
+    got = problems("pcp=2", "dcp=1", "disagg=pd", "pipeline.forward.cp_attention=ring_pass_kv")
+    assert any(p.startswith("pipeline.forward.cp_attention: got 'ring_pass_kv'; a ring needs the KV sharded over the "
+                            "ring: pcp > 1 and dcp = pcp; got pcp=2 dcp=1") for p in got), got
 
 
 def test_a_profile_measures_one_grid():

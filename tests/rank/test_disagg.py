@@ -43,6 +43,10 @@ CASES = {
     # interleave 1 (one decode block draws from both prefill ranks)
     "pcp2_dcp2_i2_to_tp2_dcp2_full": ["pcp=2", "dcp=2", "kv.interleave=2", "disagg=pd", "disagg.decode_pool.tp=2",
                                       "disagg.decode_pool.dcp=2", *FULL],
+    # Meta's ring in the prefill pool (ring_auto: pass-KV or pass-Q step by step, over the prefix
+    # hits' cached keys), its KV sharded over the ring as DCP shards it, to the decode pool above
+    "ring_auto_pcp2_dcp2_to_tp2_dcp2_full": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_auto", "disagg=pd",
+                                             "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2", *FULL],
 }
 SLOW = {
     "readme_pcp4_to_pcp2_dcp2": ["pcp=4", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2"],
@@ -69,6 +73,13 @@ MOE_TOP_K, MOE_LAYERS = 2, 2
 MOE_POOLS = ["pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
              "model.moe.num_experts=4", f"model.moe.top_k={MOE_TOP_K}", "model.moe.first_k_dense_replace=1",
              "model.num_layers=3", "workload=explicit", "workload.prompt_lens=[9,14,5]", "workload.output_lens=[4,3,2]"]
+
+
+EXACT = [*CASES, "corrupt", "moe"]  # the matrix's runs, in order
+
+
+def _exact_run(shared_runs, name: str):
+    return shared_runs["disagg/exact"][EXACT.index(name)]
 
 
 @shared_ranks.matrix("disagg/exact")
@@ -132,7 +143,7 @@ def check(cfg, result):
 @pytest.mark.dist
 @pytest.mark.matrix("disagg/exact")
 def test_both_pools_exact_and_each_decode_rank_receives_what_it_owns(shared_runs):
-    (cfg, result), *_ = shared_runs["disagg/exact"]
+    cfg, result = _exact_run(shared_runs, "pcp2_dcp2_i2_to_tp2_dcp2_full")
     check(cfg, result)
     rows = result["requests"]
     # both pools full: some request waited for the decode pool holding its prefill blocks,
@@ -146,7 +157,7 @@ def test_both_pools_exact_and_each_decode_rank_receives_what_it_owns(shared_runs
 @pytest.mark.dist
 @pytest.mark.matrix("disagg/exact")
 def test_a_corrupted_transfer_is_caught(shared_runs):
-    _, (_, result), _ = shared_runs["disagg/exact"]
+    _, result = _exact_run(shared_runs, "corrupt")
     assert not result["verify"]["passed"] and not result["verify"]["kv_match"]
     assert result["verify"]["kv_mismatched_slots"] >= 1
 
@@ -157,12 +168,26 @@ def test_experts_in_both_pools(shared_runs):
     """Exact, and the MoE counts cover both pools by global rank: 4 rows (the prefill pool's
     two ranks, then the decode pool's two), each rank's experts fed, and every token the pools
     ran routed to its top 2 experts in each of the 2 MoE layers."""
-    *_, (cfg, result) = shared_runs["disagg/exact"]
+    cfg, result = _exact_run(shared_runs, "moe")
     check(cfg, result)
     m = result["metrics"]
     rows = np.array(m["moe_expert_rows"])
     assert rows.shape == (4, 4) and (rows.sum(axis=1) > 0).all()
     assert sum(m["moe_tokens_per_expert"]) == MOE_TOP_K * MOE_LAYERS * m["num_tokens"]
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/exact")
+def test_a_ring_in_the_prefill_pool(shared_runs):
+    """Exact with the ring in the prefill pool (prefix hits and preemptions as in the first
+    case), its hops counted (ring_totals of every prefill rank's sends: one hop a layer of
+    the 2-layer model per step at pcp=2); the decode pool ran its DCP path."""
+    cfg, result = _exact_run(shared_runs, "ring_auto_pcp2_dcp2_to_tp2_dcp2_full")
+    check(cfg, result)
+    assert result["metrics"]["prefix_cache"]["hit_tokens"] >= 16
+    calls = result["metrics"]["collective_calls"]
+    hops = calls.get("ring_send_kv", 0) + calls.get("ring_send_q", 0)
+    assert hops > 0 and hops % 2 == 0, calls
 
 
 @pytest.mark.dist

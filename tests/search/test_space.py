@@ -60,15 +60,18 @@ def test_candidate_strings_are_layouts_as_written_sweeps_expand_and_other_keys_r
 def test_pools_join_the_space_as_prefill_and_decode_grids_counted_by_hand():
     # 4 GPUs, one CUDA-graph mode. A prefill pool whose GPUs divide 4 and leave room, beside a
     # decode pool (pcp 1, tp a power of two, dcp dividing tp) in the GPUs left; one instance (no
-    # replicas); no rings (not run with pools); the decode mode is the decode pool's (pcp 1: replicated):
+    # replicas); the decode mode is the decode pool's (pcp 1: replicated):
     #   prefill tp1 pcp1 dcp1 (1 GPU), 3 left: decode pools tp1 dcp1, tp2 dcp1, tp2 dcp2          -> 3
     #   prefill of 2 GPUs, 2 left: the same 3 decode pools beside
-    #     tp1 pcp2 dcp1, tp2 pcp1 dcp1, tp2 pcp1 dcp2 (1 each), tp1 pcp2 dcp2 (3 dcp_rest)   -> 6 x 3 = 18
+    #     tp1 pcp2 dcp1, tp2 pcp1 dcp1, tp2 pcp1 dcp2 (1 each), tp1 pcp2 dcp2 (3 dcp_rest,
+    #     and the 3 rings in the prefill pool, the DCP path's dcp_rest left at auto)          -> 9 x 3 = 27
     space = Space(4, fixed={"cudagraph_mode": "none"}, experts=False, fill=True, pools_available=True)
     pools = [lay for lay in space.enumerate() if lay["disagg"] == "pd"]
-    assert len(pools) == 21 and len({lay.values for lay in pools}) == 21
+    assert len(pools) == 30 and len({lay.values for lay in pools}) == 30
     assert all(lay["replicas"] == 1 and lay.world <= 4 for lay in pools)
-    assert {lay["cp_attention"] for lay in pools} == {"allgather"} and {lay["decode"] for lay in pools} == {"replicated"}
+    rings = [lay for lay in pools if lay["cp_attention"] != "allgather"]
+    assert {(lay["tp"], lay["pcp"], lay["dcp"], lay["dcp_rest"]) for lay in rings} == {(1, 2, 2, "auto")}
+    assert len(rings) == 9 and {lay["decode"] for lay in pools} == {"replicated"}
     decode_pools = {(lay["decode_pool_tp"], lay["decode_pool_pcp"], lay["decode_pool_dcp"]) for lay in pools}
     assert decode_pools == {(1, 1, 1), (2, 1, 1), (2, 1, 2)}
     # one pool is the space it was, its decode pool keys at their defaults

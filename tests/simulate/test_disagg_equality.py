@@ -34,11 +34,22 @@ CASES = {
                                               "disagg.decode_pool.dcp=2", "disagg.decode_pool.interleave=4",
                                               "disagg.transfer=after_prefill"],
 }
+RINGS = {
+    # Meta's ring in the prefill pool (its KV sharded over the ring), pass-KV over a cached prefix,
+    # to a decode pool sharding its KV over PCP: the ring's every-rank sends, step by step
+    "mla_ring_pass_kv_pcp2_to_pcp2_dcp2": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv",
+                                          "workload.cached_lens=[0,8,0,0,12,0]", "disagg.decode_pool.pcp=2",
+                                          "disagg.decode_pool.dcp=2"],
+    # pass-Q with TP beside the ring, to a decode pool of one rank
+    "gqa_tp2_ring_pass_q_pcp2_to_one": ["model=tiny_gqa", "tp=2", "pcp=2", "dcp=2",
+                                        "pipeline.forward.cp_attention=ring_pass_q", "disagg.decode_pool.num_blocks=12"],
+}
 SLOW = {
     "mla_pcp2_dcp2_i2_to_tp2_dcp2_layerwise": ["pcp=2", "dcp=2", "kv.interleave=2", "disagg.decode_pool.tp=2",
                                                "disagg.decode_pool.dcp=2"],
     "mla_pcp2_to_tp2_replicated_latent": ["pcp=2", "disagg.decode_pool.tp=2", "disagg.decode_pool.num_blocks=10"],
 }
+RING_SENT = ("per_rank_collective_calls", "per_rank_collective_bytes")
 COUNTED = ("per_rank_tokens", "padded_num_tokens", "collective_calls", "collective_bytes", "num_preempted",
            "prefix_hit_tokens", "prefix_query_tokens", "kv_blocks_used", "num_running", "num_waiting")
 TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_steps", "output_len", "handover_step",
@@ -70,6 +81,11 @@ def _equality_draft():
     return _matrix(DRAFTING)
 
 
+@shared_ranks.matrix("disagg/equality-rings")
+def _equality_rings():
+    return _matrix(RINGS)
+
+
 @shared_ranks.matrix("disagg/equality-slow")
 def _equality_slow():
     return _matrix(SLOW)
@@ -81,6 +97,7 @@ def _compare(name: str, extra: list[str], executed: dict) -> None:
     simulated = sim.run()
     assert [s["step"] for s in sim.records] == [s["step"] for s in steps]
     dcp_over_tp = {pool: c.grid.dcp_tp > 1 for pool, c in sim.configs.items()}
+    ring = {pool: name in RINGS and pool == "prefill" for pool in sim.configs}  # a ring: the prefill pool's
     moved = 0
     for ex, si in zip(steps, sim.records):
         for key in ("req_ids", "tokens", "calls", "bytes"):
@@ -91,7 +108,9 @@ def _compare(name: str, extra: list[str], executed: dict) -> None:
             assert (e is None) == (s is None), (name, ex["step"], pool)
             if e is None:
                 continue
-            for key in COUNTED + (() if dcp_over_tp[pool] else ("per_rank_attention_work",)):
+            assert s["cp_attention"] == e["cp_attention"] == ("allgather" if not ring[pool] else s["cp_attention"])
+            assert ring[pool] == e["cp_attention"].startswith("ring_"), (name, ex["step"], pool)
+            for key in COUNTED + (() if dcp_over_tp[pool] else ("per_rank_attention_work",)) + (RING_SENT if ring[pool] else ()):
                 assert s[key] == e[key], (name, ex["step"], pool, key)
     assert moved > 0
     for e, s in zip(executed["requests"], simulated["requests"]):
@@ -107,6 +126,17 @@ def _compare(name: str, extra: list[str], executed: dict) -> None:
 def test_every_step_moves_and_counts_the_same(shared_runs):
     for (_, executed), (name, extra) in zip(shared_runs["disagg/equality"], CASES.items()):
         _compare(name, extra, executed)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.matrix("disagg/equality-rings")
+def test_a_ring_in_the_prefill_pool_sends_and_counts_the_same(shared_runs):
+    for (_, executed), (name, extra) in zip(shared_runs["disagg/equality-rings"], RINGS.items()):
+        _compare(name, extra, executed)
+        sent = [json.loads(line)["pools"]["prefill"] for line in (_DIRS[name] / "metrics.jsonl").read_text().splitlines()]
+        assert any(r is not None and sum(r["collective_calls"].get(p, 0) for p in ("ring_send_kv", "ring_send_q")) > 0
+                   for r in sent), name
 
 
 @pytest.mark.dist
