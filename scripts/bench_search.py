@@ -7,7 +7,7 @@
    prompt and 64 output tokens, the one-pool layouts of ``search.gpus=128`` GPUs
    (``disagg.kind=none``: a single request has no decode traffic to disaggregate; 2,350
    layouts, exhaustive); target: at least 500 layouts screened in at most 60 s on 2 cores.
-   ``long_pools``: the same with prefill/decode pools in the space (20,130 layouts, past
+   ``long_pools``: the same with prefill/decode pools in the space (28,950 layouts, past
    ``search.exhaustive_limit``: Optuna picks 500: the target's count), against the same target.
 2. **the Mooncake head**: the bundled trace's 1,000 requests at their real lengths
    (``length_scale=1``) and timestamps, DeepSeek-V3 on H200s, ``search.gpus=64``, SLOs
