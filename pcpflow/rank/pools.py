@@ -169,10 +169,9 @@ class _PoolRank:
             mark_stage("verify")
             self.verifier.global_step(ps, state, roots, po, do, freed)
         if self.is_root:
-            for pool, first in (("prefill", 0), ("decode", self.offset)):
-                self._add_moe(roots[pool].get("moe"), first)
             records = {"prefill": roots["prefill"].get("record"), "decode": roots["decode"].get("record")}
             for pool, first in (("prefill", 0), ("decode", self.offset)):
+                self._add_moe(roots[pool].get("moe"), first)
                 if records[pool] is not None and self.rings[pool]:
                     self._add_ring_sent(records[pool], every[first:first + self.pools[pool].world_size])
             pools = self.pools
