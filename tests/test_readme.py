@@ -189,20 +189,30 @@ def test_every_readme_command_runs_as_written(tmp_path_factory):
 
 
 def _check_pooled(results: list[dict]) -> None:
-    """The README's executed disagg=pd run (docs/disaggregation.md's worked example's layouts)."""
-    (pooled,) = [r for r in results if r["config"]["mode"] == "execute" and r["config"]["disagg"]["kind"] == "pd"]
-    assert pooled["status"] == "ok" and pooled["verify"]["passed"]
-    t, pools, rows = pooled["metrics"]["transfer"], pooled["metrics"]["pools"], pooled["requests"]
+    """The README's executed disagg=pd runs: docs/disaggregation.md's worked example's layouts,
+    and a ring in the prefill pool (interleave 1 on both sides)."""
+    pooled = {((r["config"]["pipeline"] or {}).get("forward") or {}).get("cp_attention", "allgather"): r
+              for r in results if r["config"]["mode"] == "execute" and r["config"]["disagg"]["kind"] == "pd"}
+    assert set(pooled) == {"allgather", "ring_auto"}, set(pooled)
     # by hand: every prompt moves once (the latent is sharded by the decode pool's DCP, not
     # replicated over its TP): (kv_lora_rank + rope dim) float64 values per position and layer;
-    # a prompt of >= 4 tokens takes the example's 4 routes, a message per route and layer (layerwise)
-    model = pooled["config"]["model"]
-    per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
-    handed = [r for r in rows if r["output_len"] > 1]
-    assert all(r["prompt_len"] >= 4 for r in handed) and t["requests"] == len(handed) > 0
-    assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
-    assert t["calls"] == 4 * model["num_layers"] * len(handed)
-    assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
+    # a message per route and layer (layerwise): the example's 4 routes for a prompt of >= 4
+    # tokens (interleaves 2 -> 1), 2 for one of >= 2 (interleaves 1 -> 1: prefill rank r to the
+    # decode pool's DCP rank r)
+    for ring, routes in (("allgather", 4), ("ring_auto", 2)):
+        run = pooled[ring]
+        assert run["status"] == "ok" and run["verify"]["passed"]
+        t, pools, rows = run["metrics"]["transfer"], run["metrics"]["pools"], run["requests"]
+        model = run["config"]["model"]
+        per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 8 * model["num_layers"]
+        handed = [r for r in rows if r["output_len"] > 1]
+        assert all(r["prompt_len"] >= routes for r in handed) and t["requests"] == len(handed) > 0
+        assert t["bytes"] == per_token * sum(r["prompt_len"] for r in handed)
+        assert t["calls"] == routes * model["num_layers"] * len(handed)
+        assert sum(r["transfer_bytes"] for r in rows) == t["bytes"] and pools["decode"]["tokens"] > 0
+    steps, ran = pooled["ring_auto"]["metrics"]["pools"], pooled["ring_auto"]["metrics"]["cp_attention_steps"]
+    assert ran.get("ring_pass_kv", 0) + ran.get("ring_pass_q", 0) == steps["prefill"]["steps"] > 0, ran
+    assert ran["allgather"] == steps["decode"]["steps"], ran
 
 
 @pytest.mark.slow  # NOTE: a superset runs in test_every_readme_command_runs_as_written (slow too)

@@ -209,6 +209,8 @@ class MetricsRecorder:
                 acc["tokens"] += r["num_tokens"]
                 acc["busy_s"] += r["step_s"]
                 acc["steps"] += 1
+                if "cp_attention" in r:  # NOTE: each pool's batch of a step counts once
+                    self.cp_attention_steps[r["cp_attention"]] += 1
         if record.get("transfer"):
             t = record["transfer"]
             self.transfer["bytes"] += t.get("bytes", 0)

@@ -185,9 +185,14 @@ def test_a_ring_in_the_prefill_pool(shared_runs):
     cfg, result = _exact_run(shared_runs, "ring_auto_pcp2_dcp2_to_tp2_dcp2_full")
     check(cfg, result)
     assert result["metrics"]["prefix_cache"]["hit_tokens"] >= 16
-    calls = result["metrics"]["collective_calls"]
+    m = result["metrics"]
+    calls = m["collective_calls"]
     hops = calls.get("ring_send_kv", 0) + calls.get("ring_send_q", 0)
     assert hops > 0 and hops % 2 == 0, calls
+    # every prefill batch ran the ring, every decode batch the DCP path
+    ran = m["cp_attention_steps"]
+    assert ran["allgather"] == m["pools"]["decode"]["steps"] > 0, ran
+    assert ran.get("ring_pass_kv", 0) + ran.get("ring_pass_q", 0) == m["pools"]["prefill"]["steps"] > 0, ran
 
 
 @pytest.mark.dist

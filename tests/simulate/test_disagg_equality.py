@@ -119,6 +119,7 @@ def _compare(name: str, extra: list[str], executed: dict) -> None:
         assert simulated["metrics"]["transfer"][key] == executed["metrics"]["transfer"][key], key
     for pool in ("prefill", "decode"):
         assert simulated["metrics"]["pools"][pool]["tokens"] == executed["metrics"]["pools"][pool]["tokens"]
+    assert simulated["metrics"]["cp_attention_steps"] == executed["metrics"]["cp_attention_steps"]
 
 
 @pytest.mark.dist
