@@ -52,7 +52,8 @@ class ModelForward(Stage):
         cp_attention: Literal[CP_ATTENTION] = Field(  # type: ignore[valid-type]
             "allgather",
             description="how attention crosses the ranks: allgather (vLLM's paths) | ring_pass_kv | "
-            "ring_pass_q | ring_auto (Meta's rule per step); rings need dcp = pcp > 1",
+            "ring_pass_q | ring_auto (Meta's rule per step); rings need dcp = pcp > 1; with disagg=pd "
+            "the prefill pool's (the decode pool runs allgather)",
         )
         attention: Literal["reference", "fused", "auto"] = Field(
             "auto",
