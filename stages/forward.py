@@ -53,7 +53,7 @@ class ModelForward(Stage):
             "allgather",
             description="how attention crosses the ranks: allgather (vLLM's paths) | ring_pass_kv | "
             "ring_pass_q | ring_auto (Meta's rule per step); rings need dcp = pcp > 1; with disagg=pd "
-            "the prefill pool's (the decode pool runs allgather)",
+            "the prefill pool's (the decode pool's: disagg.decode_pool.cp_attention)",
         )
         attention: Literal["reference", "fused", "auto"] = Field(
             "auto",

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pcpflow.errors import Problem, Settings
+from pcpflow.layouts.ring import CP_ATTENTION
 from pcpflow.parallel.grid import RankGrid
 
 # NOTE: the run config (pcpflow.config.run.RunConfig) holds a DisaggConfig: it is typed Any here,
@@ -27,7 +28,7 @@ RunConfig = Any
 
 POOLS = ("prefill", "decode")
 POOL_FIELDS = ("tp", "pcp", "dcp", "kv.interleave", "kv.num_blocks", "scheduler.max_num_seqs",
-               "scheduler.max_num_batched_tokens")
+               "scheduler.max_num_batched_tokens", "pipeline.forward.cp_attention")
 """The settings each pool has its own of (the decode pool's under ``disagg.decode_pool``)."""
 
 
@@ -44,6 +45,10 @@ class DecodePoolConfig(Settings):
     max_num_seqs: int | None = Field(None, ge=1, description="most requests running on the decode pool; null: scheduler.max_num_seqs")
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="token budget of a decode-pool step; null: scheduler.max_num_batched_tokens")
+    cp_attention: Literal[CP_ATTENTION] = Field(  # type: ignore[valid-type]
+        "allgather", description="how the decode pool's attention crosses its ranks: allgather (its DCP path) | "
+        "ring_pass_q (Meta's decode ring) | ring_pass_kv | ring_auto; a ring needs the pool's dcp = pcp > 1 "
+        "(pipeline.forward.cp_attention is the prefill pool's)")
 
 
 class DisaggConfig(Settings):
@@ -82,10 +87,9 @@ def pool_config(cfg: RunConfig, pool: str) -> RunConfig:
     sched = cfg.scheduler.model_copy(update={
         "max_num_seqs": d.max_num_seqs or cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": d.max_num_batched_tokens or cfg.scheduler.max_num_batched_tokens})
-    # NOTE: a ring (pipeline.forward.cp_attention) is the prefill pool's; the decode pool runs its DCP path
+    # NOTE: pipeline.forward.cp_attention is the prefill pool's; the decode pool's is its own
     pipeline = dict(cfg.pipeline or {})
-    if (pipeline.get("forward") or {}).get("cp_attention", "allgather") != "allgather":
-        pipeline["forward"] = {**pipeline["forward"], "cp_attention": "allgather"}
+    pipeline["forward"] = {**(pipeline.get("forward") or {}), "cp_attention": d.cp_attention}
     return cfg.model_copy(update={"tp": d.tp, "pcp": d.pcp, "dcp": d.dcp, "kv": kv, "scheduler": sched, "disagg": one,
                                   "pipeline": pipeline})
 
@@ -138,8 +142,8 @@ def disagg_problems(cfg: RunConfig) -> list[Problem]:
     if cfg.mode not in ("execute", "simulate"):
         p.append(Problem("disagg", "pd", f"mode={cfg.mode} measures one rank grid: run it with disagg=none"))
     if cfg.mode == "simulate" and cfg.simulate.cp_decode != "engine":
-        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, "with disagg=pd the decode pool runs its DCP "
-                         "path (a ring is the prefill pool's: pipeline.forward.cp_attention): use engine"))
+        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, "with disagg=pd the decode pool runs the "
+                         "attention its own key names: use engine and disagg.decode_pool.cp_attention=ring_pass_q"))
     if cfg.mode == "simulate" and cfg.serving.replicas > 1:
         p.append(Problem("serving.replicas", cfg.serving.replicas, "one prefill pool and one decode pool per instance "
                          "(several of either, xPyD, are out of scope): serving.replicas=1 with disagg=pd"))

@@ -242,7 +242,8 @@ def simulate_problems(cfg) -> list[Problem]:
             from pcpflow.config.disagg import pool_config, pool_problems
 
             decode = pool_config(cfg, "decode")
-            grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp")]  # its groups measured
+            # its groups measured, and a ring of its own (disagg.decode_pool.cp_attention) refused on a measured profile
+            grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp", "pipeline.forward.cp_attention")]
             p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes) + grid, "decode")
     return p
 

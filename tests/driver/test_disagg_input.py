@@ -74,17 +74,25 @@ def test_every_problem_together():
 def test_simulated_rings_inside_a_pool():
     got = problems("mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "pcp=2", "dcp=2", "disagg=pd",
                    "simulate.cp_decode=ring_pass_q")
-    assert "simulate.cp_decode: got 'ring_pass_q'; with disagg=pd the decode pool runs its DCP path (a ring is the " \
-           "prefill pool's: pipeline.forward.cp_attention): use engine" in got, got
+    assert "simulate.cp_decode: got 'ring_pass_q'; with disagg=pd the decode pool runs the attention its own key " \
+           "names: use engine and disagg.decode_pool.cp_attention=ring_pass_q" in got, got
 
 
-def test_a_ring_is_the_prefill_pools():
+def test_each_pool_has_its_own_ring():
     ring = ["pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
             "pipeline.forward.cp_attention=ring_pass_kv"]
     cfg, found = validate_run_config(compose_raw(ring))
     assert found == []
     assert pool_config(cfg, "prefill").pipeline["forward"]["cp_attention"] == "ring_pass_kv"
     assert pool_config(cfg, "decode").pipeline["forward"]["cp_attention"] == "allgather"
+    # the decode pool's ring is its own key, on its own grid
+    cfg, found = validate_run_config(compose_raw([*ring, "disagg.decode_pool.cp_attention=ring_pass_q"]))
+    assert found == [] and pool_config(cfg, "decode").pipeline["forward"]["cp_attention"] == "ring_pass_q"
+    got = problems("pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
+                   "disagg.decode_pool.cp_attention=ring_auto")
+    assert got == ["disagg.decode_pool.cp_attention: got 'ring_auto'; the decode pool (tp=2 pcp=1 dcp=2): a ring "
+                   "needs the KV sharded over the ring: pcp > 1 and dcp = pcp; got pcp=1 dcp=2 (use dcp=2 pcp=2, or "
+                   "cp_attention=allgather)"], got
     # the prefill pool's grid must hold the ring: the ring's own rule, on the top-level keys
     got = problems("pcp=2", "dcp=1", "disagg=pd", "pipeline.forward.cp_attention=ring_pass_kv")
     assert any(p.startswith("pipeline.forward.cp_attention: got 'ring_pass_kv'; a ring needs the KV sharded over the "

@@ -47,6 +47,10 @@ CASES = {
     # hits' cached keys), its KV sharded over the ring as DCP shards it, to the decode pool above
     "ring_auto_pcp2_dcp2_to_tp2_dcp2_full": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_auto", "disagg=pd",
                                              "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2", *FULL],
+    # a ring in the decode pool (ring_auto: Meta's rule, its sharded decodes and the prefills of
+    # the requests it preempted and recomputes), behind an all-gather prefill pool
+    "pcp2_to_pcp2_dcp2_decode_ring_full": ["pcp=2", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
+                                           "disagg.decode_pool.cp_attention=ring_auto", "decode=sharded", *FULL],
 }
 SLOW = {
     "readme_pcp4_to_pcp2_dcp2": ["pcp=4", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2"],
@@ -193,6 +197,22 @@ def test_a_ring_in_the_prefill_pool(shared_runs):
     ran = m["cp_attention_steps"]
     assert ran["allgather"] == m["pools"]["decode"]["steps"] > 0, ran
     assert ran.get("ring_pass_kv", 0) + ran.get("ring_pass_q", 0) == m["pools"]["prefill"]["steps"] > 0, ran
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/exact")
+def test_a_ring_in_the_decode_pool(shared_runs):
+    """Exact with Meta's ring in the decode pool (disagg.decode_pool.cp_attention), preempting
+    there as in the first case: every decode-pool batch ran a ring, every prefill batch the
+    all-gather path, and the decode pool's ring moved bytes."""
+    cfg, result = _exact_run(shared_runs, "pcp2_to_pcp2_dcp2_decode_ring_full")
+    check(cfg, result)
+    m = result["metrics"]
+    assert sum(r["num_preemptions"] for r in result["requests"]) >= 1
+    ran = m["cp_attention_steps"]
+    assert ran["allgather"] == m["pools"]["prefill"]["steps"] > 0, ran
+    assert ran.get("ring_pass_kv", 0) + ran.get("ring_pass_q", 0) == m["pools"]["decode"]["steps"] > 0, ran
+    assert sum(m["collective_bytes"].get(p, 0) for p in ("ring_send_kv", "ring_send_q", "ring_all2all")) > 0
 
 
 @pytest.mark.dist

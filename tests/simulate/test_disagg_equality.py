@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import shared_ranks
 
+from pcpflow.layouts.accounting import RING_PURPOSES
 from pcpflow.layouts.transfer import handover_counts
 from pcpflow.simulate.pools import PooledRun, handover_kv
 from pcpflow.testing import compose
@@ -43,6 +44,10 @@ RINGS = {
     # pass-Q with TP beside the ring, to a decode pool of one rank
     "gqa_tp2_ring_pass_q_pcp2_to_one": ["model=tiny_gqa", "tp=2", "pcp=2", "dcp=2",
                                         "pipeline.forward.cp_attention=ring_pass_q", "disagg.decode_pool.num_blocks=12"],
+    # Meta's decode ring in the decode pool (its queries sharded, each travelling the ring) behind
+    # an all-gather prefill pool
+    "mla_pcp2_to_pcp2_dcp2_ring_pass_q_sharded": ["pcp=2", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
+                                                  "disagg.decode_pool.cp_attention=ring_pass_q", "decode=sharded"],
 }
 SLOW = {
     "mla_pcp2_dcp2_i2_to_tp2_dcp2_layerwise": ["pcp=2", "dcp=2", "kv.interleave=2", "disagg.decode_pool.tp=2",
@@ -97,7 +102,7 @@ def _compare(name: str, extra: list[str], executed: dict) -> None:
     simulated = sim.run()
     assert [s["step"] for s in sim.records] == [s["step"] for s in steps]
     dcp_over_tp = {pool: c.grid.dcp_tp > 1 for pool, c in sim.configs.items()}
-    ring = {pool: name in RINGS and pool == "prefill" for pool in sim.configs}  # a ring: the prefill pool's
+    ring = {pool: c.pipeline["forward"]["cp_attention"] != "allgather" for pool, c in sim.configs.items()}
     moved = 0
     for ex, si in zip(steps, sim.records):
         for key in ("req_ids", "tokens", "calls", "bytes"):
@@ -132,12 +137,13 @@ def test_every_step_moves_and_counts_the_same(shared_runs):
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.matrix("disagg/equality-rings")
-def test_a_ring_in_the_prefill_pool_sends_and_counts_the_same(shared_runs):
+def test_a_ring_in_either_pool_sends_and_counts_the_same(shared_runs):
     for (_, executed), (name, extra) in zip(shared_runs["disagg/equality-rings"], RINGS.items()):
         _compare(name, extra, executed)
-        sent = [json.loads(line)["pools"]["prefill"] for line in (_DIRS[name] / "metrics.jsonl").read_text().splitlines()]
-        assert any(r is not None and sum(r["collective_calls"].get(p, 0) for p in ("ring_send_kv", "ring_send_q")) > 0
-                   for r in sent), name
+        lines = [json.loads(line)["pools"] for line in (_DIRS[name] / "metrics.jsonl").read_text().splitlines()]
+        pool = "decode" if "disagg.decode_pool.cp_attention=ring_pass_q" in extra else "prefill"
+        assert any(r[pool] is not None and sum(r[pool]["collective_calls"].get(p, 0) for p in RING_PURPOSES) > 0
+                   for r in lines), name
 
 
 @pytest.mark.dist

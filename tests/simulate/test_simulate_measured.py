@@ -219,3 +219,19 @@ def test_the_sync_fit_recovers_the_law_it_was_made_from():
     fit = fit_sync(work, [120e-6 + 0.04 * w for w in work])
     assert fit["fixed_us"] == pytest.approx(120.0, rel=1e-6) and fit["per_work"] == pytest.approx(0.04, rel=1e-6)
     assert fit_sync(work, [0.0] * 5)["fixed_us"] == 0 and fit_sync(work, [0.0] * 5)["per_work"] == 0
+
+
+def test_a_ring_is_refused_on_a_measured_profile_in_either_pool(profile_path):
+    """A measured profile prices the all-gather paths only: a ring is refused, the prefill
+    pool's by its key and the decode pool's by its own (disagg.decode_pool.cp_attention)."""
+    from pcpflow.testing import cli
+
+    common = ["mode=simulate", "hardware=measured", f"hardware.path={profile_path}", "dtype=float32",
+              "model=tiny_gqa", "output.progress=false"]
+    for extra, field in ((["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv"], "pipeline.forward.cp_attention"),
+                         (["pcp=1", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
+                           "disagg.decode_pool.cp_attention=ring_pass_q"], "disagg.decode_pool.cp_attention")):
+        r = cli(*common, *extra)
+        lines = [line.strip()[2:] for line in r.stderr.splitlines() if line.startswith("  - ")]
+        assert r.returncode == 2 and any(line.startswith(f"{field}: got") and "a ring is priced on a shipped profile"
+                                         in line for line in lines), r.stderr
