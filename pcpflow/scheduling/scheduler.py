@@ -400,6 +400,10 @@ class Scheduler:
                 self._chain_last[i] = chain[len(hit_blocks) - 1] if len(hit_blocks) else prefix.ROOT
             self._num_computed[i] = hit
             self._hashed[i] = len(hit_blocks)
+            if 0 < cached <= hit and self._ready_step[i] < 0:
+                # NOTE: a hit holds its cached_lens prefix: nothing to wait for, its clock ran
+                # from its entry (a readmission must not start it again)
+                self._ready_step[i] = self._entry_step[i]
             if self._admitted_step[i] < 0:
                 self._admitted_step[i] = step
                 self._hit_tokens[i] = hit
