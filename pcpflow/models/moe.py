@@ -84,12 +84,22 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, hidden] -> (weights [N, top_k], expert ids [N, top_k])``. Half precision
-        routes in float32 (as transformers does)."""
+        """``[N, hidden] -> (weights [N, top_k], expert ids [N, top_k])``."""
+        return self.select(self.logits(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[N, E]``; half precision routes in float32 (as transformers does)."""
         dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-        logits = x.to(dtype) @ self.weight.to(dtype).T
+        return x.to(dtype) @ self.weight.to(dtype).T
+
+    def select(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) of router ``logits``: the experts they choose, or ``ids``
+        given (weighted by these logits)."""
         bias = self.e_score_correction_bias
-        return route(logits, None if bias is None else bias.to(dtype), self.moe)
+        bias = None if bias is None else bias.to(logits.dtype)
+        if ids is None:
+            return route(logits, bias, self.moe)
+        return _weights(_scores(logits, self.moe).gather(1, ids), self.moe), ids
 
 
 def route(
@@ -97,24 +107,33 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[N, E]`` -> (weights, expert ids), both ``[N, top_k]``."""
     n, e, g = logits.shape[0], moe.num_experts, moe.n_group
+    scores = _scores(logits, moe)
     if moe.scoring_func == "sigmoid":
-        scores = logits.sigmoid()
         choice = scores if bias is None else scores + bias
         if g > 1:
             group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(-1)
             keep = _group_mask(group_scores, moe.topk_group, e // g)
             choice = choice.masked_fill(~keep, float("-inf"))
         ids = choice.topk(moe.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
+        chosen = scores.gather(1, ids)
     else:
-        scores = logits.softmax(dim=-1)
         if g > 1:
             group_scores = scores.view(n, g, e // g).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(group_scores, moe.topk_group, e // g), 0.0)
-        weights, ids = scores.topk(moe.top_k, dim=-1)
+        chosen, ids = scores.topk(moe.top_k, dim=-1)
+    return _weights(chosen, moe), ids
+
+
+def _scores(logits: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    return logits.sigmoid() if moe.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+
+
+def _weights(chosen: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """The chosen experts' scores ``[N, top_k]`` -> their weights: normalised when
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
     if moe.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, ids
+        chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
+    return chosen * moe.routed_scaling_factor
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, group_size: int) -> torch.Tensor:
@@ -159,6 +178,14 @@ class MoEMLP(nn.Module):
         routed = (_DISPATCH.get() or LOCAL)(self, x)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
+    def route(self, x: torch.Tensor, own: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) of rows ``x`` (``[N, top_k]`` each), through the installed
+        ``RoutingHook`` if any (``own``: this rank's rows among them)."""
+        hook = _ROUTING.get()
+        if hook is None:
+            return self.gate(x)
+        return hook(self, self.gate.logits(x), own)
+
     def run_experts(
         self,
         x: torch.Tensor,
@@ -192,6 +219,13 @@ class MoEMLP(nn.Module):
         return out, rows_per_expert
 
 
+class RoutingHook(Protocol):
+    def __call__(self, moe: MoEMLP, logits: torch.Tensor, own: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) of the rows whose router logits are ``logits`` (``[N, E]``);
+        ``own``: the rows this rank holds (the others another rank holds too)."""
+        ...
+
+
 class ExpertDispatch(Protocol):
     def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' output for this rank's rows ``x`` (``[N, hidden]``)."""
@@ -207,7 +241,7 @@ class LocalDispatch:
         self.is_padding, self.on_experts = is_padding, on_experts
 
     def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe.gate(x)
+        weights, ids = moe.route(x)
         if self.is_padding is not None:
             ids = ids.masked_fill(self.is_padding[:, None], -1)
         out, rows = moe.run_experts(x, ids, weights)
@@ -218,15 +252,18 @@ class LocalDispatch:
 
 LOCAL = LocalDispatch()
 _DISPATCH: ContextVar[ExpertDispatch | None] = ContextVar("pcpflow_moe_dispatch", default=None)
+_ROUTING: ContextVar[RoutingHook | None] = ContextVar("pcpflow_moe_routing", default=None)
 
 
 @contextmanager
-def use_dispatch(dispatch: ExpertDispatch | None) -> Iterator[None]:
-    """Run the MoE layers of forwards inside the block through ``dispatch``."""
-    token = _DISPATCH.set(dispatch)
+def use_dispatch(dispatch: ExpertDispatch | None, routing: RoutingHook | None = None) -> Iterator[None]:
+    """Run the MoE layers of forwards inside the block through ``dispatch``, and route
+    their rows through ``routing`` if given (verification: ``pcpflow.rank.routing``)."""
+    token, routing_token = _DISPATCH.set(dispatch), _ROUTING.set(routing)
     try:
         yield
     finally:
+        _ROUTING.reset(routing_token)
         _DISPATCH.reset(token)
 
 

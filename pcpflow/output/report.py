@@ -98,6 +98,15 @@ class Phases:
             self._bar.advance(self._task, n)
 
 
+def _routing(v: dict) -> str:
+    """The MoE routing part of the verification row (pcpflow.rank.routing): empty for a dense model."""
+    if "num_routing_mismatches" not in v:
+        return ""
+    shown = f" · routing {'match' if v['routing_match'] else 'DIFFERS'}"
+    ties = v["num_routing_near_ties"]
+    return shown + (f" ({ties} near-tie(s): the run's experts)" if ties else "")
+
+
 def _breakdown(breakdown: dict[str, dict[str, float]], top: int = 5) -> str:
     """The largest exposed terms of a simulated run, with their share (and what hid)."""
     total = sum(v["exposed_s"] for v in breakdown.values()) or 1.0
@@ -153,8 +162,9 @@ def print_summary(result: dict[str, Any]) -> None:
         table.add_row(
             "exact vs 1 rank",
             f"tokens {'match' if v['tokens_match'] else 'DIFFER'} · KV {'match' if v['kv_match'] else 'DIFFERS'} · "
-            f"max |Δlogit| {v['max_abs_logit_diff']:.2e} (tol {v['tolerance']:.0e})"
-            + (f" · {len(v['near_ties'])} near-tie(s)" if v["near_ties"] else ""),
+            f"max |Δlogit| {v['max_abs_logit_diff']:.2e} (tol {v['tolerance']:g})"
+            + (f" · {len(v['near_ties'])} token near-tie(s)" if v["near_ties"] else "")
+            + _routing(v),
         )
     if m:
         if "num_requests" in m:

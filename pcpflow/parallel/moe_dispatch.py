@@ -36,6 +36,7 @@ from pcpflow.models.moe_config import MoEConfig
 from pcpflow.parallel.comm import Comm
 
 STATS_KEY = "moe_stats"
+ROUTING_KEY = "moe_routing"  # a RoutingHook the forward routes through (verification installs it)
 
 
 class MoERunConfig(Settings):
@@ -111,7 +112,7 @@ class GatherDispatch:
 
     def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
         rows = self.pcp.all_gather(x, "moe_gather")
-        weights, ids = moe.gate(rows)
+        weights, ids = moe.route(rows, own=self.own_rows)
         ids = ids.masked_fill(self.is_padding[:, None], -1)
         share = (self.world.rank, self.world.size)
         out, per_expert = moe.run_experts(rows, ids, weights, part=share)
@@ -128,7 +129,7 @@ class AllToAllDispatch:
     def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
         w, me, k = self.world.size, self.world.rank, moe.moe.top_k
         per_rank = moe.moe.num_experts // w
-        weights, ids = moe.gate(x)
+        weights, ids = moe.route(x)
         ids = ids.masked_fill(self.is_padding[:, None], -1)
         if self.tp.rank != 0:  # NOTE: the same rows as TP rank 0, which dispatches them
             ids = torch.full_like(ids, -1)
@@ -192,7 +193,7 @@ def moe_forward(ctx, state) -> Iterator[None]:
         else:
             common["is_padding"] = local_padding
             dispatch = AllToAllDispatch(**common)
-    with use_dispatch(dispatch):
+    with use_dispatch(dispatch, ctx.extras.get(ROUTING_KEY)):
         yield
 
 

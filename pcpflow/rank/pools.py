@@ -268,20 +268,35 @@ class _PoolVerifier(Verifier):
         ref_blocks = sum(c.kv.num_blocks * c.dcp + c.scheduler.max_num_seqs * per_seat for c in rank.pools.values())
         super().__init__(rank.mine, rank.ctx, specs, rank.world, rank.prefill, ref_blocks=ref_blocks)
         self.in_prefill = rank.pool == "prefill"
+        self.decode_root = rank.offset
 
     def global_step(self, ps: PoolStep, state: StepState | None, roots: dict[str, dict], po, do, freed: np.ndarray) -> None:
         self._handed(ps, freed)
         if ps.prefill is not None:
             seen = state if self.in_prefill else None
-            self.check(ps.prefill, seen, po, mine=self.in_prefill)
+            router = self.gather_router_logits(state) if self.in_prefill else None
+            self.check(ps.prefill, seen, po, mine=self.in_prefill, router_logits=router)
         if ps.decode is not None:
             seen = None
             if self.is_root:
                 r = roots["decode"]
                 seen = SimpleNamespace(batch=ps.decode, logits=r.get("logits"), sampled_token_ids=r.get("tokens"))
-            self.check(ps.decode, seen, do, mine=not self.in_prefill)
+            self.check(ps.decode, seen, do, mine=not self.in_prefill, router_logits=self._decode_router_logits(state))
         elif ps.handed:
             self._compare(mine=not self.in_prefill)
+
+    def _decode_router_logits(self, state: StepState | None):
+        """The decode pool's router logits of its batch, gathered in that pool and sent from
+        its root to rank 0 (every rank calls it); None without experts."""
+        if self.routing is None:
+            return None
+        box = [None]
+        if not self.in_prefill:
+            layers_logits = self.gather_router_logits(state)
+            if layers_logits is not None:
+                box = [(layers_logits[0], layers_logits[1].cpu())]
+        dist.broadcast_object_list(box, src=self.decode_root, group=self.world.group)
+        return box[0]
 
     def _handed(self, ps: PoolStep, freed: np.ndarray) -> None:
         """The reference's entries of every handed-over prompt go where the decode ranks own

@@ -16,6 +16,8 @@ Each step:
   KV heads it holds under TP, and compares its whole cache with it: same values where
   expected, untouched (NaN) everywhere else. The slots come from the rule the ``slots``
   stage uses (``pcpflow.attention.metadata.rank_slot_mapping``).
+- **MoE routing** (rank 0): the reference takes the run's experts where a router nearly
+  ties, and lists it (``pcpflow.rank.routing``).
 
 The verifier never writes the caches of the run it checks: when a request's blocks are
 freed (it finished, or was preempted), the expected cache takes over what the run's cache
@@ -42,10 +44,12 @@ from pcpflow.attention.metadata import rank_slot_mapping
 from pcpflow.config.run import RunConfig
 from pcpflow.models import build_model
 from pcpflow.parallel.comm import Comm, CommStats
+from pcpflow.parallel.moe_dispatch import ROUTING_KEY
 from pcpflow.parallel.tensor_parallel import entry_columns
 from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.pipeline.context import RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
+from pcpflow.rank.routing import ForcedRouting, RecordRouting, RoutingReport, has_experts
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
@@ -72,6 +76,12 @@ class Verifier:
         self.token_mismatches: list[dict] = []
         self.near_ties: list[dict] = []
         self.num_token_mismatches = 0
+        # MoE: every rank records its rows' router logits; the reference routes as the run
+        # did where they nearly tie (pcpflow.rank.routing)
+        self.routing = RecordRouting() if has_experts(ctx.model) else None
+        if self.routing is not None:
+            ctx.extras[ROUTING_KEY] = self.routing
+        self.routing_report = RoutingReport()
         # Under TP a rank's model and cache hold its heads only; the reference is whole.
         full_spec = getattr(ctx.model, "full_attn_spec", ctx.model.attn_spec)
         self.ref_entry_dim = full_spec.entry_dim
@@ -107,12 +117,18 @@ class Verifier:
     # ------------------------------------------------------------------ per step
     def step(self, state: StepState, outcome: StepOutcome) -> float:
         """Check one step; returns this step's largest logit difference (rank 0)."""
-        return self.check(state.batch, state, outcome)
+        return self.check(state.batch, state, outcome, router_logits=self.gather_router_logits(state))
 
-    def check(self, batch: GlobalBatch, state, outcome: StepOutcome, *, mine: bool = True) -> float:
+    def gather_router_logits(self, state: StepState):
+        """The step's router logits in the batch's order (``RecordRouting.gather``): a
+        collective over PCP of the ranks that ran the batch; None without experts."""
+        return None if self.routing is None else self.routing.gather(self.ctx.pcp, state.layout.hidden_restore_idx)
+
+    def check(self, batch: GlobalBatch, state, outcome: StepOutcome, *, mine: bool = True, router_logits=None) -> float:
         """Check one batch: ``state`` (its ``logits`` and ``sampled_token_ids``) is read on
-        rank 0. ``mine``: this rank's caches hold the batch's KV (``disagg=pd``: the ranks
-        of the other pool take part in the collectives only)."""
+        rank 0, and ``router_logits`` there (``gather_router_logits``) with experts. ``mine``:
+        this rank's caches hold the batch's KV (``disagg=pd``: the ranks of the other pool
+        take part in the collectives only)."""
         num_layers = len(self.ctx.kv_caches)
         rows, catch_pos = self._catch_up_rows(batch)
         n_catch = len(catch_pos)
@@ -122,7 +138,7 @@ class Verifier:
         if self.is_root:
             if n_catch:
                 self._catch_up(batch, rows, catch_pos, ref_entries[:, :n_catch])
-            step_logit_diff = self._reference_step(state, ref_entries[:, n_catch:])
+            step_logit_diff = self._reference_step(state, ref_entries[:, n_catch:], router_logits)
         self.world.broadcast(ref_entries, src=0, purpose="verify")
         catch_req = np.repeat(rows, batch.num_computed_tokens[rows] - self.ref_len[batch.req_ids[rows]])
         if mine:
@@ -188,11 +204,17 @@ class Verifier:
             out[layer] = cache.index_select(0, idx)
         return catch.num_tokens
 
-    def _reference_step(self, state: StepState, ref_entries: torch.Tensor) -> float:
+    def _reference_step(self, state: StepState, ref_entries: torch.Tensor, router_logits=None) -> float:
         batch = state.batch
         self.ref_kv.allocate_many(batch.req_ids, batch.seq_lens)
         ref_tables = self.ref_kv.block_tables(batch.req_ids)
-        ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
+        if router_logits is not None:  # NOTE: float64 has no near-tie allowance, as for tokens
+            allowance = None if self.cfg.dtype == "float64" else self.atol
+            self.ref_ctx.extras[ROUTING_KEY] = ForcedRouting(router_logits, allowance, batch, self.routing_report)
+        try:
+            ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
+        finally:
+            self.ref_ctx.extras.pop(ROUTING_KEY, None)
         ref_slots = rank_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv)
         idx = torch.from_numpy(ref_slots).to(self.ctx.device)
         for layer, cache in enumerate(self.ref_ctx.kv_caches):
@@ -292,8 +314,10 @@ class Verifier:
         tokens_match = self.num_token_mismatches == 0
         kv_match = self.kv_bad_slots == 0
         logits_ok = self.max_logit_diff <= self.atol
+        routing = self.routing_report.summary(self.atol) if self.routing is not None else {}
+        routing_ok = routing.get("routing_match", True)
         return {
-            "passed": bool(tokens_match and kv_match and logits_ok),
+            "passed": bool(tokens_match and kv_match and logits_ok and routing_ok),
             "tokens_match": bool(tokens_match),
             "kv_match": bool(kv_match),
             "logits_match": bool(logits_ok),
@@ -307,6 +331,7 @@ class Verifier:
             "near_ties": self.near_ties,
             "kv_mismatched_slots": self.kv_bad_slots,
             "positions_recomputed": self.positions_recomputed,
+            **routing,
             "reference": "the same pipeline at tp=1, pcp=1, dcp=1, in-process on rank 0, fed the same batches",
         }
 
