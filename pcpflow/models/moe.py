@@ -178,13 +178,13 @@ class MoEMLP(nn.Module):
         routed = (_DISPATCH.get() or LOCAL)(self, x)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
-    def route(self, x: torch.Tensor, own: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) of rows ``x`` (``[N, top_k]`` each), through the installed
-        ``RoutingHook`` if any (``own``: this rank's rows among them)."""
+        ``RoutingHook`` if any."""
         hook = _ROUTING.get()
         if hook is None:
             return self.gate(x)
-        return hook(self, self.gate.logits(x), own)
+        return hook(self, self.gate.logits(x))
 
     def run_experts(
         self,
@@ -220,9 +220,8 @@ class MoEMLP(nn.Module):
 
 
 class RoutingHook(Protocol):
-    def __call__(self, moe: MoEMLP, logits: torch.Tensor, own: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids) of the rows whose router logits are ``logits`` (``[N, E]``);
-        ``own``: the rows this rank holds (the others another rank holds too)."""
+    def __call__(self, moe: MoEMLP, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) of the rows whose router logits are ``logits`` (``[N, E]``)."""
         ...
 
 

@@ -36,7 +36,9 @@ from pcpflow.models.moe_config import MoEConfig
 from pcpflow.parallel.comm import Comm
 
 STATS_KEY = "moe_stats"
-ROUTING_KEY = "moe_routing"  # a RoutingHook the forward routes through (verification installs it)
+# NOTE: verification's routing (pcpflow.rank.routing): ``for_rows(tokens)`` gives the RoutingHook
+# a step's forward routes through, told the batch token of each row it routes
+ROUTING_KEY = "moe_routing"
 
 
 class MoERunConfig(Settings):
@@ -112,7 +114,7 @@ class GatherDispatch:
 
     def __call__(self, moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
         rows = self.pcp.all_gather(x, "moe_gather")
-        weights, ids = moe.route(rows, own=self.own_rows)
+        weights, ids = moe.route(rows)
         ids = ids.masked_fill(self.is_padding[:, None], -1)
         share = (self.world.rank, self.world.size)
         out, per_expert = moe.run_experts(rows, ids, weights, part=share)
@@ -193,8 +195,24 @@ def moe_forward(ctx, state) -> Iterator[None]:
         else:
             common["is_padding"] = local_padding
             dispatch = AllToAllDispatch(**common)
-    with use_dispatch(dispatch, ctx.extras.get(ROUTING_KEY)):
+    routing = ctx.extras.get(ROUTING_KEY)
+    if routing is not None:
+        routing = routing.for_rows(_row_tokens(layout, ctx.pcp_rank, gathered=mode == "gather"))
+    with use_dispatch(dispatch, routing):
         yield
+
+
+def _row_tokens(layout, rank: int, *, gathered: bool) -> np.ndarray:
+    """For each row a dispatch routes (this rank's rows, or every rank's when ``gathered``):
+    the batch token it is this rank's writer row of, -1 elsewhere (padding, a replicated
+    decode's copy, another rank's rows): each token has one such row over the PCP ranks."""
+    own = layout.rank_rows(rank)
+    mine = np.where(layout.kv_write_mask[own], layout.padded_gather_idx[own], -1)
+    if not gathered:
+        return mine
+    rows = np.full(len(layout.kv_write_mask), -1, dtype=np.int64)
+    rows[own] = mine
+    return rows
 
 
 def _num_experts(model) -> int:

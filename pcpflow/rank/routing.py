@@ -6,9 +6,9 @@ the single-rank reference, and that row's output then differs by far more than t
 tolerance: one near-tie would fail the whole run, and every layer after it would drift. The
 verifier treats it as it treats a near-tie between two tokens:
 
-- every rank records its own rows' router logits of every MoE layer (``RecordRouting``, the
-  forward's ``RoutingHook``); after the step they are gathered over PCP and put in the
-  batch's token order (``gather_router_logits``), like the hidden states the run restores;
+- every rank records the router logits of every MoE layer of the rows it writes (each token
+  has one such row over the PCP ranks; ``RecordRouting``, the forward's ``RoutingHook``);
+  after the step they are summed over PCP in the batch's token order (``gather``);
 - the reference routes each row from its own logits (``ForcedRouting``); where the run chose
   other experts, it takes the run's choice (its weights from the reference's own logits) if
   the row's router logits agree within the tolerance (then the run's choice is the router's
@@ -17,8 +17,10 @@ verifier treats it as it treats a near-tie between two tokens:
   no allowance, as for tokens.
 
 Router logits are logits: they are held to the run's logit tolerance (``logits_atol``).
-Positions the reference recomputes (a prefix hit, a readmission) route as the reference
-does: the run computed them in an earlier step.
+A position's entries depend on its tokens and every token before it, so each near-tie taken
+is remembered under the chained key of that prefix (``prefix_keys``) and its layer: where the
+reference recomputes positions the run reuses (a prefix hit, a readmission finding its own
+blocks), it routes them as the run did when it wrote them (``RecalledRouting``).
 """
 
 from __future__ import annotations
@@ -30,87 +32,158 @@ from pcpflow.models.moe import MoEMLP
 from pcpflow.parallel.comm import Comm
 
 MAX_LISTED = 20
+_BASE = 0x100000001B3  # odd: invertible modulo 2**64
+_BASE_INV = pow(_BASE, -1, 2**64)
 
 
 def has_experts(model: torch.nn.Module) -> bool:
     return any(isinstance(m, MoEMLP) for m in model.modules())
 
 
+def prefix_keys(tokens: np.ndarray) -> np.ndarray:
+    """uint64 key of every prefix ``tokens[:p+1]``: ``sum_j (t_j + 1) B^(p-j)`` modulo 2**64,
+    vectorized as ``B^p * cumsum((t_j + 1) B^-j)`` (numpy's uint64 arithmetic wraps)."""
+    n = len(tokens)
+    if not n:
+        return np.zeros(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        up = np.ones(n, dtype=np.uint64)  # B^p
+        up[1:] = np.cumprod(np.full(n - 1, _BASE, dtype=np.uint64))
+        down = np.ones(n, dtype=np.uint64)  # B^-p
+        down[1:] = np.cumprod(np.full(n - 1, _BASE_INV, dtype=np.uint64))
+        return np.cumsum((np.asarray(tokens, dtype=np.uint64) + np.uint64(1)) * down, dtype=np.uint64) * up
+
+
 class RecordRouting:
-    """The run's hook: routes as the router does, and keeps this rank's rows' router logits
-    per MoE layer (the step's first forward of a layer: the target's)."""
+    """The run's routing: as the router does, keeping the router logits of the rows this rank
+    writes, per MoE layer (the step's first forward of a layer: the target's)."""
 
     def __init__(self) -> None:
-        self.logits: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (tokens, logits)
 
-    def __call__(self, moe: MoEMLP, logits: torch.Tensor, own: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        self.logits.setdefault(moe.layer, logits[own])
-        return moe.gate.select(logits)
+    def for_rows(self, tokens: np.ndarray):
+        """The hook for a forward whose routed rows are these batch tokens (-1: not this
+        rank's to record; ``moe_dispatch._row_tokens``)."""
+        keep = np.flatnonzero(tokens >= 0)
+        rows, toks = torch.from_numpy(keep), torch.from_numpy(tokens[keep])
 
-    def gather(self, pcp: Comm, restore_idx: np.ndarray) -> tuple[list[int], torch.Tensor] | None:
-        """The step's router logits of every PCP rank, ``[T, layers, E]`` in the batch's
-        token order (``restore_idx``: the layout's ``hidden_restore_idx``), with the layers;
-        a collective over ``pcp`` (verification's own traffic, not accounted). Clears them."""
-        if not self.logits:
+        def hook(moe: MoEMLP, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if moe.layer not in self.rows:
+                self.rows[moe.layer] = (toks, logits[rows.to(logits.device)])
+            return moe.gate.select(logits)
+
+        return hook
+
+    def gather(self, pcp: Comm, num_tokens: int) -> tuple[list[int], torch.Tensor] | None:
+        """The step's router logits ``[T, layers, E]`` in the batch's token order, with the
+        layers: each rank's rows in place, summed over PCP (one writer row per token, zeros
+        elsewhere, so the sum is exactly its row); verification's own traffic, not
+        accounted. Clears them."""
+        if not self.rows:
             return None
-        layers = sorted(self.logits)
-        mine = torch.stack([self.logits[i] for i in layers], dim=1)
-        self.logits.clear()
-        quiet = Comm(pcp.group, pcp.rank, pcp.size, None)
-        every = quiet.all_gather(mine, "verify")
-        return layers, every[torch.from_numpy(restore_idx).to(every.device)]
+        layers = sorted(self.rows)
+        some = self.rows[layers[0]][1]
+        dense = some.new_zeros((num_tokens, len(layers), some.shape[1]))
+        for k, layer in enumerate(layers):
+            toks, logits = self.rows[layer]
+            dense[toks.to(dense.device), k] = logits
+        self.rows.clear()
+        Comm(pcp.group, pcp.rank, pcp.size, None).all_reduce(dense, "verify")
+        return layers, dense
 
 
 class ForcedRouting:
-    """The reference's hook for one batch: its own routing, but the run's at near-ties.
-    ``run``: ``(layers, [T, layers, E])`` from ``RecordRouting.gather``; ``atol``: the
-    allowed router-logit difference of a near-tie (None: no allowance)."""
+    """The reference's routing for one batch: its own, but the run's at near-ties. ``run``:
+    ``(layers, [T, layers, E])`` from ``RecordRouting.gather``; ``atol``: the allowed
+    router-logit difference of a near-tie (None: no allowance)."""
 
-    def __init__(self, run: tuple[list[int], torch.Tensor], atol: float | None, batch, report: RoutingReport) -> None:
+    def __init__(self, run: tuple[list[int], torch.Tensor], atol: float | None, batch, report: RoutingReport,
+                 keys) -> None:
         layers, self.run_logits = run
         self.index = {layer: k for k, layer in enumerate(layers)}
         self.atol, self.batch, self.report = atol, batch, report
+        self.keys = keys  # batch tokens -> their prefix keys (asked only where a near-tie is taken)
 
-    def __call__(self, moe: MoEMLP, logits: torch.Tensor, own: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def for_rows(self, tokens: np.ndarray):
+        """The hook for the reference's forward (its rows' batch tokens, -1: padding)."""
+        keep = np.flatnonzero(tokens >= 0)
+        rows, toks = torch.from_numpy(keep), torch.from_numpy(tokens[keep])
+        return lambda moe, logits: self._route(moe, logits, rows.to(logits.device), toks)
+
+    def _route(self, moe: MoEMLP, logits: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor):
         weights, ids = moe.gate.select(logits)
         k = self.index.get(moe.layer)
-        if k is None:
+        if k is None or not len(rows):
             return weights, ids
-        run = self.run_logits[:, k].to(device=logits.device, dtype=logits.dtype)
-        n = len(run)  # NOTE: rows past the batch's tokens are the reference's padding
-        diff = (logits[:n] - run).abs().amax(dim=-1)
-        self.report.max_logit_diff = max(self.report.max_logit_diff, float(diff.max()) if n else 0.0)
-        run_ids = moe.gate.select(run)[1]
-        differ = (ids[:n].sort(dim=-1).values != run_ids.sort(dim=-1).values).any(dim=-1)
+        mine = logits[rows]
+        run = self.run_logits[toks.to(self.run_logits.device), k].to(device=logits.device, dtype=logits.dtype)
+        diff = (mine - run).abs().amax(dim=-1)
+        self.report.max_logit_diff = max(self.report.max_logit_diff, float(diff.max()))
+        run_ids, own_ids = moe.gate.select(run)[1], ids[rows]
+        differ = (own_ids.sort(dim=-1).values != run_ids.sort(dim=-1).values).any(dim=-1)
         if not bool(differ.any()):
             return weights, ids
         near = differ & (diff <= self.atol) if self.atol is not None else torch.zeros_like(differ)
-        self.report.add(self.batch, moe.layer, differ, near, run_ids, ids[:n], diff)
+        self.report.add(self.batch, moe.layer, toks, differ, near, run_ids, own_ids, diff)
         if bool(near.any()):
             ids = ids.clone()
-            ids[:n][near] = run_ids[near]
+            ids[rows[near]] = run_ids[near]
             weights = moe.gate.select(logits, ids)[0]
+            keys = self.keys(toks[near].numpy()).tolist()
+            self.report.taken.update(zip(((key, moe.layer) for key in keys), run_ids[near].tolist()))
         return weights, ids
+
+
+class RecalledRouting:
+    """The reference's routing where it recomputes positions the run computed before: the
+    near-ties taken there (``RoutingReport.taken``, by prefix key and layer), its own
+    elsewhere. ``keys``: the prefix key of each token of the batch it computes."""
+
+    def __init__(self, taken: dict[tuple[int, int], list[int]], keys: np.ndarray) -> None:
+        self.keys = keys
+        self.by_layer: dict[int, dict[int, list[int]]] = {}
+        for (key, layer), experts in taken.items():
+            self.by_layer.setdefault(layer, {})[key] = experts
+
+    def for_rows(self, tokens: np.ndarray):
+        return lambda moe, logits: self._route(moe, logits, tokens)
+
+    def _route(self, moe: MoEMLP, logits: torch.Tensor, tokens: np.ndarray):
+        weights, ids = moe.gate.select(logits)
+        taken = self.by_layer.get(moe.layer)
+        if not taken:
+            return weights, ids
+        rows = np.flatnonzero(tokens >= 0)
+        keys = self.keys[tokens[rows]]
+        hit = np.isin(keys, np.fromiter(taken, dtype=np.uint64, count=len(taken)))
+        if not hit.any():
+            return weights, ids
+        ids = ids.clone()
+        recalled = [taken[key] for key in keys[hit].tolist()]
+        ids[torch.from_numpy(rows[hit]).to(ids.device)] = torch.tensor(recalled, dtype=ids.dtype, device=ids.device)
+        return moe.gate.select(logits, ids)[0], ids
 
 
 class RoutingReport:
     """The routing near-ties and mismatches of a verified run (``result.json``'s ``verify``)."""
 
     def __init__(self) -> None:
+        self.taken: dict[tuple[int, int], list[int]] = {}  # (prefix key, layer) -> the run's experts
         self.max_logit_diff = 0.0
         self.near_ties: list[dict] = []
         self.mismatches: list[dict] = []
         self.num_near_ties = 0
         self.num_mismatches = 0
 
-    def add(self, batch, layer: int, differ: torch.Tensor, near: torch.Tensor, run_ids: torch.Tensor,
-            ref_ids: torch.Tensor, diff: torch.Tensor) -> None:
-        """Rows whose experts ``differ`` between the run and the reference's own choice
-        (``ref_ids``); the ``near`` ones are near-ties (the reference takes the run's)."""
-        rows = differ.nonzero().flatten().tolist()
+    def add(self, batch, layer: int, tokens: torch.Tensor, differ: torch.Tensor, near: torch.Tensor,
+            run_ids: torch.Tensor, ref_ids: torch.Tensor, diff: torch.Tensor) -> None:
+        """Rows (batch ``tokens``) whose experts ``differ`` between the run and the
+        reference's own choice (``ref_ids``); the ``near`` ones are near-ties (the reference
+        takes the run's)."""
         ties = near.tolist()
         positions = np.asarray(batch.positions)
-        for t in rows:
+        for t in differ.nonzero().flatten().tolist():
+            token = int(tokens[t])
             tie = ties[t]
             listed = self.near_ties if tie else self.mismatches
             if tie:
@@ -120,7 +193,7 @@ class RoutingReport:
             if len(listed) < MAX_LISTED:
                 listed.append({
                     "step": int(batch.step), "layer": int(layer),
-                    "req_id": int(batch.req_ids[batch.req_indices[t]]), "position": int(positions[t]),
+                    "req_id": int(batch.req_ids[batch.req_indices[token]]), "position": int(positions[token]),
                     "run_experts": sorted(run_ids[t].tolist()),
                     "reference_experts": sorted(ref_ids[t].tolist()),
                     "router_logit_diff": float(diff[t]),

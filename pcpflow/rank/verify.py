@@ -49,7 +49,14 @@ from pcpflow.parallel.tensor_parallel import entry_columns
 from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.pipeline.context import RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
-from pcpflow.rank.routing import ForcedRouting, RecordRouting, RoutingReport, has_experts
+from pcpflow.rank.routing import (
+    ForcedRouting,
+    RecalledRouting,
+    RecordRouting,
+    RoutingReport,
+    has_experts,
+    prefix_keys,
+)
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
@@ -122,7 +129,7 @@ class Verifier:
     def gather_router_logits(self, state: StepState):
         """The step's router logits in the batch's order (``RecordRouting.gather``): a
         collective over PCP of the ranks that ran the batch; None without experts."""
-        return None if self.routing is None else self.routing.gather(self.ctx.pcp, state.layout.hidden_restore_idx)
+        return None if self.routing is None else self.routing.gather(self.ctx.pcp, state.batch.num_tokens)
 
     def check(self, batch: GlobalBatch, state, outcome: StepOutcome, *, mine: bool = True, router_logits=None) -> float:
         """Check one batch: ``state`` (its ``logits`` and ``sampled_token_ids``) is read on
@@ -197,12 +204,29 @@ class Verifier:
             block_tables=tables, logits_indices=np.zeros(0, dtype=np.int64),
             num_draft_tokens=np.zeros(len(chunks), dtype=np.int64),
         )
-        self.ref_pipeline(StepState(catch))
+        if self.routing_report.taken:  # NOTE: routed as the run did where it took the run's experts
+            keys = self._prefix_keys(catch, np.arange(catch.num_tokens))
+            self.ref_ctx.extras[ROUTING_KEY] = RecalledRouting(self.routing_report.taken, keys)
+        try:
+            self.ref_pipeline(StepState(catch))
+        finally:
+            self.ref_ctx.extras.pop(ROUTING_KEY, None)
         ref_slots = rank_slot_mapping(catch.positions, catch.req_indices, tables, self.cfg.kv)
         idx = torch.from_numpy(ref_slots).to(self.ctx.device)
         for layer, cache in enumerate(self.ref_ctx.kv_caches):
             out[layer] = cache.index_select(0, idx)
         return catch.num_tokens
+
+    def _prefix_keys(self, batch: GlobalBatch, tokens: np.ndarray) -> np.ndarray:
+        """The prefix keys (``pcpflow.rank.routing.prefix_keys``) of the batch's ``tokens``:
+        each one's request's tokens up to its position."""
+        rows, positions = batch.req_indices[tokens], batch.positions[tokens]
+        keys = np.empty(len(tokens), dtype=np.uint64)
+        for r in np.unique(rows).tolist():  # NOTE: rare: where a near-tie was taken, or recomputing after one
+            at = rows == r
+            history = self.scheduler.token_ids(int(batch.req_ids[r]), 0, int(positions[at].max()) + 1)
+            keys[at] = prefix_keys(history)[positions[at]]
+        return keys
 
     def _reference_step(self, state: StepState, ref_entries: torch.Tensor, router_logits=None) -> float:
         batch = state.batch
@@ -210,7 +234,8 @@ class Verifier:
         ref_tables = self.ref_kv.block_tables(batch.req_ids)
         if router_logits is not None:  # NOTE: float64 has no near-tie allowance, as for tokens
             allowance = None if self.cfg.dtype == "float64" else self.atol
-            self.ref_ctx.extras[ROUTING_KEY] = ForcedRouting(router_logits, allowance, batch, self.routing_report)
+            self.ref_ctx.extras[ROUTING_KEY] = ForcedRouting(router_logits, allowance, batch, self.routing_report,
+                                                             lambda tokens: self._prefix_keys(batch, tokens))
         try:
             ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
         finally:

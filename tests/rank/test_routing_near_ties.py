@@ -11,19 +11,22 @@
   tie: seed 1 flipped layer 1 of one token at step 10 before, failing verification with a
   logit off by 3.1). Now every seed passes, with the near-ties listed (at least one over
   the seeds), each a real swap within the tolerance; and a float32 run through pools
-  (``disagg=pd``: the decode pool's router logits go to rank 0) passes with none.
+  (``disagg=pd``: the decode pool's router logits go to rank 0) passes with none; a bf16
+  run whose readmissions reuse their own blocks passes: the reference recomputes those
+  positions routed as the run did where it took the run's experts (``RecalledRouting``).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from pcpflow.models.moe import MoEMLP
 from pcpflow.models.moe_config import MoEConfig
-from pcpflow.rank.routing import ForcedRouting, RoutingReport
+from pcpflow.rank.routing import ForcedRouting, RoutingReport, prefix_keys
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.testing import compose, run
 
@@ -31,8 +34,6 @@ MOE = MoEConfig(num_experts=4, top_k=2, scoring_func="softmax", norm_topk_prob=T
 
 
 def _batch(num_tokens: int) -> GlobalBatch:
-    import numpy as np
-
     return GlobalBatch(
         step=7, req_ids=np.array([5]), num_scheduled_tokens=np.array([num_tokens]),
         num_computed_tokens=np.array([10]), is_prefilling=np.array([True]), prompt_lens=np.array([10 + num_tokens]),
@@ -47,16 +48,36 @@ REF = torch.tensor([[3.0, 1.001, 0.999, -1.0], [2.0, -1.0, -2.0, 1.5]], dtype=to
 RUN = torch.tensor([[3.0, 0.999, 1.001, -1.0], [2.0, -1.0, -2.0, 1.5]], dtype=torch.float64)
 
 
-def _route(run: torch.Tensor, atol: float | None):
+def _route(run: torch.Tensor, atol: float | None, swapped: bool = False):
+    """Route REF's rows through the hook; ``swapped``: the reference holds token 1 in row 0
+    and token 0 in row 1 (a layout puts decodes first), padding after them."""
     moe = MoEMLP(8, 8, MOE, layer=3)
     report = RoutingReport()
-    hook = ForcedRouting(([3], run[:, None, :]), atol, _batch(2), report)
-    weights, ids = hook(moe, REF.clone(), slice(None))
+    hook = ForcedRouting(([3], run[:, None, :]), atol, _batch(2), report, keys=lambda tokens: tokens.astype(np.uint64))
+    if swapped:
+        logits = torch.cat([REF[[1, 0]], torch.zeros(1, 4, dtype=REF.dtype)])
+        weights, ids = hook.for_rows(np.array([1, 0, -1]))(moe, logits)
+        weights, ids = weights[[1, 0]], ids[[1, 0]]
+    else:
+        weights, ids = hook.for_rows(np.array([0, 1]))(moe, REF.clone())
     return {int(e): float(w) for e, w in zip(ids[0], weights[0])}, sorted(ids[1].tolist()), report
 
 
-def test_a_near_tie_takes_the_run_experts_weighted_by_the_reference_logits():
-    chosen, other, report = _route(RUN, atol=0.25)
+def test_prefix_keys_chain_every_token_before():
+    """Key of tokens[:p+1] = sum_j (t_j + 1) B^(p-j) mod 2^64, by a loop over the tokens."""
+    tokens = np.random.default_rng(0).integers(0, 50_000, 500)
+    want, h = [], 0
+    for t in tokens.tolist():
+        h = (h * 0x100000001B3 + t + 1) % 2**64
+        want.append(h)
+    assert prefix_keys(tokens).tolist() == want
+    assert prefix_keys(tokens[:7]).tolist() == want[:7]  # a prefix's keys do not depend on what follows
+    assert len(set(want)) == len(want)
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["in-order", "rows-reordered"])
+def test_a_near_tie_takes_the_run_experts_weighted_by_the_reference_logits(swapped):
+    chosen, other, report = _route(RUN, atol=0.25, swapped=swapped)
     # softmax weights of experts 0 and 2 renormalised over the pair: e^3 / (e^3 + e^0.999), x 2.0
     w0 = math.exp(3.0) / (math.exp(3.0) + math.exp(0.999))
     assert chosen == pytest.approx({0: 2.0 * w0, 2: 2.0 * (1 - w0)}, rel=1e-12)
@@ -66,6 +87,7 @@ def test_a_near_tie_takes_the_run_experts_weighted_by_the_reference_logits():
                                  "reference_experts": [0, 1], "router_logit_diff": pytest.approx(0.002)}]
     assert report.max_logit_diff == pytest.approx(0.002)
     assert report.summary(0.25)["routing_match"]
+    assert report.taken == {(0, 3): [0, 2]}  # (token 0's key, layer 3): recalled where recomputed
 
 
 @pytest.mark.parametrize("atol", [1e-3, None], ids=["past-the-tolerance", "float64"])
@@ -95,6 +117,13 @@ def test_bf16_moe_with_dcp_verifies_with_its_routing_near_ties_listed():
     cfgs = [compose([*EXECUTED, "pcp=2", "dcp=2", "dtype=bfloat16", f"seed={s}"]) for s in seeds]
     cfgs.append(compose([*EXECUTED, "pcp=2", "dcp=2", "dtype=float32", "disagg=pd", "disagg.decode_pool.pcp=2",
                          "disagg.decode_pool.dcp=2"]))
+    # 8 experts in 2 groups, TP beside PCP, replicated decodes; few blocks: 3 preemptions, whose
+    # readmissions find their own blocks, so the reference recomputes 176 positions, near-ties
+    # among them (before they were recalled there, 24 KV slots were off by up to 0.93)
+    cfgs.append(compose(["model=tiny_mla", "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.n_group=2",
+                         "model.moe.topk_group=1", "tp=2", "pcp=2", "dtype=bfloat16", "seed=42", "moe.dispatch=all_to_all",
+                         "decode=replicated", "kv.prefix_caching=true", "kv.num_blocks=24", "output.plots=false",
+                         "output.progress=false"]))
     results = run(cfgs)
     ties = 0
     for cfg, res in zip(cfgs, results):
@@ -106,5 +135,7 @@ def test_bf16_moe_with_dcp_verifies_with_its_routing_near_ties_listed():
             assert tie["run_experts"] != tie["reference_experts"]
             assert tie["router_logit_diff"] <= v["tolerance"]
         ties += v["num_routing_near_ties"]
-    assert results[-1]["verify"]["num_routing_near_ties"] == 0  # float32: rounding far inside any tie
+    assert results[len(seeds)]["verify"]["num_routing_near_ties"] == 0  # float32: rounding far inside any tie
     assert ties >= 1  # seed 1's flip at step 10 (measured on this CPU)
+    recomputed = results[-1]["verify"]
+    assert recomputed["positions_recomputed"] > 0 and recomputed["num_routing_near_ties"] > 0
