@@ -129,7 +129,7 @@ class ForcedRouting:
             ids = ids.clone()
             ids[rows[near]] = run_ids[near]
             weights = moe.gate.select(logits, ids)[0]
-            keys = self.keys(toks[near].numpy()).tolist()
+            keys = self.keys(toks[near.cpu()].numpy()).tolist()
             self.report.taken.update(zip(((key, moe.layer) for key in keys), run_ids[near].tolist()))
         return weights, ids
 
