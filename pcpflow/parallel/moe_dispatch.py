@@ -168,14 +168,14 @@ def moe_forward(ctx, state) -> Iterator[None]:
     """Install this step's dispatch (``ctx.config.moe.dispatch``) for the model's MoE
     layers during the forward of ``state`` (its layout says which rows are padding)."""
     if "moe_num_experts" not in ctx.extras:
-        ctx.extras["moe_num_experts"] = _num_experts(ctx.model)
-    num_experts = ctx.extras["moe_num_experts"]
-    if not num_experts:
+        ctx.extras["moe_num_experts"] = num_experts(ctx.model)
+    experts = ctx.extras["moe_num_experts"]
+    if not experts:
         yield
         return
     stats = ctx.extras.get(STATS_KEY)
     if stats is None:
-        stats = ctx.extras[STATS_KEY] = MoEStepStats(num_experts, ctx.device)
+        stats = ctx.extras[STATS_KEY] = MoEStepStats(experts, ctx.device)
     layout, dev = state.layout, ctx.device
     tp = getattr(ctx, "tp", None) or Comm.solo()
     own = layout.rank_rows(ctx.pcp_rank)
@@ -215,7 +215,8 @@ def _row_tokens(layout, rank: int, *, gathered: bool) -> np.ndarray:
     return rows
 
 
-def _num_experts(model) -> int:
+def num_experts(model) -> int:
+    """Routed experts of the model's MoE layers (0: a dense model)."""
     return max((m.moe.num_experts for m in model.modules() if isinstance(m, MoEMLP)), default=0)
 
 

@@ -36,10 +36,6 @@ _BASE = 0x100000001B3  # odd: invertible modulo 2**64
 _BASE_INV = pow(_BASE, -1, 2**64)
 
 
-def has_experts(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, MoEMLP) for m in model.modules())
-
-
 def prefix_keys(tokens: np.ndarray) -> np.ndarray:
     """uint64 key of every prefix ``tokens[:p+1]``: ``sum_j (t_j + 1) B^(p-j)`` modulo 2**64,
     vectorized as ``B^p * cumsum((t_j + 1) B^-j)`` (numpy's uint64 arithmetic wraps)."""

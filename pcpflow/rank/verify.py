@@ -44,7 +44,7 @@ from pcpflow.attention.metadata import rank_slot_mapping
 from pcpflow.config.run import RunConfig
 from pcpflow.models import build_model
 from pcpflow.parallel.comm import Comm, CommStats
-from pcpflow.parallel.moe_dispatch import ROUTING_KEY
+from pcpflow.parallel.moe_dispatch import ROUTING_KEY, num_experts
 from pcpflow.parallel.tensor_parallel import entry_columns
 from pcpflow.pipeline.assemble import TARGET_SLOTS, Pipeline, StageSpec
 from pcpflow.pipeline.context import RankContext, allocate_kv_caches
@@ -54,7 +54,6 @@ from pcpflow.rank.routing import (
     RecalledRouting,
     RecordRouting,
     RoutingReport,
-    has_experts,
     prefix_keys,
 )
 from pcpflow.scheduling.batch import GlobalBatch
@@ -85,7 +84,7 @@ class Verifier:
         self.num_token_mismatches = 0
         # MoE: every rank records its rows' router logits; the reference routes as the run
         # did where they nearly tie (pcpflow.rank.routing)
-        self.routing = RecordRouting() if has_experts(ctx.model) else None
+        self.routing = RecordRouting() if num_experts(ctx.model) else None
         if self.routing is not None:
             ctx.extras[ROUTING_KEY] = self.routing
         self.routing_report = RoutingReport()
