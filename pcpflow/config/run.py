@@ -112,8 +112,8 @@ class VerifyConfig(Settings):
     logits_atol: float | None = Field(
         None,
         gt=0,
-        description="largest allowed |logit - reference logit| (and KV difference); "
-        "None: 1e-9 in float64, 1e-4 in float32, 0.25 in bfloat16",
+        description="largest allowed |logit - reference logit| (and KV difference, and MoE router logit "
+        "difference); None: 1e-9 in float64, 1e-4 in float32, 0.25 in bfloat16",
     )
 
 
