@@ -64,6 +64,52 @@ class MisplacedKVWrite(_Fault):
 
 
 @register
+class WrongExpert(_Fault):
+    """Before ``forward``: the first MoE layer sends one row this rank writes to another
+    expert than its router chose (the router's logits stay as they are, so verification's
+    routing near-tie allowance sees no difference there: the row's output must show it)."""
+
+    kind = "test_wrong_expert"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_wrong_expert"] = "test_wrong_expert"
+
+    def __call__(self, state: StepState) -> StepState:
+        from pcpflow.parallel.moe_dispatch import ROUTING_KEY
+
+        if self._due(state):
+            extras = self.ctx.extras
+            extras[ROUTING_KEY] = _WrongOnce(extras.get(ROUTING_KEY), extras, ROUTING_KEY)
+        return state
+
+
+class _WrongOnce:
+    """A routing that wraps the installed one (the verifier's record) for one forward and
+    moves one row's first expert to the next expert it did not choose."""
+
+    def __init__(self, inner, extras: dict, key: str) -> None:
+        self.inner, self.extras, self.key = inner, extras, key
+
+    def for_rows(self, tokens: np.ndarray):
+        self.extras[self.key] = self.inner  # NOTE: one forward only
+        inner = self.inner.for_rows(tokens)
+        done = [False]
+
+        def hook(moe, logits):
+            weights, ids = inner(moe, logits)
+            mine = np.flatnonzero(tokens >= 0)
+            if not done[0] and len(mine):
+                done[0] = True
+                row = int(mine[0])
+                chosen = set(ids[row].tolist())
+                ids = ids.clone()
+                ids[row, 0] = next(e for e in range(moe.moe.num_experts) if e not in chosen)
+            return weights, ids
+
+        return hook
+
+
+@register
 class PerturbedHidden(_Fault):
     """After ``forward``: a sampled row that this rank canonically holds is off by 1e-3
     (rows of replicated requests that another rank writes are never read, so

@@ -14,6 +14,9 @@
   (``disagg=pd``: the decode pool's router logits go to rank 0) passes with none; a bf16
   run whose readmissions reuse their own blocks passes: the reference recomputes those
   positions routed as the run did where it took the run's experts (``RecalledRouting``).
+- The allowance hides no misrouted row: a run whose rank 1 sends one row to an expert its
+  router did not choose (``WrongExpert``; the router's logits there agree) fails on its KV,
+  with no near-tie taken.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ def test_router_logits_past_the_tolerance_fail_even_where_the_experts_agree():
     assert not report.summary(0.25)["routing_match"] and report.summary(1.0)["routing_match"]
 
 
+FAULTS = "pcpflow_test_plugins.faults"
 EXECUTED = ["model=tiny_mla", "model.moe.num_experts=4", "model.moe.top_k=2", "output.plots=false",
             "output.progress=false"]
 
@@ -124,7 +128,13 @@ def test_bf16_moe_with_dcp_verifies_with_its_routing_near_ties_listed():
                          "model.moe.topk_group=1", "tp=2", "pcp=2", "dtype=bfloat16", "seed=42", "moe.dispatch=all_to_all",
                          "decode=replicated", "kv.prefix_caching=true", "kv.num_blocks=24", "output.plots=false",
                          "output.progress=false"]))
-    results = run(cfgs)
+    # float32 (the allowance active): rank 1 sends one row of the first MoE layer to an expert its
+    # router did not choose, at step 2
+    wrong = compose([*EXECUTED, "pcp=2", "dcp=2", "dtype=float32", f"plugins=[{FAULTS}]",
+                     f"+pipeline.extra=[{{kind: '{FAULTS}:WrongExpert', after: slots, rank: 1, step: 2}}]"])
+    *results, misrouted = run([*cfgs, wrong])
+    v = misrouted["verify"]
+    assert not v["passed"] and v["kv_mismatched_slots"] > 0 and v["num_routing_near_ties"] == 0, v
     ties = 0
     for cfg, res in zip(cfgs, results):
         v = res["verify"]
