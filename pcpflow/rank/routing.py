@@ -30,24 +30,15 @@ import torch
 
 from pcpflow.models.moe import MoEMLP
 from pcpflow.parallel.comm import Comm
+from pcpflow.scheduling import prefix
 
 MAX_LISTED = 20
-_BASE = 0x100000001B3  # odd: invertible modulo 2**64
-_BASE_INV = pow(_BASE, -1, 2**64)
 
 
 def prefix_keys(tokens: np.ndarray) -> np.ndarray:
-    """uint64 key of every prefix ``tokens[:p+1]``: ``sum_j (t_j + 1) B^(p-j)`` modulo 2**64,
-    vectorized as ``B^p * cumsum((t_j + 1) B^-j)`` (numpy's uint64 arithmetic wraps)."""
-    n = len(tokens)
-    if not n:
-        return np.zeros(0, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        up = np.ones(n, dtype=np.uint64)  # B^p
-        up[1:] = np.cumprod(np.full(n - 1, _BASE, dtype=np.uint64))
-        down = np.ones(n, dtype=np.uint64)  # B^-p
-        down[1:] = np.cumprod(np.full(n - 1, _BASE_INV, dtype=np.uint64))
-        return np.cumsum((np.asarray(tokens, dtype=np.uint64) + np.uint64(1)) * down, dtype=np.uint64) * up
+    """A key of every prefix ``tokens[:p+1]``: the prefix cache's chained hash
+    (``pcpflow.scheduling.prefix``) over blocks of one token."""
+    return prefix.keys(prefix.chain(prefix.token_contents(tokens, 1)))
 
 
 class RecordRouting:
