@@ -95,22 +95,8 @@ def operators(extra=()) -> list[dict]:
             "sendrecv": (send, sent / (layers * (n - 1)) * 1e6),
             "attention": (attn, total["attention"] / (layers * n) * 1e6),
             "all2all": (a2a, total.get("ring_all2all", 0.0) / layers * 1e6 if a2a else None),
-            "all2all_bf16": (a2a, all2all_at_bf16_us(run, rec) if a2a else None),
         })
     return rows
-
-
-def all2all_at_bf16_us(run, rec) -> float:
-    """The all-to-all the simulator prices, at Meta's bytes: the same partial rows with their
-    outputs in bf16 and log-sum-exps in fp32 (pcpflow's ring packs both in fp32, twice Meta's
-    bytes, whose Table 5 slope is the NIC's 50 GB/s at bf16), on the slowest rank, one layer."""
-    s, grid, n = run.sizes, run.grid, run.grid.dcp
-    shape = s.shape_per_rank(grid.tp, 2)
-    row_fp32 = shape.partials_width * 4
-    row_bf16 = shape.num_heads * (shape.v_dim * 2 + 4)
-    sent = rec["per_rank_collective_bytes"]["ring_all2all"][:: grid.tp]
-    buffers = [b / s.num_layers / row_fp32 * row_bf16 * n / (n - 1) for b in sent]
-    return max(run.pricer.place.seconds("all_to_all", "dcp", b)[0] for b in buffers) * 1e6
 
 
 def table(extra=()) -> list[dict]:
@@ -231,14 +217,13 @@ def markdown(rows: list[dict], ops: list[dict]) -> str:
         unit = " ms"
         out.append(f"| {r['what']} | {r['published']:,}{unit} | {r['simulated']:,.1f}{unit} | {r['error']:+.1%} | "
                    f"{r['role']} ({r['where']}) |")
-    out += ["", "CP4 ring, per iteration, T new of 128,000 (Table 5; us, published / simulated). All2All: "
-            "pcpflow's ring (fp32 partials), and the same transfer at Meta's bytes (bf16 outputs):", "",
-            "| T | algorithm | SendRecv | ATTN | All2All, pcpflow's bytes | All2All, Meta's bytes |",
-            "|--:|---|--:|--:|--:|--:|"]
+    out += ["", "CP4 ring, per iteration, T new of 128,000 (Table 5; us, published / simulated; the "
+            "all-to-all's partials: bf16 outputs, float32 log-sum-exps, as Meta's):", "",
+            "| T | algorithm | SendRecv | ATTN | All2All |", "|--:|---|--:|--:|--:|"]
     for r in ops:
         cell = lambda pair: "n/a" if pair[0] is None else f"{pair[0]:,} / {pair[1]:,.0f} ({pair[1] / pair[0] - 1:+.0%})"  # noqa: E731
         out.append(f"| {r['new']:,} | {r['algorithm']} | {cell(r['sendrecv'])} | {cell(r['attention'])} | "
-                   f"{cell(r['all2all'])} | {cell(r['all2all_bf16'])} |")
+                   f"{cell(r['all2all'])} |")
     return "\n".join(out)
 
 

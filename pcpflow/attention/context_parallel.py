@@ -37,7 +37,11 @@ from __future__ import annotations
 import torch
 
 from pcpflow.attention.metadata import AttentionMetadata
-from pcpflow.attention.paged import merge_attention_partials, paged_attention
+from pcpflow.attention.paged import (
+    merge_packed_partials,
+    pack_partials,
+    paged_attention,
+)
 from pcpflow.layouts.accounting import (
     QUERIES,
     ModelShape,
@@ -149,7 +153,7 @@ class CPAttention:
             o, lse = self._attend(
                 q[:nd], self.meta.local_row_req_indices[:nd], self.meta.local_row_context_lens[:nd], cache
             )
-            gathered = self.dcp.all_gather(_pack(o, lse), "dcp_decode_partials")
+            gathered = self.dcp.all_gather(pack_partials(o, lse, q.dtype), "dcp_decode_partials")
             out[:nd] = self._merge(gathered.view(self.dcp.size, nd, -1))
         if self.has_rest and self.dcp_rest.mode == "context":
             c = self.context
@@ -168,7 +172,7 @@ class CPAttention:
             rest = q.shape[0] - nd
             q_all = self.dcp.all_gather(q[nd:], "dcp_query_gather")
             o, lse = self._attend(q_all, self.rest_req, self.rest_ctx, cache)
-            mine = self.dcp.all_to_all(_pack(o, lse), "dcp_partials")
+            mine = self.dcp.all_to_all(pack_partials(o, lse, q.dtype), "dcp_partials")
             out[nd:] = self._merge(mine.view(self.dcp.size, rest, -1))
         return out
 
@@ -201,7 +205,7 @@ class CPAttention:
         rows = q_blocks.shape[0] // b
         o, lse = o.view(b, rows, h, dv), lse.view(b, rows, h)
         if self.dcp_comm_backend == "a2a":
-            send = _pack(o[owner_block].flatten(0, 1), lse[owner_block].flatten(0, 1))
+            send = pack_partials(o[owner_block].flatten(0, 1), lse[owner_block].flatten(0, 1), q_blocks.dtype)
             mine = self.dcp.all_to_all(send, f"{prefix}_partials")
             return self._merge(mine.view(d, rows, -1)).to(q_blocks.dtype)
         lses = self.dcp.all_gather(lse.flatten(0, 1), f"{prefix}_lse_gather").view(d, b, rows, h)
@@ -216,11 +220,7 @@ class CPAttention:
         return self.kernel(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size)
 
     def _merge(self, packed: torch.Tensor) -> torch.Tensor:
-        h, dv = self.spec.num_heads, self.spec.v_dim
-        outs = packed[..., : h * dv].unflatten(-1, (h, dv))
-        lses = packed[..., h * dv :]
-        out, _ = merge_attention_partials(outs, lses)
-        return out
+        return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim)
 
 
 def layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
@@ -234,12 +234,6 @@ def layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
         v_dim=spec.v_dim,
         dtype_bytes=caches[0].element_size() if caches else 1,
     )
-
-
-def _pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """One tensor per collective: ``[rows, H*Dv + H]``, in the log-sum-exp's dtype (float32
-    at least: ``pcpflow.attention.paged.accumulation_dtype``)."""
-    return torch.cat([o.flatten(1).to(lse.dtype), lse], dim=1)
 
 
 def _valid_writes(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

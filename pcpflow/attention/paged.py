@@ -81,6 +81,32 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def pack_partials(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Partial results as one tensor for a collective: ``[rows, H*Dv + H*k]`` in ``dtype``
+    (the activations'), the outputs in it and the log-sum-exps, in their accumulation dtype,
+    bit for bit beside them (a float32 in two bf16 slots: ``k = 2``; ``k = 1`` when the two
+    dtypes agree). The kernels' outputs already are in ``dtype``, so nothing is rounded that
+    was not (a merged partial is rounded once, as a kernel's output is), at half the bytes of
+    packing both in float32: what vLLM's DCP and Meta's ring send
+    (``pcpflow.layouts.accounting.ModelShape.partials_width`` counts it)."""
+    lse = lse.to(accumulation_dtype(dtype)).contiguous()
+    return torch.cat([o.flatten(1).to(dtype), lse.view(dtype)], dim=1)
+
+
+def unpack_partials(packed: torch.Tensor, num_heads: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_partials``'s ``[..., rows, H*Dv + H*k]`` -> outputs ``[..., rows, H, Dv]`` (the
+    packed dtype) and log-sum-exps ``[..., rows, H]`` (their accumulation dtype)."""
+    outs = packed[..., : num_heads * v_dim].unflatten(-1, (num_heads, v_dim))
+    lses = packed[..., num_heads * v_dim :].contiguous().view(accumulation_dtype(packed.dtype))
+    return outs, lses
+
+
+def merge_packed_partials(packed: torch.Tensor, num_heads: int, v_dim: int) -> torch.Tensor:
+    """The merged output ``[rows, H, Dv]`` of ``P`` packed partials ``[P, rows, H*Dv + H*k]``."""
+    out, _ = merge_attention_partials(*unpack_partials(packed, num_heads, v_dim))
+    return out
+
+
 def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> list[torch.Tensor]:
     """Group rows into ``[num_segments, g]`` index matrices (``-1`` pads, at least one row
     per segment): rows in runs of at least ``_SEGMENT_ROWS`` consecutive rows of one request

@@ -26,7 +26,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pcpflow.attention.paged import merge_attention_partials, paged_attention
+from pcpflow.attention.paged import (
+    merge_attention_partials,
+    merge_packed_partials,
+    pack_partials,
+    paged_attention,
+)
 from pcpflow.layouts.ring import RankRing
 from pcpflow.layouts.tensors import int64_tensor
 from pcpflow.models.base import AttentionSpec
@@ -121,9 +126,9 @@ class RingAttention:
             o, lse = merge_attention_partials(torch.stack([s[0] for s in stays]), torch.stack([s[1] for s in stays]))
             out[self.stay_rows] = o.to(out.dtype)
         if ring.has_all2all:
-            rep = self._pack(*self._paged(q.index_select(0, self.rep_rows), cache, self.rep_req, self.rep_lens))
+            rep = pack_partials(*self._paged(q.index_select(0, self.rep_rows), cache, self.rep_req, self.rep_lens), q.dtype)
             empty = rep.new_zeros((0, rep.shape[1]))
-            send = torch.cat([t for v in visits for t in (self._pack(*v) if v is not None else empty, rep)])
+            send = torch.cat([t for v in visits for t in (pack_partials(*v, q.dtype) if v is not None else empty, rep)])
             got = self.dcp.all_to_all_v(send, ring.all2all_send.tolist(), ring.all2all_recv.tolist(), "ring_all2all")
             merged = self._merge(got.view(p, -1, got.shape[1]))
             n_travel = self.travel_rows.numel()
@@ -141,14 +146,8 @@ class RingAttention:
     def _paged(self, q, cache, req, lens):
         return self.kernel(q, cache, self.spec, self.block_tables, req, lens, self.block_size)
 
-    def _pack(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """``[rows, H*Dv + H]`` in the log-sum-exp's dtype (float32 at least)."""
-        return torch.cat([o.flatten(1).to(lse.dtype), lse], dim=1)
-
     def _merge(self, packed: torch.Tensor) -> torch.Tensor:
-        h, dv = self.spec.num_heads, self.spec.v_dim
-        out, _ = merge_attention_partials(packed[..., : h * dv].unflatten(-1, (h, dv)), packed[..., h * dv :])
-        return out
+        return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim)
 
 
 def _write(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:

@@ -14,10 +14,10 @@ purpose               op          group  rows sent by each rank x row width
 ====================  ==========  =====  =======================================
 kv_gather             all_gather  PCP    ``N - nd`` x ``entry_dim`` (if any rank has
                                          real rows past ``nd``)
-dcp_decode_partials   all_gather  DCP    ``nd`` x ``H*Dv + H`` (partial out + lse)
+dcp_decode_partials   all_gather  DCP    ``nd`` x ``H*(Dv + k)`` (partial out + lse)
 *rest rows, queries path:*
 dcp_query_gather      all_gather  DCP    ``N - nd`` x ``H`` x ``qk_dim``
-dcp_partials          all_to_all  DCP    ``D * (N - nd)`` x ``H*Dv + H``
+dcp_partials          all_to_all  DCP    ``D * (N - nd)`` x ``H*(Dv + k)``
 *rest rows, context path:*
 dcp_context_gather    all_gather  DCP    ``M`` x ``entry_dim``
 ====================  ==========  =====  =======================================
@@ -28,6 +28,8 @@ its part to it). The rest rows take one path per step (``plan_dcp_rest``): ``que
 (their queries go to every shard, partials come back and are merged), ``context`` (the
 shards of their requests' contexts are gathered and each rank attends its own rows over
 the whole context), or ``auto``: whichever moves fewer bytes, by the table above.
+Partials travel in the model's dtype, each head's log-sum-exp (float32 at least) bit for bit
+in ``k`` elements of it (``k = 2`` in bf16, else 1: ``ModelShape.partials_width``).
 Once per step ``restore``, an all_gather over PCP of ``N`` (``all_rows``) or of the
 largest rank's count of sampled rows (``sampled_rows``) hidden states.
 """
@@ -88,13 +90,16 @@ class ModelShape:
 
     @property
     def partials_width(self) -> int:
-        """One row of packed partial attention: per-head output and log-sum-exp."""
-        return self.num_heads * self.v_dim + self.num_heads
+        """One row of packed partial attention in the model's dtype: per-head output, then
+        per-head log-sum-exp in float32 at least, bit for bit in as many elements as it takes
+        (two of bf16: ``pcpflow.attention.paged.pack_partials``)."""
+        return self.num_heads * (self.v_dim + max(1, 4 // self.dtype_bytes))
 
     @property
-    def partials_dtype_bytes(self) -> int | None:
-        """Element size of packed partials when it differs from the model's: they travel
-        in float32 at least (``pcpflow.attention.paged.accumulation_dtype``), for the lse."""
+    def accumulation_bytes(self) -> int | None:
+        """Element size of what is summed or merged in float32 at least (``ag_rs``'s
+        log-sum-exps and rescaled outputs), when it differs from the model's
+        (``pcpflow.attention.paged.accumulation_dtype``)."""
         return 4 if self.dtype_bytes < 4 else None
 
 
@@ -204,7 +209,6 @@ def layer_collectives(
                     "dcp_decode_partials",
                     "dcp",
                     (nd, shape.partials_width),
-                    shape.partials_dtype_bytes,
                 )
             )
         if rest and dcp_rest.mode == "context":
@@ -228,7 +232,6 @@ def layer_collectives(
                     "dcp_partials",
                     "dcp",
                     (dcp_size * rest, shape.partials_width),
-                    shape.partials_dtype_bytes,
                 )
             )
     return out
@@ -345,11 +348,11 @@ def step_traffic(
 # dcp_decode_query_gather     all_gather      heads  ``nd`` x ``H`` x ``qk_dim`` (T ranks)
 # dcp_decode_lse_gather       all_gather      DCP    ``T * nd`` x ``H`` (ag_rs; fp32 at least)
 # dcp_decode_output_r..._s... reduce_scatter  DCP    ``D * nd`` x ``H`` x ``Dv`` (ag_rs)
-# dcp_decode_partials         all_to_all      DCP    ``D * nd`` x ``H*Dv + H`` (a2a)
+# dcp_decode_partials         all_to_all      DCP    ``D * nd`` x ``H*(Dv + k)`` (a2a)
 # dcp_query_gather            all_gather      DCP    ``R`` x ``H`` x ``qk_dim``
 # dcp_lse_gather              all_gather      DCP    ``D * R`` x ``H`` (ag_rs)
 # dcp_output_reduce_scatter   reduce_scatter  DCP    ``D * R`` x ``H`` x ``Dv`` (ag_rs)
-# dcp_partials                all_to_all      DCP    ``D * R`` x ``H*Dv + H`` (a2a)
+# dcp_partials                all_to_all      DCP    ``D * R`` x ``H*(Dv + k)`` (a2a)
 # ==========================  ==============  =====  =================================
 
 DCP_COMM_BACKENDS = ("ag_rs", "a2a")
@@ -381,11 +384,11 @@ def dcp_over_tp_collectives(
         raise ValueError(f"unknown dcp_comm_backend {backend!r}; known: {', '.join(DCP_COMM_BACKENDS)}")
     nd, rest = attention_rows(layout)
     h, d, t = shape.num_heads, dcp_size, dcp_tp_size(layout.pcp_size, dcp_size)
-    wide = shape.partials_dtype_bytes  # log-sum-exps and rescaled outputs: fp32 at least
+    wide = shape.accumulation_bytes  # log-sum-exps and rescaled outputs: fp32 at least
 
     def to_owners(prefix: str, blocks: int, rows: int) -> list[Collective]:
         if backend == "a2a":
-            return [Collective("all_to_all", f"{prefix}_partials", "dcp", (d * rows, shape.partials_width), wide)]
+            return [Collective("all_to_all", f"{prefix}_partials", "dcp", (d * rows, shape.partials_width))]
         return [
             Collective("all_gather", f"{prefix}_lse_gather", "dcp", (blocks * rows, h), wide),
             Collective(
@@ -700,7 +703,7 @@ def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleav
 # ============  ==========  ================================================================
 # ring_send_kv  isend       ``b_o + d_o(h + 1)`` x ``entry_dim`` (a call when > 0)
 # ring_send_q   isend       ``t_o`` x ``H`` x ``qk_dim`` (a call when > 0)
-# ring_all2all  all_to_all  ``sum_{i != j} (t_i + r)`` x ``H*Dv + H`` (fp32 at least), once
+# ring_all2all  all_to_all  ``sum_{i != j} (t_i + r)`` x ``H*(Dv + k)``, once
 #                           after the loop when any rank has t or r rows
 # ============  ==========  ================================================================
 
@@ -775,7 +778,6 @@ def ring_step_traffic(
     plan = plan or plan_ring(layout, positions, variant=variant, interleave=interleave)
     p, layers = plan.pcp_size, shape.num_layers
     kv_rows, q_rows = ring_hop_rows(plan)
-    partial_bytes = shape.partials_dtype_bytes or shape.dtype_bytes
     rows_back = plan.num_travel + plan.num_replicated  # partial rows each rank receives from each other
     a2a = int(plan.has_all2all)
     calls = {
@@ -786,7 +788,7 @@ def ring_step_traffic(
     nbytes = {
         "ring_send_kv": kv_rows.sum(axis=1) * shape.entry_dim * shape.dtype_bytes * layers,
         "ring_send_q": q_rows.sum(axis=1) * shape.num_heads * shape.qk_dim * shape.dtype_bytes * layers,
-        "ring_all2all": a2a * (rows_back.sum() - rows_back) * shape.partials_width * partial_bytes * layers,
+        "ring_all2all": a2a * (rows_back.sum() - rows_back) * shape.partials_width * shape.dtype_bytes * layers,
     }
     per_rank = lambda d: {k: np.repeat(v.astype(np.int64), tp_size) for k, v in d.items()}  # noqa: E731
     return RingTraffic(per_rank(calls), per_rank(nbytes))

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from pcpflow.attention import paged as attention
-from pcpflow.attention.paged import merge_attention_partials, paged_attention
+from pcpflow.attention.paged import (
+    accumulation_dtype,
+    merge_attention_partials,
+    merge_packed_partials,
+    pack_partials,
+    paged_attention,
+    unpack_partials,
+)
+from pcpflow.layouts.accounting import ModelShape
 from pcpflow.models.base import AttentionSpec
 
 torch.set_num_threads(2)
@@ -302,3 +310,31 @@ def test_bf16_accumulates_in_float32():
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     torch.testing.assert_close(out, ref_out.to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype, lse_slots", [(torch.bfloat16, 2), (torch.float32, 1), (torch.float64, 1)])
+def test_packed_partials_carry_outputs_and_lse_bit_for_bit(dtype, lse_slots):
+    """Partials travel in the activation dtype: outputs as they are, each log-sum-exp (float32
+    for bf16) bit for bit in ``k`` slots beside them, -inf (an empty shard) included; the
+    width is what the accounting counts, and merging the packed partials is merging the
+    unpacked ones."""
+    gen = torch.Generator().manual_seed(3)
+    h, dv, rows, parts = 3, 4, 5, 2
+    acc = accumulation_dtype(dtype)
+    outs = torch.randn(parts, rows, h, dv, generator=gen).to(dtype)
+    lses = (torch.randn(parts, rows, h, generator=gen) * 40).to(acc)
+    lses[0, 1] = float("-inf")
+    lses[1, 1, 0] = float("-inf")  # row 1, head 0: no key on either shard
+    lses[1, 2] = 1.0e30
+    packed = torch.stack([pack_partials(o, lse, dtype) for o, lse in zip(outs, lses)])
+    assert packed.dtype == dtype and packed.shape == (parts, rows, h * dv + h * lse_slots)
+    shape = ModelShape(hidden_size=0, num_layers=1, entry_dim=1, num_heads=h, qk_dim=dv, v_dim=dv,
+                       dtype_bytes=torch.finfo(dtype).bits // 8)
+    assert packed.shape[-1] == shape.partials_width
+    got_o, got_lse = unpack_partials(packed, h, dv)
+    assert got_lse.dtype == acc and torch.equal(got_o, outs)
+    assert torch.equal(got_lse.view(torch.int32 if acc == torch.float32 else torch.int64),
+                       lses.view(torch.int32 if acc == torch.float32 else torch.int64))
+    want, _ = merge_attention_partials(outs, lses)
+    assert torch.equal(merge_packed_partials(packed, h, dv), want)
+    assert torch.equal(want[1, 0], torch.zeros(dv, dtype=want.dtype))

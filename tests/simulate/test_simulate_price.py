@@ -335,7 +335,7 @@ def test_decode_ring_pass_q_counts_what_the_executed_ring_sends():
     its holder (rank 0: the first decode, round robin) sends the query (8 x 128 bf16) one hop a
     layer, with the new KV entry (1 KV head x 128 x K and V) when rank 1 owns it (the last
     step's position 8,193: (8193 // 1) % 2 = 1), and one all-to-all a layer returns rank 1's
-    partial (8 x 128 outputs + 8 log-sum-exps, float32) to it; every TP rank runs its own ring
+    partial (8 x 128 outputs in bf16 + 8 log-sum-exps in float32) to it; every TP rank runs its own ring
     (bytes x 8)."""
     base = ["mode=simulate", "hardware=gtt_h100", "model=llama3_70b", "tp=8", "pcp=2", "dcp=2", "decode=sharded",
             "workload=explicit", "workload.prompt_lens=[8192]", "workload.output_lens=[3]", "output.plots=false"]
@@ -351,7 +351,7 @@ def test_decode_ring_pass_q_counts_what_the_executed_ring_sends():
     assert calls["ring_send_q"] == calls["ring_send_kv"] == calls["ring_all2all"] == 80
     assert nbytes["ring_send_q"] == 8 * 80 * 8 * 128 * 2
     assert nbytes["ring_send_kv"] == 8 * 80 * 2 * 128 * 2
-    assert nbytes["ring_all2all"] == 8 * 80 * (8 * 128 + 8) * 4
+    assert nbytes["ring_all2all"] == 8 * 80 * (8 * 128 * 2 + 8 * 4)
     per_rank = last["per_rank_collective_bytes"]["ring_send_q"]  # global rank = pcp_rank * 8 + tp_rank
     assert sorted([per_rank[0], per_rank[8]]) == [0, 80 * 8 * 128 * 2] and len(set(per_rank[:8])) == 1
     assert "priced_only" not in m_ring["simulate"] and "priced_only" not in m_engine["simulate"]
