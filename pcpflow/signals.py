@@ -12,7 +12,9 @@ a rank installs it as it starts (``pcpflow.rank.bootstrap``).
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -73,6 +75,40 @@ class _RaiseOnce:
             raise Interrupted(signum)
 
 
+def _redeliver_swallowed(previous_hook):
+    """A ``sys.unraisablehook`` that gives a signal back when Python swallowed its Interrupted.
+
+    NOTE: the handler raises into whatever frame runs when the signal lands; in a finalizer (a
+    weakref callback, a ``__del__``, run by the garbage collector) Python cannot propagate an
+    exception and prints "Exception ignored in ..." instead: the job would run on and end "ok"
+    after a Ctrl-C. Here a helper thread re-arms the handler and sends the signal again once this
+    hook has returned (sent from this thread, Python would run the handler at once, inside the
+    hook, where nothing catches it): the handler then runs in the code the collector interrupted,
+    or in the next finalizer, which comes back here."""
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        handler = signal.getsignal(exc.signum) if isinstance(exc, Interrupted) else None
+        if not (isinstance(handler, _RaiseOnce) and handler.fired == exc.signum):
+            previous_hook(unraisable)
+            return
+        main = threading.main_thread().ident
+
+        def resend() -> None:
+            time.sleep(_RESEND_AFTER_S)
+            if signal.getsignal(exc.signum) is handler:  # NOTE: not once the job has restored the old one
+                handler.fired = None
+                signal.pthread_kill(main, exc.signum)
+
+        threading.Thread(target=resend, name="pcpflow-signal", daemon=True).start()
+
+    return hook
+
+
+_RESEND_AFTER_S = 0.01
+"""Long beside the few bytecodes the hook runs after starting its helper thread."""
+
+
 def leaving() -> None:
     """The handler in place ignores every signal from now on, as it ignores a second one: this
     process is reporting its failure on its way out, and a signal raised into that (a launcher
@@ -105,12 +141,13 @@ def interruptible() -> Iterator[None]:
         # ignored on the way out of every level, not raised again by the outer one.
         yield
         return
-    saved = handlers()
+    saved, saved_hook = handlers(), sys.unraisablehook
     handler = _RaiseOnce()
     for s in HANDLED:
         # NOTE: `nohup` ignores SIGHUP so that the run outlives its terminal: that stays so
         if not (s == signal.SIGHUP and saved[s] == signal.SIG_IGN):
             signal.signal(s, handler)
+    sys.unraisablehook = _redeliver_swallowed(saved_hook)
     try:
         yield
     except Exception as exc:
@@ -119,6 +156,7 @@ def interruptible() -> Iterator[None]:
             raise
         raise interrupted from exc
     finally:
+        sys.unraisablehook = saved_hook
         restore(saved)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import signal
+import time
+import weakref
 
 import pytest
 
@@ -63,3 +66,29 @@ def test_an_error_without_a_signal_stays_what_it_is():
         with interruptible():
             raise ValueError("a stage's own error")
     assert Interrupted.of(ValueError("outside any handler")) is None
+
+
+class _Node:
+    pass
+
+
+def test_a_signal_that_lands_in_a_finalizer_still_interrupts(capsys):
+    """Python swallows an exception raised in a weakref callback or ``__del__`` ("Exception
+    ignored in ..."): a Ctrl-C landing there while the garbage collector runs must still end
+    the job, once, and print no traceback."""
+    ran_on = []
+
+    def finalizer(_ref):
+        signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the callback
+        ran_on.append("finalizer")
+
+    with pytest.raises(Interrupted) as caught:
+        with interruptible():
+            node = _Node()
+            ref = weakref.ref(node, finalizer)
+            del node
+            gc.collect()
+            time.sleep(0.05)
+            ran_on.append("after")  # never: the signal comes back as the finalizer returns
+    assert ref() is None and ran_on == [] and caught.value.exit_code == 130
+    assert "Exception ignored" not in capsys.readouterr().err
