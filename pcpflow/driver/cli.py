@@ -28,7 +28,7 @@ from pcpflow.driver.compose import (
     with_measured_overrides,
 )
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
-from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early
+from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early, named_run_dir
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
 from pcpflow.signals import HANDLED, Interrupted, interruptible
@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _main(argv, run_dir)
         except Interrupted as exc:
-            return interrupted_before_the_job(exc, run_dir[0] if run_dir else None)
+            # NOTE: before Hydra resolved the run dir (its import takes a while), the one the
+            # command names outright is the run's
+            return interrupted_before_the_job(exc, run_dir[0] if run_dir else named_run_dir(argv))
 
 
 def _main(argv: list[str], run_dir: list[Path]) -> int:
@@ -265,6 +267,8 @@ def run_hydra(argv: list[str]) -> int:
         from pcpflow.driver.sweep import close_interrupted_jobs, started_sweep, write_sweep_report
 
         sweep_dir = started_sweep()
+        if sweep_dir is None and not _EXIT_CODES:
+            raise  # NOTE: no job took it (Hydra still composing): the run dir's result says so (main)
         if sweep_dir is not None:
             close_interrupted_jobs(sweep_dir, exc)
             rows = write_sweep_report(sweep_dir, announce=False)

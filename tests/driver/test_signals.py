@@ -61,6 +61,8 @@ def _assert_one_line(err: str, signame: str) -> str:
 @pytest.mark.parametrize(
     ("moment", "pause", "sig"),
     [
+        ("run dir", "pcpflow.driver.cli:planned_run_dir", signal.SIGHUP),  # before Hydra has resolved it
+        ("hydra", "pcpflow.driver.cli:_task", signal.SIGTERM),  # Hydra started, the job not yet
         ("validation", "pcpflow.driver.job:prepare_job", signal.SIGINT),
         ("start-up", "pcpflow.driver.launch:launch_ranks", signal.SIGTERM),
         ("steps", None, signal.SIGINT),
