@@ -135,17 +135,64 @@ def decision_gap(
     Greedy: the reference's top-2 logit gap. Sampling: how far ``u`` lies from the
     reference's cumulative probability at the edge of ``got``'s interval, times ``T / 2``
     (logits that differ by at most ``d`` move each cumulative probability by at most
-    ~``2 d / T``); 0 when top-k / top-p dropped ``got`` within that gap of the cut (the
-    kept set itself was a near-tie). The verifier accepts a draw when this is <= 2 * tol.
+    ~``2 d / T``), or, when less, how near the kept set was to another (``_cut_gap``: a
+    renormalized CDF moves every edge); where the reference did not keep ``got`` at all, how
+    far ``got`` was from being kept (``_keep_gap``). The verifier accepts a draw when this
+    is <= 2 * tol.
     """
-    row = ref_logits.to(torch.float64).reshape(1, -1)
+    row = ref_logits.to(torch.float64).reshape(-1)
     if config.greedy:
-        top2 = torch.topk(row[0], 2).values
+        top2 = torch.topk(row, 2).values
         return float(top2[0] - top2[1])
-    kept = kept_tokens(row, config)[0]
-    if not kept[got]:
-        return abs(float(row[0][kept].min()) - float(row[0][got]))
-    cdf = probabilities(row, config)[0].cumsum(dim=-1)
+    if not kept_tokens(row[None], config)[0, got]:
+        return _keep_gap(row, got, config)
+    cdf = probabilities(row[None], config)[0].cumsum(dim=-1)
     u = float(keyed_uniform(seed, torch.tensor([req_id]), torch.tensor([position]))[0]) * float(cdf[-1])
     edge = float(cdf[got]) if got < want else float(cdf[got - 1])
-    return config.temperature / 2 * abs(u - edge)
+    return min(config.temperature / 2 * abs(u - edge), _cut_gap(row, config))
+
+
+def _top_k_mask(row: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tensor, float | None]:
+    """What top-k keeps of one row, and its k-th logit (None: no top-k)."""
+    if not config.top_k or config.top_k >= row.numel():
+        return torch.ones_like(row, dtype=torch.bool), None
+    kth = float(torch.topk(row, config.top_k).values[-1])
+    return row >= kth, kth
+
+
+def _mass_before(row: torch.Tensor, k_mask: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's view of one row (``kept_tokens``'s): the top-k-kept probabilities sorted
+    (descending, stable) and, per sorted token, the mass strictly before it."""
+    probs = torch.softmax((row / config.temperature).masked_fill(~k_mask, -torch.inf), dim=-1)
+    sorted_p, order = torch.sort(probs, descending=True, stable=True)
+    return sorted_p.cumsum(dim=-1) - sorted_p, order
+
+
+def _keep_gap(row: torch.Tensor, got: int, config: SamplingConfig) -> float:
+    """How far a token the reference dropped was from being kept, in logit units: below
+    top-k's k-th logit by that much; top-p: the mass before it exceeds ``top_p`` by ``m``,
+    which logits within ``d`` move by at most ~``2 d / T``: ``T m / 2``."""
+    k_mask, kth = _top_k_mask(row, config)
+    if not k_mask[got]:
+        return kth - float(row[got])
+    before, order = _mass_before(row, k_mask, config)
+    return config.temperature / 2 * (float(before[(order == got).nonzero()[0, 0]]) - config.top_p)
+
+
+def _cut_gap(row: torch.Tensor, config: SamplingConfig) -> float:
+    """How near the reference's kept set was to another, in logit units: top-k's k-th against
+    its (k+1)-th logit; top-p's mass before its last kept token and before its first dropped
+    one, against ``top_p``, times ``T / 2``. Infinite when nothing is cut."""
+    gaps = [float("inf")]
+    k_mask, kth = _top_k_mask(row, config)
+    if kth is not None:
+        gaps.append(kth - float(row[~k_mask].max()))
+    if config.top_p < 1:
+        before, order = _mass_before(row, k_mask, config)
+        inside = before < config.top_p
+        margins = [config.top_p - float(before[inside].max())]
+        dropped = ~inside & k_mask[order]
+        if dropped.any():
+            margins.append(float(before[dropped].min()) - config.top_p)
+        gaps.append(config.temperature / 2 * min(margins))
+    return min(gaps)

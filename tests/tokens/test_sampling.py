@@ -137,6 +137,31 @@ def test_decision_gap_is_the_distance_to_the_interval_edge():
     assert decision_gap(torch.tensor(ROW), 7, 0, SamplingConfig(), seed, req, pos) == pytest.approx(0.5)
 
 
+def test_decision_gap_of_a_kept_set_that_nearly_changed():
+    """top-p and top-k: a token the reference dropped is a near-tie by how far it was from being
+    kept, and a draw between kept tokens also by how near the kept set was to another (a bigger
+    or smaller set renormalizes every edge). Probabilities 0.5, 0.3, 0.2 at T = 1 (hand-worked
+    masses before each token: 0, 0.5, 0.8)."""
+    row = torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))
+    seed, req, pos = 1, 0, 5
+    # top_p = 0.75 keeps tokens 0 and 1; token 2 has 0.8 before it: 0.05 past the cut, T/2 x 0.05
+    cfg = SamplingConfig(temperature=1.0, top_p=0.75)
+    assert decision_gap(row, 2, 0, cfg, seed, req, pos) == pytest.approx(0.025)
+    # top_p = 0.79: token 2 only 0.01 past it, so a draw between the kept tokens is a near-tie
+    # at 0.005 wherever u lies
+    cfg = SamplingConfig(temperature=1.0, top_p=0.79)
+    u = float(keyed_uniform(seed, torch.tensor([req]), torch.tensor([pos]))[0])
+    edge = 0.5 / 0.8  # the kept set's CDF after token 0, renormalized
+    assert decision_gap(row, 1, 0, cfg, seed, req, pos) == pytest.approx(min(0.5 * abs(u - edge), 0.005))
+    assert decision_gap(row, 0, 1, cfg, seed, req, pos) == pytest.approx(min(0.5 * abs(u - edge), 0.005))
+    # top_k = 2 of logits 3, 2, 1, 0: token 2 is 1.0 below the 2nd logit; between tokens 0 and
+    # 1 the cut is 1.0 away too
+    four = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    cfg = SamplingConfig(temperature=2.0, top_k=2)
+    assert decision_gap(four, 2, 0, cfg, seed, req, pos) == pytest.approx(1.0)
+    assert decision_gap(four, 1, 0, cfg, seed, req, pos) <= 1.0
+
+
 # ----------------------------------------------------------------- engine, every layout
 BASE = [
     "model=tiny_mla",
