@@ -185,7 +185,7 @@ def _cut_gap(row: torch.Tensor, config: SamplingConfig) -> float:
     one, against ``top_p``, times ``T / 2``. Infinite when nothing is cut."""
     gaps = [float("inf")]
     k_mask, kth = _top_k_mask(row, config)
-    if kth is not None:
+    if kth is not None and not k_mask.all():  # NOTE: all kept: every logit past the k-th ties it
         gaps.append(kth - float(row[~k_mask].max()))
     if config.top_p < 1:
         before, order = _mass_before(row, k_mask, config)
