@@ -19,6 +19,8 @@ yields token for token what decoding without drafts yields.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from pydantic import Field
@@ -72,20 +74,35 @@ def keyed_uniform(seed: int, req_ids: torch.Tensor, positions: torch.Tensor) -> 
     return (_shr(key, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
-def kept_tokens(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """bool ``[S, V]``: the tokens top-k and top-p keep (the most likely token always)."""
+class _Cuts(NamedTuple):
+    """What top-k and top-p keep of each row ``[S, V]``, and what they measured to decide."""
+
+    keep: torch.Tensor  # bool [S, V]: both cuts (the most likely token always)
+    top_k_keep: torch.Tensor  # bool [S, V]: top-k's alone
+    kth: torch.Tensor | None  # float64 [S, 1]: the k-th logit (None: no top-k cut)
+    before: torch.Tensor | None  # float64 [S, V]: per sorted token, the top-k-kept mass strictly before it (None: no top-p)
+    order: torch.Tensor | None  # int64 [S, V]: the tokens sorted by probability (descending, stable)
+
+
+def _cuts(logits: torch.Tensor, config: SamplingConfig) -> _Cuts:
     logits = logits.to(torch.float64)
-    keep = torch.ones_like(logits, dtype=torch.bool)
+    top_k_keep, kth = torch.ones_like(logits, dtype=torch.bool), None
     if config.top_k and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[:, -1:]
-        keep &= logits >= kth
-    if config.top_p < 1:
-        probs = torch.softmax((logits / config.temperature).masked_fill(~keep, -torch.inf), dim=-1)
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        # a token is kept while the mass strictly before it is below top_p
-        before = sorted_p.cumsum(dim=-1) - sorted_p
-        keep &= torch.zeros_like(keep).scatter(-1, order, before < config.top_p)
-    return keep
+        top_k_keep = logits >= kth
+    if config.top_p == 1:
+        return _Cuts(top_k_keep, top_k_keep, kth, None, None)
+    probs = torch.softmax((logits / config.temperature).masked_fill(~top_k_keep, -torch.inf), dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    # a token is kept while the mass strictly before it is below top_p
+    keep = top_k_keep & torch.zeros_like(top_k_keep).scatter(-1, order, before < config.top_p)
+    return _Cuts(keep, top_k_keep, kth, before, order)
+
+
+def kept_tokens(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """bool ``[S, V]``: the tokens top-k and top-p keep (the most likely token always)."""
+    return _cuts(logits, config).keep
 
 
 def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
@@ -144,54 +161,40 @@ def decision_gap(
     if config.greedy:
         top2 = torch.topk(row, 2).values
         return float(top2[0] - top2[1])
-    if not kept_tokens(row[None], config)[0, got]:
-        return _keep_gap(row, got, config)
+    cuts = _cuts(row[None], config)
+    if not cuts.keep[0, got]:
+        return _keep_gap(row, got, cuts, config)
     cdf = probabilities(row[None], config)[0].cumsum(dim=-1)
     u = float(keyed_uniform(seed, torch.tensor([req_id]), torch.tensor([position]))[0]) * float(cdf[-1])
     edge = float(cdf[got]) if got < want else float(cdf[got - 1])
-    return min(config.temperature / 2 * abs(u - edge), _cut_gap(row, config))
+    return min(config.temperature / 2 * abs(u - edge), _cut_gap(row, cuts, config))
 
 
-def _top_k_mask(row: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tensor, float | None]:
-    """What top-k keeps of one row, and its k-th logit (None: no top-k)."""
-    if not config.top_k or config.top_k >= row.numel():
-        return torch.ones_like(row, dtype=torch.bool), None
-    kth = float(torch.topk(row, config.top_k).values[-1])
-    return row >= kth, kth
-
-
-def _mass_before(row: torch.Tensor, k_mask: torch.Tensor, config: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p's view of one row (``kept_tokens``'s): the top-k-kept probabilities sorted
-    (descending, stable) and, per sorted token, the mass strictly before it."""
-    probs = torch.softmax((row / config.temperature).masked_fill(~k_mask, -torch.inf), dim=-1)
-    sorted_p, order = torch.sort(probs, descending=True, stable=True)
-    return sorted_p.cumsum(dim=-1) - sorted_p, order
-
-
-def _keep_gap(row: torch.Tensor, got: int, config: SamplingConfig) -> float:
+def _keep_gap(row: torch.Tensor, got: int, cuts: _Cuts, config: SamplingConfig) -> float:
     """How far a token the reference dropped was from being kept, in logit units: below
     top-k's k-th logit by that much; top-p: the mass before it exceeds ``top_p`` by ``m``,
-    which logits within ``d`` move by at most ~``2 d / T``: ``T m / 2``."""
-    k_mask, kth = _top_k_mask(row, config)
-    if not k_mask[got]:
-        return kth - float(row[got])
-    before, order = _mass_before(row, k_mask, config)
+    which logits within ``d`` move by at most ~``2 d / T``: ``T m / 2``. ``row`` is
+    ``cuts``'s one row."""
+    if not cuts.top_k_keep[0, got]:
+        return float(cuts.kth[0, 0]) - float(row[got])
+    before, order = cuts.before[0], cuts.order[0]
     return config.temperature / 2 * (float(before[(order == got).nonzero()[0, 0]]) - config.top_p)
 
 
-def _cut_gap(row: torch.Tensor, config: SamplingConfig) -> float:
+def _cut_gap(row: torch.Tensor, cuts: _Cuts, config: SamplingConfig) -> float:
     """How near the reference's kept set was to another, in logit units: top-k's k-th against
     its (k+1)-th logit; top-p's mass before its last kept token and before its first dropped
-    one, against ``top_p``, times ``T / 2``. Infinite when nothing is cut."""
+    one, against ``top_p``, times ``T / 2``. Infinite when nothing is cut. ``row`` is
+    ``cuts``'s one row."""
     gaps = [float("inf")]
-    k_mask, kth = _top_k_mask(row, config)
-    if kth is not None and not k_mask.all():  # NOTE: all kept: every logit past the k-th ties it
-        gaps.append(kth - float(row[~k_mask].max()))
-    if config.top_p < 1:
-        before, order = _mass_before(row, k_mask, config)
+    top_k_keep = cuts.top_k_keep[0]
+    if cuts.kth is not None and not top_k_keep.all():  # NOTE: all kept: every logit past the k-th ties it
+        gaps.append(float(cuts.kth[0, 0]) - float(row[~top_k_keep].max()))
+    if cuts.before is not None:
+        before, order = cuts.before[0], cuts.order[0]
         inside = before < config.top_p
         margins = [config.top_p - float(before[inside].max())]
-        dropped = ~inside & k_mask[order]
+        dropped = ~inside & top_k_keep[order]
         if dropped.any():
             margins.append(float(before[dropped].min()) - config.top_p)
         gaps.append(config.temperature / 2 * min(margins))
