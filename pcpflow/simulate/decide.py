@@ -49,6 +49,11 @@ OBJECTIVES = {
     "goodput_per_gpu": Objective(("goodput_per_gpu",), higher_is_better=True, needs_slo=True),  # requests/s
 }
 FRONT = ("ttft_mean_ms", "tpot_mean_ms", "gpus")
+MISSING = {"ttft_s": "TTFT (no request got its first token)",
+           "tpot_s": "TPOT (no request generated more than one token: workload.output_len(s))",
+           "gpus": "GPU count", "throughput_per_gpu": "output throughput (no token generated)",
+           "goodput_per_gpu": "goodput (it needs an SLO: slo.ttft_s, slo.tpot_s)"}
+"""Why a job has no value for a measure an objective needs."""
 
 
 def sweep_measures(row: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +114,11 @@ def decide(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
         lines.append(f"| {r['rank']} | {r['config']} | {fmt(r.get('ttft_mean_ms'))} | "
                      f"{fmt(r.get('tpot_mean_ms'))} | {r['gpus']} | {'yes' if r.get('pareto') else ''} |")
     lines += ["", "- **Pareto**: no other job is at least as good in every one of those and better in one."]
+    unranked = [r for r in ok if r not in ranked]
+    if unranked:
+        missing = [k for k in obj.needs if any(sweep_measures(r).get(k) is None for r in unranked)]
+        lines.append(f"- **Not ranked**: {len(unranked)} job(s) ({', '.join(r['config'] for r in unranked[:3])}"
+                     f"{', ...' if len(unranked) > 3 else ''}) have no {', no '.join(MISSING[k] for k in missing)}.")
     lines += _deciding_terms(sorted(ranked, key=key)[:TOP])
     return "\n".join(lines) + "\n"
 
