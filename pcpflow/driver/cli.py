@@ -26,6 +26,7 @@ from pcpflow.driver.compose import (
     uses_measured,
     validate_overrides,
     with_measured_overrides,
+    with_searched_groups,
 )
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
 from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early, named_run_dir
@@ -85,6 +86,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
         print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
               f"python {sys.version.split()[0]})")
         return EXIT_OK
+    argv = with_searched_groups(argv)
     overrides, multirun, no_run = split_args(argv)
     # NOTE: `--cfg job` shows what a run would run: it is validated like one.
     if not no_run or any(a.split("=", 1)[0] in ("--cfg", "-c") for a in argv):

@@ -55,9 +55,20 @@ SEARCHED_GROUPS = {"decode": "decode.mode", "disagg": "disagg.kind"}
 """Groups whose option sets a key mode=search searches (the group's key -> that key)."""
 
 
+def with_searched_groups(args: list[str]) -> list[str]:
+    """In ``mode=search``, ``decode=sharded`` and ``disagg=pd`` fix what they name, as in a
+    candidate string or another mode: they become ``decode.mode=sharded`` / ``disagg.kind=pd``.
+    (The group's option would set the key, and mode=search, composed after it, null it again:
+    searched. The decode pool's grid stays searched under ``disagg=pd``, as a candidate's.)"""
+    if not any(_key(a) == "mode" and a.partition("=")[2] == "search" for a in args):
+        return args
+    return [f"{SEARCHED_GROUPS[_key(a)]}={a.partition('=')[2]}" if _key(a) in SEARCHED_GROUPS
+            and a[:1] not in "+~" and "=" in a else a for a in args]
+
+
 def _search_group_problems(overrides: list[str]) -> list[Problem]:
-    """In mode=search the decode mode and the pools are searched keys (null: searched), which
-    the decode and disagg groups' options would set and mode=search then nulls again: say so
+    """What ``with_searched_groups`` cannot carry: a sweep of modes that includes search
+    (``mode=simulate,search``) keeps the group's option, which mode=search nulls again: say so
     rather than drop it."""
     out = []
     for o in overrides:

@@ -187,6 +187,8 @@ def _plan(raw: dict[str, Any], prepare: Prepare) -> SearchPlan:
     config = cfg.model_copy(update={"mode": "search", "search": search, "slo": slo})
     has_slo = cfg.slo.ttft_s is not None or cfg.slo.tpot_s is not None
     table = _requests(cfg)
+    if "tpot_s" in OBJECTIVES[objective].needs and int(table.output_lens.max(initial=0)) < 2:
+        raise ConfigError([_no_tpot(cfg, objective)])
     no_rate = _no_rate(cfg, table.arrival_s if table.timed else None) or _in_steps(base)
     if no_rate is not None and has_slo and OBJECTIVES[objective].needs_slo:
         raise ConfigError([no_rate])
@@ -212,6 +214,17 @@ def _requests(cfg: RunConfig):
     from pcpflow.simulate.prepare import requests_of
 
     return requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
+
+
+def _no_tpot(cfg: RunConfig, objective: str) -> Problem:
+    """An objective of TPOT on a workload whose requests each generate one token: no layout
+    has a TPOT to rank by."""
+    wl = cfg.workload
+    source = {"explicit": "workload.output_lens", "synthetic": "workload.output_len"}.get(
+        wl.kind, "the output lengths of workload.path (x workload.length_scale, at most workload.output_len_cap)")
+    return Problem("simulate.objective", objective, f"TPOT is the time between a request's output tokens, and no "
+                   f"request here generates more than one ({source}): give them more output tokens, or rank by "
+                   "ttft, ttft_x_gpus, gpus or throughput_per_gpu")
 
 
 def _no_rate(cfg: RunConfig, arrival_s: Any) -> Problem | None:

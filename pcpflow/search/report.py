@@ -504,7 +504,8 @@ def write_search_plot(search: Search, rows: list[dict[str, Any]], path: Path) ->
     bx.invert_yaxis()
     bx.set_xlabel("exposed seconds, summed over steps (the run at the workload's arrivals)")
     bx.set_title("time breakdown of the best priced in full")
-    bx.legend(fontsize=7, loc="lower right")
+    if terms:  # NOTE: nothing priced in full (every layout failed or has no value): no bars to name
+        bx.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -139,7 +139,8 @@ def test_slos_no_layout_meets_at_any_rate_are_said_and_settled_at_the_floor(tmp_
      "simulate.objective", ["slo.ttft_s", "slo.tpot_s"]),
     (["search.gpus=32", "search.candidates=['tp=2','tp=4 pcp=2']"], "search.candidates",
      ["no candidate can run (2 pruned)", "2 x tp"]),
-    pytest.param(["search.gpus=32", "decode=sharded"], "decode", ["decode.mode=sharded"], marks=pytest.mark.slow),
+    (["search.gpus=32", "simulate.objective=tpot_x_gpus", "workload.output_lens=[1]"], "simulate.objective",
+     ["no request here generates more than one", "workload.output_lens"]),
     ([], "search.gpus", ["required"]),
 ])
 def test_bad_searches_exit_2_naming_the_field(args, field, words, tmp_path):
@@ -204,11 +205,22 @@ def test_pools_are_searched_beside_one_pool_and_a_pools_row_is_its_simulated_run
     assert float(pools["tpot_p90_s"]) == pytest.approx(m["tpot"]["p90_s"], rel=1e-5)
 
 
-def test_the_pools_group_is_refused_in_a_search_naming_the_key_that_fixes_it():
-    r = cli(*ONE_REQUEST, "search.gpus=32", "disagg=pd", "search.candidates=['tp=8']")
-    assert r.returncode == 2
-    line = next(ln for ln in r.stderr.splitlines() if ln.strip().startswith("- disagg:"))
-    assert "disagg.kind=pd" in line, line
+def test_the_groups_of_searched_keys_fix_them_on_a_search_command_line(tmp_path):
+    # decode=sharded and disagg=pd fix decode.mode and disagg.kind, as in a candidate string
+    # (they once exited 2); the decode pool's grid stays searched. 2 GPUs, one CUDA-graph mode:
+    # one layout with pools (a prefill GPU, a decode GPU), decode sharded
+    wl = ["model=llama3_8b", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[2000,2000]",
+          "workload.output_lens=[4]"]
+    r = cli("mode=search", *wl, "search.gpus=2", "cudagraph_mode=none", "decode=sharded", "disagg=pd",
+            "search.jobs=1", "output.progress=false", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    (row,) = _rows(tmp_path / "search.csv")
+    assert (row["decode"], row["disagg"], row["decode_pool_tp"]) == ("sharded", "pd", "1")
+    # the same search with the keys themselves
+    r2 = cli("mode=search", *wl, "search.gpus=2", "cudagraph_mode=none", "decode.mode=sharded", "disagg.kind=pd",
+             "search.jobs=1", "output.progress=false", f"hydra.run.dir={tmp_path / 'keys'}")
+    assert r2.returncode == 0, r2.stderr
+    assert _rows(tmp_path / "keys" / "search.csv") == [row]
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
