@@ -409,11 +409,15 @@ def _none_feasible(pruned: list[Candidate], base: dict[str, Any], space: Space, 
     return [Problem("search.gpus", gpus, f"no layout can run, up to {up_to} GPUs; {why}")]
 
 
+GRID_DIMS = ("tp", "pcp", "dcp", "decode_pool_tp", "decode_pool_pcp", "decode_pool_dcp")
+"""The dimensions that say how many GPUs a layout runs on (both pools' grids)."""
+
+
 def _skeleton_space(space: Space, gpus: int) -> Space:
-    """The layouts of up to ``gpus`` GPUs that tell how many GPUs run: tp, pcp and dcp only
-    (the other dimensions at their defaults, unless the command line fixed them), one
-    instance unless the command line fixed the replicas."""
-    skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in ("tp", "pcp", "dcp")}
+    """The layouts of up to ``gpus`` GPUs that tell how many GPUs run: the grids only, both
+    pools' where the command line fixed pools (the other dimensions at their defaults, unless
+    the command line fixed them), one instance unless the command line fixed the replicas."""
+    skeleton_fixed = {d.name: d.default for d in space.dims if d.name not in GRID_DIMS}
     return Space(gpus, fixed={**skeleton_fixed, **space.fixed}, experts=space.experts, fill=False,
                  pools_available=space.pools)
 

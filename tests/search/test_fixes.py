@@ -173,6 +173,10 @@ def _too_few_gpus_says(args, words, tmp_path) -> None:
     # = 127.5 GiB split by tp, its embedding and LM head (2 x 128256 x 8192 x 2 B = 3.9 GiB)
     # whole on every rank: 67.7 GiB at tp=2 is over 74.5 x 0.9 = 67.05 GiB; tp=4 fits
     (["model=llama3_70b", "search.gpus=1"], ["at least 4:", "'tp=4 pcp=1 dcp=1' (4 GPUs)", "the weights do not fit"]),
+    # the same with pools fixed: each pool holds the weights, so tp=4 and a decode pool of tp=4 (the
+    # decode pool's grid was once held at its default, tp=1: "no layout can run, up to 16 GPUs")
+    (["model=llama3_70b", "search.gpus=1", "disagg=pd"],
+     ["at least 8:", "'tp=4 pcp=1 dcp=1 disagg=pd disagg.decode_pool.tp=4' (8 GPUs)"]),
 ])
 def test_too_few_gpus_is_said_of_search_gpus_with_the_smallest_layout_that_runs(args, words, tmp_path):
     _too_few_gpus_says(args, words, tmp_path)
