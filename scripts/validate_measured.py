@@ -10,6 +10,7 @@ which of each pair of layouts is faster in each::
     python scripts/validate_measured.py                      # profile, then the table
     python scripts/validate_measured.py --profile FILE       # on a profile measured before
     python scripts/validate_measured.py --check              # compose every configuration only
+    python scripts/validate_measured.py --only ring          # the rows whose name holds "ring"
 
 Rows are chosen so that each term is the largest somewhere (GEMMs, attention, collectives,
 host and framework time): models widened through ``model.*``, prompts of 512-4K tokens,
@@ -93,6 +94,16 @@ MATRIX: list[tuple[str, list[str]]] = [
     ("mla 1x1200 pcp=2 dcp=2", ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=context", *MLA,
                                 *_work([1200], 12, budget=1280)]),
     ("moe 4x300 pcp=2", ["pcp=2", *MOE, *_work([300] * 4, 10, budget=1280)]),
+    # rings (docs/ring.md): each iteration's hop and calls, the partials' all-to-all
+    ("ring allgather 1x2200 pcp=2 dcp=2", ["pcp=2", "dcp=2", *HEADS, *_work([2200], 10, budget=2304)]),
+    ("ring pass-KV 1x2200 pcp=2 dcp=2", ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *HEADS,
+                                         *_work([2200], 10, budget=2304)]),
+    ("ring pass-KV 2x1300 cached 1100 pcp=2", ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *HEADS,
+                                               *_work([1300, 1300], 10, budget=2560), "workload.cached_lens=[1100,1100]"]),
+    ("ring pass-Q 2x1300 cached 1100 pcp=2", ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_q", *HEADS,
+                                              *_work([1300, 1300], 10, budget=2560), "workload.cached_lens=[1100,1100]"]),
+    ("ring pass-Q 4x600 sharded pcp=2", ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.cp_attention=ring_pass_q",
+                                         *HEADS, *_work([600] * 4, 24, budget=2560)]),
 ]
 PAIRS = [
     ("gemm 1x1200 pcp=1", "gemm 1x1200 pcp=2"),
@@ -100,6 +111,8 @@ PAIRS = [
     ("attention 2x1300 pcp=2 dcp=2 replicated", "attention 2x1300 pcp=2 dcp=2 sharded"),
     ("host 8x24 pcp=1", "host 8x24 pcp=2"),
     ("gemm 1x1200 pcp=2", "gemm 3x600 tp=2"),
+    ("ring allgather 1x2200 pcp=2 dcp=2", "ring pass-KV 1x2200 pcp=2 dcp=2"),
+    ("ring pass-KV 2x1300 cached 1100 pcp=2", "ring pass-Q 2x1300 cached 1100 pcp=2"),
 ]
 METRICS = ("ttft", "tpot", "step")
 
@@ -112,12 +125,12 @@ def simulated_overrides(row: list[str], profile: str) -> list[str]:
     return [*row, *COMMON, "mode=simulate", "hardware=measured", f"hardware.path={profile}"]
 
 
-def check(profile: str | None = None) -> int:
+def check(profile: str | None = None, matrix=MATRIX) -> int:
     """Compose and validate every configuration (and its simulated twin on ``profile``)."""
     from pcpflow.testing import compose
 
     n = 0
-    for _, row in MATRIX:
+    for _, row in matrix:
         compose(executed_overrides(row))
         n += 1
         if profile:
@@ -142,14 +155,14 @@ def figures(result: dict) -> dict[str, float | None]:
     return {"ttft": m["ttft"]["mean_s"], "tpot": m["tpot"]["mean_s"], "step": run_s / steps if run_s else None}
 
 
-def execute(repeats: int) -> dict[str, list[dict]]:
+def execute(repeats: int, matrix=MATRIX) -> dict[str, list[dict]]:
     """Every row ``repeats`` times, interleaved (a burst of load hits one repeat of many rows,
     not every repeat of one), ranks started once per world size; one warm-up run first."""
     from pcpflow.testing import compose, run
 
     cfgs, names = [], []
     for _ in range(repeats):
-        for name, row in MATRIX:
+        for name, row in matrix:
             cfgs.append(compose(executed_overrides(row)))
             names.append(name)
     warm = {}
@@ -163,12 +176,12 @@ def execute(repeats: int) -> dict[str, list[dict]]:
     return out
 
 
-def simulate(profile: str, repeats: int) -> dict[str, dict]:
+def simulate(profile: str, repeats: int, matrix=MATRIX) -> dict[str, dict]:
     from pcpflow.simulate.engine import simulate_run
     from pcpflow.testing import compose
 
     out = {}
-    for name, row in MATRIX:
+    for name, row in matrix:
         cfg = compose(simulated_overrides(row, profile))
         runs = [simulate_run(cfg) for _ in range(repeats)]
         f = figures(runs[0])
@@ -191,9 +204,9 @@ def dominant(breakdown: dict) -> str:
     return f"{g} {share[g] / total:.0%}"
 
 
-def summarize(executed: dict[str, list[dict]], simulated: dict[str, dict]) -> tuple[list[dict], dict]:
+def summarize(executed: dict[str, list[dict]], simulated: dict[str, dict], matrix=MATRIX) -> tuple[list[dict], dict]:
     rows = []
-    for name, _ in MATRIX:
+    for name, _ in matrix:
         reps = executed[name]
         row = {"name": name, "term": simulated[name]["term"]}
         for k in METRICS:
@@ -211,6 +224,8 @@ def summarize(executed: dict[str, list[dict]], simulated: dict[str, dict]) -> tu
     by = {r["name"]: r for r in rows}
     pairs = []
     for a, b in PAIRS:
+        if a not in by or b not in by:
+            continue
         for k in ("ttft", "tpot"):
             ra, rb = by[a][k], by[b][k]
             if not ra or not rb:
@@ -265,9 +280,11 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-load", type=float, default=None, metavar="L",
                     help="first wait (at most --wait-max-s) until the 1-min load average is below L")
     ap.add_argument("--wait-max-s", type=float, default=3600.0)
+    ap.add_argument("--only", nargs="+", metavar="WORDS", help="only the rows whose name holds one of these (e.g. ring)")
     args = ap.parse_args(argv)
+    matrix = [r for r in MATRIX if not args.only or any(w in r[0] for w in args.only)]
     if args.check:
-        return check(args.profile)
+        return check(args.profile, matrix)
     if args.wait_load is not None:
         deadline = time.monotonic() + args.wait_max_s
         while os.getloadavg()[0] >= args.wait_load and time.monotonic() < deadline:
@@ -278,14 +295,14 @@ def main(argv=None) -> int:
     load = {"before": [round(x, 2) for x in os.getloadavg()], "cores": cores}
     world = min(2, cores)
     profile = args.profile or profile_machine(out, world)
-    check(profile)
+    check(profile, matrix)
     bound = (yaml.safe_load(Path(profile).read_text()).get("measured") or {}).get("cpu_bind", "none")
     if f"cpu_bind={bound}" not in BIND:
         print(f"note: {profile} was measured with cpu_bind={bound}; the executed rows run with {' '.join(BIND)}")
-    executed = execute(args.repeats)
-    simulated = simulate(profile, args.repeats)
+    executed = execute(args.repeats, matrix)
+    simulated = simulate(profile, args.repeats, matrix)
     load["after"] = [round(x, 2) for x in os.getloadavg()]
-    rows, extra = summarize(executed, simulated)
+    rows, extra = summarize(executed, simulated, matrix)
     text = markdown(rows, extra, load)
     print(text)
     (out / "validate_measured.md").write_text(text + "\n")

@@ -276,7 +276,8 @@ def _heads_problems(cfg, sizes: ModelSizes) -> list[Problem]:
 
 def measured_problems(cfg) -> list[Problem]:
     """What a measured profile (``hardware=measured``) must hold for this run: the tables of
-    its dtype, its attention backend, and the collectives of every group the run has."""
+    its dtype, its attention backend, and the collectives of every group the run has (a
+    ring's hops are its send/recv, its partials' exchange its all-to-all)."""
     hw, p = cfg.hardware, []
     if hw.tables is None:
         return p
@@ -297,12 +298,6 @@ def measured_problems(cfg) -> list[Problem]:
         p.append(Problem("pipeline.forward.attention", forward.get("attention", "auto"),
                          f"{where} measured the {att.backend} attention backend; this run would use {backend}: "
                          f"set pipeline.forward.attention={att.backend}, or profile with this one"))
-    cp = forward.get("cp_attention", "allgather")
-    if cp != "allgather":
-        p.append(Problem("pipeline.forward.cp_attention", cp, f"{where} prices the all-gather paths from its tables; "
-                         "a ring is priced on a shipped profile: use allgather here"))
-    if cfg.simulate.cp_decode != "engine":
-        p.append(Problem("simulate.cp_decode", cfg.simulate.cp_decode, f"{where} prices the engine's decodes; use engine"))
     if not hw.nccl:
         measured = sorted({c.ranks for c in hw.tables.collectives})
         grid = cfg.grid

@@ -59,7 +59,7 @@ from pcpflow.layouts.accounting import (
     shard_pairs,
     step_traffic,
 )
-from pcpflow.layouts.ring import RingPlan, plan_ring
+from pcpflow.layouts.ring import STAYS, RingPlan, plan_ring
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import (
@@ -652,11 +652,16 @@ class Pricer:
         fpp, dpp, entry = self._per_pair()
         rb = flash.ring_blocks(plan, layout, batch.positions, batch.is_prefilling)
         pairs, peak = rb.loop.per_bin(P * P, self._group())
-        loop = self._prefill(pairs, peak).reshape(P, P)
-        loop_dec, loop_bound = self._decode(rb.loop_decode_pairs)
         a_pairs, a_peak = rb.after.per_bin(P, self._group())
-        after = self._prefill(a_pairs, a_peak)
-        after_dec, after_bound = self._decode(rb.after_decode_pairs)
+        if self.measured:
+            loop, after = self._measured_ring_attention(plan, rb)
+            loop_dec, after_dec = np.zeros((P, P)), np.zeros(P)
+            loop_bound, after_bound = np.zeros((P, P), dtype=bool), np.zeros(P, dtype=bool)
+        else:
+            loop = self._prefill(pairs, peak).reshape(P, P)
+            loop_dec, loop_bound = self._decode(rb.loop_decode_pairs)
+            after = self._prefill(a_pairs, a_peak)
+            after_dec, after_bound = self._decode(rb.after_decode_pairs)
         attention = loop + loop_dec  # [P, P]: rank, iteration; every layer
 
         # The hops: iteration h < P - 1 sends the package of origin (r - h) % P (one layer).
@@ -700,6 +705,43 @@ class Pricer:
         return Attention(t_pre, t_dec, compute, fpp * pre_pairs + dpp * dec_pairs, entry * dec_pairs, comm)
 
     # ------------------------------------------------------------------ measured profiles
+    def _measured_features(self) -> np.ndarray:
+        """``head_features`` of the executed head shape (MLA absorbed), heads of one rank."""
+        s, grid = self.sizes, self.grid
+        heads = s.num_heads / grid.tp * grid.dcp_tp
+        return head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
+
+    def _measured_ring_attention(self, plan: RingPlan, rb: flash.RingBlocks) -> tuple[np.ndarray, np.ndarray]:
+        """A ring's calls of pcpflow's backend from a profile's tables (every layer; seconds
+        ``[P, P]`` per rank and iteration, ``[P]`` after the loop), as ``pcpflow.attention.ring``
+        makes them: every iteration one call of the rank's staying rows over the block it
+        holds (its pairs there, or no keys: the call's fixed cost), two of the visiting queries
+        (over its cached shard, over its travelling rows' new KV: one more fixed cost), a decode
+        call where every visiting query decodes; after the loop one call of the rows every rank
+        holds over its shard. Each by its rows and mean keys, as ``_measured_attention``."""
+        s, k, P = self.sizes, self.kern, self.grid.pcp
+        w, kind = self._measured_features(), s.attention
+        fixed = k.attention_fixed(w, kind)
+        stays = (plan.kind.reshape(P, -1) == STAYS).sum(axis=1)
+        loop = np.zeros((P, P))
+        for r in range(P):
+            for h in range(P):
+                if stays[r]:
+                    pairs = rb.stay_pairs[r, h]
+                    loop[r, h] += k.attention("prefill", stays[r], pairs / stays[r], w, kind) if pairs else fixed
+                rows, pairs = plan.num_travel[(r - h) % P], rb.visit_pairs[r, h]
+                if rows and pairs:
+                    phase = "decode" if pairs <= rb.loop_decode_pairs[r, h] else "prefill"
+                    loop[r, h] += k.attention(phase, rows, pairs / rows, w, kind) + fixed
+        after = np.zeros(P)
+        rep, a_pairs = plan.num_replicated, rb.after.per_bin(P)[0] + rb.after_decode_pairs
+        for r in range(P):
+            if rep and a_pairs[r]:
+                phase = "decode" if a_pairs[r] <= rb.after_decode_pairs[r] else "prefill"
+                after[r] = k.attention(phase, rep, a_pairs[r] / rep, w, kind)
+        L = s.num_layers
+        return L * loop, L * after
+
     def _measured_attention(self, batch, layout, counts: StepCounts) -> Attention:
         """The all-gather paths from a profile's tables: one call per layer of pcpflow's backend
         (with DCP, the decode rows' call and the rest rows' apart), at the executed head shape
@@ -707,8 +749,7 @@ class Pricer:
         s, grid, k = self.sizes, self.grid, self.kern
         P, L = grid.pcp, s.num_layers
         fpp, dpp, entry = self._per_pair()
-        heads = s.num_heads / grid.tp * grid.dcp_tp
-        w = head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
+        w = self._measured_features()
         decode_pairs = counts.decode_work.astype(np.float64)
         prefill_pairs = counts.work.astype(np.float64) - decode_pairs
         dec_rows, pre_rows = attended_rows(layout, batch, dcp=grid.dcp, dcp_rest=counts.dcp_rest)

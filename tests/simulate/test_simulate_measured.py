@@ -221,17 +221,52 @@ def test_the_sync_fit_recovers_the_law_it_was_made_from():
     assert fit_sync(work, [0.0] * 5)["fixed_us"] == 0 and fit_sync(work, [0.0] * 5)["per_work"] == 0
 
 
-def test_a_ring_is_refused_on_a_measured_profile_in_either_pool(profile_path):
-    """A measured profile prices the all-gather paths only: a ring is refused, the prefill
-    pool's by its key and the decode pool's by its own (disagg.decode_pool.cp_attention)."""
-    from pcpflow.testing import cli
+U = C_E * 64 + C_H * 4 + C_F * 128  # tiny_gqa's pair (entry 64, 4 heads, 128 products), as above
 
-    common = ["mode=simulate", "hardware=measured", f"hardware.path={profile_path}", "dtype=float32",
-              "model=tiny_gqa", "output.progress=false"]
-    for extra, field in ((["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv"], "pipeline.forward.cp_attention"),
-                         (["pcp=1", "disagg=pd", "disagg.decode_pool.pcp=2", "disagg.decode_pool.dcp=2",
-                           "disagg.decode_pool.cp_attention=ring_pass_q"], "disagg.decode_pool.cp_attention")):
-        r = cli(*common, *extra)
-        lines = [line.strip()[2:] for line in r.stderr.splitlines() if line.startswith("  - ")]
-        assert r.returncode == 2 and any(line.startswith(f"{field}: got") and "a ring is priced on a shipped profile"
-                                         in line for line in lines), r.stderr
+
+def _ring_steps(tmp_path, variant: str, hop_bytes: int) -> list[dict]:
+    """tiny_gqa at pcp = dcp = 2 under ``variant``, one prompt of 16 tokens and two outputs, on
+    the hand-made profile with a send/recv point at ``hop_bytes`` (100 us + the bytes at 1 GB/s);
+    no overlap: a CPU's transfers run on the thread that computes."""
+    from pcpflow.simulate.engine import simulate_run
+
+    doc = profile_dict()
+    (sendrecv,) = [c for c in doc["tables"]["collectives"] if c["op"] == "sendrecv"]
+    sendrecv["bytes"], sendrecv["seconds"] = [hop_bytes, 10**6], [1e-4 + hop_bytes / 1e9, 1e-4 + 10**6 / 1e9]
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(doc))
+    cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}", "dtype=float32",
+                   "pcp=2", "dcp=2", f"pipeline.forward.cp_attention={variant}", "model=tiny_gqa", "workload=explicit",
+                   "workload.prompt_lens=[16]", "workload.output_lens=[2]", "scheduler.max_num_batched_tokens=64",
+                   "kv.num_blocks=64", "output.plots=false"])
+    simulate_run(cfg, tmp_path)
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_ring_step_is_its_calls_and_hops_on_the_tables(tmp_path):
+    """Pass-KV (a call of r rows over k keys each: r k u). DualChunkSwap gives rank 0 positions
+    0-3 and 12-15, rank 1 positions 4-11; every row stays. Rank 0's calls: its own block (0-3
+    causal: 10 pairs; 12-15 over 0-3 and causal: 16 + 10), then rank 1's (12-15 over 4-11: 32);
+    rank 1's: its own (4-11 causal: 36), then rank 0's (4-11 over 0-3: 32). Each rank sends its
+    block once: 8 entries of 2 KV heads x 16 x (K, V) in float32, 2,048 B. The decode after it
+    is a row every rank holds, over each rank's shard of 17 keys (positions p on rank p % 2: 9
+    on rank 0), after the loop."""
+    prefill, decode = _ring_steps(tmp_path, "ring_pass_kv", 2048)
+    assert prefill["cp_attention"] == "ring_pass_kv"
+    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (36 + 32) * U, rel=1e-9)  # 2 layers
+    assert prefill["purpose_s"]["ring_send_kv"] == pytest.approx(2 * (1e-4 + 2048 / 1e9), rel=1e-9)
+    assert decode["purpose_s"]["attention"] == pytest.approx(2 * 9 * U, rel=1e-9)
+
+
+def test_a_pass_q_ring_step_pays_each_visits_two_calls_and_its_queries_hops(tmp_path):
+    """The same prompt under pass-Q: every row travels. A visiting package's queries attend the
+    host's rows causally (host 0 at h = 0: its own 8 queries over its 8 keys, 36 pairs; at h = 1
+    rank 1's 4-11 over 0-3: 32; host 1: 36, then rank 0's 12-15 over 4-11: 32), each visit two
+    calls (the cached shard, empty here, and the host's new keys): one more call's fixed cost,
+    the table's (1 row, 1 key): u. A hop sends the 8 queries (8 x 4 heads x 16 x 4 B = 2,048 B)
+    and the new KV of the 4 rows the other rank owns (positions p on rank p % 2: 4 x 64 x 4 B =
+    1,024 B): 3,072 B; a third of it KV, two thirds queries."""
+    prefill = _ring_steps(tmp_path, "ring_pass_q", 3072)[0]
+    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * ((36 + 1) + (32 + 1)) * U, rel=1e-9)
+    hop = 2 * (1e-4 + 3072 / 1e9)  # 2 layers
+    assert prefill["purpose_s"]["ring_send_q"] == pytest.approx(hop * 2 / 3, rel=1e-9)
+    assert prefill["purpose_s"]["ring_send_kv"] == pytest.approx(hop / 3, rel=1e-9)
