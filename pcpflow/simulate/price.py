@@ -716,8 +716,8 @@ class Pricer:
         ``[P, P]`` per rank and iteration, ``[P]`` after the loop), as ``pcpflow.attention.ring``
         makes them: every iteration one call of the rank's staying rows over the block it
         holds (its pairs there, or no keys: the call's fixed cost), two of the visiting queries
-        (over its cached shard, over its travelling rows' new KV: one more fixed cost), a decode
-        call where every visiting query decodes; after the loop one call of the rows every rank
+        (over its cached shard, over its travelling rows' new KV: one more fixed cost; a decode
+        call where every visiting query decodes); after the loop one call of the rows every rank
         holds over its shard. Each by its rows and mean keys, as ``_measured_attention``."""
         s, k, P = self.sizes, self.kern, self.grid.pcp
         w, kind = self._measured_features(), s.attention
@@ -730,9 +730,9 @@ class Pricer:
                     pairs = rb.stay_pairs[r, h]
                     loop[r, h] += k.attention("prefill", stays[r], pairs / stays[r], w, kind) if pairs else fixed
                 rows, pairs = plan.num_travel[(r - h) % P], rb.visit_pairs[r, h]
-                if rows and pairs:
+                if rows:
                     phase = "decode" if pairs <= rb.loop_decode_pairs[r, h] else "prefill"
-                    loop[r, h] += k.attention(phase, rows, pairs / rows, w, kind) + fixed
+                    loop[r, h] += (k.attention(phase, rows, pairs / rows, w, kind) if pairs else fixed) + fixed
         after = np.zeros(P)
         rep, a_pairs = plan.num_replicated, rb.after.per_bin(P)[0] + rb.after_decode_pairs
         for r in range(P):
