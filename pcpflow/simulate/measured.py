@@ -225,6 +225,13 @@ class MeasuredCollectives:
     def rate_gbps(self, op: str, ranks: int) -> float:
         return self._by[(op, ranks)].gbps
 
+    def latency_s(self, op: str, ranks: int) -> float:
+        return self._by[(op, ranks)].latency_us * 1e-6
+
+    def smallest(self, op: str) -> int | None:
+        """The smallest group ``op`` was measured on (None: never)."""
+        return min((r for o, r in self._by if o == op), default=None)
+
 
 def host_seconds(tables: Tables, requests: int, tokens: int) -> float:
     """pcpflow's per-step host work outside the layers."""

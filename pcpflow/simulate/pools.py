@@ -42,6 +42,7 @@ from pcpflow.simulate.engine import (
     SimulatedRun,
     _step_fields,
     _TablelessKV,
+    kv_key,
     simulate_summary,
 )
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
@@ -59,7 +60,7 @@ def handover_kv(cfg: RunConfig) -> list[MovedKV]:
     drafter's part: executed drafting runs are checked against them."""
     sizes = model_sizes(cfg.model)
     mla = sizes.attention == "mla"
-    elem = DTYPE_BYTES[cfg.simulate.kv_dtype]
+    elem = DTYPE_BYTES[kv_key(cfg)]  # NOTE: a tiny model priced on a measured profile keeps the run's dtype
     kv_heads = None if mla else sizes.num_kv_heads
     src = pool_kv(cfg.grid, cfg.kv.interleave, kv_heads)
     dst = pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, kv_heads)

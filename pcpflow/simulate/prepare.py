@@ -242,9 +242,14 @@ def simulate_problems(cfg) -> list[Problem]:
             from pcpflow.config.disagg import pool_config, pool_problems
 
             decode = pool_config(cfg, "decode")
-            # its groups measured, and a ring of its own (disagg.decode_pool.cp_attention) refused on a measured profile
-            grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp", "pipeline.forward.cp_attention")]
+            # its groups measured
+            grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp")]
             p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes) + grid, "decode")
+            hw = cfg.hardware
+            if hw.tables is not None and not hw.nccl and not any(c.op == "sendrecv" for c in hw.tables.collectives):
+                p.append(Problem("disagg.kind", "pd", f"the profile {hw.path or hw.name} timed no send/recv (it "
+                                 "measured one rank), and the pools' handover is priced from it: profile two ranks "
+                                 "(python -m pcpflow mode=profile pcp=2)"))
     return p
 
 

@@ -53,11 +53,26 @@ def transfer_seconds(moved: list[MovedKV], num_tokens: int, *, offset: int, hw: 
     peers = np.bincount(np.unique(at * width + peer) // width, minlength=len(keys))
     worst = 0.0
     for net, n in set(zip((keys % 2).tolist(), peers.tolist())):
-        rate = p2p_rate_gbps(hw, _NET if net else _ONE_NODE, network=bool(net), efficiency=sim.p2p_efficiency, peers=n)
+        rate, latency_s = _route(hw, sim, bool(net), n)
         these = (keys % 2 == net) & (peers == n)
-        t = msgs[these] * p2p_latency_us(hw, network=bool(net)) * 1e-6 + load[these] / (rate * 1e9)
+        t = msgs[these] * latency_s + load[these] / (rate * 1e9)
         worst = max(worst, float(t.max()))
     return worst
+
+
+def _route(hw: HardwareConfig, sim: SimulateConfig, network: bool, peers: int) -> tuple[float, float]:
+    """(GB/s, seconds a message) of a rank's routes to ``peers`` peers: NCCL's point-to-point
+    rate and per-hop latency; on a measured profile without NCCL's graphs (a CPU's), its
+    send/recv table's fitted bandwidth and latency, the peers sharing the rank's one thread."""
+    if not hw.nccl:
+        from pcpflow.simulate.measured import MeasuredCollectives
+
+        table = MeasuredCollectives(hw.tables)
+        ranks = table.smallest("sendrecv")
+        assert ranks is not None, "a measured profile times send/recv on every group (pcpflow.profile.sections)"
+        return table.rate_gbps("sendrecv", ranks), table.latency_s("sendrecv", ranks)
+    rate = p2p_rate_gbps(hw, _NET if network else _ONE_NODE, network=network, efficiency=sim.p2p_efficiency, peers=peers)
+    return rate, p2p_latency_us(hw, network=network) * 1e-6
 
 
 def exposed_seconds(seconds: float, *, layerwise: bool, num_layers: int, prefill_step_s: float, waited: bool) -> float:

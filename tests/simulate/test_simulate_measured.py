@@ -270,3 +270,29 @@ def test_a_pass_q_ring_step_pays_each_visits_two_calls_and_its_queries_hops(tmp_
     hop = 2 * (1e-4 + 3072 / 1e9)  # 2 layers
     assert prefill["purpose_s"]["ring_send_q"] == pytest.approx(hop * 2 / 3, rel=1e-9)
     assert prefill["purpose_s"]["ring_send_kv"] == pytest.approx(hop / 3, rel=1e-9)
+
+
+def test_the_pools_handover_on_a_measured_profile_is_its_send_recv_table(tmp_path):
+    """disagg=pd on a CPU profile (no NCCL graphs): each request's KV goes prefill rank ->
+    decode rank at the send/recv table's fitted law (100 us a message, 1 GB/s). One prompt of
+    16 tokens: 16 entries of 64 float32 in each of 2 layers, 8,192 B, in 2 messages (layerwise:
+    one a layer): 2 x 100 us + 8,192 B / 1 GB/s, exposed or hidden behind the prefill step. It
+    crashed before (NCCL's rate read the profile's missing NVLink). A profile of one rank timed no
+    send/recv: the pools are refused, naming disagg.kind."""
+    from pcpflow.simulate.pools import pooled_run
+    from pcpflow.testing import cli
+
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict()))
+    common = ["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}", "dtype=float32", "pcp=1",
+              "model=tiny_gqa", "disagg=pd", "workload=explicit", "workload.prompt_lens=[16]", "workload.output_lens=[2]",
+              "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64", "output.plots=false"]
+    result = pooled_run(compose(common), tmp_path)
+    moved = result["metrics"]["simulate"]["breakdown_s"]["kv_transfer"]
+    assert moved["exposed_s"] + moved["hidden_s"] == pytest.approx(2 * 100e-6 + 8192 / 1e9, rel=1e-9)
+    one = profile_dict()
+    one["tables"]["collectives"] = [c for c in one["tables"]["collectives"] if c["op"] != "sendrecv"]
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    r = cli(*[c if not c.startswith("hardware.path=") else f"hardware.path={tmp_path / 'one.yaml'}" for c in common],
+            "output.progress=false")
+    assert r.returncode == 2 and any(ln.strip().startswith("- disagg.kind: got 'pd'; the profile") and "send/recv" in ln
+                                     for ln in r.stderr.splitlines()), r.stderr
