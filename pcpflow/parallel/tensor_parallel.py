@@ -194,22 +194,22 @@ def tp_problems(
     tp = grid.tp
     if tp == 1:
         return []
+
+    def splits(t: int) -> tuple[list[str], bool]:
+        divides = [f"num_heads ({num_heads})"] * bool(num_heads % t)
+        divides += [f"MLP width intermediate_size ({intermediate_size})"] * bool(intermediate_size % t)
+        return divides, num_kv_heads is not None and bool(num_kv_heads % t) and bool(t % num_kv_heads)
+
+    divides, kv_bad = splits(tp)
+    if divides or kv_bad:
+        why = [f"must divide {what}'s {' and '.join(divides)}"] * bool(divides)
+        why += [f"{what}'s num_kv_heads ({num_kv_heads}) must be a multiple of tp or divide it"] * kv_bad
+        allowed = [t for t in range(1, num_heads + 1) if splits(t) == ([], False)]
+        return [Problem("tp", tp, f"{'; '.join(why)}; allowed: {allowed}")]
     p: list[Problem] = []
-    if num_heads % tp:
-        p.append(Problem("tp", tp, f"must divide {what}'s num_heads ({num_heads})"))
-    if intermediate_size % tp:
-        p.append(
-            Problem("tp", tp, f"must divide {what}'s MLP width intermediate_size ({intermediate_size})")
-        )
     if num_kv_heads is None:
         return p
-    if num_kv_heads % tp and tp % num_kv_heads:
-        p.append(
-            Problem(
-                "tp", tp, f"{what}'s num_kv_heads ({num_kv_heads}) must be a multiple of tp or divide it"
-            )
-        )
-    elif _kv_share(tp, num_kv_heads) % grid.dcp_tp:
+    if _kv_share(tp, num_kv_heads) % grid.dcp_tp:
         p.append(
             Problem(
                 "dcp",

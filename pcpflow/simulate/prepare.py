@@ -205,7 +205,6 @@ def simulate_problems(cfg) -> list[Problem]:
         sizes = model_sizes(cfg.model)
     except ValueError as exc:
         return [Problem("model", cfg.model.name, f"{exc}; cards: {', '.join(CARD_NAMES)}")]
-    p += _heads_problems(cfg, sizes)
     if cfg.draft_enabled:
         p.append(Problem("draft", cfg.draft_stage_config().get("kind"), "drafting is not simulated; use draft=none"))
     pipeline = cfg.pipeline or {}
@@ -244,7 +243,7 @@ def simulate_problems(cfg) -> list[Problem]:
             decode = pool_config(cfg, "decode")
             # its groups measured
             grid = [x for x in measured_problems(decode) if x.field in ("tp", "pcp", "dcp")]
-            p += pool_problems(cfg, _heads_problems(decode, sizes) + _hbm_problems(decode, sizes) + grid, "decode")
+            p += pool_problems(cfg, _hbm_problems(decode, sizes) + grid, "decode")
             hw = cfg.hardware
             if hw.tables is not None and not hw.nccl and not any(c.op == "sendrecv" for c in hw.tables.collectives):
                 p.append(Problem("disagg.kind", "pd", f"the profile {hw.path or hw.name} timed no send/recv (it "
@@ -263,20 +262,6 @@ def objective_problems(cfg) -> list[Problem]:
                         "slo.ttft_s and/or slo.tpot_s, or rank by another objective (ttft, tpot, gpus, ttft_x_gpus, "
                         "tpot_x_gpus, throughput_per_gpu)")]
     return []
-
-
-def _heads_problems(cfg, sizes: ModelSizes) -> list[Problem]:
-    """The query and KV heads that ``tp`` must split evenly."""
-    tp = cfg.tp
-    heads_ok = sizes.num_heads % tp == 0
-    kv_ok = sizes.attention == "mla" or sizes.num_kv_heads % tp == 0 or tp % sizes.num_kv_heads == 0
-    if heads_ok and kv_ok:
-        return []
-    allowed = [t for t in range(1, sizes.num_heads + 1) if sizes.num_heads % t == 0
-               and (sizes.attention == "mla" or sizes.num_kv_heads % t == 0 or t % sizes.num_kv_heads == 0)]
-    return [Problem("tp", tp, f"model {cfg.model.name} has {sizes.num_heads} query heads"
-                    + ("" if sizes.attention == "mla" else f" and {sizes.num_kv_heads} KV heads")
-                    + f": tp must split them evenly; allowed: {allowed}")]
 
 
 def measured_problems(cfg) -> list[Problem]:

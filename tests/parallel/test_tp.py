@@ -429,7 +429,12 @@ def _problems(overrides) -> str:
 def test_bad_tp_names_the_numbers():
     msg = _problems(["tp=3", "pcp=1"])
     assert "num_heads (4)" in msg and "intermediate_size (128)" in msg
+    # one problem for tp, with what it may be: the divisors of 4 heads that divide 128 too
+    assert msg.count("tp: got 3") == 1 and msg.rstrip().endswith("allowed: [1, 2, 4]"), msg
     msg = _problems(["tp=4", "pcp=1", "model=tiny_gqa", "model.num_heads=12", "model.num_kv_heads=6"])
+    # 12 heads: 1, 2, 3, 4, 6, 12; of those the MLP width 128 takes 1, 2, 4; 6 KV heads split (1, 2 divide
+    # 6) or shared (a multiple of 6): not 4
+    assert msg.count("tp: got 4") == 1 and msg.rstrip().endswith("allowed: [1, 2]"), msg
     assert "num_kv_heads (6)" in msg
     msg = _problems(["tp=2", "pcp=1", "model.intermediate_size=129"])
     assert "intermediate_size (129)" in msg and "num_heads" not in msg
