@@ -73,6 +73,14 @@ def rank_slot_mapping(
     )
 
 
+def gathered_rows(layout: BatchLayout, req_indices: np.ndarray, context_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``[P*N]`` each: the request (block-table row) and the keys of every row of the
+    padded gathered view, 0 on padding rows; rank ``r``'s own rows are ``layout.rank_rows(r)``."""
+    pad, gidx = layout.is_padding, layout.padded_gather_idx
+    return (np.where(pad, 0, np.asarray(req_indices, dtype=np.int64)[gidx]),
+            np.where(pad, 0, np.asarray(context_lens, dtype=np.int64)[gidx]))
+
+
 def build_attention_metadata(
     layout: BatchLayout,
     positions: np.ndarray,
@@ -98,9 +106,7 @@ def build_attention_metadata(
     req_indices = np.asarray(req_indices, dtype=np.int64)
     ctx_lens = positions + 1 if context_lens is None else np.asarray(context_lens, dtype=np.int64)
     slots = rank_slot_mapping(positions, req_indices, block_tables, kv, dcp_size=dcp_size, dcp_rank=dcp_rank)
-    pad, gidx = layout.is_padding, layout.padded_gather_idx
-    row_req = np.where(pad, 0, req_indices[gidx])
-    row_ctx = np.where(pad, 0, ctx_lens[gidx])
+    row_req, row_ctx = gathered_rows(layout, req_indices, ctx_lens)
     rows = layout.rank_rows(pcp_rank)
     context = None
     if dcp_size > 1:

@@ -15,6 +15,9 @@ is no Python loop per token or per request.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import numpy as np
 import torch
 
 from pcpflow.models.base import AttentionSpec
@@ -24,6 +27,9 @@ _SEGMENT_ROWS = 32
 
 _TILE_ELEMENTS = 1 << 20
 """Rough bound on the elements a tile materializes (gathered entries + scores)."""
+
+WORK_FIELDS = ("rows", "pairs", "tiles", "gathered", "scored")
+"""``kernel_work``'s columns."""
 
 
 def paged_attention(
@@ -141,6 +147,66 @@ def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> 
     return groups
 
 
+def _tiles(seg_ctx: list[int], per_key: int, block_size: int, max_blocks: int) -> Iterator[tuple[int, int, int]]:
+    """``(first, stop, blocks)`` of each tile over segments sorted by context, longest first:
+    a tile takes as many segments as ``_TILE_ELEMENTS`` holds at its first segment's context
+    in whole blocks (``per_key`` elements a key and segment), at least one."""
+    first, n = 0, len(seg_ctx)
+    while first < n:
+        blocks = min(-(-seg_ctx[first] // block_size), max_blocks)
+        stop = min(n, first + max(1, _TILE_ELEMENTS // (blocks * block_size * per_key)))
+        yield first, stop, blocks
+        first = stop
+
+
+def kernel_work(row_req, row_context_lens, *, num_heads: int, entry_dim: int, block_size: int,
+                max_blocks: int | None = None) -> np.ndarray:
+    """float64 ``[2, 5]``: what ``paged_attention`` does with these rows, counted without
+    running it (numpy, no loop per row): for its rows alone (``g = 1``, row 0) and its long
+    runs' segments (``g = _SEGMENT_ROWS``, row 1): ``WORK_FIELDS``, the rows, the pairs they
+    score (their contexts' sum), the tiles, the entries the tiles gather (each segment at its
+    tile's padded context) and the pairs they score (``g`` times that: pads included).
+    ``max_blocks``: the block table's width (no cap when None)."""
+    req = np.asarray(row_req, dtype=np.int64)
+    ctx = np.asarray(row_context_lens, dtype=np.int64)
+    out = np.zeros((2, len(WORK_FIELDS)))
+    n = req.shape[0]
+    if n == 0:
+        return out
+    g = _SEGMENT_ROWS
+    is_start = np.ones(n, dtype=bool)
+    is_start[1:] = req[1:] != req[:-1]
+    run_id = np.cumsum(is_start) - 1
+    run_start = np.flatnonzero(is_start)
+    run_len = np.diff(run_start, append=n)
+    has = ctx > 0
+    long = (run_len[run_id] >= g) & has
+    rows = np.flatnonzero(long)
+    seg_ctx = np.zeros(0, dtype=np.int64)
+    if rows.size:  # a segment per (run, block of g positions): contiguous in row order
+        key = run_id[rows] * (n // g + 1) + (rows - run_start[run_id[rows]]) // g
+        first = np.flatnonzero(np.diff(key, prepend=-1))
+        seg_ctx = np.maximum.reduceat(ctx[rows], first)
+    for i, (size, alone, segs) in enumerate(((1, has & ~long, None), (g, long, seg_ctx))):
+        segs = ctx[alone] if segs is None else segs
+        if not segs.size:
+            continue
+        per_key = size * num_heads * 2 + entry_dim
+        c = np.sort(segs)[::-1]
+        blocks = -(-c // block_size)
+        if max_blocks is not None:
+            blocks = np.minimum(blocks, max_blocks)
+        # NOTE: a segment whose padded context fills more than half the tile budget is a tile
+        # of its own (longest first: a prefix); the rest go through the kernel's own loop.
+        k = int(np.count_nonzero(2 * blocks * block_size * per_key > _TILE_ELEMENTS))
+        tiles, gathered = k, int(blocks[:k].sum()) * block_size
+        for a, b, nb in _tiles(c[k:].tolist(), per_key, block_size, max_blocks or int(blocks.max())):
+            tiles += 1
+            gathered += (b - a) * nb * block_size
+        out[i] = alone.sum(), ctx[alone].sum(), tiles, gathered, size * gathered
+    return out
+
+
 def _attend_segments(
     q: torch.Tensor,
     blocked_cache: torch.Tensor,
@@ -163,15 +229,10 @@ def _attend_segments(
     safe_rows = seg_rows.clamp(min=0)
     seg_ctx, order = torch.sort(row_ctx.amax(1), descending=True)
     # Sorted by context, each tile is padded to its first segment's context (in blocks).
-    ctx_list = seg_ctx.tolist()
     per_key = g * num_heads * 2 + spec.entry_dim  # scores + probs + gathered entry
-    start = 0
-    while start < len(ctx_list):
-        ctx_blocks = min(-(-ctx_list[start] // block_size), seg_block_tables.shape[1])
+    for first, stop, ctx_blocks in _tiles(seg_ctx.tolist(), per_key, block_size, seg_block_tables.shape[1]):
         ctx = ctx_blocks * block_size
-        tile = max(1, _TILE_ELEMENTS // (ctx * per_key))
-        idx = order[start : start + tile]
-        start += tile
+        idx = order[first:stop]
         t = idx.numel()
 
         # NOTE: whole blocks are gathered (contiguous copies), slots past a row's context

@@ -190,6 +190,8 @@ class AttentionTable(Settings):
 
 class AttentionTables(Settings):
     backend: str = Field(description="the paged-attention kernel measured (pipeline.forward.attention resolved)")
+    block_size: int = Field(16, ge=1, description="the KV cache's block size the calls were timed at (kv.block_size): "
+                            "the reference kernel pads each tile's context to whole blocks")
     basis: list[HeadShape] = Field(
         min_length=4,
         description="the head shapes measured (at least four GQA ones; MLA is priced on its own "

@@ -24,7 +24,7 @@ class Document:
     """The profile as it grows; ``write`` puts it on disk (partial until ``complete``)."""
 
     def __init__(self, path: Path, *, device: str, backend: str, tp: int, pcp: int, threads: int, dtypes: list[str],
-                 quick: bool, attention: str, sections: list[str], collectives_from: dict[str, Any] | None,
+                 quick: bool, attention: str, block_size: int, sections: list[str], collectives_from: dict[str, Any] | None,
                  cpu_bind: str = "none") -> None:
         import torch
 
@@ -35,7 +35,7 @@ class Document:
         self.values: dict[str, Any] = {}
         self.tables: dict[str, Any] = {}
         self.borrowed = collectives_from  # a shipped profile's NCCL sections (one GPU)
-        self.attention = attention
+        self.attention, self.block_size = attention, block_size
         self.measured = {
             "date": self.started.isoformat(timespec="seconds"),
             "device": device,
@@ -67,6 +67,7 @@ class Document:
         _, dtype, phase = section.split(":")
         att = self.tables.setdefault("attention", {
             "backend": self.attention,
+            "block_size": self.block_size,
             "basis": basis_shapes(),
             "prefill": {}, "decode": {},
         })

@@ -110,7 +110,8 @@ def _document(cfg, run_dir: Path, device: torch.device, dtypes: list[str], names
         borrowed = borrowed_sections(cfg.profile.collectives_from)
     doc = Document(run_dir / PROFILE_FILE, device=what, backend=backend, tp=cfg.tp, pcp=cfg.pcp,
                    threads=cfg.threads_per_rank, cpu_bind=cfg.cpu_bind, dtypes=dtypes, quick=cfg.profile.quick,
-                   attention=resolve_attention(_attention_setting(cfg), device), sections=names,
+                   attention=resolve_attention(_attention_setting(cfg), device), block_size=cfg.kv.block_size,
+                   sections=names,
                    collectives_from=borrowed)
     if device.type == "cuda":
         doc.values["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from pcpflow.profile.grid import Grid, basis_shapes
-from pcpflow.simulate.measured import nonneg_lstsq
+from pcpflow.simulate.measured import attention_requests, nonneg_lstsq
 
 LONG_S = 0.25
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -295,22 +295,6 @@ def attention(b: Bench, dtype: str, phase: str) -> dict[str, Any]:
                 b.tick(1)
             seconds.append(plane)
     return {"rows": list(rows_axis), "keys": list(keys_axis), "seconds": seconds}
-
-
-def attention_requests(phase: str, rows: int, keys: int) -> list[tuple[int, int]]:
-    """(cached tokens, new rows) of each request of one measured call: ``rows`` query rows
-    whose mean context is about ``keys``. Decode: ``rows`` requests of one row at ``keys - 1``
-    cached. Prefill: the fewest chunks whose rows fit their context (a chunk of ``q`` rows
-    after ``c`` cached tokens has mean context ``c + (q + 1) / 2``), sizes differing by one."""
-    if phase == "decode":
-        return [(keys - 1, 1)] * rows
-    n = max(1, -(-(rows + 1) // (2 * keys)))  # q = rows / n <= 2 keys - 1
-    q, extra = divmod(rows, n)
-    out = []
-    for i in range(n):
-        size = q + (1 if i < extra else 0)
-        out.append((max(0, round(keys - (size + 1) / 2)), size))
-    return out
 
 
 def _attention_call(kernel, spec, requests, block_size: int, dtype: torch.dtype, device: torch.device, *,

@@ -339,7 +339,7 @@ def _pricer(cfg: RunConfig, sizes, moe_dispatch: str) -> Pricer:
                 moe_ops=moe_ops(sizes.num_experts, sizes.top_k, sizes.num_shared_experts)
                 if measured and sizes.num_experts else (0.0, 0.0))
     return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=kv_key(cfg), host=host,
-                  moe_dispatch=moe_dispatch, interleave=cfg.kv.interleave)
+                  moe_dispatch=moe_dispatch, interleave=cfg.kv.interleave, block_size=cfg.kv.block_size)
 
 
 def kv_key(cfg: RunConfig) -> str:

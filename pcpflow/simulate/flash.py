@@ -157,8 +157,6 @@ class RingBlocks:
     loop_decode_pairs: np.ndarray  # [P, P]
     after: Blocks
     after_decode_pairs: np.ndarray  # [P]
-    stay_pairs: np.ndarray  # [P, P]: the staying rows' pairs (prefill and decode), each a call of the loop
-    visit_pairs: np.ndarray  # [P, P]: the visiting queries' pairs (prefill and decode)
 
 
 def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -> RingBlocks:
@@ -188,11 +186,9 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     visits = _blocks(tr, host, h, n, cached, q, p)
 
     pre_parts, dec = [], np.zeros(p * p)
-    per_call = [np.zeros((p, p)), np.zeros((p, p))]
-    for b, rows, call in ((stays, st, per_call[0]), (visits, tr, per_call[1])):
+    for b, rows in ((stays, st), (visits, tr)):
         if b is None:
             continue
-        call += np.bincount(b.bin, weights=b.pairs.astype(np.float64), minlength=p * p).reshape(p, p)
         is_pre = np.repeat(prefill[rows], p)
         pre_parts.append(Blocks(b.bin[is_pre], b.rows[is_pre], b.k_first[is_pre], b.k_last[is_pre], b.pairs[is_pre]))
         dec += np.bincount(b.bin[~is_pre], weights=b.pairs[~is_pre].astype(np.float64), minlength=p * p)
@@ -206,7 +202,7 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     after = Blocks(np.repeat(h, int(pre.sum())), np.tile(nr[pre], p), kf[:, pre].ravel(), kl[:, pre].ravel(),
                    pairs[:, pre].ravel())
     after_dec = pairs[:, ~pre].sum(axis=1).astype(np.float64)
-    return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec, *per_call)
+    return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
 
 
 def _concat(parts: list[Blocks]) -> Blocks:

@@ -11,13 +11,18 @@ what the profile measured it to.
   bandwidth, whichever is slower; attention at the rate of the table's nearest point
   (seconds per pair); a collective by the latency and bandwidth fitted on its own points.
 - **GEMMs** by ``(m, n, k)`` at the run's dtype (``F.linear``, as pcpflow's layers run).
-- **Attention** by (query rows, mean keys per row), prefill and decode apart, for the run's
-  head shape: one call's seconds are linear in what it moves per key (the cache entry,
-  ``E``), scores per pair and head (``H``) and products per pair (``F = heads x (qk + v)``),
-  beside a fixed part: ``[1, E, H, F] . c``. The tables hold several head shapes (``basis``);
-  at every grid point ``c`` is their least-squares fit with no negative coefficient (relative
-  error), and the run's head shape is priced on it. One layer's call with decodes and prefill
-  rows pays one call's fixed cost.
+- **Attention** by the work of each call as the backend cuts it (``call_work``): pcpflow's
+  reference kernel attends a request's run of 32 rows or more in segments of 32 that share one
+  key gather, every other row alone, in tiles of segments padded to the tile's longest context
+  in whole blocks (``pcpflow.attention.paged.kernel_work`` counts them as the kernel runs them);
+  a call costs a fixed part per tile, per entry element its tiles gather (the cache entry,
+  ``E``), per pair they score a score per head (``H``) and the products (``F = heads x (qk +
+  v)``): ``[tiles, E gathered, H scored, F scored] . u``. The tables hold several head shapes
+  (``basis``); at every grid point ``u`` is their least-squares fit, by the work of each call
+  the profile timed there, with no negative rate (relative error), and the run's head shape is
+  priced on it. A call's rows alone take the decode table's rates, its segments the prefill
+  table's, each interpolated at its rows and mean keys (outside: the nearest point's rates). A
+  fused kernel's call is one tile that gathers and scores its pairs.
 - **Memory-bound ops**: the bytes pcpflow's forward moves through its ops other than GEMMs and
   attention, counted on ``meta`` tensors (``pcpflow.simulate.host.elementwise_bytes``), at the
   streaming rate of a copy their size.
@@ -70,6 +75,59 @@ def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x
 
 
+def attention_requests(phase: str, rows: int, keys: int) -> list[tuple[int, int]]:
+    """(cached tokens, new rows) of each request of one measured call: ``rows`` query rows
+    whose mean context is about ``keys``. Decode: ``rows`` requests of one row at ``keys - 1``
+    cached. Prefill: the fewest chunks whose rows fit their context (a chunk of ``q`` rows
+    after ``c`` cached tokens has mean context ``c + (q + 1) / 2``), sizes differing by one."""
+    if phase == "decode":
+        return [(keys - 1, 1)] * rows
+    n = max(1, -(-(rows + 1) // (2 * keys)))  # q = rows / n <= 2 keys - 1
+    q, extra = divmod(rows, n)
+    out = []
+    for i in range(n):
+        size = q + (1 if i < extra else 0)
+        out.append((max(0, round(keys - (size + 1) / 2)), size))
+    return out
+
+
+def request_rows(requests: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """int64 rows' request and context of a call's ``(cached, new)`` requests: each chunk's
+    rows at positions ``cached ..``, each seeing its position plus one keys."""
+    req = np.repeat(np.arange(len(requests)), [q for _, q in requests])
+    ctx = np.concatenate([np.arange(c + 1, c + q + 1) for c, q in requests])
+    return req, ctx
+
+
+def call_work(backend: str, req: np.ndarray, ctx: np.ndarray, decode: np.ndarray | None, *, heads: float,
+              entry: float, block_size: int) -> np.ndarray:
+    """``[2, 5]`` (``pcpflow.attention.paged.WORK_FIELDS``): one call's work for its rows
+    (request ``req``, context ``ctx``; rows without context add nothing), row 0 priced on the
+    decode table, row 1 on the prefill table. The reference kernel: its rows alone and its long
+    runs' segments, each in its tiles (``kernel_work``: what it gathers and scores, pads
+    included). A fused kernel: its decode rows (``decode``, bool) and the rest, one call."""
+    if backend == "reference":
+        from pcpflow.attention.paged import kernel_work
+
+        return kernel_work(req, ctx, num_heads=int(round(heads)), entry_dim=int(round(entry)), block_size=block_size)
+    out = np.zeros((2, 5))
+    decode = np.zeros(len(ctx), dtype=bool) if decode is None else decode
+    for i, rows in enumerate((decode & (ctx > 0), ~decode & (ctx > 0))):
+        pairs = float(ctx[rows].sum())
+        out[i] = rows.sum(), pairs, 1.0, pairs, pairs
+    out[:, 2] *= out[:, 0] > 0
+    if out[1, 0]:  # NOTE: one call holds both: one fixed part
+        out[0, 2] = 0.0
+    return out
+
+
+def work_features(work: np.ndarray, features: np.ndarray) -> np.ndarray:
+    """``[..., 4]``: ``head_features`` times a call's counts (``work``'s tiles, entries
+    gathered, pairs scored twice), the terms of its price: fixed parts, entries, scores,
+    products."""
+    return features * work[..., [2, 3, 4, 4]]
+
+
 def head_features(entry: float, heads: float, products: float) -> np.ndarray:
     """``[1, E, H, F]``: a call's fixed part, the cache entry gathered per key, the scores per
     pair (one per head), the products per pair (``heads x (qk + v)``)."""
@@ -91,19 +149,39 @@ def fitted_kind(basis, kind: str) -> str:
     return kind if sum(b.kind == kind for b in basis) >= 4 else "gqa"
 
 
-def attention_coefficients(basis, seconds: np.ndarray, kind: str = "gqa") -> np.ndarray:
-    """``c`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the seconds of the
-    basis head shapes of ``kind`` fitted by ``[1, E, H, F] . c``, no coefficient negative,
-    each shape's relative error weighing alike."""
+def attention_coefficients(basis, seconds: np.ndarray, kind: str = "gqa", work: np.ndarray | None = None) -> np.ndarray:
+    """``u`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the seconds of the
+    basis head shapes of ``kind`` fitted by ``work_features(work, [1, E, H, F]) . u`` (each
+    shape's call's counts, ``work[..., basis, 2, 5]``; one call of one tile that gathers and
+    scores one pair when None: ``u`` a call's whole terms), no coefficient negative, each
+    shape's relative error weighing alike."""
     pick = [i for i, b in enumerate(basis) if b.kind == kind]
-    a = np.array([shape_features(basis[i]) for i in pick])
+    feats = np.array([shape_features(basis[i]) for i in pick])
     seconds = np.asarray(seconds)[..., pick]
     flat = seconds.reshape(-1, seconds.shape[-1])
+    if work is None:
+        a = np.broadcast_to(feats, (flat.shape[0], *feats.shape))
+    else:
+        a = work_features(np.asarray(work)[..., pick, :, :], feats[:, None, :]).sum(axis=-2).reshape(-1, *feats.shape)
     out = np.empty((flat.shape[0], 4))
     for i, t in enumerate(flat):
         w = 1.0 / np.maximum(t, 1e-12)
-        out[i] = nonneg_lstsq(a * w[:, None], np.ones_like(t))
+        out[i] = nonneg_lstsq(a[i] * w[:, None], np.ones_like(t))
     return out.reshape(*seconds.shape[:-1], 4)
+
+
+def grid_work(backend: str, phase: str, rows: list[int], keys: list[int], basis, block_size: int) -> np.ndarray:
+    """``[rows, keys, basis, 2, 5]``: ``call_work`` of the call the profile timed at each grid
+    point (``attention_requests``) for each basis head shape."""
+    out = np.zeros((len(rows), len(keys), len(basis), 2, 5))
+    for i, r in enumerate(rows):
+        for j, k in enumerate(keys):
+            req, ctx = request_rows(attention_requests(phase, int(r), int(k)))
+            decode = np.full(len(ctx), phase == "decode")
+            for b, shape in enumerate(basis):
+                f = shape_features(shape)
+                out[i, j, b] = call_work(backend, req, ctx, decode, heads=f[2], entry=f[1], block_size=block_size)
+    return out
 
 
 class MeasuredKernels:
@@ -160,36 +238,58 @@ class MeasuredKernels:
     # ------------------------------------------------------------------ attention
     @cached_property
     def _attention(self) -> dict[tuple[str, str], tuple[list[np.ndarray], np.ndarray]]:
-        """Per (phase, attention kind): the grid's axes and the coefficients fitted at every
-        point on the basis shapes that kind is priced on (``fitted_kind``)."""
+        """Per (phase, attention kind): the grid's axes and the rates fitted at every point on
+        the basis shapes that kind is priced on (``fitted_kind``), by the work of each call
+        the profile timed."""
         att = self.tables.attention
         out = {}
         for phase in ("prefill", "decode"):
             t: AttentionTable | None = getattr(att, phase).get(self.dtype) if att else None
             if t is not None:
                 axes = [np.asarray(t.rows, float), np.asarray(t.keys, float)]
-                fits = {k: attention_coefficients(att.basis, np.asarray(t.seconds, float), k)
+                work = grid_work(att.backend, phase, t.rows, t.keys, att.basis, att.block_size)
+                fits = {k: attention_coefficients(att.basis, np.asarray(t.seconds, float), k, work)
                         for k in {fitted_kind(att.basis, kind) for kind in ("gqa", "mla")}}
                 for kind in ("gqa", "mla"):
                     out[phase, kind] = (axes, fits[fitted_kind(att.basis, kind)])
         return out
 
+    @property
+    def backend(self) -> str:
+        return self.tables.attention.backend
+
+    def call(self, work: np.ndarray, features: np.ndarray, kind: str = "gqa") -> float:
+        """One call's seconds from its work (``call_work``): row 0 at the decode table's rates,
+        row 1 at the prefill table's, each at the grid point of its rows and mean keys."""
+        return sum(self._priced(phase, work[i], features, kind) for i, phase in enumerate(("decode", "prefill")))
+
+    def _priced(self, phase: str, work: np.ndarray, features: np.ndarray, kind: str) -> float:
+        """``work`` (one row of ``call_work``) at every grid point's rates, interpolated at its
+        rows and mean keys: outside the table, the nearest point's rates times its counts."""
+        rows, pairs = float(work[0]), float(work[1])
+        if rows <= 0 or pairs <= 0:
+            return 0.0
+        axes, rates = self._attention[phase, kind]
+        return interpolate(axes, np.maximum(rates @ work_features(work, features), 1e-12), [rows, pairs / rows])
+
     def attention(self, phase: str, rows: float, keys: float, features: np.ndarray, kind: str = "gqa") -> float:
         """One call's seconds: ``rows`` query rows attending ``keys`` keys each on average,
         for the head shape of ``features`` (``head_features``) of attention ``kind`` (gqa |
-        mla). Outside the table, the nearest point's seconds per pair."""
+        mla), cut in segments and tiles as the call the profile timed at that point (its
+        ``rows x keys`` pairs), at ``phase``'s rates."""
         if rows <= 0 or keys <= 0:
             return 0.0
-        axes, coef = self._attention[phase, kind]
-        r = float(np.clip(rows, axes[0][0], axes[0][-1]))
-        kk = float(np.clip(keys, axes[1][0], axes[1][-1]))
-        t = interpolate(axes, np.maximum(coef @ features, 1e-12), [r, kk])
-        return t * max(rows * keys / (r * kk), 1.0)
+        req, ctx = request_rows(attention_requests(phase, max(int(round(rows)), 1), max(int(round(keys)), 1)))
+        work = call_work(self.backend, req, ctx, np.full(len(ctx), phase == "decode"), heads=features[2],
+                         entry=features[1], block_size=self.tables.attention.block_size).sum(axis=0)
+        work[3:] *= rows * keys / work[1]  # NOTE: the asked pairs, the timed call's structure
+        work[:2] = rows, rows * keys
+        return self._priced(phase, work, features, kind)
 
     def attention_fixed(self, features: np.ndarray, kind: str = "gqa") -> float:
         """The seconds of the smallest decode call measured: one call's fixed cost."""
-        _, coef = self._attention["decode", kind]
-        return float(coef[0, 0] @ features)
+        axes, _ = self._attention["decode", kind]
+        return self.attention("decode", axes[0][0], axes[1][0], features, kind)
 
     # ------------------------------------------------------------------ memory
     def memory(self, nbytes, op_bytes: float | None = None):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -59,7 +60,8 @@ from pcpflow.layouts.accounting import (
     shard_pairs,
     step_traffic,
 )
-from pcpflow.layouts.ring import STAYS, RingPlan, plan_ring
+from pcpflow.layouts.ring import RingPlan, plan_ring
+from pcpflow.layouts.slots import dcp_shard_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import (
@@ -75,6 +77,7 @@ from pcpflow.simulate.measured import (
     MeasuredCollectives,
     MeasuredKernels,
     attended_rows,
+    call_work,
     dtype_of,
     head_features,
     host_seconds,
@@ -343,8 +346,10 @@ class Pricer:
     """Prices steps of one run: its grid on its hardware, its model, its ``simulate`` settings."""
 
     def __init__(self, grid: RankGrid, hw: HardwareConfig, sizes: ModelSizes, sim: SimulateConfig, *,
-                 act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local", interleave: int = 1) -> None:
+                 act_key: str, kv_key: str, host: Host, moe_dispatch: str = "local", interleave: int = 1,
+                 block_size: int = 16) -> None:
         self.grid, self.hw, self.sizes, self.sim, self.interleave = grid, hw, sizes, sim, interleave
+        self.block_size = block_size  # the KV cache's (kv.block_size): the reference kernel's tiles pad to it
         self.place = Placement(grid, hw, sim.p2p_efficiency)
         # NOTE: a measured profile prices pcpflow's own forward from its tables (pcpflow.simulate.measured).
         self.measured = hw.tables is not None and bool(hw.tables.gemm)
@@ -654,7 +659,7 @@ class Pricer:
         pairs, peak = rb.loop.per_bin(P * P, self._group())
         a_pairs, a_peak = rb.after.per_bin(P, self._group())
         if self.measured:
-            loop, after = self._measured_ring_attention(plan, rb)
+            loop, after = self._measured_ring_attention(plan)
             loop_dec, after_dec = np.zeros((P, P)), np.zeros(P)
             loop_bound, after_bound = np.zeros((P, P), dtype=bool), np.zeros(P, dtype=bool)
         else:
@@ -711,41 +716,93 @@ class Pricer:
         heads = s.num_heads / grid.tp * grid.dcp_tp
         return head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
 
-    def _measured_ring_attention(self, plan: RingPlan, rb: flash.RingBlocks) -> tuple[np.ndarray, np.ndarray]:
+    def _measured_ring_attention(self, plan: RingPlan) -> tuple[np.ndarray, np.ndarray]:
         """A ring's calls of pcpflow's backend from a profile's tables (every layer; seconds
-        ``[P, P]`` per rank and iteration, ``[P]`` after the loop), as ``pcpflow.attention.ring``
-        makes them: every iteration one call of the rank's staying rows over the block it
-        holds (its pairs there, or no keys: the call's fixed cost), two of the visiting queries
-        (over its cached shard, over its travelling rows' new KV: one more fixed cost; a decode
-        call where every visiting query decodes); after the loop one call of the rows every rank
-        holds over its shard. Each by its rows and mean keys, as ``_measured_attention``."""
-        s, k, P = self.sizes, self.kern, self.grid.pcp
+        ``[P, P]`` per rank and iteration, ``[P]`` after the loop), each by the work of its rows
+        as ``pcpflow.attention.ring`` makes the call (``rank_ring``: every row's keys in it):
+        every iteration one call of the rank's staying rows over the block it holds, two of the
+        visiting queries (over its cached shard, over its travelling rows' new KV); after the
+        loop one call of the rows every rank holds over its shard. A call whose rows read no key
+        costs the smallest call the profile timed (``attention_fixed``)."""
+        from pcpflow.layouts.ring import rank_ring
+
+        s, k, P, bs = self.sizes, self.kern, self.grid.pcp, self.block_size
         w, kind = self._measured_features(), s.attention
         fixed = k.attention_fixed(w, kind)
-        stays = (plan.kind.reshape(P, -1) == STAYS).sum(axis=1)
-        loop = np.zeros((P, P))
+        work = partial(call_work, k.backend, heads=w[2], entry=w[1])
+
+        def seconds(req, lens, block_size: int) -> float:
+            t = k.call(work(req, lens, None, block_size=block_size), w, kind)
+            return t if t > 0 else fixed
+
+        # NOTE: the block tables only place slots, which no price reads: zeros wide enough
+        tables = np.zeros((plan.block_cached.shape[1], int(plan.pos.max(initial=0)) // bs + 2), dtype=np.int64)
+        loop, after = np.zeros((P, P)), np.zeros(P)
         for r in range(P):
-            for h in range(P):
-                if stays[r]:
-                    pairs = rb.stay_pairs[r, h]
-                    loop[r, h] += k.attention("prefill", stays[r], pairs / stays[r], w, kind) if pairs else fixed
-                rows, pairs = plan.num_travel[(r - h) % P], rb.visit_pairs[r, h]
-                if rows:
-                    phase = "decode" if pairs <= rb.loop_decode_pairs[r, h] else "prefill"
-                    loop[r, h] += (k.attention(phase, rows, pairs / rows, w, kind) if pairs else fixed) + fixed
-        after = np.zeros(P)
-        rep, a_pairs = plan.num_replicated, rb.after.per_bin(P)[0] + rb.after_decode_pairs
-        for r in range(P):
-            if rep and a_pairs[r]:
-                phase = "decode" if a_pairs[r] <= rb.after_decode_pairs[r] else "prefill"
-                after[r] = k.attention(phase, rep, a_pairs[r] / rep, w, kind)
+            ring = rank_ring(plan, r, tables, bs)
+            for h, hop in enumerate(ring.hops):
+                if ring.stay_rows.size:
+                    loop[r, h] += seconds(ring.stay_req, hop.stay_lens, 1)
+                if hop.visit_req.size:
+                    loop[r, h] += (seconds(hop.visit_req, hop.visit_cache_lens, bs)
+                                   + seconds(hop.visit_req, hop.visit_local_lens, 1))
+            if ring.replicated_rows.size:
+                after[r] = seconds(ring.replicated_req, ring.replicated_cache_lens, bs)
         L = s.num_layers
         return L * loop, L * after
 
     def _measured_attention(self, batch, layout, counts: StepCounts) -> Attention:
-        """The all-gather paths from a profile's tables: one call per layer of pcpflow's backend
-        (with DCP, the decode rows' call and the rest rows' apart), at the executed head shape
-        (MLA absorbed for every row), by rows and mean keys of the rank's busiest shard."""
+        """The all-gather paths from a profile's tables: each call of pcpflow's backend a layer
+        makes (with DCP, the decode rows' call and the rest rows' apart), at the executed head
+        shape (MLA absorbed for every row), by the work of its rows as the backend cuts them
+        (``call_work``: the reference kernel's segments and tiles). With DCP over TP ranks, by
+        rows and mean keys of the rank's busiest shard (``_measured_attention_by_rows``)."""
+        s, grid, k = self.sizes, self.grid, self.kern
+        if grid.dcp_tp > 1:
+            return self._measured_attention_by_rows(batch, layout, counts)
+        from pcpflow.attention.metadata import gathered_rows
+
+        P, n, nd = grid.pcp, layout.padded_num_tokens, layout.num_replicated_decode_tokens
+        w = self._measured_features()
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        req, ctx = (a.reshape(P, n) for a in gathered_rows(layout, batch.req_indices, positions + 1))
+        decode = ~np.asarray(batch.is_prefilling, dtype=bool)[req] & (ctx > 0)
+
+        def priced(rq, cx, dec) -> tuple[float, float]:
+            """(prefill, decode) seconds of one call: the whole call, its decode rows' share
+            as a call of them alone."""
+            work = partial(call_work, self.kern.backend, heads=w[2], entry=w[1], block_size=self.block_size)
+            t = k.call(work(rq, cx, dec), w, s.attention)
+            t_dec = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), t) if dec.any() else 0.0
+            return t - t_dec, t_dec
+
+        t_pre, t_dec = np.zeros(P), np.zeros(P)
+        for r in range(P):
+            if grid.dcp == 1:
+                calls = [(req[r], ctx[r], decode[r])]
+            else:  # NOTE: dcp == pcp: PCP rank r is DCP rank r, its shard of each row's keys
+                shard = partial(lambda c, r: dcp_shard_lens(c, grid.dcp, self.interleave)[r], r=r)
+                calls = [(req[r, :nd], shard(ctx[r, :nd]), decode[r, :nd])]
+                if counts.dcp_rest == "context":  # its own rows over their gathered whole context
+                    calls.append((req[r, nd:], ctx[r, nd:], decode[r, nd:]))
+                else:  # every rank's rest rows over its shard
+                    rest = ctx[:, nd:].ravel()
+                    calls.append((req[:, nd:].ravel(), shard(rest), decode[:, nd:].ravel()))
+            for call in calls:
+                pre, dec = priced(*call)
+                t_pre[r] += pre
+                t_dec[r] += dec
+        fpp, dpp, entry = self._per_pair()
+        decode_pairs = counts.decode_work.astype(np.float64)
+        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        L = s.num_layers
+        return Attention(L * t_pre, L * t_dec, L * (t_pre + t_dec), fpp * prefill_pairs + dpp * decode_pairs,
+                         entry * decode_pairs, np.zeros(P))
+
+    def _measured_attention_by_rows(self, batch, layout, counts: StepCounts) -> Attention:
+        """DCP over TP ranks: one call per layer of pcpflow's backend (the decode rows' call and
+        the rest rows' apart), by rows and mean keys of the rank's busiest shard, each cut as
+        the call the profile timed at that point."""
         s, grid, k = self.sizes, self.grid, self.kern
         P, L = grid.pcp, s.num_layers
         fpp, dpp, entry = self._per_pair()
@@ -759,8 +816,6 @@ class Pricer:
                 t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w, s.attention)
             if dec_rows[r] and decode_pairs[r] > 0:
                 t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w, s.attention)
-            if grid.dcp == 1 and t_pre[r] and t_dec[r]:  # one call holds both: one fixed cost
-                t_dec[r] = max(t_dec[r] - k.attention_fixed(w, s.attention), 0.0)
         t_pre, t_dec = L * t_pre, L * t_dec
         return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
                          np.zeros(P))

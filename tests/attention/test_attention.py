@@ -338,3 +338,48 @@ def test_packed_partials_carry_outputs_and_lse_bit_for_bit(dtype, lse_slots):
     want, _ = merge_attention_partials(outs, lses)
     assert torch.equal(merge_packed_partials(packed, h, dv), want)
     assert torch.equal(want[1, 0], torch.zeros(dv, dtype=want.dtype))
+
+
+@pytest.mark.parametrize("spec_name", ["gqa", "mla"])
+def test_kernel_work_counts_the_tiles_the_kernel_runs(spec_name, monkeypatch):
+    """``kernel_work`` (numpy, no tensors: what a measured profile prices a call by) against the
+    tiles ``paged_attention`` itself runs, recorded as they go: random rows of a few requests
+    (runs shorter and longer than a segment, rows without context, block sizes 1-16, contexts
+    short and long enough for tiles of one segment), per group the tiles, the entries they
+    gather and the pairs they score."""
+    spec = SPECS[spec_name]
+    seen = []
+    tiles = attention._tiles
+
+    def spy(seg_ctx, per_key, block_size, max_blocks):
+        for first, stop, blocks in tiles(seg_ctx, per_key, block_size, max_blocks):
+            seen.append((per_key, stop - first, blocks * block_size))
+            yield first, stop, blocks
+
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        block_size = int(rng.choice([1, 4, 16]))
+        lens = rng.integers(1, 16_000 if trial % 3 == 0 else 300, size=int(rng.integers(1, 5)))
+        req, ctx = [], []
+        for _ in range(int(rng.integers(1, 7))):
+            r, q = int(rng.integers(lens.size)), int(rng.integers(1, 80))
+            first = int(rng.integers(-3, lens[r]))  # below 0: rows without context
+            req += [r] * q
+            ctx += np.clip(np.arange(first, first + q), 0, lens[r]).tolist()
+        width = int(-(-lens.max() // block_size))
+        tables = torch.arange(lens.size * width).view(lens.size, width)
+        cache = torch.zeros(lens.size * width * block_size, spec.entry_dim)
+        q = torch.zeros(len(req), spec.num_heads, spec.qk_dim)
+        seen.clear()
+        monkeypatch.setattr(attention, "_tiles", spy)
+        paged_attention(q, cache, spec, tables, torch.tensor(req), torch.tensor(ctx), block_size)
+        monkeypatch.setattr(attention, "_tiles", tiles)
+        ran = np.zeros((2, 3))
+        for per_key, t, padded in seen:
+            g = (per_key - spec.entry_dim) // (2 * spec.num_heads)
+            ran[int(g > 1)] += (1, t * padded, t * g * padded)
+        work = attention.kernel_work(req, ctx, num_heads=spec.num_heads, entry_dim=spec.entry_dim,
+                                     block_size=block_size, max_blocks=width)
+        assert work[:, 2:].tolist() == ran.tolist(), trial
+        c = np.array(ctx)
+        assert work[:, 0].sum() == np.count_nonzero(c) and work[:, 1].sum() == c.sum()

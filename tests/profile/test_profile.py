@@ -93,7 +93,7 @@ def test_a_world_this_machine_cannot_start_is_refused():
 
 def test_an_interrupted_profile_says_partial_and_what_it_lacks(tmp_path):
     doc = Document(tmp_path / "hardware.yaml", device="cpu: test", backend="gloo", tp=1, pcp=2, threads=1,
-                   dtypes=["float32"], quick=True, attention="reference", sections=["launch", "memory", "gemm:float32"],
+                   dtypes=["float32"], quick=True, attention="reference", block_size=16, sections=["launch", "memory", "gemm:float32"],
                    collectives_from=None)
     doc.add("memory", {"bytes": [4096, 1 << 20], "seconds": [1e-6, 1e-4]}, seconds=0.5)
     written = doc.write(elapsed_s=1.0)

@@ -10,13 +10,25 @@ import json
 import numpy as np
 import pytest
 import yaml
-from measured_profile import BASIS, C_E, C_F, C_H, COPY_RATE, GEMM_RATE, pair_cost, profile_dict
+from measured_profile import (
+    BASIS,
+    C_E,
+    C_F,
+    C_H,
+    COPY_RATE,
+    GEMM_RATE,
+    TILE_S,
+    pair_cost,
+    profile_dict,
+)
 
 from pcpflow.config.hardware import HardwareConfig, HeadShape
 from pcpflow.simulate.measured import (
     MeasuredCollectives,
     MeasuredKernels,
     attention_coefficients,
+    call_work,
+    grid_work,
     head_features,
     interpolate,
 )
@@ -57,11 +69,6 @@ MLA_SHAPES = [(1, 16, 8), (8, 32, 16), (2, 64, 16), (4, 128, 32), (1, 256, 32)] 
 M_E, M_H, M_F = 5e-9, 2e-9, 1.1e-9  # MLA's own law: another cost per feature than GQA's
 
 
-def mla_pair_cost(heads: int, lora: int, rope: int) -> float:
-    # One latent of lora + rope is the key, its first lora elements the value.
-    return M_E * (lora + rope) + M_H * heads + M_F * heads * (2 * lora + rope)
-
-
 def test_mla_is_priced_on_its_own_shapes_and_on_gqa_s_in_an_older_profile():
     doc = profile_dict()
     att = doc["tables"]["attention"]
@@ -69,16 +76,27 @@ def test_mla_is_priced_on_its_own_shapes_and_on_gqa_s_in_an_older_profile():
                      for h, lora, rope in MLA_SHAPES]
     for phase in ("prefill", "decode"):
         t = att[phase]["float32"]
-        t["seconds"] = [[[*point, *(r * k * mla_pair_cost(*m) for m in MLA_SHAPES)]
-                         for k, point in zip(t["keys"], plane)] for r, plane in zip(t["rows"], t["seconds"])]
+        mla = [[[TILE_S * w[..., 2].sum() + M_E * (lo + ro) * w[..., 3].sum()
+                 + (M_H * h + M_F * h * (2 * lo + ro)) * w[..., 4].sum() for (h, lo, ro), w in zip(MLA_SHAPES, point)]
+                for point in plane] for plane in grid_work("reference", phase, t["rows"], t["keys"],
+                                                          [HeadShape(kind="mla", heads=h, kv_heads=1, head_dim=lo,
+                                                                     rope_dim=ro) for h, lo, ro in MLA_SHAPES], 16)]
+        t["seconds"] = [[[*p, *m] for p, m in zip(plane, mplane)] for plane, mplane in zip(t["seconds"], mla)]
     hw = HardwareConfig.model_validate(doc)
     k = MeasuredKernels(hw, dtype="float32")
     # DeepSeek-like absorbed MLA, 16 heads over a 512 + 64 latent: entry 576, 16 x (576 + 512) products.
+    # Two segments of 32 rows, contexts up to 1,032 and 1,064, padded to blocks of 16: 1,040 and 1,072;
+    # a tile each (1,072 x (32 x 2 x 16 + 576) elements pass half of 2^20): 2,112 entries, 32 x as many pairs.
     w = head_features(576, 16, 16 * 1088)
-    assert k.attention("prefill", 300, 150.5, w, "mla") == pytest.approx(300 * 150.5 * mla_pair_cost(16, 512, 64))
-    assert k.attention("prefill", 300, 150.5, w, "gqa") == pytest.approx(300 * 150.5 * pair_cost(576, 16, 16 * 1088))
+    work = call_work("reference", np.zeros(64, dtype=np.int64), np.arange(1001, 1065), None, heads=16, entry=576,
+                     block_size=16)  # one request's 64 new rows after 1,000 cached: contexts 1,001-1,064
+    assert work.tolist() == [[0] * 5, [64, 64 * 1032.5, 2, 2112, 32 * 2112]]
+    assert k.call(work, w, "mla") == pytest.approx(
+        2 * TILE_S + M_E * 576 * 2112 + (M_H * 16 + M_F * 16 * 1088) * 32 * 2112)
+    assert k.call(work, w, "gqa") == pytest.approx(
+        2 * TILE_S + C_E * 576 * 2112 + (C_H * 16 + C_F * 16 * 1088) * 32 * 2112)
     older = MeasuredKernels(HardwareConfig.model_validate(profile_dict()), dtype="float32")
-    assert older.attention("decode", 8, 40, w, "mla") == pytest.approx(8 * 40 * pair_cost(576, 16, 16 * 1088))
+    assert older.call(work, w, "mla") == pytest.approx(k.call(work, w, "gqa"))
 
 
 def test_a_basis_needs_four_gqa_shapes_and_an_mla_shape_one_latent():
@@ -103,14 +121,40 @@ def test_gemms_interpolate_inside_and_take_the_roofline_outside():
     assert secs.tolist() == pytest.approx([0.0, 3 * 2 * 10 * 64 * 64 / GEMM_RATE])
 
 
-def test_attention_by_rows_and_keys_and_per_pair_past_the_table():
+def test_a_call_is_priced_by_the_segments_and_tiles_the_kernel_cuts_it_in():
+    """tiny_gqa's head shape (entry 64, 4 heads, 128 products; a row alone keeps 4 x 2 + 64 = 72
+    elements a key, a segment of 32 rows 320) on the profile's law (``kernel_seconds``).
+    Eight requests of 32 rows after 1,000 cached: a segment each, contexts up to 1,032 padded to
+    1,040; 2^20 // (1,040 x 320) = 3 segments a tile: 3 tiles, 8 x 1,040 entries, 32 times as
+    many pairs. Of 31 rows: every row alone (a run shorter than a segment), 248 of them at
+    1,001-1,031 keys, padded to 1,008 (8 a request), 1,024 (16) and 1,040 (7); longest first, 14
+    a tile at 1,040 (4 tiles), 14 at 1,024 (9 tiles, then one that takes the last 2 of 1,024 and
+    12 of 1,008, padded to 1,024), 14 at 1,008 (52 left: 4 tiles): 18 tiles, 254,016 entries.
+    One row fewer a request costs 2.5 times as much. Past the table (2,048 decode rows of
+    8,192 keys; 8,192 x 72 x 2 > 2^20: a tile each) the nearest point's rates."""
     hw = HardwareConfig.model_validate(profile_dict())
     k = MeasuredKernels(hw, dtype="float32")
-    w = head_features(64, 4, 128)  # tiny_gqa: 4 heads, 2 KV heads of 16
-    u = C_E * 64 + C_H * 4 + C_F * 128
-    assert k.attention("prefill", 300, 150.5, w) == pytest.approx(300 * 150.5 * u)
-    assert k.attention("decode", 8, 40, w) == pytest.approx(8 * 40 * u)
-    assert k.attention("decode", 2048, 8192, w) == pytest.approx(2048 * 8192 * u)  # the edge's rate per pair
+    w = head_features(64, 4, 128)
+    u = C_E * 64 + C_H * 4 + C_F * 128  # a row alone: a pair per entry gathered
+
+    def work(rows: int, cached: int, requests: int) -> np.ndarray:
+        req = np.repeat(np.arange(requests), rows)
+        ctx = np.tile(np.arange(cached + 1, cached + rows + 1), requests)
+        return call_work("reference", req, ctx, None, heads=4, entry=64, block_size=16)
+
+    whole = work(32, 1000, 8)
+    assert whole[1, 2:].tolist() == [3, 8 * 1040, 32 * 8 * 1040]
+    assert k.call(whole, w) == pytest.approx(3 * TILE_S + C_E * 64 * 8320 + (C_H * 4 + C_F * 128) * 32 * 8320)
+    alone = work(31, 1000, 8)
+    assert alone[0, 2:].tolist() == [18, 254_016, 254_016] and not alone[1].any()
+    assert k.call(alone, w) == pytest.approx(18 * TILE_S + 254_016 * u)
+    assert k.call(alone, w) / k.call(whole, w) == pytest.approx(2.52, abs=0.01)
+    decodes = work(1, 8191, 2048)
+    assert decodes[0, 2:].tolist() == [2048, 2048 * 8192, 2048 * 8192]
+    assert k.call(decodes, w) == pytest.approx(2048 * TILE_S + 2048 * 8192 * u)
+    # A call of rows and mean keys alone (a ring's on an older path, the smallest call) is cut as
+    # the profile's own call at that point: one row of one key, padded to a block of 16.
+    assert k.attention_fixed(w) == pytest.approx(TILE_S + 16 * u)
 
 
 def test_memory_ops_move_at_the_rate_of_a_copy_their_size():
@@ -161,6 +205,8 @@ def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
     attention_ops = kernels_per_layer(model_sizes(cfg.model), 1).attention
     inline_ops = 2 * (40 - 5 - attention_ops)
     u = C_E * 64 + C_H * 4 + C_F * 128  # attention seconds per pair (entry 64, 4 heads, 128 products)
+    # The prompt's 16 rows each alone (a run shorter than a segment), contexts 1-16 padded to a
+    # block of 16, in one tile: 256 entries and pairs; the decode's one row of 17 keys: 32.
     # The layer's other ops' bytes as pcpflow's forward moves them (counted on meta tensors,
     # test_counted_bytes_of_a_norm_and_an_mlp_by_hand); at the rate of a copy.
     row_bytes, fixed_bytes = elementwise_bytes(model_sizes(cfg.model), 1, "float32")
@@ -169,12 +215,12 @@ def test_a_step_is_the_sum_of_its_measured_terms(profile_path, tmp_path):
         per_layer = 2 * rows * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) / GEMM_RATE
         return 2 * per_layer + 2 * 1 * 256 * 64 / GEMM_RATE  # 2 layers, the LM head on the sampled row
 
-    def step(rows: int, pairs: int, tokens: int) -> float:
-        return (gemms(rows) + 2 * pairs * u + 2 * (rows * row_bytes + fixed_bytes) / COPY_RATE + inline_ops * 10e-6
-                + (1000 + 100 * 1 + 10 * tokens) * 1e-6)
+    def step(rows: int, gathered: int, tokens: int) -> float:
+        return (gemms(rows) + 2 * (TILE_S + gathered * u) + 2 * (rows * row_bytes + fixed_bytes) / COPY_RATE
+                + inline_ops * 10e-6 + (1000 + 100 * 1 + 10 * tokens) * 1e-6)
 
-    assert steps[0]["step_s"] == pytest.approx(step(16, 16 * 17 // 2, 16), rel=1e-9)
-    assert steps[1]["step_s"] == pytest.approx(step(1, 17, 1), rel=1e-9)
+    assert steps[0]["step_s"] == pytest.approx(step(16, 16 * 16, 16), rel=1e-9)
+    assert steps[1]["step_s"] == pytest.approx(step(1, 32, 1), rel=1e-9)
     assert steps[1]["purpose_s"]["host_work"] == pytest.approx((1000 + 100 + 10) * 1e-6)
 
 
@@ -222,6 +268,7 @@ def test_the_sync_fit_recovers_the_law_it_was_made_from():
 
 
 U = C_E * 64 + C_H * 4 + C_F * 128  # tiny_gqa's pair (entry 64, 4 heads, 128 products), as above
+FIXED = TILE_S + 16 * U  # the smallest call the profile timed: one row of one key, padded to a block of 16
 
 
 def _ring_steps(tmp_path, variant: str, hop_bytes: int) -> list[dict]:
@@ -243,30 +290,31 @@ def _ring_steps(tmp_path, variant: str, hop_bytes: int) -> list[dict]:
 
 
 def test_a_ring_step_is_its_calls_and_hops_on_the_tables(tmp_path):
-    """Pass-KV (a call of r rows over k keys each: r k u). DualChunkSwap gives rank 0 positions
-    0-3 and 12-15, rank 1 positions 4-11; every row stays. Rank 0's calls: its own block (0-3
-    causal: 10 pairs; 12-15 over 0-3 and causal: 16 + 10), then rank 1's (12-15 over 4-11: 32);
-    rank 1's: its own (4-11 causal: 36), then rank 0's (4-11 over 0-3: 32). Each rank sends its
-    block once: 8 entries of 2 KV heads x 16 x (K, V) in float32, 2,048 B. The decode after it
-    is a row every rank holds, over each rank's shard of 17 keys (positions p on rank p % 2: 9
-    on rank 0), after the loop."""
+    """Pass-KV, every call as the executed ring makes it: rows alone (runs under 32 rows), a
+    travelling block read with blocks of one entry (no padding), one tile each here. DualChunkSwap
+    gives rank 0 positions 0-3 and 12-15, rank 1 positions 4-11; every row stays. Rank 0: its own
+    block (rows see 1-4 and 5-8 of its keys: one tile of 8 rows at 8, 64 entries), then rank 1's
+    (rows 12-15 see all 8 of 4-11, rows 0-3 none: 32); rank 1: its own (1-8: 64), rank 0's (4
+    each: 32). Each rank sends its block once: 8 entries of 2 KV heads x 16 x (K, V) in float32,
+    2,048 B. The decode after it is a row every rank holds, over each rank's shard of 17 keys
+    (positions p on rank p % 2: 9 on rank 0), paged: padded to a block of 16."""
     prefill, decode = _ring_steps(tmp_path, "ring_pass_kv", 2048)
     assert prefill["cp_attention"] == "ring_pass_kv"
-    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (36 + 32) * U, rel=1e-9)  # 2 layers
+    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (2 * TILE_S + (64 + 32) * U), rel=1e-9)  # 2 layers
     assert prefill["purpose_s"]["ring_send_kv"] == pytest.approx(2 * (1e-4 + 2048 / 1e9), rel=1e-9)
-    assert decode["purpose_s"]["attention"] == pytest.approx(2 * 9 * U, rel=1e-9)
+    assert decode["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + 16 * U), rel=1e-9)
 
 
 def test_a_pass_q_ring_step_pays_each_visits_two_calls_and_its_queries_hops(tmp_path):
     """The same prompt under pass-Q: every row travels. A visiting package's queries attend the
-    host's rows causally (host 0 at h = 0: its own 8 queries over its 8 keys, 36 pairs; at h = 1
-    rank 1's 4-11 over 0-3: 32; host 1: 36, then rank 0's 12-15 over 4-11: 32), each visit two
-    calls (the cached shard, empty here, and the host's new keys): one more call's fixed cost,
-    the table's (1 row, 1 key): u. A hop sends the 8 queries (8 x 4 heads x 16 x 4 B = 2,048 B)
-    and the new KV of the 4 rows the other rank owns (positions p on rank p % 2: 4 x 64 x 4 B =
-    1,024 B): 3,072 B; a third of it KV, two thirds queries."""
+    host's rows (host 0 at h = 0: its own 8 queries over its 8 keys, one tile at 8: 64 entries; at
+    h = 1 rank 1's 4-11 over 0-3: 32; host 1: 64, then rank 0's 12-15 over 4-11: 32), each visit
+    two calls: the cached shard, empty here (a call that reads no key costs the smallest the
+    profile timed, ``FIXED``), and the host's new keys. A hop sends the 8 queries (8 x 4 heads x
+    16 x 4 B = 2,048 B) and the new KV of the 4 rows the other rank owns (positions p on rank
+    p % 2: 4 x 64 x 4 B = 1,024 B): 3,072 B; a third of it KV, two thirds queries."""
     prefill = _ring_steps(tmp_path, "ring_pass_q", 3072)[0]
-    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * ((36 + 1) + (32 + 1)) * U, rel=1e-9)
+    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (2 * FIXED + 2 * TILE_S + (64 + 32) * U), rel=1e-9)
     hop = 2 * (1e-4 + 3072 / 1e9)  # 2 layers
     assert prefill["purpose_s"]["ring_send_q"] == pytest.approx(hop * 2 / 3, rel=1e-9)
     assert prefill["purpose_s"]["ring_send_kv"] == pytest.approx(hop / 3, rel=1e-9)
