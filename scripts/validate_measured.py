@@ -68,6 +68,10 @@ def _work(prompts: list[int], out: int, *, budget: int, seqs: int = 8, blocks: i
     return w
 
 
+def _cached(tokens: int, requests: int) -> str:
+    return f"workload.cached_lens=[{','.join([str(tokens)] * requests)}]"
+
+
 WIDE = _gqa(768, 6, 2, 64, 3072, 3)  # GEMMs
 HEADS = _gqa(96, 12, 12, 48, 192, 2)  # attention: many heads over a narrow model
 NARROW = _gqa(1536, 2, 2, 16, 384, 2)  # wide hidden states, little compute: what moves between ranks
@@ -95,6 +99,12 @@ MATRIX: list[tuple[str, list[str]]] = [
     ("mla 1x1200 pcp=2 dcp=2", ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=context", *MLA,
                                 *_work([1200], 12, budget=1280)]),
     ("moe 4x300 pcp=2", ["pcp=2", *MOE, *_work([300] * 4, 10, budget=1280)]),
+    # continued prefills of 31 new rows (a rank's share of 62 at pcp=2) over 1,100 cached keys: the
+    # reference kernel attends runs under 32 rows row by row, each row gathering its own keys
+    # (docs/profile.md, Attention); 32 new rows share one gather
+    ("rowwise 8x31 after 1100 pcp=1", ["pcp=1", *HEADS, *_work([1131] * 8, 4, budget=2048), _cached(1100, 8)]),
+    ("rowwise 8x31 after 1100 pcp=2", ["pcp=2", *HEADS, *_work([1162] * 8, 4, budget=2048), _cached(1100, 8)]),
+    ("rowwise 8x32 after 1100 pcp=1", ["pcp=1", *HEADS, *_work([1132] * 8, 4, budget=2048), _cached(1100, 8)]),
 ]
 # Rings (docs/ring.md: each iteration's hop and calls, the partials' all-to-all), with --rings or
 # --only: reported apart from the matrix above, whose goal is issue 28's (docs/simulate.md, "Rings
@@ -104,9 +114,9 @@ RINGS: list[tuple[str, list[str]]] = [
     ("ring pass-KV 1x2200 pcp=2 dcp=2", ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *HEADS,
                                          *_work([2200], 10, budget=2304)]),
     ("ring pass-KV 2x1300 cached 1100 pcp=2", ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *HEADS,
-                                               *_work([1300, 1300], 10, budget=2560), "workload.cached_lens=[1100,1100]"]),
+                                               *_work([1300, 1300], 10, budget=2560), _cached(1100, 2)]),
     ("ring pass-Q 2x1300 cached 1100 pcp=2", ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_q", *HEADS,
-                                              *_work([1300, 1300], 10, budget=2560), "workload.cached_lens=[1100,1100]"]),
+                                              *_work([1300, 1300], 10, budget=2560), _cached(1100, 2)]),
     ("ring pass-Q 4x600 sharded pcp=2", ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.cp_attention=ring_pass_q",
                                          *HEADS, *_work([600] * 4, 24, budget=2560)]),
 ]
@@ -116,6 +126,7 @@ PAIRS = [
     ("attention 2x1300 pcp=2 dcp=2 replicated", "attention 2x1300 pcp=2 dcp=2 sharded"),
     ("host 8x24 pcp=1", "host 8x24 pcp=2"),
     ("gemm 1x1200 pcp=2", "gemm 3x600 tp=2"),
+    ("rowwise 8x31 after 1100 pcp=1", "rowwise 8x31 after 1100 pcp=2"),
     ("ring allgather 1x2200 pcp=2 dcp=2", "ring pass-KV 1x2200 pcp=2 dcp=2"),
     ("ring pass-KV 2x1300 cached 1100 pcp=2", "ring pass-Q 2x1300 cached 1100 pcp=2"),
 ]
