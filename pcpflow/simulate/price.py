@@ -768,10 +768,11 @@ class Pricer:
         req, ctx = (a.reshape(P, n) for a in gathered_rows(layout, batch.req_indices, positions + 1))
         decode = ~np.asarray(batch.is_prefilling, dtype=bool)[req] & (ctx > 0)
 
+        work = partial(call_work, k.backend, heads=w[2], entry=w[1], block_size=self.block_size)
+
         def priced(rq, cx, dec) -> tuple[float, float]:
             """(prefill, decode) seconds of one call: the whole call, its decode rows' share
             as a call of them alone."""
-            work = partial(call_work, self.kern.backend, heads=w[2], entry=w[1], block_size=self.block_size)
             t = k.call(work(rq, cx, dec), w, s.attention)
             t_dec = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), t) if dec.any() else 0.0
             return t - t_dec, t_dec
@@ -781,13 +782,12 @@ class Pricer:
             if grid.dcp == 1:
                 calls = [(req[r], ctx[r], decode[r])]
             else:  # NOTE: dcp == pcp: PCP rank r is DCP rank r, its shard of each row's keys
-                shard = partial(lambda c, r: dcp_shard_lens(c, grid.dcp, self.interleave)[r], r=r)
-                calls = [(req[r, :nd], shard(ctx[r, :nd]), decode[r, :nd])]
+                shard = dcp_shard_lens(ctx, grid.dcp, self.interleave)[r].reshape(P, n)
+                calls = [(req[r, :nd], shard[r, :nd], decode[r, :nd])]
                 if counts.dcp_rest == "context":  # its own rows over their gathered whole context
                     calls.append((req[r, nd:], ctx[r, nd:], decode[r, nd:]))
                 else:  # every rank's rest rows over its shard
-                    rest = ctx[:, nd:].ravel()
-                    calls.append((req[:, nd:].ravel(), shard(rest), decode[:, nd:].ravel()))
+                    calls.append((req[:, nd:].ravel(), shard[:, nd:].ravel(), decode[:, nd:].ravel()))
             for call in calls:
                 pre, dec = priced(*call)
                 t_pre[r] += pre

@@ -344,3 +344,23 @@ def test_the_pools_handover_on_a_measured_profile_is_its_send_recv_table(tmp_pat
             "output.progress=false")
     assert r.returncode == 2 and any(ln.strip().startswith("- disagg.kind: got 'pd'; the profile") and "send/recv" in ln
                                      for ln in r.stderr.splitlines()), r.stderr
+
+
+def test_dcp_calls_are_priced_by_the_rows_keys_on_the_ranks_shard(tmp_path):
+    """tiny_gqa at pcp = dcp = 2 (queries path), one prompt of 16 tokens, then a decode. The
+    prefill's rest call on each rank: both ranks' 16 rows (rank 0's positions 0-3 and 12-15, rank
+    1's 4-11: one request's run, under 32 rows: each row alone) over the rank's shard, positions
+    p on rank p % 2: a row at p sees p // 2 + 1 keys on rank 0, (p + 1) // 2 on rank 1 (row 0 none,
+    left out). At most 8: each padded to a block of 16, one tile: 256 entries on rank 0, 240 on
+    rank 1. The decode row (17 keys, every rank holds it) over each shard: 9 and 8, padded: 16."""
+    from pcpflow.simulate.engine import simulate_run
+
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict()))
+    cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}", "dtype=float32",
+                   "pcp=2", "dcp=2", "pipeline.forward.dcp_rest=queries", "decode=replicated", "model=tiny_gqa",
+                   "workload=explicit", "workload.prompt_lens=[16]", "workload.output_lens=[2]",
+                   "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64", "output.plots=false"])
+    simulate_run(cfg, tmp_path)
+    prefill, decode = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + 256 * U), rel=1e-9)  # 2 layers, rank 0
+    assert decode["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + 16 * U), rel=1e-9)
