@@ -12,6 +12,7 @@ which of each pair of layouts is faster in each::
     python scripts/validate_measured.py --check              # compose every configuration only
     python scripts/validate_measured.py --rings              # the ring rows too (reported, not in the goal)
     python scripts/validate_measured.py --only ring          # the rows whose name holds "ring"
+    python scripts/validate_measured.py --reprice DIR        # an earlier run's executed times, priced anew
 
 Rows are chosen so that each term is the largest somewhere (GEMMs, attention, collectives,
 host and framework time): models widened through ``model.*``, prompts of 512-4K tokens,
@@ -287,6 +288,22 @@ def markdown(rows: list[dict], extra: dict, load: dict) -> str:
     return "\n".join(out)
 
 
+def reprice(run: Path, matrix, profile: str | None = None) -> int:
+    """The rows of ``matrix`` an earlier run executed, simulated again on its profile (or
+    ``profile``) by this code: a change to the price compared on the same executed times."""
+    old = json.loads((run / "validate_measured.json").read_text())
+    rows = [r for r in matrix if r[0] in old["executed"]]
+    if not rows:
+        print(f"{run}: none of these rows was executed there", file=sys.stderr)
+        return 2
+    profile = profile or old["profile"]
+    check(profile, rows)
+    table, extra = summarize(old["executed"], simulate(profile, 1, rows), rows)
+    text = markdown(table, extra, old["load"])
+    print(f"Repriced: the executed times of {run} (profile {profile}), priced by this code.\n\n{text}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", help="a profile measured before (mode=profile's hardware.yaml)")
@@ -297,6 +314,9 @@ def main(argv=None) -> int:
                     help="first wait (at most --wait-max-s) until the 1-min load average is below L")
     ap.add_argument("--wait-max-s", type=float, default=3600.0)
     ap.add_argument("--rings", action="store_true", help="the ring rows too (RINGS), after the matrix")
+    ap.add_argument("--reprice", metavar="DIR",
+                    help="an earlier run's directory (its validate_measured.json): price its rows again with this "
+                         "code, on its profile, against its executed times (nothing is executed or profiled)")
     ap.add_argument("--only", nargs="+", metavar="WORDS",
                     help="only the rows (of the matrix and RINGS) whose name holds one of these, e.g. ring")
     args = ap.parse_args(argv)
@@ -306,6 +326,8 @@ def main(argv=None) -> int:
         matrix = MATRIX + (RINGS if args.rings else [])
     if args.check:
         return check(args.profile, matrix)
+    if args.reprice:
+        return reprice(Path(args.reprice), matrix, args.profile)
     if args.wait_load is not None:
         deadline = time.monotonic() + args.wait_max_s
         while os.getloadavg()[0] >= args.wait_load and time.monotonic() < deadline:

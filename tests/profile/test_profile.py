@@ -246,3 +246,29 @@ def test_a_profile_of_one_rank_needs_no_collectives_or_sync(tmp_path):
     doc = profile_dict()
     doc["tables"].update(collectives=[], sync=None)
     assert HardwareConfig.model_validate(doc).tables.sync is None
+
+
+def test_validate_measured_reprices_an_earlier_runs_executed_times(tmp_path, profile_path, capsys):
+    """``scripts/validate_measured.py --reprice DIR``: an earlier run's executed times against the
+    price this code gives on its profile, nothing executed. The row's simulated TTFT is the one a
+    simulated run of the same configuration gives; its error is against the file's executed
+    median (10 ms)."""
+    import json
+    import runpy
+
+    from pcpflow.simulate.engine import simulate_run
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "validate_measured.py"))
+    name = "host 8x24 pcp=1"
+    row = dict(script["MATRIX"])[name]
+    executed = [{"ttft": t, "tpot": 0.002, "step": 0.003} for t in (0.0099, 0.010, 0.0101)]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "validate_measured.json").write_text(json.dumps(
+        {"profile": str(profile_path), "load": {"before": [], "after": [], "cores": 2}, "executed": {name: executed}}))
+    assert script["main"](["--reprice", str(run), "--only", "host 8x24 pcp=1"]) == 0
+    out = capsys.readouterr().out
+    sim = simulate_run(compose(script["simulated_overrides"](row, str(profile_path))))["metrics"]["ttft"]["mean_s"]
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"| {name} |"))
+    assert f"10.0 / {sim * 1e3:.1f} ({sim / 0.010 - 1:+.0%}, ±2%)" in line
+    assert script["main"](["--reprice", str(run), "--only", "gemm"]) == 2  # a row the run never executed

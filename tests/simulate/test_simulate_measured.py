@@ -364,3 +364,17 @@ def test_dcp_calls_are_priced_by_the_rows_keys_on_the_ranks_shard(tmp_path):
     prefill, decode = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + 256 * U), rel=1e-9)  # 2 layers, rank 0
     assert decode["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + 16 * U), rel=1e-9)
+
+
+def test_a_fused_kernels_call_is_one_tile_that_gathers_and_scores_its_pairs():
+    """A fused kernel (a GPU profile) does not cut a call: its decode rows at the decode table's
+    rates and its other rows at the prefill table's, one fixed part for the call (3 decode rows
+    over 100-102 keys: 303 pairs; 2 prefill rows over 7-8 keys: 15; a row without context adds
+    nothing)."""
+    req = np.array([0, 1, 2, 3, 3, 4])
+    ctx = np.array([100, 101, 102, 7, 8, 0])
+    decode = np.array([True, True, True, False, False, False])
+    work = call_work("fused", req, ctx, decode, heads=4, entry=64, block_size=16)
+    assert work.tolist() == [[3, 303, 0, 303, 303], [2, 15, 1, 15, 15]]
+    alone = call_work("fused", req[:3], ctx[:3], decode[:3], heads=4, entry=64, block_size=16)
+    assert alone.tolist() == [[3, 303, 1, 303, 303], [0, 0, 0, 0, 0]]
