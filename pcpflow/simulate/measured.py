@@ -359,21 +359,6 @@ def launch_us(hw: HardwareConfig, attention: str) -> float:
     return hw.host.launch_us
 
 
-def attended_rows(layout, batch, *, dcp: int, dcp_rest: str) -> tuple[np.ndarray, np.ndarray]:
-    """[P] decode rows and [P] prefill rows each PCP rank's attention scores: its own rows;
-    under DCP's queries path its replicated decodes and every rank's gathered rest rows."""
-    p, n, nd = layout.pcp_size, layout.padded_num_tokens, layout.num_replicated_decode_tokens
-    tok = layout.padded_gather_idx.reshape(p, n)
-    real = ~layout.is_padding.reshape(p, n)
-    decode_token = ~np.asarray(batch.is_prefilling, dtype=bool)[np.asarray(batch.req_indices)]
-    dec = real & decode_token[tok]
-    pre = real & ~decode_token[tok]
-    if dcp == 1 or dcp_rest == "context":
-        return dec.sum(1).astype(float), pre.sum(1).astype(float)
-    d = dec[:, :nd].sum(1) + dec[:, nd:].sum()
-    return d.astype(float), np.full(p, float(pre[:, nd:].sum()))
-
-
 def dtype_of(key: str) -> str:
     """The run dtype of a peak key (``fp32`` -> ``float32``)."""
     return DTYPE_OF_PEAK.get(key, key)

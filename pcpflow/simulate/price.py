@@ -76,7 +76,6 @@ from pcpflow.simulate.kernels import Kernels
 from pcpflow.simulate.measured import (
     MeasuredCollectives,
     MeasuredKernels,
-    attended_rows,
     call_work,
     dtype_of,
     head_features,
@@ -711,114 +710,106 @@ class Pricer:
 
     # ------------------------------------------------------------------ measured profiles
     def _measured_features(self) -> np.ndarray:
-        """``head_features`` of the executed head shape (MLA absorbed), heads of one rank."""
+        """``head_features`` of the executed head shape at one rank (MLA absorbed)."""
         s, grid = self.sizes, self.grid
-        heads = s.num_heads / grid.tp * grid.dcp_tp
+        heads = s.num_heads / grid.tp
         return head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
 
     def _measured_ring_attention(self, plan: RingPlan) -> tuple[np.ndarray, np.ndarray]:
-        """A ring's calls of pcpflow's backend from a profile's tables (every layer; seconds
-        ``[P, P]`` per rank and iteration, ``[P]`` after the loop), each by the work of its rows
-        as ``pcpflow.attention.ring`` makes the call (``rank_ring``: every row's keys in it):
-        every iteration one call of the rank's staying rows over the block it holds, two of the
-        visiting queries (over its cached shard, over its travelling rows' new KV); after the
-        loop one call of the rows every rank holds over its shard. A call whose rows read no key
-        costs the smallest call the profile timed (``attention_fixed``)."""
-        from pcpflow.layouts.ring import rank_ring
-
-        s, k, P, bs = self.sizes, self.kern, self.grid.pcp, self.block_size
+        """A ring's calls (``measured_ring_calls``) from a profile's tables, every layer:
+        seconds ``[P, P]`` per rank and iteration, ``[P]`` after the loop. A call whose rows
+        read no key costs the smallest call the profile timed (``attention_fixed``)."""
+        s, k, P = self.sizes, self.kern, self.grid.pcp
         w, kind = self._measured_features(), s.attention
         fixed = k.attention_fixed(w, kind)
-        work = partial(call_work, k.backend, heads=w[2], entry=w[1])
+        seconds = np.zeros((P, P + 1))
+        for (r, h), calls in self.measured_ring_calls(plan).items():
+            for req, lens, block_size in calls:
+                t = k.call(call_work(k.backend, req, lens, None, heads=w[2], entry=w[1], block_size=block_size), w, kind)
+                seconds[r, h] += t if t > 0 else fixed
+        L = s.num_layers
+        return L * seconds[:, :P], L * seconds[:, P]
 
-        def seconds(req, lens, block_size: int) -> float:
-            t = k.call(work(req, lens, None, block_size=block_size), w, kind)
-            return t if t > 0 else fixed
+    def measured_ring_calls(self, plan: RingPlan) -> dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int]]]:
+        """Each call of pcpflow's backend one layer of a ring makes (``pcpflow.attention.ring``),
+        its rows' requests and keys from the executed ring's own plan (``rank_ring``) and its
+        block size, by (rank, iteration; ``P``: after the loop): every iteration one call of the
+        rank's staying rows over the block it holds (blocks of one entry), two of the visiting
+        queries (over its cached shard, over its travelling rows' new KV); after the loop one
+        call of the rows every rank holds over its shard."""
+        from pcpflow.layouts.ring import rank_ring
 
+        P, bs = self.grid.pcp, self.block_size
         # NOTE: the block tables only place slots, which no price reads: zeros wide enough
         tables = np.zeros((plan.block_cached.shape[1], int(plan.pos.max(initial=0)) // bs + 2), dtype=np.int64)
-        loop, after = np.zeros((P, P)), np.zeros(P)
+        out: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int]]] = {}
         for r in range(P):
             ring = rank_ring(plan, r, tables, bs)
             for h, hop in enumerate(ring.hops):
+                calls = out.setdefault((r, h), [])
                 if ring.stay_rows.size:
-                    loop[r, h] += seconds(ring.stay_req, hop.stay_lens, 1)
+                    calls.append((ring.stay_req, hop.stay_lens, 1))
                 if hop.visit_req.size:
-                    loop[r, h] += (seconds(hop.visit_req, hop.visit_cache_lens, bs)
-                                   + seconds(hop.visit_req, hop.visit_local_lens, 1))
+                    calls += [(hop.visit_req, hop.visit_cache_lens, bs), (hop.visit_req, hop.visit_local_lens, 1)]
             if ring.replicated_rows.size:
-                after[r] = seconds(ring.replicated_req, ring.replicated_cache_lens, bs)
-        L = s.num_layers
-        return L * loop, L * after
+                out[r, P] = [(ring.replicated_req, ring.replicated_cache_lens, bs)]
+        return out
 
     def _measured_attention(self, batch, layout, counts: StepCounts) -> Attention:
-        """The all-gather paths from a profile's tables: each call of pcpflow's backend a layer
-        makes (with DCP, the decode rows' call and the rest rows' apart), at the executed head
-        shape (MLA absorbed for every row), by the work of its rows as the backend cuts them
-        (``call_work``: the reference kernel's segments and tiles). With DCP over TP ranks, by
-        rows and mean keys of the rank's busiest shard (``_measured_attention_by_rows``)."""
-        s, grid, k = self.sizes, self.grid, self.kern
-        if grid.dcp_tp > 1:
-            return self._measured_attention_by_rows(batch, layout, counts)
+        """The all-gather paths from a profile's tables: each call a layer makes
+        (``measured_calls``), at the executed head shape (MLA absorbed for every row), by the
+        work of its rows as the backend cuts them (``call_work``: the reference kernel's
+        segments and tiles); its decode rows' share priced as a call of them alone. A PCP rank
+        waits for its slowest TP rank (DCP over TP ranks: each over its own shard)."""
+        s, k = self.sizes, self.kern
+        w = self._measured_features()
+        work = partial(call_work, k.backend, heads=w[2], entry=w[1], block_size=self.block_size)
+
+        def priced(rq, cx, dec) -> np.ndarray:
+            whole = k.call(work(rq, cx, dec), w, s.attention)
+            alone = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), whole) if dec.any() else 0.0
+            return np.array([whole - alone, alone])
+
+        per_rank = self.measured_calls(batch, layout, counts)
+        seconds = np.array([max((sum((priced(*c) for c in calls), np.zeros(2)) for calls in per_tp),
+                                key=lambda x: x.sum()) for per_tp in per_rank])
+        fpp, dpp, entry = self._per_pair()
+        decode_pairs = counts.decode_work.astype(np.float64)
+        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
+        L = s.num_layers
+        t_pre, t_dec = L * seconds[:, 0], L * seconds[:, 1]
+        return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
+                         np.zeros(len(per_rank)))
+
+    def measured_calls(self, batch, layout, counts: StepCounts) -> list[list[list[tuple]]]:
+        """``[P][dcp_tp]``: the calls of pcpflow's backend one layer makes on each PCP rank's TP
+        ranks of its DCP group (one when DCP is inside PCP) on the all-gather paths, as
+        ``pcpflow.attention.context_parallel`` makes them, each ``(req, ctx, decode)``: its rows'
+        requests and keys (the executed metadata's ``gathered_rows``) and which decode. With DCP
+        the decode rows' call and the rest rows' apart, each row over the rank's shard of its
+        keys (DCP rank ``r dcp_tp + j``); over TP ranks (step 3) every TP rank attends the decode
+        rows of each of its heads' blocks and every PCP rank's rest rows once for each TP rank."""
         from pcpflow.attention.metadata import gathered_rows
 
-        P, n, nd = grid.pcp, layout.padded_num_tokens, layout.num_replicated_decode_tokens
-        w = self._measured_features()
+        grid = self.grid
+        P, n, nd, t = grid.pcp, layout.padded_num_tokens, layout.num_replicated_decode_tokens, grid.dcp_tp
         positions = np.asarray(batch.positions, dtype=np.int64)
         req, ctx = (a.reshape(P, n) for a in gathered_rows(layout, batch.req_indices, positions + 1))
         decode = ~np.asarray(batch.is_prefilling, dtype=bool)[req] & (ctx > 0)
 
-        work = partial(call_work, k.backend, heads=w[2], entry=w[1], block_size=self.block_size)
-
-        def priced(rq, cx, dec) -> tuple[float, float]:
-            """(prefill, decode) seconds of one call: the whole call, its decode rows' share
-            as a call of them alone."""
-            t = k.call(work(rq, cx, dec), w, s.attention)
-            t_dec = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), t) if dec.any() else 0.0
-            return t - t_dec, t_dec
-
-        t_pre, t_dec = np.zeros(P), np.zeros(P)
-        for r in range(P):
+        def calls(r: int, j: int) -> list[tuple]:
             if grid.dcp == 1:
-                calls = [(req[r], ctx[r], decode[r])]
-            else:  # NOTE: dcp == pcp: PCP rank r is DCP rank r, its shard of each row's keys
-                shard = dcp_shard_lens(ctx, grid.dcp, self.interleave)[r].reshape(P, n)
-                calls = [(req[r, :nd], shard[r, :nd], decode[r, :nd])]
-                if counts.dcp_rest == "context":  # its own rows over their gathered whole context
-                    calls.append((req[r, nd:], ctx[r, nd:], decode[r, nd:]))
-                else:  # every rank's rest rows over its shard
-                    calls.append((req[:, nd:].ravel(), shard[:, nd:].ravel(), decode[:, nd:].ravel()))
-            for call in calls:
-                pre, dec = priced(*call)
-                t_pre[r] += pre
-                t_dec[r] += dec
-        fpp, dpp, entry = self._per_pair()
-        decode_pairs = counts.decode_work.astype(np.float64)
-        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
-        L = s.num_layers
-        return Attention(L * t_pre, L * t_dec, L * (t_pre + t_dec), fpp * prefill_pairs + dpp * decode_pairs,
-                         entry * decode_pairs, np.zeros(P))
+                return [(req[r], ctx[r], decode[r])]
+            shard = dcp_shard_lens(ctx, grid.dcp, self.interleave)[r * t + j].reshape(P, n)
+            if t > 1:  # NOTE: each block of rows once per TP rank of the group, consecutive
+                return [tuple(np.tile(a[r, :nd], t) for a in (req, shard, decode)),
+                        tuple(np.repeat(a[:, nd:], t, axis=0).ravel() for a in (req, shard, decode))]
+            out = [(req[r, :nd], shard[r, :nd], decode[r, :nd])]
+            if counts.dcp_rest == "context":  # its own rows over their gathered whole context
+                return out + [(req[r, nd:], ctx[r, nd:], decode[r, nd:])]
+            return out + [(req[:, nd:].ravel(), shard[:, nd:].ravel(), decode[:, nd:].ravel())]
 
-    def _measured_attention_by_rows(self, batch, layout, counts: StepCounts) -> Attention:
-        """DCP over TP ranks: one call per layer of pcpflow's backend (the decode rows' call and
-        the rest rows' apart), by rows and mean keys of the rank's busiest shard, each cut as
-        the call the profile timed at that point."""
-        s, grid, k = self.sizes, self.grid, self.kern
-        P, L = grid.pcp, s.num_layers
-        fpp, dpp, entry = self._per_pair()
-        w = self._measured_features()
-        decode_pairs = counts.decode_work.astype(np.float64)
-        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
-        dec_rows, pre_rows = attended_rows(layout, batch, dcp=grid.dcp, dcp_rest=counts.dcp_rest)
-        t_pre, t_dec = np.zeros(P), np.zeros(P)
-        for r in range(P):
-            if pre_rows[r] and prefill_pairs[r] > 0:
-                t_pre[r] = k.attention("prefill", pre_rows[r], prefill_pairs[r] / pre_rows[r], w, s.attention)
-            if dec_rows[r] and decode_pairs[r] > 0:
-                t_dec[r] = k.attention("decode", dec_rows[r], decode_pairs[r] / dec_rows[r], w, s.attention)
-        t_pre, t_dec = L * t_pre, L * t_dec
-        return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
-                         np.zeros(P))
+        return [[calls(r, j) for j in range(t)] for r in range(P)]
 
     @property
     def launch_s(self) -> float:

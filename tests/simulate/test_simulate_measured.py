@@ -378,3 +378,26 @@ def test_a_fused_kernels_call_is_one_tile_that_gathers_and_scores_its_pairs():
     assert work.tolist() == [[3, 303, 0, 303, 303], [2, 15, 1, 15, 15]]
     alone = call_work("fused", req[:3], ctx[:3], decode[:3], heads=4, entry=64, block_size=16)
     assert alone.tolist() == [[3, 303, 1, 303, 303], [0, 0, 0, 0, 0]]
+
+
+def test_dcp_over_tp_ranks_prices_each_tp_ranks_calls_over_its_shard(tmp_path):
+    """tiny_gqa with one KV head at tp = dcp = 2, pcp = 1: each TP rank holds 2 heads and the KV
+    head (entry 32, 2 heads, 2 x 32 products) and attends the rows of both TP ranks' heads, one block after the
+    other, over its own shard (positions p on DCP rank p % 2). The prompt's 16 rows twice: one
+    request's run of 32 rows (rows without keys on rank 1 left out), one segment of 32 at up to 8
+    keys, padded to 16: a tile, 16 entries, 32 x 16 pairs. The decode row twice over 9 (rank 0) or
+    8 keys: two rows alone, each padded to 16: 32 entries and pairs. Both TP ranks cost alike."""
+    from pcpflow.simulate.engine import simulate_run
+
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict()))
+    cfg = compose(["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}", "dtype=float32",
+                   "tp=2", "dcp=2", "pcp=1", "model=tiny_gqa", "model.num_kv_heads=1", "workload=explicit",
+                   "workload.prompt_lens=[16]",
+                   "workload.output_lens=[2]", "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64",
+                   "output.plots=false"])
+    simulate_run(cfg, tmp_path)
+    prefill, decode = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    per_pair = C_H * 2 + C_F * 64  # a pair scored by 2 heads of 32 + 32
+    assert prefill["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + C_E * 32 * 16 + per_pair * 32 * 16),
+                                                              rel=1e-9)
+    assert decode["purpose_s"]["attention"] == pytest.approx(2 * (TILE_S + (C_E * 32 + per_pair) * 32), rel=1e-9)
