@@ -767,7 +767,9 @@ class Pricer:
 
         def priced(rq, cx, dec) -> np.ndarray:
             whole = k.call(work(rq, cx, dec), w, s.attention)
-            alone = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), whole) if dec.any() else 0.0
+            if not dec.any() or dec[cx > 0].all():  # NOTE: no decode row, or every row with keys one
+                return np.array([0.0, whole] if dec.any() else [whole, 0.0])
+            alone = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), whole)
             return np.array([whole - alone, alone])
 
         per_rank = self.measured_calls(batch, layout, counts)
@@ -797,10 +799,12 @@ class Pricer:
         req, ctx = (a.reshape(P, n) for a in gathered_rows(layout, batch.req_indices, positions + 1))
         decode = ~np.asarray(batch.is_prefilling, dtype=bool)[req] & (ctx > 0)
 
+        if grid.dcp == 1:
+            return [[[(req[r], ctx[r], decode[r])]] for r in range(P)]
+        shards = dcp_shard_lens(ctx, grid.dcp, self.interleave).reshape(grid.dcp, P, n)  # every DCP rank's
+
         def calls(r: int, j: int) -> list[tuple]:
-            if grid.dcp == 1:
-                return [(req[r], ctx[r], decode[r])]
-            shard = dcp_shard_lens(ctx, grid.dcp, self.interleave)[r * t + j].reshape(P, n)
+            shard = shards[r * t + j]
             if t > 1:  # NOTE: each block of rows once per TP rank of the group, consecutive
                 return [tuple(np.tile(a[r, :nd], t) for a in (req, shard, decode)),
                         tuple(np.repeat(a[:, nd:], t, axis=0).ravel() for a in (req, shard, decode))]
