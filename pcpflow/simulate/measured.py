@@ -149,20 +149,16 @@ def fitted_kind(basis, kind: str) -> str:
     return kind if sum(b.kind == kind for b in basis) >= 4 else "gqa"
 
 
-def attention_coefficients(basis, seconds: np.ndarray, kind: str = "gqa", work: np.ndarray | None = None) -> np.ndarray:
+def attention_coefficients(basis, seconds: np.ndarray, work: np.ndarray, kind: str = "gqa") -> np.ndarray:
     """``u`` at every grid point (``seconds[..., basis]`` -> ``[..., 4]``): the seconds of the
     basis head shapes of ``kind`` fitted by ``work_features(work, [1, E, H, F]) . u`` (each
-    shape's call's counts, ``work[..., basis, 2, 5]``; one call of one tile that gathers and
-    scores one pair when None: ``u`` a call's whole terms), no coefficient negative, each
-    shape's relative error weighing alike."""
+    shape's call's counts, ``work[..., basis, 2, 5]``), no coefficient negative, each shape's
+    relative error weighing alike."""
     pick = [i for i, b in enumerate(basis) if b.kind == kind]
     feats = np.array([shape_features(basis[i]) for i in pick])
     seconds = np.asarray(seconds)[..., pick]
     flat = seconds.reshape(-1, seconds.shape[-1])
-    if work is None:
-        a = np.broadcast_to(feats, (flat.shape[0], *feats.shape))
-    else:
-        a = work_features(np.asarray(work)[..., pick, :, :], feats[:, None, :]).sum(axis=-2).reshape(-1, *feats.shape)
+    a = work_features(np.asarray(work)[..., pick, :, :], feats[:, None, :]).sum(axis=-2).reshape(-1, *feats.shape)
     out = np.empty((flat.shape[0], 4))
     for i, t in enumerate(flat):
         w = 1.0 / np.maximum(t, 1e-12)
@@ -248,7 +244,7 @@ class MeasuredKernels:
             if t is not None:
                 axes = [np.asarray(t.rows, float), np.asarray(t.keys, float)]
                 work = grid_work(att.backend, phase, t.rows, t.keys, att.basis, att.block_size)
-                fits = {k: attention_coefficients(att.basis, np.asarray(t.seconds, float), k, work)
+                fits = {k: attention_coefficients(att.basis, np.asarray(t.seconds, float), work, k)
                         for k in {fitted_kind(att.basis, kind) for kind in ("gqa", "mla")}}
                 for kind in ("gqa", "mla"):
                     out[phase, kind] = (axes, fits[fitted_kind(att.basis, kind)])

@@ -54,7 +54,9 @@ def test_a_head_shape_is_priced_on_the_coefficients_fitted_to_the_basis():
     basis = [HeadShape(heads=h, kv_heads=kv, head_dim=d) for h, kv, d in BASIS]
     # Seconds of each basis shape at two grid points: 40 us fixed + the per-pair law, x pairs.
     law = [4e-5 + 1000 * pair_cost(2 * kv * d, h, 2 * h * d) for h, kv, d in BASIS]
-    coef = attention_coefficients(basis, np.array([law, [2 * t for t in law]]))
+    one = np.zeros((2, len(BASIS), 2, 5))
+    one[..., 1, :] = 1.0  # each point's call: one tile that gathers one entry and scores one pair
+    coef = attention_coefficients(basis, np.array([law, [2 * t for t in law]]), one)
     assert coef[0] == pytest.approx([4e-5, 1000 * C_E, 1000 * C_H, 1000 * C_F], rel=1e-6)
     assert coef[1] == pytest.approx(2 * coef[0], rel=1e-6)
     # Llama-ish GQA 12 heads / 4 KV heads of 48: entry 2*4*48, 12 heads, 12*96 products per pair.
@@ -62,7 +64,7 @@ def test_a_head_shape_is_priced_on_the_coefficients_fitted_to_the_basis():
         4e-5 + 1000 * (C_E * 384 + C_H * 12 + C_F * 1152))
     # Noise never makes a coefficient negative (a price below zero): such a fit drops it.
     noisy = np.array([law]) * np.array([1.3, 0.7, 1.2, 0.8, 1.1, 0.9])
-    assert (attention_coefficients(basis, noisy) >= 0).all()
+    assert (attention_coefficients(basis, noisy, one[:1]) >= 0).all()
 
 
 MLA_SHAPES = [(1, 16, 8), (8, 32, 16), (2, 64, 16), (4, 128, 32), (1, 256, 32)]  # heads, kv_lora, rope
