@@ -138,6 +138,12 @@ class RunConfig(Settings):
         "float64", description="model dtype (bfloat16 accumulates attention and norms in float32)"
     )
     verify: bool = Field(True, description="compare against the single-rank reference")
+    warmup: bool = Field(
+        True,
+        description="executed runs: one throwaway request through the run's own stages before the run clock "
+        "starts (vLLM's start-up dummy run), so that first-call costs (op set-up, allocations, NCCL "
+        "communicators) are not counted in the first step; skipped when a stage is not pcpflow's own",
+    )
     plugins: list[str] = Field(default_factory=list, description="modules with user stages")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if present")
     backend: Literal["auto", "gloo", "nccl"] = Field(

@@ -27,6 +27,8 @@ rank's count once per step, and ``ring_totals`` folds them into the job's figure
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +67,22 @@ class CommStats:
         self.step_bytes[purpose] += nbytes
         if self.log is not None:
             self.log.append((op, purpose, shape))
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """What runs inside counts nothing (a warm-up): the step's counts, its sends and the
+        log are as they were before."""
+        calls, nbytes = dict(self.step_calls), dict(self.step_bytes)
+        sent = {k: list(v) for k, v in self.step_sent.items()}
+        logged = None if self.log is None else len(self.log)
+        try:
+            yield
+        finally:
+            for counts, before in ((self.step_calls, calls), (self.step_bytes, nbytes), (self.step_sent, sent)):
+                counts.clear()
+                counts.update(before)
+            if logged is not None:
+                del self.log[logged:]
 
     def end_step(self) -> tuple[dict[str, int], dict[str, int]]:
         """Close the step: return its (calls, bytes) and fold them into the totals."""

@@ -32,6 +32,7 @@ from pcpflow.pipeline.state import StepState
 from pcpflow.rank.devices import pick_device, rank_threads
 from pcpflow.rank.progress import mark_stage, mark_step, startup_done
 from pcpflow.rank.verify import Verifier
+from pcpflow.rank.warmup import warm_up
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import StepLoop, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
@@ -112,6 +113,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     )
     steps = _Steps(cfg, ctx, scheduler, pipeline, verifier, recorder, unaccounted_world if runs_ring(cfg, specs) else None)
     startup_done(cfg.startup_timeout_s, cfg.collective_timeout_s)  # start-up has its own timeout (startup_timeout_s); steps the collective one
+    warmup_s = warm_up(cfg, ctx, specs)
     # NOTE: the board's barrier lets each rank go within its poll (50 ms) of the others: one
     # collective more, so that every rank's run clock starts at the same moment (else a
     # rank's first step waits for a late peer, and the first TTFT counts that wait).
@@ -131,7 +133,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     result: dict[str, Any] = {
         "outputs": [outputs.get(r.req_id, []) for r in requests],
         "requests": request_rows(cols, requests),
-        "metrics": {**recorder.summary(cols, wall_s, serving=serving), **moe_run_summary(ctx)},
+        "metrics": {**recorder.summary(cols, wall_s, serving=serving), **moe_run_summary(ctx), "warmup_s": warmup_s},
     }
     texts = decode_outputs(cfg.model, result["outputs"])
     if texts is not None:

@@ -51,6 +51,7 @@ from pcpflow.rank.devices import pick_device
 from pcpflow.rank.engine import add_ring_totals, batch_record, draft_record, run_on_cores, runs_ring
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier
+from pcpflow.rank.warmup import warm_up
 from pcpflow.scheduling.loop import request_columns, request_rows
 from pcpflow.scheduling.pools import PoolLoop, PoolStep, pool_schedulers
 from pcpflow.scheduling.workload import RequestTable, build_requests
@@ -95,6 +96,7 @@ class _PoolRank:
             stats=self.stats, requests=self.requests, tp=comms["tp"], dcp_heads=comms["dcp_heads"],
         )
         self.pipeline = Pipeline(specs, self.ctx, on_stage=mark_stage)
+        self.specs = specs
         self.world = Comm(dist.group.WORLD, self.rank, cfg.world_size, None)  # unaccounted: control, verification
         own = [kv for _, stage in self.pipeline.stages for kv in stage.own_kv()]  # a drafter's cache
         self.transfer = KVTransfer(
@@ -118,6 +120,8 @@ class _PoolRank:
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any] | None:
         startup_done(self.cfg.startup_timeout_s, self.cfg.collective_timeout_s)
+        self.warmup_s = warm_up(self.mine, self.ctx, self.specs)  # each pool on its own groups
+        self.world.barrier()  # NOTE: both pools' clocks start together, as the one-pool run's
         t0 = time.perf_counter()
         try:
             for ps in self.loop.steps():
@@ -236,6 +240,7 @@ class _PoolRank:
                    "tpot_slo_s": cfg.slo.tpot_s}
         outputs = self.prefill.outputs() or {}
         metrics = self.recorder.summary(cols, wall_s, serving=serving)
+        metrics["warmup_s"] = self.warmup_s  # rank 0's: the prefill pool's
         if self.moe_run is not None:
             metrics.update(moe_metrics(self.moe_run))
         metrics.update(self.recorder.pool_metrics(loop.clock, {n: self.pools[n].world_size for n in POOLS},
