@@ -1,14 +1,15 @@
 """Measure, predict, execute, compare: this machine's profile against executed runs.
 
-Profiles this machine (``python -m pcpflow mode=profile``: the ranks a run uses, every
-collective of the grid), then, for a matrix of executed configurations, runs each executed
-(timed, ``verify=false``: only the run is timed) and simulated on the profile, three times
-each, and prints executed vs simulated TTFT, TPOT and mean step time with the error, the
+Profiles this machine once for each world size of its rows (``python -m pcpflow mode=profile``:
+the ranks a run uses, every collective of the grid; each op timed beside as many busy ranks as
+the run has), then, for a matrix of executed configurations, runs each executed (timed,
+``verify=false``: only the run is timed) and simulated on the profile of its own world size,
+three times each, and prints executed vs simulated TTFT, TPOT and mean step time with the error, the
 spread of the repeats, the term that dominates each row (of the simulated breakdown), and
 which of each pair of layouts is faster in each::
 
     python scripts/validate_measured.py                      # profile, then the table
-    python scripts/validate_measured.py --profile FILE       # on a profile measured before
+    python scripts/validate_measured.py --profile F1 F2      # on profiles measured before (one per world size)
     python scripts/validate_measured.py --check              # compose every configuration only
     python scripts/validate_measured.py --rings              # the ring rows too (reported, not in the goal)
     python scripts/validate_measured.py --only ring          # the rows whose name holds "ring"
@@ -23,6 +24,10 @@ TPOT at most 15%, none beyond 30%; the faster of two layouts right whenever the 
 differ by more than 15%. The load average is recorded before and after. The profile's ranks
 and the executed ones run on cores of their own (``cpu_bind=cores``): a profile given with
 ``--profile`` should have been measured so too (it says so under ``measured.cpu_bind``).
+
+One profile per world size: on a CPU an op runs faster beside idle cores than beside busy
+ranks (shared caches and memory bandwidth). Measured on this 2-core VM in one hour, the pcp=1
+rows priced on a two-rank profile came out +9..+22% (TTFT), on a one-rank profile +5..+9%.
 """
 
 from __future__ import annotations
@@ -142,23 +147,45 @@ def simulated_overrides(row: list[str], profile: str) -> list[str]:
     return [*row, *COMMON, "mode=simulate", "hardware=measured", f"hardware.path={profile}"]
 
 
-def check(profile: str | None = None, matrix=MATRIX) -> int:
-    """Compose and validate every configuration (and its simulated twin on ``profile``)."""
+def world_of(row: list[str]) -> int:
+    """The ranks a row's executed run has (tp x pcp)."""
+    from pcpflow.testing import compose
+
+    return compose(executed_overrides(row)).world_size
+
+
+def profiles_by_world(paths: list[str]) -> dict[int, str]:
+    """Each profile under the ranks it measured busy (``measured.tp x measured.pcp``)."""
+    out = {}
+    for path in paths:
+        m = yaml.safe_load(Path(path).read_text())["measured"]
+        out[m["tp"] * m["pcp"]] = str(path)
+    return out
+
+
+def profile_for(profiles: dict[int, str], row: list[str]) -> str:
+    """The profile measured on as many ranks as the row runs; else the nearest (fewer first)."""
+    world = world_of(row)
+    return profiles[min(profiles, key=lambda w: (abs(w - world), w))]
+
+
+def check(profiles: dict[int, str] | None = None, matrix=MATRIX) -> int:
+    """Compose and validate every configuration (and its simulated twin on its profile)."""
     from pcpflow.testing import compose
 
     n = 0
     for _, row in matrix:
         compose(executed_overrides(row))
         n += 1
-        if profile:
-            compose(simulated_overrides(row, profile))
+        if profiles:
+            compose(simulated_overrides(row, profile_for(profiles, row)))
             n += 1
     print(f"{n} configurations compose and validate")
     return 0
 
 
 def profile_machine(out: Path, world: int) -> str:
-    run = out / "profile"
+    run = out / f"profile-{world}"
     cmd = [sys.executable, "-m", "pcpflow", "mode=profile", f"pcp={world}", *BIND, f"hydra.run.dir={run}"]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -193,13 +220,13 @@ def execute(repeats: int, matrix=MATRIX) -> dict[str, list[dict]]:
     return out
 
 
-def simulate(profile: str, repeats: int, matrix=MATRIX) -> dict[str, dict]:
+def simulate(profiles: dict[int, str], repeats: int, matrix=MATRIX) -> dict[str, dict]:
     from pcpflow.simulate.engine import simulate_run
     from pcpflow.testing import compose
 
     out = {}
     for name, row in matrix:
-        cfg = compose(simulated_overrides(row, profile))
+        cfg = compose(simulated_overrides(row, profile_for(profiles, row)))
         runs = [simulate_run(cfg) for _ in range(repeats)]
         f = figures(runs[0])
         breakdown = runs[0]["metrics"]["simulate"]["breakdown_s"]
@@ -288,25 +315,32 @@ def markdown(rows: list[dict], extra: dict, load: dict) -> str:
     return "\n".join(out)
 
 
-def reprice(run: Path, matrix, profile: str | None = None) -> int:
-    """The rows of ``matrix`` an earlier run executed, simulated again on its profile (or
-    ``profile``) by this code: a change to the price compared on the same executed times."""
+def reprice(run: Path, matrix, profile: list[str] | None = None) -> int:
+    """The rows of ``matrix`` an earlier run executed, simulated again on its profiles (or those
+    of ``profile``) by this code: a change to the price compared on the same executed times."""
     old = json.loads((run / "validate_measured.json").read_text())
     rows = [r for r in matrix if r[0] in old["executed"]]
     if not rows:
         print(f"{run}: none of these rows was executed there", file=sys.stderr)
         return 2
-    profile = profile or old["profile"]
-    check(profile, rows)
-    table, extra = summarize(old["executed"], simulate(profile, 1, rows), rows)
+    if profile:
+        profiles = profiles_by_world(profile)
+    elif "profiles" in old:
+        profiles = {int(w): p for w, p in old["profiles"].items()}
+    else:  # NOTE: a run before 2026-12-04 kept one profile
+        profiles = profiles_by_world([old["profile"]])
+    check(profiles, rows)
+    table, extra = summarize(old["executed"], simulate(profiles, 1, rows), rows)
     text = markdown(table, extra, old["load"])
-    print(f"Repriced: the executed times of {run} (profile {profile}), priced by this code.\n\n{text}")
+    names = ", ".join(profiles[w] for w in sorted(profiles))
+    print(f"Repriced: the executed times of {run} (profiles {names}), priced by this code.\n\n{text}")
     return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", help="a profile measured before (mode=profile's hardware.yaml)")
+    ap.add_argument("--profile", nargs="+", help="profiles measured before (mode=profile's hardware.yaml), one per "
+                    "world size of the rows; a row without one of its own takes the nearest")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="where the profile and the table go (default outputs/validate_measured/<time>)")
     ap.add_argument("--check", action="store_true", help="compose and validate every configuration, run nothing")
@@ -325,7 +359,7 @@ def main(argv=None) -> int:
     else:
         matrix = MATRIX + (RINGS if args.rings else [])
     if args.check:
-        return check(args.profile, matrix)
+        return check(profiles_by_world(args.profile) if args.profile else None, matrix)
     if args.reprice:
         return reprice(Path(args.reprice), matrix, args.profile)
     if args.wait_load is not None:
@@ -336,21 +370,22 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = {"before": [round(x, 2) for x in os.getloadavg()], "cores": cores}
-    world = min(2, cores)
-    profile = args.profile or profile_machine(out, world)
-    check(profile, matrix)
-    bound = (yaml.safe_load(Path(profile).read_text()).get("measured") or {}).get("cpu_bind", "none")
-    if f"cpu_bind={bound}" not in BIND:
-        print(f"note: {profile} was measured with cpu_bind={bound}; the executed rows run with {' '.join(BIND)}")
+    worlds = sorted({min(world_of(row), cores) for _, row in matrix})
+    profiles = profiles_by_world(args.profile) if args.profile else {w: profile_machine(out, w) for w in worlds}
+    check(profiles, matrix)
+    for profile in profiles.values():
+        bound = (yaml.safe_load(Path(profile).read_text()).get("measured") or {}).get("cpu_bind", "none")
+        if f"cpu_bind={bound}" not in BIND:
+            print(f"note: {profile} was measured with cpu_bind={bound}; the executed rows run with {' '.join(BIND)}")
     executed = execute(args.repeats, matrix)
-    simulated = simulate(profile, args.repeats, matrix)
+    simulated = simulate(profiles, args.repeats, matrix)
     load["after"] = [round(x, 2) for x in os.getloadavg()]
     rows, extra = summarize(executed, simulated, matrix)
     text = markdown(rows, extra, load)
     print(text)
     (out / "validate_measured.md").write_text(text + "\n")
     (out / "validate_measured.json").write_text(json.dumps(
-        {"profile": profile, "load": load, "rows": rows, **extra, "executed": executed, "simulated": simulated},
+        {"profiles": profiles, "load": load, "rows": rows, **extra, "executed": executed, "simulated": simulated},
         indent=1) + "\n")
     print(f"\nwritten: {out / 'validate_measured.md'}")
     return 0

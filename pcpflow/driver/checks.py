@@ -135,6 +135,24 @@ def check_run_dir(run_dir: Path, *, create: bool = True, field: str = "hydra.run
         raise ConfigError([Problem(field, str(run_dir), problem)])
 
 
+def profile_warnings(cfg: Any) -> list[str]:
+    """A simulated run on a CPU profile measured with another number of busy ranks than the run
+    has: the profile timed each op beside that many busy ranks (on a CPU they share caches and
+    memory bandwidth), and a run of fewer ranks meets the machine less loaded. Measured on a
+    2-core VM: pcp=1 runs priced on a two-rank profile came out +9..+22%, on a one-rank one
+    +5..+9% (docs/profile.md)."""
+    measured = getattr(getattr(cfg, "hardware", None), "measured", None)
+    if getattr(cfg, "mode", "execute") != "simulate" or measured is None or not measured.device.startswith("cpu"):
+        return []
+    busy = measured.tp * measured.pcp
+    if busy == cfg.world_size:
+        return []
+    return [f"hardware.path was measured on {busy} busy rank(s) (tp={measured.tp} pcp={measured.pcp}); this run has "
+            f"{cfg.world_size}: on a CPU an op runs at another speed beside {'fewer' if busy > cfg.world_size else 'more'} "
+            f"busy ranks; for this run's own figures profile its ranks: python -m pcpflow mode=profile tp={cfg.tp} "
+            f"pcp={cfg.pcp}"]
+
+
 def capacity_warnings(cfg: Any) -> list[str]:
     """More ranks than this machine can reasonably run at once: they still run, slowly. A
     simulated run starts no ranks; a profile refuses more ranks than cores."""

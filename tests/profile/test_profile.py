@@ -272,3 +272,55 @@ def test_validate_measured_reprices_an_earlier_runs_executed_times(tmp_path, pro
     line = next(ln for ln in out.splitlines() if ln.startswith(f"| {name} |"))
     assert f"10.0 / {sim * 1e3:.1f} ({sim / 0.010 - 1:+.0%}, ±2%)" in line
     assert script["main"](["--reprice", str(run), "--only", "gemm"]) == 2  # a row the run never executed
+
+
+def test_validate_measured_prices_each_row_on_the_profile_of_its_own_world_size(tmp_path, capsys):
+    """A CPU op runs faster beside idle cores than beside busy ranks, so ``validate_measured.py``
+    profiles each world size of its rows and prices a row on its own: given a one-rank and a
+    two-rank profile (their laws 3x apart), a pcp=1 row is priced as a simulated run on the
+    one-rank profile, pcp=2 and tp=2 rows on the two-rank one; a world without its own profile
+    takes the nearest."""
+    import json
+    import runpy
+
+    from pcpflow.simulate.engine import simulate_run
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "validate_measured.py"))
+    one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
+    slow = profile_dict()
+    slow["measured"]["pcp"] = 1
+    slow["tables"]["gemm"]["float32"]["seconds"] = [[[3 * t for t in n] for n in m] for m in slow["tables"]["gemm"]["float32"]["seconds"]]
+    one.write_text(yaml.safe_dump(slow))
+    two.write_text(yaml.safe_dump(profile_dict()))
+    profiles = script["profiles_by_world"]([str(two), str(one)])
+    assert profiles == {1: str(one), 2: str(two)}
+    rows = dict(script["MATRIX"])
+    assert script["profile_for"](profiles, rows["gemm 1x1200 pcp=1"]) == str(one)
+    assert script["profile_for"](profiles, rows["gemm 1x1200 pcp=2"]) == str(two)
+    assert script["profile_for"](profiles, rows["gemm 3x600 tp=2"]) == str(two)
+    assert script["profile_for"]({1: str(one)}, rows["gemm 3x600 tp=2"]) == str(one)
+
+    names = ["gemm 1x1200 pcp=1", "gemm 1x1200 pcp=2"]
+    run = tmp_path / "run"
+    run.mkdir()
+    executed = {n: [{"ttft": 0.5, "tpot": 0.01, "step": 0.05}] * 3 for n in names}
+    (run / "validate_measured.json").write_text(json.dumps(
+        {"profiles": {"1": str(one), "2": str(two)}, "load": {"before": [], "after": [], "cores": 2}, "executed": executed}))
+    assert script["main"](["--reprice", str(run), "--only", "gemm 1x1200"]) == 0
+    out = capsys.readouterr().out
+    for name, path in zip(names, (one, two)):
+        sim = simulate_run(compose(script["simulated_overrides"](rows[name], str(path))))["metrics"]["ttft"]["mean_s"]
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"| {name} |"))
+        assert f"500.0 / {sim * 1e3:.1f} " in line, (line, sim)
+
+
+def test_a_cpu_profile_of_another_world_size_is_named_when_a_run_prices_on_it(tmp_path, profile_path):
+    """The profile was measured with two busy ranks: a pcp=1 run on it says so and how to
+    measure its own; a pcp=2 run, as many ranks as measured, hears nothing."""
+    run = [*SIM, f"hardware.path={profile_path}"]
+    one = cli(*run, "pcp=1", f"hydra.run.dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    warned = [ln for ln in one.stderr.splitlines() if ln.startswith("pcpflow: warning: hardware.path was measured")]
+    assert len(warned) == 1 and "on 2 busy rank(s)" in warned[0] and "mode=profile tp=1 pcp=1" in warned[0], one.stderr
+    two = cli(*run, "pcp=2", f"hydra.run.dir={tmp_path / 'two'}")
+    assert two.returncode == 0 and "warning" not in two.stderr, two.stderr[-2000:]
