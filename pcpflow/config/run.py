@@ -25,6 +25,7 @@ from pcpflow.parallel.grid import RankGrid
 from pcpflow.parallel.moe_dispatch import MoERunConfig
 from pcpflow.scheduling.workload import WorkloadConfig
 from pcpflow.tokens.sampling import SamplingConfig
+from pcpflow.tokens.text import repetition_penalty_of
 
 BF16_LOGITS_ATOL = 0.25
 """bf16 keeps 8 mantissa bits: a logit of magnitude ~4-8 is only resolved to ~0.03, and a
@@ -237,6 +238,13 @@ class RunConfig(Settings):
     def sampling_seed(self) -> int:
         """The seed of the sampling draws: ``sampling.seed``, else the run's ``seed``."""
         return self.seed if self.sampling.seed is None else self.sampling.seed
+
+    @property
+    def repetition_penalty(self) -> float:
+        """The repetition penalty the run applies: ``sampling.repetition_penalty``, else the
+        checkpoint's (``pcpflow.tokens.text.repetition_penalty_of``; 1 = off)."""
+        given = self.sampling.repetition_penalty
+        return repetition_penalty_of(self.model) if given is None else given
 
     @property
     def world_size(self) -> int:

@@ -153,6 +153,22 @@ def profile_warnings(cfg: Any) -> list[str]:
             f"pcp={cfg.pcp}"]
 
 
+def generation_warnings(cfg: Any) -> list[str]:
+    """A checkpoint whose generation_config.json sets what transformers' ``generate`` would
+    apply and pcpflow does not (``pcpflow.tokens.text.unapplied_generation_settings``): the
+    run goes on, its tokens may differ from transformers'."""
+    from pcpflow.tokens.text import unapplied_generation_settings
+
+    if getattr(cfg, "mode", "execute") != "execute":
+        return []
+    unapplied = unapplied_generation_settings(cfg.model)
+    if not unapplied:
+        return []
+    settings = ", ".join(f"{k}={v!r}" for k, v in unapplied.items())
+    return [f"the checkpoint's generation_config.json sets {settings}, which pcpflow does not apply (transformers' "
+            "generate does): tokens may differ from transformers' (pcpflow applies eos_token_id and repetition_penalty)"]
+
+
 def capacity_warnings(cfg: Any) -> list[str]:
     """More ranks than this machine can reasonably run at once: they still run, slowly. A
     simulated run starts no ranks; a profile refuses more ranks than cores."""

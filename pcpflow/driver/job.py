@@ -110,6 +110,8 @@ def _prepared(raw: dict[str, Any], kind: str | None) -> RunConfig:
         problems += [p for p in exc.problems if p.field not in refused]
     if problems:
         raise ConfigError(problems)
+    if cfg.sampling.repetition_penalty is None:  # the checkpoint's, recorded in the run's config
+        cfg = cfg.model_copy(update={"sampling": cfg.sampling.model_copy(update={"repetition_penalty": cfg.repetition_penalty})})
     return cfg
 
 
@@ -173,9 +175,9 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
     except Interrupted as exc:  # validating: the dir is not this run's yet
         return _interrupted(exc, raw, run_dir, announce=not in_sweep, started=False)
     discard_result(run_dir)  # the dir is this run's now
-    from pcpflow.driver.checks import capacity_warnings, profile_warnings
+    from pcpflow.driver.checks import capacity_warnings, generation_warnings, profile_warnings
 
-    for warning in [*capacity_warnings(cfg), *profile_warnings(cfg)] if cfg.mode != "search" else ():
+    for warning in [*capacity_warnings(cfg), *profile_warnings(cfg), *generation_warnings(cfg)] if cfg.mode != "search" else ():
         print_err(f"pcpflow: warning: {warning}")
     if cfg.mode == "search":
         return _search(raw, run_dir, console=console, in_sweep=in_sweep, overrides=overrides, started=started)

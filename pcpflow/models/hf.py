@@ -34,6 +34,7 @@ from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
 from pcpflow.models.hf_weights import (
+    Rename,
     checkpoint_files,
     load_checkpoint,
     plan_names,
@@ -107,10 +108,25 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
     return checkpoint
 
 
-def _skip(checkpoint: CheckpointConfig) -> tuple[str, ...]:
-    """Checkpoint tensors the loader leaves out beyond ``hf_weights.IGNORED``."""
-    # NOTE: tied checkpoints may still carry a copy of the embedding as lm_head
-    return (r"lm_head\.weight",) if checkpoint.tie_word_embeddings else ()
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def stored_names(path: Path) -> list[str]:
+    """The tensor names of the checkpoint at ``path``, from its safetensors headers."""
+    return [k for f in checkpoint_files(path) for k in read_safetensors_header(f) if k != "__metadata__"]
+
+
+def tying(checkpoint: CheckpointConfig, names: list[str]) -> tuple[bool, tuple[Rename, ...]]:
+    """Whether the LM head shares the embedding, and the renames to load with, as
+    transformers ties them under ``tie_word_embeddings``: a head stored beside the embedding
+    is loaded as its own (transformers keeps a stored head that differs from the embedding;
+    one equal to it computes the same), a head stored alone is the embedding too."""
+    renames = checkpoint.renames
+    if not checkpoint.tie_word_embeddings or {HEAD, EMBEDDING} <= set(names):
+        return False, renames
+    if HEAD in names:
+        return True, tuple(Rename(HEAD, "embed_tokens.weight") if r.hf == HEAD else r for r in renames)
+    return True, renames
 
 
 def _is_moe(raw: dict, arch: str) -> bool:
@@ -150,7 +166,7 @@ class HFModel(DecoderLM):
             read_checkpoint(path)
             return path
 
-    def __init__(self, checkpoint: CheckpointConfig):
+    def __init__(self, checkpoint: CheckpointConfig, *, tied: bool | None = None):
         c = checkpoint
         super().__init__(
             vocab_size=c.vocab_size,
@@ -158,7 +174,7 @@ class HFModel(DecoderLM):
             layers=c.build_layers(),
             attn_spec=c.attn_spec(),
             eps=c.rms_norm_eps,
-            tie_word_embeddings=c.tie_word_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings if tied is None else tied,
         )
         self.checkpoint = checkpoint
 
@@ -169,14 +185,9 @@ class HFModel(DecoderLM):
         """The checkpoint's model with its weights cast to ``dtype`` (``seed`` is unused)."""
         assert config.path is not None
         checkpoint = read_checkpoint(config.path)
-        model = build_uninitialized(lambda: cls(checkpoint), device).to(dtype)
-        load_checkpoint(
-            model,
-            Path(config.path),
-            checkpoint.renames,
-            num_layers=checkpoint.num_hidden_layers,
-            skip=_skip(checkpoint),
-        )
+        tied, renames = tying(checkpoint, stored_names(Path(config.path)))
+        model = build_uninitialized(lambda: cls(checkpoint, tied=tied), device).to(dtype)
+        load_checkpoint(model, Path(config.path), renames, num_layers=checkpoint.num_hidden_layers)
         return model
 
     @classmethod
@@ -191,7 +202,7 @@ class HFModel(DecoderLM):
 def checkpoint_problems(model_config: Any) -> list[Problem]:
     """A Hugging Face checkpoint's safetensors files are whole, are safetensors, and hold
     exactly the tensors (names and shapes) its config.json implies: all from the headers
-    (a few kB each). Its generation_config.json's EOS ids are readable."""
+    (a few kB each). Its generation settings (EOS ids, repetition penalty) are readable."""
     if getattr(model_config, "name", None) != "hf" or not model_config.path:
         return []
     from pcpflow.tokens.text import has_tokenizer
@@ -216,9 +227,9 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
         names += [k for k in header if k != "__metadata__"]
     if problems:
         return problems
-    from pcpflow.tokens.text import eos_problems
+    from pcpflow.tokens.text import generation_problems
 
-    return _tensor_problems(path, shapes, names) + eos_problems(model_config)
+    return _tensor_problems(path, shapes, names) + generation_problems(model_config)
 
 
 def window_problems(model_config: Any, longest: int) -> list[Problem]:
@@ -260,12 +271,13 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
     whose shape differs from the parameter config.json gives them."""
     try:
         checkpoint = read_checkpoint(path)
-        model = build_uninitialized(lambda: HFModel(checkpoint), "meta")
+        tied, renames = tying(checkpoint, names)
+        model = build_uninitialized(lambda: HFModel(checkpoint, tied=tied), "meta")
     except Exception:  # config.json problems are the model's own validation's to report
         return []
     params = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    plan = plan_names(names, [n for n, _ in model.named_parameters()], checkpoint.renames,
-                      num_layers=checkpoint.num_hidden_layers, skip=_skip(checkpoint))
+    plan = plan_names(names, [n for n, _ in model.named_parameters()], renames,
+                      num_layers=checkpoint.num_hidden_layers)
     problems = []
     if plan.unfilled:
         stored = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
@@ -281,7 +293,7 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
         problems.append(Problem("model.path", str(path), f"each tensor stored once; "
                                 f"{len(plan.twice)} stored more than once: {_some(plan.twice)}"))
     for hf_name, shape in shapes.items():
-        for rename in checkpoint.renames:
+        for rename in renames:
             m = rename.pattern().fullmatch(hf_name)
             if m is None:
                 continue

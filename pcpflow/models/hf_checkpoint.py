@@ -35,7 +35,7 @@ class CheckpointConfig(BaseModel):
     max_position_embeddings: int = Field(2048, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
     tie_word_embeddings: bool = False
-    hidden_act: Literal["silu"] = "silu"
+    hidden_act: Literal["silu", "swish"] = "silu"  # NOTE: transformers' ACT2FN: swish is SiLU
     attention_bias: bool = False
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
@@ -109,7 +109,7 @@ class CheckpointConfig(BaseModel):
             for err in exc.errors(include_url=False):
                 where = ".".join(str(p) for p in err["loc"])
                 msg = err["msg"].removeprefix("Value error, ")
-                if where and err["type"] != "value_error":
+                if where and err["type"] not in ("value_error", "missing"):  # NOTE: a missing key's input is the whole config
                     msg += f" (got {err.get('input')!r})"
                 problems.append(f"{where}: {msg}" if where else msg)
             raise ValueError(f"config.json of a {architecture}: " + "; ".join(problems)) from None

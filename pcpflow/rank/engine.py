@@ -87,6 +87,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
         num_speculative_tokens=cfg.num_speculative_tokens,
         stop_token_ids=stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True)),
+        history=cfg.repetition_penalty != 1,
     )
     ctx = RankContext(
         config=cfg,

@@ -89,7 +89,8 @@ class _PoolRank:
         table.max_concurrency = cfg.workload.max_concurrency
         self.table = table
         stops = stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True))
-        self.prefill, self.decode = pool_schedulers(table, self.pools["prefill"], self.pools["decode"], stop_token_ids=stops)
+        self.prefill, self.decode = pool_schedulers(table, self.pools["prefill"], self.pools["decode"], stop_token_ids=stops,
+                                                    history=cfg.repetition_penalty != 1)
         self.ctx = RankContext(
             config=mine, pcp=comms["pcp"], dcp=comms["dcp"], world=comms["world"], device=device, dtype=dtype,
             model=model, kv_caches=allocate_kv_caches(model, mine.kv.num_blocks, mine.kv.block_size, dtype, device),

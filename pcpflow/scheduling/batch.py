@@ -34,6 +34,10 @@ class GlobalBatch:
     logits_indices: np.ndarray  # int64 [S]: global token rows whose logits are sampled
     num_draft_tokens: np.ndarray  # int64 [R]: speculative tokens in this row (0 if none)
     query_start_loc: np.ndarray = field(init=False)  # int64 [R+1]
+    # (sample, token id) of every token each sampled row's request has seen up to and
+    # including that row (prompt, outputs, this step's drafts before it): what a repetition
+    # penalty reads; None when the run has none (``Scheduler(history=True)`` builds it)
+    sampled_history: tuple[np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
@@ -91,4 +95,5 @@ class GlobalBatch:
             block_tables=block_tables,
             logits_indices=self.logits_indices,
             num_draft_tokens=self.num_draft_tokens,
+            sampled_history=self.sampled_history,
         )

@@ -176,6 +176,7 @@ class Scheduler:
         feed: bool = True,
         share: Scheduler | None = None,
         prefill_only: bool = False,
+        history: bool = False,
     ) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or num_speculative_tokens < 0:
             raise ValueError(
@@ -189,6 +190,7 @@ class Scheduler:
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.kv = kv
         self.prefill_only = bool(prefill_only)
+        self.history = bool(history)  # each batch lists what its sampled rows have seen (a repetition penalty)
         self.step = 0
         # a request that appends one of these (its checkpoint's EOS ids) finishes there
         self.stop_token_ids = np.unique(np.asarray(list(stop_token_ids), dtype=np.int64))
@@ -497,6 +499,9 @@ class Scheduler:
             else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
                 logits_indices = first[sampling]
         self._sampling = sampling
+        history = None
+        if self.history and self._outputs is not None:
+            history = self._seen(run, num_computed, qsl, input_ids, logits_indices)
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
@@ -508,7 +513,26 @@ class Scheduler:
             block_tables=self.kv.block_tables(run),
             logits_indices=logits_indices,
             num_draft_tokens=drafts,
+            sampled_history=history,
         )
+
+    def _seen(self, run: np.ndarray, num_computed: np.ndarray, qsl: np.ndarray, input_ids: np.ndarray,
+              logits_indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``GlobalBatch.sampled_history``: for each sampled token row, its request's tokens at
+        positions 0 up to its own (those before this step's from the prompt and outputs, this
+        step's from ``input_ids``: drafts included), as (sample, token id), one pass over all."""
+        rows = qsl.searchsorted(logits_indices, side="right") - 1
+        step_start = num_computed[rows]
+        lens = step_start + (logits_indices - qsl[rows]) + 1
+        sample = np.repeat(np.arange(len(rows), dtype=np.int64), lens)
+        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(lens.cumsum() - lens, lens)
+        ids = np.empty(len(pos), dtype=np.int64)
+        before = pos < step_start[sample]
+        at = np.flatnonzero(before)
+        ids[at] = self._sequence(run[rows[sample[at]]], pos[at])
+        at = np.flatnonzero(~before)
+        ids[at] = input_ids[qsl[rows[sample[at]]] + pos[at] - step_start[sample[at]]]
+        return sample, ids
 
     # -- update ----------------------------------------------------------------------------
 

@@ -35,10 +35,27 @@ class SamplingConfig(Settings):
     top_p: float = Field(1.0, gt=0, le=1, description="keep the fewest top tokens whose probability sums to >= top_p")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = all")
     seed: int | None = Field(None, ge=0, description="seed of the draws; null = the run's seed")
+    repetition_penalty: float | None = Field(
+        None, gt=0,
+        description=("transformers' repetition penalty on every token a request has seen (prompt and outputs): "
+                     "a positive logit divided by it, a negative one multiplied; 1 = off; null = the checkpoint's "
+                     "generation_config.json value (as transformers' generate applies it, greedy too), else 1"),
+    )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, penalty: float, history) -> torch.Tensor:
+    """``logits`` ``[S, V]`` with transformers' repetition penalty (``RepetitionPenaltyLogitsProcessor``):
+    every token row ``s`` has seen — ``history`` is ``(sample, token id)`` per seen token
+    (``GlobalBatch.sampled_history``), repeats allowed — is penalized once: a logit ``l``
+    becomes ``l * penalty`` where ``l < 0``, else ``l / penalty``."""
+    sample, ids = history
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    seen[torch.from_numpy(sample).to(logits.device), torch.from_numpy(ids).to(logits.device)] = True
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def _u64(value: int) -> int:

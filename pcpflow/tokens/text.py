@@ -6,8 +6,9 @@ ranks never load a tokenizer, and a rank started on another machine or with anot
 transformers version still runs exactly the ids the driver produced. Only rank 0 loads
 the tokenizer again, at the end, to decode the outputs (``decode_outputs``).
 
-EOS ids come from the checkpoint's ``generation_config.json``, else its ``config.json``
-(``eos_token_id``: one id or a list), as transformers' ``generate`` reads them.
+EOS ids and the repetition penalty come from the checkpoint's ``generation_config.json``,
+else its ``config.json`` (``eos_token_id``: one id or a list; ``repetition_penalty``), as
+transformers' ``generate`` reads them.
 """
 
 from __future__ import annotations
@@ -44,14 +45,20 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def eos_token_ids(model_config: Any) -> list[int]:
-    """The checkpoint's EOS ids (generation_config.json, else config.json); [] for tiny
-    models and checkpoints without one. ValueError naming the file and ``eos_token_id``
-    if generation_config.json is not a JSON object or an ``eos_token_id`` is not an id or
-    a list of ids (the driver reports it before a run: ``eos_problems``)."""
+class UnreadableGenerationFile(ValueError):
+    """generation_config.json is there but not a JSON object: no setting of it can be read."""
+
+
+def _generation_setting(model_config: Any, key: str) -> tuple[Any, Path | None]:
+    """A generation setting of the checkpoint and the file it came from, as transformers'
+    ``generate`` reads it: ``generation_config.json`` when the checkpoint has one (a key it
+    leaves out is unset: transformers does not fall back to config.json then), else
+    ``config.json``; ``(None, None)`` for tiny models. ValueError naming the file if
+    generation_config.json is not a JSON object (the driver reports it before a run:
+    ``generation_problems``)."""
     path = _checkpoint_dir(model_config)
     if path is None:
-        return []
+        return None, None
     for name in ("generation_config.json", "config.json"):
         file = path / name
         try:
@@ -60,30 +67,74 @@ def eos_token_ids(model_config: Any) -> list[int]:
             continue
         except (OSError, ValueError) as exc:
             if name == "config.json":  # the checkpoint's own validation reports it
-                continue
-            raise ValueError(f"{file} is not readable JSON, so its eos_token_id cannot be read ({exc})") from None
+                return None, None
+            raise UnreadableGenerationFile(f"{file} is not readable JSON, so its {key} cannot be read ({exc})") from None
         if not isinstance(raw, dict):
             if name == "config.json":
-                continue
-            raise ValueError(f"{file} is not a JSON object, so its eos_token_id cannot be read")
-        eos = raw.get("eos_token_id")
-        if eos is None:
-            continue
-        ids = eos if isinstance(eos, list) else [eos]
-        if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
-            raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids; got {eos!r}")
-        return sorted(set(ids))
-    return []
+                return None, None
+            raise UnreadableGenerationFile(f"{file} is not a JSON object, so its {key} cannot be read")
+        return raw.get(key), file
+    return None, None
 
 
-def eos_problems(model_config: Any) -> list[Problem]:
-    """The checkpoint's EOS ids cannot be read (see ``eos_token_ids``): one problem on
-    ``model.path``."""
+def eos_token_ids(model_config: Any) -> list[int]:
+    """The checkpoint's EOS ids (``eos_token_id`` of generation_config.json, else of
+    config.json: ``_generation_setting``); [] for tiny models and checkpoints without one.
+    ValueError naming the file and ``eos_token_id`` if it is not an id or a list of ids."""
+    eos, file = _generation_setting(model_config, "eos_token_id")
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids; got {eos!r}")
+    return sorted(set(ids))
+
+
+def repetition_penalty_of(model_config: Any) -> float:
+    """The checkpoint's ``repetition_penalty`` (``_generation_setting``), 1.0 (off) without
+    one. ValueError naming the file if it is not a number > 0."""
+    penalty, file = _generation_setting(model_config, "repetition_penalty")
+    if penalty is None:
+        return 1.0
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0:
+        raise ValueError(f"{file}: repetition_penalty must be a number > 0; got {penalty!r}")
+    return float(penalty)
+
+
+UNAPPLIED = {  # generation_config.json settings that change what transformers' generate picks, and their neutral value
+    "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0,
+    "min_new_tokens": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+}
+
+
+def unapplied_generation_settings(model_config: Any) -> dict[str, Any]:
+    """The checkpoint's generation_config.json settings (``UNAPPLIED``) that would change
+    transformers' greedy tokens and that pcpflow does not apply: those not at their neutral
+    value. pcpflow applies ``eos_token_id`` and ``repetition_penalty``; temperature, top-k and
+    top-p are ``sampling.*`` (0 = greedy, as ``generate(do_sample=False)``)."""
+    path = _checkpoint_dir(model_config)
     try:
-        eos_token_ids(model_config)
-    except ValueError as exc:
-        return [Problem("model.path", str(model_config.path), str(exc))]
-    return []
+        raw = json.loads((path / "generation_config.json").read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return {}  # absent, or reported by generation_problems
+    if not isinstance(raw, dict):
+        return {}
+    return {k: raw[k] for k, neutral in UNAPPLIED.items() if raw.get(k) not in (neutral, None, [], {})}
+
+
+def generation_problems(model_config: Any) -> list[Problem]:
+    """The checkpoint's generation settings cannot be read (``eos_token_ids``,
+    ``repetition_penalty_of``): a problem on ``model.path`` for each."""
+    problems = []
+    for read in (eos_token_ids, repetition_penalty_of):
+        try:
+            read(model_config)
+        except ValueError as exc:
+            problems.append(Problem("model.path", str(model_config.path), str(exc)))
+            if isinstance(exc, UnreadableGenerationFile):
+                break  # NOTE: one problem for the file, not one per setting
+    return problems
 
 
 def _ids(encoded: Any) -> list[int]:

@@ -323,8 +323,7 @@ def test_missing_and_extra_tensors_exit_2_before_any_rank_starts(ckpts, tmp_path
 
 def test_tensors_the_loader_skips_pass_the_pre_run_check(ckpts, tmp_path):
     """What the loader leaves out on purpose is not refused before the run: layers past
-    num_hidden_layers (DeepSeek-V3's MTP layers), saved rotary inv_freq, the lm_head copy of
-    a tied checkpoint."""
+    num_hidden_layers (DeepSeek-V3's MTP layers), saved rotary inv_freq."""
     src = ckpts["dsv3"]
     layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
     mtp = _with_tensors(src, tmp_path / "mtp", lambda t: t.update({
@@ -333,9 +332,29 @@ def test_tensors_the_loader_skips_pass_the_pre_run_check(ckpts, tmp_path):
         "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8),
     }))
     assert compose(["model=hf", f"model.path={mtp}", "pcp=1"]).model.path == str(mtp)
-    tied = ckpts["llama_tied_bias"]
-    with_head = _with_tensors(tied, tmp_path / "tied", lambda t: t.setdefault("lm_head.weight", t["model.embed_tokens.weight"].clone()))
-    assert compose(["model=hf", f"model.path={with_head}", "pcp=1"]).model.path == str(with_head)
+
+
+@pytest.mark.parametrize("stored", ["both, the head differing", "both, the head a copy", "the head alone"])
+def test_tied_embeddings_load_as_transformers_ties_them(ckpts, tmp_path, stored):
+    """``tie_word_embeddings: true`` and what the files hold: a head stored beside the
+    embedding is the model's head (transformers keeps a differing one), a head stored alone
+    is the embedding too. The logits of a forward equal transformers' own."""
+    def edit(t):
+        if stored == "the head alone":
+            t["lm_head.weight"] = t.pop("model.embed_tokens.weight")
+        else:
+            gen = torch.Generator().manual_seed(1)
+            t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+            if stored == "both, the head differing":
+                t["lm_head.weight"] += torch.randn(t["lm_head.weight"].shape, generator=gen)
+    path = _with_tensors(ckpts["llama_tied_bias"], tmp_path / "ckpt", edit)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    model = build_model(compose(["model=hf", f"model.path={path}", "pcp=1"]).model, dtype=torch.float64, seed=0)
+    with torch.no_grad():
+        hidden = want.model(ids).last_hidden_state[0]
+        assert torch.allclose(model.compute_logits(hidden), want.lm_head(hidden), atol=1e-12, rtol=0)
+        assert torch.equal(model.embed_tokens.weight, want.model.embed_tokens.weight)
 
 
 # ------------------------------------------------------------------ sliding windows
@@ -481,7 +500,9 @@ def test_an_unreadable_eos_token_id_exits_2_naming_the_file(ckpts, tmp_path, tex
     assert result.returncode == 2 and "generation_config.json" in result.stderr + result.stdout
 
 
-def test_eos_token_ids_are_read_from_generation_config_then_config(ckpts, tmp_path):
+def test_eos_token_ids_are_read_as_transformers_generate_reads_them(ckpts, tmp_path):
+    """generation_config.json's when the checkpoint has one — even without an eos_token_id,
+    as transformers' ``generation_config`` has none then — else config.json's."""
     from types import SimpleNamespace
 
     from pcpflow.tokens.text import eos_token_ids
@@ -491,7 +512,8 @@ def test_eos_token_ids_are_read_from_generation_config_then_config(ckpts, tmp_pa
     (path / "generation_config.json").write_text('{"eos_token_id": [5, 2, 5]}')
     assert eos_token_ids(model) == [2, 5]
     (path / "generation_config.json").write_text('{"bos_token_id": 0}')
-    assert eos_token_ids(model) == [7]
+    assert transformers.AutoModelForCausalLM.from_pretrained(path).generation_config.eos_token_id is None
+    assert eos_token_ids(model) == []
     (path / "generation_config.json").unlink()
     assert eos_token_ids(model) == [7]
 
