@@ -326,9 +326,20 @@ def _shared(pruned: list[Candidate], space: Space) -> list[Problem]:
     # NOTE: a key the search chooses (tp, ...) is no input's: every layout of a few GPUs can
     # share its problem (tp=1, the only tp on 1 GPU, too small) and more GPUs would mend it
     searched = {".".join(d.path) for d in (*space.dims, REPLICAS) if d.name not in space.fixed}
-    common = set.intersection(*({str(p) for p in c.problems} for c in pruned))
-    return [p for p in pruned[0].problems if str(p) in common and p.field != "search.gpus"
+    common = set.intersection(*({_identity(p) for p in c.problems} for c in pruned))
+    return [p for p in pruned[0].problems if _identity(p) in common and p.field != "search.gpus"
             and p.field not in searched]
+
+
+_GRID_QUOTED = re.compile(r"\b(tp|pcp|dcp)=\d+")
+
+
+def _identity(p: Problem) -> tuple[str, str, str]:
+    """A problem as every layout that has it states it: its field, the value given and its
+    rule, without the grid the rule quotes (``the decode pool (tp=2 pcp=1 dcp=2): ...``,
+    ``got pcp=1 dcp=2``): that is each layout's own, the problem is not. NOTE: other numbers
+    stay: a size (``its KV cache needs 9.1 GiB per GPU``) differs where more GPUs mend it."""
+    return p.field, repr(p.given), _GRID_QUOTED.sub(r"\1=N", p.allowed)
 
 
 def candidate(base: dict[str, Any], layout: Layout, space: Space) -> Candidate:

@@ -427,11 +427,19 @@ def _sensitivity(search: Search) -> list[str]:
             "| factor | value | share of the recommended's time | order holds from | to | flips at |",
             "|---|--:|--:|--:|--:|---|"]
     for f, s in search.sensitivity.items():
+        if not s["resolved"]:
+            out.append(f"| {f} | {s['value']:.4g} | {s['share']:.0%} | - | - | not walked (below) |")
+            continue
         flips = [f"{x}x" for x in (s["flips_low"], s["flips_high"]) if x is not None]
         out.append(f"| {f} | {s['value']:.4g} | {s['share']:.0%} | {s['low']}x | {s['high']}x | "
                    f"{', '.join(flips) or 'nowhere in 0.5x-2x'} |")
     on = next(iter(search.sensitivity.values()))["on"]
-    out += ["", f"Re-priced on {on}."]
+    out += ["", f"Re-priced on {on}. A factor that is 0% of both layouts' time holds everywhere, unpriced."]
+    if not all(s["resolved"] for s in search.sensitivity.values()):
+        out += ["", f"Not walked: unscaled, {on} prices the runner-up ahead, where pricing in full ranked it "
+                "second: the two are within that pricing's resolution, so every point would differ by its noise, "
+                "not by the factor." + (" `search.sample=null` re-prices on the whole workload." if search.sample
+                                        is not None else "")]
     return out
 
 

@@ -284,6 +284,13 @@ class Search:
         where the order still holds there it is taken to hold on the whole side, where it
         flips the first flip is bisected on the grid.
 
+        The walk prices on the screening sample (the whole workload without one), which need not
+        order the two as pricing them in full did: a sample's p90s, a goodput bracketed to 25%.
+        So the pair is re-priced unscaled that way first, and where the runner-up comes out ahead
+        nothing is walked (``resolved`` false): each point would differ from the order by the
+        pricing's noise, not by the factor. A factor that is no part of either layout's time
+        cannot move the order: it holds on the whole grid, unpriced.
+
         NOTE: this assumes the order changes at most once on each side, as it does when each
         layout's time is a sum of terms each inversely proportional to the factor or free of
         it (the difference a/f + b changes sign once). Overlaps priced as a max of two terms
@@ -297,37 +304,60 @@ class Search:
         grids = {(f, side): [s for s in scales if best["fitted"][f]["value"] * s <= 1.0]
                  for f in factors for side, scales in (("low", sorted((x for x in SCALES if x < 1), reverse=True)),
                                                        ("high", sorted(x for x in SCALES if x > 1)))}
-        bracket = {k: (-1, None) for k, grid in grids.items() if grid}  # (last index held, first flipped)
+        idle = {f for f in factors if all(_share(row, f) == 0 for row in (best, runner))}
         keeps: dict[str, dict[float, bool]] = {f: {} for f in factors}
+        for (f, _), grid in grids.items():
+            if f in idle:
+                keeps[f].update(dict.fromkeys(grid, True))
         self.progress.phase("how sure: fitted factors scaled", None)
+        resolved = idle == set(factors) or self._holds(best, runner, settings, [()]) == [True]
+        walked = [k for k, grid in grids.items() if grid and k[0] not in idle] if resolved else []
+        bracket = {k: (-1, None) for k in walked}  # (last index held, first flipped)
         while True:
             asks = [(k, i) for k, (held, flipped) in bracket.items()
                     if (i := _next_scale(held, flipped, len(grids[k]))) is not None]
             if not asks:
                 break
-            tasks = []
-            for (f, side), i in asks:
-                for row in (best, runner):
-                    # NOTE: a scaled factor moves the goodput by a fraction: its rate search starts
-                    # at the unscaled rate (a start guess only decides how many runs it takes)
-                    tasks.append((row["raw"], self.prepare, replace(settings, scale=((f, grids[(f, side)][i]),)),
-                                  row.get("goodput_req_s")))
-            values: dict[int, float | None] = {}
-            for j, result in parallel(tasks, self.jobs):
-                self.progress.advance()
-                values[j] = None if result.get("error") else self.objective.value(measures_of(result))
-            for n, ((f, side), i) in enumerate(asks):
-                a, b = values.get(2 * n), values.get(2 * n + 1)
-                if a is None or b is None:  # NOTE: a point that cannot be priced ends its side's walk
+            holds = self._holds(best, runner, settings, [((f, grids[(f, side)][i]),) for (f, side), i in asks])
+            for ((f, side), i), held in zip(asks, holds):
+                if held is None:  # NOTE: a point that cannot be priced ends its side's walk
                     bracket.pop((f, side))
                     continue
-                keeps[f][grids[(f, side)][i]] = held = self.objective.key(a) <= self.objective.key(b)
+                keeps[f][grids[(f, side)][i]] = held
                 h, fl = bracket[(f, side)]
                 bracket[(f, side)] = (i, fl) if held else (h, i)
+        unknown = dict.fromkeys(("low", "high", "flips_low", "flips_high"))
         for f in factors:
             self.sensitivity[f] = {"value": best["fitted"][f]["value"], "share": best["fitted"][f]["share"],
-                                   **order_holds(keeps[f]),
+                                   **(order_holds(keeps[f]) if resolved or f in idle else unknown),
+                                   "resolved": resolved or f in idle,
                                    "on": "the screening sample" if self.sample is not None else "the whole workload"}
+
+    def _holds(self, best: dict[str, Any], runner: dict[str, Any], settings: Settings,
+               scales: list[tuple[tuple[str, float], ...]]) -> list[bool | None]:
+        """For each set of scaled factors, whether the recommended layout still prices at least
+        as well as its runner-up (None: either could not be priced)."""
+        tasks = []
+        for scale in scales:
+            for row in (best, runner):
+                # NOTE: a scaled factor moves the goodput by a fraction: its rate search starts
+                # at the unscaled rate, at every scale and unscaled alike (the start decides how
+                # many runs it takes, and where in its bracket the rate is found)
+                tasks.append((row["raw"], self.prepare, replace(settings, scale=scale), row.get("goodput_req_s")))
+        values: dict[int, float | None] = {}
+        for j, result in parallel(tasks, self.jobs):
+            self.progress.advance()
+            values[j] = None if result.get("error") else self.objective.value(measures_of(result))
+        out: list[bool | None] = []
+        for n in range(len(scales)):
+            a, b = values.get(2 * n), values.get(2 * n + 1)
+            out.append(None if a is None or b is None else self.objective.key(a) <= self.objective.key(b))
+        return out
+
+
+def _share(row: dict[str, Any], factor: str) -> float | None:
+    """The share of the row's time that ``factor`` prices (None: not priced)."""
+    return ((row.get("fitted") or {}).get(factor) or {}).get("share")
 
 
 def _next_scale(held: int, flipped: int | None, n: int) -> int | None:

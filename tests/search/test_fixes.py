@@ -466,3 +466,86 @@ def test_weights_that_do_not_fit_in_fp8_are_not_told_to_use_fp8():
     assert r.returncode == 2, r.stdout + r.stderr
     assert "the fp8 weights take" in r.stderr and "raise tp" in r.stderr
     assert "use simulate.weights_dtype=fp8" not in r.stderr
+
+
+def test_a_fixed_decode_pool_ring_without_its_grid_is_that_keys_problem_not_search_gpus(tmp_path):
+    """The space lays out decode pools of pcp=1 only (its DCP path), so a ring fixed for the decode
+    pool (disagg.decode_pool.cp_attention) needs the decode pool's pcp = dcp > 1 fixed beside it: no
+    count of GPUs mends that. Every layout has the problem, each quoting its own pool's grid
+    ("the decode pool (tp=2 pcp=1 dcp=2): ..."): it was not seen as one problem, and the search
+    validated the 5,014 layouts of 5 to 64 GPUs to say "search.gpus: no layout can run, up to 64 GPUs"."""
+    r = cli(*SEARCH, "model=llama3_8b", "hardware=h100_sxm", "search.gpus=4", "workload=explicit",
+            "workload.prompt_lens=[8000]", "workload.output_lens=[8]", "disagg=pd",
+            "disagg.decode_pool.cp_attention=ring_pass_q", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert line.startswith("- disagg.decode_pool.cp_attention: got 'ring_pass_q'; the decode pool ("), line
+    assert "pcp > 1 and dcp = pcp" in line, line
+
+
+def _search(args: list[str]):
+    from pcpflow.driver.compose import compose_raw
+    from pcpflow.driver.job import prepare_job
+    from pcpflow.search.run import Search
+
+    search = Search(compose_raw([*SEARCH, *args]), prepare_job, None, console=False)
+    search.run()
+    return search
+
+
+def _whole_grid(value: float) -> tuple[float, float]:
+    """The ends of the 0.5x-2x grid a factor of ``value`` is scaled over (at most 1)."""
+    return 0.5, max(s for s in (1.1, 1.25, 1.5, 2.0) if value * s <= 1)
+
+
+GOODPUT_ON_A_SAMPLE = [*TRACE, "search.gpus=4", "tp=1", "workload.max_requests=30", "slo.ttft_s=2", "slo.tpot_s=0.1",
+                       "simulate.objective=goodput_per_gpu", "search.sample=5", "search.top_k=2",
+                       "search.candidates=['pcp=1,2,4']"]
+
+
+def test_a_fitted_factor_no_layout_spends_time_on_holds_over_the_whole_grid(tmp_path):
+    """tp=1 with pcp=1, 2 or 4 on the all-gather path moves no point-to-point traffic, so
+    p2p_efficiency is 0% of either layout's time: scaling it moves neither, and the order holds
+    from 0.5x to 2x. It was said to hold "only at 1.0x" and to flip at 0.9x and 1.1x: the walk
+    priced on the screening sample (the first 11 requests), where the pair's goodputs are within
+    the sample's resolution and the runner-up comes out ahead at 1x, and took that for flips."""
+    r = cli(*SEARCH, *GOODPUT_ON_A_SAMPLE, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    p2p = json.loads((tmp_path / "result.json").read_text())["metrics"]["search"]["sensitivity"]["p2p_efficiency"]
+    assert p2p["share"] == 0
+    assert (p2p["low"], p2p["high"]) == _whole_grid(p2p["value"])
+    assert p2p["flips_low"] is None and p2p["flips_high"] is None
+    (row,) = [ln for ln in (tmp_path / "search.md").read_text().splitlines() if ln.startswith("| p2p_efficiency |")]
+    assert row.endswith("| nowhere in 0.5x-2x |"), row
+
+
+@pytest.mark.parametrize("args", [
+    GOODPUT_ON_A_SAMPLE,
+    # TTFT on the whole workload (one pool, no ring: no point-to-point traffic)
+    ["model=llama3_8b", "hardware=h100_sxm", "workload=explicit", "workload.prompt_lens=[16000,4000]",
+     "workload.output_lens=[4]", "search.gpus=4", "search.candidates=['tp=1,2 pcp=1,2 cudagraph_mode=none']"],
+])
+def test_a_factor_with_no_share_of_either_layouts_time_never_flips_the_order(args):
+    """Whatever the pricing, a factor that is 0% of the recommended's and the runner-up's time
+    cannot change their order: it holds over the whole grid, and flips nowhere. The others are
+    walked only where the walk's pricing (the sample's, unscaled) orders the two as pricing in
+    full ranked them: elsewhere a flip would be that pricing's noise."""
+    from dataclasses import replace
+
+    from pcpflow.driver.job import prepare_job
+    from pcpflow.search.evaluate import evaluate
+    from pcpflow.search.run import FULL_TOLERANCE, SCREEN_TOLERANCE, measures_of
+
+    search = _search(args)
+    best, runner, _ = search.top_two()
+    idle = [f for f in search.sensitivity if best["fitted"][f]["share"] == 0 == runner["fitted"][f]["share"]]
+    assert idle, "no factor with 0% of both layouts' time: the case checks nothing"
+    for f in idle:
+        s = search.sensitivity[f]
+        assert (s["low"], s["high"], s["flips_low"], s["flips_high"]) == (*_whole_grid(s["value"]), None, None), f
+    tolerance = SCREEN_TOLERANCE if search.sample is not None else FULL_TOLERANCE
+    walk = replace(search.full_settings, sample=search.sample, tolerance=tolerance)
+    a, b = (search.objective.value(measures_of(evaluate(r["raw"], prepare_job, walk, r.get("goodput_req_s"))))
+            for r in (best, runner))
+    in_order = search.objective.key(a) <= search.objective.key(b)
+    assert all(s["resolved"] == (in_order or f in idle) for f, s in search.sensitivity.items()), (a, b)
