@@ -2,7 +2,13 @@
 ``result.json`` and writes ``sweep.csv`` (a row per job), ``sweep.md`` (the table a person
 reads) and ``sweep.png`` (the same comparison as a picture) in the sweep dir.
 
-Also usable on any directory of finished runs: ``python -m pcpflow.driver.sweep DIR``.
+A sweep dir used again (``hydra.sweep.dir`` given twice) keeps an earlier multirun's jobs
+that the new one did not overwrite: each multirun writes an id of its own into the sweep dir
+(``MULTIRUN_ID``) and each of its jobs a copy into its job dir, and the report takes the jobs
+of the sweep dir's id only.
+
+Also usable on any directory of finished runs: ``python -m pcpflow.driver.sweep DIR`` (the
+latest multirun's jobs; every job where no multirun wrote an id).
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +75,28 @@ BASE_COLUMNS = [
 ``calls_<purpose>`` for each collective purpose seen, then ``error``."""
 
 
+MULTIRUN_ID = ".multirun_id"
+"""The file holding a multirun's id: in the sweep dir (the latest multirun's) and in each job dir."""
+
+
 class SweepReport(Callback):
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         # NOTE: in the driver, whichever launcher runs the jobs (joblib's run in other processes)
-        _STARTED[:] = [Path(str(config.hydra.sweep.dir))]
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        _STARTED[:] = [sweep_dir]
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / MULTIRUN_ID).write_text(uuid.uuid4().hex)
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        # NOTE: in the job's process, its dir made (a job of this multirun or a run of its own)
+        from hydra.types import RunMode
+
+        if config.hydra.mode == RunMode.MULTIRUN:
+            try:
+                sweep_id = (Path(str(config.hydra.sweep.dir)) / MULTIRUN_ID).read_text()
+                (Path(config.hydra.runtime.output_dir) / MULTIRUN_ID).write_text(sweep_id)
+            except OSError:
+                pass  # NOTE: the sweep dir's id was removed: no report can tell this job's multirun
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         write_sweep_report(Path(str(config.hydra.sweep.dir)))
@@ -133,10 +158,10 @@ def close_interrupted_jobs(sweep_dir: Path, exc: Any, *, wait_s: float = 5.0) ->
 
 
 def collect_rows(sweep_dir: Path) -> list[dict[str, Any]]:
-    """A row per job directory holding a ``result.json``, in job order. ``config`` is
-    the job's overrides that differ between jobs (what the sweep varies)."""
+    """A row per job directory of the sweep dir's multirun holding a ``result.json``, in job
+    order. ``config`` is the job's overrides that differ between jobs (what the sweep varies)."""
     rows, overrides, settings = [], [], []
-    for result_path in sorted(sweep_dir.glob("*/result.json"), key=_job_order):
+    for result_path in sorted(_this_multirun(sweep_dir.glob("*/result.json"), sweep_dir), key=_job_order):
         result = _read_result(result_path)
         settings.append(_headline_settings(result.get("config") or {}))
         job_dir = result_path.parent
@@ -543,6 +568,23 @@ def _overrides(job_dir: Path) -> list[str]:
 
 def _common_overrides(rows: list[dict[str, Any]]) -> list[str]:
     return rows[0]["common_overrides"] if rows else []
+
+
+def _this_multirun(paths: Any, sweep_dir: Path) -> list[Path]:
+    """Of ``paths`` (a file in each job dir), those of the jobs of the sweep dir's latest
+    multirun (every one where no multirun wrote its id)."""
+    try:
+        sweep_id = (sweep_dir / MULTIRUN_ID).read_text()
+    except OSError:
+        return list(paths)
+    out = []
+    for path in paths:
+        try:
+            if (path.parent / MULTIRUN_ID).read_text() == sweep_id:
+                out.append(path)
+        except OSError:
+            pass  # NOTE: no id: a job of none of the multiruns that wrote one
+    return out
 
 
 def _job_order(path: Path) -> tuple[int, str]:

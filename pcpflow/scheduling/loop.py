@@ -135,7 +135,10 @@ def request_columns(scheduler: Scheduler, step_start: np.ndarray, step_end: np.n
         entered = entered_at[req].astype(np.float64)
     else:
         entered = at(step_start, t["entry_step"])
-    ready = at(step_end, t["ready_step"] - 1)
+    # NOTE: the clock starts at entry, or at the end of a cached_lens warm-up where one ran (a
+    # prefix hit holding the prefix is ready at its entry step: no warm-up)
+    warmed = t["ready_step"] > t["entry_step"]
+    ready = at(step_end, np.where(warmed, t["ready_step"] - 1, -1))
     arrival = np.where(np.isnan(ready), entered, np.fmax(entered, ready))
     first = at(step_end, t["first_token_step"])
     finish = at(step_end, t["finish_step"])
@@ -143,8 +146,8 @@ def request_columns(scheduler: Scheduler, step_start: np.ndarray, step_end: np.n
     many = (n_out > 1) & (t["finish_step"] >= 0)
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(many, (finish - first) / (n_out - 1), np.nan)
-        tpot_steps = np.where(many, (t["finish_step"] - t["first_token_step"]) / (n_out - 1), np.nan)
-    got_first = (t["first_token_step"] >= 0) & (t["arrival_step"] >= 0)
+    ttft_steps, tpot_steps = steps_between(t["arrival_step"], t["first_token_step"], t["finish_step"],
+                                           t["num_output_tokens"])
     return {
         "req_id": req,
         "arrival_step": t["arrival_step"],
@@ -154,14 +157,27 @@ def request_columns(scheduler: Scheduler, step_start: np.ndarray, step_end: np.n
         "first_token_s": first,
         "finish_s": finish,
         "ttft_s": first - arrival,
-        "ttft_steps": np.where(got_first, t["first_token_step"] - t["arrival_step"] + 1, np.nan),
+        "ttft_steps": ttft_steps,
         "tpot_s": tpot,
         "tpot_steps": tpot_steps,
-        "queue_s": at(step_start, t["admitted_step"]) - entered,
+        # NOTE: from the clock's start, as TTFT: a request admitted before (for its warm-up) waits for nothing
+        "queue_s": np.maximum(at(step_start, t["admitted_step"]) - arrival, 0.0),
         "output_len": t["num_output_tokens"],
         "num_preemptions": t["num_preemptions"],
         "prefix_hit_tokens": t["prefix_hit_tokens"],
     }
+
+
+def steps_between(arrival_step: np.ndarray, first_token_step: np.ndarray, finish_step: np.ndarray,
+                  num_output_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """TTFT in steps (the arrival step and the first token's both counted) and TPOT in steps
+    (the mean steps between later tokens) from a request's step columns; NaN where not yet."""
+    n_out = num_output_tokens.astype(np.float64)
+    got_first = (first_token_step >= 0) & (arrival_step >= 0)
+    many = (n_out > 1) & (finish_step >= 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (np.where(got_first, first_token_step - arrival_step + 1, np.nan),
+                np.where(many, (finish_step - first_token_step) / (n_out - 1), np.nan))
 
 
 def _value(v: float) -> float | None:

@@ -36,6 +36,11 @@ MAX_TOKENS = 2**53
 """Largest length a workload may give (exact in float64, far from int64's end)."""
 DEFAULT_STEP_MS = 50.0
 """A trace's ms per scheduler step when it arrives in steps and ``step_ms`` is null."""
+MAX_ARRIVAL_S = 1e9
+"""Latest arrival in time a workload may ask for (s, ~32 years): up to it float64 holds the run
+clock to 2^-23 s (0.12 us), beyond it coarser, until a step's duration is lost."""
+_WHY_MAX_ARRIVAL = (f"beyond {MAX_ARRIVAL_S:g} s, float64 no longer holds the run clock to 0.12 us and a step's "
+                    "duration gets lost in it")
 
 # NOTE: stream tags keep the random streams of different uses independent for one seed.
 _SYNTHETIC_STREAM = 1
@@ -55,7 +60,8 @@ Seed = Annotated[
 RequestRate = Annotated[
     float | None,
     Field(gt=0, allow_inf_nan=True, description="simulated runs: requests per second, Poisson arrivals in time "
-          "(inf: all at once); null: arrivals in steps"),
+          "(inf: all at once), at least (requests - 1) / 1e9 (the last arrival within 1e9 s, where float64 "
+          "resolves a step); null: arrivals in steps"),
 ]
 MaxConcurrency = Annotated[
     int | None,
@@ -84,6 +90,16 @@ class _RateChecks(Settings):
         if rate is not None and info.data.get(steps) is not None:
             raise ValueError(f"request_rate (arrivals in time) and {steps} (arrivals in steps) exclude "
                              f"each other: leave {steps} out (null) to give a rate")
+        return rate
+
+    @field_validator("request_rate", check_fields=False)
+    @classmethod
+    def _rate_on_the_clock(cls, rate, info: ValidationInfo):
+        n = info.data.get("num_requests") if "num_requests" in cls.model_fields else _num_prompts(info.data)
+        if rate is not None and n is not None and (n - 1) / rate > MAX_ARRIVAL_S:
+            raise ValueError(f"{n} requests at {rate:g}/s arrive until ~{(n - 1) / rate:.3g} s ((requests - 1) / "
+                             f"rate, the first at 0): {_WHY_MAX_ARRIVAL}; allowed: >= {(n - 1) / MAX_ARRIVAL_S:.3g} "
+                             "requests/s for these requests, or inf (all at once)")
         return rate
 
 
@@ -331,7 +347,8 @@ class TraceWorkload(Settings):
         "step_ms); null: 50 in executed runs, and simulated runs replay the timestamps in time",
     )
     time_scale: float = Field(
-        1.0, gt=0, description="timestamps are multiplied by this (2 = half the request rate)"
+        1.0, gt=0, description="timestamps are multiplied by this (2 = half the request rate); in time, the "
+        "last arrival within 1e9 s (where float64 resolves a step)"
     )
     max_concurrency: MaxConcurrency = None
     seed: Seed = None
@@ -709,6 +726,12 @@ def _trace(cfg: TraceWorkload, vocab_size: int, seed: int, with_tokens: bool, si
         raise trace_problem(cfg, "a trace with a timestamp on every line to replay it in time (a simulated run); "
                              f"{cfg.path} has none: add them, or give workload.step_ms to replay it in steps")
     rel = np.zeros(n) if math.isnan(ts[0]) else (ts - ts.min()) * cfg.time_scale
+    if timed and rel.max() / 1e3 > MAX_ARRIVAL_S:
+        span_ms = float(ts.max() - ts.min())
+        raise ConfigError([Problem("workload.time_scale", cfg.time_scale,
+                                   f"its requests arrive until ~{rel.max() / 1e3:.3g} s ({span_ms:g} ms of timestamps "
+                                   f"x time_scale): {_WHY_MAX_ARRIVAL}; allowed: <= {MAX_ARRIVAL_S * 1e3 / span_ms:.3g} "
+                                   "for these requests")])
     arrivals = np.floor(rel / cfg.ms_per_step).astype(np.int64)
     table = RequestTable(prompt_lens=prompt, output_lens=output, arrival_steps=arrivals,
                          cached_lens=np.zeros(n, dtype=np.int64), arrival_s=rel / 1e3 if timed else None)

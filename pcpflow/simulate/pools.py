@@ -35,7 +35,7 @@ from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, handover_counts
 from pcpflow.output.metrics import STEP_COUNTS, MetricsRecorder, pool_step_record, step_record
 from pcpflow.parallel.transfer import pool_kv
 from pcpflow.pipeline.state import StepState
-from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
+from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows, steps_between
 from pcpflow.scheduling.pools import PoolLoop, pool_schedulers
 from pcpflow.simulate.engine import (
     VERIFICATION_OFF,
@@ -193,7 +193,11 @@ class PooledRun:
     def _run_in_time(self) -> None:
         from pcpflow.scheduling.pools import Handover
 
-        p_loop, d_loop = StepLoop(self.prefill), StepLoop(self.decode)
+        # NOTE: each pool step's index in metrics.jsonl (for a step that made no record, the next record's)
+        marks: dict[str, list[int]] = {n: [] for n in POOLS}
+        self._run_steps = marks
+        p_loop = StepLoop(self.prefill, on_step=lambda _: marks["prefill"].append(self.recorder.num_steps))
+        d_loop = StepLoop(self.decode, on_step=lambda _: marks["decode"].append(self.recorder.num_steps))
         ho = self._handover = Handover(self.prefill, self.decode)
         arrivals = self.prefill.arrivals
         inflight: list[tuple[float, int]] = []  # (arrives, req): adopted, entries on the way
@@ -247,7 +251,7 @@ class PooledRun:
             for t, i in [x for x in inflight if x[0] <= d_next]:
                 self.decode.join(i)
             inflight = [x for x in inflight if x[0] > d_next]
-            handed = ho.admit(self.decode.step, now=d_next, join=False)
+            handed = ho.admit(self.recorder.num_steps, now=d_next, join=False)  # NOTE: the step recording the transfer
             transfer = self._hand_over(handed)
             for i, *_ in handed:
                 arrive = d_next + float(ho.transfer_s[i])
@@ -283,7 +287,7 @@ class PooledRun:
 
     def _timed_columns(self, p_loop: StepLoop, d_loop: StepLoop, ho) -> dict[str, np.ndarray]:
         """The request columns of a run in time: first tokens on the prefill pool's clock,
-        finishes on the decode pool's."""
+        finishes on the decode pool's; every step is metrics.jsonl's (either pool's)."""
         # NOTE: a request handed over finished on the decode pool's clock (its steps are that pool's):
         # its finish is read from the prefill pool's steps padded to as many, then replaced
         n = max(len(p_loop.step_end), len(d_loop.step_end))
@@ -293,7 +297,17 @@ class PooledRun:
         cols["finish_s"][fin] = d_loop.step_end[cols["finish_step"][fin]]
         many = fin & (cols["output_len"] > 1)
         cols["tpot_s"][many] = (cols["finish_s"][many] - cols["first_token_s"][many]) / (cols["output_len"][many] - 1)
-        cols["tpot_steps"][fin] = np.nan  # NOTE: two pools' steps do not add up
+        # NOTE: each pool's steps to the run's; a step not yet scheduled (a warm-up just done) is the next record's
+        p_steps, d_steps = (np.array([*self._run_steps[n], self.recorder.num_steps]) for n in POOLS)
+        for k in ("arrival_step", "first_token_step"):
+            ok = cols[k] >= 0
+            cols[k][ok] = p_steps[cols[k][ok]]
+        finish = cols["finish_step"]
+        in_prefill = (finish >= 0) & ~fin  # NOTE: one output: done as its prefill ended
+        finish[in_prefill] = p_steps[finish[in_prefill]]
+        finish[fin] = d_steps[finish[fin]]
+        cols["ttft_steps"], cols["tpot_steps"] = steps_between(cols["arrival_step"], cols["first_token_step"],
+                                                               finish, cols["output_len"])
         return cols
 
     # -- the run ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from repo_scripts import load_script as _script
 
-from pcpflow.driver.sweep import BASE_COLUMNS, _markdown, write_sweep_report
+from pcpflow.driver.sweep import BASE_COLUMNS, MULTIRUN_ID, _markdown, write_sweep_report
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -314,6 +314,35 @@ def test_single_job_and_missing_overrides(tmp_path):
     assert rows[0]["config"] == "0" and rows[0]["exact"] is None
     assert "| 0 | ok | 10 | 100 | " in (tmp_path / "sweep.md").read_text()
     assert write_sweep_report(tmp_path / "0") == []  # no jobs below a job dir
+
+
+def test_a_sweep_dir_used_again_reports_the_latest_multiruns_jobs_only(tmp_path):
+    # jobs 0 and 1 of the latest multirun (id "new"), job 2 of an earlier one, job 3 of none
+    for name, sweep_id in (("0", "new"), ("1", "new"), ("2", "old"), ("3", None)):
+        _job(tmp_path, name, [f"pcp={name}"], {"status": "ok", "metrics": _metrics(10.0, None)})
+        if sweep_id is not None:
+            (tmp_path / name / MULTIRUN_ID).write_text(sweep_id)
+    assert [r["job"] for r in write_sweep_report(tmp_path, announce=False)] == ["0", "1", "2", "3"]  # no id: all
+    (tmp_path / MULTIRUN_ID).write_text("new")
+    assert [r["job"] for r in write_sweep_report(tmp_path, announce=False)] == ["0", "1"]
+
+
+def test_two_multiruns_into_one_sweep_dir(tmp_path):
+    """The second multirun (2 jobs) overwrites jobs 0 and 1 of the first (3 jobs), not job 2:
+    its report has its own 2 jobs, as it would in a fresh dir."""
+    def multirun(swept: str) -> list[dict]:
+        r = subprocess.run([sys.executable, "-m", "pcpflow", "-m", "mode=simulate", "model=llama3_8b",
+                            "hardware=h100_sxm", swept, "workload.num_requests=2", "output.plots=false",
+                            f"hydra.sweep.dir={tmp_path}"], check=False, cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with open(tmp_path / "sweep.csv") as f:
+            return list(csv.DictReader(f))
+
+    assert [(r["job"], r["config"]) for r in multirun("pcp=1,2,4")] == [("0", "pcp=1"), ("1", "pcp=2"), ("2", "pcp=4")]
+    assert [(r["job"], r["config"]) for r in multirun("tp=1,2")] == [("0", "tp=1"), ("1", "tp=2")]
+    assert (tmp_path / "2" / "result.json").exists()  # the earlier job is kept, not reported
+    assert "pcp=4" not in (tmp_path / "sweep.md").read_text()
 
 
 # ----------------------------------------------------------------------------- scripts

@@ -10,6 +10,7 @@ from pydantic import TypeAdapter, ValidationError
 from pcpflow.errors import ConfigError
 from pcpflow.scheduling import prefix
 from pcpflow.scheduling.workload import (
+    MAX_ARRIVAL_S,
     NEVER_PRIVATE,
     ExplicitWorkload,
     SyntheticWorkload,
@@ -18,6 +19,7 @@ from pcpflow.scheduling.workload import (
     build_requests,
     request_table,
 )
+from pcpflow.testing import cli
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -82,6 +84,60 @@ def test_unknown_field_and_kind_rejected():
         SyntheticWorkload(num_request=3)
     with pytest.raises(ValidationError, match="synthetic"):
         workload_adapter.validate_python({"kind": "nope"})
+
+
+# -- arrivals in time ----------------------------------------------------------------------
+
+
+def test_the_latest_arrival_is_where_float64_holds_a_microsecond():
+    # float64 at MAX_ARRIVAL_S: times 2^-23 s apart (2^29 <= 1e9 < 2^30, 52 fraction bits)
+    assert np.spacing(MAX_ARRIVAL_S) == 2.0**-23 < 1e-6
+
+
+@pytest.mark.parametrize("cls, n_requests", [(SyntheticWorkload, {"num_requests": 3}),
+                                              (ExplicitWorkload, {"prompt_lens": [100, 200, 300]})])
+def test_a_rate_whose_arrivals_outrun_float64_is_refused(cls, n_requests):
+    # 3 requests, the first at 0: the last arrives at 2 / rate on average; allowed up to 1e9 s
+    loc, msg = _error(cls, **n_requests, request_rate=1e-15)
+    assert loc == ("request_rate",)
+    assert "~2e+15 s" in msg and ">= 2e-09 requests/s" in msg and "inf" in msg
+    assert cls(**n_requests, request_rate=1e-8).request_rate == 1e-8  # 2e8 s
+    assert cls(**n_requests, request_rate=math.inf).request_rate == math.inf
+
+
+def test_one_request_arrives_at_0_whatever_the_rate():
+    table = request_table(SyntheticWorkload(num_requests=1, request_rate=1e-300), vocab_size=8, seed=0,
+                          with_tokens=False, simulated=True)
+    assert table.arrival_s.tolist() == [0.0]
+
+
+def test_a_trace_stretched_past_float64_is_refused(tmp_path):
+    path = _write(tmp_path, [_row(0, 5, 3, [0]), _row(1000, 5, 3, [1])])  # 1 s of timestamps
+    with pytest.raises(ConfigError) as e:
+        request_table(TraceWorkload(path=path, time_scale=1e10), vocab_size=9, seed=0, with_tokens=False,
+                      simulated=True)
+    (p,) = e.value.problems
+    assert (p.field, p.given) == ("workload.time_scale", 1e10) and "<= 1e+09" in p.allowed
+    table = request_table(TraceWorkload(path=path, time_scale=1e9), vocab_size=9, seed=0, with_tokens=False,
+                          simulated=True)
+    assert table.arrival_s.tolist() == [0.0, 1e9]
+    # in steps the clock is not float64's (arrival steps are integers)
+    assert request_table(TraceWorkload(path=path, time_scale=1e10, step_ms=1e10), vocab_size=9, seed=0,
+                         with_tokens=False, simulated=True).arrival_steps.tolist() == [0, 1000]
+
+
+def test_a_tiny_rate_is_refused_by_the_driver_and_a_small_one_runs(tmp_path):
+    base = ("mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "workload=explicit",
+            "workload.prompt_lens=[100,200,300]", "workload.output_lens=[4]", "output.plots=false",
+            "output.progress=false", f"hydra.run.dir={tmp_path}")
+    r = cli(*base, "workload.request_rate=1e-15")
+    assert r.returncode == 2
+    (line,) = [x for x in r.stderr.splitlines() if "workload.request_rate" in x]
+    assert "got 1e-15" in line and ">= 2e-09 requests/s" in line
+    r = cli(*base, "workload.request_rate=0.01")  # arrivals over ~200 s
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "result.json").read_text())["requests"]
+    assert all(q["ttft_s"] > 0 and q["tpot_s"] > 0 for q in rows)
 
 
 # -- explicit ----------------------------------------------------------------------------

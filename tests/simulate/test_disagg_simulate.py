@@ -131,3 +131,31 @@ def test_serving_counts_in_time_are_the_requests_own(overrides):
     if overrides[0] == "workload.num_requests=30":
         ran_nothing = [r for r in sim.records if r["num_preempted"] and not any(r["pools"].values())]
         assert m["preemptions"] > 0 and ran_nothing
+
+
+@pytest.mark.parametrize("overrides", [
+    # the fuzzer's case: two long prompts chunked, one short; its decode pool counted its own steps
+    ("workload=explicit", "workload.prompt_lens=[5000,5000,100]", "workload.output_lens=[2]",
+     "workload.request_rate=inf", "scheduler.max_num_batched_tokens=1024"),
+    ("workload.num_requests=12", "workload.request_rate=50", "disagg.decode_pool.max_num_seqs=2"),
+], ids=["at-once", "poisson"])
+def test_step_columns_in_time_are_the_runs_steps(overrides):
+    """Each pool on its own clock: a request's steps are metrics.jsonl's (either pool's), so
+    its first token's step is the prefill step that sampled it, its finish the decode step
+    that did, its handover the record of its transfer, in that order; TTFT and TPOT in steps
+    count those steps."""
+    sim, res = run("pcp=2", *overrides)
+    cols, records = sim.columns, sim.records
+    assert [r["step"] for r in records] == list(range(res["metrics"]["num_steps"]))
+    for r in res["requests"]:
+        i = r["req_id"]
+        first, finish, handover = records[r["first_token_step"]], records[r["finish_step"]], records[r["handover_step"]]
+        assert first["pools"]["prefill"] is not None
+        assert first["time_s"] + first["step_s"] == pytest.approx(cols["first_token_s"][i], abs=1e-12)
+        assert finish["pools"]["decode"] is not None
+        assert finish["time_s"] + finish["step_s"] == pytest.approx(cols["finish_s"][i], abs=1e-12)
+        assert i in handover["transfer"]["req_ids"]
+        assert records[r["arrival_step"]]["time_s"] >= cols["arrival_s"][i]
+        assert r["arrival_step"] <= r["first_token_step"] < r["handover_step"] < r["finish_step"]
+        assert r["ttft_steps"] == r["first_token_step"] - r["arrival_step"] + 1
+        assert r["tpot_steps"] == pytest.approx((r["finish_step"] - r["first_token_step"]) / (r["output_len"] - 1))
