@@ -14,6 +14,7 @@ the decode pool receives every entry (a request preempted there recomputes in fu
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field
@@ -111,13 +112,21 @@ def pool_problems(cfg: RunConfig, problems: list[Problem], pool: str) -> list[Pr
     where = f"the {pool} pool (tp={grid.tp} pcp={grid.pcp} dcp={grid.dcp})"
     out = []
     for p in problems:
-        field, allowed = p.field, p.allowed
+        field, allowed, pool_where = p.field, p.allowed, where
         if field in POOL_FIELDS:
             field = pool_field(pool, field)
             if "." in p.field:  # NOTE: "kv.num_blocks must be >= 4" names the setting to raise
                 allowed = allowed.replace(f"{p.field} ", f"{field} ")
-        out.append(Problem(field, p.given, f"{where}: {allowed}"))
+            if pool == "decode" and getattr(cfg.disagg.decode_pool, field.split(".")[-1], 0) is None:
+                pool_where += f", which takes {p.field} as {field} is null"  # NOTE: the value given is the top-level one
+        if pool == "decode":  # NOTE: a hint's keys are the pool's: "(use dcp=2 pcp=2)" sets disagg.decode_pool.*
+            allowed = _HINT.sub(lambda m: _HINT_KEY.sub(r"disagg.decode_pool.\1=", m.group(0)), allowed)
+        out.append(Problem(field, p.given, f"{pool_where}: {allowed}"))
     return out
+
+
+_HINT = re.compile(r"\(use [^)]*\)")
+_HINT_KEY = re.compile(r"\b(tp|pcp|dcp|cp_attention)=")
 
 
 def disagg_problems(cfg: RunConfig) -> list[Problem]:

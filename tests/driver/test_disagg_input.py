@@ -91,8 +91,12 @@ def test_each_pool_has_its_own_ring():
     got = problems("pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
                    "disagg.decode_pool.cp_attention=ring_auto")
     assert got == ["disagg.decode_pool.cp_attention: got 'ring_auto'; the decode pool (tp=2 pcp=1 dcp=2): a ring "
-                   "needs the KV sharded over the ring: pcp > 1 and dcp = pcp; got pcp=1 dcp=2 (use dcp=2 pcp=2, or "
-                   "cp_attention=allgather)"], got
+                   "needs the KV sharded over the ring: pcp > 1 and dcp = pcp; got pcp=1 dcp=2 (use disagg.decode_pool.dcp=2 "
+                   "disagg.decode_pool.pcp=2, or disagg.decode_pool.cp_attention=allgather)"], got
+    # a decode pool size it takes from the top-level key says so
+    got = problems("disagg=pd", "kv.num_blocks=4")
+    assert any(p.startswith("disagg.decode_pool.num_blocks: got 4; the decode pool (tp=1 pcp=1 dcp=1), which takes "
+                            "kv.num_blocks as disagg.decode_pool.num_blocks is null: ") for p in got), got
     # the prefill pool's grid must hold the ring: the ring's own rule, on the top-level keys
     got = problems("pcp=2", "dcp=1", "disagg=pd", "pipeline.forward.cp_attention=ring_pass_kv")
     assert any(p.startswith("pipeline.forward.cp_attention: got 'ring_pass_kv'; a ring needs the KV sharded over the "
