@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding, yarn_mscale
@@ -49,6 +49,7 @@ class DeepseekCheckpoint(CheckpointConfig):
     qk_rope_head_dim: int = Field(gt=0, multiple_of=2)
     v_head_dim: int = Field(gt=0)
     rope_interleave: bool = True
+    mlp_bias: bool = False  # DeepSeek-V2's config has it (biases on every MLP, the experts' too)
     n_routed_experts: int | None = None
     first_k_dense_replace: int = Field(ge=0)
     moe: MoEConfig | None = None  # from the MoE fields (``hf_moe.moe_settings``)
@@ -65,6 +66,14 @@ class DeepseekCheckpoint(CheckpointConfig):
         attention_rename("o_proj.{wb}", "o_proj.{wb}"),
         *MOE_RENAMES,
     )
+
+    @field_validator("mlp_bias")
+    @classmethod
+    def _no_mlp_bias(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("MLP biases (mlp_bias: true) are not supported for DeepSeek checkpoints (pcpflow's DeepSeek "
+                             "MLPs and experts have none; no released checkpoint sets it)")
+        return value
 
     @model_validator(mode="before")
     @classmethod

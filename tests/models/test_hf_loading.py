@@ -112,7 +112,12 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     gelu = _copy(ckpts["llama"], tmp_path / "gelu", hidden_act="gelu")
     assert "hidden_act" in _problem(gelu)
     no_vocab = _copy(ckpts["llama"], tmp_path / "no_vocab", vocab_size=_DELETE)
-    assert "vocab_size: Field required" in _problem(no_vocab)
+    msg = _problem(no_vocab)
+    assert "vocab_size: Field required" in msg and "hidden_size" not in msg  # not the whole config quoted
+    biased = _copy(ckpts["dsv2"], tmp_path / "biased", mlp_bias=True)
+    assert "MLP biases (mlp_bias: true) are not supported for DeepSeek checkpoints" in _problem(biased)
+    swish = _copy(ckpts["llama"], tmp_path / "swish", hidden_act="swish")  # transformers' ACT2FN: SiLU
+    assert compose(["model=hf", f"model.path={swish}", "pcp=1"]).model.path == str(swish)
     no_weights = _copy(ckpts["llama"], tmp_path / "no_weights")
     (no_weights / "model.safetensors").unlink()
     assert "no safetensors weights" in _problem(no_weights)
