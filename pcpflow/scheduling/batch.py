@@ -38,6 +38,10 @@ class GlobalBatch:
     # including that row (prompt, outputs, this step's drafts before it): what a repetition
     # penalty reads; None when the run has none (``Scheduler(history=True)`` builds it)
     sampled_history: tuple[np.ndarray, np.ndarray] | None = None
+    # int64 [R]: the token after each row's prefill chunk that ends before its prefill does
+    # (a prompt's, or a readmitted request's output), -1 elsewhere; None: not known (a batch
+    # built without token ids)
+    chunk_next_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
@@ -96,4 +100,5 @@ class GlobalBatch:
             logits_indices=self.logits_indices,
             num_draft_tokens=self.num_draft_tokens,
             sampled_history=self.sampled_history,
+            chunk_next_ids=self.chunk_next_ids,
         )

@@ -499,9 +499,14 @@ class Scheduler:
             else:  # NOTE: a row samples at most once: at its first (decode) or last (prefill) token
                 logits_indices = first[sampling]
         self._sampling = sampling
-        history = None
-        if self.history and self._outputs is not None:
-            history = self._seen(run, num_computed, qsl, input_ids, logits_indices)
+        history = chunk_next = None
+        if self._outputs is not None:
+            if self.history:
+                history = self._seen(run, num_computed, qsl, input_ids, logits_indices)
+            ends = num_computed + num_sched
+            cut = np.flatnonzero(is_prefilling & (num_sched > 0) & (ends < prefill_end))
+            chunk_next = np.full(R, -1, dtype=np.int64)
+            chunk_next[cut] = self._sequence(run[cut], ends[cut])
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
@@ -514,6 +519,7 @@ class Scheduler:
             logits_indices=logits_indices,
             num_draft_tokens=drafts,
             sampled_history=history,
+            chunk_next_ids=chunk_next,
         )
 
     def _seen(self, run: np.ndarray, num_computed: np.ndarray, qsl: np.ndarray, input_ids: np.ndarray,

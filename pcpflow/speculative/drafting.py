@@ -68,8 +68,9 @@ def next_token_ids(
     Where the token is sampled (a finishing prompt's last token, every token of a decode
     row) it is the sample — for verified drafts that is the accepted draft itself, and
     past the first rejection it is the target's correction. Elsewhere it is the next
-    input token; the last token of an unfinished prompt chunk is followed by the prompt
-    token after the chunk (from ``prompts``, req_id -> prompt ids; -1 without it).
+    input token; the last token of an unfinished prefill chunk is followed by the token after
+    the chunk: the batch's ``chunk_next_ids`` (the scheduler's: a prompt token, or a readmitted
+    request's output), else from ``prompts`` (req_id -> prompt ids; -1 without it).
     """
     sampled = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1)
     out = np.full(batch.num_tokens, -1, dtype=np.int64)
@@ -78,7 +79,9 @@ def next_token_ids(
     ends = batch.query_start_loc[1:][q > 0] - 1
     out[ends] = -1
     unfinished = np.flatnonzero(batch.is_prefilling & (q > 0) & (c + q < batch.prompt_lens))
-    if prompts is not None:
+    if batch.chunk_next_ids is not None:
+        out[batch.query_start_loc[unfinished + 1] - 1] = batch.chunk_next_ids[unfinished]
+    elif prompts is not None:
         for r in unfinished.tolist():
             out[batch.query_start_loc[r + 1] - 1] = prompts[int(batch.req_ids[r])][c[r] + q[r]]
     out[batch.logits_indices] = sampled
