@@ -25,18 +25,18 @@ from pcpflow.tokens.sampling import apply_repetition_penalty, sample_batch
 def sample_greedy(state: StepState, model, sample_hidden: torch.Tensor, config=None) -> StepState:
     """Logits of the sampled rows and their tokens: the argmax (ties go to the lowest
     token id), or with ``config.sampling`` a keyed draw (``pcpflow.tokens.sampling``). A
-    run's repetition penalty applies to the logits first (``state.logits`` are the
-    penalized ones, as transformers' scores are: what the choice was made on)."""
+    run's repetition penalty applies first: the choice is made on ``state.scores``, the
+    penalized logits (transformers' scores); ``state.logits`` stay the model's."""
     state.sample_hidden = sample_hidden
     t0 = time.perf_counter()
     with torch.no_grad():
-        state.logits = model.compute_logits(sample_hidden)
+        state.logits = scores = model.compute_logits(sample_hidden)
         if state.batch.sampled_history is not None and config is not None and config.repetition_penalty != 1:
-            state.logits = apply_repetition_penalty(state.logits, config.repetition_penalty, state.batch.sampled_history)
+            state.scores = scores = apply_repetition_penalty(scores, config.repetition_penalty, state.batch.sampled_history)
     if config is None or config.sampling.greedy:
-        state.sampled_token_ids = state.logits.argmax(dim=-1).cpu().numpy().astype(np.int64)
+        state.sampled_token_ids = scores.argmax(dim=-1).cpu().numpy().astype(np.int64)
     else:
-        state.sampled_token_ids = sample_batch(state.logits, config.sampling, config.sampling_seed, state.batch)
+        state.sampled_token_ids = sample_batch(scores, config.sampling, config.sampling_seed, state.batch)
     state.timings["restore.sample"] = time.perf_counter() - t0
     return state
 

@@ -64,6 +64,7 @@ class StepState:
     restored_hidden: torch.Tensor | None = None  # [T, hidden]: the global batch (all_rows)
     sample_hidden: torch.Tensor | None = None  # [S, hidden]: restored rows to sample
     logits: torch.Tensor | None = None  # [S, vocab]
+    scores: torch.Tensor | None = None  # [S, vocab]: the logits a repetition penalty changed (None: the logits)
     sampled_token_ids: np.ndarray | None = None  # int64 [S]
     draft_token_ids: np.ndarray | None = None  # int64 [R, k], -1 = none proposed
     timings: dict[str, float] = field(default_factory=dict)  # stage name -> seconds

@@ -252,11 +252,16 @@ class Verifier:
         self.max_logit_diff = max(self.max_logit_diff, diff)
         got, want = state.sampled_token_ids, ref.sampled_token_ids
         self.tokens_checked += len(want)
+        # NOTE: a choice is made on the penalized logits, where a penalty p scales a seen
+        # token's rounding by up to max(p, 1/p): its gap is taken back to logit units
+        scores, stretch = ref.logits, 1.0
+        if ref.scores is not None:
+            scores, stretch = ref.scores, max(self.cfg.repetition_penalty, 1 / self.cfg.repetition_penalty)
         for i in np.flatnonzero(got != want):
             req = int(batch.req_ids[batch.logits_req_indices[i]])
             # greedy: the top-2 gap; sampling: the gap of the two perturbed scores
-            gap = decision_gap(ref.logits[i], int(got[i]), int(want[i]), self.cfg.sampling,
-                               self.cfg.sampling_seed, req, int(batch.positions[batch.logits_indices[i]]) + 1)
+            gap = decision_gap(scores[i], int(got[i]), int(want[i]), self.cfg.sampling,
+                               self.cfg.sampling_seed, req, int(batch.positions[batch.logits_indices[i]]) + 1) / stretch
             entry = {"step": batch.step, "req_id": req, "got": int(got[i]), "reference": int(want[i]), "top2_gap": gap}
             if self.cfg.dtype != "float64" and gap <= 2 * self.atol:
                 self.near_ties.append(entry)

@@ -41,7 +41,7 @@ NEW = 8
 COMMON = ["model=hf", "dtype=float32", "workload=explicit", f"workload.prompts={json.dumps(PROMPTS).replace(' ', '')}",
           f"workload.output_lens=[{NEW}]", "workload.ignore_eos=true", "output.plots=false", "output.progress=false"]
 LAYOUTS = {
-    "pcp2-dcp2-sharded": ["pcp=2", "dcp=2", "decode=sharded", "verify=true"],
+    "pcp2-dcp2-sharded": ["pcp=2", "dcp=2", "decode=sharded", "verify=true", "output.save_logits=true"],
     # 4-token blocks, 7 of them: the three requests do not fit together, one is preempted
     "preempted": ["pcp=2", "kv.block_size=4", "kv.num_blocks=7", "verify=true"],
     "drafts": ["pcp=2", "draft=self", "draft.num_speculative_tokens=3", "draft.error_rate=0.3", "verify=true"],
@@ -121,6 +121,16 @@ def test_tokens_match_transformers(shared_runs):
         if "verify=true" in LAYOUTS[name]:
             assert result["verify"]["passed"], (name, result["verify"])
     assert runs["preempted"][1]["metrics"]["preemptions"] > 0
+    # the saved logits are the model's (transformers' output_logits), the choice was made on the penalized ones
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(), dtype=torch.float32).eval()
+    saved, changed = runs["pcp2-dcp2-sharded"][1]["logits"], 0
+    for prompt, out, rows in zip(PROMPTS, with_penalty, saved):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:].double()
+        got = torch.tensor(rows, dtype=torch.float64)
+        assert float((got - want).abs().max()) < 1e-5
+        changed += sum(int(r.argmax()) != t for r, t in zip(got, out))
+    assert changed > 0, "the penalty changed no choice: the saved logits cannot tell raw from penalized"
 
 
 def test_bad_penalty_in_generation_config(tmp_path):
