@@ -334,6 +334,14 @@ def _task(cfg: Any) -> int:
 
 
 # ---------------------------------------------------------------------------- torchrun
+ONE_PROCESS = {
+    "search": "a search runs in one process, starting no ranks",
+    "simulate": "a simulated run is one process, starting no ranks",
+    "profile": "a profile starts the ranks it measures itself",
+}
+"""The modes pcpflow runs itself, not on ranks torchrun started, and why."""
+
+
 def torchrun_main(argv: list[str]) -> int:
     """This process is one rank of an externally launched job (``pcpflow.rank.bootstrap``):
     rank 0 composes and checks the config, every rank runs the engine."""
@@ -361,10 +369,11 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         run_dir = planned_run_dir(overrides)
         raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         check_run_dir(run_dir)
+        mode = raw.get("mode")
+        if mode in ONE_PROCESS:  # NOTE: torchrun's ranks run the engine: an executed run, whatever else the config says
+            raise ConfigError([Problem("mode", mode, f"{ONE_PROCESS[mode]}: python -m pcpflow mode={mode} ...; "
+                                       "torchrun starts the ranks of an executed run (mode=execute)")])
         cfg = prepare_job(raw)
-        if cfg.mode == "search":
-            raise ConfigError([Problem("mode", "search", "a search runs in one process, starting no ranks: "
-                                       "python -m pcpflow mode=search ...")])
         if cfg.world_size != world:
             ranks = (f"tp*pcp = {cfg.world_size}" if not cfg.disagg.enabled else
                      f"both pools' ranks ({cfg.grid.world_size} prefill + {cfg.disagg.decode_grid.world_size} decode "

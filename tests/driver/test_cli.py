@@ -238,6 +238,13 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path):
     assert result["status"] == "ok" and result["verify"]["passed"] and result["launcher"].startswith("external")
     r = subprocess.run([*cmd, "pcp=3", *SMALL], env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode != 0 and "must equal the 2 ranks torchrun started" in r.stderr + r.stdout
+    # the modes pcpflow runs in one process (or on ranks it starts) are refused by name, not run as an engine
+    for mode, says in (("simulate", "a simulated run is one process"), ("profile", "a profile starts the ranks it measures")):
+        mode_dir = tmp_path / mode
+        r = subprocess.run([*cmd, f"mode={mode}", "pcp=2", f"hydra.run.dir={mode_dir}", *SMALL], env=env,
+                           capture_output=True, text=True, timeout=240)
+        assert r.returncode != 0 and f"mode: got '{mode}'; {says}" in r.stderr + r.stdout, r.stderr[-2000:]
+        assert json.loads((mode_dir / "result.json").read_text())["exit_code"] == 2
 
 
 # ------------------------------------------------------------------------------ run dirs
