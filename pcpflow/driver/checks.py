@@ -31,12 +31,13 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     """Every pre-run check; returns ``cfg`` with the fields derived from its stages
     (``num_speculative_tokens``), raises ConfigError listing every problem."""
     from pcpflow.models.hf import checkpoint_problems, window_problems
-    from pcpflow.pipeline.assemble import stage_problems
+    from pcpflow.pipeline.assemble import load_builtin_stages, stage_problems
     from pcpflow.pipeline.stage import plugin_problems
     from pcpflow.rank.devices import host_memory_problems
     from pcpflow.scheduling.kv_cache import fit_problems
 
     kind = kind or getattr(cfg, "mode", "execute")
+    load_builtin_stages()
     problems = plugin_problems(cfg.plugins)
     if not problems:  # the stages import the plugins: only once they import cleanly
         found, cfg = stage_problems(cfg, raw or {})

@@ -51,11 +51,17 @@ BUILTIN_STAGES = (
 """The modules of the built-in stages (the folder ``stages/``, installed as ``pcpflow.stages``)."""
 
 
+def load_builtin_stages() -> None:
+    """Register the built-in stages (idempotent): before any plugin, so that a plugin taking
+    a built-in kind fails at its own import, as its problem."""
+    for name in BUILTIN_STAGES:
+        importlib.import_module(name)
+
+
 def load_stages(plugins: list[str] | tuple[str, ...] = ()) -> None:
     """Fill the registry: the built-in stages, the entry-point group, then ``plugins``.
     Idempotent (every rank calls it); a plugin that cannot be imported raises ImportError."""
-    for name in BUILTIN_STAGES:
-        importlib.import_module(name)
+    load_builtin_stages()
     load_stage_sources(plugins)
 
 

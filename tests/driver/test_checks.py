@@ -108,7 +108,12 @@ def test_seeds_outside_what_the_rng_takes():
     "source, expected",
     [("def broken(:\n", "SyntaxError"), ("raise RuntimeError('plugin exploded')\n", "RuntimeError: plugin exploded"),
      ("import no_such_module_pcpflow\n", "ModuleNotFoundError"),
-     ("import sys\nsys.exit(3)\n", "importing it called sys.exit(3)")],
+     ("import sys\nsys.exit(3)\n", "importing it called sys.exit(3)"),
+     # a built-in stage's kind: the built-ins register first, so it is the plugin's import that fails
+     ("from typing import Literal\nfrom pcpflow.stage import Stage, StageConfig, register\n@register\n"
+      "class Dup(Stage):\n    kind = 'batch_checks'\n    class Config(StageConfig):\n"
+      "        kind: Literal['batch_checks'] = 'batch_checks'\n",
+      "stage kind 'batch_checks' is registered twice: pcpflow.stages.validate:BatchChecks and")],
 )
 def test_a_plugin_that_fails_at_import_is_its_problem(tmp_path, monkeypatch, source, expected):
     name = f"bad_plugin_{abs(hash(source)) % 10**8}"
