@@ -155,11 +155,19 @@ def world_of(row: list[str]) -> int:
 
 
 def profiles_by_world(paths: list[str]) -> dict[int, str]:
-    """Each profile under the ranks it measured busy (``measured.tp x measured.pcp``)."""
+    """Each profile under the ranks it measured busy (``measured.tp x measured.pcp``);
+    SystemExit 2 naming ``--profile`` for a file that is not a whole profile."""
     out = {}
     for path in paths:
-        m = yaml.safe_load(Path(path).read_text())["measured"]
-        out[m["tp"] * m["pcp"]] = str(path)
+        try:
+            doc = yaml.safe_load(Path(path).read_text())
+            m = doc["measured"]
+            if m.get("status") != "complete":
+                raise ValueError(f"a complete profile (measured.status: {m.get('status')!r}; it lacks {m.get('missing')})")
+            out[m["tp"] * m["pcp"]] = str(path)
+        except (OSError, yaml.YAMLError, ValueError, KeyError, TypeError) as exc:
+            print(f"validate_measured.py: --profile {path}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
 from pcpflow.errors import Settings
 
@@ -129,11 +129,13 @@ class HeadShape(Settings):
         return self
 
 
-Size = Annotated[int, Field(ge=1)]
-"""A point of a size axis (rows, keys, bytes, ...): at least 1."""
-Seconds = Annotated[float, Field(gt=0)]
+Size = Annotated[int, Strict(), Field(ge=1)]
+"""A point of a size axis (rows, keys, bytes, ...): at least 1. Strict, as every table entry:
+an entry is a number as written, never a boolean or a string (``Settings`` checks a model's
+own fields; these are list items)."""
+Seconds = Annotated[float, Strict(), Field(gt=0)]
 """A measured time: finite (``Settings``) and above 0 (the profiler never measures 0)."""
-Wait = Annotated[float, Field(ge=0)]
+Wait = Annotated[float, Strict(), Field(ge=0)]
 """A time 0 may be (a fitted excess clamped at 0, a point of a fit)."""
 
 

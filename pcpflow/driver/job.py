@@ -241,8 +241,12 @@ def _profile(cfg: RunConfig, run_dir: Path, *, console: bool) -> dict[str, Any]:
     """``mode=profile``: the run's ranks measure (``pcpflow.profile.rank.measure``) instead
     of running the engine; a bar of grid points done."""
     from pcpflow.output.report import Progress
+    from pcpflow.profile.document import PROFILE_FILE
     from pcpflow.profile.rank import PROGRESS_FILE, measure
 
+    older = run_dir / PROFILE_FILE
+    if older.exists():  # NOTE: an earlier profile in this dir is set aside, never taken for this run's
+        older.replace(older.with_name(f"{older.stem}.previous{older.suffix}"))
     with Progress(run_dir / PROGRESS_FILE, enabled=console and cfg.output.progress, unit="points"):
         return launch_ranks(cfg, run_dir, work=measure)
 

@@ -71,6 +71,18 @@ def test_a_bad_profile_is_one_clear_problem(tmp_path, profile_path, args, field,
     assert line.strip().startswith(f"- {field}:") and says in line, line
 
 
+@pytest.mark.parametrize("value", [True, "1e-5"])
+def test_a_table_entry_is_a_number_as_written(tmp_path, value):
+    """A boolean or a string inside a table is refused, named down to the entry (a boolean
+    is never a number): not priced as 1.0 s or parsed from the string."""
+    doc = profile_dict()
+    doc["tables"]["memory"]["seconds"][0] = value
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    line = _one_problem(*SIM, f"hardware.path={path}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert line.strip().startswith("- hardware.tables.memory.seconds.0:") and "a valid number" in line, line
+
+
 def test_hardware_path_needs_hardware_measured(profile_path):
     line = _one_problem("mode=simulate", "hardware=h100_sxm", "model=llama3_8b", f"hardware.path={profile_path}")
     assert "hardware.path" in line and "hardware=measured" in line
@@ -294,6 +306,14 @@ def test_validate_measured_prices_each_row_on_the_profile_of_its_own_world_size(
     two.write_text(yaml.safe_dump(profile_dict()))
     profiles = script["profiles_by_world"]([str(two), str(one)])
     assert profiles == {1: str(one), 2: str(two)}
+    partial = tmp_path / "partial.yaml"
+    doc = profile_dict()
+    doc["measured"].update(status="partial", missing=["collectives"])
+    partial.write_text(yaml.safe_dump(doc))
+    for bad in (tmp_path / "nowhere.yaml", partial):  # one line naming --profile, exit 2, no traceback
+        with pytest.raises(SystemExit) as exc:
+            script["profiles_by_world"]([str(bad)])
+        assert exc.value.code == 2
     rows = dict(script["MATRIX"])
     assert script["profile_for"](profiles, rows["gemm 1x1200 pcp=1"]) == str(one)
     assert script["profile_for"](profiles, rows["gemm 1x1200 pcp=2"]) == str(two)
@@ -324,3 +344,16 @@ def test_a_cpu_profile_of_another_world_size_is_named_when_a_run_prices_on_it(tm
     assert len(warned) == 1 and "on 2 busy rank(s)" in warned[0] and "mode=profile tp=1 pcp=1" in warned[0], one.stderr
     two = cli(*run, "pcp=2", f"hydra.run.dir={tmp_path / 'two'}")
     assert two.returncode == 0 and "warning" not in two.stderr, two.stderr[-2000:]
+
+
+def test_an_earlier_profile_in_the_run_dir_is_set_aside(tmp_path, monkeypatch):
+    """A profile run into a dir that holds an older hardware.yaml sets it aside before it
+    measures: an interrupted run never passes the older file off as what it kept."""
+    from pcpflow.driver import job
+
+    (tmp_path / "hardware.yaml").write_text("older: true\n")
+    seen = []
+    monkeypatch.setattr(job, "launch_ranks", lambda cfg, run_dir, work: seen.append((run_dir / "hardware.yaml").exists()) or {})
+    job._profile(compose(["mode=profile", "pcp=1", "profile.quick=true"]), tmp_path, console=False)
+    assert seen == [False] and (tmp_path / "hardware.previous.yaml").read_text() == "older: true\n"
+    assert job._partial_note(compose(["mode=profile", "pcp=1"]), tmp_path) == ""
