@@ -272,7 +272,11 @@ class _PoolVerifier(Verifier):
         longest = int((table.prompt_lens + table.output_lens).max(initial=1))
         per_seat = -(-longest // cfg.kv.block_size)
         ref_blocks = sum(c.kv.num_blocks * c.dcp + c.scheduler.max_num_seqs * per_seat for c in rank.pools.values())
-        super().__init__(rank.mine, rank.ctx, specs, rank.world, rank.prefill, ref_blocks=ref_blocks)
+        # NOTE: the reference runs both pools' batches: its budget is the larger of theirs
+        budget = {k: max(getattr(c.scheduler, k) for c in rank.pools.values())
+                  for k in ("max_num_batched_tokens", "max_num_seqs")}
+        both = rank.mine.model_copy(update={"scheduler": rank.mine.scheduler.model_copy(update=budget)})
+        super().__init__(both, rank.ctx, specs, rank.world, rank.prefill, ref_blocks=ref_blocks)
         self.in_prefill = rank.pool == "prefill"
         self.decode_root = rank.offset
 

@@ -79,7 +79,14 @@ MOE_POOLS = ["pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.d
              "model.num_layers=3", "workload=explicit", "workload.prompt_lens=[9,14,5]", "workload.output_lens=[4,3,2]"]
 
 
-EXACT = [*CASES, "corrupt", "moe"]  # the matrix's runs, in order
+# The decode pool's budget and seats above the prefill pool's: its batches are legal by its own
+# (the reference, which runs both pools' batches, once judged them by the prefill pool's)
+BUDGETS = ["model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[3,3,3,3,3,3]", "workload.output_lens=[12]",
+           "workload.ignore_eos=true", "scheduler.max_num_batched_tokens=4", "scheduler.max_num_seqs=2", "disagg=pd",
+           "disagg.decode_pool.max_num_batched_tokens=16", "disagg.decode_pool.max_num_seqs=6"]
+
+
+EXACT = [*CASES, "corrupt", "moe", "budgets"]  # the matrix's runs, in order
 
 
 def _exact_run(shared_runs, name: str):
@@ -91,7 +98,7 @@ def _exact():
     cases = [compose([*QUIET, *o]) for o in CASES.values()]
     corrupt = compose([*QUIET, "pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2", "disagg.decode_pool.dcp=2",
                        "workload=explicit", "workload.prompt_lens=[9,14]", "workload.output_lens=[3]", FAULTS, CORRUPT])
-    return [*cases, corrupt, compose([*QUIET, *MOE_POOLS])]
+    return [*cases, corrupt, compose([*QUIET, *MOE_POOLS]), compose([*QUIET, *BUDGETS])]
 
 
 @shared_ranks.matrix("disagg/exact-slow")
@@ -156,6 +163,14 @@ def test_both_pools_exact_and_each_decode_rank_receives_what_it_owns(shared_runs
     assert result["metrics"]["prefix_cache"]["hit_tokens"] >= 16
     assert sum(r["num_preemptions"] for r in rows) >= 1
     assert result["verify"]["positions_recomputed"] >= 16  # the prefix hits, recomputed by the reference
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("disagg/exact")
+def test_a_decode_pool_with_a_larger_budget_is_verified_by_its_own(shared_runs):
+    cfg, result = _exact_run(shared_runs, "budgets")
+    assert "error" not in result and result["verify"]["passed"], result.get("error") or result["verify"]
+    assert len(result["outputs"]) == 6 and all(len(o) == 12 for o in result["outputs"])
 
 
 @pytest.mark.dist
