@@ -21,7 +21,7 @@ Random seeded weights (``seed + seed_offset``): a faithful mechanism, not a good
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ class MTPDraft(Stage):
 
     class Config(spec.DraftConfig):
         kind: Literal["mtp"] = "mtp"
+        kv_reads_next_token: ClassVar[bool] = True  # NOTE: its row at p embeds the token at p + 1
         seed_offset: int = Field(1, description="the head's weights come from seed + seed_offset")
         layer: spec.MLALayerConfig = Field(default_factory=spec.MLALayerConfig)
 

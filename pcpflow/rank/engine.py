@@ -37,6 +37,7 @@ from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.loop import StepLoop, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.scheduling.workload import RequestTable, build_requests
+from pcpflow.speculative.drafting import draft_kv_reads_next_token
 from pcpflow.tokens.text import decode_outputs, stop_token_ids
 
 
@@ -86,6 +87,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         max_num_seqs=cfg.scheduler.max_num_seqs,
         kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
         num_speculative_tokens=cfg.num_speculative_tokens,
+        draft_kv_reads_next_token=draft_kv_reads_next_token(specs),
         stop_token_ids=stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True)),
         history=cfg.repetition_penalty != 1,
     )

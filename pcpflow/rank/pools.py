@@ -55,6 +55,7 @@ from pcpflow.rank.warmup import warm_up
 from pcpflow.scheduling.loop import request_columns, request_rows
 from pcpflow.scheduling.pools import PoolLoop, PoolStep, pool_schedulers
 from pcpflow.scheduling.workload import RequestTable, build_requests
+from pcpflow.speculative.drafting import draft_kv_reads_next_token
 from pcpflow.tokens.text import decode_outputs, stop_token_ids
 
 
@@ -90,7 +91,8 @@ class _PoolRank:
         self.table = table
         stops = stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True))
         self.prefill, self.decode = pool_schedulers(table, self.pools["prefill"], self.pools["decode"], stop_token_ids=stops,
-                                                    history=cfg.repetition_penalty != 1)
+                                                    history=cfg.repetition_penalty != 1,
+                                                    draft_kv_reads_next_token=draft_kv_reads_next_token(specs))
         self.ctx = RankContext(
             config=mine, pcp=comms["pcp"], dcp=comms["dcp"], world=comms["world"], device=device, dtype=dtype,
             model=model, kv_caches=allocate_kv_caches(model, mine.kv.num_blocks, mine.kv.block_size, dtype, device),

@@ -30,7 +30,12 @@ Policy, with budget = max_num_batched_tokens, running requests in admission orde
    budget and free blocks for the tokens it prefills this step. With prefix caching, the
    longest run of its full blocks found in the cache (at most all its tokens but the
    last) is taken instead of computed: it becomes a continued prefill of the rest (as a
-   ``workload.cached_lens`` prefix does). A request's ``cached_lens`` prefix is prefilled
+   ``workload.cached_lens`` prefix does). When the drafter's own KV entry at position p
+   reads the token at p + 1 (``draft_kv_reads_next_token``: MTP, EAGLE), a found block's
+   last entry read the token after it of the request that wrote it: the hit keeps the
+   blocks written followed by the block this request has next, less the last of them (as
+   vLLM drops the last block for EAGLE/MTP), and the rest is computed again. A request's
+   ``cached_lens`` prefix is prefilled
    alone first (its warm-up; what hits already cover is skipped), and its clock starts
    after it.
 After each step, the blocks a request filled are cached under their chained hashes
@@ -140,7 +145,7 @@ class StepStats(NamedTuple):
     """What the KV cache and the queues did when a step was scheduled (metrics.jsonl)."""
 
     num_preempted: int  # running requests preempted to make room
-    prefix_hit_tokens: int  # tokens found in the prefix cache by the requests admitted
+    prefix_hit_tokens: int  # tokens the requests admitted took from the prefix cache (not computed)
     prefix_query_tokens: int  # tokens those admissions looked up (first admissions only)
     kv_blocks_used: int  # blocks held by requests once the step is scheduled
     num_running: int
@@ -162,6 +167,11 @@ class Scheduler:
     scheduler given as ``share``). ``prefill_only`` (a prefill pool, ``disagg=pd``): a request
     leaves the running requests with its first token (``StepOutcome.handed_over``), keeping
     its blocks until ``release``; another pool's scheduler takes it over with ``adopt``.
+    ``draft_kv_reads_next_token`` (the drafter's ``DraftConfig.kv_reads_next_token``): a
+    prefix-cache hit gives up the blocks whose last entry may have read another request's
+    next token (``_drafter_hit``), and what a request reports as its hit
+    (``StepStats.prefix_hit_tokens``, ``prefix_hit_tokens`` of its row) is what it took from
+    the cache, without them.
     """
 
     def __init__(
@@ -172,6 +182,7 @@ class Scheduler:
         max_num_seqs: int,
         kv: KVCacheManager,
         num_speculative_tokens: int = 0,
+        draft_kv_reads_next_token: bool = False,
         stop_token_ids: Sequence[int] = (),
         feed: bool = True,
         share: Scheduler | None = None,
@@ -188,7 +199,12 @@ class Scheduler:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
         self.num_speculative_tokens = int(num_speculative_tokens)
+        self.draft_kv_reads_next_token = bool(draft_kv_reads_next_token)
         self.kv = kv
+        # NOTE: per block, the key of the block that followed it where its last entry was
+        # written (0: not known yet); kept only where a drafter's entries read the next token
+        self._next_key = (np.zeros(kv.num_blocks, dtype=np.uint64)
+                          if self.draft_kv_reads_next_token and kv.prefix_caching else None)
         self.prefill_only = bool(prefill_only)
         self.history = bool(history)  # each batch lists what its sampled rows have seen (a repetition penalty)
         self.step = 0
@@ -389,6 +405,8 @@ class Scheduler:
                 else:
                     hit_blocks = kv.find_cached(keys, longest)
                 self._last_find = (keys, longest, hit_blocks)
+                if self._next_key is not None:
+                    hit_blocks = self._drafter_hit(keys, hit_blocks)
             hit = len(hit_blocks) * U
             cached = int(self._cached[i])
             take = min((cached if hit < cached else total) - hit, budget)
@@ -659,6 +677,32 @@ class Scheduler:
 
     # -- prefix caching ------------------------------------------------------------------------
 
+    def _drafter_hit(self, keys: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """The blocks of a hit ``found`` (``find_cached`` of ``keys``) that a drafter whose
+        entry at p reads the token at p + 1 may reuse: each must have been written followed
+        by the block this request has next (``_next_key``), so that its last entry read this
+        request's next token; and the last block of that run is left out, as vLLM does for
+        EAGLE/MTP (v1/core/single_type_kv_cache_manager.py, FullAttentionManager.
+        find_longest_cache_hit: "if use_eagle and computed_blocks: pop the last block"): its
+        last entry read a token of a block that did not hit."""
+        n = len(found)
+        if n < 2:
+            return found[:0]
+        # NOTE: vLLM's pop alone reuses blocks written followed by another request's: a
+        # request whose hit ended at block j computed its own copy of j (the first copy stays
+        # the cached one) and cached its next blocks after it; a later request sharing its
+        # longer prefix finds the first copy of j, then those blocks (as after two requests
+        # that filled the same block in one step)
+        follows = self._next_key[found[:-1]] == keys[1:n]
+        return found[:int(np.cumprod(follows).sum())]
+
+    def _note_next_keys(self, r: np.ndarray, j: np.ndarray, keys: np.ndarray) -> None:
+        """Block ``j[k]`` of request ``r[k]``, full, is cached under ``keys[k]``: it has no
+        successor yet, and it is the successor of block ``j[k] - 1`` (``_drafter_hit``)."""
+        self._next_key[self.kv.block_ids(r, j)] = 0
+        after = j > 0
+        self._next_key[self.kv.block_ids(r[after], j[after] - 1)] = keys[after]
+
     def _cache_full_blocks(self, rows: np.ndarray, computed: np.ndarray) -> None:
         """Register the blocks each row (``computed`` tokens in the KV cache) filled this
         step under their chained hashes: rows that filled one block at once (decodes), then
@@ -678,7 +722,10 @@ class Scheduler:
         if fast.any():
             r, j = rows[fast], have[fast]
             values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
-            self.kv.cache_block_ids(self.kv.block_ids(r, j), prefix.keys(values), self._private(r, j))
+            keys = prefix.keys(values)
+            self.kv.cache_block_ids(self.kv.block_ids(r, j), keys, self._private(r, j))
+            if self._next_key is not None:
+                self._note_next_keys(r, j, keys)
             self._chain_last[r] = values
             self._hashed[r] = j + 1
         if fast.all():
@@ -699,8 +746,10 @@ class Scheduler:
         count = full - have
         r = np.repeat(rows, count)
         j = np.arange(len(r)) + np.repeat(have - (count.cumsum() - count), count)
-        self.kv.cache_block_ids(self.kv.block_ids(r, j), parts[0] if len(parts) == 1 else np.concatenate(parts),
-                                self._private(r, j))
+        keys = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.kv.cache_block_ids(self.kv.block_ids(r, j), keys, self._private(r, j))
+        if self._next_key is not None:
+            self._note_next_keys(r, j, keys)
         self._hashed[rows] = full
 
     def _private(self, rows: np.ndarray, j: np.ndarray) -> np.ndarray | None:

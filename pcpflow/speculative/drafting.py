@@ -5,7 +5,7 @@ hidden states, the draft's caches and its decoder layers."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +29,22 @@ class DraftConfig(StageConfig):
     ``num_speculative_tokens`` drafts per request."""
 
     num_speculative_tokens: int = Field(2, ge=1, description="tokens proposed per request and step")
+    kv_reads_next_token: ClassVar[bool] = False
+    """Whether the drafter's own KV entry at position p reads the token at p + 1 (MTP, EAGLE:
+    its row at p embeds the next token). Such an entry is not a function of the tokens up to
+    p, so a prefix-cache hit gives up the blocks whose last entry may have read another
+    request's next token, its last block at least, which are computed again
+    (``Scheduler(draft_kv_reads_next_token=...)``).
+    False for drafters without a cache of their own, or whose entry at p reads positions
+    <= p only (``self``, ``dspark``)."""
+
+
+def draft_kv_reads_next_token(specs) -> bool:
+    """Whether a pipeline's draft stage (``specs``: ``pcpflow.pipeline.assemble.resolve_pipeline``)
+    keeps KV entries that read the next token (``DraftConfig.kv_reads_next_token``): the
+    scheduler's ``draft_kv_reads_next_token``, on every rank and in every pool alike."""
+    draft = next((s for s in specs if s.name == "draft"), None)
+    return draft is not None and getattr(draft.config, "kv_reads_next_token", False) is True
 
 
 # -- what the step decided -----------------------------------------------------------------

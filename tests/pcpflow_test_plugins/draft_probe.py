@@ -55,3 +55,15 @@ def read(path: str | Path) -> dict[int, list]:
         int(p.stem[4:]): [json.loads(line) for line in p.read_text().splitlines()]
         for p in sorted(Path(path).glob("rank*.jsonl"))
     }
+
+
+def proposals(path: str | Path) -> dict[tuple[int, int], list[int]]:
+    """(req_id, newest token's position) -> the drafts proposed there, over every rank of the
+    run recorded at ``path``; every rank that proposed there proposed the same."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for rank, lines in read(path).items():
+        for _, req_ids, drafts, positions in lines:
+            for rid, row, pos in zip(req_ids, drafts, positions):
+                if pos >= 0:
+                    assert out.setdefault((rid, pos), row) == row, (str(path), rank, rid, pos)
+    return out

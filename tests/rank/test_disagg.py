@@ -297,15 +297,7 @@ def _draft_slow():
 
 
 def proposals(name: str) -> dict[tuple[int, int], list[int]]:
-    """(req_id, newest token's position) -> the drafts proposed there, over every rank of the
-    run; every rank that proposed there proposed the same."""
-    out: dict[tuple[int, int], list[int]] = {}
-    for rank, lines in draft_probe.read(_PROBES[name]).items():
-        for _, req_ids, drafts, positions in lines:
-            for rid, row, pos in zip(req_ids, drafts, positions):
-                if pos >= 0:
-                    assert out.setdefault((rid, pos), row) == row, (name, rank, rid, pos)
-    return out
+    return draft_probe.proposals(_PROBES[name])
 
 
 DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_verify_rows", "acceptance_rate")

@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import event, example, given, settings
@@ -213,6 +215,39 @@ def test_prefix_hits_become_continued_prefills():
     assert s.timing_columns()["prefix_hit_tokens"].tolist() == [0, 4, 2]
 
 
+@pytest.mark.parametrize("reads_next", [False, True])
+def test_a_drafter_reading_the_next_token_reuses_only_blocks_written_before_its_own(reads_next):
+    # block_size 2. Step 0: r0 = [1 2 3 4 5 6 7] and r1 = [1 2 3 4 8 9 7] prefill together;
+    # r0's copies of [1 2] and [3 4] are cached (r0 is admitted first), then r0's [5 6] and
+    # r1's [8 9]. Step 2: r2 = r1's prompt + [7] finds r0's [1 2], r0's [3 4], r1's [8 9];
+    # r3 = [1 2 3 4 5 9 9] finds r0's [1 2], [3 4].
+    # A drafter whose entry at p reads the token at p + 1 (MTP) may reuse a block only if it
+    # was written followed by this request's next block, and not the last one found (its
+    # last entry read a token outside the hit):
+    # - r2: [1 2] was followed by [3 4] (r2's too), [3 4] by r0's 5, not 8: 2 tokens;
+    # - r3: [1 2] by [3 4], and [3 4] is the last one found: 2 tokens.
+    # Without such a drafter: 6 and 4.
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9, 7], [1, 2, 3, 4, 8, 9, 7, 7], [1, 2, 3, 4, 5, 9, 9]]
+    reqs = [Request(i, np.array(p), 3 if i < 2 else 1, 0 if i < 2 else 2) for i, p in enumerate(prompts)]
+    kv = KVCacheManager(num_blocks=32, block_size=2, prefix_caching=True)
+    s = Scheduler(reqs, max_num_batched_tokens=64, max_num_seqs=4, kv=kv, draft_kv_reads_next_token=reads_next)
+    for _ in range(2):
+        b = s.schedule()
+        s.update(b, np.zeros(len(b.logits_indices), dtype=np.int64))
+    first_blocks = kv.blocks_of(0)[:2]
+    b = s.schedule()
+    assert b.req_ids.tolist() == [0, 1, 2, 3]
+    hits = [2, 2] if reads_next else [6, 4]
+    assert b.num_computed_tokens[2:].tolist() == hits
+    assert s.stats.prefix_hit_tokens == sum(hits) and s.stats.prefix_query_tokens == 8 + 7
+    # the blocks taken are r0's first ones; the rest is r2's and r3's own, written this step
+    assert (b.block_tables[2:, :1] == first_blocks[0]).all()
+    if reads_next:
+        assert not np.isin(b.block_tables[2:, 1:4], kv.blocks_of(0)).any()
+    s.update(b, np.zeros(len(b.logits_indices), dtype=np.int64))
+    assert s.timing_columns()["prefix_hit_tokens"].tolist() == [0, 0, *hits]
+
+
 def test_zero_token_rows_and_drafts_cut_by_budget():
     s = scheduler([1, 1, 1], [5, 5, 5], budget=3, k=2)
     b = s.schedule()
@@ -373,7 +408,7 @@ def _prompts(spec, shared):
 # samples its first token); preempted, readmitted, it prefilled that prefix again and its clock
 # started at step 4, after its first token (fixed: a hit holding the prefix starts it at entry)
 @example(spec=[(1, 3, 0, 0), (1, 1, 0, 0), (3, 4, 1, 1), (1, 4, 0, 0)], budget=4, seqs=3, block_size=1,
-         extra_blocks=0, k=0, prefix_caching=True, draft_seed=0)
+         extra_blocks=0, k=0, prefix_caching=True, draft_seed=0, reads_next=False)
 @given(
     spec=st.lists(
         st.tuples(st.integers(1, 20), st.integers(1, 8), st.integers(0, 3), st.integers(0, 20)),
@@ -386,14 +421,17 @@ def _prompts(spec, shared):
     k=st.integers(0, 3),
     prefix_caching=st.booleans(),
     draft_seed=st.integers(0, 2**16),
+    reads_next=st.booleans(),
 )
 def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size, extra_blocks, k,
-                                                 prefix_caching, draft_seed):
+                                                 prefix_caching, draft_seed, reads_next):
     """Whatever the batching, preemptions (few blocks) and prefix hits: every request's
     outputs are the unbatched reference's; every position a step attends to holds, in the
     request's blocks, the token recomputation would write there (so a hit or a shared block
     holds exactly the request's own prefix); a block being written belongs to its writer
-    alone; every block comes back."""
+    alone; every block comes back. ``reads_next``: a drafter's own cache whose entry at p
+    holds the token at p and the one after it (MTP's) holds, where a step attends, the
+    request's own next token too (a hit never reuses an entry that read another's)."""
     prompts = _prompts([(p, s) for p, _, _, s in spec], shared=prefix_caching)
     # every third request has a cached_lens prefix (prefilled first, then its clock starts)
     reqs = [Request(i, prompts[i], o, a, cached_len=(len(prompts[i]) - 1) // 2 if i % 3 == 2 else 0)
@@ -401,10 +439,11 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
     need = max(-(-(len(r.prompt_token_ids) + r.max_output_tokens + k) // block_size) for r in reqs)
     kv = KVCacheManager(num_blocks=need + extra_blocks, block_size=block_size, prefix_caching=prefix_caching)
     s = Scheduler(reqs, max_num_batched_tokens=budget, max_num_seqs=seqs, kv=kv,
-                  num_speculative_tokens=k)
+                  num_speculative_tokens=k, draft_kv_reads_next_token=reads_next)
     ref = {r.req_id: reference(r) for r in reqs}
     rng = np.random.default_rng(draft_seed)
     slot = {}  # the fake model's KV cache: (block, offset) -> token written there
+    draft_slot = {}  # the fake drafter's: (block, offset) -> (token, the token after it)
     for _ in range(3000):
         if s.done:
             break
@@ -427,6 +466,9 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
             # what it attends to: its prefix, as recomputation would write it
             cached = [slot.get((int(table[p // block_size]), p % block_size)) for p in range(c)]
             assert cached == history[:c], (rid, c)
+            if reads_next or not prefix_caching:
+                drafted = [draft_slot.get((int(table[p // block_size]), p % block_size)) for p in range(c)]
+                assert drafted == list(itertools.pairwise(history[:c + 1])), (rid, c)
             toks = b.input_ids[b.query_start_loc[i]:b.query_start_loc[i + 1]].tolist()
             if b.is_prefilling[i]:
                 assert toks == history[c:c + q]
@@ -441,6 +483,18 @@ def test_batched_run_matches_unbatched_reference(spec, budget, seqs, block_size,
             row = int(b.req_indices[t])
             table, pos = b.block_tables[row], int(b.positions[t])
             sampled.append(fake_model([slot[(int(table[p // block_size]), p % block_size)] for p in range(pos + 1)]))
+        # the drafter's entry of each token: the token after it is the sample taken there, else
+        # the next input token, else (a chunk's last) the sequence's next token
+        sample_at = dict(zip(b.logits_indices.tolist(), sampled))
+        for i, rid in enumerate(b.req_ids.tolist()):
+            start, end = int(b.query_start_loc[i]), int(b.query_start_loc[i + 1])
+            c, table = int(b.num_computed_tokens[i]), b.block_tables[i]
+            history = reqs[rid].prompt_token_ids.tolist() + outs[rid]
+            for g in range(start, end):
+                after = sample_at.get(g, int(b.input_ids[g + 1]) if g + 1 < end else None)
+                p = c + g - start
+                draft_slot[(int(table[p // block_size]), p % block_size)] = (
+                    int(b.input_ids[g]), history[p + 1] if after is None else after)
         s.update(b, np.array(sampled, dtype=np.int64))
         if k:
             # a drafter that knows the answer but errs: each proposal is wrong w.p. 0.4,

@@ -204,3 +204,23 @@ def test_a_plugin_drafter_brings_its_own_num_speculative_tokens():
     assert compose(base + ["+pipeline.draft.num_speculative_tokens=4"]).num_speculative_tokens == 4
     assert compose(["draft=self"]).num_speculative_tokens == 3  # conf/draft/self.yaml
     assert compose([]).num_speculative_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, reads_next",
+    [
+        ([], False),  # no drafter
+        (["draft=mtp"], True),  # its row at p embeds the token at p + 1
+        (["draft=self"], False),  # the target's own cache: positions <= p
+        (["draft=dspark"], False),  # context entries of the target's hidden at p
+        (["plugins=[pcpflow_test_plugins.toy_drafter]", "pipeline.draft.kind=toy_repeat"], False),  # no cache
+    ],
+)
+def test_only_a_drafter_whose_entries_read_the_next_token_gives_up_prefix_hits(overrides, reads_next):
+    """What the scheduler is told (``Scheduler(draft_kv_reads_next_token=...)``, from the
+    draft stage's Config): only such a drafter makes a prefix hit recompute blocks."""
+    from pcpflow.pipeline.assemble import resolve_pipeline
+    from pcpflow.speculative.drafting import draft_kv_reads_next_token
+    from pcpflow.testing import compose
+
+    assert draft_kv_reads_next_token(resolve_pipeline(compose(overrides))) is reads_next
