@@ -5,7 +5,8 @@ runs on, ``conf/hardware/<name>.yaml``, or a profile that ``mode=profile`` measu
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+import stat
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
@@ -168,7 +169,7 @@ class GemmTable(Settings):
     @classmethod
     def _shape(cls, v: list, info: ValidationInfo) -> list:
         if all(a in info.data for a in "mnk"):
-            _check_grid(v, tuple(len(info.data[a]) for a in "mnk"), "seconds[m][n][k]")
+            _check_grid(v, [(a, info.data[a]) for a in "mnk"])
         return v
 
 
@@ -186,7 +187,7 @@ class AttentionTable(Settings):
     @classmethod
     def _shape(cls, v: list, info: ValidationInfo) -> list:
         if "rows" in info.data and "keys" in info.data:
-            _check_grid(v, (len(info.data["rows"]), len(info.data["keys"])), "seconds[rows][keys]")
+            _check_grid(v, [("rows", info.data["rows"]), ("keys", info.data["keys"])])
         return v
 
 
@@ -208,7 +209,8 @@ class AttentionTables(Settings):
             raise ValueError("basis: at least four gqa head shapes (four coefficients are fitted on them)")
         for phase in ("prefill", "decode"):
             for dtype, t in getattr(self, phase).items():
-                _check_grid(t.seconds, (len(t.rows), len(t.keys), len(self.basis)), f"{phase}.{dtype}.seconds")
+                _check_grid(t.seconds, [("rows", t.rows), ("keys", t.keys), ("basis", self.basis)],
+                            at=(phase, dtype, "seconds"))
         return self
 
 
@@ -394,8 +396,8 @@ class HardwareConfig(Settings):
 
 def load_profile(path: str | None) -> dict:
     """The values of a measured profile file (``hardware=measured hardware.path=FILE``), with
-    ``path`` set; ValueError saying what is wrong with the file (missing, not YAML, not a
-    profile, partial: what it lacks)."""
+    ``path`` set; ValueError saying what is wrong with the file (missing, not a regular file,
+    empty, not YAML, not a profile, partial: what it lacks)."""
     from pathlib import Path
 
     import yaml
@@ -404,15 +406,28 @@ def load_profile(path: str | None) -> dict:
         raise ValueError("hardware=measured loads a profile: hardware.path=<profile run dir>/hardware.yaml "
                          "(python -m pcpflow mode=profile writes one)")
     file = Path(path).expanduser()
-    if file.is_dir():
-        raise ValueError(f"a profile file; {file} is a directory (mode=profile writes <run dir>/hardware.yaml)")
-    if not file.is_file():
-        raise ValueError(f"a profile file that exists ({file} does not exist); python -m pcpflow mode=profile writes "
-                         "<run dir>/hardware.yaml")
     try:
-        values = yaml.safe_load(file.read_text())
+        mode = file.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        where = "" if isinstance(exc, FileNotFoundError) else ": a folder on its path is a file"
+        raise ValueError(f"a profile file that exists ({file} does not exist{where}); python -m pcpflow mode=profile "
+                         "writes <run dir>/hardware.yaml") from None
+    except OSError as exc:
+        raise ValueError(f"a profile file pcpflow can read; {file}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"a profile file; {file} is a directory (mode=profile writes <run dir>/hardware.yaml)")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"a profile file; {file} exists but is not a regular file ({_file_kind(mode)}); "
+                         "python -m pcpflow mode=profile writes <run dir>/hardware.yaml")
+    try:
+        text = file.read_text()
+        values = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ValueError(f"a YAML hardware profile; {file} does not parse: {' '.join(str(exc).split())}") from None
+    if values is None:
+        raise ValueError(f"a hardware profile; the profile file {file} "
+                         f"{'holds only comments' if text.strip() else 'is empty'}: python -m pcpflow mode=profile "
+                         "writes <run dir>/hardware.yaml")
     if not isinstance(values, dict) or "name" not in values:
         raise ValueError(f"a hardware profile (a mapping with name, peak_tflops, host, ...); {file} is not one")
     if values.get("tables") is not None and values.get("measured") is None:
@@ -426,16 +441,49 @@ def load_profile(path: str | None) -> dict:
     return {**values, "path": str(file)}
 
 
-def _check_grid(values, shape: tuple[int, ...], what: str) -> None:
-    def walk(node, depth: int) -> None:
-        if depth == len(shape):
-            return
-        if len(node) != shape[depth]:
-            raise ValueError(f"{what} must be {' x '.join(map(str, shape))}, axis {depth} has {len(node)}")
-        for child in node:
-            walk(child, depth + 1)
+def _file_kind(mode: int) -> str:
+    """What a path that exists but is neither a regular file nor a directory is, in words."""
+    kinds = [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+             (stat.S_ISSOCK, "a socket")]
+    return next((words for test, words in kinds if test(mode)), "not a file pcpflow can read")
 
-    walk(values, 0)
+
+class EntryError(ValueError):
+    """A problem of one entry inside a field's value: ``loc`` below the field (keys and
+    indices), ``given`` what is there. ``pcpflow.config.run.pydantic_problems`` names the
+    entry, not the whole value (a table of a thousand numbers)."""
+
+    def __init__(self, message: str, loc: tuple = (), given: Any = None) -> None:
+        super().__init__(message)
+        self.loc, self.given = tuple(loc), given
+
+
+class Entries(int):
+    """A list's length, shown as what it is (``3 entries``) where a problem quotes it."""
+
+    def __repr__(self) -> str:
+        return f"{int(self)} entries"
+
+
+def _check_grid(values: list, axes: list[tuple[str, list]], at: tuple = ()) -> None:
+    """``values`` nested one list per axis, each list one entry per point of its axis;
+    EntryError naming the first list that is not (its index path below ``at``, the points it
+    lies at, the length it needs)."""
+    names = "".join(f"[{name}]" for name, _ in axes)
+    shape = " x ".join(str(len(points)) for _, points in axes)
+
+    def walk(node: list, path: tuple[int, ...]) -> None:
+        name, points = axes[len(path)]
+        if len(node) != len(points):
+            per = "head shape of basis" if name == "basis" else f"point of {name}"
+            where = ", ".join(f"{axes[d][0]}={axes[d][1][i]}" for d, i in enumerate(path))
+            raise EntryError(f"{len(points)} entries, one per {per} (seconds must be {shape}, {names})"
+                             + (f"; this list is at {where}" if where else ""), loc=(*at, *path), given=Entries(len(node)))
+        if len(path) + 1 < len(axes):
+            for i, child in enumerate(node):
+                walk(child, (*path, i))
+
+    walk(values, ())
 
 
 REMOVED_SIMULATE = {

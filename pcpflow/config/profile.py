@@ -3,9 +3,10 @@ run's ranks, and where a section it cannot measure takes its numbers from (docs/
 
 from __future__ import annotations
 
-from typing import Literal
+import difflib
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pcpflow.errors import Settings
 
@@ -19,11 +20,32 @@ class ProfileConfig(Settings):
     dtypes: list[Literal[PROFILE_DTYPES]] | None = Field(  # type: ignore[valid-type]
         None,
         min_length=1,
-        description="the dtypes its GEMM and attention tables cover; null: the device's (CPU: float32, "
-        "float64, bfloat16; CUDA: bfloat16, float32; quick: the first)",
+        description="the dtypes its GEMM and attention tables cover, each at most once; null: the device's (CPU: "
+        "float32, float64, bfloat16; CUDA: bfloat16, float32; quick: the first)",
     )
     collectives_from: str = Field(
         "h200_sxm",
         description="a shipped hardware profile whose NCCL graphs price the collectives it cannot measure "
         "(one GPU); its name goes into the file (from:)",
     )
+
+    @field_validator("dtypes", mode="before")
+    @classmethod
+    def _each_once(cls, v: Any) -> Any:
+        """One problem for the list: a name that is not a dtype and a dtype given twice are
+        said together, each name once (not once per entry)."""
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            return v  # pydantic names what is not a list of names
+        said = []
+        for name in dict.fromkeys(v):
+            what = []
+            if name not in PROFILE_DTYPES:
+                close = difflib.get_close_matches(name, PROFILE_DTYPES, n=1, cutoff=0.5)
+                what.append("is not a dtype name" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            if v.count(name) > 1:
+                what.append(f"given {v.count(name)} times" if what else f"is given {v.count(name)} times")
+            if what:
+                said.append(f"{name} {', '.join(what)}")
+        if said:
+            raise ValueError(f"{'; '.join(said)}; allowed: {', '.join(PROFILE_DTYPES)}, each at most once")
+        return v

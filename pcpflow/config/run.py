@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from pcpflow.config.disagg import DisaggConfig, disagg_problems, pool_problems
-from pcpflow.config.hardware import HardwareConfig, SimulateConfig
+from pcpflow.config.hardware import EntryError, HardwareConfig, SimulateConfig
 from pcpflow.config.profile import ProfileConfig
 from pcpflow.errors import ConfigError, Problem, Settings
 from pcpflow.models import ModelConfig
@@ -278,13 +278,21 @@ def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseMo
     problems = []
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
-        field = ".".join(filter(None, [prefix.rstrip("."), *loc])) or prefix or "<config>"
         given = err.get("input")
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, EntryError):  # NOTE: the entry at fault, not the whole table around it
+            loc += [str(p) for p in inner.loc]
+            given = inner.given
+        field = ".".join(filter(None, [prefix.rstrip("."), *loc])) or prefix or "<config>"
         if err["type"] == "extra_forbidden":
             allowed = _removed_note(model, loc) or "not a setting here" + _known_keys_hint(model, loc)
         elif err["type"] == "missing":
             allowed = "this setting is required"
             given = "<missing>"
+        elif err["type"] in ("bool_type", "bool_parsing"):
+            allowed = "allowed: true, false"
+        elif err["type"] == "list_type":
+            allowed = "a list (on the command line: [a, b]; [] for none)"
         else:  # NOTE: a validator's own message, without pydantic's "Value error, " in front
             allowed = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         problems.append(Problem(field, given, allowed))
@@ -451,7 +459,8 @@ def validate_run_config(
             found = pydantic_problems(exc, model=RunConfig)
             problems += [p for p in found if p.field not in bad and not _echoes(p, bad)]
             salvaged = _without(data, [tuple(str(x) for x in e["loc"]) for e in exc.errors()])
-            bad |= {p.field for p in found}
+            # NOTE: the fields pydantic named (an entry's problem is its field's: its index would echo everywhere)
+            bad |= {".".join(str(x) for x in e["loc"] if not _is_union_tag(x)) or "<config>" for e in exc.errors()}
             if salvaged == data:
                 return None, problems
             data = salvaged

@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
-from pcpflow.errors import ConfigError, Problem
+from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
 from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes, model_sizes
 
@@ -275,10 +275,7 @@ def measured_problems(cfg) -> list[Problem]:
 
     where = f"the profile {hw.path or hw.name}"
     att = hw.tables.attention
-    have = [d for d in hw.tables.gemm if att and d in att.prefill and d in att.decode]
-    if cfg.dtype not in have:
-        p.append(Problem("dtype", cfg.dtype, f"{where} measured {' | '.join(have) or 'no dtype'}; run at one of them, "
-                         f"or profile this one (python -m pcpflow mode=profile profile.dtypes=[{cfg.dtype}])"))
+    p += _table_dtype_problems(cfg.dtype, hw.tables, where)
     forward = (cfg.pipeline or {}).get("forward") or {}
     device = "cpu" if hw.device == "cpu" else "cuda"
     import torch
@@ -298,6 +295,39 @@ def measured_problems(cfg) -> list[Problem]:
                                  f"{hw.measured.tp * hw.measured.pcp if hw.measured else '?'}); profile a grid with "
                                  f"a group of {size}"))
                 break
+    return p
+
+
+def _table_dtype_problems(dtype: str, tables, where: str) -> list[Problem]:
+    """The run's ``dtype`` in every table the price reads by dtype (gemm, attention prefill and
+    decode). A phase with no table at all is the profile's own problem, named by its table;
+    a dtype that some tables have and one lacks names that table; a dtype none has, ``dtype``."""
+    att, p = tables.attention, []
+    again = f"python -m pcpflow mode=profile profile.dtypes=[{dtype}]"
+    by_dtype = {"tables.gemm": tables.gemm}
+    for phase in ("prefill", "decode"):
+        table = getattr(att, phase)
+        if table:
+            by_dtype[f"tables.attention.{phase}"] = table
+            continue
+        p.append(Problem(f"hardware.tables.attention.{phase}", table if phase in att.model_fields_set else MISSING,
+                         f"{where} has no {phase} attention table; a simulated run prices {phase} attention on "
+                         f"tables.attention.{phase}.{dtype} (mode=profile writes prefill and decode): profile again "
+                         f"({again})"))
+    have = [d for d in tables.gemm if all(d in t for t in by_dtype.values())]
+    lacking = [name for name, t in by_dtype.items() if dtype not in t]
+    if not lacking:
+        return p
+    if len(lacking) == len(by_dtype):  # measured nowhere: the run's dtype is the one to change
+        return p + [Problem("dtype", dtype, f"{where} measured {' | '.join(have) or 'no dtype'}; run at one of "
+                            f"them, or profile this one ({again})")]
+    measured = [name for name in by_dtype if name not in lacking]
+    for name in lacking:
+        what = f"{name.rsplit('.', 1)[-1]} attention table" if "attention" in name else "gemm table"
+        p.append(Problem(f"hardware.{name}", sorted(by_dtype[name]), f"{where} measured {dtype} in "
+                         f"{' and '.join(measured)}, but its {what} has {', '.join(sorted(by_dtype[name]))} only: "
+                         + (f"run at a dtype measured throughout ({' | '.join(have)}), or " if have else "")
+                         + f"profile {dtype} again ({again})"))
     return p
 
 

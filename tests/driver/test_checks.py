@@ -320,3 +320,27 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
         main(["--arch", "llama", "--out", str(tmp_path / "ckpt")])
     assert str(exit_.value.code).startswith("make_tiny_hf_checkpoint.py: transformers and safetensors not installed")
     assert not (tmp_path / "ckpt").exists()
+
+
+# ------------------------------------------------------------------------------ messages
+@pytest.mark.parametrize("args, field, says", [
+    (["verify=maybe"], "verify", "got 'maybe'; allowed: true, false"),
+    (["output.plots=3"], "output.plots", "got 3; allowed: true, false"),
+    (["mode=profile", "profile.quick=often"], "profile.quick", "got 'often'; allowed: true, false"),
+    # one problem, one message: a value that is not a list is not also judged as its entries
+    (["plugins=boom"], "plugins", "got 'boom'; a list"),
+    # a dtype given twice is one problem naming it; a wrong name given twice is one problem too
+    (["mode=profile", "profile.dtypes=[bfloat16,float32,bfloat16]"], "profile.dtypes",
+     "bfloat16 is given 2 times; allowed: float32, float64, bfloat16, each at most once"),
+    (["mode=profile", "profile.dtypes=[bf16,bf16]"], "profile.dtypes",
+     "bf16 is not a dtype name (did you mean 'bfloat16'?), given 2 times; allowed: float32, float64, bfloat16, each at most once"),
+    # a tp refused: every rule it breaks, and the values the model allows
+    (["tp=3"], "tp", "must divide the model's num_heads (4) and MLP width intermediate_size (128); allowed: [1, 2, 4]"),
+    (["model=tiny_gqa", "tp=3"], "tp", "must divide the model's num_heads (4) and MLP width intermediate_size (128); "
+     "the model's num_kv_heads (2) must be a multiple of tp or divide it; allowed: [1, 2, 4]"),
+])
+def test_one_message_per_problem_naming_the_allowed_values(args, field, says):
+    r = cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert len(lines) == 1 and lines[0].startswith(f"- {field}: ") and says in lines[0], lines

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
+from measured_profile import profile_dict
 
 from pcpflow.driver.compose import validate_overrides
 from pcpflow.errors import ConfigError
@@ -189,3 +191,75 @@ def test_texts_in_a_simulated_run_are_one_problem_naming_what_to_give():
             validate_overrides([*base, source])
         (p,) = exc.value.problems
         assert p.field == source.split("=")[0] and "prices prompt lengths" in p.allowed and "prompt_lens" in p.allowed
+
+
+MEASURED = ["mode=simulate", "hardware=measured", "dtype=float32", "model=tiny_gqa", "pcp=2", "output.plots=false",
+            "output.progress=false"]
+
+
+def _cut(*at: int, keep: int):
+    """An edit of a profile: the list at index path ``at`` of prefill.float32.seconds cut to ``keep`` entries."""
+    def edit(doc):
+        node = doc["tables"]["attention"]["prefill"]["float32"]["seconds"]
+        for i in at[:-1]:
+            node = node[i]
+        node[at[-1]] = node[at[-1]][:keep]
+    return edit
+
+
+def _decode_of(dtype: str):
+    def edit(doc):
+        att = doc["tables"]["attention"]
+        att["decode"] = {dtype: att["decode"]["float32"]}
+    return edit
+
+
+@pytest.mark.parametrize("edit, field, says", [
+    # a phase's table missing: that table named, not the run's dtype (profile_dict measured float32 throughout)
+    (lambda d: d["tables"]["attention"].pop("decode"), "hardware.tables.attention.decode",
+     "got <missing>; the profile {path} has no decode attention table; a simulated run prices decode attention on "
+     "tables.attention.decode.float32"),
+    (lambda d: d["tables"]["attention"].update(prefill={}), "hardware.tables.attention.prefill",
+     "got {{}}; the profile {path} has no prefill attention table"),
+    (_decode_of("bfloat16"), "hardware.tables.attention.decode",
+     "got ['bfloat16']; the profile {path} measured float32 in tables.gemm and tables.attention.prefill, but its "
+     "decode attention table has bfloat16 only"),
+    # a short row: that row named by its index, with the length it needs
+    (_cut(1, 2, keep=3), "hardware.tables.attention.prefill.float32.seconds.1.2",
+     "got 3 entries; 6 entries, one per head shape of basis (seconds must be 3 x 3 x 6, [rows][keys][basis]); this list "
+     "is at rows=32, keys=4096"),
+    (_cut(1, keep=2), "hardware.tables.attention.prefill.float32.seconds.1",
+     "got 2 entries; 3 entries, one per point of keys (seconds must be 3 x 3, [rows][keys]); this list is at rows=32"),
+    (lambda d: d["tables"]["gemm"]["float32"]["seconds"][2].pop(), "hardware.tables.gemm.float32.seconds.2",
+     "got 2 entries; 3 entries, one per point of n (seconds must be 3 x 3 x 3, [m][n][k]); this list is at m=4096"),
+    # the file itself
+    ("", "hardware.path", "the profile file {path} is empty"),
+    ("/dev/null", "hardware.path", "/dev/null exists but is not a regular file (a character device)"),
+])
+def test_a_bad_measured_profile_is_one_problem_naming_its_table_or_file(tmp_path, edit, field, says):
+    path = tmp_path / "hardware.yaml"
+    if edit == "/dev/null":
+        path = Path("/dev/null")
+    elif edit == "":
+        path.write_text("")
+    else:
+        doc = profile_dict()
+        edit(doc)
+        path.write_text(yaml.safe_dump(doc))
+    assert list(problems(f"hardware.path={path}", base=MEASURED)) == [field]
+    r = cli(*MEASURED, f"hardware.path={path}")
+    lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"- {field}: "), r.stderr
+    assert says.format(path=path) in lines[0], lines[0]
+
+
+def test_a_missing_profile_file_still_says_it_does_not_exist(tmp_path):
+    found = problems(f"hardware.path={tmp_path / 'nope.yaml'}", base=MEASURED)
+    assert list(found) == ["hardware.path"] and "does not exist" in found["hardware.path"]
+
+
+def test_hardware_path_without_hardware_measured_is_one_problem(tmp_path):
+    path = tmp_path / "hardware.yaml"
+    path.write_text(yaml.safe_dump(profile_dict()))
+    found = problems(f"hardware.path={path}", base=[o for o in MEASURED if o != "hardware=measured"])
+    assert list(found) == ["hardware.path"] and "add hardware=measured" in found["hardware.path"], found
