@@ -33,18 +33,24 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     from pcpflow.models.hf import checkpoint_problems, window_problems
     from pcpflow.pipeline.assemble import load_builtin_stages, stage_problems
     from pcpflow.pipeline.stage import plugin_problems
+    from pcpflow.profile.checks import shipped_stage_problems
     from pcpflow.rank.devices import host_memory_problems
     from pcpflow.scheduling.kv_cache import fit_problems
 
     kind = kind or getattr(cfg, "mode", "execute")
     load_builtin_stages()
-    problems = plugin_problems(cfg.plugins)
-    if not problems:  # the stages import the plugins: only once they import cleanly
+    imported = plugin_problems(cfg.plugins)
+    # NOTE: once the plugins are imported, so that a kind of theirs is known as theirs
+    refused = shipped_stage_problems(cfg) if kind == "profile" else []
+    problems = imported + refused
+    if not imported:  # the stages import the plugins: only once they import cleanly
         found, cfg = stage_problems(cfg, raw or {})
+        found = [p for p in found if not _about_refused(p.field, refused)]  # a refused stage's settings are moot
         problems += found
         if cfg.disagg.enabled and not cfg.disagg.decode_grid.problems():  # the decode pool's own stage rules
             more, _ = stage_problems(pool_config(cfg, "decode"), raw or {})
-            problems += pool_problems(cfg, [p for p in more if p not in found], "decode")
+            problems += pool_problems(cfg, [p for p in more if p not in found and not _about_refused(p.field, refused)],
+                                      "decode")
     checkpoint = checkpoint_problems(cfg.model)
     problems += checkpoint
     if not checkpoint:  # NOTE: a bad stage or seed must not hide a workload that cannot fit
@@ -65,6 +71,17 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _about_refused(field: str, refused: list[Problem]) -> bool:
+    """``field`` is a setting of a stage already refused as a whole (``pipeline.<slot>.kind``,
+    ``pipeline.extra``; the draft slot's settings are named ``draft.*``)."""
+    for p in refused:
+        stage = p.field.removesuffix(".kind")
+        owners = (stage, "draft") if stage == "pipeline.draft" else (stage,)
+        if any(field == o or field.startswith((f"{o}.", f"{o}[")) for o in owners):
+            return True
+    return False
 
 
 def _request_lengths(cfg: Any, problems: list[Problem]):

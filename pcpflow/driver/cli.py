@@ -349,7 +349,41 @@ def torchrun_main(argv: list[str]) -> int:
 
     overrides, multirun, _ = split_args(argv)
     world = int(os.environ["WORLD_SIZE"])
-    return torchrun_rank(lambda: _torchrun_job(overrides, multirun, world))
+    job: dict[str, Any] = {}  # rank 0's: the job it prepared
+
+    def prepare() -> dict[str, Any]:
+        job.update(_torchrun_job(overrides, multirun, world))
+        return job
+
+    code = torchrun_rank(prepare)
+    if "run_dir" in job:
+        code = _torchrun_plots(job, code)
+    return code
+
+
+def _torchrun_plots(job: dict[str, Any], code: int) -> int:
+    """Rank 0 draws the run dir's plots once every rank is done, as pcpflow's launcher does
+    after its ranks: a run that finished (ok, or its verification failed), not one a rank ended."""
+    from pcpflow.driver.job import write_run_plots
+    from pcpflow.output.rundir import failed_result, write_result
+
+    run_dir = Path(job["run_dir"])
+    try:
+        result = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return code
+    finished = "failed_rank" not in result and result.get("exit_code") in (EXIT_OK, EXIT_FAILED)
+    if not (finished and job["config"]["output"]["plots"]):
+        return code
+    try:
+        write_run_plots(job["config"]["mode"], run_dir)
+    except Interrupted as exc:  # NOTE: as the launcher's run ends: interrupted, whatever the steps did
+        with contextlib.suppress(OSError):
+            write_result(run_dir, failed_result(str(exc), job["config"], exc.exit_code, run_dir=str(run_dir),
+                                                launcher="external (torchrun)"))
+        print(f"pcpflow: {exc} (rank 0); result.json: {run_dir / 'result.json'}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return code
 
 
 def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:

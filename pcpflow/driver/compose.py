@@ -35,6 +35,8 @@ def validate_overrides(overrides: list[str]) -> None:
     from pcpflow.driver.job import prepare_job
 
     raw, problems = compose_checked(overrides)
+    if raw is not None:
+        problems = [_with_draft_tokens_hint(p, raw) for p in problems]
     if raw is not None and raw.get("mode") == "search":
         problems += _search_group_problems(overrides)
     # NOTE: a mode that could not be placed leaves mode=execute behind, which would then refuse
@@ -45,8 +47,10 @@ def validate_overrides(overrides: list[str]) -> None:
             prepare_job(raw)
         except ConfigError as exc:
             # NOTE: an override that could not be placed left its default behind; what the
-            # default then breaks is the same problem again (hardware=h100: "no hardware")
-            problems += [p for p in exc.problems if p.field not in refused]
+            # default then breaks is the same problem again (hardware=h100, or a key inside
+            # the section, hardware.path without hardware=measured: "no hardware")
+            problems += [p for p in exc.problems if p.field not in refused
+                         and not any(r.lstrip("+~").startswith(p.field + ".") for r in refused)]
     if problems:
         raise ConfigError([_with_option_hint(p) for p in problems])
 
@@ -253,6 +257,21 @@ def _with_option_hint(p: Problem) -> Problem:
         return p
     owners = options_having(p.field)
     return Problem(p.field, p.given, _belongs(p.field, owners)) if owners else p
+
+
+def _with_draft_tokens_hint(p: Problem, raw: dict[str, Any]) -> Problem:
+    """A key for the drafts per step that could not be placed names the override that sets them
+    for the run's draft stage: a plugin drafter takes them under ``pipeline.draft``, which the
+    context-free hints ("did you mean draft.num_speculative_tokens", "add draft=dspark") miss."""
+    from pcpflow.pipeline.assemble import DRAFT_TOKENS_KEYS, draft_tokens_override
+
+    if p.field.lstrip("+~") not in DRAFT_TOKENS_KEYS:
+        return p
+    override = draft_tokens_override(raw, p.given)
+    if override is None:
+        return p
+    kind = ((raw.get("pipeline") or {}).get("draft") or {}).get("kind") or (raw.get("draft") or {}).get("kind")
+    return Problem(p.field, p.given, f"the draft stage {kind!r} does not read it from here; set it with {override}")
 
 
 def _compose_problem(exc: Exception, overrides: list[str]) -> tuple[Problem, str | None]:

@@ -162,7 +162,7 @@ def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announ
 
 def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool,
              overrides: list[str] | None = None) -> int:
-    from pcpflow.output.report import Progress, print_summary, write_plots
+    from pcpflow.output.report import Progress, print_summary
 
     started = time.time()
     try:
@@ -204,19 +204,29 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
         clocks["job_s"] = time.time() - started
     result = result_of(sections, config, run_dir=str(run_dir), started_at=started, pcpflow_version=__version__)
     write_result(run_dir, result)
-    if cfg.output.plots and cfg.mode != "profile":
-        from pcpflow.output.serving_plot import write_serving_plot
-
-        if cfg.mode == "simulate":
-            from pcpflow.simulate.plot import write_load_plot
-
-            write_load_plot(run_dir)
-        else:
-            write_plots(run_dir)
-        write_serving_plot(run_dir)
+    if cfg.output.plots:
+        write_run_plots(cfg.mode, run_dir)
     if console:
         print_summary(result)
     return result["exit_code"]
+
+
+def write_run_plots(mode: str, run_dir: Path) -> None:
+    """``load.png`` and ``serving.png`` from the run dir's metrics.jsonl and result.json, once
+    the run is over (pcpflow's launcher, and rank 0 of a torchrun job); a profile has none."""
+    from pcpflow.output.serving_plot import write_serving_plot
+
+    if mode == "profile":
+        return
+    if mode == "simulate":
+        from pcpflow.simulate.plot import write_load_plot
+
+        write_load_plot(run_dir)
+    else:
+        from pcpflow.output.report import write_plots
+
+        write_plots(run_dir)
+    write_serving_plot(run_dir)
 
 
 def _search(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: bool, overrides: list[str] | None,

@@ -7,6 +7,7 @@ user stages at a position: ``[{kind: my_pkg.probes:Probe, after: forward}, ...]`
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pcpflow.pipeline.stage import (
     StageConfig,
     UnknownStageError,
     build_config,
+    known_kinds,
     load_stage_sources,
     resolve,
 )
@@ -58,6 +60,17 @@ def load_builtin_stages() -> None:
         importlib.import_module(name)
 
 
+def is_builtin(cls: type[Stage]) -> bool:
+    """One of pcpflow's own stages (``stages/``), not a plugin's or an entry point's."""
+    return cls.__module__ in BUILTIN_STAGES
+
+
+def builtin_kinds(slot: str) -> list[str]:
+    """The kinds pcpflow's own stages offer for ``slot``."""
+    load_builtin_stages()
+    return [k for k in known_kinds(slot) if is_builtin(resolve(k))]
+
+
 def load_stages(plugins: list[str] | tuple[str, ...] = ()) -> None:
     """Fill the registry: the built-in stages, the entry-point group, then ``plugins``.
     Idempotent (every rank calls it); a plugin that cannot be imported raises ImportError."""
@@ -73,6 +86,29 @@ def num_speculative_tokens(specs: list[StageSpec]) -> int:
         return 0
     k = getattr(draft.config, "num_speculative_tokens", 0)
     return k if isinstance(k, int) and not isinstance(k, bool) else 0
+
+
+DRAFT_TOKENS_KEYS = ("num_speculative_tokens", "draft.num_speculative_tokens", "pipeline.draft.num_speculative_tokens")
+"""Where a command line may try to set the drafts per step."""
+
+
+def draft_tokens_override(raw: dict[str, Any], value: Any) -> str | None:
+    """The override that sets the draft stage's ``num_speculative_tokens`` to ``value`` in this
+    composed config: the draft group's key where the group's option is the stage (draft=mtp),
+    else ``pipeline.draft``'s (a plugin drafter, or a slot swapped with pipeline.draft.kind),
+    which the draft group does not have. None: the stage has no such setting."""
+    group, slot = raw.get("draft") or {}, (raw.get("pipeline") or {}).get("draft") or {}
+    kind = slot.get("kind") or group.get("kind")
+    if kind == group.get("kind") and "num_speculative_tokens" in group:
+        return f"draft.num_speculative_tokens={value}"
+    try:
+        load_stages(raw.get("plugins") or ())
+        cls = resolve(str(kind), "draft")
+    except (Exception, SystemExit):  # noqa: BLE001 - a plugin that does not import is its own problem
+        return None
+    if "num_speculative_tokens" not in cls.Config.model_fields:
+        return None
+    return f"{'' if 'num_speculative_tokens' in slot else '+'}pipeline.draft.num_speculative_tokens={value}"
 
 
 @dataclass(frozen=True)
@@ -99,7 +135,9 @@ def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
     specs: list[StageSpec] = []
     for slot in SLOTS:
         if slot == "draft":
-            spec = _stage(slot, cfg.draft_stage_config(), "draft", cfg, problems)
+            found: list[Problem] = []
+            spec = _stage(slot, cfg.draft_stage_config(), "draft", cfg, found)
+            problems += [_named_where_set(p, raw.get("draft") or {}, cfg.draft) for p in found]
         else:
             spec = _stage(slot, raw.get(slot), f"pipeline.{slot}", cfg, problems)
         if spec is not None:
@@ -112,16 +150,19 @@ def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
             continue
         item = dict(item)
         anchors = {k: item.pop(k) for k in ("after", "before") if k in item}
-        if len(anchors) != 1 or next(iter(anchors.values())) not in SLOTS:
-            problems.append(Problem(where, anchors or MISSING, f"exactly one of after/before: one of {', '.join(SLOTS)}"))
-            continue
+        # NOTE: the position, the kind and the settings are judged together: every problem of the entry at once
+        placed = _position(anchors, where, problems)
         spec = _stage(None, item, where, cfg, problems)
-        if spec is None:
+        if spec is not None and spec.cls.slots is not None:  # NOTE: it would run a second time beside its own slot's
+            slots = spec.cls.slots
+            problems.append(Problem(f"{where}.kind", item["kind"], f"a stage for any position; {spec.cls.kind!r} fills only "
+                                    f"the {'/'.join(slots)} slot: pipeline.{slots[0]}.kind={item['kind']}"))
+            spec = None
+        pos = next((j for j, s in enumerate(specs) if placed and s.name == placed[1]), None)
+        if spec is None or placed is None or pos is None:  # an anchor slot in error is its own problem
             continue
-        (side, anchor), = anchors.items()
         spec = StageSpec(f"extra[{i}]:{spec.cls.kind}", spec.cls, spec.config)
-        pos = next(j for j, s in enumerate(specs) if s.name == anchor)
-        specs.insert(pos + (side == "after"), spec)
+        specs.insert(pos + (placed[0] == "after"), spec)
     k = num_speculative_tokens(specs)
     if k and k + 1 > cfg.scheduler.max_num_batched_tokens:
         problems.append(
@@ -134,6 +175,29 @@ def resolve_pipeline(cfg: RunConfig) -> list[StageSpec]:
     if problems:
         raise ConfigError(problems)
     return specs
+
+
+def _named_where_set(p: Problem, slot: dict[str, Any], group: dict[str, Any]) -> Problem:
+    """A draft stage setting given under ``pipeline.draft`` (on top of the draft group) is named
+    there: a plugin drafter's settings have no key in the draft group to set instead."""
+    key = p.field.removeprefix("draft.").split(".")[0]
+    if p.field.startswith("draft.") and slot.get(key) is not None and slot.get(key) != group.get(key):
+        return Problem(f"pipeline.{p.field}", p.given, p.allowed)
+    return p
+
+
+def _position(anchors: dict[str, Any], where: str, problems: list[Problem]) -> tuple[str, str] | None:
+    """An extra stage's ``(side, slot)``: exactly one of after/before, naming a slot."""
+    if len(anchors) != 1:
+        problems.append(Problem(where, anchors or MISSING, f"exactly one of after/before: one of {', '.join(SLOTS)}"))
+        return None
+    (side, anchor), = anchors.items()
+    if anchor not in SLOTS:
+        close = difflib.get_close_matches(str(anchor), SLOTS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(Problem(f"{where}.{side}", anchor, f"one of {', '.join(SLOTS)}{hint}"))
+        return None
+    return side, anchor
 
 
 def _stage(slot: str | None, raw: Any, where: str, cfg: RunConfig, problems: list[Problem]) -> StageSpec | None:
@@ -218,6 +282,7 @@ def stage_problems(cfg: RunConfig, raw: dict[str, Any]) -> tuple[list[Problem], 
         return exc.problems, cfg
     given = raw.get("num_speculative_tokens")
     if given is not None and given != k:
-        problem = Problem("num_speculative_tokens", given, f"derived from the draft stage ({k}); set draft.num_speculative_tokens")
-        return [problem], cfg
+        override = draft_tokens_override(raw, given)
+        fix = f"set it with {override}" if override else "choose a drafter that proposes tokens (draft=mtp|dspark|self)"
+        return [Problem("num_speculative_tokens", given, f"derived from the draft stage ({k}); {fix}")], cfg
     return [], cfg.model_copy(update={"num_speculative_tokens": k})

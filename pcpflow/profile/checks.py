@@ -1,6 +1,6 @@
 """What ``mode=profile`` refuses before any rank starts (``pcpflow.driver.checks``): a world
-this machine cannot run with every rank busy on its own core, and a ``collectives_from``
-that is no shipped profile with NCCL's graphs."""
+this machine cannot run with every rank busy on its own core, a ``collectives_from``
+that is no shipped profile with NCCL's graphs, and any stage that is not pcpflow's own."""
 
 from __future__ import annotations
 
@@ -50,3 +50,37 @@ def _shipped() -> list[str]:
         if isinstance(values, dict) and values.get("nvlink"):
             out.append(path.stem)
     return out
+
+
+SHIPPED_ONLY = "mode=profile measures the shipped stages only"
+
+
+def shipped_stage_problems(cfg) -> list[Problem]:
+    """A profile's host section times pcpflow's own engine (``sections.host``): a user's plugins,
+    extra stages or a slot swapped to a stage of theirs would be measured as if pcpflow's, or
+    break it. Called once the plugins are imported, so that a kind of theirs is known as theirs."""
+    from pcpflow.pipeline.assemble import SLOTS, builtin_kinds, is_builtin
+    from pcpflow.pipeline.stage import UnknownStageError, load_stage_sources, resolve
+
+    if cfg.mode != "profile":
+        return []
+    try:  # an installed package's stages (the entry-point group) are no more pcpflow's than a plugin's
+        load_stage_sources()
+    except Exception:  # noqa: BLE001 - the pipeline's own checks report a broken entry point
+        pass
+    p: list[Problem] = []
+    if cfg.plugins:
+        p.append(Problem("plugins", cfg.plugins, f"none: {SHIPPED_ONLY}; leave them out of the profile's command"))
+    if cfg.pipeline.get("extra"):
+        p.append(Problem("pipeline.extra", cfg.pipeline["extra"], f"none: {SHIPPED_ONLY}"))
+    for slot in SLOTS:
+        stage = cfg.draft_stage_config() if slot == "draft" else cfg.pipeline.get(slot)
+        kind = stage.get("kind") if isinstance(stage, dict) else None
+        try:
+            cls = resolve(str(kind), slot) if kind else None
+        except UnknownStageError:  # the pipeline's own checks name it, with the known kinds
+            continue
+        if cls is not None and not is_builtin(cls):
+            p.append(Problem(f"pipeline.{slot}.kind", kind, f"one of {', '.join(builtin_kinds(slot))} (pcpflow's own): "
+                             f"{SHIPPED_ONLY}"))
+    return p

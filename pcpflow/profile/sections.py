@@ -368,7 +368,10 @@ def _host_config(run_cfg, batch: int, prompt: int, layers: int):
         kv={"block_size": run_cfg.kv.block_size, "num_blocks": 2 * batch * (-(-(prompt + 8) // run_cfg.kv.block_size)) + 8,
             "interleave": 1},
         output={"plots": False, "progress": False, "save_logits": False},
-        profile={}, hardware=None, draft={"kind": "none"}, cudagraph_mode="none",
+        profile={}, hardware=None, cudagraph_mode="none",
+        # NOTE: the pipeline draws on pipeline.draft over the draft group: drafting is no part of the host work
+        draft={"kind": "none"}, num_speculative_tokens=0, plugins=[],
+        pipeline={**{k: v for k, v in run_cfg.pipeline.items() if k != "extra"}, "draft": {"kind": "none"}},
     )
     return RunConfig.model_validate(raw)
 

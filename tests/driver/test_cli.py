@@ -247,6 +247,25 @@ def test_torchrun_launch_runs_the_same_worker(tmp_path):
         assert json.loads((mode_dir / "result.json").read_text())["exit_code"] == 2
 
 
+@pytest.mark.dist
+def test_a_torchrun_run_dir_holds_the_plots_a_run_dir_holds(tmp_path):
+    """Rank 0 of an externally launched job writes load.png and serving.png after the run, as
+    pcpflow's launcher does. One rank started with torch's variables (as srun does), not
+    torchrun itself: the same path through the driver, seconds cheaper."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
+    r = pcpflow("pcp=1", f"hydra.run.dir={run_dir}", *[a for a in SMALL if not a.startswith("output.plots")], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run_dir / "result.json").read_text())["launcher"].startswith("external")
+    assert (run_dir / "load.png").stat().st_size > 0 and (run_dir / "serving.png").stat().st_size > 0
+
+
 # ------------------------------------------------------------------------------ run dirs
 def test_a_run_dir_that_cannot_take_its_result_mid_run_ends_with_a_message_and_no_lock(tmp_path, monkeypatch):
     from pcpflow.output.rundir import LOCK_FILE

@@ -15,7 +15,7 @@ from pcpflow.driver.compose import compose_raw, validate_overrides
 from pcpflow.driver.job import prepare_job
 from pcpflow.errors import ConfigError
 from pcpflow.pipeline.assemble import BUILTIN_STAGES, SLOTS, resolve_pipeline
-from pcpflow.testing import compose
+from pcpflow.testing import cli, compose
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,6 +52,49 @@ def test_bad_slots_are_reported_together():
     assert fields["pipeline.extra[0]"].startswith("exactly one of after/before")
 
 
+@pytest.mark.parametrize("entry, expected", [
+    # a position off the slots, an unknown setting and a bad value: all three at once
+    ("{kind: test_call_counter, after: forwad, bogus: 1, out_dir: [1]}",
+     {"pipeline.extra[0].after": "one of validate, plan, buffers, slots, forward, restore, draft (did you mean 'forward'?)",
+      "pipeline.extra[0].bogus": "not a setting here",
+      "pipeline.extra[0].out_dir": "Input should be a valid string"}),
+    # a bad kind and a bad position
+    ("{kind: test_call_countr, before: nowhere}",
+     {"pipeline.extra[0].kind": "unknown stage kind 'test_call_countr' (did you mean 'test_call_counter'?)",
+      "pipeline.extra[0].before": "one of validate"}),
+    # no position at all, and two
+    ("{kind: test_call_counter, bogus: 1}",
+     {"pipeline.extra[0]": "exactly one of after/before", "pipeline.extra[0].bogus": "not a setting here"}),
+    ("{kind: test_call_counter, after: plan, before: forward, out_dir: [1]}",
+     {"pipeline.extra[0]": "exactly one of after/before", "pipeline.extra[0].out_dir": "Input should be a valid string"}),
+    # a stage of one slot (it would run twice) in a wrong position
+    ("{kind: sampled_rows, after: restor}",
+     {"pipeline.extra[0].kind": "a stage for any position; 'sampled_rows' fills only the restore slot: "
+                                "pipeline.restore.kind=sampled_rows",
+      "pipeline.extra[0].after": "one of validate"}),
+])
+def test_every_problem_of_an_extra_stage_is_reported_at_once(entry, expected):
+    found = {p.field: p.allowed for p in _problems("plugins=[pcpflow_test_plugins.probes]", f"+pipeline.extra=[{entry}]")}
+    assert set(found) == set(expected), found
+    for field, says in expected.items():
+        assert found[field].startswith(says), (field, found[field])
+
+
+def test_an_extra_stage_beside_a_slot_in_error_is_judged_on_its_own():
+    """The slot it sits after could not be built (its own problem): the extra stage is still
+    checked, and there is no traceback for the missing anchor."""
+    found = {p.field: p.allowed for p in _problems(
+        "plugins=[pcpflow_test_plugins.probes]", "pipeline.forward.attention=flash",
+        "+pipeline.extra=[{kind: test_call_counter, after: forward, out_dir: [1]}]")}
+    assert set(found) == {"pipeline.forward.attention", "pipeline.extra[0].out_dir"}, found
+
+
+def _problems(*overrides: str) -> list:
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides(list(overrides))
+    return exc.value.problems
+
+
 def test_swapping_a_stage_drops_only_the_shipped_options_it_does_not_know():
     """The shipped forward stage has a ``dcp_rest`` option; a user's forward stage without
     one must still validate when the option was left alone, and be refused when the user
@@ -74,6 +117,37 @@ def test_drafts_per_step_come_from_the_assembled_draft_stage():
     with pytest.raises(ConfigError) as exc:  # derived, not a setting
         compose(["draft=self", "+num_speculative_tokens=5"])
     assert "num_speculative_tokens: got 5; derived from the draft stage (3)" in exc.value.report()
+
+
+WRONG_DRAFT_KEYS = ["draft.num_speculative_tokens=3", "pipeline.draft.num_speculative_tokens=3", "num_speculative_tokens=3",
+                    "+num_speculative_tokens=3"]
+
+
+def test_a_plugin_drafter_s_drafts_per_step_hint_is_an_override_that_works():
+    """A plugin drafter's settings go under pipeline.draft (the draft group is draft=none): the
+    hint for each wrong key is the override that sets them, and that override is accepted."""
+    drafter = ["plugins=[pcpflow_test_plugins.toy_drafter]", "pipeline.draft.kind=toy_repeat"]
+    hints = {_hint(*drafter, wrong) for wrong in WRONG_DRAFT_KEYS}
+    assert hints == {"+pipeline.draft.num_speculative_tokens=3"}, hints
+    accepted = cli("--cfg", "job", *drafter, *hints)
+    assert accepted.returncode == 0, accepted.stderr
+    assert compose([*drafter, *hints]).num_speculative_tokens == 3
+    # a bad value there is named there (no draft.* key exists to set instead)
+    (bad,) = _problems(*drafter, "+pipeline.draft.num_speculative_tokens=0")
+    assert bad.field == "pipeline.draft.num_speculative_tokens", bad
+    # a shipped drafter's hint is its group's key, which works as well
+    hints = {_hint("draft=mtp", wrong) for wrong in WRONG_DRAFT_KEYS[1:]}
+    assert hints == {"draft.num_speculative_tokens=3"}, hints
+    assert compose(["draft=mtp", *hints]).num_speculative_tokens == 3
+
+
+def _hint(*args: str) -> str:
+    """The override that the one problem of ``python -m pcpflow ARGS`` says to set."""
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert "set it with " in line, line
+    return line.rsplit("set it with ", 1)[-1]
 
 
 _PROBE: dict[str, Path] = {}

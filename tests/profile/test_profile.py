@@ -357,3 +357,32 @@ def test_an_earlier_profile_in_the_run_dir_is_set_aside(tmp_path, monkeypatch):
     job._profile(compose(["mode=profile", "pcp=1", "profile.quick=true"]), tmp_path, console=False)
     assert seen == [False] and (tmp_path / "hardware.previous.yaml").read_text() == "older: true\n"
     assert job._partial_note(compose(["mode=profile", "pcp=1"]), tmp_path) == ""
+
+
+def test_a_profile_measures_the_shipped_stages_only(tmp_path):
+    """Its host section runs the engine: a user's plugins or extra stages would be measured
+    as if they were pcpflow's own, or break it. They are refused by name, each its own
+    problem, beside the other problems of the command, and nothing is started."""
+    run = tmp_path / "run"
+    r = cli("mode=profile", "pcp=1", "profile.quick=true", "plugins=[pcpflow_test_plugins.probes]",
+            "+pipeline.extra=[{kind: test_call_counter, after: forward}]",
+            "pipeline.forward.kind=pcpflow_test_plugins.probes:QueriesOnlyForward", "pipeline.restore.kind=sampled_row",
+            f"hydra.run.dir={run}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = {ln.strip()[2:].split(":", 1)[0]: ln for ln in r.stderr.splitlines() if ln.strip().startswith("- ")}
+    assert set(lines) == {"plugins", "pipeline.extra", "pipeline.forward.kind", "pipeline.restore.kind"}, r.stderr
+    for field in ("plugins", "pipeline.extra", "pipeline.forward.kind"):
+        assert "mode=profile measures the shipped stages only" in lines[field], lines[field]
+    assert "one of model" in lines["pipeline.forward.kind"]
+    assert not run.exists()
+    # pcpflow's own stages are what it measures: a shipped choice of a slot is one of them
+    assert compose(["mode=profile", "pcp=1", "pipeline.restore.kind=sampled_rows"]).pipeline["restore"]["kind"] == "sampled_rows"
+
+
+def test_the_host_section_runs_the_shipped_pipeline_without_drafting():
+    """A run's drafter (draft=mtp fills pipeline.draft too) is no part of pcpflow's per-step host work."""
+    from pcpflow.pipeline.assemble import resolve_pipeline
+    from pcpflow.profile.sections import _host_config
+
+    cfg = _host_config(compose(["mode=profile", "pcp=1", "draft=mtp"]), 2, 16, 1)
+    assert [s.cls.kind for s in resolve_pipeline(cfg)][-1] == "none" and cfg.num_speculative_tokens == 0
