@@ -36,14 +36,16 @@ from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
 
 
 def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCacheManager,
-                    history: bool = False, draft_kv_reads_next_token: bool = False) -> tuple[Scheduler, Scheduler]:
+                    history: bool = False, draft_kv_reads_next_token: bool = False,
+                    sampled_outputs: bool = False) -> tuple[Scheduler, Scheduler]:
     """The prefill pool's scheduler (``prefill_only``, fed the arrivals) and the decode pool's
     (sharing its per-request columns: a request's drafts, proposed as its prefill ended, go
     over with it as its first token does), each with its own KV blocks and budget. ``prefill``
     and ``decode`` are each pool's view of the run config (``pcpflow.config.disagg.pool_config``:
     ``scheduler``, ``kv`` and ``dcp`` read). ``history``: batches list what their sampled rows
     have seen (a repetition penalty). ``draft_kv_reads_next_token``: the drafter's entries read
-    the next token (``Scheduler``: a prefix hit gives up blocks to compute again)."""
+    the next token (``Scheduler``: a prefix hit gives up blocks to compute again).
+    ``sampled_outputs``: a simulated run of a config that samples (``Scheduler``)."""
 
     def scheduler(c, **kw) -> Scheduler:
         return Scheduler(table, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
@@ -51,7 +53,7 @@ def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCache
                          kv=kv_cls(c.kv.num_blocks, c.kv.block_size, c.dcp, prefix_caching=c.kv.prefix_caching),
                          num_speculative_tokens=c.num_speculative_tokens,
                          draft_kv_reads_next_token=draft_kv_reads_next_token, stop_token_ids=stop_token_ids,
-                         history=history, **kw)
+                         sampled_outputs=sampled_outputs, history=history, **kw)
 
     first = scheduler(prefill, prefill_only=True)
     return first, scheduler(decode, feed=False, share=first)

@@ -13,7 +13,7 @@ What ``c_j`` is made of:
 - simulated runs hold no token ids: the workload tells which blocks are equal (a trace's
   ``hash_ids``, a random prompt's own identity; ``pcpflow.scheduling.workload``), and a block
   holding generated tokens is keyed by its prompt and its index (greedy outputs follow
-  from the prompt: ``output_contents``).
+  from the prompt: ``output_base``; sampled ones from the request, ``Scheduler(sampled_outputs=True)``).
 """
 
 from __future__ import annotations
@@ -122,21 +122,13 @@ def token_contents(tokens: np.ndarray, tokens_per_block: int) -> np.ndarray:
 
 
 def output_base(prompt_key) -> np.ndarray:
-    """What ``output_contents`` takes from the prompt alone (a scheduler keeps it per request,
+    """What ``output_contents_at`` takes from the prompt alone (a scheduler keeps it per request,
     so that a decode's newly full block costs one ``splitmix64``)."""
     return mix(np.asarray(prompt_key, dtype=np.uint64), _OUT_SALT) * _R
 
 
-def output_contents(prompt_key, first_block, count: int | None = None) -> np.ndarray:
-    """``c_j`` of blocks that hold generated tokens, in a run that knows no token ids: their
-    content follows from the whole prompt (``prompt_key``) and j. Blocks ``first_block ..
-    first_block + count - 1`` of one prompt, or (``count`` None) block ``first_block[r]`` of
-    prompt ``prompt_key[r]`` for each r."""
-    if count is None:
-        return output_contents_at(output_base(prompt_key), first_block)
-    return output_contents_at(output_base(np.uint64(prompt_key)), np.arange(first_block, first_block + count))
-
-
 def output_contents_at(base: np.ndarray, blocks) -> np.ndarray:
-    """``output_contents`` from the prompts' ``output_base``: ``mix(prompt_key, salt, j)``'s last round."""
+    """``c_j`` of blocks ``blocks`` that hold generated tokens, in a run that knows no token
+    ids: their content follows from the whole prompt (``base``: its ``output_base``) and j,
+    ``mix(prompt_key, salt, j)``'s last round."""
     return splitmix64(base + np.asarray(blocks, dtype=np.uint64))

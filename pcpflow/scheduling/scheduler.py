@@ -172,6 +172,11 @@ class Scheduler:
     next token (``_drafter_hit``), and what a request reports as its hit
     (``StepStats.prefix_hit_tokens``, ``prefix_hit_tokens`` of its row) is what it took from
     the cache, without them.
+    ``sampled_outputs`` (a simulated run, which samples no ids, of a config that samples,
+    temperature > 0): a block holding outputs is the request's own, not its prompt's (two
+    requests with one prompt sample different outputs, and share no block of them, as
+    executed runs do when their draws differ; greedy outputs of one prompt are one, and
+    shared).
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class Scheduler:
         kv: KVCacheManager,
         num_speculative_tokens: int = 0,
         draft_kv_reads_next_token: bool = False,
+        sampled_outputs: bool = False,
         stop_token_ids: Sequence[int] = (),
         feed: bool = True,
         share: Scheduler | None = None,
@@ -200,6 +206,7 @@ class Scheduler:
         self.max_num_seqs = int(max_num_seqs)
         self.num_speculative_tokens = int(num_speculative_tokens)
         self.draft_kv_reads_next_token = bool(draft_kv_reads_next_token)
+        self.sampled_outputs = bool(sampled_outputs)
         self.kv = kv
         # NOTE: per block, the key of the block that followed it where its last entry was
         # written (0: not known yet); kept only where a drafter's entries read the next token
@@ -452,9 +459,10 @@ class Scheduler:
         self._num_preempted[i] += 1
         self._waiting.appendleft(i)
 
-    def _sequence(self, req: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _sequence(self, req: np.ndarray, pos: np.ndarray, keyed: bool = False) -> np.ndarray:
         """Token ids at positions ``pos`` of requests ``req`` (prompt, then outputs); 0 in a
-        run without token ids."""
+        run without token ids. ``keyed``: what a block's key is made of, where, with
+        ``sampled_outputs``, an output is the request's own (-1 - request: no token's)."""
         if self._outputs is None:
             return np.zeros(len(pos), dtype=np.int64)
         plen = self._prompt_len[req]
@@ -463,7 +471,10 @@ class Scheduler:
         at = np.flatnonzero(in_prompt)
         out[at] = self._prompts[self._prompt_start[req[at]] + pos[at]]
         at = np.flatnonzero(~in_prompt)
-        out[at] = self._outputs[self._output_start[req[at]] + pos[at] - plen[at]]
+        if keyed and self.sampled_outputs:
+            out[at] = -1 - req[at]
+        else:
+            out[at] = self._outputs[self._output_start[req[at]] + pos[at] - plen[at]]
         return out
 
     def _zero_ids(self, n: int) -> np.ndarray:
@@ -775,18 +786,20 @@ class Scheduler:
 
     def _block_contents(self, i: int, first: int, n: int) -> np.ndarray:
         """Contents ``c_j`` of request i's blocks [first, n): its token ids (its prompt, then
-        its outputs), or, without them, the workload's identity of its prompt and that
-        prompt's key for the blocks holding outputs (greedy outputs follow from the prompt)."""
+        its outputs), or, without them, the workload's identity of its prompt and, for the
+        blocks holding outputs, that prompt's key (greedy outputs follow from the prompt), or
+        with ``sampled_outputs`` the request's own (``_set_prompt_keys``)."""
         U = self.kv.tokens_per_block
         if self._outputs is not None:
-            tokens = self._sequence(np.full((n - first) * U, i, dtype=np.int64), np.arange(first * U, n * U, dtype=np.int64))
+            tokens = self._sequence(np.full((n - first) * U, i, dtype=np.int64), np.arange(first * U, n * U, dtype=np.int64),
+                                    keyed=True)
             return prefix.token_contents(tokens, U)
-        contents, key = self._prompt_info(i)
+        contents, _ = self._prompt_info(i)
         pf = len(contents)
         parts = [contents[first:min(n, pf)]]
         if n > pf:
             start = max(first, pf)
-            parts.append(prefix.output_contents(key, start, n - start))
+            parts.append(prefix.output_contents_at(self._output_base[i], np.arange(start, n)))
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _prompt_info(self, i: int) -> tuple[np.ndarray, int]:
@@ -802,7 +815,10 @@ class Scheduler:
 
     def _set_prompt_keys(self, reqs: np.ndarray, keys: np.ndarray) -> None:
         self._prompt_key[reqs] = np.where(keys == 0, 1, keys)  # NOTE: 0 means "not known yet"
-        self._output_base[reqs] = prefix.output_base(self._prompt_key[reqs])
+        outputs = self._prompt_key[reqs]
+        if self.sampled_outputs:
+            outputs = prefix.mix(outputs, reqs.astype(np.uint64) + np.uint64(1))  # NOTE: each request its own
+        self._output_base[reqs] = prefix.output_base(outputs)
 
     def _key_prompts(self, i: int) -> None:
         """Contents and prompt keys of request i and of the next ``KEYED_AHEAD`` requests not
@@ -833,7 +849,7 @@ class Scheduler:
         U = self.kv.tokens_per_block
         if self._outputs is not None:
             pos = (j[:, None] * U + np.arange(U)).ravel()
-            return prefix.token_contents(self._sequence(np.repeat(rows, U), pos), U)
+            return prefix.token_contents(self._sequence(np.repeat(rows, U), pos, keyed=True), U)
         return prefix.output_contents_at(self._output_base[rows], j)
 
     def set_draft_tokens(self, batch: GlobalBatch, draft_token_ids: np.ndarray | None) -> None:

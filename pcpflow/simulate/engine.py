@@ -135,6 +135,7 @@ class SimulatedRun:
                 max_num_seqs=cfg.scheduler.max_num_seqs,
                 kv=_TablelessKV(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
                 num_speculative_tokens=cfg.num_speculative_tokens,
+                sampled_outputs=not cfg.sampling.greedy,
                 feed=n == 1,
                 share=self.schedulers[0] if self.schedulers else None,
             ))

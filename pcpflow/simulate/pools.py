@@ -117,7 +117,7 @@ class PooledRun:
         self.pools = {n: _PoolPricing(self.configs[n], None, keep_records=False) for n in POOLS}
         self.requests = self.pools["prefill"].requests
         self.prefill, self.decode = pool_schedulers(self.requests, self.configs["prefill"], self.configs["decode"],
-                                                    kv_cls=_TablelessKV)
+                                                    kv_cls=_TablelessKV, sampled_outputs=not cfg.sampling.greedy)
         self.moved = handover_kv(cfg)
         self.num_layers = self.moved[0].num_layers  # the target's: what a layerwise transfer hides behind
         self.layerwise = cfg.disagg.transfer == "layerwise"

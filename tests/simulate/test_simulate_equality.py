@@ -86,6 +86,15 @@ CASES = {
                                     "kv.num_blocks=8"],
     "serving_pcp1_preempted_gqa": ["pcp=1", "model=tiny_gqa", *SERVING, "kv.num_blocks=14"],
     "serving_trace_pcp2": ["pcp=2", *TRACE],
+    # Sampling: one prompt thrice, whose outputs differ (the simulated run keys the blocks
+    # holding them by request, not by prompt as greedy ones).
+    "serving_pcp1_sampled_preempted": ["pcp=1", "workload.prompts=" + str([STEM[:16]] * 3).replace(" ", ""),
+                                       "workload.output_lens=[12]", "workload.arrival_steps=[0,1,1]",
+                                       "workload.cached_lens=null", "kv.prefix_caching=true", "kv.num_blocks=12",
+                                       "sampling.temperature=0.8"],
+    "serving_trace_sampled_preempted": ["pcp=1", *TRACE, "workload.max_requests=3", "workload.output_len_cap=12", "kv.num_blocks=12",
+                                        "workload.path=" + str(REPO / "tests" / "simulate" / "data" / "one_prompt_thrice.jsonl"),
+                                        "sampling.temperature=0.8"],
     # Rings (pipeline.forward.cp_attention): every variant, both decode modes, both models, an
     # interleave, a ring of three, TP beside it, MoE beside it.
     "pcp2_dcp2_ring_pass_kv": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv"],
@@ -104,7 +113,8 @@ TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_
 
 DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dcp2_queries_gqa",
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
-           "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "pcp2_dcp2_ring_pass_kv"}
+           "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "serving_pcp1_sampled_preempted",
+           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
