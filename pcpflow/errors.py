@@ -1,16 +1,25 @@
 """Configuration problems: collected, reported once, exit code 2; and ``Settings``, the base
 of every config model: unknown keys refused, values frozen, numbers finite and never a
-boolean (YAML's ``true`` is not ``1``: ``pcp=true`` is a mistake, not one rank). A field that
-means something by ``inf`` says so itself (``Field(allow_inf_nan=True)``)."""
+boolean (YAML's ``true`` is not ``1``: ``pcp=true`` is a mistake, not one rank), booleans
+true or false only (nor is ``1`` true, nor ``yes``). A field that means something by ``inf``
+says so itself (``Field(allow_inf_nan=True)``)."""
 
 from __future__ import annotations
 
 import functools
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -83,7 +92,40 @@ class Settings(BaseModel):
         bad = [k for k, v in data.items() if isinstance(v, bool) and k in cls.model_fields and not _field_takes_bool(cls, k)]
         return {**data, **{k: str(data[k]).lower() for k in bad}} if bad else data
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _true_or_false(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """A boolean field takes true or false only: pydantic would take 'yes', 'on' or 1 for one,
+        where any other word is told that it takes true or false (the words themselves, quoted
+        into strings, are still those two). The other fields are judged all the same, so that
+        every problem is said at once."""
+        bad = {k: data[k] for k in _bool_fields(cls) if k in data and not _true_or_false_word(data[k])
+               } if isinstance(data, dict) else {}
+        if not bad:
+            return handler(data)
+        errors = [InitErrorDetails(type="bool_type", loc=(k,), input=v) for k, v in bad.items()]
+        try:  # NOTE: without them, which then take their defaults (or are missing: said already)
+            handler({k: v for k, v in data.items() if k not in bad})
+        except ValidationError as exc:
+            errors += [InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"], ctx=e.get("ctx", {}))
+                       for e in exc.errors() if not (e["loc"] and e["loc"][0] in bad)]
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+
 
 @functools.cache
 def _field_takes_bool(cls: type[BaseModel], name: str) -> bool:
     return _takes_bool(cls.model_fields[name].annotation)
+
+
+def _true_or_false_word(v: Any) -> bool:
+    return v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("true", "false"))
+
+
+@functools.cache
+def _bool_fields(cls: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of type bool, or bool | None."""
+    def boolean(annotation: Any) -> bool:
+        return annotation is bool or (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                                      and set(typing.get_args(annotation)) == {bool, type(None)})
+
+    return tuple(name for name, f in cls.model_fields.items() if boolean(f.annotation))

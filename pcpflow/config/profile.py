@@ -3,11 +3,11 @@ run's ranks, and where a section it cannot measure takes its numbers from (docs/
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from pcpflow.config.choices import did_you_mean
 from pcpflow.errors import Settings
 
 PROFILE_DTYPES = ("float32", "float64", "bfloat16")
@@ -40,8 +40,7 @@ class ProfileConfig(Settings):
         for name in dict.fromkeys(v):
             what = []
             if name not in PROFILE_DTYPES:
-                close = difflib.get_close_matches(name, PROFILE_DTYPES, n=1, cutoff=0.5)
-                what.append("is not a dtype name" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                what.append("is not a dtype name" + did_you_mean(name, PROFILE_DTYPES, cutoff=0.5))
             if v.count(name) > 1:
                 what.append(f"given {v.count(name)} times" if what else f"is given {v.count(name)} times")
             if what:

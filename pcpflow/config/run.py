@@ -7,7 +7,6 @@ nodes, so callers convert with ``OmegaConf.to_container(resolve=True)`` first).
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 import typing
@@ -16,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from pcpflow.config.choices import allowed_choices, did_you_mean, parse_expected
 from pcpflow.config.disagg import DisaggConfig, disagg_problems, pool_problems
 from pcpflow.config.hardware import EntryError, HardwareConfig, SimulateConfig
 from pcpflow.config.profile import ProfileConfig
@@ -291,12 +291,23 @@ def pydantic_problems(exc: ValidationError, prefix: str = "", model: type[BaseMo
             given = "<missing>"
         elif err["type"] in ("bool_type", "bool_parsing"):
             allowed = "allowed: true, false"
+        elif err["type"] in ("literal_error", "enum", "union_tag_invalid") and (choices := _choices(err)) is not None:
+            if err["type"] == "union_tag_invalid":  # NOTE: the key that picks the section, not the whole section
+                key = str(err["ctx"]["discriminator"]).strip("'")
+                field, given = f"{field}.{key}", err["ctx"]["tag"]
+            allowed = allowed_choices(given, choices)
         elif err["type"] == "list_type":
             allowed = "a list (on the command line: [a, b]; [] for none)"
         else:  # NOTE: a validator's own message, without pydantic's "Value error, " in front
             allowed = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         problems.append(Problem(field, given, allowed))
     return problems
+
+
+def _choices(err: Any) -> list[Any] | None:
+    """The values a fixed-choice error allows (a Literal's, an enum's, a tagged union's tags)."""
+    ctx = err.get("ctx") or {}
+    return parse_expected(str(ctx.get("expected_tags", ctx.get("expected", ""))))
 
 
 def _is_union_tag(part: Any) -> bool:
@@ -346,9 +357,7 @@ def _known_keys_hint(model: type[BaseModel] | None, loc: list[str]) -> str:
     keys = sorted(getattr(node, "model_fields", {}))
     if not keys:
         return ""
-    close = difflib.get_close_matches(loc[-1], keys, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{hint}; allowed keys: {', '.join(keys)}"
+    return f"{did_you_mean(loc[-1], keys)}; allowed keys: {', '.join(keys)}"
 
 
 MODE_SETTINGS = {"simulate": ("simulate", "search"), "hardware": ("simulate", "search"),

@@ -33,7 +33,7 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     from pcpflow.models.hf import checkpoint_problems, window_problems
     from pcpflow.pipeline.assemble import load_builtin_stages, stage_problems
     from pcpflow.pipeline.stage import plugin_problems
-    from pcpflow.profile.checks import shipped_stage_problems
+    from pcpflow.profile.checks import shipped_stage_problems, without_drafting
     from pcpflow.rank.devices import host_memory_problems
     from pcpflow.scheduling.kv_cache import fit_problems
 
@@ -42,9 +42,11 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     imported = plugin_problems(cfg.plugins)
     # NOTE: once the plugins are imported, so that a kind of theirs is known as theirs
     refused = shipped_stage_problems(cfg) if kind == "profile" else []
-    problems = imported + refused
+    # NOTE: plugins refused as a whole (mode=profile): why one would not import is moot
+    problems = [p for p in imported if not _about_refused(p.field, refused)] + refused
     if not imported:  # the stages import the plugins: only once they import cleanly
-        found, cfg = stage_problems(cfg, raw or {})
+        # NOTE: a refused drafter's settings, and what they would ask of the scheduler, are moot
+        found, cfg = stage_problems(without_drafting(cfg) if _about_refused("draft", refused) else cfg, raw or {})
         found = [p for p in found if not _about_refused(p.field, refused)]  # a refused stage's settings are moot
         problems += found
         if cfg.disagg.enabled and not cfg.disagg.decode_grid.problems():  # the decode pool's own stage rules
@@ -74,11 +76,12 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
 
 
 def _about_refused(field: str, refused: list[Problem]) -> bool:
-    """``field`` is a setting of a stage already refused as a whole (``pipeline.<slot>.kind``,
-    ``pipeline.extra``; the draft slot's settings are named ``draft.*``)."""
+    """``field`` is a setting of what is already refused as a whole (``pipeline.<slot>.kind``,
+    ``pipeline.extra``, ``plugins``, ``draft``; the draft slot's settings are named ``draft.*``
+    or ``pipeline.draft.*``)."""
     for p in refused:
         stage = p.field.removesuffix(".kind")
-        owners = (stage, "draft") if stage == "pipeline.draft" else (stage,)
+        owners = ("draft", "pipeline.draft") if stage in ("draft", "pipeline.draft") else (stage,)
         if any(field == o or field.startswith((f"{o}.", f"{o}[")) for o in owners):
             return True
     return False

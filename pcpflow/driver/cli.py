@@ -388,7 +388,6 @@ def _torchrun_plots(job: dict[str, Any], code: int) -> int:
 
 def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
     from pcpflow.driver.checks import check_run_dir
-    from pcpflow.driver.job import prepare_job
     from pcpflow.output.rundir import (
         discard_result,
         failed_result,
@@ -401,13 +400,12 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
         if multirun:
             raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
         run_dir = planned_run_dir(overrides)
-        raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
         check_run_dir(run_dir)
-        mode = raw.get("mode")
+        mode = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("mode=")), None)
         if mode in ONE_PROCESS:  # NOTE: torchrun's ranks run the engine: an executed run, whatever else the config says
             raise ConfigError([Problem("mode", mode, f"{ONE_PROCESS[mode]}: python -m pcpflow mode={mode} ...; "
                                        "torchrun starts the ranks of an executed run (mode=execute)")])
-        cfg = prepare_job(raw)
+        cfg = validate_overrides([o for o in overrides if not _is_hydra_override(o)])
         if cfg.world_size != world:
             ranks = (f"tp*pcp = {cfg.world_size}" if not cfg.disagg.enabled else
                      f"both pools' ranks ({cfg.grid.world_size} prefill + {cfg.disagg.decode_grid.world_size} decode "

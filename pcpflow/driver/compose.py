@@ -14,10 +14,14 @@ import difflib
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pcpflow.config.choices import did_you_mean
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.paths import conf_dir
+
+if TYPE_CHECKING:
+    from pcpflow.config.run import RunConfig
 
 _NOT_HERE = "not a setting here"
 
@@ -30,29 +34,33 @@ def compose_raw(overrides: list[str], *, with_hydra: bool = False) -> dict[str, 
     return raw
 
 
-def validate_overrides(overrides: list[str]) -> None:
-    """Compose and validate one job as a run does (ConfigError with every problem)."""
+def validate_overrides(overrides: list[str]) -> RunConfig:
+    """Compose and validate one job as a run does: its config, or ConfigError with every problem.
+    Every way a job starts asks here (``python -m pcpflow``, each job of a sweep, rank 0 under
+    torchrun), so that a command gets the same words whichever way it is started."""
     from pcpflow.driver.job import prepare_job
 
     raw, problems = compose_checked(overrides)
     if raw is not None:
-        problems = [_with_draft_tokens_hint(p, raw) for p in problems]
+        problems = [_without_drafting_in_profile(_with_draft_tokens_hint(p, raw), raw) for p in problems]
     if raw is not None and raw.get("mode") == "search":
         problems += _search_group_problems(overrides)
     # NOTE: a mode that could not be placed leaves mode=execute behind, which would then refuse
     # every setting of the mode meant: what belongs to which mode is judged once it is known
+    cfg = None
     if raw is not None and "mode" not in {p.field for p in problems}:
         refused = {p.field for p in problems}
         try:
-            prepare_job(raw)
+            cfg = prepare_job(raw)
         except ConfigError as exc:
             # NOTE: an override that could not be placed left its default behind; what the
             # default then breaks is the same problem again (hardware=h100, or a key inside
             # the section, hardware.path without hardware=measured: "no hardware")
             problems += [p for p in exc.problems if p.field not in refused
                          and not any(r.lstrip("+~").startswith(p.field + ".") for r in refused)]
-    if problems:
+    if problems or cfg is None:
         raise ConfigError([_with_option_hint(p) for p in problems])
+    return cfg
 
 
 SEARCHED_GROUPS = {"decode": "decode.mode", "disagg": "disagg.kind"}
@@ -189,9 +197,7 @@ def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:
     for o in overrides:
         key, sep, value = o.lstrip("+~").partition("=")
         if sep and key in groups and value not in groups[key]:
-            close = difflib.get_close_matches(value, groups[key], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(Problem(key, value, f"one of: {', '.join(groups[key])}{hint}"))
+            problems.append(Problem(key, value, f"one of: {', '.join(groups[key])}{did_you_mean(value, groups[key])}"))
         else:
             kept.append(o)
     return problems, kept
@@ -272,6 +278,18 @@ def _with_draft_tokens_hint(p: Problem, raw: dict[str, Any]) -> Problem:
         return p
     kind = ((raw.get("pipeline") or {}).get("draft") or {}).get("kind") or (raw.get("draft") or {}).get("kind")
     return Problem(p.field, p.given, f"the draft stage {kind!r} does not read it from here; set it with {override}")
+
+
+def _without_drafting_in_profile(p: Problem, raw: dict[str, Any]) -> Problem:
+    """A drafter's key that could not be placed, in mode=profile: the profile refuses drafting, not
+    the key (the context-free hint, "add draft=dspark", would lead to that refusal)."""
+    from pcpflow.pipeline.assemble import DRAFT_TOKENS_KEYS
+    from pcpflow.profile.checks import NO_DRAFTING
+
+    key = p.field.lstrip("+~")
+    if raw.get("mode") != "profile" or not (key in DRAFT_TOKENS_KEYS or key.startswith(("draft.", "pipeline.draft."))):
+        return p
+    return Problem(p.field, p.given, NO_DRAFTING)
 
 
 def _compose_problem(exc: Exception, overrides: list[str]) -> tuple[Problem, str | None]:

@@ -7,7 +7,6 @@ user stages at a position: ``[{kind: my_pkg.probes:Probe, after: forward}, ...]`
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from pcpflow.config.choices import did_you_mean
 from pcpflow.config.run import pydantic_problems
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.paths import conf_dir
@@ -193,9 +193,7 @@ def _position(anchors: dict[str, Any], where: str, problems: list[Problem]) -> t
         return None
     (side, anchor), = anchors.items()
     if anchor not in SLOTS:
-        close = difflib.get_close_matches(str(anchor), SLOTS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        problems.append(Problem(f"{where}.{side}", anchor, f"one of {', '.join(SLOTS)}{hint}"))
+        problems.append(Problem(f"{where}.{side}", anchor, f"one of {', '.join(SLOTS)}{did_you_mean(anchor, SLOTS)}"))
         return None
     return side, anchor
 

@@ -24,7 +24,6 @@ idempotent: every rank imports the same plugins.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import inspect
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
+from pcpflow.config.choices import did_you_mean
 from pcpflow.errors import Problem, Settings
 
 if TYPE_CHECKING:
@@ -182,8 +182,7 @@ def resolve(kind: str, slot: str | None = None) -> type[Stage]:
 
 def unknown_kind_message(kind: str, slot: str | None) -> str:
     known = known_kinds(slot)
-    close = difflib.get_close_matches(kind, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(kind, known)
     where = f" for slot {slot!r}" if slot else ""
     return (
         f"unknown stage kind {kind!r}{where}{hint}; known kinds: {', '.join(known)} "

@@ -1,6 +1,6 @@
 """What ``mode=profile`` refuses before any rank starts (``pcpflow.driver.checks``): a world
 this machine cannot run with every rank busy on its own core, a ``collectives_from``
-that is no shipped profile with NCCL's graphs, and any stage that is not pcpflow's own."""
+that is no shipped profile with NCCL's graphs, any stage that is not pcpflow's own, and a drafter."""
 
 from __future__ import annotations
 
@@ -53,12 +53,14 @@ def _shipped() -> list[str]:
 
 
 SHIPPED_ONLY = "mode=profile measures the shipped stages only"
+NO_DRAFTING = "a setting of mode=execute: mode=profile measures the shipped engine without drafting; leave it out"
 
 
 def shipped_stage_problems(cfg) -> list[Problem]:
     """A profile's host section times pcpflow's own engine (``sections.host``): a user's plugins,
     extra stages or a slot swapped to a stage of theirs would be measured as if pcpflow's, or
-    break it. Called once the plugins are imported, so that a kind of theirs is known as theirs."""
+    break it; it runs without a drafter, so a draft stage would be accepted and ignored. Called
+    once the plugins are imported, so that a kind of theirs is known as theirs."""
     from pcpflow.pipeline.assemble import SLOTS, builtin_kinds, is_builtin
     from pcpflow.pipeline.stage import UnknownStageError, load_stage_sources, resolve
 
@@ -73,8 +75,9 @@ def shipped_stage_problems(cfg) -> list[Problem]:
         p.append(Problem("plugins", cfg.plugins, f"none: {SHIPPED_ONLY}; leave them out of the profile's command"))
     if cfg.pipeline.get("extra"):
         p.append(Problem("pipeline.extra", cfg.pipeline["extra"], f"none: {SHIPPED_ONLY}"))
-    for slot in SLOTS:
-        stage = cfg.draft_stage_config() if slot == "draft" else cfg.pipeline.get(slot)
+    p += _drafting_problems(cfg)
+    for slot in (s for s in SLOTS if s != "draft"):
+        stage = cfg.pipeline.get(slot)
         kind = stage.get("kind") if isinstance(stage, dict) else None
         try:
             cls = resolve(str(kind), slot) if kind else None
@@ -84,3 +87,20 @@ def shipped_stage_problems(cfg) -> list[Problem]:
             p.append(Problem(f"pipeline.{slot}.kind", kind, f"one of {', '.join(builtin_kinds(slot))} (pcpflow's own): "
                              f"{SHIPPED_ONLY}"))
     return p
+
+
+def _drafting_problems(cfg) -> list[Problem]:
+    """A draft stage, named where it is set: the draft group (draft=mtp), or pipeline.draft.kind
+    (a plugin's drafter, whose settings are then moot as well)."""
+    kind = cfg.draft_stage_config().get("kind", "none")
+    if kind == "none":
+        return []
+    if kind == cfg.draft.get("kind"):
+        return [Problem("draft", kind, f"{NO_DRAFTING} (draft=none)")]
+    return [Problem("pipeline.draft.kind", kind, NO_DRAFTING)]
+
+
+def without_drafting(cfg):
+    """``cfg`` with no draft stage: what a profile's host section runs."""
+    pipeline = {**cfg.pipeline, "draft": {"kind": "none"}}
+    return cfg.model_copy(update={"draft": {"kind": "none"}, "pipeline": pipeline, "num_speculative_tokens": 0})

@@ -327,6 +327,10 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
     (["verify=maybe"], "verify", "got 'maybe'; allowed: true, false"),
     (["output.plots=3"], "output.plots", "got 3; allowed: true, false"),
     (["mode=profile", "profile.quick=often"], "profile.quick", "got 'often'; allowed: true, false"),
+    # true or false only: pydantic's lax 'yes', 'on' and 1 would pass for a boolean the message says is not one
+    (["verify=1"], "verify", "got 1; allowed: true, false"),
+    (["kv.prefix_caching=yes"], "kv.prefix_caching", "got 'yes'; allowed: true, false"),
+    (["workload.ignore_eos=on"], "workload.ignore_eos", "got 'on'; allowed: true, false"),
     # one problem, one message: a value that is not a list is not also judged as its entries
     (["plugins=boom"], "plugins", "got 'boom'; a list"),
     # a dtype given twice is one problem naming it; a wrong name given twice is one problem too
@@ -344,3 +348,27 @@ def test_one_message_per_problem_naming_the_allowed_values(args, field, says):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
     assert len(lines) == 1 and lines[0].startswith(f"- {field}: ") and says in lines[0], lines
+
+
+@pytest.mark.parametrize("args, line", [
+    # the run config's, with the closest choice where one is close
+    (["dtype=bf16"], "dtype: got 'bf16'; allowed: float32, float64, bfloat16 (did you mean 'bfloat16'?)"),
+    (["decode=sharded", "decode.assignment=diagonal"], "decode.assignment: got 'diagonal'; allowed: round_robin, balanced"),
+    # a stage's config
+    (["pipeline.forward.attention=fusd"],
+     "pipeline.forward.attention: got 'fusd'; allowed: reference, fused, auto (did you mean 'fused'?)"),
+    # an entry of a list (a profile's dtypes), a section of a simulated and of a searched run
+    (["mode=profile", "profile.dtypes=[float32,3]"], "profile.dtypes.1: got 3; allowed: float32, float64, bfloat16"),
+    (["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "serving.router=random"],
+     "serving.router: got 'random'; allowed: round_robin, least_loaded, prefix_aware"),
+    (["mode=search", "search.gpus=8", "hardware=h100_sxm", "simulate.objective=ttfx"],
+     "simulate.objective: got 'ttfx'; allowed: ttft, tpot, gpus, ttft_x_gpus, tpot_x_gpus, throughput_per_gpu, "
+     "goodput_per_gpu (did you mean 'ttft'?)"),
+    # the key that picks a model or workload names itself, not the whole section
+    (["workload.kind=bogus"], "workload.kind: got 'bogus'; allowed: synthetic, explicit, trace"),
+])
+def test_a_fixed_choice_names_the_choices(args, line):
+    r = cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    assert lines == [f"- {line}"], lines

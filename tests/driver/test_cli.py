@@ -111,8 +111,8 @@ def test_field_errors_are_one_report_naming_field_value_and_allowed(tmp_path):
     assert "Traceback" not in err and "Traceback" not in r.stdout
     assert "invalid configuration (5 problem(s))" in err
     assert "pcp: got 0; Input should be greater than or equal to 1" in err
-    assert "decode.assignment: got 'diagonal'" in err and "'round_robin' or 'balanced'" in err
-    assert "dtype: got 'float16'" in err and "'float32', 'float64' or 'bfloat16'" in err
+    assert "decode.assignment: got 'diagonal'; allowed: round_robin, balanced" in err
+    assert "dtype: got 'float16'; allowed: float32, float64, bfloat16 (did you mean 'bfloat16'?)" in err
     assert "typo_key: got 1; not a setting here" in err and "allowed keys:" in err
     assert "scheduler.max_num_seqs: got -1" in err
     assert not run_dir.exists(), "nothing may start for an invalid config"
@@ -224,8 +224,11 @@ def test_a_crashing_rank_ends_the_job_promptly_with_its_error(tmp_path, pcp):
     assert _alive_with_marker(marker) == [], "no rank process may outlive the job"
 
 
+# NOTE: every torchrun launch is slow, here and in tests/driver/test_faults.py; the default set takes the
+# torchrun path with torch's variables set and no torchrun: the two tests below (a run of one rank in a
+# new Python; rank 0 refusing a command, in this process)
 @pytest.mark.dist
-@pytest.mark.slow  # NOTE: tests/driver/test_faults.py runs a torchrun job in the default set
+@pytest.mark.slow
 def test_torchrun_launch_runs_the_same_worker(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
@@ -264,6 +267,33 @@ def test_a_torchrun_run_dir_holds_the_plots_a_run_dir_holds(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run_dir / "result.json").read_text())["launcher"].startswith("external")
     assert (run_dir / "load.png").stat().st_size > 0 and (run_dir / "serving.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args", [
+    ["workload.prompt_lens=[5]"],  # a key of another option of its group names that option
+    ["draft=mtp", "pipeline.draft.num_speculative_tokens=3"],  # the drafter's own override
+    ["workload.prompt_lens=[5]", "pcp=0", "dtype=bf16"],  # a key Hydra cannot place and bad values, together
+])
+def test_torchrun_refuses_a_command_as_python_m_pcpflow_does(tmp_path, monkeypatch, args):
+    """Rank 0 of an external launch composes and checks the config as the driver does: the same
+    problems, the same words. One rank with torch's variables (as srun starts it), in this process:
+    a refused config starts no process group."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    code, driver = cli(*args, f"hydra.run.dir={run_dir}")
+    assert code == 2 and not run_dir.exists(), driver
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    code, rank = cli(*args, f"hydra.run.dir={run_dir}")
+    assert code == 2, rank
+    problems = [ln for ln in driver.splitlines() if ln.startswith("  - ")]
+    assert problems and problems == [ln for ln in rank.splitlines() if ln.startswith("  - ")], rank
+    assert json.loads((run_dir / "result.json").read_text())["exit_code"] == 2  # rank 0 records it in the run dir
 
 
 # ------------------------------------------------------------------------------ run dirs

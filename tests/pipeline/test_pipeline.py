@@ -48,7 +48,7 @@ def test_bad_slots_are_reported_together():
         ])
     fields = {p.field: p.allowed for p in exc.value.problems}
     assert "did you mean 'sampled_rows'?" in fields["pipeline.restore.kind"]
-    assert fields["pipeline.forward.attention"] == "Input should be 'reference', 'fused' or 'auto'"
+    assert fields["pipeline.forward.attention"] == "allowed: reference, fused, auto"
     assert fields["pipeline.extra[0]"].startswith("exactly one of after/before")
 
 

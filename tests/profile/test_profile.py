@@ -379,10 +379,42 @@ def test_a_profile_measures_the_shipped_stages_only(tmp_path):
     assert compose(["mode=profile", "pcp=1", "pipeline.restore.kind=sampled_rows"]).pipeline["restore"]["kind"] == "sampled_rows"
 
 
+def test_a_profile_s_plugin_that_does_not_import_is_one_problem():
+    """Plugins are refused in a profile whatever they are: why one would not import is moot."""
+    line = _one_problem("mode=profile", "pcp=1", "plugins=[no_such_module_pcpflow]")
+    assert line.strip() == ("- plugins: got ['no_such_module_pcpflow']; none: mode=profile measures the shipped "
+                            "stages only; leave them out of the profile's command")
+
+
+NO_DRAFTING = "a setting of mode=execute: mode=profile measures the shipped engine without drafting; leave it out"
+
+
+@pytest.mark.parametrize("args, field, given", [
+    (["draft=mtp"], "draft", "'mtp'"),
+    # the drafter's settings are the same problem, said once
+    (["draft=dspark", "draft.num_speculative_tokens=5", "draft.block_attention=sideways"], "draft", "'dspark'"),
+    # a drafter's key without one: not "add draft=dspark", which would be refused in turn
+    (["draft.num_speculative_tokens=3"], "draft.num_speculative_tokens", "'3'"),
+    (["pipeline.draft.kind=self"], "pipeline.draft.kind", "'self'"),
+    # a plugin's drafter: the plugins refused, and the drafter (not as a stage that is not pcpflow's own)
+    (["plugins=[pcpflow_test_plugins.toy_drafter]", "pipeline.draft.kind=toy_repeat"], "pipeline.draft.kind", "'toy_repeat'"),
+])
+def test_a_profile_refuses_drafting(args, field, given):
+    """Its host section runs the shipped engine without a drafter: draft settings would be
+    accepted and ignored, so they are refused as a setting of another mode is."""
+    r = cli("mode=profile", "pcp=1", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip().startswith("- ")]
+    drafting = [ln for ln in lines if NO_DRAFTING in ln]
+    assert len(drafting) == 1 and drafting[0].startswith(f"- {field}: got {given}; {NO_DRAFTING}"), lines
+    assert all(ln.startswith("- plugins:") for ln in lines if ln not in drafting), lines
+
+
 def test_the_host_section_runs_the_shipped_pipeline_without_drafting():
-    """A run's drafter (draft=mtp fills pipeline.draft too) is no part of pcpflow's per-step host work."""
+    """A run's drafter (draft=mtp fills pipeline.draft too) is no part of pcpflow's per-step host work
+    (a profile refuses one before it starts; the section leaves it out all the same)."""
     from pcpflow.pipeline.assemble import resolve_pipeline
     from pcpflow.profile.sections import _host_config
 
-    cfg = _host_config(compose(["mode=profile", "pcp=1", "draft=mtp"]), 2, 16, 1)
+    cfg = _host_config(compose(["pcp=1", "draft=mtp"]).model_copy(update={"mode": "profile"}), 2, 16, 1)
     assert [s.cls.kind for s in resolve_pipeline(cfg)][-1] == "none" and cfg.num_speculative_tokens == 0
