@@ -162,9 +162,11 @@ def print_summary(result: dict[str, Any]) -> None:
         table.add_row(
             "exact vs 1 rank",
             f"tokens {'match' if v['tokens_match'] else 'DIFFER'} · KV {'match' if v['kv_match'] else 'DIFFERS'} · "
-            f"max |Δlogit| {v['max_abs_logit_diff']:.2e} (tol {v['tolerance']:g})"
+            + (f"drafter KV {'match' if v['draft_kv_match'] else 'DIFFERS'} · " if "draft_kv_match" in v else "")
+            + f"max |Δlogit| {v['max_abs_logit_diff']:.2e} (tol {v['tolerance']:g})"
             + (f" · {len(v['near_ties'])} token near-tie(s)" if v["near_ties"] else "")
-            + _routing(v),
+            + _routing(v)
+            + "".join(f"\n{line}" for line in v.get("failures", ())),
         )
     if m:
         if "num_requests" in m:

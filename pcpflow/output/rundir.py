@@ -77,7 +77,8 @@ def result_of(sections: dict[str, Any], config: dict[str, Any], **extra: Any) ->
     ok = verify is None or verify["passed"]
     return {
         "status": "ok" if ok else "failed",
-        "error": None if ok else "verification against the single-rank reference failed",
+        "error": None if ok else "verification against the single-rank reference failed"
+                 + "".join(f": {line}" for line in (verify or {}).get("failures", ())[:1]),
         "exit_code": EXIT_OK if ok else EXIT_FAILED,
         "config": config,
         **sections,

@@ -72,9 +72,11 @@ class Stage:
         """Paged KV caches this stage keeps of a request's tokens besides the target's (a
         drafter's own cache, on the target's block tables and slot rule): ``(the spec of the
         whole, unsharded cache, its per-layer caches)`` each. A handover between pools
-        (``disagg=pd``) moves their entries of the prompt along with the target's. A stage
-        that keeps such a cache and does not list it here would decode from a cache that
-        was never filled."""
+        (``disagg=pd``) moves their entries of the prompt along with the target's, and
+        ``verify=true`` checks them against the single-rank reference's as it checks the
+        target's (a drafter may write scratch only at the ``num_speculative_tokens`` slots
+        from the newest token on). A stage that keeps such a cache and does not list it here
+        would decode from a cache that was never filled."""
         return []
 
     @classmethod

@@ -30,7 +30,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from pcpflow.attention.metadata import rank_slot_mapping
@@ -278,7 +277,7 @@ class _PoolVerifier(Verifier):
         budget = {k: max(getattr(c.scheduler, k) for c in rank.pools.values())
                   for k in ("max_num_batched_tokens", "max_num_seqs")}
         both = rank.mine.model_copy(update={"scheduler": rank.mine.scheduler.model_copy(update=budget)})
-        super().__init__(both, rank.ctx, specs, rank.world, rank.prefill, ref_blocks=ref_blocks)
+        super().__init__(both, rank.ctx, specs, rank.world, rank.prefill, pipeline=rank.pipeline, ref_blocks=ref_blocks)
         self.in_prefill = rank.pool == "prefill"
         self.decode_root = rank.offset
 
@@ -295,7 +294,7 @@ class _PoolVerifier(Verifier):
                 seen = SimpleNamespace(batch=ps.decode, logits=r.get("logits"), sampled_token_ids=r.get("tokens"))
             self.check(ps.decode, seen, do, mine=not self.in_prefill, router_logits=self._decode_router_logits(state))
         elif ps.handed:
-            self._compare(mine=not self.in_prefill)
+            self._compare(ps.step, mine=not self.in_prefill)
 
     def _decode_router_logits(self, state: StepState | None):
         """The decode pool's router logits of its batch, gathered in that pool and sent from
@@ -316,17 +315,16 @@ class _PoolVerifier(Verifier):
         if not ps.handed:
             return
         lens = [n for _, n, _, _ in ps.handed]
-        entries = torch.empty((len(self.ctx.kv_caches), sum(lens), self.ref_entry_dim), dtype=self.ctx.dtype,
-                              device=self.ctx.device)
+        entries = self._entries(sum(lens))  # NOTE: the drafter's cache of the prompt moves too (Stage.own_kv)
         if self.is_root:
             at = 0
             for i, n, _, _ in ps.handed:
                 tables = self.ref_kv.block_tables(np.array([i]))
-                slots = torch.from_numpy(rank_slot_mapping(np.arange(n), np.zeros(n, np.int64), tables, self.cfg.kv))
-                for layer, cache in enumerate(self.ref_ctx.kv_caches):
-                    entries[layer, at:at + n] = cache.index_select(0, slots.to(cache.device))
+                slots = rank_slot_mapping(np.arange(n), np.zeros(n, np.int64), tables, self.cfg.kv)
+                self._read_reference(slots, [e[:, at:at + n] for e in entries])
                 at += n
-        self.world.broadcast(entries, src=0, purpose="verify")
+        for e in entries:
+            self.world.broadcast(e, src=0, purpose="verify")
         if self.in_prefill:
             self.take_over(freed)
             return
@@ -336,4 +334,5 @@ class _PoolVerifier(Verifier):
             tables[k, :len(dst)] = dst
         positions = np.concatenate([np.arange(n) for n in lens])
         rows = np.repeat(np.arange(len(lens)), lens)
-        self.expect_at(positions, rows, tables, entries)
+        req_ids = np.array([i for i, _, _, _ in ps.handed], dtype=np.int64)
+        self.expect_at(positions, rows, tables, entries, req_ids=req_ids[rows])

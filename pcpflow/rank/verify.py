@@ -10,14 +10,26 @@ Each step:
   a differing token is accepted as a *near-tie* only where the reference's top two logits
   (sampling: the two tokens' perturbed scores, ``pcpflow.tokens.sampling.decision_gap``) are within
   2 * tolerance (either could win under rounding); float64 has no such allowance.
-- **KV cache** (every rank): rank 0 broadcasts the reference's cache entries for this
+- **KV caches** (every rank): the target's, and every cache a stage keeps of its own
+  (``Stage.own_kv``: a drafter's). Rank 0 broadcasts the reference's cache entries for this
   step's tokens; each rank writes them into an *expected* cache at the slots of the
   positions it owns (all positions without DCP, its shard with DCP), in the columns of the
   KV heads it holds under TP, and compares its whole cache with it: same values where
   expected, untouched (NaN) everywhere else. The slots come from the rule the ``slots``
-  stage uses (``pcpflow.attention.metadata.rank_slot_mapping``).
+  stage uses (``pcpflow.attention.metadata.rank_slot_mapping``); a drafter's cache is on
+  the target's block tables and slot rule, so one rule serves both.
 - **MoE routing** (rank 0): the reference takes the run's experts where a router nearly
   ties, and lists it (``pcpflow.rank.routing``).
+
+Drafters: the reference runs the stages that keep a cache of their own (the ``draft``
+slot) after its target slots, on the run's sampled tokens (what the run's drafter reads).
+A drafter's entries are checked at the positions a step *committed*: its tokens less the
+drafts it rejected (and every recomputed prefix position). Past them, from the newest token
+on, its ``num_speculative_tokens`` positions are the drafter's scratch (rejected drafts'
+entries, the entries of its own later draft steps, which follow its own proposals): the
+next step's draft prefill writes them again before anything reads them, and the expected
+cache takes over what the run holds there. Everywhere else a drafter's cache must be
+untouched, as the target's.
 
 The verifier never writes the caches of the run it checks: when a request's blocks are
 freed (it finished, or was preempted), the expected cache takes over what the run's cache
@@ -28,21 +40,29 @@ Prefix hits and preemptions: a request that starts past what the reference holds
 (a prefix found in the cache, or a readmission after preemption, whose outputs are
 prefilled again) is first *recomputed* by the reference from what it holds (nothing, for a
 readmitted request: the reference freed it when it was preempted) up to where the run
-starts it, in a step of the reference's own. Those entries go into the expected cache at
-the run's slots of those positions: a block the run reuses must hold exactly what
-recomputation writes, on every rank and every DCP shard.
+starts it, in a step of the reference's own, drafters included. Those entries go into the
+expected caches at the run's slots of those positions: a block the run reuses must hold
+exactly what recomputation writes, on every rank and every DCP shard, in the drafter's
+cache as in the target's (an MTP entry at p reads the token at p + 1: a reused block whose
+last entry read another request's next token differs).
+
+A mismatch is named: ``kv_mismatches`` lists the first ones (the cache, global rank, step,
+layer, request, position, slot), ``failures`` says in words what failed.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pcpflow.attention.metadata import rank_slot_mapping
 from pcpflow.config.run import RunConfig
 from pcpflow.models import build_model
+from pcpflow.models.base import AttentionSpec
 from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.parallel.moe_dispatch import ROUTING_KEY, num_experts
 from pcpflow.parallel.tensor_parallel import entry_columns
@@ -62,26 +82,63 @@ from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
 from pcpflow.tokens.sampling import decision_gap
 
 _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
+TARGET_CACHE = "target KV cache"
+
+
+def own_cache_name(slot: str, stage) -> str:
+    """How a mismatch names a stage's own cache: ``drafter KV cache (draft=mtp)``."""
+    if slot == "draft":
+        return f"drafter KV cache (draft={stage.kind})"
+    return f"KV cache of stage {slot}"
+
+
+@dataclass
+class CheckedCache:
+    """One paged KV cache of this rank under check: the run's (per layer), its expected copy,
+    and the reference's (rank 0). ``committed_only``: a drafter's, checked at the positions a
+    step committed (module docstring)."""
+
+    name: str
+    run: list[torch.Tensor]
+    expected: list[torch.Tensor]
+    entry_dim: int  # a full (unsharded) entry: the reference's
+    columns: torch.Tensor  # this rank's TP columns of a full entry
+    committed_only: bool
+    ref: list[torch.Tensor] | None = None
+    # over every rank and step (summed alike on every rank)
+    entries_checked: int = 0  # reference entries expected: a position on a rank, all layers
+    bad_slots: int = 0  # mismatched slots, per layer, counted at each step they differ
+    max_diff: float = 0.0
+    step_entries: int = 0  # this rank's, since the last comparison
+
+    @classmethod
+    def of(cls, name: str, spec: AttentionSpec, run: list[torch.Tensor], ctx: RankContext, *,
+           committed_only: bool) -> CheckedCache:
+        return cls(name, run, [torch.full_like(c, float("nan")) for c in run], spec.entry_dim,
+                   entry_columns(spec, ctx.tp.rank, ctx.tp.size).to(ctx.device), committed_only)
 
 
 class Verifier:
+    """The reference of a run and its checks (module docstring). ``pipeline``: the run's, on
+    this rank; its stages' own caches (``Stage.own_kv``) are checked with the target's."""
+
     def __init__(self, cfg: RunConfig, ctx: RankContext, specs: list[StageSpec], world: Comm,
-                 scheduler: Scheduler, *, ref_blocks: int | None = None) -> None:
+                 scheduler: Scheduler, *, pipeline: Pipeline, ref_blocks: int | None = None) -> None:
         self.cfg, self.ctx, self.world, self.scheduler = cfg, ctx, world, scheduler
         # per request: positions [0, n) the reference holds (every rank keeps the count)
         self.ref_len = np.zeros(len(scheduler.table), dtype=np.int64)
         self.positions_recomputed = 0
         self.atol = cfg.logits_atol
         self.is_root = world.rank == 0
-        self.expected = [torch.full_like(c, float("nan")) for c in ctx.kv_caches]
         self.max_logit_diff = 0.0
-        self.max_kv_diff = 0.0
-        self.kv_bad_slots = 0
         self.tokens_checked = 0
         self.steps = 0
         self.token_mismatches: list[dict] = []
         self.near_ties: list[dict] = []
         self.num_token_mismatches = 0
+        self.kv_mismatches: list[dict] = []  # rank 0: the first ones named, every rank's
+        self.num_named = 0  # every rank: mismatches named so far, over all ranks
+        self._named: set[tuple[int, int, int]] = set()  # this rank's named (cache, layer, slot)
         # MoE: every rank records its rows' router logits; the reference routes as the run
         # did where they nearly tie (pcpflow.rank.routing)
         self.routing = RecordRouting() if num_experts(ctx.model) else None
@@ -90,19 +147,29 @@ class Verifier:
         self.routing_report = RoutingReport()
         # Under TP a rank's model and cache hold its heads only; the reference is whole.
         full_spec = getattr(ctx.model, "full_attn_spec", ctx.model.attn_spec)
-        self.ref_entry_dim = full_spec.entry_dim
-        self.columns = entry_columns(full_spec, ctx.tp.rank, ctx.tp.size).to(ctx.device)
+        self.caches = [CheckedCache.of(TARGET_CACHE, full_spec, ctx.kv_caches, ctx, committed_only=False)]
+        # the stages that keep a cache of their own (a drafter's), by slot
+        keepers = [(name, stage) for name, stage in pipeline.stages if stage.own_kv()]
+        for name, stage in keepers:
+            self.caches += [CheckedCache.of(own_cache_name(name, stage), spec, caches, ctx, committed_only=True)
+                            for spec, caches in stage.own_kv()]
+        # slot -> (request, position) last expected there: names a mismatch
+        num_slots = ctx.kv_caches[0].shape[0] if ctx.kv_caches else 0
+        self.slot_req = np.full(num_slots, -1, dtype=np.int64)
+        self.slot_pos = np.full(num_slots, -1, dtype=np.int64)
         if self.is_root:
             self.ref_model = ctx.model
             if ctx.tp.size > 1:
                 self.ref_model = build_model(cfg.model, dtype=ctx.dtype, seed=cfg.seed, device=ctx.device)
-            ref_cfg = cfg.model_copy(update={"tp": 1, "pcp": 1, "dcp": 1})
             # The reference holds the whole context on one rank (dcp times the blocks), and
             # a prefix the run shares once, once per request: room for every seat's longest.
             table = scheduler.table
             longest = int((table.prompt_lens + table.output_lens).max(initial=1)) + cfg.num_speculative_tokens
             per_seat = -(-longest // cfg.kv.block_size)
             ref_blocks = ref_blocks or max(cfg.kv.num_blocks * cfg.dcp, cfg.scheduler.max_num_seqs * per_seat)
+            # NOTE: kv.num_blocks is the reference's own: a drafter sizes its cache by it
+            ref_cfg = cfg.model_copy(update={"tp": 1, "pcp": 1, "dcp": 1,
+                                             "kv": cfg.kv.model_copy(update={"num_blocks": ref_blocks})})
             self.ref_kv = KVCacheManager(ref_blocks, cfg.kv.block_size, 1)
             self.ref_ctx = RankContext(
                 config=ref_cfg,
@@ -119,6 +186,15 @@ class Verifier:
                 requests=ctx.requests,
             )
             self.ref_pipeline = Pipeline([s for s in specs if s.name in TARGET_SLOTS], self.ref_ctx)
+            # NOTE: after the target slots, on the run's sampled tokens (_reference_step)
+            drafting = {name for name, _ in keepers if name not in TARGET_SLOTS}
+            self.ref_drafting = Pipeline([s for s in specs if s.name in drafting], self.ref_ctx)
+            ref_caches = [self.ref_ctx.kv_caches]
+            for name, _ in keepers:
+                ref_stage = (self.ref_drafting if name in drafting else self.ref_pipeline).stage(name)
+                ref_caches += [caches for _, caches in ref_stage.own_kv()]
+            for cache, ref in zip(self.caches, ref_caches, strict=True):
+                cache.ref = ref
 
     # ------------------------------------------------------------------ per step
     def step(self, state: StepState, outcome: StepOutcome) -> float:
@@ -135,26 +211,38 @@ class Verifier:
         rank 0, and ``router_logits`` there (``gather_router_logits``) with experts. ``mine``:
         this rank's caches hold the batch's KV (``disagg=pd``: the ranks of the other pool
         take part in the collectives only)."""
-        num_layers = len(self.ctx.kv_caches)
         rows, catch_pos = self._catch_up_rows(batch)
         n_catch = len(catch_pos)
-        ref_entries = torch.empty((num_layers, n_catch + batch.num_tokens, self.ref_entry_dim),
-                                  dtype=self.ctx.dtype, device=self.ctx.device)
+        entries = self._entries(n_catch + batch.num_tokens)
         step_logit_diff = 0.0
         if self.is_root:
             if n_catch:
-                self._catch_up(batch, rows, catch_pos, ref_entries[:, :n_catch])
-            step_logit_diff = self._reference_step(state, ref_entries[:, n_catch:], router_logits)
-        self.world.broadcast(ref_entries, src=0, purpose="verify")
+                self._catch_up(batch, rows, catch_pos, [e[:, :n_catch] for e in entries])
+            step_logit_diff = self._reference_step(state, [e[:, n_catch:] for e in entries], router_logits)
+        for e in entries:
+            self.world.broadcast(e, src=0, purpose="verify")
         catch_req = np.repeat(rows, batch.num_computed_tokens[rows] - self.ref_len[batch.req_ids[rows]])
         if mine:
-            self._expect(batch, ref_entries, catch_pos, catch_req)
-        self._compare(mine)
+            self._expect(batch, outcome, entries, catch_pos, catch_req)
+        self._compare(batch.step, mine)
         self.ref_len[batch.req_ids] = batch.seq_lens
         self.positions_recomputed += n_catch
         self._release(outcome, mine)
         self.steps += 1
         return step_logit_diff
+
+    def _entries(self, n: int) -> list[torch.Tensor]:
+        """Room for the reference's full entries of ``n`` positions, per checked cache:
+        ``[layers, n, entry]`` each."""
+        return [torch.empty((len(c.run), n, c.entry_dim), dtype=self.ctx.dtype, device=self.ctx.device)
+                for c in self.caches]
+
+    def _read_reference(self, ref_slots: np.ndarray, out: list[torch.Tensor]) -> None:
+        """The reference's entries at ``ref_slots``, of every checked cache, into ``out``."""
+        idx = torch.from_numpy(ref_slots).to(self.ctx.device)
+        for cache, o in zip(self.caches, out):
+            for layer, ref in enumerate(cache.ref):
+                o[layer] = ref.index_select(0, idx)
 
     def _catch_up_rows(self, batch) -> tuple[np.ndarray, np.ndarray]:
         """Batch rows that start past what the reference holds for them, and the positions
@@ -168,7 +256,7 @@ class Verifier:
         offsets = np.arange(int(n.sum())) - np.repeat(n.cumsum() - n, n)
         return rows, np.repeat(start, n) + offsets
 
-    def _catch_up(self, batch, rows: np.ndarray, positions: np.ndarray, out: torch.Tensor) -> None:
+    def _catch_up(self, batch, rows: np.ndarray, positions: np.ndarray, out: list[torch.Tensor]) -> None:
         """The reference computes ``rows``' missing prefixes in steps of its own (no logits),
         each within the run's token budget and seats."""
         req_ids = batch.req_ids[rows]
@@ -188,32 +276,34 @@ class Verifier:
                 if a + take < e:
                     chunks.insert(0, (r, a + take, e))
                 used += take
-            done += self._reference_prefill(batch.step, step, out[:, done:done + used])
+            done += self._reference_prefill(batch.step, step, [o[:, done:done + used] for o in out])
 
-    def _reference_prefill(self, step: int, chunks: list[tuple[int, int, int]], out: torch.Tensor) -> int:
+    def _reference_prefill(self, step: int, chunks: list[tuple[int, int, int]], out: list[torch.Tensor]) -> int:
         """One reference step prefilling ``(request, start, end)`` chunks; their entries into ``out``."""
         req_ids = np.array([c[0] for c in chunks], dtype=np.int64)
         start = np.array([c[1] for c in chunks], dtype=np.int64)
         end = np.array([c[2] for c in chunks], dtype=np.int64)
-        ids = np.concatenate([self.scheduler.token_ids(int(r), int(a), int(e)) for r, a, e in chunks])
+        # NOTE: each chunk's tokens and the one after it (the run's next input there): what an
+        # MTP head's entry at a chunk's last position reads (its batch's chunk_next_ids)
+        seqs = [self.scheduler.token_ids(int(r), int(a), int(e) + 1) for r, a, e in chunks]
+        ids = np.concatenate([s[:-1] for s in seqs])
         tables = self.ref_kv.block_tables(req_ids)
         catch = GlobalBatch(
             step=step, req_ids=req_ids, num_scheduled_tokens=end - start, num_computed_tokens=start,
             is_prefilling=np.ones(len(chunks), dtype=bool), prompt_lens=end + 1, input_ids=ids,
             block_tables=tables, logits_indices=np.zeros(0, dtype=np.int64),
             num_draft_tokens=np.zeros(len(chunks), dtype=np.int64),
+            chunk_next_ids=np.array([s[-1] for s in seqs], dtype=np.int64),
         )
         if self.routing_report.taken:  # NOTE: routed as the run did where it took the run's experts
             keys = self._prefix_keys(catch, np.arange(catch.num_tokens))
             self.ref_ctx.extras[ROUTING_KEY] = RecalledRouting(self.routing_report.taken, keys)
         try:
-            self.ref_pipeline(StepState(catch))
+            ref = self.ref_pipeline(StepState(catch))
         finally:
             self.ref_ctx.extras.pop(ROUTING_KEY, None)
-        ref_slots = rank_slot_mapping(catch.positions, catch.req_indices, tables, self.cfg.kv)
-        idx = torch.from_numpy(ref_slots).to(self.ctx.device)
-        for layer, cache in enumerate(self.ref_ctx.kv_caches):
-            out[layer] = cache.index_select(0, idx)
+        self.ref_drafting(ref)
+        self._read_reference(rank_slot_mapping(catch.positions, catch.req_indices, tables, self.cfg.kv), out)
         return catch.num_tokens
 
     def _prefix_keys(self, batch: GlobalBatch, tokens: np.ndarray) -> np.ndarray:
@@ -227,9 +317,11 @@ class Verifier:
             keys[at] = prefix_keys(history)[positions[at]]
         return keys
 
-    def _reference_step(self, state: StepState, ref_entries: torch.Tensor, router_logits=None) -> float:
+    def _reference_step(self, state: StepState, out: list[torch.Tensor], router_logits=None) -> float:
         batch = state.batch
-        self.ref_kv.allocate_many(batch.req_ids, batch.seq_lens)
+        # NOTE: drafting, the drafter writes its scratch past the step's tokens (the run's lookahead)
+        lookahead = self.cfg.num_speculative_tokens if len(self.caches) > 1 else 0
+        self.ref_kv.allocate_many(batch.req_ids, batch.seq_lens + lookahead)
         ref_tables = self.ref_kv.block_tables(batch.req_ids)
         if router_logits is not None:  # NOTE: float64 has no near-tie allowance, as for tokens
             allowance = None if self.cfg.dtype == "float64" else self.atol
@@ -239,10 +331,6 @@ class Verifier:
             ref = self.ref_pipeline(StepState(batch.with_block_tables(ref_tables)))
         finally:
             self.ref_ctx.extras.pop(ROUTING_KEY, None)
-        ref_slots = rank_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv)
-        idx = torch.from_numpy(ref_slots).to(self.ctx.device)
-        for layer, cache in enumerate(self.ref_ctx.kv_caches):
-            ref_entries[layer] = cache.index_select(0, idx)
 
         diff = 0.0
         if state.logits is not None and state.logits.numel():
@@ -269,45 +357,125 @@ class Verifier:
                 self.num_token_mismatches += 1
                 if len(self.token_mismatches) < _MAX_LISTED:
                     self.token_mismatches.append(entry)
+        # NOTE: the drafter reads the run's samples, as the run's drafter did (a near-tie's too)
+        ref.sampled_token_ids = np.asarray(got, dtype=np.int64)
+        self.ref_drafting(ref)
+        self._read_reference(rank_slot_mapping(batch.positions, batch.req_indices, ref_tables, self.cfg.kv), out)
         return diff
 
-    def _expect(self, batch: GlobalBatch, ref_entries: torch.Tensor, catch_pos: np.ndarray, catch_rows: np.ndarray) -> None:
+    def _expect(self, batch: GlobalBatch, outcome: StepOutcome, entries: list[torch.Tensor], catch_pos: np.ndarray,
+                catch_rows: np.ndarray) -> None:
         """The reference's entries of this step (recomputed prefixes first, then the step's
-        tokens) into the expected cache, at this rank's slots of the positions it owns."""
-        self.expect_at(np.concatenate([catch_pos, batch.positions]), np.concatenate([catch_rows, batch.req_indices]),
-                       batch.block_tables, ref_entries)
+        tokens) into the expected caches, at this rank's slots of the positions it owns; a
+        drafter's at the positions the step committed, its scratch past them taken over."""
+        rows = np.concatenate([catch_rows, batch.req_indices])
+        committed_end = None
+        if len(self.caches) > 1:
+            # NOTE: a row committed its tokens less the drafts it rejected
+            rejected = np.asarray(outcome.num_proposed, dtype=np.int64) - np.asarray(outcome.num_accepted, dtype=np.int64)
+            committed_end = batch.num_computed_tokens + batch.num_scheduled_tokens - rejected
+            self._take_over_scratch(batch, committed_end)
+        committed = None if committed_end is None else np.concatenate(
+            [np.ones(len(catch_pos), dtype=bool), batch.positions < committed_end[batch.req_indices]])
+        self.expect_at(np.concatenate([catch_pos, batch.positions]), rows, batch.block_tables, entries,
+                       req_ids=batch.req_ids[rows], committed=committed)
 
     def expect_at(self, positions: np.ndarray, req_indices: np.ndarray, block_tables: np.ndarray,
-                  ref_entries: torch.Tensor) -> None:
+                  entries: list[torch.Tensor], *, req_ids: np.ndarray, committed: np.ndarray | None = None) -> None:
         """Full reference entries ``[layers, len(positions), entry]`` of these positions
-        (rows ``req_indices`` of ``block_tables``) into the expected cache where this rank
-        holds them: its DCP shard's positions, its TP slice's columns."""
+        (rows ``req_indices`` of ``block_tables``; requests ``req_ids``), one tensor per
+        checked cache, into the expected caches where this rank holds them: its DCP shard's
+        positions, its TP slice's columns. ``committed``: the positions a drafter's cache is
+        checked at (None: all)."""
         ctx = self.ctx
         slots = rank_slot_mapping(positions, req_indices, block_tables, self.cfg.kv, dcp_size=ctx.dcp_size,
                                   dcp_rank=ctx.dcp_rank)
-        owned = torch.from_numpy(np.flatnonzero(slots >= 0)).to(ctx.device)
-        owned_slots = torch.from_numpy(slots[slots >= 0]).to(ctx.device)
-        for layer, expected in enumerate(self.expected):
-            expected.index_copy_(0, owned_slots, ref_entries[layer].index_select(0, owned).index_select(1, self.columns))
+        owned = slots >= 0
+        self.slot_req[slots[owned]] = req_ids[owned]
+        self.slot_pos[slots[owned]] = positions[owned]
+        for cache, ref_entries in zip(self.caches, entries):
+            keep = owned & committed if cache.committed_only and committed is not None else owned
+            idx = torch.from_numpy(np.flatnonzero(keep)).to(ctx.device)
+            at = torch.from_numpy(slots[keep]).to(ctx.device)
+            cache.step_entries += len(idx)
+            for layer, expected in enumerate(cache.expected):
+                expected.index_copy_(0, at, ref_entries[layer].index_select(0, idx).index_select(1, cache.columns))
 
-    def _compare(self, mine: bool = True) -> None:
-        """This rank's whole cache against the expected one; every rank's worst difference
-        and mismatched slots summed on rank 0."""
-        ctx = self.ctx
-        worst, bad = 0.0, 0
-        for cache, expected in zip(ctx.kv_caches, self.expected) if mine else ():
-            nan_c, nan_e = torch.isnan(cache), torch.isnan(expected)
-            both = ~(nan_c | nan_e)
-            d = (cache - expected).abs().where(both, torch.zeros((), dtype=cache.dtype, device=cache.device))
-            bad_entry = (nan_c != nan_e) | (d > self.atol)
-            bad += int(bad_entry.any(dim=1).sum())
-            worst = max(worst, float(d.max()) if d.numel() else 0.0)
-        # Every rank's worst difference and bad-slot count, on rank 0 (this traffic
+    def _take_over_scratch(self, batch: GlobalBatch, committed_end: np.ndarray) -> None:
+        """A drafter's scratch of this step: the ``num_speculative_tokens`` positions from the
+        newest token of each row that sampled (module docstring); the expected caches take
+        over what the run holds there. The scheduler allocated them (its lookahead)."""
+        k = self.cfg.num_speculative_tokens
+        rows = np.flatnonzero(np.bincount(batch.logits_req_indices, minlength=batch.num_reqs))
+        if not k or not len(rows):
+            return
+        positions = np.repeat(committed_end[rows], k) + np.tile(np.arange(k, dtype=np.int64), len(rows))
+        slots = rank_slot_mapping(positions, np.repeat(rows, k), batch.block_tables, self.cfg.kv,
+                                  dcp_size=self.ctx.dcp_size, dcp_rank=self.ctx.dcp_rank)
+        self._take_over_slots(slots[slots >= 0], [c for c in self.caches if c.committed_only])
+
+    def _compare(self, step: int, mine: bool = True) -> None:
+        """This rank's whole caches against the expected ones; every rank's worst difference,
+        mismatched slots and entries checked summed on rank 0, the first mismatches named."""
+        ctx, n = self.ctx, len(self.caches)
+        worst, bad = [0.0] * n, [0] * n
+        listed: list[dict] = []
+        for i, cache in enumerate(self.caches if mine else ()):
+            for layer, (run, expected) in enumerate(zip(cache.run, cache.expected)):
+                nan_c, nan_e = torch.isnan(run), torch.isnan(expected)
+                both = ~(nan_c | nan_e)
+                d = (run - expected).abs().where(both, torch.zeros((), dtype=run.dtype, device=run.device))
+                bad_slot = ((nan_c != nan_e) | (d > self.atol)).any(dim=1)
+                count = int(bad_slot.sum())
+                if count and len(listed) < _MAX_LISTED:
+                    # NOTE: a slot that stays wrong is counted each step, named once
+                    slots = [s for s in torch.nonzero(bad_slot).flatten().tolist() if (i, layer, s) not in self._named]
+                    slots = slots[:_MAX_LISTED - len(listed)]
+                    self._named.update((i, layer, s) for s in slots)
+                    listed += self._describe(cache, step, layer, slots, nan_c, nan_e, d)
+                bad[i] += count
+                worst[i] = max(worst[i], float(d.max()) if d.numel() else 0.0)
+        # Every rank's worst differences, mismatched slots and entries, on rank 0 (this traffic
         # is verification's own and is not accounted).
-        worst_t = self.world.all_reduce(torch.tensor([worst], dtype=torch.float64, device=ctx.device), "verify", op="max")
-        bad_t = self.world.all_reduce(torch.tensor([float(bad)], dtype=torch.float64, device=ctx.device), "verify", op="sum")
-        self.max_kv_diff = max(self.max_kv_diff, float(worst_t))
-        self.kv_bad_slots += int(bad_t)
+        entries = [c.step_entries if mine else 0 for c in self.caches]
+        worst_t = self.world.all_reduce(torch.tensor(worst, dtype=torch.float64, device=ctx.device), "verify", op="max")
+        sums_t = self.world.all_reduce(torch.tensor([*bad, *entries, len(listed)], dtype=torch.float64,
+                                                    device=ctx.device), "verify")
+        for i, cache in enumerate(self.caches):
+            cache.max_diff = max(cache.max_diff, float(worst_t[i]))
+            cache.bad_slots += int(sums_t[i])
+            cache.entries_checked += int(sums_t[n + i])
+            cache.step_entries = 0
+        # NOTE: every rank knows how many were named (the sum): all gather, or none does
+        named = int(sums_t[2 * n])
+        if named and self.num_named < _MAX_LISTED:
+            self._gather_mismatches(listed)
+        self.num_named += named
+
+    def _describe(self, cache: CheckedCache, step: int, layer: int, slots: list[int], nan_c, nan_e, d) -> list[dict]:
+        """The mismatched ``slots`` of one layer of ``cache`` on this rank, named."""
+        out = []
+        for s in slots:
+            missing = bool(nan_c[s].any() and not nan_e[s].any())
+            stray = bool(nan_e[s].any() and not nan_c[s].any())
+            out.append({
+                "cache": cache.name, "rank": self.world.rank, "step": step, "layer": layer,
+                "req_id": int(self.slot_req[s]), "position": int(self.slot_pos[s]), "slot": s,
+                "abs_diff": None if (missing or stray) else float(d[s].max()),
+                "what": "never written" if missing else "a write where none was expected" if stray else "differs",
+            })
+        return out
+
+    def _gather_mismatches(self, mine: list[dict]) -> None:
+        """Every rank's named mismatches of this step onto rank 0's list (a collective: every
+        rank calls it when any rank found one)."""
+        every = [mine]
+        if self.world.size > 1:
+            every = [None] * self.world.size
+            dist.all_gather_object(every, mine, group=self.world.group)
+        if self.is_root:
+            for listed in every:
+                self.kv_mismatches += listed[:_MAX_LISTED - len(self.kv_mismatches)]
 
     def _release(self, outcome: StepOutcome, mine: bool = True) -> None:
         """Blocks the run freed this step: the expected cache takes over what the run left
@@ -325,42 +493,88 @@ class Verifier:
                 if len(freed):
                     b = self.cfg.kv.block_size
                     slots = torch.from_numpy((np.asarray(freed)[:, None] * b + np.arange(b)).ravel())
-                    for cache in self.ref_ctx.kv_caches:
-                        cache.index_fill_(0, slots.to(cache.device), float("nan"))
+                    for cache in self.caches:
+                        for ref in cache.ref:
+                            ref.index_fill_(0, slots.to(ref.device), float("nan"))
 
     def take_over(self, freed_blocks: np.ndarray) -> None:
-        """Blocks this rank's pool freed: the expected cache takes over what the run left there,
+        """Blocks this rank's pool freed: the expected caches take over what the run left there,
         so that a reused block is checked against its new writes."""
         if len(freed_blocks):
             b = self.cfg.kv.block_size
             slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
-            idx = torch.from_numpy(slots).to(self.ctx.device)
-            for cache, expected in zip(self.ctx.kv_caches, self.expected):
-                expected.index_copy_(0, idx, cache.index_select(0, idx))
+            self.slot_req[slots] = -1
+            self.slot_pos[slots] = -1
+            self._take_over_slots(slots, self.caches)
+
+    def _take_over_slots(self, slots: np.ndarray, caches: list[CheckedCache]) -> None:
+        idx = torch.from_numpy(slots).to(self.ctx.device)
+        for cache in caches:
+            for run, expected in zip(cache.run, cache.expected):
+                expected.index_copy_(0, idx, run.index_select(0, idx))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:
+        target, own = self.caches[0], self.caches[1:]
         tokens_match = self.num_token_mismatches == 0
-        kv_match = self.kv_bad_slots == 0
+        kv_match = target.bad_slots == 0
+        draft_kv_match = all(c.bad_slots == 0 for c in own)
         logits_ok = self.max_logit_diff <= self.atol
         routing = self.routing_report.summary(self.atol) if self.routing is not None else {}
         routing_ok = routing.get("routing_match", True)
-        return {
-            "passed": bool(tokens_match and kv_match and logits_ok and routing_ok),
+        drafter = {}
+        if own:
+            drafter = {
+                "draft_kv_match": bool(draft_kv_match),
+                "max_abs_draft_kv_diff": max(c.max_diff for c in own),
+                "draft_kv_mismatched_slots": sum(c.bad_slots for c in own),
+                "draft_kv_entries_checked": sum(c.entries_checked for c in own),
+            }
+        out = {
+            "passed": bool(tokens_match and kv_match and draft_kv_match and logits_ok and routing_ok),
             "tokens_match": bool(tokens_match),
             "kv_match": bool(kv_match),
             "logits_match": bool(logits_ok),
             "max_abs_logit_diff": self.max_logit_diff,
-            "max_abs_kv_diff": self.max_kv_diff,
+            "max_abs_kv_diff": target.max_diff,
             "tolerance": self.atol,
             "num_steps_checked": self.steps,
             "num_tokens_checked": self.tokens_checked,
             "num_token_mismatches": self.num_token_mismatches,
             "token_mismatches": self.token_mismatches,
             "near_ties": self.near_ties,
-            "kv_mismatched_slots": self.kv_bad_slots,
+            "kv_mismatched_slots": target.bad_slots,
+            "kv_entries_checked": target.entries_checked,
+            **drafter,
+            "kv_mismatches": self.kv_mismatches,
             "positions_recomputed": self.positions_recomputed,
             **routing,
             "reference": "the same pipeline at tp=1, pcp=1, dcp=1, in-process on rank 0, fed the same batches",
         }
+        out["failures"] = self._failures(out)
+        return out
 
+    def _failures(self, v: dict) -> list[str]:
+        """What failed, in words, one line per check (empty: passed)."""
+        out = []
+        if not v["tokens_match"]:
+            first = self.token_mismatches[0]
+            out.append(f"{self.num_token_mismatches} sampled token(s) differ from the reference's, first at step "
+                       f"{first['step']}, request {first['req_id']}: {first['got']} != {first['reference']}")
+        if not v["logits_match"]:
+            out.append(f"logits differ by up to {self.max_logit_diff:.3g} (tolerance {self.atol:g})")
+        for cache in self.caches:
+            if cache.bad_slots:
+                named = next((m for m in self.kv_mismatches if m["cache"] == cache.name), None)
+                where = ""
+                if named is not None:
+                    at = (f"request {named['req_id']}, position {named['position']}" if named["req_id"] >= 0
+                          else "a slot no position was expected at")
+                    how = f"off by {named['abs_diff']:.3g}" if named["abs_diff"] is not None else named["what"]
+                    where = (f", first on rank {named['rank']} at step {named['step']}: {at} (layer {named['layer']}, "
+                             f"slot {named['slot']}) {how}")
+                out.append(f"{cache.name} differs from the reference's{where}; {cache.bad_slots} slot mismatch(es) "
+                           "over all steps and layers")
+        if not v.get("routing_match", True):
+            out.append("MoE routing differs from the reference's (routing_mismatches)")
+        return out

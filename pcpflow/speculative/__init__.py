@@ -26,4 +26,9 @@ draft's attention backends) and ``comm`` (draft traffic accounted apart):
 
 ``scatter_proposals`` turns the proposals into ``state.draft_token_ids``. Draft
 collectives are accounted as ``draft_<purpose>`` (``draft_kv_gather``, ``draft_restore``).
+
+A drafter lists its caches in ``Stage.own_kv``: ``verify=true`` checks them as the target's
+(``pcpflow.rank.verify``), against the single-rank reference's drafter, at the positions
+each step committed; past the newest token a drafter may write only its
+``num_speculative_tokens`` positions of scratch.
 """

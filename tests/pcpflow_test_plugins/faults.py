@@ -4,7 +4,10 @@ Each fault fires on one rank at one step; inserted with
 ``+pipeline.extra=[{kind: pcpflow_test_plugins.faults:<Class>, after: <slot>, rank: R, step: S}]``
 (``rank`` is the global rank). Raise (``Crash``), leave (``Exit``), stall (``Stall``) or signal
 (``SendSignal``) on rank R at step S, or slow its start-up (``SlowStart``); stall or die inside
-a ring's point-to-point exchange (``RingFault``).
+a ring's point-to-point exchange (``RingFault``). Others corrupt what verification must catch:
+a KV write (``MisplacedKVWrite``), a hidden state (``PerturbedHidden``), an expert
+(``WrongExpert``), a prefix block (``WrongPrefixBlock``), a handover (``TransferFault``), an
+entry of the drafter's own cache (``CorruptedDraftKV``).
 """
 
 from __future__ import annotations
@@ -377,3 +380,57 @@ class TransferFault(_Fault):
             return seconds
 
         KVTransfer.move = faulty
+
+
+def _running_pipeline(stage: Stage):
+    """The pipeline that is running ``stage`` (a caller's ``self``): a fault reaches another
+    stage's own cache through ``Stage.own_kv``, as the verifier does, not its internals."""
+    from pcpflow.pipeline.assemble import Pipeline
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Pipeline) and any(s is stage for _, s in owner.stages):
+            return owner
+        frame = frame.f_back
+    raise RuntimeError("not called by a pipeline")
+
+
+@register
+class CorruptedDraftKV(_Fault):
+    """After ``draft``: one entry of the drafter's own cache (``Stage.own_kv`` of the draft
+    slot's stage, its first layer) that this rank holds is off by 1: the newest token of the
+    step's first row with tokens whose position this rank owns (a position the step
+    committed). With ``path``, writes ``{step, rank, req_id, position, slot}`` there as JSON
+    (``rank``: the global rank, as verification names it)."""
+
+    kind = "test_corrupted_draft_kv"
+
+    class Config(_FaultConfig):
+        kind: Literal["test_corrupted_draft_kv"] = "test_corrupted_draft_kv"
+        path: str | None = Field(None, description="a file to write what was corrupted to")
+
+    def __call__(self, state: StepState) -> StepState:
+        import json
+
+        import torch.distributed as dist
+
+        from pcpflow.attention.metadata import rank_slot_mapping
+
+        b, ctx = state.batch, self.ctx
+        # NOTE: each row's first token is its oldest uncomputed one: committed, with or without drafts
+        firsts = b.query_start_loc[:-1][b.num_scheduled_tokens > 0]
+        slots = rank_slot_mapping(b.positions[firsts], b.req_indices[firsts], b.block_tables, ctx.config.kv,
+                                  dcp_size=ctx.dcp_size, dcp_rank=ctx.dcp_rank)
+        mine = np.flatnonzero(slots >= 0)
+        if not len(mine) or not self._due(state):
+            return state
+        token, slot = int(firsts[mine[0]]), int(slots[mine[0]])
+        (_, caches), *_ = _running_pipeline(self).stage("draft").own_kv()
+        caches[0][slot] += 1.0
+        if self.config.path:
+            rank = dist.get_rank() if dist.is_initialized() else ctx.world.rank  # NOTE: disagg=pd: a pool's world is its own
+            record = {"step": b.step, "rank": rank, "req_id": int(b.req_ids[b.req_indices[token]]),
+                      "position": int(b.positions[token]), "slot": slot}
+            Path(self.config.path).write_text(json.dumps(record))
+        return state

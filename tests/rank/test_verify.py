@@ -1,6 +1,14 @@
-"""pcpflow.rank.verify: the verifier checks a run without touching it."""
+"""pcpflow.rank.verify: the verifier checks a run without touching it, and checks the drafter's
+own cache as the target's (one wrong entry on one rank fails the run, named)."""
 
 from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import shared_ranks
 
 from pcpflow.testing import compose, run
 
@@ -36,3 +44,40 @@ def test_the_verifier_never_writes_the_caches_of_the_run_it_checks(monkeypatch):
     req = {r["req_id"]: r for r in result["requests"]}
     assert req[2]["first_token_step"] > req[0]["finish_step"]
     assert [len(o) for o in result["outputs"]] == [2, 6, 3, 4]
+
+
+_CORRUPTED: dict[str, Path] = {}  # where the fault writes what it corrupted
+
+
+@shared_ranks.matrix("verify/draft_kv")
+def _corrupted_draft_kv():
+    _CORRUPTED["what"] = Path(tempfile.mkdtemp(prefix="pcpflow-corrupted-draft-kv-")) / "what.json"
+    fault = ("+pipeline.extra=[{kind: 'pcpflow_test_plugins.faults:CorruptedDraftKV', after: draft, rank: 1, step: 2, "
+             f"path: '{_CORRUPTED['what']}'}}]")
+    return [compose(["pcp=2", "dcp=2", "decode=sharded", "draft=mtp", "dtype=float64", "workload=explicit",
+                     "workload.prompt_lens=[9,6]", "workload.output_lens=[5]", "kv.prefix_caching=true",
+                     "plugins=[pcpflow_test_plugins.faults]", "output.progress=false", fault])]
+
+
+@pytest.mark.dist
+@pytest.mark.matrix("verify/draft_kv")
+def test_one_corrupted_entry_of_the_drafters_own_cache_fails_verification_naming_it(shared_runs):
+    """The drafter's own cache is checked like the target's: one entry off by 1 on rank 1
+    (after the draft stage, at a position the step committed) fails the run (exit 1), and
+    the failure names the drafter's cache, the rank, the request and the position; the
+    target's cache and the tokens still match."""
+    from pcpflow.output.rundir import result_of
+
+    ((_, result),) = shared_runs["verify/draft_kv"]
+    what = json.loads(_CORRUPTED["what"].read_text())
+    v = result["verify"]
+    assert not v["passed"] and not v["draft_kv_match"] and v["draft_kv_mismatched_slots"] >= 1, v
+    assert v["tokens_match"] and v["kv_match"] and v["logits_match"], v
+    assert v["max_abs_draft_kv_diff"] == pytest.approx(1.0), v
+    first = v["kv_mismatches"][0]
+    assert {k: first[k] for k in ("cache", "rank", "step", "req_id", "position", "slot", "layer")} == {
+        "cache": "drafter KV cache (draft=mtp)", **what, "layer": 0}, (first, what)
+    (failure,) = v["failures"]
+    assert failure.startswith("drafter KV cache (draft=mtp)") and f"rank {what['rank']} " in failure, failure
+    assert f"request {what['req_id']}, position {what['position']} " in failure, failure
+    assert result_of(result, {})["exit_code"] == 1
