@@ -327,6 +327,7 @@ def test_a_sweep_dir_used_again_reports_the_latest_multiruns_jobs_only(tmp_path)
     assert [r["job"] for r in write_sweep_report(tmp_path, announce=False)] == ["0", "1"]
 
 
+@pytest.mark.slow  # NOTE: ~10 s; the default set keeps to 6 minutes
 def test_two_multiruns_into_one_sweep_dir(tmp_path):
     """The second multirun (2 jobs) overwrites jobs 0 and 1 of the first (3 jobs), not job 2:
     its report has its own 2 jobs, as it would in a fresh dir."""

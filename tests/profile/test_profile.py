@@ -286,6 +286,7 @@ def test_validate_measured_reprices_an_earlier_runs_executed_times(tmp_path, pro
     assert script["main"](["--reprice", str(run), "--only", "gemm"]) == 2  # a row the run never executed
 
 
+@pytest.mark.slow  # NOTE: ~10 s; the default set keeps to 6 minutes
 def test_validate_measured_prices_each_row_on_the_profile_of_its_own_world_size(tmp_path, capsys):
     """A CPU op runs faster beside idle cores than beside busy ranks, so ``validate_measured.py``
     profiles each world size of its rows and prices a row on its own: given a one-rank and a
