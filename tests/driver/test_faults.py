@@ -485,6 +485,17 @@ def test_a_rank_that_stalls_or_dies_mid_transfer_names_the_request_in_flight(tmp
 
 
 @pytest.mark.slow
+def test_a_fault_fires_on_its_global_rank_under_disagg(tmp_path):
+    """A fault's ``rank`` is the global rank, not a pool's own numbering: rank 2 is the
+    decode pool's first rank (pool rank 0, as prefill's rank 0 is), and only it fails."""
+    r, _ = pcpflow("pcp=2", "disagg=pd", f"hydra.run.dir={tmp_path}", FAULTS, fault("Crash", rank=2, step=1))
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = result(tmp_path)
+    assert res["status"] == "failed" and res["failed_rank"] == 2, res["error"]
+    assert res["error"].startswith("rank 2 failed") and "injected failure" in res["error"], res["error"]
+
+
+@pytest.mark.slow
 def test_torchrun_starts_both_pools(tmp_path):
     r, _ = torchrun("pcp=2", "disagg=pd", f"hydra.run.dir={tmp_path}", nproc=3)
     assert r.returncode == 0, r.stderr[-2000:]

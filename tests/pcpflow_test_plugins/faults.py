@@ -21,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from pydantic import Field
 
 from pcpflow.pipeline.stage import Stage, StageConfig, register
@@ -37,8 +38,14 @@ class _Fault(Stage):
         super().__init__(config, ctx)
         self.fired = False
 
+    def _mine(self) -> bool:
+        """This process is the fault's global rank (under disagg=pd a pool's ``ctx.world``
+        numbers its own ranks from 0), and not the single-rank reference."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return not self.ctx.is_reference and rank == self.config.rank
+
     def _due(self, state: StepState) -> bool:
-        if self.fired or self.ctx.is_reference or self.ctx.world.rank != self.config.rank:
+        if self.fired or not self._mine():
             return False
         if state.batch.step < self.config.step:
             return False
@@ -237,7 +244,7 @@ class SlowStart(_Fault):
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
-        if not ctx.is_reference and ctx.world.rank == config.rank:
+        if self._mine():
             if config.stop:
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(config.seconds)
@@ -341,10 +348,8 @@ class TransferFault(_Fault):
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
-        import torch.distributed as dist
-
         # NOTE: the handover runs before any stage of the step: the transfer is patched now
-        if not ctx.is_reference and (dist.get_rank() if dist.is_initialized() else 0) == config.rank:
+        if self._mine():
             self._patch()
 
     def __call__(self, state: StepState) -> StepState:
@@ -413,8 +418,6 @@ class CorruptedDraftKV(_Fault):
     def __call__(self, state: StepState) -> StepState:
         import json
 
-        import torch.distributed as dist
-
         from pcpflow.attention.metadata import rank_slot_mapping
 
         b, ctx = state.batch, self.ctx
@@ -429,8 +432,7 @@ class CorruptedDraftKV(_Fault):
         (_, caches), *_ = _running_pipeline(self).stage("draft").own_kv()
         caches[0][slot] += 1.0
         if self.config.path:
-            rank = dist.get_rank() if dist.is_initialized() else ctx.world.rank  # NOTE: disagg=pd: a pool's world is its own
-            record = {"step": b.step, "rank": rank, "req_id": int(b.req_ids[b.req_indices[token]]),
+            record = {"step": b.step, "rank": dist.get_rank() if dist.is_initialized() else 0, "req_id": int(b.req_ids[b.req_indices[token]]),
                       "position": int(b.positions[token]), "slot": slot}
             Path(self.config.path).write_text(json.dumps(record))
         return state
