@@ -87,6 +87,9 @@ class DSparkDraft(Stage):
         )
         layer: spec.MLALayerConfig = Field(default_factory=spec.MLALayerConfig)
 
+        def cache_entry_width(self, model) -> int:
+            return self.num_layers * self.layer.cache_entry_dim()
+
     @classmethod
     def check_run(cls, config, run) -> list[Problem]:
         n = getattr(run.model, "num_layers", None)

@@ -61,6 +61,9 @@ class MTPDraft(Stage):
         seed_offset: int = Field(1, description="the head's weights come from seed + seed_offset")
         layer: spec.MLALayerConfig = Field(default_factory=spec.MLALayerConfig)
 
+        def cache_entry_width(self, model) -> int:
+            return self.layer.cache_entry_dim()
+
     @classmethod
     def check_run(cls, config, run) -> list:
         return config.layer.tp_problems(run.grid)

@@ -37,6 +37,9 @@ class SelfDraft(Stage):
         )
         seed_offset: int = Field(2, description="the corruption draws from seed + seed_offset")
 
+        def cache_entry_width(self, model) -> int:
+            return model.num_layers * model.attn_spec.entry_dim
+
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
         model = ctx.model

@@ -66,13 +66,23 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
                                                             block_size=c.kv.block_size, dcp_size=c.dcp,
                                                             num_blocks=c.kv.num_blocks), pool)
             if kind == "execute":
-                problems += host_memory_problems(cfg, *lengths)
+                problems += host_memory_problems(cfg, *lengths, specs=None if imported else _resolved(cfg))
             if len(lengths[0]):  # NOTE: simulated too: it prices the whole-sequence attention pcpflow runs
                 longest = int((lengths[0] + lengths[1]).max()) + cfg.num_speculative_tokens
                 problems += window_problems(cfg.model, longest)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _resolved(cfg: Any) -> list | None:
+    """The pipeline's stages; None where it does not resolve (its problems are named)."""
+    from pcpflow.pipeline.assemble import resolve_pipeline
+
+    try:
+        return resolve_pipeline(cfg)
+    except ConfigError:
+        return None
 
 
 def _about_refused(field: str, refused: list[Problem]) -> bool:

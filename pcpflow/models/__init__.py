@@ -33,7 +33,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 def build_model(
     config: ModelConfig, *, dtype: torch.dtype, seed: int, device: torch.device | str = "cpu"
 ) -> CausalLM:
-    """The model named by ``config.name``, in eval mode with gradients off."""
+    """The model named by ``config.name``, in eval mode with gradients off; on ``device="meta"``
+    its shapes only (no weights drawn or read: cheap for any size)."""
     if isinstance(config, ModelCard):
         raise ValueError(f"model card {config.name!r} has no weights: run it with mode=simulate")
     cls = MODEL_CLASSES[config.name]

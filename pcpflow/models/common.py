@@ -302,8 +302,11 @@ def build_seeded(
     cast, so every dtype and device gets the same model (the global RNG is untouched).
 
     Linear weights are ``N(0, gain^2 / fan_in)`` (``lm_head_gain`` for a module named
-    ``lm_head``), embeddings ``N(0, embed_std^2)``, norm weights one.
+    ``lm_head``), embeddings ``N(0, embed_std^2)``, norm weights one. On ``meta``: shapes
+    only, nothing drawn (the host-memory check sizes models that would not fit).
     """
+    if torch.device(device).type == "meta":
+        return build_uninitialized(make, "meta").to(dtype)
     model = build_uninitialized(make).to(torch.float64)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

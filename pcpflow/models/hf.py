@@ -182,12 +182,14 @@ class HFModel(DecoderLM):
     def from_config(
         cls, config: HFModel.Config, *, dtype: torch.dtype, seed: int, device="cpu"
     ) -> HFModel:
-        """The checkpoint's model with its weights cast to ``dtype`` (``seed`` is unused)."""
+        """The checkpoint's model with its weights cast to ``dtype`` (``seed`` is unused); on
+        ``meta``, its shapes only (no weights read)."""
         assert config.path is not None
         checkpoint = read_checkpoint(config.path)
         tied, renames = tying(checkpoint, stored_names(Path(config.path)))
         model = build_uninitialized(lambda: cls(checkpoint, tied=tied), device).to(dtype)
-        load_checkpoint(model, Path(config.path), renames, num_layers=checkpoint.num_hidden_layers)
+        if torch.device(device).type != "meta":
+            load_checkpoint(model, Path(config.path), renames, num_layers=checkpoint.num_hidden_layers)
         return model
 
     @classmethod

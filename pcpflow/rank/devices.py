@@ -134,21 +134,23 @@ _BUFFER_BYTES_PER_TOKEN = 16 * 8  # a step's int64 columns (ids, positions, slot
 _BUFFER_BYTES_PER_SEQ = 2 * 8 * 8  # 2 * max_num_seqs rows of per-request int64 columns
 
 
-def host_memory_problems(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndarray) -> list[Problem]:
+def host_memory_problems(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndarray, specs: list | None = None) -> list[Problem]:
     """An executed run's allocations on this host (every rank of it, and the reference on
-    rank 0) fit in its available memory. Each size that alone is too big is named."""
+    rank 0) fit in its available memory. Each size that alone is too big is named.
+
+    Counted: the model's weights whole on every rank (each builds the whole model, then
+    keeps its TP share: the peak is the whole), the KV caches (the target's and a drafter's
+    own, full width: a TP rank's share is smaller), and with ``verify=true`` each rank's
+    expected copies and the reference's whole-context cache and, under TP, its whole
+    model; the step buffers; every rank's token ids. Not counted: a drafter's weights
+    (small beside the target's) and activations. ``specs``: the resolved pipeline, whose
+    drafter's cache is counted (``DraftConfig.cache_entry_width``); None: none is."""
     available = host_memory_bytes()
     if available is None:
         return []
     budget = int(available * HOST_MEMORY_FRACTION)
-    ranks = cfg.world_size + (1 if cfg.verify else 0)  # the reference keeps a full cache
-    entry_bytes, hidden_bytes = _kv_entry_bytes(cfg)
-    sizes = {
-        "kv.num_blocks": ranks * cfg.kv.num_blocks * cfg.kv.block_size * entry_bytes,
-        "scheduler.max_num_batched_tokens": ranks * cfg.scheduler.max_num_batched_tokens * (_BUFFER_BYTES_PER_TOKEN + 4 * hidden_bytes),
-        "scheduler.max_num_seqs": ranks * cfg.scheduler.max_num_seqs * _BUFFER_BYTES_PER_SEQ,
-        "workload": ranks * 3 * 8 * int(prompt_lens.sum() + output_lens.sum()),  # token ids: requests, scheduler
-    }
+    ranks = cfg.world_size + (1 if cfg.verify else 0)  # the reference's buffers and token ids
+    sizes = _host_sizes(cfg, prompt_lens, output_lens, specs or [])
     problems = []
     for field, nbytes in sizes.items():
         if nbytes > budget:
@@ -164,32 +166,64 @@ def host_memory_problems(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndar
             )
     total = sum(sizes.values())
     if not problems and total > budget:
-        problems.append(Problem("kv.num_blocks", cfg.kv.num_blocks, f"a run that fits this host: KV caches, buffers and workload together need {_gib(total)}, {_gib(budget)} is available"))
+        problems.append(Problem("kv.num_blocks", cfg.kv.num_blocks, f"a run that fits this host: weights, KV caches, buffers and workload together need {_gib(total)}, {_gib(budget)} is available"))
     return problems
+
+
+def _host_sizes(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndarray, specs: list) -> dict[str, int]:
+    """Bytes on this host by the setting that sizes them (``host_memory_problems``)."""
+    from pcpflow.config.disagg import POOLS, pool_config
+
+    target, drafter, hidden_bytes, weight_bytes = _model_bytes(cfg, specs)
+    entry = target + drafter
+    pools = [pool_config(cfg, name) for name in (POOLS if cfg.disagg.enabled else ("prefill",))]
+    kv = sum(p.grid.world_size * p.kv.num_blocks * p.kv.block_size * entry for p in pools)
+    weights = cfg.world_size * weight_bytes
+    ranks = cfg.world_size
+    if cfg.verify:  # NOTE: pcpflow.rank.verify: expected copies; the reference's cache (and model, under TP)
+        from pcpflow.rank.verify import reference_blocks
+
+        ref_blocks = reference_blocks(pools, prompt_lens + output_lens, cfg.num_speculative_tokens)
+        kv = 2 * kv + ref_blocks * cfg.kv.block_size * entry
+        weights += weight_bytes if cfg.tp > 1 else 0
+        ranks += 1
+    return {
+        "model": weights,
+        "kv.num_blocks": kv,
+        "scheduler.max_num_batched_tokens": ranks * cfg.scheduler.max_num_batched_tokens * (_BUFFER_BYTES_PER_TOKEN + 4 * hidden_bytes),
+        "scheduler.max_num_seqs": ranks * cfg.scheduler.max_num_seqs * _BUFFER_BYTES_PER_SEQ,
+        "workload": ranks * 3 * 8 * int(prompt_lens.sum() + output_lens.sum()),  # token ids: requests, scheduler
+    }
 
 
 def _given(cfg: Any, field: str) -> Any:
     if field == "workload":
         return getattr(cfg.workload, "path", None) or cfg.workload.kind
+    if field == "model":
+        return getattr(cfg.model, "path", None) or cfg.model.name
     section, key = field.split(".")
     return getattr(getattr(cfg, section), key)
 
 
-def _kv_entry_bytes(cfg: Any) -> tuple[int, int]:
-    """(bytes of one token's KV entries over all layers, bytes of one hidden row), from the
-    model built on the meta device (no memory, no weights read)."""
+def _model_bytes(cfg: Any, specs: list) -> tuple[int, int, int, int]:
+    """Bytes of (one token's target KV entries over all layers, one token's drafter KV
+    entries, one hidden row, the whole model's weights), from the model built on the meta
+    device (no memory, no weights read) and the drafter's ``DraftConfig.cache_entry_width``."""
     import torch
 
     from pcpflow.models import build_model
     from pcpflow.pipeline.context import DTYPES
 
     dtype = DTYPES[cfg.dtype]
+    size = torch.empty((), dtype=dtype).element_size()
     try:
         model = build_model(cfg.model, dtype=dtype, seed=0, device="meta")
     except Exception:  # a model that cannot be built on meta: price it as 1 kB per layer
-        return 1024, 1024
-    size = torch.empty((), dtype=dtype).element_size()
-    return model.num_layers * model.attn_spec.entry_dim * size, model.hidden_size * size
+        return 1024, 0, 1024, 0
+    draft = next((s.config for s in specs if s.name == "draft"), None)
+    drafter = draft.cache_entry_width(model) if hasattr(draft, "cache_entry_width") else 0
+    weights = sum(p.numel() for p in model.parameters()) * size
+    return model.num_layers * model.attn_spec.entry_dim * size, drafter * size, model.hidden_size * size, weights
 
 
 def _gib(n: int) -> str:

@@ -49,7 +49,7 @@ from pcpflow.pipeline.state import StepState
 from pcpflow.rank.devices import pick_device
 from pcpflow.rank.engine import add_ring_totals, batch_record, draft_record, run_on_cores, runs_ring
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
-from pcpflow.rank.verify import Verifier
+from pcpflow.rank.verify import Verifier, reference_blocks
 from pcpflow.rank.warmup import warm_up
 from pcpflow.scheduling.loop import request_columns, request_rows
 from pcpflow.scheduling.pools import PoolLoop, PoolStep, pool_schedulers
@@ -268,11 +268,8 @@ class _PoolVerifier(Verifier):
     pool's freed blocks are taken over as any freed blocks are."""
 
     def __init__(self, rank: _PoolRank, specs) -> None:
-        cfg = rank.cfg
         table = rank.table
-        longest = int((table.prompt_lens + table.output_lens).max(initial=1))
-        per_seat = -(-longest // cfg.kv.block_size)
-        ref_blocks = sum(c.kv.num_blocks * c.dcp + c.scheduler.max_num_seqs * per_seat for c in rank.pools.values())
+        ref_blocks = reference_blocks(list(rank.pools.values()), table.prompt_lens + table.output_lens)
         # NOTE: the reference runs both pools' batches: its budget is the larger of theirs
         budget = {k: max(getattr(c.scheduler, k) for c in rank.pools.values())
                   for k in ("max_num_batched_tokens", "max_num_seqs")}

@@ -118,6 +118,19 @@ class CheckedCache:
                    entry_columns(spec, ctx.tp.rank, ctx.tp.size).to(ctx.device), committed_only)
 
 
+def reference_blocks(pools: list[RunConfig], lengths: np.ndarray, num_speculative_tokens: int = 0) -> int:
+    """Blocks of the single-rank reference's cache, for a run of ``pools`` (one config, or
+    both pools' under disagg=pd) and requests of ``lengths`` (prompt + output) tokens. It
+    holds the whole context on one rank (dcp times a pool's blocks), and a prefix the run
+    shares once, once per request: room for each seat's longest request too (seats: at
+    most ``max_num_seqs`` and the number of requests). One pool: the larger of the two;
+    two (the reference runs both pools' batches): all of them."""
+    longest = int(lengths.max(initial=1)) + num_speculative_tokens
+    per_seat = -(-longest // pools[0].kv.block_size)
+    need = [(c.kv.num_blocks * c.dcp, min(c.scheduler.max_num_seqs, max(len(lengths), 1)) * per_seat) for c in pools]
+    return max(need[0]) if len(pools) == 1 else sum(a + b for a, b in need)
+
+
 class Verifier:
     """The reference of a run and its checks (module docstring). ``pipeline``: the run's, on
     this rank; its stages' own caches (``Stage.own_kv``) are checked with the target's."""
@@ -161,12 +174,8 @@ class Verifier:
             self.ref_model = ctx.model
             if ctx.tp.size > 1:
                 self.ref_model = build_model(cfg.model, dtype=ctx.dtype, seed=cfg.seed, device=ctx.device)
-            # The reference holds the whole context on one rank (dcp times the blocks), and
-            # a prefix the run shares once, once per request: room for every seat's longest.
             table = scheduler.table
-            longest = int((table.prompt_lens + table.output_lens).max(initial=1)) + cfg.num_speculative_tokens
-            per_seat = -(-longest // cfg.kv.block_size)
-            ref_blocks = ref_blocks or max(cfg.kv.num_blocks * cfg.dcp, cfg.scheduler.max_num_seqs * per_seat)
+            ref_blocks = ref_blocks or reference_blocks([cfg], table.prompt_lens + table.output_lens, cfg.num_speculative_tokens)
             # NOTE: kv.num_blocks is the reference's own: a drafter sizes its cache by it
             ref_cfg = cfg.model_copy(update={"tp": 1, "pcp": 1, "dcp": 1,
                                              "kv": cfg.kv.model_copy(update={"num_blocks": ref_blocks})})

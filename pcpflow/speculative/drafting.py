@@ -38,6 +38,13 @@ class DraftConfig(StageConfig):
     False for drafters without a cache of their own, or whose entry at p reads positions
     <= p only (``self``, ``dspark``)."""
 
+    def cache_entry_width(self, model: CausalLM) -> int:
+        """Elements one token takes in this drafter's own caches (``Stage.own_kv``), all its
+        layers together, for ``model`` the target (whole, before TP): what the host-memory
+        check adds to each slot of ``kv.num_blocks`` before any rank starts. 0: no cache
+        of its own (a plugin that keeps one and leaves this at 0 is not counted)."""
+        return 0
+
 
 def draft_kv_reads_next_token(specs) -> bool:
     """Whether a pipeline's draft stage (``specs``: ``pcpflow.pipeline.assemble.resolve_pipeline``)
@@ -171,6 +178,12 @@ class MLALayerConfig(Settings):
     intermediate_size: int = Field(128, gt=0, description="MLP inner width")
     rope_theta: float = Field(10000.0, gt=0, description="rotary base")
     rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+
+    def cache_entry_dim(self) -> int:
+        """Width of one entry of this layer's cache (latent then rope key)."""
+        from pcpflow.models.layers import mla_cache_spec
+
+        return mla_cache_spec(self).entry_dim
 
     def tp_problems(self, grid) -> list:
         """What stops this layer from splitting over ``grid.tp`` ranks (MLA: any DCP)."""

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -59,6 +60,41 @@ def test_unallocatable_sizes_are_named_before_anything_is_allocated():
     assert time.perf_counter() - t0 < 30  # nothing of that size was built
 
 
+def test_host_memory_counts_weights_drafter_caches_and_verify_copies():
+    from pcpflow.pipeline.assemble import resolve_pipeline
+    from pcpflow.rank.devices import _host_sizes
+
+    def sizes(overrides):
+        cfg = compose(["model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[40]", "workload.output_lens=[8]", *overrides])
+        return _host_sizes(cfg, np.array([40]), np.array([8]), resolve_pipeline(cfg))
+
+    # Hand-worked, tiny_gqa in float64: a token's entry is 2 layers x (K, V) x 2 KV heads x 16
+    # dims = 128 values = 1,024 bytes; its weights 2 x 36,992 (q 64x64, k and v 64x32, o 64x64,
+    # gate_up 64x256, down 128x64, two norms) + embeddings and LM head 2 x 256x64 + final norm 64
+    # = 106,816 values = 854,528 bytes.
+    entry, weights, slots = 1024, 854_528, 64 * 16
+    plain = sizes(["pcp=2", "kv.num_blocks=64", "verify=false"])
+    assert plain["model"] == 2 * weights and plain["kv.num_blocks"] == 2 * slots * entry
+    # verify: each rank's expected copy, and the reference's cache of dcp x the blocks
+    # (more than its one seat of ceil(48 / 16) = 3 blocks)
+    checked = sizes(["pcp=2", "dcp=2", "kv.num_blocks=64", "verify=true"])
+    assert checked["kv.num_blocks"] == 2 * 2 * slots * entry + 2 * slots * entry
+    assert checked["model"] == 2 * weights  # tp=1: the reference runs on rank 0's own model
+    assert sizes(["tp=2", "pcp=1", "kv.num_blocks=64", "verify=true"])["model"] == 3 * weights
+    # the self drafter keeps a second cache as wide as the target's
+    drafting = sizes(["pcp=2", "kv.num_blocks=64", "verify=false", "draft=self"])
+    assert drafting["kv.num_blocks"] == 2 * slots * 2 * entry
+
+
+def test_a_model_too_big_for_this_host_is_named():
+    if host_memory_bytes() is None:
+        pytest.skip("no way to read this host's memory")
+    # 2 layers of a 2**24-wide MLP over 64 dims: 2 x 3 x 2**30 float64 values, ~48 GiB a rank
+    found = problems_of(["pcp=1", "model.intermediate_size=16777216"])
+    assert [f for f, _ in found] == ["model"], found
+    assert "this host can allocate" in found[0][1]
+
+
 def test_a_simulated_kind_of_run_skips_host_memory_limits():
     cfg = compose(["pcp=1"])  # valid
     big = cfg.model_copy(update={"kv": cfg.kv.model_copy(update={"num_blocks": 10**8})})
@@ -76,8 +112,9 @@ def test_a_huge_trace_reports_kv_num_blocks_from_its_lengths_alone(tmp_path):
     found = problems_of(["workload=trace", f"workload.path={trace}", "workload.length_scale=1"])
     assert time.perf_counter() - t0 < 30
     assert found[0][0] == "kv.num_blocks"
-    # the token ids of 10**9 tokens on every rank may exceed this host too: then it says so
-    assert {f for f, _ in found[1:]} <= {"workload"}
+    # the token ids of 10**9 tokens on every rank, and the reference's cache of one such
+    # request (verify=true), may exceed this host too: then it says so
+    assert {f for f, _ in found[1:]} <= {"workload", "kv.num_blocks"}
     # hand-worked: ceil((10**9 + 10) / 16) blocks at block_size 16, dcp 1
     assert f"needs {-(-(10**9 + 10) // 16)} blocks" in found[0][1]
 
