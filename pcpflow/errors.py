@@ -19,7 +19,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
-from pydantic_core import InitErrorDetails
+from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core.core_schema import ErrorType
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -107,9 +108,19 @@ class Settings(BaseModel):
         try:  # NOTE: without them, which then take their defaults (or are missing: said already)
             handler({k: v for k, v in data.items() if k not in bad})
         except ValidationError as exc:
-            errors += [InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"], ctx=e.get("ctx", {}))
-                       for e in exc.errors() if not (e["loc"] and e["loc"][0] in bad)]
+            errors += [_again(e) for e in exc.errors() if not (e["loc"] and e["loc"][0] in bad)]
         raise ValidationError.from_exception_data(cls.__name__, errors)
+
+
+_PYDANTIC_ERRORS = frozenset(typing.get_args(ErrorType))
+
+
+def _again(e: Any) -> InitErrorDetails:
+    """One of ``ValidationError.errors()`` to raise again: pydantic's own types by name, a
+    custom one (a plugin's ``PydanticCustomError``) as its type and message."""
+    if e["type"] in _PYDANTIC_ERRORS:
+        return InitErrorDetails(type=e["type"], loc=e["loc"], input=e["input"], ctx=e.get("ctx", {}))
+    return InitErrorDetails(type=PydanticCustomError(e["type"], e["msg"]), loc=e["loc"], input=e["input"])
 
 
 @functools.cache

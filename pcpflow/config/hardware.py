@@ -426,7 +426,7 @@ def load_profile(path: str | None) -> dict:
         raise ValueError(f"a YAML hardware profile; {file} does not parse: {' '.join(str(exc).split())}") from None
     if values is None:
         raise ValueError(f"a hardware profile; the profile file {file} "
-                         f"{'holds only comments' if text.strip() else 'is empty'}: python -m pcpflow mode=profile "
+                         f"{'holds no values' if text.strip() else 'is empty'}: python -m pcpflow mode=profile "
                          "writes <run dir>/hardware.yaml")
     if not isinstance(values, dict) or "name" not in values:
         raise ValueError(f"a hardware profile (a mapping with name, peak_tflops, host, ...); {file} is not one")

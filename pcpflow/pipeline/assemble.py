@@ -253,6 +253,8 @@ class Pipeline:
     def __init__(self, specs: list[StageSpec], ctx: RankContext, on_stage: Callable[[str], None] | None = None) -> None:
         self.stages = [(spec.name, spec.cls(spec.config, ctx)) for spec in specs]
         self.on_stage = on_stage
+        # NOTE: published once for whoever moves or checks them (handover, verification, faults)
+        ctx.own_kv.update({name: own for name, stage in self.stages if (own := stage.own_kv())})
 
     def __call__(self, state: StepState) -> StepState:
         for name, stage in self.stages:

@@ -33,6 +33,8 @@ class RankContext:
     extras: dict[str, Any] = field(default_factory=dict)  # per-run space for user stages
     tp: Comm = field(default_factory=Comm.solo)  # the TP group (heads and MLP width split)
     dcp_heads: Comm = field(default_factory=Comm.solo)  # DCP members at this PCP rank
+    # the paged caches stages keep besides the target's (``Stage.own_kv``), by slot: a drafter's
+    own_kv: dict[str, list[tuple[Any, list[torch.Tensor]]]] = field(default_factory=dict)
 
     @property
     def pcp_rank(self) -> int:

@@ -107,7 +107,7 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     )
     pipeline = Pipeline(specs, ctx, on_stage=mark_stage)
     unaccounted_world = Comm(world.group, world.rank, world.size, None)
-    verifier = Verifier(cfg, ctx, specs, unaccounted_world, scheduler, pipeline=pipeline) if cfg.verify else None
+    verifier = Verifier(cfg, ctx, specs, unaccounted_world, scheduler) if cfg.verify else None
     is_root = world.rank == 0
     recorder = MetricsRecorder(
         run_dir / "metrics.jsonl" if (is_root and run_dir is not None) else None,

@@ -100,7 +100,7 @@ class _PoolRank:
         self.pipeline = Pipeline(specs, self.ctx, on_stage=mark_stage)
         self.specs = specs
         self.world = Comm(dist.group.WORLD, self.rank, cfg.world_size, None)  # unaccounted: control, verification
-        own = [kv for _, stage in self.pipeline.stages for kv in stage.own_kv()]  # a drafter's cache
+        own = [kv for kvs in self.ctx.own_kv.values() for kv in kvs]  # a drafter's cache
         self.transfer = KVTransfer(
             rank=self.rank, prefill=prefill_grid, decode=decode_grid, prefill_interleave=self.pools["prefill"].kv.interleave,
             decode_interleave=self.pools["decode"].kv.interleave, caches=[(full_spec, self.ctx.kv_caches), *own],
@@ -274,7 +274,7 @@ class _PoolVerifier(Verifier):
         budget = {k: max(getattr(c.scheduler, k) for c in rank.pools.values())
                   for k in ("max_num_batched_tokens", "max_num_seqs")}
         both = rank.mine.model_copy(update={"scheduler": rank.mine.scheduler.model_copy(update=budget)})
-        super().__init__(both, rank.ctx, specs, rank.world, rank.prefill, pipeline=rank.pipeline, ref_blocks=ref_blocks)
+        super().__init__(both, rank.ctx, specs, rank.world, rank.prefill, ref_blocks=ref_blocks)
         self.in_prefill = rank.pool == "prefill"
         self.decode_root = rank.offset
 
@@ -312,7 +312,7 @@ class _PoolVerifier(Verifier):
         if not ps.handed:
             return
         lens = [n for _, n, _, _ in ps.handed]
-        entries = self._entries(sum(lens))  # NOTE: the drafter's cache of the prompt moves too (Stage.own_kv)
+        flat, entries = self._entries(sum(lens))  # NOTE: the drafter's cache of the prompt moves too (Stage.own_kv)
         if self.is_root:
             at = 0
             for i, n, _, _ in ps.handed:
@@ -320,8 +320,7 @@ class _PoolVerifier(Verifier):
                 slots = rank_slot_mapping(np.arange(n), np.zeros(n, np.int64), tables, self.cfg.kv)
                 self._read_reference(slots, [e[:, at:at + n] for e in entries])
                 at += n
-        for e in entries:
-            self.world.broadcast(e, src=0, purpose="verify")
+        self.world.broadcast(flat, src=0, purpose="verify")
         if self.in_prefill:
             self.take_over(freed)
             return

@@ -85,11 +85,19 @@ _MAX_LISTED = 20  # mismatches listed in result.json (all are counted)
 TARGET_CACHE = "target KV cache"
 
 
-def own_cache_name(slot: str, stage) -> str:
+def own_cache_name(slot: str, kind: str) -> str:
     """How a mismatch names a stage's own cache: ``drafter KV cache (draft=mtp)``."""
     if slot == "draft":
-        return f"drafter KV cache (draft={stage.kind})"
+        return f"drafter KV cache (draft={kind})"
     return f"KV cache of stage {slot}"
+
+
+def _mismatch(run: torch.Tensor, expected: torch.Tensor, atol: float):
+    """``(bad_slot, d, nan_run, nan_expected)`` of one layer: the slots whose entries differ
+    (beyond ``atol``, or written on one side only), and the differences where both are written."""
+    nan_c, nan_e = torch.isnan(run), torch.isnan(expected)
+    d = (run - expected).abs().where(~(nan_c | nan_e), torch.zeros((), dtype=run.dtype, device=run.device))
+    return ((nan_c != nan_e) | (d > atol)).any(dim=1), d, nan_c, nan_e
 
 
 @dataclass
@@ -132,11 +140,11 @@ def reference_blocks(pools: list[RunConfig], lengths: np.ndarray, num_speculativ
 
 
 class Verifier:
-    """The reference of a run and its checks (module docstring). ``pipeline``: the run's, on
-    this rank; its stages' own caches (``Stage.own_kv``) are checked with the target's."""
+    """The reference of a run and its checks (module docstring), built after the run's
+    pipeline: the caches its stages keep (``RankContext.own_kv``) are checked with the target's."""
 
     def __init__(self, cfg: RunConfig, ctx: RankContext, specs: list[StageSpec], world: Comm,
-                 scheduler: Scheduler, *, pipeline: Pipeline, ref_blocks: int | None = None) -> None:
+                 scheduler: Scheduler, *, ref_blocks: int | None = None) -> None:
         self.cfg, self.ctx, self.world, self.scheduler = cfg, ctx, world, scheduler
         # per request: positions [0, n) the reference holds (every rank keeps the count)
         self.ref_len = np.zeros(len(scheduler.table), dtype=np.int64)
@@ -161,11 +169,11 @@ class Verifier:
         # Under TP a rank's model and cache hold its heads only; the reference is whole.
         full_spec = getattr(ctx.model, "full_attn_spec", ctx.model.attn_spec)
         self.caches = [CheckedCache.of(TARGET_CACHE, full_spec, ctx.kv_caches, ctx, committed_only=False)]
-        # the stages that keep a cache of their own (a drafter's), by slot
-        keepers = [(name, stage) for name, stage in pipeline.stages if stage.own_kv()]
-        for name, stage in keepers:
-            self.caches += [CheckedCache.of(own_cache_name(name, stage), spec, caches, ctx, committed_only=True)
-                            for spec, caches in stage.own_kv()]
+        # the stages that keep a cache of their own (a drafter's), by slot (RankContext.own_kv)
+        kinds = {s.name: s.cls.kind for s in specs}
+        for name, own in ctx.own_kv.items():
+            self.caches += [CheckedCache.of(own_cache_name(name, kinds[name]), spec, caches, ctx, committed_only=True)
+                            for spec, caches in own]
         # slot -> (request, position) last expected there: names a mismatch
         num_slots = ctx.kv_caches[0].shape[0] if ctx.kv_caches else 0
         self.slot_req = np.full(num_slots, -1, dtype=np.int64)
@@ -196,12 +204,9 @@ class Verifier:
             )
             self.ref_pipeline = Pipeline([s for s in specs if s.name in TARGET_SLOTS], self.ref_ctx)
             # NOTE: after the target slots, on the run's sampled tokens (_reference_step)
-            drafting = {name for name, _ in keepers if name not in TARGET_SLOTS}
+            drafting = {name for name in ctx.own_kv if name not in TARGET_SLOTS}
             self.ref_drafting = Pipeline([s for s in specs if s.name in drafting], self.ref_ctx)
-            ref_caches = [self.ref_ctx.kv_caches]
-            for name, _ in keepers:
-                ref_stage = (self.ref_drafting if name in drafting else self.ref_pipeline).stage(name)
-                ref_caches += [caches for _, caches in ref_stage.own_kv()]
+            ref_caches = [self.ref_ctx.kv_caches, *(caches for name in ctx.own_kv for _, caches in self.ref_ctx.own_kv[name])]
             for cache, ref in zip(self.caches, ref_caches, strict=True):
                 cache.ref = ref
 
@@ -222,14 +227,13 @@ class Verifier:
         take part in the collectives only)."""
         rows, catch_pos = self._catch_up_rows(batch)
         n_catch = len(catch_pos)
-        entries = self._entries(n_catch + batch.num_tokens)
+        flat, entries = self._entries(n_catch + batch.num_tokens)
         step_logit_diff = 0.0
         if self.is_root:
             if n_catch:
                 self._catch_up(batch, rows, catch_pos, [e[:, :n_catch] for e in entries])
             step_logit_diff = self._reference_step(state, [e[:, n_catch:] for e in entries], router_logits)
-        for e in entries:
-            self.world.broadcast(e, src=0, purpose="verify")
+        self.world.broadcast(flat, src=0, purpose="verify")
         catch_req = np.repeat(rows, batch.num_computed_tokens[rows] - self.ref_len[batch.req_ids[rows]])
         if mine:
             self._expect(batch, outcome, entries, catch_pos, catch_req)
@@ -240,11 +244,12 @@ class Verifier:
         self.steps += 1
         return step_logit_diff
 
-    def _entries(self, n: int) -> list[torch.Tensor]:
-        """Room for the reference's full entries of ``n`` positions, per checked cache:
-        ``[layers, n, entry]`` each."""
-        return [torch.empty((len(c.run), n, c.entry_dim), dtype=self.ctx.dtype, device=self.ctx.device)
-                for c in self.caches]
+    def _entries(self, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Room for the reference's full entries of ``n`` positions: one flat buffer (one
+        broadcast), and its view per checked cache, ``[layers, n, entry]`` each."""
+        sizes = [len(c.run) * n * c.entry_dim for c in self.caches]
+        flat = torch.empty(sum(sizes), dtype=self.ctx.dtype, device=self.ctx.device)
+        return flat, [part.view(len(c.run), n, c.entry_dim) for c, part in zip(self.caches, flat.split(sizes))]
 
     def _read_reference(self, ref_slots: np.ndarray, out: list[torch.Tensor]) -> None:
         """The reference's entries at ``ref_slots``, of every checked cache, into ``out``."""
@@ -427,23 +432,26 @@ class Verifier:
         """This rank's whole caches against the expected ones; every rank's worst difference,
         mismatched slots and entries checked summed on rank 0, the first mismatches named."""
         ctx, n = self.ctx, len(self.caches)
+        layers = [(i, layer) for i, cache in enumerate(self.caches if mine else ()) for layer in range(len(cache.run))]
+        # NOTE: one layer's differences at a time; its count and worst stay on the device until
+        # one read for every layer (a mismatch named computes its layer's again)
+        stats, bad_slots = [], []
+        none = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        for i, layer in layers:
+            bad_slot, d, _, _ = _mismatch(self.caches[i].run[layer], self.caches[i].expected[layer], self.atol)
+            stats.append(torch.stack((bad_slot.sum().double(), d.amax().double() if d.numel() else none)))
+            bad_slots.append(bad_slot)
         worst, bad = [0.0] * n, [0] * n
         listed: list[dict] = []
-        for i, cache in enumerate(self.caches if mine else ()):
-            for layer, (run, expected) in enumerate(zip(cache.run, cache.expected)):
-                nan_c, nan_e = torch.isnan(run), torch.isnan(expected)
-                both = ~(nan_c | nan_e)
-                d = (run - expected).abs().where(both, torch.zeros((), dtype=run.dtype, device=run.device))
-                bad_slot = ((nan_c != nan_e) | (d > self.atol)).any(dim=1)
-                count = int(bad_slot.sum())
-                if count and len(listed) < _MAX_LISTED:
-                    # NOTE: a slot that stays wrong is counted each step, named once
-                    slots = [s for s in torch.nonzero(bad_slot).flatten().tolist() if (i, layer, s) not in self._named]
-                    slots = slots[:_MAX_LISTED - len(listed)]
-                    self._named.update((i, layer, s) for s in slots)
-                    listed += self._describe(cache, step, layer, slots, nan_c, nan_e, d)
-                bad[i] += count
-                worst[i] = max(worst[i], float(d.max()) if d.numel() else 0.0)
+        for (i, layer), (count, diff), bad_slot in zip(layers, torch.stack(stats).tolist() if stats else [], bad_slots):
+            bad[i] += int(count)
+            worst[i] = max(worst[i], diff)
+            room = _MAX_LISTED - self.num_named - len(listed)
+            if count and room > 0:
+                # NOTE: a slot that stays wrong is counted each step, named once
+                slots = [s for s in torch.nonzero(bad_slot).flatten().tolist() if (i, layer, s) not in self._named][:room]
+                self._named.update((i, layer, s) for s in slots)
+                listed += self._describe(self.caches[i], step, layer, slots)
         # Every rank's worst differences, mismatched slots and entries, on rank 0 (this traffic
         # is verification's own and is not accounted).
         entries = [c.step_entries if mine else 0 for c in self.caches]
@@ -461,8 +469,9 @@ class Verifier:
             self._gather_mismatches(listed)
         self.num_named += named
 
-    def _describe(self, cache: CheckedCache, step: int, layer: int, slots: list[int], nan_c, nan_e, d) -> list[dict]:
+    def _describe(self, cache: CheckedCache, step: int, layer: int, slots: list[int]) -> list[dict]:
         """The mismatched ``slots`` of one layer of ``cache`` on this rank, named."""
+        _, d, nan_c, nan_e = _mismatch(cache.run[layer], cache.expected[layer], self.atol)
         out = []
         for s in slots:
             missing = bool(nan_c[s].any() and not nan_e[s].any())

@@ -360,6 +360,31 @@ def test_a_missing_optional_dependency_names_the_extra(monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------ messages
+def test_a_refused_boolean_keeps_a_custom_error_beside_it():
+    """The boolean check judges the other fields all the same: a plugin's own error type
+    (``PydanticCustomError``) is said beside it, as pydantic said it."""
+    from pydantic import ValidationError, field_validator
+    from pydantic_core import PydanticCustomError
+
+    from pcpflow.errors import Settings
+
+    class Plugin(Settings):
+        flag: bool = False
+        n: int = 0
+
+        @field_validator("n")
+        @classmethod
+        def _small(cls, v):
+            if v > 3:
+                raise PydanticCustomError("too_big", "at most 3, got {n}", {"n": v})
+            return v
+
+    with pytest.raises(ValidationError) as e:
+        Plugin.model_validate({"flag": "yes", "n": 5})
+    assert [(x["loc"], x["type"], x["msg"]) for x in e.value.errors()] == [
+        (("flag",), "bool_type", "Input should be a valid boolean"), (("n",), "too_big", "at most 3, got 5")]
+
+
 @pytest.mark.parametrize("args, field, says", [
     (["verify=maybe"], "verify", "got 'maybe'; allowed: true, false"),
     (["output.plots=3"], "output.plots", "got 3; allowed: true, false"),

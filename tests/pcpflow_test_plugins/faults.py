@@ -387,23 +387,9 @@ class TransferFault(_Fault):
         KVTransfer.move = faulty
 
 
-def _running_pipeline(stage: Stage):
-    """The pipeline that is running ``stage`` (a caller's ``self``): a fault reaches another
-    stage's own cache through ``Stage.own_kv``, as the verifier does, not its internals."""
-    from pcpflow.pipeline.assemble import Pipeline
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Pipeline) and any(s is stage for _, s in owner.stages):
-            return owner
-        frame = frame.f_back
-    raise RuntimeError("not called by a pipeline")
-
-
 @register
 class CorruptedDraftKV(_Fault):
-    """After ``draft``: one entry of the drafter's own cache (``Stage.own_kv`` of the draft
+    """After ``draft``: one entry of the drafter's own cache (``RankContext.own_kv`` of the draft
     slot's stage, its first layer) that this rank holds is off by 1: the newest token of the
     step's first row with tokens whose position this rank owns (a position the step
     committed). With ``path``, writes ``{step, rank, req_id, position, slot}`` there as JSON
@@ -429,7 +415,7 @@ class CorruptedDraftKV(_Fault):
         if not len(mine) or not self._due(state):
             return state
         token, slot = int(firsts[mine[0]]), int(slots[mine[0]])
-        (_, caches), *_ = _running_pipeline(self).stage("draft").own_kv()
+        (_, caches), *_ = ctx.own_kv["draft"]
         caches[0][slot] += 1.0
         if self.config.path:
             record = {"step": b.step, "rank": dist.get_rank() if dist.is_initialized() else 0, "req_id": int(b.req_ids[b.req_indices[token]]),
