@@ -10,10 +10,16 @@ from collections.abc import Iterable
 from typing import Any
 
 
+def closest(given: Any, choices: Iterable[Any], *, cutoff: float = 0.6) -> str | None:
+    """The choice closest to ``given`` (as text); None when none is close."""
+    close = difflib.get_close_matches(str(given), [str(c) for c in choices], n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 def did_you_mean(given: Any, choices: Iterable[Any], *, cutoff: float = 0.6) -> str:
     """`` (did you mean 'x'?)`` naming the choice closest to ``given``; '' when none is close."""
-    close = difflib.get_close_matches(str(given), [str(c) for c in choices], n=1, cutoff=cutoff)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(given, choices, cutoff=cutoff)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def allowed_choices(given: Any, choices: Iterable[Any]) -> str:

@@ -10,13 +10,12 @@ that only another option of its group has names that option (``workload.prompt_l
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pcpflow.config.choices import did_you_mean
+from pcpflow.config.choices import allowed_choices, closest
 from pcpflow.errors import ConfigError, Problem
 from pcpflow.paths import conf_dir
 
@@ -197,7 +196,7 @@ def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:
     for o in overrides:
         key, sep, value = o.lstrip("+~").partition("=")
         if sep and key in groups and value not in groups[key]:
-            problems.append(Problem(key, value, f"one of: {', '.join(groups[key])}{did_you_mean(value, groups[key])}"))
+            problems.append(Problem(key, value, allowed_choices(value, groups[key])))
         else:
             kept.append(o)
     return problems, kept
@@ -235,9 +234,9 @@ def unknown_key_problem(key: str, given: Any) -> Problem:
         return Problem(key, given, _belongs(key, owners))
 
     known = known_keys()
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-    if close and not key.startswith(close[0] + "."):
-        return Problem(key, given, f"not a pcpflow setting (did you mean {close[0]!r}?)")
+    close = closest(key, known, cutoff=0.75)
+    if close and not key.startswith(close + "."):
+        return Problem(key, given, f"not a pcpflow setting (did you mean {close!r}?)")
     parts = key.lstrip("+~").split(".")
     for n in range(len(parts) - 1, 0, -1):  # NOTE: the innermost known section it names: list what it holds
         section = ".".join(parts[:n])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from pcpflow.config.choices import did_you_mean
+from pcpflow.config.choices import allowed_choices
 from pcpflow.config.run import pydantic_problems
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.paths import conf_dir
@@ -189,11 +189,11 @@ def _named_where_set(p: Problem, slot: dict[str, Any], group: dict[str, Any]) ->
 def _position(anchors: dict[str, Any], where: str, problems: list[Problem]) -> tuple[str, str] | None:
     """An extra stage's ``(side, slot)``: exactly one of after/before, naming a slot."""
     if len(anchors) != 1:
-        problems.append(Problem(where, anchors or MISSING, f"exactly one of after/before: one of {', '.join(SLOTS)}"))
+        problems.append(Problem(where, anchors or MISSING, f"exactly one of after/before, naming a slot: {', '.join(SLOTS)}"))
         return None
     (side, anchor), = anchors.items()
     if anchor not in SLOTS:
-        problems.append(Problem(f"{where}.{side}", anchor, f"one of {', '.join(SLOTS)}{did_you_mean(anchor, SLOTS)}"))
+        problems.append(Problem(f"{where}.{side}", anchor, allowed_choices(anchor, SLOTS)))
         return None
     return side, anchor
 

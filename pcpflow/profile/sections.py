@@ -358,8 +358,10 @@ def host(b: Bench) -> dict[str, Any]:
 
 def _host_config(run_cfg, batch: int, prompt: int, layers: int):
     from pcpflow.config.run import RunConfig
+    from pcpflow.profile.checks import without_drafting
 
-    raw = run_cfg.model_dump(mode="json")
+    # NOTE: the pipeline draws on pipeline.draft over the draft group: drafting is no part of the host work
+    raw = without_drafting(run_cfg).model_dump(mode="json")
     raw.update(
         mode="execute", verify=False, dtype="float32", max_steps=None, tp=1, pcp=1, dcp=1,
         model=minimal_model_config("gqa", layers=layers),
@@ -368,10 +370,8 @@ def _host_config(run_cfg, batch: int, prompt: int, layers: int):
         kv={"block_size": run_cfg.kv.block_size, "num_blocks": 2 * batch * (-(-(prompt + 8) // run_cfg.kv.block_size)) + 8,
             "interleave": 1},
         output={"plots": False, "progress": False, "save_logits": False},
-        profile={}, hardware=None, cudagraph_mode="none",
-        # NOTE: the pipeline draws on pipeline.draft over the draft group: drafting is no part of the host work
-        draft={"kind": "none"}, num_speculative_tokens=0, plugins=[],
-        pipeline={**{k: v for k, v in run_cfg.pipeline.items() if k != "extra"}, "draft": {"kind": "none"}},
+        profile={}, hardware=None, cudagraph_mode="none", plugins=[],
+        pipeline={k: v for k, v in raw["pipeline"].items() if k != "extra"},
     )
     return RunConfig.model_validate(raw)
 

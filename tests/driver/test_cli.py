@@ -136,7 +136,7 @@ def test_cross_field_rules(tmp_path):
 
 def test_unknown_group_option_and_key_and_sweep_without_multirun():
     code, err = cli("decode=shardd")
-    assert code == 2 and "decode: got 'shardd'; one of: replicated, sharded (did you mean 'sharded'?)" in err
+    assert code == 2 and "decode: got 'shardd'; allowed: replicated, sharded (did you mean 'sharded'?)" in err
     code, err = cli("typo_key=1")
     assert code == 2 and "typo_key: got '1'; not a pcpflow setting; top-level settings: pcp, dcp," in err
     code, err = cli("pcp=1,2")
@@ -342,7 +342,7 @@ def test_a_refused_option_is_one_problem_once_across_a_sweep(tmp_path):
     assert code == 2
     lines = [line for line in err.splitlines() if line.startswith("  - ")]
     # not again as "no hardware" (its default, left behind), nor once per job
-    assert lines == ["  - hardware: got 'h100'; one of: b200, gtt_h100, h100_sxm, h200_sxm, measured "
+    assert lines == ["  - hardware: got 'h100'; allowed: b200, gtt_h100, h100_sxm, h200_sxm, measured "
                      "(did you mean 'h100_sxm'?)"], err
 
 

@@ -50,7 +50,7 @@ def test_a_key_of_another_group_option_names_that_option():
 def test_a_bad_group_option_and_a_plus_on_a_set_key():
     found = problems_of(["decode=shard", "+pcp=3"])
     assert found == {
-        "decode": "one of: replicated, sharded (did you mean 'sharded'?)",
+        "decode": "allowed: replicated, sharded (did you mean 'sharded'?)",
         "+pcp": "pcp is already set by the config: drop the '+'",
     }
 

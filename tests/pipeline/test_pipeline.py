@@ -55,13 +55,13 @@ def test_bad_slots_are_reported_together():
 @pytest.mark.parametrize("entry, expected", [
     # a position off the slots, an unknown setting and a bad value: all three at once
     ("{kind: test_call_counter, after: forwad, bogus: 1, out_dir: [1]}",
-     {"pipeline.extra[0].after": "one of validate, plan, buffers, slots, forward, restore, draft (did you mean 'forward'?)",
+     {"pipeline.extra[0].after": "allowed: validate, plan, buffers, slots, forward, restore, draft (did you mean 'forward'?)",
       "pipeline.extra[0].bogus": "not a setting here",
       "pipeline.extra[0].out_dir": "Input should be a valid string"}),
     # a bad kind and a bad position
     ("{kind: test_call_countr, before: nowhere}",
      {"pipeline.extra[0].kind": "unknown stage kind 'test_call_countr' (did you mean 'test_call_counter'?)",
-      "pipeline.extra[0].before": "one of validate"}),
+      "pipeline.extra[0].before": "allowed: validate"}),
     # no position at all, and two
     ("{kind: test_call_counter, bogus: 1}",
      {"pipeline.extra[0]": "exactly one of after/before", "pipeline.extra[0].bogus": "not a setting here"}),
@@ -71,7 +71,7 @@ def test_bad_slots_are_reported_together():
     ("{kind: sampled_rows, after: restor}",
      {"pipeline.extra[0].kind": "a stage for any position; 'sampled_rows' fills only the restore slot: "
                                 "pipeline.restore.kind=sampled_rows",
-      "pipeline.extra[0].after": "one of validate"}),
+      "pipeline.extra[0].after": "allowed: validate"}),
 ])
 def test_every_problem_of_an_extra_stage_is_reported_at_once(entry, expected):
     found = {p.field: p.allowed for p in _problems("plugins=[pcpflow_test_plugins.probes]", f"+pipeline.extra=[{entry}]")}
