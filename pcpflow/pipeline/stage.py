@@ -183,13 +183,18 @@ def resolve(kind: str, slot: str | None = None) -> type[Stage]:
 
 
 def unknown_kind_message(kind: str, slot: str | None) -> str:
+    """``slot`` None: a stage for any position (``pipeline.extra``), which the kinds that fill
+    a slot are not."""
     known = known_kinds(slot)
     hint = did_you_mean(kind, known)
+    if slot is None:
+        anywhere = [k for k in known if _REGISTRY[k].slots is None]
+        listed = (f"kinds for any position: {', '.join(anywhere)}" if anywhere
+                  else "no registered kind goes in any position (pcpflow's own each fill a slot)")
+    else:
+        listed = f"known kinds: {', '.join(known)}"
     where = f" for slot {slot!r}" if slot else ""
-    return (
-        f"unknown stage kind {kind!r}{where}{hint}; known kinds: {', '.join(known)} "
-        "(or 'pkg.module:Class'; add modules with plugins=[...])"
-    )
+    return f"unknown stage kind {kind!r}{where}{hint}; {listed} (or 'pkg.module:Class'; add modules with plugins=[...])"
 
 
 def build_config(kind_cls: type[Stage], raw: dict[str, Any]) -> StageConfig:

@@ -58,9 +58,10 @@ def test_bad_slots_are_reported_together():
      {"pipeline.extra[0].after": "allowed: validate, plan, buffers, slots, forward, restore, draft (did you mean 'forward'?)",
       "pipeline.extra[0].bogus": "not a setting here",
       "pipeline.extra[0].out_dir": "Input should be a valid string"}),
-    # a bad kind and a bad position
+    # a bad kind and a bad position; the kinds listed are those that go in any position
     ("{kind: test_call_countr, before: nowhere}",
-     {"pipeline.extra[0].kind": "unknown stage kind 'test_call_countr' (did you mean 'test_call_counter'?)",
+     {"pipeline.extra[0].kind": "unknown stage kind 'test_call_countr' (did you mean 'test_call_counter'?); "
+                                "kinds for any position: ",
       "pipeline.extra[0].before": "allowed: validate"}),
     # no position at all, and two
     ("{kind: test_call_counter, bogus: 1}",
@@ -78,6 +79,16 @@ def test_every_problem_of_an_extra_stage_is_reported_at_once(entry, expected):
     assert set(found) == set(expected), found
     for field, says in expected.items():
         assert found[field].startswith(says), (field, found[field])
+
+
+def test_an_unknown_extra_kind_lists_the_kinds_that_go_in_any_position():
+    from pcpflow.pipeline.stage import resolve
+
+    said = {p.field: p.allowed for p in _problems("plugins=[pcpflow_test_plugins.probes]",
+                                                     "+pipeline.extra=[{kind: bogus, after: forward}]")}
+    listed = said["pipeline.extra[0].kind"].split("kinds for any position: ")[1].split(" (or ")[0].split(", ")
+    assert "test_call_counter" in listed and "model" not in listed, listed
+    assert all(resolve(k).slots is None for k in listed), listed
 
 
 def test_an_extra_stage_beside_a_slot_in_error_is_judged_on_its_own():
