@@ -150,6 +150,8 @@ def test_readme_end_to_end_commands_run_as_written(clone, tmp_path):
     assert len(result["outputs"]) == frozen["workload"]["num_requests"]
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "load.png").exists()
     assert list((run_dir / "logs").rglob("*.log")), "per-rank logs under the run dir"
+    # the README's run-dir table: Hydra's files too
+    assert (run_dir / "cli.log").exists() and (run_dir / ".hydra" / "overrides.yaml").exists()
 
 
 @pytest.mark.slow

@@ -92,6 +92,16 @@ def own_cache_name(slot: str, kind: str) -> str:
     return f"KV cache of stage {slot}"
 
 
+def written_apart(nan_run: torch.Tensor, nan_expected: torch.Tensor) -> str | None:
+    """How one slot's written columns (not NaN) differ between the run and the expected entry;
+    None where they are the same columns (then the values differ)."""
+    missing = bool((nan_run & ~nan_expected).any())  # NaN in the run where a value was expected
+    stray = bool((nan_expected & ~nan_run).any())  # a value where nothing (NaN) was expected
+    if missing and stray:
+        return "written in other columns than expected"
+    return "never written" if missing else "a write where none was expected" if stray else None
+
+
 def _mismatch(run: torch.Tensor, expected: torch.Tensor, atol: float):
     """``(bad_slot, d, nan_run, nan_expected)`` of one layer: the slots whose entries differ
     (beyond ``atol``, or written on one side only), and the differences where both are written."""
@@ -420,7 +430,7 @@ class Verifier:
         newest token of each row that sampled (module docstring); the expected caches take
         over what the run holds there. The scheduler allocated them (its lookahead)."""
         k = self.cfg.num_speculative_tokens
-        rows = np.flatnonzero(np.bincount(batch.logits_req_indices, minlength=batch.num_reqs))
+        rows = np.unique(batch.logits_req_indices)
         if not k or not len(rows):
             return
         positions = np.repeat(committed_end[rows], k) + np.tile(np.arange(k, dtype=np.int64), len(rows))
@@ -474,13 +484,11 @@ class Verifier:
         _, d, nan_c, nan_e = _mismatch(cache.run[layer], cache.expected[layer], self.atol)
         out = []
         for s in slots:
-            missing = bool(nan_c[s].any() and not nan_e[s].any())
-            stray = bool(nan_e[s].any() and not nan_c[s].any())
+            what = written_apart(nan_c[s], nan_e[s])
             out.append({
                 "cache": cache.name, "rank": self.world.rank, "step": step, "layer": layer,
                 "req_id": int(self.slot_req[s]), "position": int(self.slot_pos[s]), "slot": s,
-                "abs_diff": None if (missing or stray) else float(d[s].max()),
-                "what": "never written" if missing else "a write where none was expected" if stray else "differs",
+                "abs_diff": None if what else float(d[s].max()), "what": what or "differs",
             })
         return out
 

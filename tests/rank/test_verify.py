@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import shared_ranks
+import torch
 
 from pcpflow.testing import compose, run
 
@@ -81,3 +82,16 @@ def test_one_corrupted_entry_of_the_drafters_own_cache_fails_verification_naming
     assert failure.startswith("drafter KV cache (draft=mtp)") and f"rank {what['rank']} " in failure, failure
     assert f"request {what['req_id']}, position {what['position']} " in failure, failure
     assert result_of(result, {})["exit_code"] == 1
+
+
+def test_a_slot_written_apart_is_named_by_how():
+    from pcpflow.rank.verify import written_apart
+
+    def nan(*cols):  # a 4-column entry, NaN (unwritten) at cols
+        return torch.tensor([i in cols for i in range(4)])
+
+    assert written_apart(nan(0, 1, 2, 3), nan()) == "never written"
+    assert written_apart(nan(2), nan()) == "never written"  # in part
+    assert written_apart(nan(), nan(0, 1, 2, 3)) == "a write where none was expected"
+    assert written_apart(nan(0, 1), nan(2, 3)) == "written in other columns than expected"
+    assert written_apart(nan(1), nan(1)) is None and written_apart(nan(), nan()) is None
