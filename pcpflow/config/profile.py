@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from pcpflow.config.choices import did_you_mean
+from pcpflow.config.choices import choice_word, did_you_mean
 from pcpflow.errors import Settings
 
 PROFILE_DTYPES = ("float32", "float64", "bfloat16")
@@ -34,15 +34,16 @@ class ProfileConfig(Settings):
     def _each_once(cls, v: Any) -> Any:
         """One problem for the list: a name that is not a dtype and a dtype given twice are
         said together, each name once (not once per entry)."""
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            return v  # pydantic names what is not a list of names
+        if not isinstance(v, list):
+            return v  # pydantic names what is not a list
+        names = [choice_word(x) for x in v]  # NOTE: 3 or true as typed: not a dtype name either
         said = []
-        for name in dict.fromkeys(v):
+        for name in dict.fromkeys(names):
             what = []
             if name not in PROFILE_DTYPES:
                 what.append("is not a dtype name" + did_you_mean(name, PROFILE_DTYPES, cutoff=0.5))
-            if v.count(name) > 1:
-                what.append(f"given {v.count(name)} times" if what else f"is given {v.count(name)} times")
+            if names.count(name) > 1:
+                what.append(f"given {names.count(name)} times" if what else f"is given {names.count(name)} times")
             if what:
                 said.append(f"{name} {', '.join(what)}")
         if said:

@@ -398,6 +398,8 @@ def test_a_refused_boolean_keeps_a_custom_error_beside_it():
     # a dtype given twice is one problem naming it; a wrong name given twice is one problem too
     (["mode=profile", "profile.dtypes=[bfloat16,float32,bfloat16]"], "profile.dtypes",
      "bfloat16 is given 2 times; allowed: float32, float64, bfloat16, each at most once"),
+    (["mode=profile", "profile.dtypes=[float32,3,float32]"], "profile.dtypes",
+     "float32 is given 2 times; 3 is not a dtype name; allowed: float32, float64, bfloat16, each at most once"),
     (["mode=profile", "profile.dtypes=[bf16,bf16]"], "profile.dtypes",
      "bf16 is not a dtype name (did you mean 'bfloat16'?), given 2 times; allowed: float32, float64, bfloat16, each at most once"),
     # a tp refused: every rule it breaks, and the values the model allows
@@ -419,8 +421,9 @@ def test_one_message_per_problem_naming_the_allowed_values(args, field, says):
     # a stage's config
     (["pipeline.forward.attention=fusd"],
      "pipeline.forward.attention: got 'fusd'; allowed: reference, fused, auto (did you mean 'fused'?)"),
-    # an entry of a list (a profile's dtypes), a section of a simulated and of a searched run
-    (["mode=profile", "profile.dtypes=[float32,3]"], "profile.dtypes.1: got 3; allowed: float32, float64, bfloat16"),
+    # a list of choices (a profile's dtypes), a section of a simulated and of a searched run
+    (["mode=profile", "profile.dtypes=[float32,3]"],
+     "profile.dtypes: got ['float32', 3]; 3 is not a dtype name; allowed: float32, float64, bfloat16, each at most once"),
     (["mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "serving.router=random"],
      "serving.router: got 'random'; allowed: round_robin, least_loaded, prefix_aware"),
     (["mode=search", "search.gpus=8", "hardware=h100_sxm", "simulate.objective=ttfx"],
