@@ -11,7 +11,7 @@ run with more ranks on a node than visible GPUs is refused before any rank start
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -139,8 +139,8 @@ def host_memory_problems(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndar
     rank 0) fit in its available memory. Each size that alone is too big is named.
 
     Counted: the model's weights whole on every rank (each builds the whole model, then
-    keeps its TP share: the peak is the whole), the KV caches (the target's and a drafter's
-    own, full width: a TP rank's share is smaller), and with ``verify=true`` each rank's
+    keeps its TP share: the peak is the whole), the KV caches (the target's, of a TP rank's
+    KV heads; a drafter's own, whole), and with ``verify=true`` each rank's
     expected copies and the reference's whole-context cache and, under TP, its whole
     model; the step buffers; every rank's token ids. Not counted: a drafter's weights
     (small beside the target's) and activations. ``specs``: the resolved pipeline, whose
@@ -174,17 +174,17 @@ def _host_sizes(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndarray, spec
     """Bytes on this host by the setting that sizes them (``host_memory_problems``)."""
     from pcpflow.config.disagg import POOLS, pool_config
 
-    target, drafter, hidden_bytes, weight_bytes = _model_bytes(cfg, specs)
-    entry = target + drafter
+    entry, drafter, hidden_bytes, weight_bytes = _model_bytes(cfg, specs)
     pools = [pool_config(cfg, name) for name in (POOLS if cfg.disagg.enabled else ("prefill",))]
-    kv = sum(p.grid.world_size * p.kv.num_blocks * p.kv.block_size * entry for p in pools)
+    # NOTE: a TP rank's target cache holds its KV heads only (a drafter's is counted whole)
+    kv = sum(p.grid.world_size * p.kv.num_blocks * p.kv.block_size * (entry(p.tp) + drafter) for p in pools)
     weights = cfg.world_size * weight_bytes
     ranks = cfg.world_size
     if cfg.verify:  # NOTE: pcpflow.rank.verify: expected copies; the reference's cache (and model, under TP)
         from pcpflow.rank.verify import reference_blocks
 
         ref_blocks = reference_blocks(pools, prompt_lens + output_lens, cfg.num_speculative_tokens)
-        kv = 2 * kv + ref_blocks * cfg.kv.block_size * entry
+        kv = 2 * kv + ref_blocks * cfg.kv.block_size * (entry(1) + drafter)
         weights += weight_bytes if cfg.tp > 1 else 0
         ranks += 1
     return {
@@ -205,13 +205,15 @@ def _given(cfg: Any, field: str) -> Any:
     return getattr(getattr(cfg, section), key)
 
 
-def _model_bytes(cfg: Any, specs: list) -> tuple[int, int, int, int]:
-    """Bytes of (one token's target KV entries over all layers, one token's drafter KV
-    entries, one hidden row, the whole model's weights), from the model built on the meta
-    device (no memory, no weights read) and the drafter's ``DraftConfig.cache_entry_width``."""
+def _model_bytes(cfg: Any, specs: list) -> tuple[Callable[[int], int], int, int, int]:
+    """Bytes of (one token's target KV entries over all layers on one rank of ``tp``, as a
+    function of tp; one token's drafter KV entries; one hidden row; the whole model's weights),
+    from the model built on the meta device (no memory, no weights read) and the drafter's
+    ``DraftConfig.cache_entry_width``."""
     import torch
 
     from pcpflow.models import build_model
+    from pcpflow.parallel.tensor_parallel import local_spec
     from pcpflow.pipeline.context import DTYPES
 
     dtype = DTYPES[cfg.dtype]
@@ -219,11 +221,15 @@ def _model_bytes(cfg: Any, specs: list) -> tuple[int, int, int, int]:
     try:
         model = build_model(cfg.model, dtype=dtype, seed=0, device="meta")
     except Exception:  # a model that cannot be built on meta: price it as 1 kB per layer
-        return 1024, 0, 1024, 0
+        return lambda tp: 1024, 0, 1024, 0
     draft = next((s.config for s in specs if s.name == "draft"), None)
     drafter = draft.cache_entry_width(model) if hasattr(draft, "cache_entry_width") else 0
     weights = sum(p.numel() for p in model.parameters()) * size
-    return model.num_layers * model.attn_spec.entry_dim * size, drafter * size, model.hidden_size * size, weights
+
+    def entry(tp: int) -> int:
+        return model.num_layers * local_spec(model.attn_spec, 0, tp).entry_dim * size
+
+    return entry, drafter * size, model.hidden_size * size, weights
 
 
 def _gib(n: int) -> str:

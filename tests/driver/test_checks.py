@@ -80,7 +80,10 @@ def test_host_memory_counts_weights_drafter_caches_and_verify_copies():
     checked = sizes(["pcp=2", "dcp=2", "kv.num_blocks=64", "verify=true"])
     assert checked["kv.num_blocks"] == 2 * 2 * slots * entry + 2 * slots * entry
     assert checked["model"] == 2 * weights  # tp=1: the reference runs on rank 0's own model
-    assert sizes(["tp=2", "pcp=1", "kv.num_blocks=64", "verify=true"])["model"] == 3 * weights
+    tp = sizes(["tp=2", "pcp=1", "kv.num_blocks=64", "verify=true"])
+    assert tp["model"] == 3 * weights  # and the reference's own whole model
+    # a TP rank's cache holds one of the 2 KV heads (and its expected copy); the reference's, both
+    assert tp["kv.num_blocks"] == 2 * 2 * slots * entry // 2 + slots * entry
     # the self drafter keeps a second cache as wide as the target's
     drafting = sizes(["pcp=2", "kv.num_blocks=64", "verify=false", "draft=self"])
     assert drafting["kv.num_blocks"] == 2 * slots * 2 * entry
