@@ -60,7 +60,7 @@ def warm_up(cfg: RunConfig, ctx: RankContext, specs: list[StageSpec]) -> float |
     warm_cfg = cfg.model_copy(update={"kv": cfg.kv.model_copy(update={"num_blocks": num_blocks, "prefix_caching": False}),
                                       "num_speculative_tokens": 0})
     warm_ctx = dataclasses.replace(
-        ctx, config=warm_cfg, requests=[request], extras={}, aux_layers=set(),
+        ctx, config=warm_cfg, requests=[request], extras={}, aux_layers=set(), own_kv={},
         kv_caches=allocate_kv_caches(ctx.model, num_blocks, cfg.kv.block_size, ctx.dtype, ctx.device),
     )
     pipeline = Pipeline([spec for spec in specs if spec.name != "draft"], warm_ctx, on_stage=mark_stage)
