@@ -78,7 +78,7 @@ def handover_kv(cfg: RunConfig) -> list[MovedKV]:
     layers = 1 if kind == "mtp" else int(draft.get("num_layers") or 1)
     latent = MovedKV(pool_kv(cfg.grid, cfg.kv.interleave, None),
                      pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, None), layers,
-                     (layer.kv_lora_rank + layer.qk_rope_head_dim) * elem)
+                     layer.cache_entry_dim() * elem)
     return [target, latent]
 
 
