@@ -55,7 +55,8 @@ def validate_overrides(overrides: list[str]) -> RunConfig:
             # NOTE: an override that could not be placed left its default behind; what the
             # default then breaks is the same problem again (hardware=h100, or a key inside
             # the section, hardware.path without hardware=measured: "no hardware")
-            problems += [p for p in exc.problems if p.field not in refused
+            problems += [_with_draft_tokens_hint(p, raw) if p.allowed.startswith(_NOT_HERE) else p
+                         for p in exc.problems if p.field not in refused
                          and not any(r.lstrip("+~").startswith(p.field + ".") for r in refused)]
     if problems or cfg is None:
         raise ConfigError([_with_option_hint(p) for p in problems])
@@ -273,9 +274,11 @@ def _with_draft_tokens_hint(p: Problem, raw: dict[str, Any]) -> Problem:
     if p.field.lstrip("+~") not in DRAFT_TOKENS_KEYS:
         return p
     override = draft_tokens_override(raw, p.given)
-    if override is None:
-        return p
     kind = ((raw.get("pipeline") or {}).get("draft") or {}).get("kind") or (raw.get("draft") or {}).get("kind")
+    if override is None:
+        owners = options_having("draft.num_speculative_tokens")
+        # NOTE: draft=none proposes nothing: the drafters that take the key, as for draft.num_speculative_tokens
+        return Problem(p.field, p.given, _belongs("draft.num_speculative_tokens", owners)) if kind == "none" and owners else p
     return Problem(p.field, p.given, f"the draft stage {kind!r} does not read it from here; set it with {override}")
 
 

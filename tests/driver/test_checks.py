@@ -396,6 +396,9 @@ def test_a_refused_boolean_keeps_a_custom_error_beside_it():
     (["verify=1"], "verify", "got 1; allowed: true, false"),
     (["kv.prefix_caching=yes"], "kv.prefix_caching", "got 'yes'; allowed: true, false"),
     (["workload.ignore_eos=on"], "workload.ignore_eos", "got 'on'; allowed: true, false"),
+    # drafts per step where no drafter runs: the drafters that take them, whichever key tried
+    (["+pipeline.draft.num_speculative_tokens=3"], "pipeline.draft.num_speculative_tokens",
+     "got 3; draft.num_speculative_tokens is a setting of draft=dspark / draft=mtp / draft=self; add draft=dspark"),
     # one problem, one message: a value that is not a list is not also judged as its entries
     (["plugins=boom"], "plugins", "got 'boom'; a list"),
     # a dtype given twice is one problem naming it; a wrong name given twice is one problem too
