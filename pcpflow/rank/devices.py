@@ -227,7 +227,10 @@ def _model_bytes(cfg: Any, specs: list) -> tuple[Callable[[int], int], int, int,
     weights = sum(p.numel() for p in model.parameters()) * size
 
     def entry(tp: int) -> int:
-        return model.num_layers * local_spec(model.attn_spec, 0, tp).entry_dim * size
+        spec = model.attn_spec
+        # NOTE: a tp that does not split the KV heads is refused by the TP checks: count it whole
+        splits = spec.v_offset == 0 or spec.num_kv_heads % tp == 0 or tp % spec.num_kv_heads == 0
+        return model.num_layers * (local_spec(spec, 0, tp) if splits else spec).entry_dim * size
 
     return entry, drafter * size, model.hidden_size * size, weights
 
