@@ -142,8 +142,10 @@ def host_memory_problems(cfg: Any, prompt_lens: np.ndarray, output_lens: np.ndar
     keeps its TP share: the peak is the whole), the KV caches (the target's, of a TP rank's
     KV heads; a drafter's own, whole), and with ``verify=true`` each rank's
     expected copies and the reference's whole-context cache and, under TP, its whole
-    model; the step buffers; every rank's token ids. Not counted: a drafter's weights
-    (small beside the target's) and activations. ``specs``: the resolved pipeline, whose
+    model; the step buffers; every rank's token ids. Not counted, left to the share of
+    memory held back: a drafter's weights (small beside the target's), activations, and each
+    rank process's own (measured here: ~70 MB of private and proportional memory a rank under
+    pcpflow's launch, whose ranks share torch's pages; ~230 MB a rank under torchrun). ``specs``: the resolved pipeline, whose
     drafter's cache is counted (``DraftConfig.cache_entry_width``); None: none is."""
     available = host_memory_bytes()
     if available is None:
