@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
+from pcpflow.config.choices import allowed_choices
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
@@ -213,7 +214,7 @@ def simulate_problems(cfg) -> list[Problem]:
         p.append(Problem("pipeline.forward.kind", forward, "mode=simulate prices the shipped forward: model"))
     restore = (pipeline.get("restore") or {}).get("kind", "all_rows")
     if restore not in SIMULATED_RESTORES:
-        p.append(Problem("pipeline.restore.kind", restore, f"mode=simulate prices one of: {', '.join(SIMULATED_RESTORES)}"))
+        p.append(Problem("pipeline.restore.kind", restore, f"what mode=simulate prices; {allowed_choices(restore, SIMULATED_RESTORES)}"))
     if pipeline.get("extra"):
         kinds = [(e or {}).get("kind") if isinstance(e, dict) else e for e in pipeline["extra"]]
         p.append(Problem("pipeline.extra", kinds, "mode=simulate prices the shipped stages only; an extra stage "
@@ -340,13 +341,13 @@ def dtype_problems(cfg) -> list[Problem]:
         return p
     known = [f"{k} ({v})" for k, v in PEAK_OF_DTYPE.items() if hw.peak(v) is not None]
     if cfg.dtype not in PEAK_OF_DTYPE or hw.peak(PEAK_OF_DTYPE[cfg.dtype]) is None:
-        p.append(Problem("dtype", cfg.dtype, f"{hw.name} prices activations at a peak of hardware.peak_tflops: "
-                         f"{' | '.join(known)}"))
+        p.append(Problem("dtype", cfg.dtype, f"{hw.name} prices activations at a peak of hardware.peak_tflops; "
+                         f"allowed: {', '.join(known)}"))
     weights = cfg.simulate.weights_dtype
     if weights is not None and hw.peak(weights) is None:
         have = [k for k in ("bf16", "fp8", "fp4", "fp32", "fp64") if hw.peak(k) is not None]
         p.append(Problem("simulate.weights_dtype", weights, f"{hw.name} has no {weights} tensor-core peak "
-                         f"(hardware.peak_tflops.{weights}: null); one of: {' | '.join(have)}"))
+                         f"(hardware.peak_tflops.{weights}: null); {allowed_choices(weights, have)}"))
     return p
 
 

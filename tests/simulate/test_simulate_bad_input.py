@@ -32,7 +32,7 @@ def problems(*overrides: str, base: list[str] = RUN) -> dict[str, str]:
 def test_fp4_weights_need_an_fp4_peak():
     found = problems("simulate.weights_dtype=fp4")
     assert list(found) == ["simulate.weights_dtype"]
-    assert "h100_sxm has no fp4 tensor-core peak" in found["simulate.weights_dtype"] and "bf16 | fp8" in found["simulate.weights_dtype"]
+    assert "h100_sxm has no fp4 tensor-core peak" in found["simulate.weights_dtype"] and "allowed: bf16, fp8, fp32" in found["simulate.weights_dtype"]
     assert compose([*RUN, "hardware=b200", "simulate.weights_dtype=fp4"]).simulate.weights_dtype == "fp4"
 
 
