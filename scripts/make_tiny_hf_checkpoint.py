@@ -20,6 +20,13 @@ o or MLP ones), Qwen3 has per-head q/k RMSNorms and ``head_dim=24`` != hidden/he
 ``--sliding-window N`` (Mistral; Qwen with ``use_sliding_window``) writes a sliding window;
 without it there is none (``sliding_window`` null).
 
+``qwen3_moe`` and ``mixtral`` are mixture-of-experts always, 8 experts, 2 per token, softmax
+routing: Qwen3-MoE with ``decoder_sparse_step=2`` (layer 0 dense, layer 1 MoE, experts 32
+wide, top-2 weights not renormalised), Mixtral every layer MoE (experts as wide as
+``intermediate_size``, renormalised)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch qwen3_moe --out /tmp/tiny-qwen3-moe
+
 ``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
 in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
 a random ``e_score_correction_bias`` (``N(0, 0.1^2)``, so that it changes which experts
@@ -61,12 +68,14 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3", "deepseek_v2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -94,6 +103,8 @@ DEFAULT_ROPE_SCALING = {
     "qwen2": "yarn",
     "qwen3": "none",
     "mistral": "none",
+    "qwen3_moe": "none",
+    "mixtral": "none",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -140,8 +151,13 @@ def tiny_config(
             qwen3=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                        max_window_layers=0),
             mistral=dict(head_dim=16, sliding_window=sliding_window),
+            # NOTE: decoder_sparse_step=2: layer 0 dense, layer 1 MoE; the top-k weights not renormalised
+            qwen3_moe=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                           decoder_sparse_step=2),
+            mixtral=dict(head_dim=16, sliding_window=sliding_window, num_local_experts=8, num_experts_per_tok=2),
         )[arch]
-        if arch in ("qwen2", "mistral"):  # NOTE: their attention ignores attention_bias
+        if arch in ("qwen2", "mistral", "mixtral"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(

@@ -53,7 +53,7 @@ class ModelCard(Settings):
 
 def card_from_hf_config(path: str | Path) -> dict:
     """The card (as a plain dict) of a Hugging Face checkpoint directory's config.json
-    (Llama-style GQA or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
+    (Llama-style GQA, Qwen3-MoE and Mixtral included, or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
     executed run loads it with; ValueError saying what is wrong."""
     from pcpflow.models.hf import read_checkpoint_config
 
@@ -73,8 +73,8 @@ def card_from_hf_config(path: str | Path) -> dict:
     if hasattr(c, "kv_lora_rank"):  # DeepSeek: latent attention
         card.update(attention="mla", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                     qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim)
-        if c.moe is not None:
-            card["moe"] = c.moe.model_dump()
     else:
         card.update(attention="gqa", num_kv_heads=c.kv_heads, head_dim=c.dim)
+    if c.moe is not None:
+        card["moe"] = c.moe.model_dump()
     return card

@@ -3,11 +3,12 @@
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (``hf_llama``: one model, the families'
-differences — biases, Qwen3's q/k norms, head_dim — in a table) and
-``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
-(``hf_deepseek``). The config is checked when the run config is validated — an unsupported
-architecture (other MoE families such as Mixtral and Qwen-MoE are named as such), a
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``
+and ``MixtralForCausalLM`` (``hf_llama``: one model, the families' differences — biases,
+Qwen3's q/k norms, head_dim, the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
+``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is checked
+when the run config is validated — an unsupported architecture (other MoE families such as
+Qwen2-MoE or Llama 4 are named as such), a
 quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
 rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
 ``use_sliding_window``) shorter than a request of the run (``window_problems``): pcpflow
@@ -51,6 +52,8 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -87,9 +90,10 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
     raw = read_config_json(path)
     arch = architecture_of(raw)
     if arch not in ARCHITECTURES and _is_moe(raw, arch):
+        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(("Mixtral", "Deepseek"))]
         raise ValueError(
-            f"unsupported architecture {arch}: a mixture-of-experts variant whose router is not "
-            "DeepSeek's; supported MoE checkpoints: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM"
+            f"unsupported architecture {arch}: a mixture-of-experts variant pcpflow does not route; "
+            f"supported MoE checkpoints: {', '.join(supported)}"
         )
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(ARCHITECTURES)}")
@@ -135,8 +139,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3) or DeepSeek model with the weights of a
-    Hugging Face checkpoint."""
+    """A Llama-style (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral) or DeepSeek model with the
+    weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""
@@ -253,7 +257,7 @@ def window_problems(model_config: Any, longest: int) -> list[Problem]:
     window = getattr(checkpoint, "window", None)
     if window is None or longest <= window:
         return []
-    off = "use_sliding_window false" if checkpoint.family.sliding == "use_sliding_window" else "sliding_window null"
+    off = "use_sliding_window false" if checkpoint.family.sliding.startswith("use_") else "sliding_window null"
     return [Problem("model.path", str(path), (
         f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
         f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "

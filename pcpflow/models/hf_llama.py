@@ -1,7 +1,8 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` — grouped-query attention with RoPE.
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``
+and ``MixtralForCausalLM`` — grouped-query attention with RoPE.
 
-The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. The four read the
+The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. They read the
 same config.json fields and differ only where ``FAMILIES`` says (transformers'
 ``modeling_<family>.py``):
 
@@ -13,6 +14,13 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 - Qwen3: q/k/v/o biases when ``attention_bias``; an RMSNorm over each head of q and of k
   (``q_norm``, ``k_norm``, eps ``rms_norm_eps``) before RoPE; ``head_dim`` defaults to 128,
   not hidden/heads; a sliding window as Qwen2.
+- Qwen3-MoE: Qwen3's attention (``head_dim`` defaulting to hidden/heads); a sliding window
+  on every layer when ``use_sliding_window``; MoE MLPs on the layers ``decoder_sparse_step``
+  picks (``pcpflow.models.hf_moe.gqa_moe_settings``: softmax top-k routing, renormalised when
+  ``norm_topk_prob``).
+- Mixtral: Mistral's attention, its sliding window off unless ``sliding_window`` is set;
+  every layer MoE (``num_local_experts``, top-``num_experts_per_tok``, always renormalised;
+  ``block_sparse_moe`` tensors, experts ``w1``/``w3``/``w2``).
 
 pcpflow attends to the whole sequence, so a sliding window is exact only while no request
 is longer than it: ``LlamaCheckpoint.window`` is what the driver checks the run's
@@ -22,15 +30,17 @@ requests against (``pcpflow.models.hf.window_problems``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig
+from pcpflow.models.hf_moe import MIXTRAL_RENAMES, QWEN3_MOE_RENAMES, gqa_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import gqa_layers, gqa_spec
+from pcpflow.models.moe_config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,8 @@ class GQAFamily:
     mlp_bias: bool | None = None
     qk_norm: bool = False
     head_dim: int | None = None  # when config.json gives none (None: hidden_size / heads)
-    sliding: Literal["never", "every_layer", "use_sliding_window"] = "never"
+    sliding: Literal["never", "every_layer", "use_sliding_window", "use_sliding_window_every_layer"] = "never"
+    default_window: int | None = 4096  # transformers' sliding_window where config.json gives none
 
 
 FAMILIES = {
@@ -51,10 +62,10 @@ FAMILIES = {
     "MistralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer"),
     "Qwen2ForCausalLM": GQAFamily(qkv_bias=True, o_bias=False, mlp_bias=False, sliding="use_sliding_window"),
     "Qwen3ForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, head_dim=128, sliding="use_sliding_window"),
+    "Qwen3MoeForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, sliding="use_sliding_window_every_layer"),
+    "MixtralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
+                                    default_window=None),
 }
-
-DEFAULT_SLIDING_WINDOW = 4096
-"""transformers' ``sliding_window`` where a Mistral / Qwen config.json gives none."""
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
 """transformers' Qwen ``max_window_layers`` (layers from it on slide)."""
@@ -70,6 +81,7 @@ class LlamaCheckpoint(CheckpointConfig):
     use_sliding_window: bool = False
     max_window_layers: int = Field(DEFAULT_MAX_WINDOW_LAYERS, ge=0)
     layer_types: list[str] | None = None
+    moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: from their MoE fields (``hf_moe.gqa_moe_settings``)
 
     renames: ClassVar[tuple[Rename, ...]] = (
         *DECODER_RENAMES,
@@ -79,7 +91,20 @@ class LlamaCheckpoint(CheckpointConfig):
         attention_rename("o_proj.{wb}", "o_proj.{wb}"),
         attention_rename("q_norm.weight", "q_norm.weight"),
         attention_rename("k_norm.weight", "k_norm.weight"),
+        *QWEN3_MOE_RENAMES,
+        *MIXTRAL_RENAMES,
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moe_fields(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            raw = dict(raw)
+            try:
+                raw["moe"] = gqa_moe_settings(raw, raw.get("architecture"))
+            except TypeError:  # a field of the wrong type: the field's own validation names it
+                raw["moe"] = None
+        return raw
 
     @model_validator(mode="after")
     def _heads(self) -> LlamaCheckpoint:
@@ -108,11 +133,11 @@ class LlamaCheckpoint(CheckpointConfig):
     def sliding_layers(self) -> list[int]:
         """The layers transformers gives a sliding window of ``window`` tokens."""
         sliding = self.family.sliding
-        given = self.sliding_window if "sliding_window" in self.model_fields_set else DEFAULT_SLIDING_WINDOW
-        if sliding == "never" or given is None or (sliding == "use_sliding_window" and not self.use_sliding_window):
+        given = self.window_size
+        if sliding == "never" or given is None or (sliding.startswith("use_") and not self.use_sliding_window):
             return []
         layers = range(self.num_hidden_layers)
-        if sliding == "every_layer":
+        if sliding.endswith("every_layer"):
             return list(layers)
         if self.layer_types is not None:
             return [i for i in layers if i < len(self.layer_types) and self.layer_types[i] == "sliding_attention"]
@@ -124,12 +149,19 @@ class LlamaCheckpoint(CheckpointConfig):
         layers that have one; None: every layer sees the whole sequence, as pcpflow does."""
         if not self.sliding_layers:
             return None
-        return self.sliding_window if "sliding_window" in self.model_fields_set else DEFAULT_SLIDING_WINDOW
+        return self.window_size
+
+    @property
+    def window_size(self) -> int | None:
+        """config.json's ``sliding_window``, else the family's transformers default."""
+        return self.sliding_window if "sliding_window" in self.model_fields_set else self.family.default_window
 
     def window_setting(self) -> str:
         """The config.json fields that put ``window`` in effect, as config.json spells them."""
         if self.family.sliding == "every_layer":
             return f"sliding_window={self.window} (every layer)"
+        if self.family.sliding == "use_sliding_window_every_layer":
+            return f"use_sliding_window=true, sliding_window={self.window} (every layer)"
         layers = self.sliding_layers
         return (f"use_sliding_window=true, sliding_window={self.window} ({len(layers)} of "
                 f"{self.num_hidden_layers} layers, from layer {layers[0]})")
@@ -148,5 +180,5 @@ class LlamaCheckpoint(CheckpointConfig):
             num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             bias=given(f.qkv_bias, self.attention_bias), o_bias=given(f.o_bias, self.attention_bias),
-            mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=f.qk_norm,
+            mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=f.qk_norm, moe=self.moe,
         )

@@ -1,6 +1,6 @@
-"""The mixture-of-experts part of DeepSeek-V2/V3 checkpoints: which config.json fields
-make which ``MoEConfig`` (transformers' routing; unsupported variants named), and where
-the router, routed and shared experts' tensors go."""
+"""The mixture-of-experts part of DeepSeek-V2/V3, Qwen3-MoE and Mixtral checkpoints: which
+config.json fields make which ``MoEConfig`` (transformers' routing; unsupported variants
+named), and where the router, routed and shared experts' tensors go."""
 
 from __future__ import annotations
 
@@ -55,6 +55,73 @@ MOE_RENAMES = (
 ``save_pretrained`` store them), router and shared experts."""
 
 
+QWEN3_MOE_RENAMES = (
+    _mlp("gate.weight", "gate.weight"),
+    *MOE_RENAMES[2:5],
+)
+"""Qwen3-MoE: the router and the routed experts under DeepSeek's names (no shared experts)."""
+
+
+def _sparse(hf: str, ours: str, part: tuple[int, int] | None = None) -> Rename:
+    return Rename("model.layers.{i}.block_sparse_moe." + hf, "layers.{i}.mlp." + ours, part)
+
+
+MIXTRAL_RENAMES = (
+    _sparse("gate.weight", "gate.weight"),
+    _sparse("experts.{j}.w1.weight", "experts.{j}.gate_up_proj.weight", (0, 2)),
+    _sparse("experts.{j}.w3.weight", "experts.{j}.gate_up_proj.weight", (1, 2)),
+    _sparse("experts.{j}.w2.weight", "experts.{j}.down_proj.weight"),
+)
+"""Mixtral: ``block_sparse_moe``, each expert's ``w1`` (gate), ``w3`` (up) and ``w2`` (down),
+as Mistral's checkpoints and transformers' ``save_pretrained`` store them."""
+
+GQA_MOE_DEFAULTS = {
+    "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                norm_topk_prob=False, decoder_sparse_step=1),
+    "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2),
+}
+"""transformers' defaults (``Qwen3MoeConfig``, ``MixtralConfig``) of the MoE fields a
+config.json may omit."""
+
+
+def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """``MoEConfig`` fields of a Qwen3-MoE or Mixtral config.json dict (softmax routing, one
+    group, no shared experts, router logits in the model's dtype, as transformers'
+    ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``); None for a dense architecture or no
+    experts; ValueError naming an unsupported variant."""
+    if arch not in GQA_MOE_DEFAULTS:
+        return None
+    get = {**GQA_MOE_DEFAULTS[arch], **{k: v for k, v in raw.items() if v is not None}}.get
+    common = dict(scoring_func="softmax", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                  num_shared_experts=0, router_dtype="model")
+    if arch == "MixtralForCausalLM":
+        moe = dict(num_experts=get("num_local_experts"), top_k=get("num_experts_per_tok"),
+                   intermediate_size=get("intermediate_size"), norm_topk_prob=True, **common)
+    else:
+        if get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers={get('mlp_only_layers')} is not supported; supported: [] (the MoE "
+                             "layers set by decoder_sparse_step alone, as every released Qwen3-MoE checkpoint)")
+        # NOTE: transformers 4 writes num_experts, transformers 5 num_local_experts (its attribute_map)
+        experts = get("num_local_experts") if raw.get("num_local_experts") is not None else get("num_experts")
+        if not experts:
+            return None
+        step = get("decoder_sparse_step")
+        if not isinstance(step, int) or step < 1:
+            raise ValueError(f"decoder_sparse_step must be a positive integer; got {step!r}")
+        # NOTE: transformers makes layer i MoE when (i + 1) % step == 0: layers step-1, 2*step-1, ...
+        moe = dict(num_experts=experts, top_k=get("num_experts_per_tok"),
+                   intermediate_size=get("moe_intermediate_size"), norm_topk_prob=bool(get("norm_topk_prob")),
+                   first_k_dense_replace=step - 1, moe_layer_freq=step, **common)
+    return _checked(moe)
+
+
+def _checked(moe: dict[str, Any]) -> dict[str, Any]:
+    problems = moe_config_problems(MoEConfig(**moe), field="moe")
+    if problems:
+        raise ValueError("; ".join(f"{p.field}={p.given}: {p.allowed}" for p in problems))
+    return moe
+
+
 def moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
     """``MoEConfig`` fields of a DeepSeek config.json dict, None when every layer is
     dense; ValueError naming an unsupported MoE variant."""
@@ -100,7 +167,4 @@ def moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
         scoring_func=scoring,
         first_k_dense_replace=raw["first_k_dense_replace"],
     )
-    problems = moe_config_problems(MoEConfig(**moe), field="moe")
-    if problems:
-        raise ValueError("; ".join(f"{p.field}={p.given}: {p.allowed}" for p in problems))
-    return moe
+    return _checked(moe)

@@ -20,6 +20,8 @@ from torch import nn
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec
 from pcpflow.models.common import DecoderLayer, RMSNorm, RopeScaling, RotaryEmbedding
+from pcpflow.models.moe import build_mlp
+from pcpflow.models.moe_config import MoEConfig
 
 
 def gqa_spec(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionSpec:
@@ -161,9 +163,11 @@ def gqa_layers(
     o_bias: bool | None = None,
     mlp_bias: bool = False,
     qk_norm: bool = False,
+    moe: MoEConfig | None = None,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
-    ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps``."""
+    ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps``;
+    ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -180,8 +184,9 @@ def gqa_layers(
             intermediate_size,
             eps,
             mlp_bias=mlp_bias,
+            mlp=build_mlp(moe, i, hidden_size, intermediate_size),
         )
-        for _ in range(num_layers)
+        for i in range(num_layers)
     ]
 
 

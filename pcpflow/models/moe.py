@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP layers (DeepSeek-V2/V3), routed exactly as transformers'
-``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` do.
+"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, Qwen3-MoE, Mixtral), routed exactly as
+transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` / ``Qwen3MoeTopKRouter`` /
+``MixtralTopKRouter`` do.
 
 V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
 ``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
@@ -7,8 +8,9 @@ whose two best biased scores sum highest; the weights are the unbiased scores of
 chosen experts, normalised to sum 1 when ``norm_topk_prob``, times
 ``routed_scaling_factor``. V2 (``softmax``): softmax scores, groups ranked by their best
 score, the top-k scores are the weights (normalised when ``norm_topk_prob``; transformers'
-V2 never normalises, so its checkpoints load with it off), times the scaling factor. The
-layer's output is the routed experts' weighted sum plus the shared experts.
+V2 never normalises, so its checkpoints load with it off), times the scaling factor.
+Qwen3-MoE and Mixtral are the softmax path with one group and no scaling (Mixtral always
+normalises). The layer's output is the routed experts' weighted sum plus the shared experts.
 
 A model never sees ranks: *where* the routed experts run is an ``ExpertDispatch`` the
 engine installs for the forward (``use_dispatch``; vLLM's forward context does the same
@@ -88,8 +90,14 @@ class TopKRouter(nn.Module):
         return self.select(self.logits(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits ``[N, E]``; half precision routes in float32 (as transformers does)."""
-        dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+        """Router logits ``[N, E]``, as transformers computes them: DeepSeek's in float32
+        from half precision (``router_dtype=float32``), Qwen3-MoE's and Mixtral's in the
+        model's dtype and then widened (``model``); scores are taken from float32 at least."""
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        if self.moe.router_dtype == "model":
+            logits = x @ self.weight.to(x.dtype).T
+            return logits.float() if half else logits
+        dtype = torch.float32 if half else x.dtype
         return x.to(dtype) @ self.weight.to(dtype).T
 
     def select(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
-transformers' ``DeepseekV3Config`` spells them (in brackets where they differ).
+transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen3-MoE
+and Mixtral checkpoints map onto the same fields (``pcpflow.models.hf_llama``).
 
 Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
 the simulator's model cards; ``model.moe: null`` is a dense model.
@@ -30,3 +31,6 @@ class MoEConfig(Settings):
     )
     first_k_dense_replace: int = Field(0, ge=0, description="the first k layers stay dense")
     moe_layer_freq: int = Field(1, ge=1, description="every n-th layer past the dense ones is MoE")
+    router_dtype: Literal["float32", "model"] = Field(
+        "float32", description="the router logits' dtype: float32 (DeepSeek), or the model's (Qwen3-MoE, Mixtral); "
+        "scores are float32 either way, as transformers computes them")

@@ -93,8 +93,8 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     assert all(a in msg for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"))
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
-    mixtral = _copy(ckpts["llama"], tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
-    assert "unsupported architecture MixtralForCausalLM: a mixture-of-experts variant" in _problem(mixtral)
+    llama4 = _copy(ckpts["llama"], tmp_path / "llama4", architectures=["Llama4ForCausalLM"], num_local_experts=16)
+    assert "unsupported architecture Llama4ForCausalLM: a mixture-of-experts variant" in _problem(llama4)
     freq = _copy(ckpts["dsv3"], tmp_path / "freq", first_k_dense_replace=1, moe_layer_freq=2)
     assert "moe_layer_freq=2 is not supported" in _problem(freq)
     dense = _copy(ckpts["dsv3"], tmp_path / "dense", n_routed_experts=None, first_k_dense_replace=0)
@@ -153,11 +153,12 @@ def test_a_broken_config_json_is_one_problem_in_both_kinds_of_run(ckpts, tmp_pat
 
 
 def test_cli_rejects_an_moe_checkpoint_with_exit_2_and_starts_nothing(ckpts, tmp_path):
-    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"])
+    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["Qwen2MoeForCausalLM"])
     run_dir = tmp_path / "run"
     r = cli("model=hf", f"model.path={moe}", f"hydra.run.dir={run_dir}")
     assert r.returncode == 2, r.stderr
-    assert "model.path" in r.stderr and "Qwen3MoeForCausalLM: a mixture-of-experts" in r.stderr
+    assert "model.path" in r.stderr and "Qwen2MoeForCausalLM: a mixture-of-experts" in r.stderr
+    assert "Qwen3MoeForCausalLM, MixtralForCausalLM" in r.stderr  # the MoE families it does route
     assert "Traceback" not in r.stderr + r.stdout
     assert not run_dir.exists()
     assert not run_dir.exists(), "nothing may start for an invalid config"
@@ -435,11 +436,13 @@ def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
 def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     """Built from the same config.json, pcpflow's model has a parameter (after the loader's
     renames) for exactly each of transformers' tensors, of its shape: Qwen2's q/k/v biases
-    and no o bias, Qwen3's per-head q/k norms over its explicit head_dim, Mistral's none."""
+    and no o bias, Qwen3's per-head q/k norms over its explicit head_dim, Mistral's none;
+    Qwen3-MoE's dense layer 0 and MoE layer 1 (router, experts), Mixtral's
+    ``block_sparse_moe`` experts ``w1``/``w3``/``w2`` on every layer."""
     from pcpflow.models.hf import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
-    for arch in ("qwen2", "qwen3", "mistral", "llama"):
+    for arch in ("qwen2", "qwen3", "mistral", "llama", "qwen3_moe", "mixtral"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2 and Mistral ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -482,6 +485,53 @@ def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
                        "workload=explicit", "workload.prompt_lens=[4096]", "workload.output_lens=[2]"])
         kv, d = want[name][:2]
         assert (cfg.model.num_kv_heads, cfg.model.head_dim) == (kv, d), name
+
+
+# config.json of Qwen3-30B-A3B, Qwen3-235B-A22B (as transformers 4 wrote them: num_experts) and
+# Mixtral-8x7B-v0.1, with their published parameter counts (billions: total, active per token).
+REAL_MOE_CONFIGS = {
+    "qwen3-30b-a3b": (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                           intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=128, num_hidden_layers=48, vocab_size=151936,
+                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                           mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
+                           rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                           sliding_window=None, max_window_layers=48), (30.5, 3.3)),
+    "qwen3-235b-a22b": (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=4096,
+                             intermediate_size=12288, moe_intermediate_size=1536, num_attention_heads=64,
+                             num_key_value_heads=4, head_dim=128, num_hidden_layers=94, vocab_size=151936,
+                             num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                             mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1000000.0,
+                             rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                             sliding_window=None, max_window_layers=94), (235, 22)),
+    "mixtral-8x7b": (dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+                          intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+                          vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                          rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
+                     (46.7, 12.9)),
+}
+
+
+@pytest.mark.parametrize("name", REAL_MOE_CONFIGS)
+def test_real_moe_checkpoint_configs_size_a_simulated_run(tmp_path, name):
+    """A simulated run of a Qwen3-MoE or Mixtral config.json counts the parameters their model
+    cards publish (total, and active per token: attention, the router, top-k experts; plus
+    embedding and head), within the published figures' rounding."""
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    config, (total_b, active_b) = REAL_MOE_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
+    sizes = model_sizes(cfg.model)
+    assert (sizes.num_experts, sizes.top_k, sizes.num_shared_experts) == (
+        config.get("num_experts") or config["num_local_experts"], config["num_experts_per_tok"], 0)
+    total = (sizes.total_weight_params() + sizes.embedding_params) / 1e9
+    active = (sizes.active_params_per_row() + sizes.embedding_params) / 1e9
+    # NOTE: the published figures are rounded (22B is 21.5-22.5B): 3% covers their last digit
+    assert total == pytest.approx(total_b, rel=0.03) and active == pytest.approx(active_b, rel=0.03), (total, active)
+    assert read_checkpoint_config(tmp_path).window is None
 
 
 @pytest.mark.parametrize(

@@ -112,6 +112,39 @@ def test_routing_matches_a_per_token_reference(moe):
             assert abs(got[x] - w) < 1e-12
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_normed", "mixtral"])
+def test_softmax_routers_choose_as_transformers_in_bfloat16(family):
+    """Qwen3-MoE and Mixtral routers (``router_dtype=model``): bf16 rows, bf16 router weights;
+    the same experts as transformers' own router module on every row, the same weights to bf16
+    rounding. Their logits are bf16 products, so ties and near-ties fall as transformers'."""
+    from pcpflow.models.moe import TopKRouter
+
+    e, k, h = 16, 4, 64
+    if family == "mixtral":
+        theirs = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(
+            transformers.MixtralConfig(hidden_size=h, num_local_experts=e, num_experts_per_tok=k))
+        norm = True
+    else:
+        norm = family.endswith("normed")
+        theirs = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(
+            transformers.Qwen3MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k, norm_topk_prob=norm))
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(e, h, generator=gen) / h**0.5).to(torch.bfloat16)
+    x = torch.randn(400, h, generator=gen).to(torch.bfloat16)
+    theirs = theirs.to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.copy_(weight)
+        _, their_w, their_ids = theirs(x)
+    moe = MoEConfig(num_experts=e, top_k=k, num_shared_experts=0, scoring_func="softmax", norm_topk_prob=norm,
+                    router_dtype="model")
+    ours = TopKRouter(h, moe).to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        our_w, our_ids = ours(x)
+    assert torch.equal(our_ids, their_ids)
+    torch.testing.assert_close(our_w.float(), their_w.float(), rtol=1e-2, atol=1e-3)
+
+
 def test_correction_bias_picks_the_experts_not_their_weights():
     """Scores [0.9, 0.1, 0.6, 0.55] in groups {0, 1} and {2, 3}, one group, two experts.
     Unbiased, group {2, 3} wins (0.6 + 0.55 > 0.9 + 0.1): weights 0.6/1.15, 0.55/1.15.
@@ -359,6 +392,8 @@ HF_CASES = [
     ("dsv3_moe", "float64", 1, 1, "replicated", "gather"),
     ("dsv3_moe", "float64", 2, 1, "sharded", "all_to_all"),
     ("dsv3_moe", "float64", 4, 4, "sharded", "local"),
+    ("qwen3_moe", "float64", 2, 2, "replicated", "all_to_all"),
+    ("mixtral", "float32", 4, 4, "sharded", "gather"),
 ]
 HF_SLOW_CASES = [
     ("dsv3_moe", "float64", 4, 4, "sharded", "gather"),
@@ -367,7 +402,14 @@ HF_SLOW_CASES = [
     ("dsv3_moe", "float64", 4, 1, "replicated", "local"),
     ("dsv3_moe", "float64", 4, 4, "replicated", "all_to_all"),
     ("dsv2_moe", "float64", 4, 4, "sharded", "all_to_all"),
+    ("qwen3_moe", "float32", 4, 4, "sharded", "local"),
+    ("qwen3_moe", "float64", 2, 2, "sharded", "gather", "tp=2"),
+    ("mixtral", "float64", 2, 1, "replicated", "all_to_all"),
+    ("mixtral", "float32", 2, 2, "replicated", "all_to_all", "tp=2"),
 ]
+# MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
+# layer 0 is dense (first_k_dense_replace=1), Qwen3-MoE's too (decoder_sparse_step=2), Mixtral's is not.
+HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen3_moe": 1, "mixtral": 2}
 
 
 @pytest.fixture(scope="module")
@@ -379,6 +421,8 @@ def moe_checkpoints(tmp_path_factory):
     return {
         "dsv3_moe": script.build_checkpoint(root / "dsv3", "deepseek_v3", seed=0, moe=True),
         "dsv2_moe": script.build_checkpoint(root / "dsv2", "deepseek_v2", seed=0, moe=True),
+        "qwen3_moe": script.build_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=0),
+        "mixtral": script.build_checkpoint(root / "mixtral", "mixtral", seed=0),
     }
 
 
@@ -414,8 +458,9 @@ def transformers_greedy(path: Path, prompts, dtype: str):
     return out
 
 
-def hf_overrides(path: Path, prompts, dtype, pcp, dcp, decode, mode) -> list[str]:
+def hf_overrides(path: Path, prompts, dtype, pcp, dcp, decode, mode, *extra) -> list[str]:
     return [
+        *extra,
         "model=hf",
         f"model.path={path}",
         f"dtype={dtype}",
@@ -485,7 +530,9 @@ def _hf_check(case, hf_results):
         assert result["outputs"][i] == tokens, f"request {i}"
         got = torch.tensor(result["logits"][i], dtype=torch.float64)
         assert float((got - logits).abs().max()) <= tol, f"request {i}"
-    assert sum(result["metrics"]["moe_tokens_per_expert"]) == 2 * result["metrics"]["num_tokens"]
+    top_k = 2  # every tiny checkpoint routes each row to 2 experts
+    routed = HF_MOE_LAYERS[ckpt] * top_k * result["metrics"]["num_tokens"]
+    assert sum(result["metrics"]["moe_tokens_per_expert"]) == routed
 
 
 @pytest.mark.dist
@@ -521,10 +568,14 @@ def _edit(src: Path, dst: Path, **changes) -> Path:
 
 def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     v3 = moe_checkpoints["dsv3_moe"]
-    mixtral = _edit(v3, tmp_path / "mixtral", architectures=["MixtralForCausalLM"])
-    assert "unsupported architecture MixtralForCausalLM: a mixture-of-experts variant" in _checkpoint_problem(mixtral)
-    qwen = _edit(v3, tmp_path / "qwen", architectures=["Qwen3MoeForCausalLM"])
-    assert "unsupported architecture Qwen3MoeForCausalLM: a mixture-of-experts variant" in _checkpoint_problem(qwen)
+    qwen2 = _edit(v3, tmp_path / "qwen2", architectures=["Qwen2MoeForCausalLM"])
+    says = _checkpoint_problem(qwen2)
+    assert "unsupported architecture Qwen2MoeForCausalLM: a mixture-of-experts variant" in says
+    assert "supported MoE checkpoints: Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV2ForCausalLM" in says
+    only = _edit(moe_checkpoints["qwen3_moe"], tmp_path / "only", mlp_only_layers=[0])
+    assert "mlp_only_layers=[0] is not supported; supported: []" in _checkpoint_problem(only)
+    mixtral_k = _edit(moe_checkpoints["mixtral"], tmp_path / "mixtral_k", num_experts_per_tok=9)
+    assert "moe.top_k=9: must be <= num_experts (8)" in _checkpoint_problem(mixtral_k)
     greedy = _edit(v3, tmp_path / "greedy", topk_method="greedy")
     assert "topk_method='greedy'" in _checkpoint_problem(greedy)
     freq = _edit(v3, tmp_path / "freq", moe_layer_freq=2)
