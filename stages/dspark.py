@@ -90,20 +90,31 @@ class DSparkDraft(Stage):
         def cache_entry_width(self, model) -> int:
             return self.num_layers * self.layer.cache_entry_dim()
 
+        def work(self, num_target_layers: int) -> spec.DraftWork:
+            # NOTE: the context is KV written from fused target features (fc); the block is one
+            # replicated forward of k rows per request
+            return spec.DraftWork(layer=self.layer, num_layers=self.num_layers, prefill="write", restore=False,
+                                  steps=1, rows_per_request=self.num_speculative_tokens, head_after_prefill=False,
+                                  prefill_proj=len(self.feature_layers(num_target_layers)), step_proj=0,
+                                  seed_offset=self.seed_offset)
+
+        def feature_layers(self, n: int) -> list[int]:
+            """The target layers (of ``n``) whose hidden states it reads, in order, once each."""
+            layers = self.target_layers if self.target_layers is not None else [0, n // 2, n - 1]
+            return sorted({i % n for i in layers})
+
     @classmethod
     def check_run(cls, config, run) -> list[Problem]:
         n = getattr(run.model, "num_layers", None)
         bad = [i for i in config.target_layers or () if n is not None and not -n <= i < n]
-        problems = config.layer.tp_problems(run.grid)
+        problems = spec.layer_problems(config.layer, run)
         if bad:
             problems.append(Problem("draft.target_layers", config.target_layers, f"layers of a {n}-layer target: -{n}..{n - 1}"))
         return problems
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
-        n = ctx.model.num_layers
-        layers = config.target_layers if config.target_layers is not None else [0, n // 2, n - 1]
-        self.target_layers = sorted({i % n for i in layers})
+        self.target_layers = config.feature_layers(ctx.model.num_layers)
         ctx.aux_layers.update(self.target_layers)
         self.model = (
             build_seeded(

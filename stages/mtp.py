@@ -64,9 +64,16 @@ class MTPDraft(Stage):
         def cache_entry_width(self, model) -> int:
             return self.layer.cache_entry_dim()
 
+        def work(self, num_target_layers: int) -> spec.DraftWork:
+            # NOTE: eh_proj ([embed, hidden] -> hidden) before its layer on every row; the first
+            # draft from the restored prefill rows, drafts 2..k one replicated step each
+            return spec.DraftWork(layer=self.layer, num_layers=1, prefill="attend", restore=True,
+                                  steps=self.num_speculative_tokens - 1, rows_per_request=1, head_after_prefill=True,
+                                  prefill_proj=2, step_proj=2, seed_offset=self.seed_offset)
+
     @classmethod
     def check_run(cls, config, run) -> list:
-        return config.layer.tp_problems(run.grid)
+        return spec.layer_problems(config.layer, run)
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)

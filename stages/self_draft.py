@@ -40,6 +40,13 @@ class SelfDraft(Stage):
         def cache_entry_width(self, model) -> int:
             return model.num_layers * model.attn_spec.entry_dim
 
+        def work(self, num_target_layers: int) -> spec.DraftWork:
+            # NOTE: the target's layers over the step's rows, then k decodes of every drafting request
+            return spec.DraftWork(layer=None, num_layers=num_target_layers, prefill="attend", restore=False,
+                                  steps=self.num_speculative_tokens, rows_per_request=1, head_after_prefill=False,
+                                  prefill_proj=0, step_proj=0, error_rate=self.error_rate,
+                                  seed_offset=self.seed_offset)
+
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
         model = ctx.model
@@ -82,9 +89,8 @@ class SelfDraft(Stage):
         rate = self.config.error_rate
         if rate == 0.0:
             return drafts
-        seed = (self.ctx.config.seed + self.config.seed_offset) & (2**63 - 1)
-        rng = np.random.default_rng([seed, batch.step])
-        shape = (batch.num_reqs, self.config.num_speculative_tokens)
-        wrong = (rng.random(shape) < rate)[rows]
-        shift = rng.integers(1, self.ctx.model.vocab_size, size=shape)[rows]
+        k = self.config.num_speculative_tokens
+        rng, u = spec.draft_draws(self.ctx.config.seed + self.config.seed_offset, batch.step, batch.num_reqs, k)
+        wrong = (u < rate)[rows]
+        shift = rng.integers(1, self.ctx.model.vocab_size, size=(batch.num_reqs, k))[rows]
         return np.where(wrong, (drafts + shift) % self.ctx.model.vocab_size, drafts)

@@ -522,6 +522,20 @@ class SimulateConfig(Settings):
         description="the algorithm decodes run under DCP: engine (the executed path: dcp_comm_backend, "
         "dcp_rest) | ring_pass_q (a step of decodes only runs the executed ring pass-Q; needs dcp = pcp > 1)",
     )
+    draft_acceptance: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
+        None, min_length=1,
+        description="drafting: the probability that draft j is accepted when the drafts before it were, "
+        "per position (a shorter list repeats its last entry), drawn per step from seed + the drafter's "
+        "seed_offset; null: draft=self takes 1 - its error_rate, drawn as the executed run draws it (the "
+        "counts are the executed run's); mtp and dspark need it (their acceptance is their trained weights')",
+    )
+    draft_layer: Literal["auto", "config", "target"] = Field(
+        "auto",
+        description="what an mtp / dspark drafter's layers are priced as: config (draft.layer, the layers an "
+        "executed run builds: its counts are the executed run's) | target (each one of the target's own decoder "
+        "layers, MoE included: DeepSeek-V3's MTP module is one more layer of the model) | auto (target on a model "
+        "card or a checkpoint's config.json, config on tiny_mla / tiny_gqa)",
+    )
     gemm_efficiency: float = Field(
         0.4235, gt=0, le=1, description="share of the tensor peak a GEMM's tiles reach (fitted)"
     )
@@ -543,3 +557,13 @@ class SimulateConfig(Settings):
     hbm_utilization: float = Field(
         0.90, gt=0, le=1, description="share of HBM the engine may use (weights + KV cache)"
     )
+
+    def drafter_layers(self, model: Any) -> Literal["config", "target"]:
+        """``draft_layer`` resolved for ``model``: ``auto`` is ``target`` on a model card (a
+        card or a checkpoint's config.json: sizes, no drafter of pcpflow's to build) and
+        ``config`` on a model an executed run builds (its drafter is ``draft.layer``)."""
+        if self.draft_layer != "auto":
+            return self.draft_layer
+        from pcpflow.models.card import ModelCard
+
+        return "target" if isinstance(model, ModelCard) else "config"

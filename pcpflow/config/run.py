@@ -128,6 +128,13 @@ class OutputConfig(Settings):
     )
 
 
+def draft_slot(draft: dict[str, Any] | None, pipeline: dict[str, Any] | None) -> dict[str, Any]:
+    """The draft slot's settings: the ``draft`` group, with ``pipeline.draft``'s set ones on top."""
+    merged = dict(draft or {})
+    merged.update({k: v for k, v in ((pipeline or {}).get("draft") or {}).items() if v is not None})
+    return merged
+
+
 class RunConfig(Settings):
     """Everything one pcpflow run needs; see conf/config.yaml for the defaults."""
 
@@ -262,9 +269,7 @@ class RunConfig(Settings):
 
     def draft_stage_config(self) -> dict[str, Any]:
         """The draft slot's config: the ``draft`` group, with ``pipeline.draft`` on top."""
-        merged = dict(self.draft)
-        merged.update({k: v for k, v in (self.pipeline.get("draft") or {}).items() if v is not None})
-        return merged
+        return draft_slot(self.draft, self.pipeline)
 
     @property
     def logits_atol(self) -> float:

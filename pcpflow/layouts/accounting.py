@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
-from pcpflow.layouts.layout import BatchLayout, TokenPositions, as_positions
+from pcpflow.layouts.layout import BatchLayout, TokenPositions, as_positions, plan_layout
 from pcpflow.layouts.ring import (
     REPLICATED,
     STAYS,
@@ -420,17 +420,83 @@ def tp_step_collectives(
     """Every collective of one target-model step on the grid ``tp x pcp`` (the layout's
     ``pcp_size``) with ``dcp_size`` KV shards: ``step_collectives`` with the TP all-reduces
     and, when DCP spans TP ranks, its heads exchange. ``shape`` is one TP rank's."""
-    dcp_tp = dcp_tp_size(layout.pcp_size, dcp_size)
-    if dcp_tp > 1:
-        nd, rest = attention_rows(layout)
-        per_layer = [Collective("all_gather", "kv_gather", "pcp", (rest, shape.entry_dim))] if rest else []
-        per_layer += dcp_over_tp_collectives(layout, dcp_size=dcp_size, shape=shape, backend=backend)
-    else:
-        per_layer = layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest)
+    per_layer = attention_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest, backend=backend)
     per_layer = per_layer + tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)
     return per_layer * shape.num_layers + [
         restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
     ]
+
+
+def attention_collectives(
+    layout: BatchLayout, *, dcp_size: int, shape: ModelShape, dcp_rest: DCPRest = QUERIES, backend: str = "ag_rs"
+) -> list[Collective]:
+    """One attention layer's collectives (``CPAttention``) on the grid: ``layer_collectives``,
+    or, when DCP spans TP ranks, the KV gather and ``dcp_over_tp_collectives``."""
+    if dcp_tp_size(layout.pcp_size, dcp_size) > 1:
+        nd, rest = attention_rows(layout)
+        per_layer = [Collective("all_gather", "kv_gather", "pcp", (rest, shape.entry_dim))] if rest else []
+        return per_layer + dcp_over_tp_collectives(layout, dcp_size=dcp_size, shape=shape, backend=backend)
+    return layer_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest)
+
+
+# --- drafting: a draft stage's collectives (``pcpflow.speculative``), accounted apart
+
+
+def replicated_layout(num_rows: int, *, pcp_size: int, dcp_size: int) -> BatchLayout:
+    """``num_rows`` decode rows on every PCP rank: a drafter's replicated forward
+    (``pcpflow.speculative.attention.replicated_attention``)."""
+    return plan_layout(np.ones(num_rows, dtype=np.int64), np.zeros(num_rows, dtype=bool),
+                       pcp_size=pcp_size, dcp_size=dcp_size, shard_decodes=False)
+
+
+def draft_step_collectives(
+    layout: BatchLayout,
+    replicated: list[BatchLayout],
+    *,
+    tp_size: int,
+    dcp_size: int,
+    shape: ModelShape,
+    dcp_rest: DCPRest,
+    backend: str,
+    prefill: str,
+    restore: bool,
+    own_tp: bool,
+    num_moe_layers: int = 0,
+) -> list[Collective]:
+    """Every collective one drafting step issues after the target's forward, in issue order,
+    under the purposes it is accounted by (``DraftComm``: ``draft_<purpose>``). ``shape``: the
+    drafter's layers (one TP rank's; ``num_layers`` of them). Its prefill over the step's
+    ``layout`` either attends (``attend``: the target's DCP path ``dcp_rest``) or only writes
+    its KV (``write``: the gather of the rest rows' entries, and under TP the ``o_proj``
+    all-reduce of the attention it skips); ``restore``: the prefill's hidden rows are
+    all-gathered over PCP. Then one forward per ``replicated`` layout (decode rows on every
+    rank). TP all-reduces are the drafter's own (``own_tp``: ``draft_tp_all_reduce``) or the
+    target's layers' (``tp_all_reduce``; of which ``num_moe_layers`` have one, not two: an
+    MoE MLP is not split over TP)."""
+    tp = "draft_tp_all_reduce" if own_tp else "tp_all_reduce"
+
+    def forward(lay: BatchLayout, attend: bool, rest: DCPRest) -> list[Collective]:
+        nd, rows = attention_rows(lay)
+        if attend:
+            attn = attention_collectives(lay, dcp_size=dcp_size, shape=shape, dcp_rest=rest, backend=backend)
+        else:
+            attn = [Collective("all_gather", "kv_gather", "pcp", (rows, shape.entry_dim))] if rows else []
+        attn = [replace(c, purpose=f"draft_{c.purpose}") for c in attn]
+        reduces = [replace(c, purpose=tp) for c in tp_layer_collectives(lay, tp_size=tp_size,
+                                                                        hidden_size=shape.hidden_size)]
+        if not attend:
+            reduces = reduces[:1]  # NOTE: o_proj of the zeros the writer returns; no MLP runs
+        out = (attn + reduces) * shape.num_layers
+        for _ in range(num_moe_layers if reduces and attend else 0):
+            out.remove(reduces[1])
+        return out
+
+    out = forward(layout, prefill == "attend", dcp_rest)
+    if restore:
+        out.append(Collective("all_gather", "draft_restore", "pcp", (layout.padded_num_tokens, shape.hidden_size)))
+    for lay in replicated:
+        out += forward(lay, True, QUERIES)
+    return out
 
 
 def tp_local_shape(shape: ModelShape, tp_size: int) -> ModelShape:

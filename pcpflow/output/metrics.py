@@ -38,6 +38,16 @@ STEP_COUNTS = ("prefix_hit_tokens", "prefix_query_tokens", "num_preempted")
 them over steps); the others are gauges of the state it left."""
 
 
+def draft_record(outcome) -> dict[str, int]:
+    """The drafting fields of a step record: drafts verified (``draft_proposed``), accepted,
+    and the verify rows; empty for a step that verified none."""
+    proposed = int(np.sum(outcome.num_proposed))
+    if not proposed:
+        return {}
+    return {"draft_proposed": proposed, "draft_accepted": int(np.sum(outcome.num_accepted)),
+            "draft_rows": int(np.count_nonzero(outcome.num_proposed))}  # draft_rows: verify rows
+
+
 def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str, int], nbytes: dict[str, int],
                 step_s: float, generated: int, to_generate: int, stage_s: dict[str, float] | None = None,
                 serving: Any = None, num_blocks: int = 0, time_s: float | None = None) -> dict[str, Any]:

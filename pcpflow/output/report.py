@@ -238,6 +238,9 @@ def _random_head_note(cfg: dict[str, Any]) -> str:
     """Why the shipped drafters accept next to nothing: their heads are seeded random weights,
     a faithful mechanism rather than a trained drafter (``draft=self`` accepts partially)."""
     kind = (cfg.get("draft") or {}).get("kind")
+    if cfg.get("mode") == "simulate":  # NOTE: its acceptance is the one it was given (simulate.draft_acceptance)
+        given = (cfg.get("simulate") or {}).get("draft_acceptance")
+        return f" · acceptance drawn from simulate.draft_acceptance={given}" if given else " · acceptance drawn from error_rate"
     if kind in ("mtp", "dspark"):
         return (f" · the {kind} head is random weights (not trained), so ~0% acceptance is expected; "
                 "draft=self draft.error_rate=0.2 shows partial acceptance")

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,7 +21,7 @@ from pcpflow.layouts.accounting import (
     ring_totals,
 )
 from pcpflow.models import build_model
-from pcpflow.output.metrics import MetricsRecorder, step_record
+from pcpflow.output.metrics import MetricsRecorder, draft_record, step_record
 from pcpflow.parallel.comm import Comm, CommStats, gather_sent
 from pcpflow.parallel.moe_dispatch import moe_run_summary, moe_step_record
 from pcpflow.parallel.tensor_parallel import shard_model
@@ -226,16 +225,6 @@ def add_ring_totals(calls: dict[str, int], nbytes: dict[str, int], per_calls, pe
     more_calls, more_bytes = ring_totals(per_calls, per_bytes)
     calls.update(more_calls)
     nbytes.update(more_bytes)
-
-
-def draft_record(outcome) -> dict[str, int]:
-    """The drafting fields of a step record: drafts verified (``draft_proposed``), accepted,
-    and the verify rows; empty for a step that verified none."""
-    proposed = int(np.sum(outcome.num_proposed))
-    if not proposed:
-        return {}
-    return {"draft_proposed": proposed, "draft_accepted": int(np.sum(outcome.num_accepted)),
-            "draft_rows": int(np.count_nonzero(outcome.num_proposed))}  # draft_rows: verify rows
 
 
 def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: float, generated: int, to_generate: int,

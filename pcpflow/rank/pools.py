@@ -38,7 +38,7 @@ from pcpflow.config.run import RunConfig
 from pcpflow.layouts.accounting import RING_PURPOSES
 from pcpflow.layouts.transfer import KV_TRANSFER
 from pcpflow.models import build_model
-from pcpflow.output.metrics import MetricsRecorder, pool_step_record
+from pcpflow.output.metrics import MetricsRecorder, draft_record, pool_step_record
 from pcpflow.parallel.comm import Comm, CommStats
 from pcpflow.parallel.moe_dispatch import moe_metrics, moe_step_counts
 from pcpflow.parallel.tensor_parallel import shard_model
@@ -47,7 +47,7 @@ from pcpflow.pipeline.assemble import Pipeline, resolve_pipeline
 from pcpflow.pipeline.context import DTYPES, RankContext, allocate_kv_caches
 from pcpflow.pipeline.state import StepState
 from pcpflow.rank.devices import pick_device
-from pcpflow.rank.engine import add_ring_totals, batch_record, draft_record, run_on_cores, runs_ring
+from pcpflow.rank.engine import add_ring_totals, batch_record, run_on_cores, runs_ring
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier, reference_blocks
 from pcpflow.rank.warmup import warm_up

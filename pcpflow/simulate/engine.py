@@ -26,6 +26,7 @@ of the instance run behind a router (``pcpflow.simulate.serving``).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from operator import add
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,7 +44,7 @@ from pcpflow.layouts.accounting import (
     plan_dcp_rest,
 )
 from pcpflow.models import vocab_size_of
-from pcpflow.output.metrics import MetricsRecorder, step_record
+from pcpflow.output.metrics import MetricsRecorder, draft_record, step_record
 from pcpflow.pipeline.assemble import resolve_pipeline
 from pcpflow.pipeline.state import StepState
 from pcpflow.scheduling.arrivals import Arrivals
@@ -52,12 +53,14 @@ from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import NCCL_VERSION
+from pcpflow.simulate.drafting import SimulatedDrafting, with_phases
 from pcpflow.simulate.host import Host, kernels_per_layer, moe_ops
 from pcpflow.simulate.prepare import requests_of
 from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_counts
 from pcpflow.simulate.serving import Router, run_replicas
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
 from pcpflow.simulate.slo_watch import GaveUp, SloWatch
+from pcpflow.speculative.drafting import draft_kv_reads_next_token
 
 TOTALS = ("compute_s", "memory_s", "communication_s", "flops", "hbm_bytes")
 """The per-rank figures of every step's price that a run sums (``SimulatedRun.totals``)."""
@@ -103,6 +106,11 @@ class SimulatedRun:
         self.moe_dispatch = cfg.moe.dispatch or "local"
         self.pricer = _pricer(cfg, self.sizes, self.moe_dispatch)
         self.requests = requests_of(cfg.workload, vocab_size_of(cfg.model), cfg.seed)
+        self.drafting = None
+        if cfg.draft_enabled:
+            work = specs["draft"].config.work(self.sizes.num_layers)
+            self.drafting = SimulatedDrafting(cfg, work, self.sizes, self.pricer, len(self.requests))
+        self.draft_kv_reads_next_token = draft_kv_reads_next_token(specs.values())
         self._build_replicas()
         self.recorder = MetricsRecorder(
             run_dir / "metrics.jsonl" if run_dir is not None else None,
@@ -135,6 +143,7 @@ class SimulatedRun:
                 max_num_seqs=cfg.scheduler.max_num_seqs,
                 kv=_TablelessKV(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
                 num_speculative_tokens=cfg.num_speculative_tokens,
+                draft_kv_reads_next_token=self.draft_kv_reads_next_token,
                 sampled_outputs=not cfg.sampling.greedy,
                 feed=n == 1,
                 share=self.schedulers[0] if self.schedulers else None,
@@ -238,14 +247,27 @@ class SimulatedRun:
         layout = state.layout
         mode = state.dispatch.runtime_mode if state.dispatch is not None else "none"
         rest, counts, p, meta = self._priced(batch, layout, mode)
-        outcome = scheduler.update(batch, np.zeros(len(batch.logits_indices), dtype=np.int64), end=loop.clock + p.step_s)
+        drafting, stage_s = self.drafting, None
+        if drafting is None:
+            sampled = np.zeros(len(batch.logits_indices), dtype=np.int64)
+        else:
+            calls, nbytes, phases = drafting.step(batch, layout, rest, counts, runtime_mode=mode)
+            counts = replace(counts, calls=_summed(counts.calls, calls), nbytes=_summed(counts.nbytes, nbytes))
+            p = with_phases(p, phases)
+            stage_s = {"draft": sum(q.step_s for _, q in phases)}  # NOTE: the draft stage's priced seconds
+            sampled = drafting.sampled(batch)
+        outcome = scheduler.update(batch, sampled, end=loop.clock + p.step_s)
+        if drafting is not None:
+            scheduler.set_draft_tokens(batch, drafting.propose(batch))
         loop.advance(batch, p.step_s, outcome.num_new_tokens)
         record = step_record(batch, layout, attention_work=counts.pairs, calls=counts.calls, nbytes=counts.nbytes,
                              step_s=p.step_s, generated=sum(lp.generated for lp in self.loops),
                              to_generate=self.recorder.num_to_generate, serving=scheduler.stats,
-                             num_blocks=self.cfg.kv.num_blocks, time_s=float(loop.step_start[batch.step]))
+                             num_blocks=self.cfg.kv.num_blocks, time_s=float(loop.step_start[batch.step]),
+                             stage_s=stage_s)
         if self.router is not None:
             record["replica"] = replica
+        record.update(draft_record(outcome))
         record.update(_step_fields(rest, counts, p, meta))
         self.recorder.step(record)
         if self.keep_records:
@@ -328,6 +350,10 @@ class SimulatedRun:
 
     def _summary(self) -> dict[str, Any]:
         return simulate_summary(self)
+
+
+def _summed(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
 
 
 def _pricer(cfg: RunConfig, sizes, moe_dispatch: str) -> Pricer:

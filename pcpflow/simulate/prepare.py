@@ -20,9 +20,16 @@ from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.config.choices import allowed_choices
 from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
+from pcpflow.config.run import draft_slot
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
-from pcpflow.simulate.sizes import DTYPE_BYTES, ModelSizes, model_sizes
+from pcpflow.simulate.sizes import (
+    DTYPE_BYTES,
+    ModelSizes,
+    drafter_sizes,
+    model_sizes,
+    target_layers,
+)
 
 GIB = 2**30
 SIMULATED_RESTORES = ("all_rows", "sampled_rows")
@@ -94,22 +101,27 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         from pcpflow.models import ModelConfig
         from pcpflow.scheduling.workload import WorkloadConfig
 
-        sizes = model_sizes(_adapter(ModelConfig).validate_python(raw["model"]))
+        model = _adapter(ModelConfig).validate_python(raw["model"])
+        sizes = model_sizes(model)
         hw = HardwareConfig.model_validate(raw["hardware"])
         sim = SimulateConfig.model_validate(raw.get("simulate") or {})
         workload = _adapter(WorkloadConfig).validate_python(raw["workload"])
         tp, dcp = _positive(raw.get("tp", 1)), _positive(raw.get("dcp", 1))
         block_size, seqs = _positive(kv.get("block_size", 16)), _positive(sched.get("max_num_seqs", 256))
         requests = requests_of(workload, sizes.vocab_size, int(raw.get("seed", 0)))
-        per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype)
-        free = kv_budget_bytes(sizes, hw, sim, tp=tp)
+        draft_w, draft_kv = drafter_memory(draft_slot(raw.get("draft"), raw.get("pipeline")), model, sizes, sim,
+                                           tp=tp, weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype,
+                                           plugins=raw.get("plugins") or ())
+        per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype) + block_size * draft_kv
+        free = kv_budget_bytes(sizes, hw, sim, tp=tp) - draft_w
         if free < per_block:  # NOTE: simulate_problems names what does not fit (weights, or one block)
             raise ValueError("no block fits")
     except (ValidationError, ValueError, TypeError, KeyError, ConfigError, ZeroDivisionError, OverflowError):
-        # NOTE: validation proper reports what is wrong; placeholders only let it run.
+        # NOTE: validation proper reports what is wrong; placeholders only let it run (a budget
+        # that holds any verify row, so that a drafter does not fail on the placeholder instead).
         for field in derive:
             section, key = field.split(".")
-            raw[section][key] = 1
+            raw[section][key] = 1 << 20 if field == "scheduler.max_num_batched_tokens" else 1
         disagg = raw.get("disagg") or {}
         if disagg.get("kind") == "pd" and (disagg.get("decode_pool") or {}).get("num_blocks") is None:
             derive.append("disagg.decode_pool.num_blocks")  # it falls back to the placeholder kv.num_blocks
@@ -193,6 +205,62 @@ def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str) -
     return block_size * sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[kv_dtype]
 
 
+def drafter_memory(draft: dict[str, Any] | None, model, sizes: ModelSizes, sim, *, tp: int, weights_dtype: str | None,
+                   kv_dtype: str, plugins: list[str] | tuple[str, ...] = ()) -> tuple[float, float]:
+    """(weight bytes, KV bytes per token) a drafter adds on one GPU: its layers' weights and
+    input projection (its embedding and LM head are the target's; ``self`` is the target
+    itself) and its cache's entries, every layer. (0, 0) without a drafter, or for one whose
+    settings validation reports."""
+    from pcpflow.pipeline.assemble import load_stages
+    from pcpflow.pipeline.stage import UnknownStageError, build_config, resolve
+
+    kind = (draft or {}).get("kind") or "none"
+    if kind == "none":
+        return 0.0, 0.0
+    try:
+        load_stages(tuple(plugins))
+        work = build_config(resolve(kind, "draft"), dict(draft or {})).work(sizes.num_layers)
+    except (UnknownStageError, ImportError, ValueError, TypeError):  # NOTE: validation names what is wrong
+        return 0.0, 0.0
+    if work is None:
+        return 0.0, 0.0
+    if work.layer is None:
+        return 0.0, sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[kv_dtype]
+    own = (target_layers(sizes, work.num_layers) if sim.drafter_layers(model) == "target"
+           else drafter_sizes(work.layer, work.num_layers, sizes))
+    w = DTYPE_BYTES[weights_dtype or "bf16"]
+    weights = weight_bytes_per_gpu(own, weights_dtype, tp) - own.embedding_params * 2
+    weights += max(work.prefill_proj, work.step_proj) * own.hidden_size ** 2 * w
+    return weights, own.entry_dim_per_rank(tp) * own.num_layers * DTYPE_BYTES[kv_dtype]
+
+
+def draft_problems(cfg, sizes: ModelSizes) -> list[Problem]:
+    """What keeps a drafter out of a simulated run (``pcpflow.simulate.drafting``): one that
+    does not declare its step (``DraftConfig.work``), acceptance nobody gave, and drafting
+    beside what the simulator does not draft with (rings, two pools)."""
+    from pcpflow.pipeline.assemble import resolve_pipeline
+
+    kind = cfg.draft_stage_config().get("kind")
+    spec = next(s for s in resolve_pipeline(cfg) if s.name == "draft")
+    work = spec.config.work(sizes.num_layers)
+    if work is None:
+        return [Problem("draft", kind, "a drafter the simulator can count and price: it declares its step "
+                        "(DraftConfig.work); the shipped ones do: self, mtp, dspark")]
+    p = []
+    if cfg.simulate.draft_acceptance is None and work.error_rate is None:
+        p.append(Problem("simulate.draft_acceptance", None, f"draft={kind} proposes what its trained weights "
+                         "propose: give the probability that each draft is accepted when the ones before it were, "
+                         "e.g. simulate.draft_acceptance=[0.85] (DeepSeek-V3 reports 85-90% for its MTP module's "
+                         "draft), or [0.8,0.6] per position"))
+    forward = ((cfg.pipeline or {}).get("forward") or {}).get("cp_attention", "allgather")
+    if forward != "allgather" or cfg.simulate.cp_decode != "engine":
+        p.append(Problem("draft", kind, "drafting is simulated beside the engine's all-gather paths; with a ring "
+                         "(pipeline.forward.cp_attention, simulate.cp_decode) use draft=none"))
+    if cfg.disagg.enabled:
+        p.append(Problem("draft", kind, "drafting is simulated on one pool; with disagg=pd use draft=none"))
+    return p
+
+
 def simulate_problems(cfg) -> list[Problem]:
     p: list[Problem] = []
     if cfg.mode != "simulate":
@@ -207,7 +275,7 @@ def simulate_problems(cfg) -> list[Problem]:
     except ValueError as exc:
         return [Problem("model", cfg.model.name, f"{exc}; cards: {', '.join(CARD_NAMES)}")]
     if cfg.draft_enabled:
-        p.append(Problem("draft", cfg.draft_stage_config().get("kind"), "drafting is not simulated; use draft=none"))
+        p += draft_problems(cfg, sizes)
     pipeline = cfg.pipeline or {}
     forward = (pipeline.get("forward") or {}).get("kind", "model")
     if forward != "model":
@@ -368,17 +436,20 @@ def serving_problems(cfg, requests) -> list[Problem]:
 
 def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
     hw, sim, tp, dcp = cfg.hardware, cfg.simulate, cfg.tp, cfg.dcp
-    weights = weight_bytes_per_gpu(sizes, sim.weights_dtype, tp)
+    draft_w, draft_kv = drafter_memory(cfg.draft_stage_config() if cfg.draft_enabled else None, cfg.model, sizes, sim, tp=tp,
+                                       weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype, plugins=cfg.plugins)
+    weights = weight_bytes_per_gpu(sizes, sim.weights_dtype, tp) + draft_w
     usable = hw.hbm_gib * GIB * sim.hbm_utilization
     where = (f"{hw.name} has {hw.hbm_gib:.1f} GiB per GPU, x simulate.hbm_utilization {sim.hbm_utilization} = "
-             f"{usable / GIB:.1f} GiB; the {sim.weights_dtype} weights take {weights / GIB:.1f} GiB at tp={tp}")
+             f"{usable / GIB:.1f} GiB; the {sim.weights_dtype} weights take {weights / GIB:.1f} GiB at tp={tp}"
+             + (f" (the drafter's {draft_w / GIB:.1f} GiB included)" if draft_w else ""))
     if weights >= usable:
         # NOTE: a narrower dtype is advice only where the weights are wider than fp8 already
         narrower = " or use simulate.weights_dtype=fp8" if sim.weights_dtype in ("bf16", "fp32", "fp64") else ""
         return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp{narrower}")]
     free = usable - weights
-    per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[sim.kv_dtype]
-    per_block = block_bytes(sizes, tp=tp, block_size=cfg.kv.block_size, kv_dtype=sim.kv_dtype)
+    per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[sim.kv_dtype] + draft_kv
+    per_block = cfg.kv.block_size * per_token
     if per_block > free:
         return [Problem("kv.block_size", cfg.kv.block_size,
                         f"one block of {cfg.kv.block_size} tokens needs {per_block / GIB:.1f} GiB per GPU "

@@ -355,7 +355,7 @@ class Pricer:
         self.kern = (MeasuredKernels(hw, dtype=dtype_of(act_key)) if self.measured
                      else Kernels(hw, gemm_efficiency=sim.gemm_efficiency, hbm_efficiency=sim.hbm_efficiency))
         self.act_key, self.act_bytes = act_key, DTYPE_BYTES[act_key]
-        self.kv_bytes = DTYPE_BYTES[kv_key]
+        self.kv_key, self.kv_bytes = kv_key, DTYPE_BYTES[kv_key]
         self.w_key = sim.weights_dtype or "bf16"
         self.w_bytes = DTYPE_BYTES[self.w_key]
         self.host, self.moe_dispatch = host, moe_dispatch
@@ -475,11 +475,13 @@ class Pricer:
             add(per_expert, N, K, L * experts)
 
     # ------------------------------------------------------------------ the step
-    def price(self, batch, layout, counts: StepCounts, *, runtime_mode: str = "none") -> StepPrice:
+    def price(self, batch, layout, counts: StepCounts, *, runtime_mode: str = "none",
+              samples: int | None = None) -> StepPrice:
+        """The step's price; ``samples``: rows the LM head runs on (default: the batch's sampled ones)."""
         s, grid, k, place = self.sizes, self.grid, self.kern, self.place
         L = s.num_layers
         nd, rest = attention_rows(layout)
-        samples = float(len(batch.logits_indices))
+        samples = float(len(batch.logits_indices) if samples is None else samples)
         g_t, g_c, g_flops, w_bytes = self._gemms(layout, batch, samples)
 
         # Attention: FlashAttention-3 by shape for prefill rows, split-KV for decode rows.

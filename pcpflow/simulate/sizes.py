@@ -13,7 +13,7 @@ expands the cached context it reads (``kv_b_params`` per context token).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pcpflow.layouts.accounting import ModelShape
 from pcpflow.models.card import ModelCard
@@ -149,6 +149,26 @@ def model_sizes(model) -> ModelSizes:
             c.qk_rope_head_dim, c.v_head_dim, **common,
         )
     raise ValueError(f"no sizes for model {name!r}: simulate takes a card, hf (config.json), tiny_mla or tiny_gqa")
+
+
+def drafter_sizes(layer, num_layers: int, target: ModelSizes) -> ModelSizes:
+    """Sizes of a drafter of ``num_layers`` MLA decoder layers ``layer``
+    (``pcpflow.speculative.drafting.MLALayerConfig``) at the target's hidden size, sharing its
+    vocabulary (its embedding and LM head)."""
+    return _mla(
+        target.hidden_size, layer.num_heads, layer.q_lora_rank, layer.kv_lora_rank, layer.qk_nope_head_dim,
+        layer.qk_rope_head_dim, layer.v_head_dim, dense_intermediate=layer.intermediate_size,
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=num_layers, num_heads=layer.num_heads,
+        dense_mlp_params=3 * target.hidden_size * layer.intermediate_size, tie_word_embeddings=True,
+        **_moe_sizes(None, num_layers, target.hidden_size, layer.intermediate_size),
+    )
+
+
+def target_layers(target: ModelSizes, num_layers: int) -> ModelSizes:
+    """Sizes of ``num_layers`` of the target's own decoder layers (its last ones: MoE where it
+    has MoE layers), its vocabulary shared: DeepSeek-V3's MTP module as the simulator prices it."""
+    moe = min(num_layers, target.num_moe_layers) if target.num_experts else 0
+    return replace(target, num_layers=num_layers, num_dense_layers=num_layers - moe)
 
 
 def _moe_sizes(moe, num_layers: int, hidden: int, intermediate: int) -> dict:

@@ -11,7 +11,8 @@ import torch
 
 from pcpflow.attention.context_parallel import CPAttention
 from pcpflow.attention.metadata import build_attention_metadata
-from pcpflow.layouts.layout import BatchLayout, plan_layout
+from pcpflow.layouts import accounting
+from pcpflow.layouts.layout import BatchLayout
 from pcpflow.models.base import AttentionSpec
 from pcpflow.speculative.comm import draft_comm
 
@@ -42,14 +43,9 @@ def prefill_attention(
 
 
 def replicated_layout(num_rows: int, ctx: RankContext) -> BatchLayout:
-    """``num_rows`` decode rows on every PCP rank (rank 0 the canonical writer)."""
-    return plan_layout(
-        np.ones(num_rows, dtype=np.int64),
-        np.zeros(num_rows, dtype=bool),
-        pcp_size=ctx.pcp_size,
-        dcp_size=ctx.layout_dcp_size,
-        shard_decodes=False,
-    )
+    """``num_rows`` decode rows on every PCP rank (rank 0 the canonical writer): the layout
+    accounting counts a replicated forward by (``pcpflow.layouts.accounting``)."""
+    return accounting.replicated_layout(num_rows, pcp_size=ctx.pcp_size, dcp_size=ctx.layout_dcp_size)
 
 
 def replicated_attention(

@@ -5,7 +5,7 @@ hidden states, the draft's caches and its decoder layers."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +44,31 @@ class DraftConfig(StageConfig):
         check adds to each slot of ``kv.num_blocks`` before any rank starts. 0: no cache
         of its own (a plugin that keeps one and leaves this at 0 is not counted)."""
         return 0
+
+    def work(self, num_target_layers: int) -> DraftWork | None:
+        """What one drafting step runs, for a simulated run to count and price
+        (``pcpflow.simulate.drafting``); None: this drafter is not simulated (``mode=simulate``
+        refuses it). ``num_target_layers``: the target's layers."""
+        return None
+
+
+class DraftWork(NamedTuple):
+    """One drafting step as a simulated run counts and prices it (``DraftConfig.work``): a
+    prefill over the step's local rows (the target's layout), then ``steps`` forwards that
+    every rank runs alike over every drafting request's rows (``replicated_attention``).
+    Drafting requests are the rows that sampled this step (``draft_start``)."""
+
+    layer: MLALayerConfig | None  # the drafter's decoder layer; None: the target's own layers and cache
+    num_layers: int  # layers of ``layer`` (unused when None)
+    prefill: Literal["attend", "write"]  # attend over its cache, or only write its KV (DSpark's context)
+    restore: bool  # the prefill's hidden rows all-gathered over PCP (``restore_hidden``: draft_restore)
+    steps: int  # replicated forwards after the prefill
+    rows_per_request: int  # rows a drafting request has in each (its positions in a row)
+    head_after_prefill: bool  # the LM head on the drafting rows once the prefill is done (MTP's first draft)
+    prefill_proj: int  # an input projection to the hidden size on every prefill row, from this many hiddens (0: none)
+    step_proj: int  # the same on every replicated row
+    error_rate: float | None = None  # proposals are the target's own, but this seeded share (``self``)
+    seed_offset: int = 0  # its draws come from seed + seed_offset
 
 
 def draft_kv_reads_next_token(specs) -> bool:
@@ -109,6 +134,14 @@ def next_token_ids(
             out[batch.query_start_loc[r + 1] - 1] = prompts[int(batch.req_ids[r])][c[r] + q[r]]
     out[batch.logits_indices] = sampled
     return out
+
+
+def draft_draws(seed: int, step: int, num_reqs: int, k: int) -> tuple[np.random.Generator, np.ndarray]:
+    """Uniform draws ``[R, k]`` over a step's batch rows, from ``(seed, step)``, and the
+    generator for what follows them: which proposals ``draft=self`` corrupts (``error_rate``)
+    and which drafts a simulated run rejects, drawn alike (``pcpflow.simulate.drafting``)."""
+    rng = np.random.default_rng([seed & (2**63 - 1), step])
+    return rng, rng.random((num_reqs, k))
 
 
 def scatter_proposals(num_reqs: int, rows: np.ndarray, proposals: np.ndarray) -> np.ndarray:
@@ -191,6 +224,14 @@ class MLALayerConfig(Settings):
 
         return tp_problems(grid, num_heads=self.num_heads, num_kv_heads=None,
                            intermediate_size=self.intermediate_size, what="the drafter (draft.layer)")
+
+
+def layer_problems(layer: MLALayerConfig, run) -> list:
+    """What stops a drafter's ``layer`` from splitting over the run's TP ranks; nothing where
+    a simulated run prices the target's own layers in its place (``simulate.draft_layer``)."""
+    if getattr(run, "mode", None) == "simulate" and run.simulate.drafter_layers(run.model) == "target":
+        return []
+    return layer.tp_problems(run.grid)
 
 
 def mla_decoder_layer(cfg: MLALayerConfig, hidden_size: int) -> tuple[DecoderLayer, AttentionSpec]:

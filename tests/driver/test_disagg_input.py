@@ -113,5 +113,5 @@ def test_a_drafter_is_checked_on_each_pool_and_is_not_simulated():
     got = problems("disagg=pd", "draft=mtp", "draft.layer.num_heads=2", "disagg.decode_pool.tp=4")
     assert got == ["disagg.decode_pool.tp: got 4; the decode pool (tp=4 pcp=1 dcp=1): must divide the drafter "
                    "(draft.layer)'s num_heads (2); allowed: [1, 2]"]
-    assert problems("disagg=pd", "draft=mtp", "mode=simulate", "hardware=h100_sxm") == [
-        "draft: got 'mtp'; drafting is not simulated; use draft=none"]
+    assert problems("disagg=pd", "draft=mtp", "mode=simulate", "hardware=h100_sxm", "simulate.draft_acceptance=[0.8]") == [
+        "draft: got 'mtp'; drafting is simulated on one pool; with disagg=pd use draft=none"]

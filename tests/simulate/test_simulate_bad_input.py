@@ -263,3 +263,17 @@ def test_hardware_path_without_hardware_measured_is_one_problem(tmp_path):
     path.write_text(yaml.safe_dump(profile_dict()))
     found = problems(f"hardware.path={path}", base=[o for o in MEASURED if o != "hardware=measured"])
     assert list(found) == ["hardware.path"] and "add hardware=measured" in found["hardware.path"], found
+
+
+def test_drafting_a_simulator_cannot_count_is_refused_by_name():
+    """mtp / dspark need an acceptance (their random weights' is not a deployment's); a ring or
+    a plugin drafter beside drafting is named; self takes its error_rate."""
+    found = problems("draft=mtp")
+    assert list(found) == ["simulate.draft_acceptance"]
+    assert "e.g. simulate.draft_acceptance=[0.85]" in found["simulate.draft_acceptance"]
+    assert list(problems("draft=dspark", "simulate.draft_acceptance=[1.5]")) == ["simulate.draft_acceptance.0"]
+    assert list(problems("draft=self", "simulate.draft_acceptance=[]")) == ["simulate.draft_acceptance"]
+    found = problems("draft=self", "pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv")
+    assert "drafting is simulated beside the engine's all-gather paths" in found["draft"]
+    assert compose([*RUN, "draft=self"]).simulate.draft_acceptance is None
+    assert compose([*RUN, "draft=mtp", "simulate.draft_acceptance=[0.9,0.7]"]).simulate.draft_acceptance == [0.9, 0.7]

@@ -2,7 +2,7 @@
 
 For configs small enough to execute on CPU ranks (tiny GQA and MLA models, pcp <= 4, DCP
 with each named ``dcp_rest`` path, both decode modes, both restores, cached prefixes,
-chunked prefills beside decodes, no drafting), the executed run records each step's
+chunked prefills beside decodes, drafting), the executed run records each step's
 per-rank tokens, attention pairs and collective calls and bytes by purpose (a probe stage
 reading the rank's ``CommStats``); the simulated run of the same config must record the
 same numbers for the same steps, and time the same requests over the same steps. Every
@@ -107,14 +107,33 @@ CASES = {
     # simulate.cp_decode=ring_pass_q's two halves: the engine's steps, and the ring's
     "pcp2_dcp2_sharded": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=queries"],
     "pcp2_dcp2_sharded_ring_pass_q": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.cp_attention=ring_pass_q"],
+    # Drafting: self (its executed corruptions, drawn alike), and MTP / DSpark whose random weights
+    # propose drafts the target never samples here (simulated: acceptance 0, SIM_ONLY); every
+    # drafter under TP, DCP over TP, both DCP backends, MoE beside it, prefix hits (MTP's entries
+    # read the next token: the blocks they give up are the scheduler's to count alike).
+    "pcp2_dcp2_self_draft": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=context", "draft=self",
+                             "draft.error_rate=0.3"],
+    "serving_pcp2_dcp2_mtp_draft": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=queries", *SERVING, "draft=mtp"],
+    "tp2_pcp2_dcp4_mtp_draft_a2a": ["tp=2", "pcp=2", "dcp=4", "dcp_comm_backend=a2a", "decode=sharded", "draft=mtp",
+                                    "draft.num_speculative_tokens=3"],
+    "tp2_pcp2_dcp2_dspark_draft": ["tp=2", "pcp=2", "dcp=2", "pipeline.forward.dcp_rest=context", "draft=dspark"],
+    "tp2_dcp2_dspark_draft_ag_rs": ["tp=2", "pcp=1", "dcp=2", "dcp_comm_backend=ag_rs", "draft=dspark",
+                                    "draft.num_speculative_tokens=3"],
+    "moe_gather_tp2_pcp2_self_draft": ["tp=2", "pcp=2", *MOE, "moe.dispatch=gather", "draft=self", "draft.error_rate=0.2"],
+    "pcp4_replicated_self_draft_gqa": ["pcp=4", "decode=replicated", "model=tiny_gqa", "kv.interleave=2", "draft=self",
+                                       "draft.error_rate=0.4"],
 }
+SIM_ONLY = {name: ["simulate.draft_acceptance=[0.0]"] for name in CASES if "draft=mtp" in CASES[name]
+            or "draft=dspark" in CASES[name]}
+"""What only the simulated run of a case is given: the acceptance of drafters without an error model."""
 TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_steps", "output_len")
 
 
 DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dcp2_queries_gqa",
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
            "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "serving_pcp1_sampled_preempted",
-           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv"}
+           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft",
+           "serving_pcp2_dcp2_mtp_draft"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
@@ -144,7 +163,7 @@ class Runs:
             # NOTE: the same prefix caching in both runs (executed runs default to off, simulated to on)
             caching = [] if "kv.prefix_caching=true" in extra else ["kv.prefix_caching=false"]
             sim = SimulatedRun(compose(base + [e for e in extra if e != "verify=true"] + caching
-                                       + ["mode=simulate", "hardware=h100_sxm"]))
+                                       + SIM_ONLY.get(name, []) + ["mode=simulate", "hardware=h100_sxm"]))
             sims[name] = (sim, sim.run())
         for name, res, p, d in zip(names, run(cfgs, run_dirs=dirs), paths, dirs):
             self.done[name] = (res, step_counts.executed_steps(p, d), *sims[name])
@@ -210,6 +229,24 @@ def test_same_requests_over_the_same_steps(both, name):
     for key in ("num_steps", "num_tokens", "per_rank_tokens", "per_rank_attention_work", "collective_calls"):
         assert m_si[key] == m_ex[key], key
     assert _counted(m_si["collective_bytes"], expected) == _counted(m_ex["collective_bytes"], expected)
+
+
+DRAFTING = [n for n in NAMES if "draft" in (n if isinstance(n, str) else n.values[0])]
+
+
+@pytest.mark.parametrize("name", DRAFTING)
+def test_drafting_verifies_and_accepts_what_the_executed_run_did(both, name):
+    """The simulated run proposes, verifies and accepts as many drafts as the executed run
+    (``self``: its corruptions drawn alike; MTP / DSpark: none accepted, the executed run's
+    random drafter accepting none either), and its draft stage counts the same collectives
+    (``draft_*`` purposes; ``self``'s layers' TP all-reduces under the target's)."""
+    executed, steps, _, simulated = both[name]
+    m_ex, m_si = executed["metrics"], simulated["metrics"]
+    for key in ("draft_proposed", "draft_accepted", "draft_steps", "draft_verify_rows"):
+        assert m_si[key] == m_ex[key], key
+    assert m_ex["draft_proposed"] > 0 and any(p.startswith("draft_") for p in m_ex["collective_calls"])
+    if "draft=self" in CASES[name]:
+        assert 0 < m_ex["draft_accepted"] < m_ex["draft_proposed"], "the corruptions reject some drafts, not all"
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("serving")])
