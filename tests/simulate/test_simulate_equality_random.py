@@ -4,7 +4,8 @@ interleaves, experts, prefix caching in small caches, cached prefixes, staggered
 small budgets) run executed on CPU ranks, verified against one rank, and simulated; every
 step counts the same (``step_counts.mismatches``: tokens, pairs, collective calls and bytes
 by purpose, prefix hits, preemptions, blocks in use). The hand-picked matrix is ``test_simulate_equality.py``; this
-one draws its cases from a fixed seed, so a failure names a config to rerun.
+one draws its cases from a fixed seed, so a failure names a config to rerun. A second draw
+adds ``draft=self`` with corrupted proposals to layouts without a ring.
 
 ``dcp_rest`` is always explicit: ``auto`` takes the fewer bytes executed and the faster step
 simulated (docs/simulate.md), two choices by design.
@@ -84,14 +85,44 @@ def _value(ov: list[str], key: str) -> int:
     return next(int(o.split("=")[1]) for o in ov if o.startswith(f"{key}="))
 
 
+def drafting_cases() -> list[list[str]]:
+    """Random layouts (no ring: drafting is simulated beside the all-gather paths) drafting with
+    ``self``, a seeded share of its proposals corrupted: its simulated acceptance is the
+    executed one, so the whole schedule and the draft stage's counts must be too."""
+    rng, out = random.Random(SEED + 1), []
+    while len(out) < DRAFTING_CASES:
+        ov = [o for o in draw(rng) if not o.startswith("pipeline.forward.cp_attention=")]
+        ov += ["draft=self", f"draft.num_speculative_tokens={rng.randint(1, 3)}",
+               f"draft.error_rate={rng.choice([0.2, 0.4, 0.6])}"]
+        if valid(ov):
+            out.append(ov)
+    return out
+
+
+DRAFTING_CASES = 16
+
+
 @pytest.mark.slow
-def test_random_layouts_count_what_their_executed_runs_count(tmp_path):
-    drawn = cases()
+@pytest.mark.parametrize("which", ["layouts", "drafting"])
+def test_random_layouts_count_what_their_executed_runs_count(tmp_path, which):
+    drawn = cases() if which == "layouts" else drafting_cases()
+    if which == "drafting":
+        results = _same_counts(tmp_path, drawn, [False] * len(drawn))
+        proposed = sum(r["metrics"].get("draft_proposed", 0) for r in results)
+        accepted = sum(r["metrics"].get("draft_accepted", 0) for r in results)
+        assert 0 < accepted < proposed, (accepted, proposed)  # drafts kept and drafts rolled back
+        assert any(_value(ov, "tp") == 2 for ov in drawn) and any(_value(ov, "dcp") > 1 for ov in drawn)
+        return
     rings = [any(o.startswith("pipeline.forward.cp_attention=ring") for o in ov) for ov in drawn]
     # the seed reaches what the draw is for
     assert any(rings) and any("kv.prefix_caching=true" in ov for ov in drawn)
     assert any("model.moe.num_experts=8" in ov for ov in drawn) and any(_value(ov, "tp") == 2 for ov in drawn)
     assert {_value(ov, "pcp") for ov in drawn} >= {1, 2, 3, 4}
+    _same_counts(tmp_path, drawn, rings)
+
+
+def _same_counts(tmp_path, drawn: list[list[str]], rings: list[bool]) -> list[dict]:
+    """Each config executed (verified against one rank) and simulated: every step the same counts."""
     cfgs, dirs, sims = [], [], []
     for i, (ov, ring) in enumerate(zip(drawn, rings)):
         d = tmp_path / f"case{i}"
@@ -109,6 +140,11 @@ def test_random_layouts_count_what_their_executed_runs_count(tmp_path):
         executed = step_counts.executed_steps(d / "steps.jsonl", d if ring else None)
         assert executed, " ".join(ov)
         wrong = step_counts.mismatches(sim.records, executed, ring=ring, dcp_over_tp=_value(ov, "dcp") > _value(ov, "pcp"))
+        m_ex, m_si = result["metrics"], sim.recorder
+        if (m_ex.get("draft_proposed", 0), m_ex.get("draft_accepted", 0)) != (m_si.draft_proposed, m_si.draft_accepted):
+            wrong.append(f"drafts proposed/accepted: simulated {m_si.draft_proposed}/{m_si.draft_accepted}, executed "
+                         f"{m_ex.get('draft_proposed', 0)}/{m_ex.get('draft_accepted', 0)}")
         if wrong:
             failed[" ".join(ov)] = wrong[:3]
     assert not failed, failed
+    return results
