@@ -20,10 +20,12 @@ o or MLP ones), Qwen3 has per-head q/k RMSNorms and ``head_dim=24`` != hidden/he
 ``--sliding-window N`` (Mistral; Qwen with ``use_sliding_window``) writes a sliding window;
 without it there is none (``sliding_window`` null).
 
-``qwen3_moe`` and ``mixtral`` are mixture-of-experts always, 8 experts, 2 per token, softmax
-routing: Qwen3-MoE with ``decoder_sparse_step=2`` (layer 0 dense, layer 1 MoE, experts 32
-wide, top-2 weights not renormalised), Mixtral every layer MoE (experts as wide as
-``intermediate_size``, renormalised)::
+``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts, 2 per
+token: Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
+MoE, experts 32 wide, top-2 weights not renormalised), Mixtral every layer MoE (softmax,
+experts as wide as ``intermediate_size``, renormalised), GLM-4.5 layer 0 dense and layer 1
+routed as DeepSeek-V3 (sigmoid scores, a random selection bias, 4 groups of which 2, a shared
+expert, scaling 2.5), with q/k norms, q/k/v biases under ``--bias`` and RoPE on half a head::
 
     python scripts/make_tiny_hf_checkpoint.py --arch qwen3_moe --out /tmp/tiny-qwen3-moe
 
@@ -68,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -76,6 +78,7 @@ GQA_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -105,6 +108,7 @@ DEFAULT_ROPE_SCALING = {
     "mistral": "none",
     "qwen3_moe": "none",
     "mixtral": "none",
+    "glm4_moe": "none",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -156,6 +160,10 @@ def tiny_config(
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                            decoder_sparse_step=2),
             mixtral=dict(head_dim=16, sliding_window=sliding_window, num_local_experts=8, num_experts_per_tok=2),
+            # NOTE: layer 0 dense, layer 1 MoE routed as DeepSeek-V3 (groups, bias, scaling); RoPE on half a head
+            glm4_moe=dict(head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, n_routed_experts=8,
+                          num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                          first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")

@@ -142,7 +142,7 @@ class RotaryEmbedding(nn.Module):
         # NOTE: a plain attribute, not a buffer: it stays float64 whatever the model dtype,
         # so cos/sin of a float32 model are the float64 ones rounded once.
         self.inv_freq, self.attention_factor = scaled_rope(rotary_dim, theta, scaling)
-        self.interleaved = interleaved
+        self.interleaved, self.dim = interleaved, rotary_dim
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

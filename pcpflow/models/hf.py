@@ -3,9 +3,9 @@
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``
-and ``MixtralForCausalLM`` (``hf_llama``: one model, the families' differences — biases,
-Qwen3's q/k norms, head_dim, the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``,
+``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families'
+differences — biases, q/k norms, head_dim, partial RoPE, the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
 ``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is checked
 when the run config is validated — an unsupported architecture (other MoE families such as
 Qwen2-MoE or Llama 4 are named as such), a
@@ -54,6 +54,7 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -139,8 +140,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral) or DeepSeek model with the
-    weights of a Hugging Face checkpoint."""
+    """A Llama-style (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, GLM-4.5) or DeepSeek model
+    with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""

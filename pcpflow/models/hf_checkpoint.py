@@ -59,6 +59,8 @@ class CheckpointConfig(BaseModel):
         if not isinstance(params, dict):
             raise ValueError(f"{key} must be a mapping (rope_type, factor, ...); got {type(params).__name__} {params!r}")
         params = dict(params)
+        if params.get("partial_rotary_factor") is not None:  # NOTE: transformers 5 keeps it with the rope's settings
+            raw.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
         theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
         raw["rope_theta"] = theta
         rope_type = params.get("rope_type") or params.get("type") or "default"

@@ -1,6 +1,6 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``
-and ``MixtralForCausalLM`` — grouped-query attention with RoPE.
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``,
+``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
 The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. They read the
 same config.json fields and differ only where ``FAMILIES`` says (transformers'
@@ -21,6 +21,10 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 - Mixtral: Mistral's attention, its sliding window off unless ``sliding_window`` is set;
   every layer MoE (``num_local_experts``, top-``num_experts_per_tok``, always renormalised;
   ``block_sparse_moe`` tensors, experts ``w1``/``w3``/``w2``).
+- GLM-4.5 (``Glm4MoeForCausalLM``): q/k/v biases when ``attention_bias`` (never on o), q/k
+  norms when ``use_qk_norm``, RoPE on the first ``partial_rotary_factor`` of each head (0.5
+  unless set), MoE past ``first_k_dense_replace`` routed as DeepSeek-V3 (its field names), its
+  MTP layer (past ``num_hidden_layers``) left out as DeepSeek-V3's is.
 
 pcpflow attends to the whole sequence, so a sliding window is exact only while no request
 is longer than it: ``LlamaCheckpoint.window`` is what the driver checks the run's
@@ -37,7 +41,7 @@ from pydantic import Field, model_validator
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig
-from pcpflow.models.hf_moe import MIXTRAL_RENAMES, QWEN3_MOE_RENAMES, gqa_moe_settings
+from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, gqa_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import gqa_layers, gqa_spec
 from pcpflow.models.moe_config import MoEConfig
@@ -51,8 +55,9 @@ class GQAFamily:
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     mlp_bias: bool | None = None
-    qk_norm: bool = False
+    qk_norm: bool | None = False  # None: config.json's use_qk_norm decides
     head_dim: int | None = None  # when config.json gives none (None: hidden_size / heads)
+    rotary_factor: float = 1.0  # the share of a head RoPE rotates where config.json gives no partial_rotary_factor
     sliding: Literal["never", "every_layer", "use_sliding_window", "use_sliding_window_every_layer"] = "never"
     default_window: int | None = 4096  # transformers' sliding_window where config.json gives none
 
@@ -65,6 +70,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, sliding="use_sliding_window_every_layer"),
     "MixtralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
                                     default_window=None),
+    "Glm4MoeForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, qk_norm=None, rotary_factor=0.5),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -81,7 +87,9 @@ class LlamaCheckpoint(CheckpointConfig):
     use_sliding_window: bool = False
     max_window_layers: int = Field(DEFAULT_MAX_WINDOW_LAYERS, ge=0)
     layer_types: list[str] | None = None
-    moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: from their MoE fields (``hf_moe.gqa_moe_settings``)
+    use_qk_norm: bool = False
+    partial_rotary_factor: float | None = Field(None, gt=0, le=1)
+    moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral, GLM-4.5: from their MoE fields (``hf_moe.gqa_moe_settings``)
 
     renames: ClassVar[tuple[Rename, ...]] = (
         *DECODER_RENAMES,
@@ -91,7 +99,7 @@ class LlamaCheckpoint(CheckpointConfig):
         attention_rename("o_proj.{wb}", "o_proj.{wb}"),
         attention_rename("q_norm.weight", "q_norm.weight"),
         attention_rename("k_norm.weight", "k_norm.weight"),
-        *QWEN3_MOE_RENAMES,
+        *MOE_RENAMES,
         *MIXTRAL_RENAMES,
     )
 
@@ -115,6 +123,9 @@ class LlamaCheckpoint(CheckpointConfig):
             )
         if self.dim % 2:
             raise ValueError(f"head_dim ({self.dim}) must be even for RoPE")
+        if self.rotary_dim % 2:
+            raise ValueError(f"RoPE's dims (head_dim {self.dim} x partial_rotary_factor {self.rotary_factor}) "
+                             f"must be even; got {self.rotary_dim}")
         return self
 
     @property
@@ -128,6 +139,15 @@ class LlamaCheckpoint(CheckpointConfig):
     @property
     def dim(self) -> int:
         return self.head_dim or self.family.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_factor(self) -> float:
+        return self.partial_rotary_factor if self.partial_rotary_factor is not None else self.family.rotary_factor
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head RoPE rotates (transformers' ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.dim * self.rotary_factor)
 
     @property
     def sliding_layers(self) -> list[int]:
@@ -180,5 +200,6 @@ class LlamaCheckpoint(CheckpointConfig):
             num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             bias=given(f.qkv_bias, self.attention_bias), o_bias=given(f.o_bias, self.attention_bias),
-            mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=f.qk_norm, moe=self.moe,
+            mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
+            rotary_dim=self.rotary_dim,
         )

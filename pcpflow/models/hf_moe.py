@@ -23,6 +23,17 @@ MOE_DEFAULTS = {
         routed_scaling_factor=2.5,
         topk_method="noaux_tc",
     ),
+    "Glm4MoeForCausalLM": dict(
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        topk_method="noaux_tc",
+    ),
     "DeepseekV2ForCausalLM": dict(
         n_routed_experts=64,
         num_experts_per_tok=None,
@@ -55,13 +66,6 @@ MOE_RENAMES = (
 ``save_pretrained`` store them), router and shared experts."""
 
 
-QWEN3_MOE_RENAMES = (
-    _mlp("gate.weight", "gate.weight"),
-    *MOE_RENAMES[2:5],
-)
-"""Qwen3-MoE: the router and the routed experts under DeepSeek's names (no shared experts)."""
-
-
 def _sparse(hf: str, ours: str, part: tuple[int, int] | None = None) -> Rename:
     return Rename("model.layers.{i}.block_sparse_moe." + hf, "layers.{i}.mlp." + ours, part)
 
@@ -84,11 +88,22 @@ GQA_MOE_DEFAULTS = {
 config.json may omit."""
 
 
+V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+"""Architectures routed as DeepSeek-V3: sigmoid scores, the selection bias, groups, scaling."""
+
+
 def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """``MoEConfig`` fields of a Qwen3-MoE or Mixtral config.json dict (softmax routing, one
-    group, no shared experts, router logits in the model's dtype, as transformers'
-    ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``); None for a dense architecture or no
+    """``MoEConfig`` fields of a Qwen3-MoE, Mixtral or GLM-4.5 config.json dict: Qwen3-MoE and
+    Mixtral route by softmax (one group, no shared experts, router logits in the model's dtype,
+    as transformers' ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``), GLM-4.5 as DeepSeek-V3
+    (``Glm4MoeTopkRouter``, its DeepSeek field names); None for a dense architecture or no
     experts; ValueError naming an unsupported variant."""
+    if arch == "Glm4MoeForCausalLM":
+        glm = {k: v for k, v in raw.items() if v is not None}
+        # NOTE: transformers 5 writes num_local_experts (its attribute_map), 4 n_routed_experts
+        glm.setdefault("n_routed_experts", glm.get("num_local_experts", MOE_DEFAULTS[arch]["n_routed_experts"]))
+        glm.setdefault("first_k_dense_replace", 1)
+        return moe_settings({**glm, "architecture": arch})
     if arch not in GQA_MOE_DEFAULTS:
         return None
     get = {**GQA_MOE_DEFAULTS[arch], **{k: v for k, v in raw.items() if v is not None}}.get
@@ -135,13 +150,13 @@ def moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
             f"moe_layer_freq={get('moe_layer_freq')} is not supported (transformers makes "
             "every layer past first_k_dense_replace MoE); supported: 1"
         )
-    v3 = arch == "DeepseekV3ForCausalLM"
+    v3 = arch in V3_ROUTING
     method, scoring = get("topk_method"), get("scoring_func", "sigmoid" if v3 else "softmax")
     if v3:
         if method not in ("noaux_tc", None) or scoring != "sigmoid":
             raise ValueError(
-                f"DeepSeek-V3 MoE routing topk_method={method!r} scoring_func={scoring!r} is not "
-                "supported; supported: topk_method 'noaux_tc' with scoring_func 'sigmoid'"
+                f"{'DeepSeek-V3' if arch == 'DeepseekV3ForCausalLM' else arch} MoE routing topk_method={method!r} "
+                f"scoring_func={scoring!r} is not supported; supported: topk_method 'noaux_tc' with scoring_func 'sigmoid'"
             )
         groups, norm = (get("n_group") or 1, get("topk_group") or 1), bool(get("norm_topk_prob"))
     else:

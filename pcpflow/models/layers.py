@@ -53,7 +53,9 @@ def mla_spec(num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> 
 class GQAAttention(nn.Module):
     """Grouped-query attention. ``bias``: biases on q/k/v, and on o unless ``o_bias`` says
     otherwise (Qwen2: q/k/v only). ``qk_norm_eps``: an RMSNorm over each head's ``head_dim``
-    of q and of k (one weight shared by the heads) before RoPE, as Qwen3; None: none."""
+    of q and of k (one weight shared by the heads) before RoPE, as Qwen3; None: none. A
+    ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
+    partial rotary)."""
 
     def __init__(
         self,
@@ -83,10 +85,15 @@ class GQAAttention(nn.Module):
         q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        q = self.rotary.apply(q, cos, sin)
-        k = self.rotary.apply(k, cos, sin)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1))
         return self.o_proj(out.flatten(1))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary.dim
+        if r == self.head_dim:
+            return self.rotary.apply(x, cos, sin)
+        return torch.cat([self.rotary.apply(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 class MLAAttention(nn.Module):
@@ -164,10 +171,12 @@ def gqa_layers(
     mlp_bias: bool = False,
     qk_norm: bool = False,
     moe: MoEConfig | None = None,
+    rotary_dim: int | None = None,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
     ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps``;
-    ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral)."""
+    ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral, GLM-4.5); ``rotary_dim``:
+    the dims RoPE rotates (None: all of ``head_dim``)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -175,7 +184,7 @@ def gqa_layers(
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                rotary=RotaryEmbedding(head_dim, rope_theta, scaling=rope_scaling),
+                rotary=RotaryEmbedding(rotary_dim or head_dim, rope_theta, scaling=rope_scaling),
                 bias=bias,
                 o_bias=o_bias,
                 qk_norm_eps=eps if qk_norm else None,

@@ -42,9 +42,19 @@ from pcpflow.layouts.accounting import (
 )
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.simulate.host import Host, kernels_per_layer
-from pcpflow.simulate.price import Pricer, StepCounts, StepPrice, _busiest_shard, _tensor_bytes
+from pcpflow.simulate.price import (
+    KV_PURPOSES,
+    Pricer,
+    StepCounts,
+    StepPrice,
+    _busiest_shard,
+    _tensor_bytes,
+)
 from pcpflow.simulate.sizes import ModelSizes, drafter_sizes, target_layers
 from pcpflow.speculative.drafting import DraftWork, draft_draws
+
+DRAFT_KV_PURPOSES = tuple(f"draft_{p}" for p in KV_PURPOSES[:2])
+"""The draft stage's collectives that move KV entries (at ``simulate.kv_dtype``, as the target's)."""
 
 PHASE_TERMS = {"gemm": "draft_gemm", "attention": "draft_attention", "memory_ops": "draft_memory_ops",
                "host_launch": "draft_host_launch"}
@@ -121,6 +131,8 @@ class SimulatedDrafting:
                                           **common) if replicated else []
         calls, nbytes = step_traffic(count_collectives(prefill + per_step * len(replicated)), pcp_size=grid.pcp,
                                      dcp_size=grid.dcp, dtype_bytes=shape.dtype_bytes, tp_size=grid.tp)
+        scale = self.pricer.kv_bytes / self.pricer.act_bytes  # NOTE: KV entries move at the cache's dtype
+        nbytes = {k: int(v * scale) if k in DRAFT_KV_PURPOSES else v for k, v in nbytes.items()}
 
         attends = work.prefill == "attend"
         none = np.zeros_like(target.work)
@@ -138,7 +150,9 @@ class SimulatedDrafting:
     def _priced(self, colls) -> list[tuple[str, str, str, int, float]]:
         grid = self.grid
         size = {"pcp": grid.pcp, "dcp": grid.dcp, "tp": grid.tp, "dcp_heads": len(grid.dcp_heads_members(0))}
-        return [(c.purpose, c.op, c.group, k, _tensor_bytes(c, self.pricer.act_bytes))
+        scale = self.pricer.kv_bytes / self.pricer.act_bytes
+        return [(c.purpose, c.op, c.group, k,
+                 _tensor_bytes(c, self.pricer.act_bytes) * (scale if c.purpose in DRAFT_KV_PURPOSES else 1.0))
                 for c, k in count_collectives(colls).items() if size[c.group] > 1]
 
     def _replicated_counts(self, rb: GlobalBatch, layout, priced) -> StepCounts:

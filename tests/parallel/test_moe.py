@@ -393,6 +393,7 @@ HF_CASES = [
     ("dsv3_moe", "float64", 2, 1, "sharded", "all_to_all"),
     ("dsv3_moe", "float64", 4, 4, "sharded", "local"),
     ("qwen3_moe", "float64", 2, 2, "replicated", "all_to_all"),
+    ("glm4_moe", "float64", 2, 2, "sharded", "gather"),
 ]
 HF_SLOW_CASES = [
     ("dsv3_moe", "float64", 4, 4, "sharded", "gather"),
@@ -406,10 +407,12 @@ HF_SLOW_CASES = [
     ("qwen3_moe", "float64", 2, 2, "sharded", "gather", "tp=2"),
     ("mixtral", "float64", 2, 1, "replicated", "all_to_all"),
     ("mixtral", "float32", 2, 2, "replicated", "all_to_all", "tp=2"),
+    ("glm4_moe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("glm4_moe", "float64", 2, 1, "sharded", "local", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen3-MoE's too (decoder_sparse_step=2), Mixtral's is not.
-HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen3_moe": 1, "mixtral": 2}
+# layer 0 is dense (first_k_dense_replace=1), Qwen3-MoE's and GLM-4.5's too, Mixtral's is not.
+HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1}
 
 
 @pytest.fixture(scope="module")
@@ -423,6 +426,7 @@ def moe_checkpoints(tmp_path_factory):
         "dsv2_moe": script.build_checkpoint(root / "dsv2", "deepseek_v2", seed=0, moe=True),
         "qwen3_moe": script.build_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=0),
         "mixtral": script.build_checkpoint(root / "mixtral", "mixtral", seed=0),
+        "glm4_moe": script.build_checkpoint(root / "glm4_moe", "glm4_moe", seed=0, bias=True),
     }
 
 
@@ -571,7 +575,10 @@ def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     qwen2 = _edit(v3, tmp_path / "qwen2", architectures=["Qwen2MoeForCausalLM"])
     says = _checkpoint_problem(qwen2)
     assert "unsupported architecture Qwen2MoeForCausalLM: a mixture-of-experts variant" in says
-    assert "supported MoE checkpoints: Qwen3MoeForCausalLM, MixtralForCausalLM, DeepseekV2ForCausalLM" in says
+    assert ("supported MoE checkpoints: Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, "
+            "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in says
+    glm = _edit(moe_checkpoints["glm4_moe"], tmp_path / "glm", scoring_func="softmax")
+    assert "scoring_func='softmax' is not supported" in _checkpoint_problem(glm)
     only = _edit(moe_checkpoints["qwen3_moe"], tmp_path / "only", mlp_only_layers=[0])
     assert "mlp_only_layers=[0] is not supported; supported: []" in _checkpoint_problem(only)
     mixtral_k = _edit(moe_checkpoints["mixtral"], tmp_path / "mixtral_k", num_experts_per_tok=9)

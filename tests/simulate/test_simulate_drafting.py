@@ -90,3 +90,15 @@ def test_auto_prices_a_cards_drafter_as_its_own_layers():
     with pytest.raises(ConfigError) as exc:
         compose([*DSV3, "draft=mtp", "simulate.draft_acceptance=[0.8]", "simulate.draft_layer=config"])
     assert [p.field for p in exc.value.problems] == ["tp"]  # the 4-head draft.layer does not split over 8 ranks
+
+
+def test_a_drafters_kv_moves_at_the_caches_dtype():
+    """simulate.kv_dtype=fp8: the draft stage's KV gathers move one byte an element, as the
+    target's do (half their bf16 bytes); its other collectives keep the activations' dtype."""
+    base = [*SIM, "model=llama3_8b", "tp=2", "pcp=2", "dcp=2", "draft=self", "draft.error_rate=0.3",
+            "pipeline.forward.dcp_rest=context", "workload.prompt_lens=[3000,5000]", "workload.output_lens=[4]"]
+    bf16, fp8 = (_metrics([*base, f"simulate.kv_dtype={d}"])["collective_bytes"] for d in ("bf16", "fp8"))
+    for purpose in ("kv_gather", "draft_kv_gather", "dcp_context_gather", "draft_dcp_context_gather"):
+        assert fp8[purpose] * 2 == pytest.approx(bf16[purpose], rel=1e-6), purpose
+    for purpose in ("tp_all_reduce", "draft_dcp_decode_partials"):
+        assert fp8[purpose] == bf16[purpose], purpose
