@@ -132,8 +132,7 @@ TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_
 DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dcp2_queries_gqa",
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
            "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "serving_pcp1_sampled_preempted",
-           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft",
-           "serving_pcp2_dcp2_mtp_draft"}
+           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
@@ -249,7 +248,7 @@ def test_drafting_verifies_and_accepts_what_the_executed_run_did(both, name):
         assert 0 < m_ex["draft_accepted"] < m_ex["draft_proposed"], "the corruptions reject some drafts, not all"
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("serving")])
+@pytest.mark.parametrize("name", [n for n in NAMES if (n if isinstance(n, str) else n.values[0]).startswith("serving")])
 def test_serving_cases_reuse_and_preempt(both, name):
     """The serving cases exercise what they are for (hits; preemptions with few blocks),
     and the executed side is exact."""
