@@ -85,7 +85,9 @@ class SimulatedDrafting:
             self.sizes = target_layers(sizes, work.num_layers)
         else:
             self.sizes = drafter_sizes(work.layer, work.num_layers, sizes)
-        self.pricer = pricer if self.sizes is sizes else _drafter_pricer(pricer, self.sizes)
+        # NOTE: a drafter's MoE layers route their own rows (no dispatch is installed for it: LOCAL)
+        self.pricer = (pricer if self.sizes is sizes and pricer.moe_dispatch == "local"
+                       else _drafter_pricer(pricer, self.sizes))
         self.moe_layers = self.sizes.num_moe_layers if self.sizes.num_experts else 0
 
     # -- what the scheduler sees ------------------------------------------------------------
@@ -194,10 +196,12 @@ def _replicated_batch(batch: GlobalBatch, rows: np.ndarray, per_request: int) ->
 
 
 def _drafter_pricer(target: Pricer, sizes: ModelSizes) -> Pricer:
-    """The target's pricer (grid, hardware, settings, host rates) on the drafter's layers."""
+    """The target's pricer (grid, hardware, settings, host rates) on the drafter's layers, its
+    MoE layers routing their own rows (``moe.dispatch`` is the target forward's)."""
     h = target.host
-    host = Host(launch_s=h.launch_s, graph_launch_s=h.graph_launch_s, layer=kernels_per_layer(sizes, target.grid.tp),
-                num_layers=sizes.num_layers)
+    host = h if sizes is target.sizes else Host(
+        launch_s=h.launch_s, graph_launch_s=h.graph_launch_s, layer=kernels_per_layer(sizes, target.grid.tp),
+        num_layers=sizes.num_layers)
     return Pricer(target.grid, target.hw, sizes, target.sim, act_key=target.act_key,
                   kv_key=target.kv_key, host=host,
                   interleave=target.interleave, block_size=target.block_size)

@@ -102,3 +102,14 @@ def test_a_drafters_kv_moves_at_the_caches_dtype():
         assert fp8[purpose] * 2 == pytest.approx(bf16[purpose], rel=1e-6), purpose
     for purpose in ("tp_all_reduce", "draft_dcp_decode_partials"):
         assert fp8[purpose] == bf16[purpose], purpose
+
+
+def test_a_drafter_that_reuses_the_targets_moe_layers_routes_its_own_rows():
+    """``draft=self`` on an MoE target under moe.dispatch=gather: the executed drafter runs the
+    target's layers without the forward's dispatch (LOCAL: no moe_* collective in its counts,
+    test_simulate_equality), so its phases are priced with local routing too."""
+    cfg = compose([*SIM, "model=deepseek_v3", "tp=8", "pcp=2", "moe.dispatch=gather", "draft=self",
+                   "workload.prompt_lens=[4000]", "workload.output_lens=[3]"])
+    run = SimulatedRun(cfg)
+    assert run.pricer.moe_dispatch == "gather" and run.drafting.pricer.moe_dispatch == "local"
+    assert run.drafting.pricer.sizes is run.sizes
