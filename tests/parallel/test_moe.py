@@ -415,19 +415,33 @@ HF_SLOW_CASES = [
 HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1}
 
 
+class _Checkpoints(dict):
+    """The tiny MoE checkpoints, each written on first use (a default run needs a few of them)."""
+
+    OPTIONS = {
+        "dsv3_moe": ("deepseek_v3", dict(moe=True)),
+        "dsv2_moe": ("deepseek_v2", dict(moe=True)),
+        "qwen3_moe": ("qwen3_moe", {}),
+        "mixtral": ("mixtral", {}),
+        "glm4_moe": ("glm4_moe", dict(bias=True)),
+    }
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Path:
+        from repo_scripts import load_script
+
+        arch, options = self.OPTIONS[name]
+        path = self[name] = load_script("make_tiny_hf_checkpoint").build_checkpoint(
+            self.root / name, arch, seed=0, **options)
+        return path
+
+
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
-    from repo_scripts import load_script
-
-    script = load_script("make_tiny_hf_checkpoint")
-    root = tmp_path_factory.mktemp("hf_moe")
-    return {
-        "dsv3_moe": script.build_checkpoint(root / "dsv3", "deepseek_v3", seed=0, moe=True),
-        "dsv2_moe": script.build_checkpoint(root / "dsv2", "deepseek_v2", seed=0, moe=True),
-        "qwen3_moe": script.build_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=0),
-        "mixtral": script.build_checkpoint(root / "mixtral", "mixtral", seed=0),
-        "glm4_moe": script.build_checkpoint(root / "glm4_moe", "glm4_moe", seed=0, bias=True),
-    }
+    return _Checkpoints(tmp_path_factory.mktemp("hf_moe"))
 
 
 def _hf_prompts(vocab_size: int) -> list[list[int]]:
@@ -577,11 +591,13 @@ def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     assert "unsupported architecture Qwen2MoeForCausalLM: a mixture-of-experts variant" in says
     assert ("supported MoE checkpoints: Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, "
             "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in says
-    glm = _edit(moe_checkpoints["glm4_moe"], tmp_path / "glm", scoring_func="softmax")
+    # NOTE: the config.json is refused before any tensor is read: a DeepSeek checkpoint relabelled will do
+    glm = _edit(v3, tmp_path / "glm", architectures=["Glm4MoeForCausalLM"], scoring_func="softmax")
     assert "scoring_func='softmax' is not supported" in _checkpoint_problem(glm)
-    only = _edit(moe_checkpoints["qwen3_moe"], tmp_path / "only", mlp_only_layers=[0])
+    only = _edit(v3, tmp_path / "only", architectures=["Qwen3MoeForCausalLM"], mlp_only_layers=[0])
     assert "mlp_only_layers=[0] is not supported; supported: []" in _checkpoint_problem(only)
-    mixtral_k = _edit(moe_checkpoints["mixtral"], tmp_path / "mixtral_k", num_experts_per_tok=9)
+    mixtral_k = _edit(v3, tmp_path / "mixtral_k", architectures=["MixtralForCausalLM"], num_local_experts=8,
+                      num_experts_per_tok=9)
     assert "moe.top_k=9: must be <= num_experts (8)" in _checkpoint_problem(mixtral_k)
     greedy = _edit(v3, tmp_path / "greedy", topk_method="greedy")
     assert "topk_method='greedy'" in _checkpoint_problem(greedy)
