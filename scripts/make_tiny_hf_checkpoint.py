@@ -17,8 +17,9 @@ path a real Llama / Qwen / Mistral / DeepSeek checkpoint takes::
 The GQA families differ as transformers builds them: Qwen2 always has q/k/v biases (never
 o or MLP ones), Qwen3 has per-head q/k RMSNorms and ``head_dim=24`` != hidden/heads (16),
 ``--bias`` gives Llama attention and MLP biases and Qwen3 q/k/v/o ones (Mistral has none).
-``--sliding-window N`` (Mistral; Qwen with ``use_sliding_window``) writes a sliding window;
-without it there is none (``sliding_window`` null).
+``--sliding-window N`` (Mistral, Phi-3; Qwen with ``use_sliding_window``) writes a sliding window;
+without it there is none (``sliding_window`` null). Phi-3 stores q/k/v as one ``qkv_proj`` and
+gate/up as one ``gate_up_proj``, ropes 3/4 of each head and has LongRoPE (original length 128).
 
 ``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts, 2 per
 token: Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
@@ -70,12 +71,14 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
+         "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
@@ -99,6 +102,13 @@ ROPE_SCALINGS = {
         "mscale": 1.0,
         "mscale_all_dim": 0.8,
     },
+    # NOTE: Phi-3's: 6 frequencies (head 16, RoPE on 3/4 of it); short factors used up to the
+    # original length, 128, with factor 256/128 = 2 (cos/sin x sqrt(1 + ln 2 / ln 128))
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 5.0],
+        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+    },
 }
 
 DEFAULT_ROPE_SCALING = {
@@ -106,6 +116,7 @@ DEFAULT_ROPE_SCALING = {
     "qwen2": "yarn",
     "qwen3": "none",
     "mistral": "none",
+    "phi3": "longrope",
     "qwen3_moe": "none",
     "mixtral": "none",
     "glm4_moe": "none",
@@ -155,6 +166,8 @@ def tiny_config(
             qwen3=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                        max_window_layers=0),
             mistral=dict(head_dim=16, sliding_window=sliding_window),
+            # NOTE: q/k/v in one qkv_proj, gate/up in one gate_up_proj; RoPE on 12 of 16 dims
+            phi3=dict(sliding_window=sliding_window, partial_rotary_factor=0.75, original_max_position_embeddings=128),
             # NOTE: decoder_sparse_step=2: layer 0 dense, layer 1 MoE; the top-k weights not renormalised
             qwen3_moe=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
@@ -165,7 +178,7 @@ def tiny_config(
                           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
                           first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
         )[arch]
-        if arch in ("qwen2", "mistral", "mixtral"):  # NOTE: their attention ignores attention_bias
+        if arch in ("qwen2", "mistral", "mixtral", "phi3"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(

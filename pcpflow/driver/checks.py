@@ -7,9 +7,9 @@ safetensors headers against config.json), the workload from its lengths alone
 (``pcpflow.scheduling``: no token array is built to find out that it is too big, and the
 one "can this request ever fit" rule of the KV cache), and for an executed run, which
 allocates on this host, the host's memory (``pcpflow.rank.devices``); for every run, a
-checkpoint's sliding window against the longest request (``pcpflow.models.hf.window_problems``:
-a simulated run prices the whole-sequence attention pcpflow executes, so a window a request
-outgrows is refused there too). A simulated run (``mode=simulate``) reads only config.json and
+checkpoint's sliding window and, executed, LongRoPE's original length against the longest
+request (``pcpflow.models.hf.length_problems``: a simulated run prices the whole-sequence
+attention pcpflow executes, so a window a request outgrows is refused there too). A simulated run (``mode=simulate``) reads only config.json and
 sizes its KV cache from the hardware it prices, so host-memory limits are skipped there.
 
 ``feature_problems`` are the features' rules on the config itself (run beside its
@@ -30,7 +30,7 @@ from pcpflow.errors import ConfigError, Problem
 def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None = None) -> Any:
     """Every pre-run check; returns ``cfg`` with the fields derived from its stages
     (``num_speculative_tokens``), raises ConfigError listing every problem."""
-    from pcpflow.models.hf import checkpoint_problems, window_problems
+    from pcpflow.models.hf import checkpoint_problems, length_problems
     from pcpflow.pipeline.assemble import load_builtin_stages, stage_problems
     from pcpflow.pipeline.stage import plugin_problems
     from pcpflow.profile.checks import shipped_stage_problems, without_drafting
@@ -69,7 +69,7 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
                 problems += host_memory_problems(cfg, *lengths, specs=None if imported else _resolved(cfg))
             if len(lengths[0]):  # NOTE: simulated too: it prices the whole-sequence attention pcpflow runs
                 longest = int((lengths[0] + lengths[1]).max()) + cfg.num_speculative_tokens
-                problems += window_problems(cfg.model, longest)
+                problems += length_problems(cfg.model, longest)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -43,17 +43,19 @@ class RopeScaling:
     ``rope_parameters`` of a config.json). Validated (strictly: a number is a JSON number)
     when made, so that a bad config.json is refused before any rank starts."""
 
-    rope_type: Literal["linear", "llama3", "yarn"]
+    rope_type: Literal["linear", "llama3", "yarn", "longrope"]
     factor: float
-    original_max_position_embeddings: int | None = None  # llama3, yarn
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     mscale: float | None = None  # yarn: cos/sin attention factor numerator
     mscale_all_dim: float | None = None  # yarn: its denominator (DeepSeek: softmax mscale too)
-    attention_factor: float | None = None  # yarn: explicit cos/sin factor
+    attention_factor: float | None = None  # yarn, longrope: explicit cos/sin factor
     truncate: bool = True  # yarn: round the correction range outwards
+    short_factor: list[float] | None = None  # longrope: per-frequency divisors up to the original length
+    long_factor: list[float] | None = None  # longrope: past it (pcpflow runs requests up to it only)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -74,7 +76,23 @@ def scaled_rope(
         return inv_freq / scaling.factor, 1.0
     if scaling.rope_type == "llama3":
         return _llama3(inv_freq, scaling), 1.0
+    if scaling.rope_type == "longrope":
+        return _longrope(inv_freq, scaling)
     return _yarn(inv_freq, rotary_dim, theta, scaling)
+
+
+def _longrope(inv_freq: torch.Tensor, s: RopeScaling) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3) within the original length: each frequency divided by its
+    ``short_factor``; cos/sin get ``sqrt(1 + ln(factor) / ln(original length))``. transformers
+    switches every position of a forward to ``long_factor`` once the forward reaches past the
+    original length, so pcpflow runs requests up to it only (``CheckpointConfig.rope_limit``)."""
+    old_len = s.original_max_position_embeddings
+    assert old_len is not None and s.short_factor is not None, "longrope needs short_factor and its original length"
+    if s.attention_factor is not None:
+        factor = s.attention_factor
+    else:
+        factor = 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(old_len))
+    return inv_freq / torch.tensor(s.short_factor, dtype=torch.float64, device="cpu"), factor
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:

@@ -3,16 +3,18 @@
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``,
-``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families'
-differences — biases, q/k norms, head_dim, partial RoPE, the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
+``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` (``hf_llama``: one
+model, the families' differences — biases, q/k norms, head_dim, partial RoPE, fused tensors,
+the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
 ``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is checked
 when the run config is validated — an unsupported architecture (other MoE families such as
 Qwen2-MoE or Llama 4 are named as such), a
 quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
 rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
-``use_sliding_window``) shorter than a request of the run (``window_problems``): pcpflow
-attends to the whole sequence, which equals the window only until a request outgrows it.
+``use_sliding_window``) shorter than a request of the run (``length_problems``): pcpflow
+attends to the whole sequence, which equals the window only until a request outgrows it;
+and, in an executed run, a request past LongRoPE's original length.
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
 attention.
@@ -55,6 +57,7 @@ _MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -239,11 +242,13 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
     return _tensor_problems(path, shapes, names) + generation_problems(model_config)
 
 
-def window_problems(model_config: Any, longest: int) -> list[Problem]:
-    """A checkpoint's sliding window against the run's longest request (``longest``: prompt
-    plus output plus speculative tokens): pcpflow attends to every earlier token, which is
-    the window's attention exactly while no request is longer than the window. A simulated
-    run's card (``hf_card``) is checked against the config.json it was read from."""
+def length_problems(model_config: Any, longest: int) -> list[Problem]:
+    """A checkpoint's limits against the run's longest request (``longest``: prompt plus
+    output plus speculative tokens). A sliding window: pcpflow attends to every earlier
+    token, which is the window's attention exactly while no request is longer than the
+    window; a simulated run's card (``hf_card``) is checked against the config.json it was
+    read from, as it prices that attention. LongRoPE (executed runs): past its original
+    length transformers ropes with other frequencies (``CheckpointConfig.rope_limit``)."""
     name = getattr(model_config, "name", None)
     if name == "hf" and model_config.path:
         path = model_config.path
@@ -255,17 +260,27 @@ def window_problems(model_config: Any, longest: int) -> list[Problem]:
         checkpoint = read_checkpoint_config(path, sizes_only=True)  # NOTE: config.json is all it reads
     except ValueError:
         return []  # the model's own validation reports it
+    problems = []
     window = getattr(checkpoint, "window", None)
-    if window is None or longest <= window:
-        return []
-    off = "use_sliding_window false" if checkpoint.family.sliding.startswith("use_") else "sliding_window null"
-    return [Problem("model.path", str(path), (
-        f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
-        f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
-        f"does not implement sliding-window attention (it attends to every earlier token), which is "
-        f"exact only for requests of at most {window} tokens (prompt + output + speculative tokens): "
-        f"shorten the requests, or use a checkpoint with {off}"
-    ))]
+    if window is not None and longest > window:
+        off = "use_sliding_window false" if checkpoint.family.sliding.startswith("use_") else "sliding_window null"
+        problems.append(Problem("model.path", str(path), (
+            f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
+            f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
+            f"does not implement sliding-window attention (it attends to every earlier token), which is "
+            f"exact only for requests of at most {window} tokens (prompt + output + speculative tokens): "
+            f"shorten the requests, or use a checkpoint with {off}"
+        )))
+    limit = checkpoint.rope_limit
+    if name == "hf" and limit is not None and longest > limit:
+        problems.append(Problem("model.path", str(path), (
+            f"requests within LongRoPE's original length: config.json's rope scaling is longrope with "
+            f"original_max_position_embeddings={limit}, and the longest request reaches {longest} tokens; "
+            f"past that length transformers ropes every position of a forward, the cached prompt's too, "
+            f"with long_factor, which pcpflow does not (it ropes each position once, with short_factor): "
+            f"requests of at most {limit} tokens (prompt + output + speculative tokens) run exactly"
+        )))
+    return problems
 
 
 def _some(names: list[str], limit: int = 5) -> str:
@@ -304,8 +319,8 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
             m = rename.pattern().fullmatch(hf_name)
             if m is None:
                 continue
-            ours = rename.ours.replace("{i}", m.groupdict().get("i") or "").replace("{wb}", m.groupdict().get("wb") or "")
-            want = params.get(ours)
+            shapes_of = [params.get(name.format(**m.groupdict())) for name in (rename.ours, *rename.stacked)]
+            want = None if None in shapes_of else (sum(s[0] for s in shapes_of), *shapes_of[0][1:])
             if want is not None and rename.part is not None:
                 want = (want[0] // rename.part[1], *want[1:])
             if want is not None and tuple(shape) != want:

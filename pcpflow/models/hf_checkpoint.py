@@ -17,7 +17,10 @@ from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RopeScaling
 from pcpflow.models.hf_weights import Rename
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+LONGROPE_ALIASES = {"Phi3ForCausalLM": ("su", "yarn")}
+"""Rope types an architecture's config.json may spell LongRoPE as (transformers' ``Phi3Config``
+reads its older ``su`` and ``yarn`` as ``longrope``)."""
 
 
 class CheckpointConfig(BaseModel):
@@ -64,18 +67,22 @@ class CheckpointConfig(BaseModel):
         theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
         raw["rope_theta"] = theta
         rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type in LONGROPE_ALIASES.get(raw.get("architecture"), ()):
+            rope_type = "longrope"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if rope_type == "longrope":
+            _read_longrope(params, raw)
         if rope_type != "default":
             if params.get("factor") is None:
                 raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
             known = set(RopeScaling.__dataclass_fields__)
             kwargs = {k: v for k, v in params.items() if k in known and v is not None}
             kwargs["rope_type"] = rope_type
-            if rope_type in ("llama3", "yarn"):
+            if rope_type in ("llama3", "yarn", "longrope"):
                 # NOTE: as transformers: the original length defaults to the model's
                 kwargs.setdefault(
                     "original_max_position_embeddings",
@@ -95,6 +102,30 @@ class CheckpointConfig(BaseModel):
             raise ValueError(f"quantized checkpoints ({self.quant_method}) are not supported; use an unquantized "
                              "(bf16/fp16/fp32) checkpoint")
         return self
+
+    @model_validator(mode="after")
+    def _longrope_factors(self) -> CheckpointConfig:
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(getattr(s, key)) != self.rope_dims // 2:
+                    raise ValueError(f"longrope {key} has {len(getattr(s, key))} numbers; RoPE rotates "
+                                     f"{self.rope_dims} dims of a head, one number per pair: {self.rope_dims // 2}")
+        return self
+
+    @property
+    def rope_dims(self) -> int:  # pragma: no cover
+        """The dims of a head RoPE rotates."""
+        raise NotImplementedError
+
+    @property
+    def rope_limit(self) -> int | None:
+        """The longest request pcpflow runs exactly as transformers does (None: no limit):
+        LongRoPE's original length, past which transformers ropes a whole forward with
+        ``long_factor`` — prompts and cached keys included — where pcpflow ropes each
+        position once, as it is written."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s is not None and s.rope_type == "longrope" else None
 
     @property
     def quant_method(self) -> str | None:
@@ -122,3 +153,20 @@ class CheckpointConfig(BaseModel):
 
     def build_layers(self) -> list[DecoderLayer]:  # pragma: no cover
         raise NotImplementedError
+
+
+def _read_longrope(params: dict[str, Any], raw: dict[str, Any]) -> None:
+    """LongRoPE's settings as transformers reads them: ``short_factor`` and ``long_factor``
+    lists of numbers, ``factor`` (when absent) the ratio of ``max_position_embeddings`` to the
+    original length."""
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        if not (isinstance(value, list) and value and all(type(x) in (int, float) for x in value)):
+            raise ValueError(f"longrope needs {key}: a list of numbers (one per rotated frequency); got {value!r}")
+        params[key] = [float(x) for x in value]
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if original is not None:
+        params["original_max_position_embeddings"] = original
+    longest = raw.get("max_position_embeddings", 2048)
+    if params.get("factor") is None and type(original) is int and original > 0 and type(longest) is int:
+        params["factor"] = longest / original

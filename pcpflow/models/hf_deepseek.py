@@ -94,6 +94,10 @@ class DeepseekCheckpoint(CheckpointConfig):
         return raw
 
     @property
+    def rope_dims(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
     def interleaved_rope(self) -> bool:
         return self.architecture == "DeepseekV2ForCausalLM" or self.rope_interleave
 

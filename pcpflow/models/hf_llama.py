@@ -1,6 +1,7 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``,
-``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
+``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` — grouped-query
+attention with RoPE.
 
 The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. They read the
 same config.json fields and differ only where ``FAMILIES`` says (transformers'
@@ -18,6 +19,12 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
   on every layer when ``use_sliding_window``; MoE MLPs on the layers ``decoder_sparse_step``
   picks (``pcpflow.models.hf_moe.gqa_moe_settings``: softmax top-k routing, renormalised when
   ``norm_topk_prob``).
+- Phi-3 (Phi-3, Phi-3.5, Phi-4 and Phi-4-mini text models): no biases; q, k and v stored as one
+  ``qkv_proj`` (``Rename.stacked``), gate and up as one ``gate_up_proj``, as pcpflow keeps
+  them; RoPE on the first ``partial_rotary_factor`` of each head; LongRoPE (``rope_scaling``
+  of type ``longrope``, or the older ``su`` / ``yarn`` that ``Phi3Config`` reads as it) within
+  the original length (``CheckpointConfig.rope_limit``); a sliding window on every layer
+  when ``sliding_window`` is set (default none).
 - Mixtral: Mistral's attention, its sliding window off unless ``sliding_window`` is set;
   every layer MoE (``num_local_experts``, top-``num_experts_per_tok``, always renormalised;
   ``block_sparse_moe`` tensors, experts ``w1``/``w3``/``w2``).
@@ -28,7 +35,7 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 
 pcpflow attends to the whole sequence, so a sliding window is exact only while no request
 is longer than it: ``LlamaCheckpoint.window`` is what the driver checks the run's
-requests against (``pcpflow.models.hf.window_problems``).
+requests against (``pcpflow.models.hf.length_problems``).
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ FAMILIES = {
     "MixtralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
                                     default_window=None),
     "Glm4MoeForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, qk_norm=None, rotary_factor=0.5),
+    "Phi3ForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
+                                 default_window=None),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -99,6 +108,10 @@ class LlamaCheckpoint(CheckpointConfig):
         attention_rename("o_proj.{wb}", "o_proj.{wb}"),
         attention_rename("q_norm.weight", "q_norm.weight"),
         attention_rename("k_norm.weight", "k_norm.weight"),
+        # Phi-3: q, k and v stacked in one tensor, gate and up in one (pcpflow's own layout)
+        Rename("model.layers.{i}.self_attn.qkv_proj.weight", "layers.{i}.self_attn.q_proj.weight",
+               stacked=("layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight")),
+        Rename("model.layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.gate_up_proj.weight"),
         *MOE_RENAMES,
         *MIXTRAL_RENAMES,
     )
@@ -123,9 +136,9 @@ class LlamaCheckpoint(CheckpointConfig):
             )
         if self.dim % 2:
             raise ValueError(f"head_dim ({self.dim}) must be even for RoPE")
-        if self.rotary_dim % 2:
+        if self.rope_dims % 2:
             raise ValueError(f"RoPE's dims (head_dim {self.dim} x partial_rotary_factor {self.rotary_factor}) "
-                             f"must be even; got {self.rotary_dim}")
+                             f"must be even; got {self.rope_dims}")
         return self
 
     @property
@@ -145,7 +158,7 @@ class LlamaCheckpoint(CheckpointConfig):
         return self.partial_rotary_factor if self.partial_rotary_factor is not None else self.family.rotary_factor
 
     @property
-    def rotary_dim(self) -> int:
+    def rope_dims(self) -> int:
         """The dims of a head RoPE rotates (transformers' ``int(head_dim * partial_rotary_factor)``)."""
         return int(self.dim * self.rotary_factor)
 
@@ -201,5 +214,5 @@ class LlamaCheckpoint(CheckpointConfig):
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             bias=given(f.qkv_bias, self.attention_bias), o_bias=given(f.o_bias, self.attention_bias),
             mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
-            rotary_dim=self.rotary_dim,
+            rotary_dim=self.rope_dims,
         )

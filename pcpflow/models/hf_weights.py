@@ -4,7 +4,8 @@ A checkpoint directory holds ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json``. Each tensor name is matched against a family's
 ``Rename`` table (first match wins); the table says which pcpflow parameter it fills and,
 for fused parameters (gate and up projections are one ``gate_up_proj``), which slice of
-it along dim 0. Every pcpflow parameter (every slice of a fused one) must be filled
+it along dim 0 — or, where the checkpoint fuses what pcpflow keeps apart (Phi-3's ``qkv_proj``), which
+parameters it stacks. Every pcpflow parameter (every slice of a fused one) must be filled
 exactly once; anything the table does not know is an error rather than silently dropped.
 """
 
@@ -29,11 +30,13 @@ class Rename:
     """The HF tensor ``hf`` fills pcpflow parameter ``ours``. Both are dotted names where
     ``{i}`` stands for a layer index, ``{j}`` for an expert index and ``{wb}`` for ``weight`` or ``bias``;
     ``part=(k, n)``: the tensor is the k-th of n equal slices of a fused parameter along
-    dim 0."""
+    dim 0; ``stacked``: the tensor is ``ours`` and then these parameters, stacked along dim 0
+    (each as many rows as the parameter has)."""
 
     hf: str
     ours: str
     part: tuple[int, int] | None = None
+    stacked: tuple[str, ...] = ()
 
     def pattern(self) -> re.Pattern[str]:
         return _compile(self.hf)
@@ -113,7 +116,7 @@ def is_skipped(hf_name: str, *, num_layers: int, skip: tuple[str, ...] = ()) -> 
 class NamePlan:
     """Which checkpoint tensor fills which parameter (slice), and what does not fit."""
 
-    targets: dict[str, tuple[str, tuple[int, int] | None]]
+    targets: dict[str, list[tuple[str, tuple[int, int] | None]]]  # several: a stacked tensor
     unknown: list[str]  # checkpoint tensors with no place in the model
     twice: list[str]  # checkpoint tensors filling a parameter (slice) already filled
     unfilled: list[str]  # parameters (or their missing slices) as the checkpoint would name them
@@ -136,17 +139,19 @@ def plan_names(
     for hf_name in names:
         if is_skipped(hf_name, num_layers=num_layers, skip=skip):
             continue
-        target = _rename(hf_name, compiled)
-        if target is None or target[0] not in filled:
+        targets = _rename(hf_name, compiled)
+        if targets is None or any(name not in filled for name, _ in targets):
             plan.unknown.append(hf_name)
             continue
-        name, part = target
-        index = part[0] if part else 0
-        if index in filled[name]:
+        # NOTE: a tensor without a part fills every part (Phi-3's gate_up_proj is pcpflow's whole)
+        indices = {(name, k) for name, part in targets
+                   for k in ([part[0]] if part else range(_num_parts(name, renames)))}
+        if any(k in filled[name] for name, k in indices):
             plan.twice.append(hf_name)
         else:
-            plan.targets[hf_name] = target
-        filled[name].add(index)
+            plan.targets[hf_name] = targets
+        for name, k in indices:
+            filled[name].add(k)
     for name in params:
         missing = set(range(_num_parts(name, renames))) - filled[name]
         plan.unfilled += [_hf_name(name, k, renames) for k in sorted(missing)]
@@ -198,11 +203,20 @@ def load_checkpoint(
             for hf_name in f.keys():
                 if hf_name not in plan.targets:
                     continue
-                name, part = plan.targets[hf_name]
+                targets = plan.targets[hf_name]
                 tensor = f.get_tensor(hf_name)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # --- faults
                     nonfinite.append(f"{hf_name} ({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} values)")
-                _copy(params[name], tensor, part, hf_name, name)
+                if len(targets) > 1:
+                    rows = [params[name].shape[0] for name, _ in targets]
+                    if tensor.dim() == 0 or tensor.shape[0] != sum(rows):
+                        raise ValueError(f"checkpoint tensor {hf_name} is {list(tensor.shape)}, but it stacks "
+                                         f"{', '.join(name for name, _ in targets)}: {sum(rows)} rows")
+                    pieces = tensor.split(rows)
+                else:
+                    pieces = (tensor,)
+                for (name, part), piece in zip(targets, pieces):
+                    _copy(params[name], piece, part, hf_name, name)
     if nonfinite:
         raise ValueError(f"{path}: non-finite (NaN or inf) weights in {_some(nonfinite)}")
 
@@ -211,11 +225,12 @@ def _some(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def _rename(hf_name: str, compiled) -> tuple[str, tuple[int, int] | None] | None:
+def _rename(hf_name: str, compiled) -> list[tuple[str, tuple[int, int] | None]] | None:
     for pattern, rule in compiled:
         m = pattern.fullmatch(hf_name)
         if m:
-            return rule.ours.format(**m.groupdict()), rule.part
+            return [(rule.ours.format(**m.groupdict()), rule.part),
+                    *((name.format(**m.groupdict()), None) for name in rule.stacked)]
     return None
 
 

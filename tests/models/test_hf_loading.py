@@ -303,6 +303,18 @@ def test_unknown_missing_and_misshapen_tensors_are_errors(ckpts, tmp_path):
     )
     a, b = build(skipped), build(src)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    # a stacked tensor (Phi-3's q, k, v in one) is as tall as its parts together
+    phi3 = script.build_checkpoint(tmp_path / "phi3", "phi3")
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    short = _with_tensors(phi3, tmp_path / "short", lambda t: t.update({name: t[name][:120]}))
+    with pytest.raises(ConfigError, match=rf"tensor {name} has shape \[120, 64\]; config.json implies \[128, 64\]"):
+        build(short)
+    with pytest.raises(ValueError, match=rf"{name} is \[120, 64\], but it stacks layers.1.self_attn.q_proj.weight, "
+                       r"layers.1.self_attn.k_proj.weight, layers.1.self_attn.v_proj.weight: 128 rows"):
+        load(short)
+    stacked, parts = build(phi3), _hf_tensors(phi3)[name]
+    attn = stacked.layers[1].self_attn
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), parts)
 
 
 
@@ -410,6 +422,61 @@ def test_a_simulated_run_refuses_the_window_too(windowed):
     assert problem.field == "model.path" and "the longest request reaches 17 tokens" in problem.allowed
 
 
+def test_a_request_past_longrope_s_original_length_exits_2_when_executed(tmp_path):
+    """LongRoPE: past its original length (128 here) transformers ropes a whole forward with
+    long_factor, the cached prompt's keys included; pcpflow ropes each position once, so an
+    executed run takes requests up to that length only (exit 2 on model.path, before any rank
+    starts). A simulated run prices the same attention whatever the frequencies: it runs."""
+    path = script.build_checkpoint(tmp_path / "phi3", "phi3")
+    assert compose(_explicit(path, 120, 8)).model.path == str(path)  # 128 tokens
+    with pytest.raises(ConfigError) as exc:
+        compose(_explicit(path, 120, 9))
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path" and "original_max_position_embeddings=128" in problem.allowed
+    assert "the longest request reaches 129 tokens" in problem.allowed
+    run_dir = tmp_path / "run"
+    r = cli(*_explicit(path, 120, 9), f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2 and "longrope" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert not run_dir.exists()
+    sim = compose(["mode=simulate", "hardware=h100_sxm", "model=hf", f"model.path={path}", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[4096]", "workload.output_lens=[4]"])
+    assert sim.model.name == "hf_card"
+
+
+def test_longrope_is_read_as_phi3_config_reads_it(tmp_path):
+    """Phi-3's config.json spells LongRoPE ``longrope``, or ``su`` / ``yarn`` as older ones
+    did (``Phi3Config`` reads both as ``longrope``); ``factor`` absent is max / original length;
+    the frequencies and the cos/sin factor equal transformers' ``longrope`` (evaluated in
+    float32 there); a factor list of the wrong length is refused, naming it."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pcpflow.models.hf import read_checkpoint_config
+
+    short, long = [1.0, 1.1, 1.3, 2.0, 2.5, 4.0], [2.0, 3.0, 4.0, 6.0, 9.0, 12.0]
+    base = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=64, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=384,
+                max_position_embeddings=4096, original_max_position_embeddings=512, partial_rotary_factor=0.75,
+                rope_theta=10000.0)
+    theirs = transformers.Phi3Config(**base, rope_scaling={"rope_type": "longrope", "short_factor": short,
+                                                           "long_factor": long})
+    want_inv_freq, want_factor = ROPE_INIT_FUNCTIONS["longrope"](theirs, "cpu")
+    assert want_factor == pytest.approx((1 + torch.log(torch.tensor(8.0)).item() / torch.log(torch.tensor(512.0)).item()) ** 0.5)
+    for spelling in ("longrope", "su", "yarn"):
+        (tmp_path / spelling).mkdir()
+        (tmp_path / spelling / "config.json").write_text(json.dumps(
+            {**base, "rope_scaling": {"type": spelling, "short_factor": short, "long_factor": long}}))
+        c = read_checkpoint_config(tmp_path / spelling)
+        assert (c.rope_scaling.rope_type, c.rope_scaling.factor, c.rope_limit) == ("longrope", 8.0, 512), spelling
+        inv_freq, factor = scaled_rope(c.rope_dims, c.rope_theta, c.rope_scaling)
+        torch.testing.assert_close(inv_freq, want_inv_freq.double(), rtol=1e-6, atol=0)
+        assert factor == pytest.approx(want_factor, rel=1e-12)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(
+        {**base, "rope_scaling": {"type": "longrope", "short_factor": short[:4], "long_factor": long}}))
+    with pytest.raises(ValueError, match="longrope short_factor has 4 numbers; RoPE rotates 12 dims of a head"):
+        read_checkpoint_config(tmp_path / "bad")
+
+
 def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
     """Mistral: every layer, unless sliding_window is null (absent: transformers' 4096).
     Qwen2/3: only with use_sliding_window, on the layers from max_window_layers (or those
@@ -443,15 +510,19 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     from pcpflow.models.hf import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
-    for arch in ("qwen2", "qwen3", "mistral", "llama", "qwen3_moe", "mixtral", "glm4_moe"):
-        path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2 and Mistral ignore it
+    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "qwen3_moe", "mixtral", "glm4_moe"):
+        path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
         ours = HFModel(checkpoint)
         params = {n: tuple(p.shape) for n, p in ours.named_parameters()}
         plan = plan_names(list(theirs), list(params), checkpoint.renames, num_layers=checkpoint.num_hidden_layers)
         assert (plan.unknown, plan.unfilled, plan.twice) == ([], [], []), arch
-        assert all(theirs[hf] == params[name] for hf, (name, part) in plan.targets.items() if part is None), arch
+        for hf, targets in plan.targets.items():
+            if all(part is None for _, part in targets):  # one parameter, or several stacked (Phi-3's qkv_proj)
+                assert theirs[hf] == (sum(params[n][0] for n, _ in targets), *params[targets[0][0]][1:]), (arch, hf)
+        if arch == "phi3":  # NOTE: qkv_proj is q (4 heads x 16), then k and v (2 kv heads x 16 each)
+            assert theirs["model.layers.0.self_attn.qkv_proj.weight"] == (64 + 32 + 32, 64)
 
 
 def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
@@ -486,6 +557,45 @@ def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
                        "workload=explicit", "workload.prompt_lens=[4096]", "workload.output_lens=[2]"])
         kv, d = want[name][:2]
         assert (cfg.model.num_kv_heads, cfg.model.head_dim) == (kv, d), name
+
+
+# config.json of Phi-3-mini-4k-instruct (no RoPE scaling, a 2047-token window) and Phi-4-mini-instruct
+# (LongRoPE on 3/4 of a head: 48 factors, their values left out here), with their published
+# parameter counts (billions: 3.8 both)
+REAL_PHI3_CONFIGS = {
+    "phi-3-mini-4k": (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, intermediate_size=8192,
+                           num_attention_heads=32, num_key_value_heads=32, num_hidden_layers=32, vocab_size=32064,
+                           max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0,
+                           rope_scaling=None, rms_norm_eps=1e-5, sliding_window=2047, tie_word_embeddings=False), 3.8),
+    "phi-4-mini": (dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072, intermediate_size=8192,
+                        num_attention_heads=24, num_key_value_heads=8, num_hidden_layers=32, vocab_size=200064,
+                        max_position_embeddings=131072, original_max_position_embeddings=4096, rope_theta=10000.0,
+                        partial_rotary_factor=0.75, rms_norm_eps=1e-5, sliding_window=262144, tie_word_embeddings=True,
+                        rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}), 3.8),
+}
+
+
+@pytest.mark.parametrize("name", REAL_PHI3_CONFIGS)
+def test_real_phi3_checkpoint_configs_size_a_simulated_run(tmp_path, name):
+    """A simulated run of a Phi-3 family config.json counts the parameters its model card
+    publishes (3.8B, to its rounding); Phi-3-mini-4k's window (2047, every layer) holds a
+    request of 2047 tokens and refuses one of 2048, simulated as executed."""
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    config, total_b = REAL_PHI3_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sim = ["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2", "workload=explicit"]
+    cfg = compose([*sim, "workload.prompt_lens=[2000]", "workload.output_lens=[47]"])
+    sizes = model_sizes(cfg.model)
+    assert (sizes.total_weight_params() + sizes.embedding_params) / 1e9 == pytest.approx(total_b, abs=0.05)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    assert (cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.head_dim) == (heads, kv_heads, 3072 // heads)
+    window = read_checkpoint_config(tmp_path).window
+    assert window == config["sliding_window"]
+    if window < 4096:
+        with pytest.raises(ConfigError, match="sliding_window=2047 \\(every layer\\)"):
+            compose([*sim, "workload.prompt_lens=[2000]", "workload.output_lens=[48]"])
 
 
 # config.json of Qwen3-30B-A3B, Qwen3-235B-A22B (as transformers 4 wrote them: num_experts) and

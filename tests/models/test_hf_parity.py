@@ -1,6 +1,6 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama, Qwen2, Qwen3, Mistral and DeepSeek-V2/V3 checkpoints are written by transformers itself
+Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3 and DeepSeek-V2/V3 checkpoints are written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
 one longer than ``scheduler.max_num_batched_tokens`` so it is prefilled in chunks — at
@@ -71,6 +71,8 @@ CHECKPOINTS = {
     # NOTE: a sliding window exactly as long as the longest request: transformers masks with
     # it, pcpflow attends to everything, the same attention (the driver's window check)
     "mistral_window": dict(arch="mistral", rope_scaling="none", sliding_window=LONGEST),
+    # Phi-3: q/k/v stored as one qkv_proj, gate/up as one gate_up_proj; LongRoPE on 3/4 of a head
+    "phi3_longrope": dict(arch="phi3", rope_scaling="longrope"),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -107,6 +109,9 @@ MATRIX = [
     ("mistral_window", "float32", 1, 1, "replicated", []),
     ("mistral_window", "float64", 2, 2, "sharded", []),
     ("mistral_window", "float32", 4, 4, "replicated", []),
+    ("phi3_longrope", "float32", 1, 1, "replicated", []),
+    ("phi3_longrope", "float64", 2, 2, "sharded", []),
+    ("phi3_longrope", "float32", 4, 4, "replicated", []),
     # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
     # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
     ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
@@ -120,6 +125,7 @@ MATRIX = [
     ("qwen2_tied", "float32", 2, 2, "sharded", ["tp=2"]),
     ("qwen3", "float32", 2, 1, "replicated", ["tp=2"]),
     ("qwen3", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("phi3_longrope", "float64", 2, 2, "replicated", ["tp=2"]),
 ]
 
 
@@ -132,6 +138,7 @@ DEFAULT_CASES = {
     ("qwen2_tied", "float32", 4, 4, "sharded"),
     ("qwen3", "float64", 2, 2, "replicated"),
     ("mistral_window", "float32", 4, 4, "replicated"),
+    ("phi3_longrope", "float64", 2, 2, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 
