@@ -21,8 +21,9 @@ o or MLP ones), Qwen3 has per-head q/k RMSNorms and ``head_dim=24`` != hidden/he
 without it there is none (``sliding_window`` null). Phi-3 stores q/k/v as one ``qkv_proj`` and
 gate/up as one ``gate_up_proj``, ropes 3/4 of each head and has LongRoPE (original length 128).
 
-``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts, 2 per
-token: Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
+``qwen2_moe``, ``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts,
+2 per token: Qwen2-MoE as Qwen3-MoE's routing below (with Qwen2's attention) plus a shared expert
+64 wide behind its sigmoid gate, Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
 MoE, experts 32 wide, top-2 weights not renormalised), Mixtral every layer MoE (softmax,
 experts as wide as ``intermediate_size``, renormalised), GLM-4.5 layer 0 dense and layer 1
 routed as DeepSeek-V3 (sigmoid scores, a random selection bias, 4 groups of which 2, a shared
@@ -71,14 +72,15 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3",
-         "deepseek_v2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
+         "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
@@ -117,6 +119,7 @@ DEFAULT_ROPE_SCALING = {
     "qwen3": "none",
     "mistral": "none",
     "phi3": "longrope",
+    "qwen2_moe": "none",
     "qwen3_moe": "none",
     "mixtral": "none",
     "glm4_moe": "none",
@@ -168,6 +171,9 @@ def tiny_config(
             mistral=dict(head_dim=16, sliding_window=sliding_window),
             # NOTE: q/k/v in one qkv_proj, gate/up in one gate_up_proj; RoPE on 12 of 16 dims
             phi3=dict(sliding_window=sliding_window, partial_rotary_factor=0.75, original_max_position_embeddings=128),
+            # NOTE: Qwen2-MoE: a gated shared expert two experts wide; layer 0 dense (decoder_sparse_step=2)
+            qwen2_moe=dict(use_sliding_window=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=2),
             # NOTE: decoder_sparse_step=2: layer 0 dense, layer 1 MoE; the top-k weights not renormalised
             qwen3_moe=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
@@ -178,7 +184,7 @@ def tiny_config(
                           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
                           first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
         )[arch]
-        if arch in ("qwen2", "mistral", "mixtral", "phi3"):  # NOTE: their attention ignores attention_bias
+        if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(

@@ -4,12 +4,13 @@
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
-``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` (``hf_llama``: one
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
+``Glm4MoeForCausalLM`` (``hf_llama``: one
 model, the families' differences — biases, q/k norms, head_dim, partial RoPE, fused tensors,
 the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
 ``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is checked
 when the run config is validated — an unsupported architecture (other MoE families such as
-Qwen2-MoE or Llama 4 are named as such), a
+Llama 4 or OLMoE are named as such), a
 quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
 rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
 ``use_sliding_window``) shorter than a request of the run (``length_problems``): pcpflow
@@ -54,6 +55,7 @@ _MODEL_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
@@ -143,7 +145,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, GLM-4.5) or DeepSeek model
+    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, Qwen2/3-MoE, Mixtral, GLM-4.5) or DeepSeek model
     with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):

@@ -1,7 +1,7 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
-``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` — grouped-query
-attention with RoPE.
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
+``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
 The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. They read the
 same config.json fields and differ only where ``FAMILIES`` says (transformers'
@@ -15,6 +15,11 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 - Qwen3: q/k/v/o biases when ``attention_bias``; an RMSNorm over each head of q and of k
   (``q_norm``, ``k_norm``, eps ``rms_norm_eps``) before RoPE; ``head_dim`` defaults to 128,
   not hidden/heads; a sliding window as Qwen2.
+- Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention, its q/k/v biases as ``qkv_bias``
+  says (default true); ``sliding_window: 0`` is none; a window on the layers ``layer_types``
+  names (else, with ``use_sliding_window``, the even layers below ``max_window_layers``); MoE
+  MLPs as Qwen3-MoE's plus a shared expert ``shared_expert_intermediate_size`` wide, its
+  output scaled by ``sigmoid(shared_expert_gate(x))``.
 - Qwen3-MoE: Qwen3's attention (``head_dim`` defaulting to hidden/heads); a sliding window
   on every layer when ``use_sliding_window``; MoE MLPs on the layers ``decoder_sparse_step``
   picks (``pcpflow.models.hf_moe.gqa_moe_settings``: softmax top-k routing, renormalised when
@@ -48,7 +53,7 @@ from pydantic import Field, model_validator
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig
-from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, gqa_moe_settings
+from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, QWEN2_MOE_RENAMES, gqa_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import gqa_layers, gqa_spec
 from pcpflow.models.moe_config import MoEConfig
@@ -65,7 +70,9 @@ class GQAFamily:
     qk_norm: bool | None = False  # None: config.json's use_qk_norm decides
     head_dim: int | None = None  # when config.json gives none (None: hidden_size / heads)
     rotary_factor: float = 1.0  # the share of a head RoPE rotates where config.json gives no partial_rotary_factor
-    sliding: Literal["never", "every_layer", "use_sliding_window", "use_sliding_window_every_layer"] = "never"
+    sliding: Literal["never", "every_layer", "use_sliding_window", "use_sliding_window_every_layer",
+                     "use_sliding_window_alternate"] = "never"
+    reads_qkv_bias: bool = False  # config.json's qkv_bias, when given, decides q/k/v biases (Qwen2-MoE)
     default_window: int | None = 4096  # transformers' sliding_window where config.json gives none
 
 
@@ -74,6 +81,8 @@ FAMILIES = {
     "MistralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer"),
     "Qwen2ForCausalLM": GQAFamily(qkv_bias=True, o_bias=False, mlp_bias=False, sliding="use_sliding_window"),
     "Qwen3ForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, head_dim=128, sliding="use_sliding_window"),
+    "Qwen2MoeForCausalLM": GQAFamily(qkv_bias=True, o_bias=False, mlp_bias=False, sliding="use_sliding_window_alternate",
+                                     reads_qkv_bias=True),
     "Qwen3MoeForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, sliding="use_sliding_window_every_layer"),
     "MixtralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
                                     default_window=None),
@@ -97,6 +106,7 @@ class LlamaCheckpoint(CheckpointConfig):
     max_window_layers: int = Field(DEFAULT_MAX_WINDOW_LAYERS, ge=0)
     layer_types: list[str] | None = None
     use_qk_norm: bool = False
+    qkv_bias: bool | None = None  # Qwen2-MoE's
     partial_rotary_factor: float | None = Field(None, gt=0, le=1)
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral, GLM-4.5: from their MoE fields (``hf_moe.gqa_moe_settings``)
 
@@ -113,6 +123,7 @@ class LlamaCheckpoint(CheckpointConfig):
                stacked=("layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight")),
         Rename("model.layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.gate_up_proj.weight"),
         *MOE_RENAMES,
+        *QWEN2_MOE_RENAMES,
         *MIXTRAL_RENAMES,
     )
 
@@ -121,6 +132,8 @@ class LlamaCheckpoint(CheckpointConfig):
     def _moe_fields(cls, raw: Any) -> Any:
         if isinstance(raw, dict):
             raw = dict(raw)
+            if raw.get("sliding_window") == 0 and raw.get("architecture") == "Qwen2MoeForCausalLM":
+                raw["sliding_window"] = None  # NOTE: what Qwen2MoeConfig writes for no window
             try:
                 raw["moe"] = gqa_moe_settings(raw, raw.get("architecture"))
             except TypeError:  # a field of the wrong type: the field's own validation names it
@@ -174,6 +187,8 @@ class LlamaCheckpoint(CheckpointConfig):
             return list(layers)
         if self.layer_types is not None:
             return [i for i in layers if i < len(self.layer_types) and self.layer_types[i] == "sliding_attention"]
+        if sliding.endswith("alternate"):  # NOTE: Qwen2MoeConfig's layer_types when it writes none
+            return [i for i in layers if i % 2 == 0 and i < self.max_window_layers]
         return [i for i in layers if i >= self.max_window_layers]
 
     @property
@@ -212,7 +227,8 @@ class LlamaCheckpoint(CheckpointConfig):
             self.num_hidden_layers, hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
             num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            bias=given(f.qkv_bias, self.attention_bias), o_bias=given(f.o_bias, self.attention_bias),
+            bias=self.qkv_bias if f.reads_qkv_bias and self.qkv_bias is not None else given(f.qkv_bias, self.attention_bias),
+            o_bias=given(f.o_bias, self.attention_bias),
             mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
             rotary_dim=self.rope_dims,
         )

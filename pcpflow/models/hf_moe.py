@@ -1,4 +1,4 @@
-"""The mixture-of-experts part of DeepSeek-V2/V3, Qwen3-MoE and Mixtral checkpoints: which
+"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE and Mixtral checkpoints: which
 config.json fields make which ``MoEConfig`` (transformers' routing; unsupported variants
 named), and where the router, routed and shared experts' tensors go."""
 
@@ -65,6 +65,14 @@ MOE_RENAMES = (
 """Routed experts (one tensor per expert and projection, as DeepSeek and transformers'
 ``save_pretrained`` store them), router and shared experts."""
 
+QWEN2_MOE_RENAMES = (
+    _mlp("shared_expert.gate_proj.weight", "shared_experts.gate_up_proj.weight", (0, 2)),
+    _mlp("shared_expert.up_proj.weight", "shared_experts.gate_up_proj.weight", (1, 2)),
+    _mlp("shared_expert.down_proj.weight", "shared_experts.down_proj.weight"),
+    _mlp("shared_expert_gate.weight", "shared_expert_gate.weight"),
+)
+"""Qwen2-MoE: one ``shared_expert`` (singular) and the ``shared_expert_gate`` that scales it."""
+
 
 def _sparse(hf: str, ours: str, part: tuple[int, int] | None = None) -> Rename:
     return Rename("model.layers.{i}.block_sparse_moe." + hf, "layers.{i}.mlp." + ours, part)
@@ -80,12 +88,14 @@ MIXTRAL_RENAMES = (
 as Mistral's checkpoints and transformers' ``save_pretrained`` store them."""
 
 GQA_MOE_DEFAULTS = {
+    "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                                shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1),
     "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                                 norm_topk_prob=False, decoder_sparse_step=1),
     "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2),
 }
-"""transformers' defaults (``Qwen3MoeConfig``, ``MixtralConfig``) of the MoE fields a
-config.json may omit."""
+"""transformers' defaults (``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``) of the MoE
+fields a config.json may omit."""
 
 
 V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
@@ -93,9 +103,10 @@ V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """``MoEConfig`` fields of a Qwen3-MoE, Mixtral or GLM-4.5 config.json dict: Qwen3-MoE and
-    Mixtral route by softmax (one group, no shared experts, router logits in the model's dtype,
-    as transformers' ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``), GLM-4.5 as DeepSeek-V3
+    """``MoEConfig`` fields of a Qwen2-MoE, Qwen3-MoE, Mixtral or GLM-4.5 config.json dict: the Qwens
+    and Mixtral route by softmax (one group, router logits in the model's dtype, as transformers'
+    ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``; Qwen2-MoE with a
+    gated shared expert ``shared_expert_intermediate_size`` wide), GLM-4.5 as DeepSeek-V3
     (``Glm4MoeTopkRouter``, its DeepSeek field names); None for a dense architecture or no
     experts; ValueError naming an unsupported variant."""
     if arch == "Glm4MoeForCausalLM":
@@ -115,7 +126,7 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     else:
         if get("mlp_only_layers"):
             raise ValueError(f"mlp_only_layers={get('mlp_only_layers')} is not supported; supported: [] (the MoE "
-                             "layers set by decoder_sparse_step alone, as every released Qwen3-MoE checkpoint)")
+                             "layers set by decoder_sparse_step alone, as every released Qwen2/3-MoE checkpoint)")
         # NOTE: transformers 4 writes num_experts, transformers 5 num_local_experts (its attribute_map)
         experts = get("num_local_experts") if raw.get("num_local_experts") is not None else get("num_experts")
         if not experts:
@@ -127,7 +138,21 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
         moe = dict(num_experts=experts, top_k=get("num_experts_per_tok"),
                    intermediate_size=get("moe_intermediate_size"), norm_topk_prob=bool(get("norm_topk_prob")),
                    first_k_dense_replace=step - 1, moe_layer_freq=step, **common)
+        if arch == "Qwen2MoeForCausalLM":
+            moe.update(_gated_shared_expert(get("shared_expert_intermediate_size"), get("moe_intermediate_size")))
     return _checked(moe)
+
+
+def _gated_shared_expert(width: Any, expert_width: Any) -> dict[str, Any]:
+    """Qwen2-MoE's shared expert, ``width`` wide, as pcpflow's shared experts: that many experts
+    ``expert_width`` wide (one MLP of their summed width, the same function), behind the gate."""
+    if not (type(width) is int and type(expert_width) is int and expert_width > 0 and width > 0):
+        raise ValueError(f"shared_expert_intermediate_size ({width!r}) and moe_intermediate_size ({expert_width!r}) "
+                         "must be positive integers")
+    if width % expert_width:
+        raise ValueError(f"shared_expert_intermediate_size={width} is not supported; supported: a multiple of "
+                         f"moe_intermediate_size ({expert_width}), as every released Qwen2-MoE checkpoint")
+    return dict(num_shared_experts=width // expert_width, shared_expert_gate=True)
 
 
 def _checked(moe: dict[str, Any]) -> dict[str, Any]:

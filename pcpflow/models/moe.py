@@ -1,6 +1,6 @@
-"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, Qwen3-MoE, Mixtral), routed exactly as
-transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` / ``Qwen3MoeTopKRouter`` /
-``MixtralTopKRouter`` do.
+"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral),
+routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
+``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` do.
 
 V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
 ``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
@@ -9,8 +9,9 @@ chosen experts, normalised to sum 1 when ``norm_topk_prob``, times
 ``routed_scaling_factor``. V2 (``softmax``): softmax scores, groups ranked by their best
 score, the top-k scores are the weights (normalised when ``norm_topk_prob``; transformers'
 V2 never normalises, so its checkpoints load with it off), times the scaling factor.
-Qwen3-MoE and Mixtral are the softmax path with one group and no scaling (Mixtral always
-normalises). The layer's output is the routed experts' weighted sum plus the shared experts.
+Qwen2-MoE, Qwen3-MoE and Mixtral are the softmax path with one group and no scaling (Mixtral
+always normalises). The layer's output is the routed experts' weighted sum plus the shared
+experts (Qwen2-MoE's scaled by a sigmoid gate of each row, ``shared_expert_gate``).
 
 A model never sees ranks: *where* the routed experts run is an ``ExpertDispatch`` the
 engine installs for the forward (``use_dispatch``; vLLM's forward context does the same
@@ -181,10 +182,16 @@ class MoEMLP(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(hidden_size, width) for _ in range(moe.num_experts))
         shared = width * moe.num_shared_experts
         self.shared_experts = GatedMLP(hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared and moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = (_DISPATCH.get() or LOCAL)(self, x)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        if self.shared_experts is None:
+            return routed
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:  # Qwen2-MoE: one learned logit per row
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) of rows ``x`` (``[N, top_k]`` each), through the installed

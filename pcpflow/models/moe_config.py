@@ -1,6 +1,6 @@
 """The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
-transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen3-MoE
-and Mixtral checkpoints map onto the same fields (``pcpflow.models.hf_llama``).
+transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen2-MoE,
+Qwen3-MoE, Mixtral and GLM-4.5 checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
 
 Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
 the simulator's model cards; ``model.moe: null`` is a dense model.
@@ -22,6 +22,8 @@ class MoEConfig(Settings):
         None, ge=1, description="width of each expert's MLP (moe_intermediate_size); None: the model's intermediate_size"
     )
     num_shared_experts: int = Field(1, ge=0, description="always-on experts (n_shared_experts)")
+    shared_expert_gate: bool = Field(False, description="scale the shared experts' output by sigmoid(x w), one "
+                                     "learned logit per row (Qwen2-MoE's shared_expert_gate)")
     n_group: int = Field(1, ge=1, description="expert groups for group-limited routing")
     topk_group: int = Field(1, ge=1, description="groups each token may route into")
     norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")

@@ -363,7 +363,7 @@ def _pricer(cfg: RunConfig, sizes, moe_dispatch: str) -> Pricer:
     host = Host(launch_s=hw.host.launch_us * 1e-6, graph_launch_s=(hw.host.graph_launch_us or hw.host.launch_us) * 1e-6,
                 layer=kernels_per_layer(sizes, cfg.tp), num_layers=sizes.num_layers,
                 override=hw.host.kernels_per_layer,
-                moe_ops=moe_ops(sizes.num_experts, sizes.top_k, sizes.num_shared_experts)
+                moe_ops=moe_ops(sizes.num_experts, sizes.top_k, sizes.num_shared_experts, sizes.shared_expert_gate)
                 if measured and sizes.num_experts else (0.0, 0.0))
     return Pricer(cfg.grid, hw, sizes, sim, act_key=PEAK_OF_DTYPE[cfg.dtype], kv_key=kv_key(cfg), host=host,
                   moe_dispatch=moe_dispatch, interleave=cfg.kv.interleave, block_size=cfg.kv.block_size)

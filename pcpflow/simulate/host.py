@@ -202,7 +202,7 @@ def _elementwise(attention: str, hidden: int, heads: int, kv_heads: int, dims: t
 
 
 @lru_cache(maxsize=32)
-def moe_ops(num_experts: int, top_k: int, num_shared: int) -> tuple[float, float]:
+def moe_ops(num_experts: int, top_k: int, num_shared: int, shared_gate: bool = False) -> tuple[float, float]:
     """Ops an MoE layer of pcpflow's forward launches, beside those its dense counterpart
     would: (fixed, per reached expert). Routing depends on the data, so the layer runs on
     real minimal tensors (CPU) for one row (``top_k`` experts reached) and for enough rows to
@@ -213,7 +213,8 @@ def moe_ops(num_experts: int, top_k: int, num_shared: int) -> tuple[float, float
     from pcpflow.models.moe_config import MoEConfig
 
     torch.manual_seed(0)
-    moe = MoEMLP(8, 8, MoEConfig(num_experts=num_experts, top_k=top_k, num_shared_experts=num_shared), 0)
+    moe = MoEMLP(8, 8, MoEConfig(num_experts=num_experts, top_k=top_k, num_shared_experts=num_shared,
+                                 shared_expert_gate=shared_gate), 0)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_()

@@ -44,6 +44,7 @@ class ModelSizes:
     top_k: int
     num_shared_experts: int
     tie_word_embeddings: bool
+    shared_expert_gate: bool = False  # a learned sigmoid gate on the shared experts (Qwen2-MoE)
     head_dims: tuple[int, ...] = ()  # gqa: (head_dim,); mla: (q_lora, kv_lora, nope, rope, v)
     dense_intermediate: int = 0  # a dense MLP's inner width
     moe_intermediate: int = 0  # one expert's inner width
@@ -51,6 +52,11 @@ class ModelSizes:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
+
+    @property
+    def router_outputs(self) -> int:
+        """Logits an MoE layer's router computes per row: one per expert, and the shared gate's."""
+        return self.num_experts + int(self.shared_expert_gate)
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """GQA K/V heads one TP rank holds (replicated when tp > heads); MLA: the latent."""
@@ -75,7 +81,7 @@ class ModelSizes:
     def active_params_per_row(self) -> int:
         """Linear-layer parameters one token meets, all layers (router and experts it routes to)."""
         moe = self.num_moe_layers * (
-            (self.top_k + self.num_shared_experts) * self.expert_params + self.hidden_size * self.num_experts
+            (self.top_k + self.num_shared_experts) * self.expert_params + self.hidden_size * self.router_outputs
         )
         return self.num_layers * self.attn_params + self.num_dense_layers * self.dense_mlp_params + moe
 
@@ -87,7 +93,7 @@ class ModelSizes:
         """Linear-layer parameters read in one step, all layers, when each MoE layer
         touches ``experts_touched`` routed experts."""
         moe = self.num_moe_layers * (
-            (experts_touched + self.num_shared_experts) * self.expert_params + self.hidden_size * self.num_experts
+            (experts_touched + self.num_shared_experts) * self.expert_params + self.hidden_size * self.router_outputs
         )
         return self.num_layers * self.attn_params + self.num_dense_layers * self.dense_mlp_params + moe
 
@@ -187,6 +193,7 @@ def _moe_sizes(moe, num_layers: int, hidden: int, intermediate: int) -> dict:
         num_experts=moe.num_experts,
         top_k=moe.top_k,
         num_shared_experts=moe.num_shared_experts,
+        shared_expert_gate=moe.shared_expert_gate,
     )
 
 

@@ -153,11 +153,11 @@ def test_a_broken_config_json_is_one_problem_in_both_kinds_of_run(ckpts, tmp_pat
 
 
 def test_cli_rejects_an_moe_checkpoint_with_exit_2_and_starts_nothing(ckpts, tmp_path):
-    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["Qwen2MoeForCausalLM"])
+    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["OlmoeForCausalLM"])
     run_dir = tmp_path / "run"
     r = cli("model=hf", f"model.path={moe}", f"hydra.run.dir={run_dir}")
     assert r.returncode == 2, r.stderr
-    assert "model.path" in r.stderr and "Qwen2MoeForCausalLM: a mixture-of-experts" in r.stderr
+    assert "model.path" in r.stderr and "OlmoeForCausalLM: a mixture-of-experts" in r.stderr
     assert "Qwen3MoeForCausalLM, MixtralForCausalLM" in r.stderr  # the MoE families it does route
     assert "Traceback" not in r.stderr + r.stdout
     assert not run_dir.exists()
@@ -480,7 +480,8 @@ def test_longrope_is_read_as_phi3_config_reads_it(tmp_path):
 def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
     """Mistral: every layer, unless sliding_window is null (absent: transformers' 4096).
     Qwen2/3: only with use_sliding_window, on the layers from max_window_layers (or those
-    layer_types names). Llama has no window whatever config.json says."""
+    layer_types names); Qwen2-MoE as its config class says. Llama has no window whatever
+    config.json says."""
     from pcpflow.models.hf import read_checkpoint_config
 
     def window(arch, **fields):
@@ -497,6 +498,13 @@ def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
     assert window("Qwen3ForCausalLM", sliding_window=8, use_sliding_window=True,
                   layer_types=["sliding_attention", "full_attention"]) == (8, [0])
     assert window("Qwen3ForCausalLM", sliding_window=_DELETE, use_sliding_window=True, max_window_layers=0) == (4096, [0, 1])
+    # Qwen2-MoE: Qwen2MoeConfig writes sliding_window 0 for none, and slides the even layers below
+    # max_window_layers where it is given no layer_types (its own rule, read from transformers here)
+    assert window("Qwen2MoeForCausalLM", sliding_window=0, use_sliding_window=False) == (None, [])
+    theirs = transformers.Qwen2MoeConfig(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                                         max_window_layers=2).layer_types
+    assert window("Qwen2MoeForCausalLM", sliding_window=8, use_sliding_window=True, max_window_layers=2) == (
+        8, [i for i, kind in enumerate(theirs) if kind == "sliding_attention"]) == (8, [0])
 
 
 # ------------------------------------------------------------------ what each family builds
@@ -510,7 +518,7 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     from pcpflow.models.hf import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
-    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "qwen3_moe", "mixtral", "glm4_moe"):
+    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -598,9 +606,24 @@ def test_real_phi3_checkpoint_configs_size_a_simulated_run(tmp_path, name):
             compose([*sim, "workload.prompt_lens=[2000]", "workload.output_lens=[48]"])
 
 
-# config.json of Qwen3-30B-A3B, Qwen3-235B-A22B (as transformers 4 wrote them: num_experts) and
-# Mixtral-8x7B-v0.1, with their published parameter counts (billions: total, active per token).
+# config.json of Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B, Qwen3-30B-A3B, Qwen3-235B-A22B (as transformers 4
+# wrote them: num_experts) and Mixtral-8x7B-v0.1, with their published parameter counts (billions:
+# total, active per token).
 REAL_MOE_CONFIGS = {
+    "qwen1.5-moe-a2.7b": (dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=2048,
+                               intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                               num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=24, vocab_size=151936,
+                               num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+                               max_position_embeddings=8192, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                               tie_word_embeddings=False, use_sliding_window=False, sliding_window=32768,
+                               max_window_layers=21), (14.3, 2.7)),
+    "qwen2-57b-a14b": (dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=3584,
+                            intermediate_size=18944, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,
+                            num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28, vocab_size=151936,
+                            num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1,
+                            max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False, use_sliding_window=False, sliding_window=131072,
+                            max_window_layers=28), (57, 14)),
     "qwen3-30b-a3b": (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
                            intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
                            num_key_value_heads=4, head_dim=128, num_hidden_layers=48, vocab_size=151936,
@@ -641,7 +664,7 @@ REAL_MOE_CONFIGS = {
 
 @pytest.mark.parametrize("name", REAL_MOE_CONFIGS)
 def test_real_moe_checkpoint_configs_size_a_simulated_run(tmp_path, name):
-    """A simulated run of a Qwen3-MoE or Mixtral config.json counts the parameters their model
+    """A simulated run of a Qwen2-MoE, Qwen3-MoE, Mixtral or GLM-4.5 config.json counts the parameters their model
     cards publish (total, and active per token: attention, the router, top-k experts; plus
     embedding and head), within the published figures' rounding."""
     from pcpflow.models.hf import read_checkpoint_config
@@ -649,12 +672,15 @@ def test_real_moe_checkpoint_configs_size_a_simulated_run(tmp_path, name):
 
     config, (total_b, active_b) = REAL_MOE_CONFIGS[name]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
+    tp = 8 if config["num_attention_heads"] % 8 == 0 else 4  # NOTE: Qwen2-57B has 28 heads
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", f"tp={tp}", "pcp=2",
                    "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
     sizes = model_sizes(cfg.model)
     experts = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
-    assert (sizes.num_experts, sizes.top_k, sizes.num_shared_experts) == (
-        experts, config["num_experts_per_tok"], config.get("n_shared_experts", 0))
+    # NOTE: Qwen2-MoE's one shared expert, k experts wide, is k shared experts summed
+    shared = config.get("shared_expert_intermediate_size", 0) // config.get("moe_intermediate_size", 1)
+    assert (sizes.num_experts, sizes.top_k, sizes.num_shared_experts, sizes.shared_expert_gate) == (
+        experts, config["num_experts_per_tok"], config.get("n_shared_experts", shared), shared > 0)
     assert sizes.num_dense_layers == config.get("first_k_dense_replace", 0)
     total = (sizes.total_weight_params() + sizes.embedding_params) / 1e9
     active = (sizes.active_params_per_row() + sizes.embedding_params) / 1e9

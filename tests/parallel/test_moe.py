@@ -112,9 +112,9 @@ def test_routing_matches_a_per_token_reference(moe):
             assert abs(got[x] - w) < 1e-12
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_normed", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "qwen3_moe_normed", "mixtral"])
 def test_softmax_routers_choose_as_transformers_in_bfloat16(family):
-    """Qwen3-MoE and Mixtral routers (``router_dtype=model``): bf16 rows, bf16 router weights;
+    """Qwen2-MoE, Qwen3-MoE and Mixtral routers (``router_dtype=model``): bf16 rows, bf16 router weights;
     the same experts as transformers' own router module on every row, the same weights to bf16
     rounding. Their logits are bf16 products, so ties and near-ties fall as transformers'."""
     from pcpflow.models.moe import TopKRouter
@@ -124,6 +124,10 @@ def test_softmax_routers_choose_as_transformers_in_bfloat16(family):
         theirs = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(
             transformers.MixtralConfig(hidden_size=h, num_local_experts=e, num_experts_per_tok=k))
         norm = True
+    elif family == "qwen2_moe":
+        theirs = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter(
+            transformers.Qwen2MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k))
+        norm = False
     else:
         norm = family.endswith("normed")
         theirs = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(
@@ -393,6 +397,7 @@ HF_CASES = [
     ("dsv3_moe", "float64", 2, 1, "sharded", "all_to_all"),
     ("dsv3_moe", "float64", 4, 4, "sharded", "local"),
     ("qwen3_moe", "float64", 2, 2, "replicated", "all_to_all"),
+    ("qwen2_moe", "float64", 2, 2, "sharded", "gather"),
 ]
 HF_SLOW_CASES = [
     ("dsv3_moe", "float64", 4, 4, "sharded", "gather"),
@@ -409,10 +414,12 @@ HF_SLOW_CASES = [
     ("glm4_moe", "float64", 2, 2, "sharded", "gather"),
     ("glm4_moe", "float32", 4, 4, "replicated", "all_to_all"),
     ("glm4_moe", "float64", 2, 1, "sharded", "local", "tp=2"),
+    ("qwen2_moe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("qwen2_moe", "float64", 2, 2, "replicated", "local", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen3-MoE's and GLM-4.5's too, Mixtral's is not.
-HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1}
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's is not.
+HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1}
 
 
 class _Checkpoints(dict):
@@ -421,6 +428,7 @@ class _Checkpoints(dict):
     OPTIONS = {
         "dsv3_moe": ("deepseek_v3", dict(moe=True)),
         "dsv2_moe": ("deepseek_v2", dict(moe=True)),
+        "qwen2_moe": ("qwen2_moe", {}),
         "qwen3_moe": ("qwen3_moe", {}),
         "mixtral": ("mixtral", {}),
         "glm4_moe": ("glm4_moe", dict(bias=True)),
@@ -586,11 +594,15 @@ def _edit(src: Path, dst: Path, **changes) -> Path:
 
 def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     v3 = moe_checkpoints["dsv3_moe"]
-    qwen2 = _edit(v3, tmp_path / "qwen2", architectures=["Qwen2MoeForCausalLM"])
-    says = _checkpoint_problem(qwen2)
-    assert "unsupported architecture Qwen2MoeForCausalLM: a mixture-of-experts variant" in says
-    assert ("supported MoE checkpoints: Qwen3MoeForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM, "
-            "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in says
+    olmoe = _edit(v3, tmp_path / "olmoe", architectures=["OlmoeForCausalLM"])
+    says = _checkpoint_problem(olmoe)
+    assert "unsupported architecture OlmoeForCausalLM: a mixture-of-experts variant" in says
+    assert ("supported MoE checkpoints: Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+            "Glm4MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in says
+    shared = _edit(v3, tmp_path / "shared", architectures=["Qwen2MoeForCausalLM"], num_experts=8,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    assert "shared_expert_intermediate_size=48 is not supported; supported: a multiple of moe_intermediate_size (32)" \
+        in _checkpoint_problem(shared)
     # NOTE: the config.json is refused before any tensor is read: a DeepSeek checkpoint relabelled will do
     glm = _edit(v3, tmp_path / "glm", architectures=["Glm4MoeForCausalLM"], scoring_func="softmax")
     assert "scoring_func='softmax' is not supported" in _checkpoint_problem(glm)
