@@ -33,6 +33,7 @@ from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
+from pcpflow.models.hf_gemma import Gemma3Checkpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
 from pcpflow.models.hf_weights import (
     Rename,
@@ -46,7 +47,17 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     **dict.fromkeys(FAMILIES, LlamaCheckpoint),
     "DeepseekV2ForCausalLM": DeepseekCheckpoint,
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
+    "Gemma3ForCausalLM": Gemma3Checkpoint,
 }
+UNSUPPORTED = {
+    "Gemma3ForConditionalGeneration": (
+        "multimodal Gemma 3 (a vision tower beside the language model) is not supported; pcpflow runs "
+        "Gemma 3 text checkpoints, Gemma3ForCausalLM (config.json model_type gemma3_text: gemma-3-270m, gemma-3-1b)"
+    ),
+    "Gemma2ForCausalLM": "Gemma 2 (soft-capped attention scores and logits) is not supported",
+    "GemmaForCausalLM": "Gemma (1) is not supported",
+}
+"""Architectures refused with a reason of their own (others: a plain "unsupported")."""
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -57,6 +68,10 @@ _MODEL_TYPES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
 }
 
 
@@ -97,7 +112,8 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
             f"supported MoE checkpoints: {', '.join(supported)}"
         )
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(ARCHITECTURES)}")
+        why = f": {UNSUPPORTED[arch]}" if arch in UNSUPPORTED else ""
+        raise ValueError(f"unsupported architecture {arch}{why}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[arch].parse(raw, arch, allow_quantized=sizes_only)
 
 
@@ -180,6 +196,7 @@ class HFModel(DecoderLM):
             attn_spec=c.attn_spec(),
             eps=c.rms_norm_eps,
             tie_word_embeddings=c.tie_word_embeddings if tied is None else tied,
+            **c.lm_options(),
         )
         self.checkpoint = checkpoint
 
@@ -258,13 +275,13 @@ def window_problems(model_config: Any, longest: int) -> list[Problem]:
     window = getattr(checkpoint, "window", None)
     if window is None or longest <= window:
         return []
-    off = "use_sliding_window false" if checkpoint.family.sliding.startswith("use_") else "sliding_window null"
+    off = f", or use a checkpoint with {checkpoint.window_off}" if checkpoint.window_off else ""
     return [Problem("model.path", str(path), (
         f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
         f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
         f"does not implement sliding-window attention (it attends to every earlier token), which is "
         f"exact only for requests of at most {window} tokens (prompt + output + speculative tokens): "
-        f"shorten the requests, or use a checkpoint with {off}"
+        f"shorten the requests{off}"
     ))]
 
 
