@@ -5,13 +5,15 @@ safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and the mixture-of-experts ``Qwen3MoeForCausalLM``,
 ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families'
-differences — biases, q/k norms, head_dim, partial RoPE, the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
-``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is checked
+differences — biases, q/k norms, head_dim, partial RoPE, the MoE fields — in a table), Gemma 3's
+text ``Gemma3ForCausalLM`` (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale,
+GELU and RoPE per layer type) and ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or
+with MoE layers (``hf_deepseek``). The config is checked
 when the run config is validated — an unsupported architecture (other MoE families such as
-Qwen2-MoE or Llama 4 are named as such), a
+Qwen2-MoE or Llama 4 are named as such, Gemma 1/2 and multimodal Gemma 3 with a reason), a
 quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
 rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
-``use_sliding_window``) shorter than a request of the run (``window_problems``): pcpflow
+``use_sliding_window``, Gemma 3's sliding layers) shorter than a request of the run (``window_problems``): pcpflow
 attends to the whole sequence, which equals the window only until a request outgrows it.
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
@@ -156,8 +158,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, GLM-4.5) or DeepSeek model
-    with the weights of a Hugging Face checkpoint."""
+    """A Llama-style (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, GLM-4.5), Gemma 3 or DeepSeek
+    model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""
