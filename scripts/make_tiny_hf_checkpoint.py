@@ -21,6 +21,13 @@ o or MLP ones), Qwen3 has per-head q/k RMSNorms and ``head_dim=24`` != hidden/he
 without it there is none (``sliding_window`` null). Phi-3 stores q/k/v as one ``qkv_proj`` and
 gate/up as one ``gate_up_proj``, ropes 3/4 of each head and has LongRoPE (original length 128).
 
+``gemma3`` (``Gemma3ForCausalLM``) is hidden 80 (its square root, the embedding scale, is not a
+float32 number), ``head_dim=24``, ``query_pre_attn_scalar=20`` (tied embeddings, as the released ones, with ``--tie-word-embeddings``),
+even layers sliding (over ``--sliding-window``, else transformers' 4096; RoPE base 1e4) and
+odd ones full (base 1e6, linear x8 unless ``--rope-scaling`` says otherwise)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch gemma3 --tie-word-embeddings --out /tmp/tiny-gemma3
+
 ``qwen2_moe``, ``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts,
 2 per token: Qwen2-MoE as Qwen3-MoE's routing below (with Qwen2's attention) plus a shared expert
 64 wide behind its sigmoid gate, Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
@@ -40,7 +47,7 @@ weights are ``N(0, 1/fan_in)`` as every linear weight.
 Weights are drawn from ``torch.Generator(seed)``: linear weights ``N(0, 1/fan_in)``, the LM
 head ``N(0, 4/hidden)`` (logits of standard deviation ~2), embeddings ``N(0, 1)`` (tied:
 ``N(0, 4/hidden)``, as the head), biases ``N(0, 0.1^2)``, and every norm weight
-``1 + N(0, 0.2^2)`` — not transformers' ``std=0.02`` init, whose logits are nearly flat
+``1 + N(0, 0.2^2)`` (Gemma's stored offsets ``N(0, 0.2^2)``: the same norms) — not transformers' ``std=0.02`` init, whose logits are nearly flat
 (greedy decoding would then hinge on rounding). Logits of a few units keep float32
 rounding near 1e-6 while top-2 gaps stay far above it. Norm weights that are not all one
 make a swapped or missing norm in a loader show up in the logits.
@@ -72,7 +79,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gemma3",
          "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -84,10 +91,12 @@ GQA_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
     "none": None,
+    "linear": {"rope_type": "linear", "factor": 8.0},
     "llama3": {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -123,6 +132,7 @@ DEFAULT_ROPE_SCALING = {
     "qwen3_moe": "none",
     "mixtral": "none",
     "glm4_moe": "none",
+    "gemma3": "linear",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -183,9 +193,16 @@ def tiny_config(
             glm4_moe=dict(head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, n_routed_experts=8,
                           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
                           first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+            # NOTE: head_dim 24 != hidden/heads, a softmax scale of its own (query_pre_attn_scalar);
+            # even layers slide (RoPE base 1e4), odd ones are full (base 1e6, the rope scaling)
+            gemma3=dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=sliding_window or 4096,
+                        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
+                        rope_local_base_freq=10000.0),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
+        if arch == "gemma3":  # NOTE: hidden 80: its sqrt (the embedding scale) is not a float32 number
+            common.update(hidden_size=80, rope_theta=1_000_000.0)
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(
         q_lora_rank=q_lora_rank,
@@ -272,6 +289,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter from ``torch.Generator(seed)`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
+    offsets = model.config.model_type == "gemma3_text"  # NOTE: Gemma's norms scale by 1 + weight
 
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -282,7 +300,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
                 value = randn(param.shape) * std
             elif name.endswith("norm.weight") or "layernorm" in name:
-                value = 1 + 0.2 * randn(param.shape)
+                value = (0 if offsets else 1) + 0.2 * randn(param.shape)
             elif name.endswith(".bias"):
                 value = 0.1 * randn(param.shape)
             elif param.dim() in (2, 3):  # 3: stacked experts [E, out, in]

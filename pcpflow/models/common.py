@@ -4,6 +4,7 @@ and float64 builds of the tiny models the same model."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -18,16 +19,22 @@ from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMS norm scaled by ``weight``; ``unit_offset`` (Gemma): by ``1 + weight``, the weight
+    stored as its offset from one."""
+
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: bf16/fp16 normalize in float32, then scale in the input dtype (as
-        # transformers' Llama/DeepSeek RMSNorm); float32/float64 compute in place.
+        # transformers' Llama/DeepSeek RMSNorm) or, Gemma's, scale in float32 and then round;
+        # float32/float64 compute in place.
         h = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1 + self.weight.to(h.dtype))).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -180,21 +187,33 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; gate and up are one fused projection."""
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,
+    "gelu_tanh": functools.partial(nn.functional.gelu, approximate="tanh"),  # transformers' gelu_pytorch_tanh
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``, ``act`` SiLU (Gemma: tanh-approximated GELU); gate and up
+    are one fused projection."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: Literal["silu", "gelu_tanh"] = "silu"
+    ):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+    """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
+    ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``.
+    ``unit_offset``: the norms scale by ``1 + weight`` (``RMSNorm``).
 
     ``self_attn(h, positions, layer, attn)`` is the model's attention: its projections
     around exactly one call to the engine's backend ``attn``."""
@@ -207,19 +226,27 @@ class DecoderLayer(nn.Module):
         eps: float,
         mlp_bias: bool = False,
         mlp: nn.Module | None = None,
+        *,
+        sandwich: bool = False,
+        unit_offset: bool = False,
     ):
         super().__init__()
-        self.input_norm = RMSNorm(hidden_size, eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(hidden_size, eps, unit_offset=unit_offset)
+
+        self.input_norm = norm()
         self.self_attn = self_attn
-        self.post_attention_norm = RMSNorm(hidden_size, eps)
+        self.post_attention_norm = norm()  # NOTE: the MLP's input norm (Gemma's pre_feedforward_layernorm)
         # NOTE: ``mlp`` replaces the dense MLP (a mixture-of-experts block, pcpflow.models.moe)
         self.mlp = mlp if mlp is not None else GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
+        self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if sandwich else (nn.Identity(), nn.Identity())
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_norm(x), positions, layer, attn)
-        return x + self.mlp(self.post_attention_norm(x))
+        x = x + self.attn_out_norm(self.self_attn(self.input_norm(x), positions, layer, attn))
+        return x + self.mlp_out_norm(self.mlp(self.post_attention_norm(x)))
 
 
 class TinyModelConfig(Settings):
@@ -244,7 +271,8 @@ class TinyModelConfig(Settings):
 
 class DecoderLM(CausalLM):
     """Embedding, a stack of ``DecoderLayer``, final norm and LM head; subclasses supply
-    the attention block per layer and the ``AttentionSpec``."""
+    the attention block per layer and the ``AttentionSpec``. ``embed_scale`` multiplies the
+    embedding (Gemma: sqrt(hidden_size)); ``unit_offset``: the final norm's (``RMSNorm``)."""
 
     def __init__(
         self,
@@ -255,6 +283,8 @@ class DecoderLM(CausalLM):
         attn_spec: AttentionSpec,
         eps: float,
         tie_word_embeddings: bool,
+        embed_scale: float | None = None,
+        unit_offset: bool = False,
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -262,14 +292,19 @@ class DecoderLM(CausalLM):
         self.num_layers = len(layers)
         self.attn_spec = attn_spec
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_scale = embed_scale
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset)
         self.lm_head = (
             None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        # NOTE: the scale rounded to the weights' dtype first, as transformers' Gemma (bf16: sqrt(3072) is 55.5)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
     def forward(
         self,
@@ -338,7 +373,7 @@ def build_seeded(
             elif isinstance(module, nn.Embedding):
                 module.weight.copy_(_randn(module.weight.shape, gen) * embed_std)
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(0.0 if module.unit_offset else 1.0)
             elif hasattr(module, "seeded_init"):  # e.g. an MoE router (weight and bias)
                 module.seeded_init(gen, linear_gain)
             elif any(True for _ in module.parameters(recurse=False)):

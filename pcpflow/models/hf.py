@@ -5,17 +5,18 @@ safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
-``Glm4MoeForCausalLM`` (``hf_llama``: one
-model, the families' differences — biases, q/k norms, head_dim, partial RoPE, fused tensors,
-the MoE fields — in a table) and ``DeepseekV2ForCausalLM`` /
-``DeepseekV3ForCausalLM``, dense or with MoE layers (``hf_deepseek``). The config is checked
+``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k norms,
+head_dim, partial RoPE, fused tensors, the MoE fields — in a table), Gemma 3's text
+``Gemma3ForCausalLM`` (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale,
+GELU and RoPE per layer type) and ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or
+with MoE layers (``hf_deepseek``). The config is checked
 when the run config is validated — an unsupported architecture (other MoE families such as
-Llama 4 or OLMoE are named as such), a
+Llama 4 or OLMoE are named as such, Gemma 1/2 and multimodal Gemma 3 with a reason), a
 quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
 rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
-``use_sliding_window``) shorter than a request of the run (``length_problems``): pcpflow
-attends to the whole sequence, which equals the window only until a request outgrows it;
-and, in an executed run, a request past LongRoPE's original length.
+``use_sliding_window``, Gemma 3's sliding layers) shorter than a request of the run
+(``length_problems``): pcpflow attends to the whole sequence, which equals the window only
+until a request outgrows it; and, in an executed run, a request past LongRoPE's original length.
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
 attention.
@@ -36,6 +37,7 @@ from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
+from pcpflow.models.hf_gemma import Gemma3Checkpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
 from pcpflow.models.hf_weights import (
     Rename,
@@ -49,7 +51,17 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     **dict.fromkeys(FAMILIES, LlamaCheckpoint),
     "DeepseekV2ForCausalLM": DeepseekCheckpoint,
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
+    "Gemma3ForCausalLM": Gemma3Checkpoint,
 }
+UNSUPPORTED = {
+    "Gemma3ForConditionalGeneration": (
+        "multimodal Gemma 3 (a vision tower beside the language model) is not supported; pcpflow runs "
+        "Gemma 3 text checkpoints, Gemma3ForCausalLM (config.json model_type gemma3_text: gemma-3-270m, gemma-3-1b)"
+    ),
+    "Gemma2ForCausalLM": "Gemma 2 (soft-capped attention scores and logits) is not supported",
+    "GemmaForCausalLM": "Gemma (1) is not supported",
+}
+"""Architectures refused with a reason of their own (others: a plain "unsupported")."""
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -62,6 +74,10 @@ _MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
 }
 
 
@@ -102,7 +118,8 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
             f"supported MoE checkpoints: {', '.join(supported)}"
         )
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(ARCHITECTURES)}")
+        why = f": {UNSUPPORTED[arch]}" if arch in UNSUPPORTED else ""
+        raise ValueError(f"unsupported architecture {arch}{why}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[arch].parse(raw, arch, allow_quantized=sizes_only)
 
 
@@ -145,8 +162,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, Qwen2/3-MoE, Mixtral, GLM-4.5) or DeepSeek model
-    with the weights of a Hugging Face checkpoint."""
+    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 3 or
+    DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""
@@ -185,6 +202,7 @@ class HFModel(DecoderLM):
             attn_spec=c.attn_spec(),
             eps=c.rms_norm_eps,
             tie_word_embeddings=c.tie_word_embeddings if tied is None else tied,
+            **c.lm_options(),
         )
         self.checkpoint = checkpoint
 
@@ -265,13 +283,13 @@ def length_problems(model_config: Any, longest: int) -> list[Problem]:
     problems = []
     window = getattr(checkpoint, "window", None)
     if window is not None and longest > window:
-        off = "use_sliding_window false" if checkpoint.family.sliding.startswith("use_") else "sliding_window null"
+        off = f", or use a checkpoint with {checkpoint.window_off}" if checkpoint.window_off else ""
         problems.append(Problem("model.path", str(path), (
             f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
             f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
             f"does not implement sliding-window attention (it attends to every earlier token), which is "
             f"exact only for requests of at most {window} tokens (prompt + output + speculative tokens): "
-            f"shorten the requests, or use a checkpoint with {off}"
+            f"shorten the requests{off}"
         )))
     limit = checkpoint.rope_limit
     if name == "hf" and limit is not None and longest > limit:

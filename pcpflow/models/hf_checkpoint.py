@@ -56,44 +56,20 @@ class CheckpointConfig(BaseModel):
         quant = raw.get("quantization_config")
         if quant is not None and not isinstance(quant, dict):
             raise ValueError(f"quantization_config must be a mapping (quant_method, ...); got {type(quant).__name__} {quant!r}")
+        return cls._rope_fields(raw)
+
+    @classmethod
+    def _rope_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """``raw`` with its RoPE settings read into ``rope_theta`` and ``rope_scaling``."""
         key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
         params = raw.pop("rope_parameters", None) or raw.pop("rope_scaling", None) or {}
         raw.pop("rope_scaling", None)
-        if not isinstance(params, dict):
-            raise ValueError(f"{key} must be a mapping (rope_type, factor, ...); got {type(params).__name__} {params!r}")
-        params = dict(params)
-        if params.get("partial_rotary_factor") is not None:  # NOTE: transformers 5 keeps it with the rope's settings
+        if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+            # NOTE: transformers 5 keeps it with the rope's settings
             raw.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
-        theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
-        raw["rope_theta"] = theta
-        rope_type = params.get("rope_type") or params.get("type") or "default"
-        if rope_type in LONGROPE_ALIASES.get(raw.get("architecture"), ()):
-            rope_type = "longrope"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        if rope_type == "longrope":
-            _read_longrope(params, raw)
-        if rope_type != "default":
-            if params.get("factor") is None:
-                raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
-            known = set(RopeScaling.__dataclass_fields__)
-            kwargs = {k: v for k, v in params.items() if k in known and v is not None}
-            kwargs["rope_type"] = rope_type
-            if rope_type in ("llama3", "yarn", "longrope"):
-                # NOTE: as transformers: the original length defaults to the model's
-                kwargs.setdefault(
-                    "original_max_position_embeddings",
-                    raw.get("original_max_position_embeddings")
-                    or raw.get("max_position_embeddings", 2048),
-                )
-            try:
-                raw["rope_scaling"] = RopeScaling(**kwargs)
-            except ValidationError as exc:
-                bad = "; ".join(f"{key}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
-                raise ValueError(bad) from None
+        raw["rope_theta"], scaling = read_rope(params, key, raw, default_theta=raw.get("rope_theta") or 10000.0)
+        if scaling is not None:
+            raw["rope_scaling"] = scaling
         return raw
 
     @model_validator(mode="after")
@@ -154,6 +130,43 @@ class CheckpointConfig(BaseModel):
     def build_layers(self) -> list[DecoderLayer]:  # pragma: no cover
         raise NotImplementedError
 
+    def lm_options(self) -> dict[str, Any]:
+        """``DecoderLM``'s options beyond layers, sizes and eps (Gemma: its embedding scale and norms)."""
+        return {}
+
+
+def read_rope(params: Any, key: str, raw: dict[str, Any], *, default_theta: float) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling; None: plain RoPE) of one mapping of RoPE settings as config.json spells
+    them (``rope_type``, ``factor``, ...; ``key``: its place in config.json, for messages)."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{key} must be a mapping (rope_type, factor, ...); got {type(params).__name__} {params!r}")
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or default_theta
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type in LONGROPE_ALIASES.get(raw.get("architecture"), ()):
+        rope_type = "longrope"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "longrope":
+        _read_longrope(params, raw)
+    if params.get("factor") is None:
+        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
+    known = set(RopeScaling.__dataclass_fields__)
+    kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+    kwargs["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # NOTE: as transformers: the original length defaults to the model's
+        kwargs.setdefault(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 2048),
+        )
+    try:
+        return theta, RopeScaling(**kwargs)
+    except ValidationError as exc:
+        bad = "; ".join(f"{key}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+        raise ValueError(bad) from None
 
 def _read_longrope(params: dict[str, Any], raw: dict[str, Any]) -> None:
     """LongRoPE's settings as transformers reads them: ``short_factor`` and ``long_factor``

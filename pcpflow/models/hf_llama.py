@@ -204,6 +204,11 @@ class LlamaCheckpoint(CheckpointConfig):
         """config.json's ``sliding_window``, else the family's transformers default."""
         return self.sliding_window if "sliding_window" in self.model_fields_set else self.family.default_window
 
+    @property
+    def window_off(self) -> str:
+        """The config.json setting without a window."""
+        return "use_sliding_window false" if self.family.sliding.startswith("use_") else "sliding_window null"
+
     def window_setting(self) -> str:
         """The config.json fields that put ``window`` in effect, as config.json spells them."""
         if self.family.sliding == "every_layer":

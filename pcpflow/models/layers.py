@@ -24,7 +24,9 @@ from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 
 
-def gqa_spec(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionSpec:
+def gqa_spec(num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> AttentionSpec:
+    """The cache of ``GQAAttention``; softmax scale 1/sqrt(head_dim) unless given (Gemma's
+    ``query_pre_attn_scalar``)."""
     kv_width = num_kv_heads * head_dim
     return AttentionSpec(
         num_heads=num_heads,
@@ -33,7 +35,7 @@ def gqa_spec(num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionSpec:
         v_dim=head_dim,
         v_offset=kv_width,
         entry_dim=2 * kv_width,
-        scale=1.0 / math.sqrt(head_dim),
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
     )
 
 
@@ -53,7 +55,8 @@ def mla_spec(num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> 
 class GQAAttention(nn.Module):
     """Grouped-query attention. ``bias``: biases on q/k/v, and on o unless ``o_bias`` says
     otherwise (Qwen2: q/k/v only). ``qk_norm_eps``: an RMSNorm over each head's ``head_dim``
-    of q and of k (one weight shared by the heads) before RoPE, as Qwen3; None: none. A
+    of q and of k (one weight shared by the heads) before RoPE, as Qwen3 (``unit_offset``:
+    Gemma's, ``RMSNorm``); None: none. A
     ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
     partial rotary)."""
 
@@ -68,6 +71,7 @@ class GQAAttention(nn.Module):
         bias: bool = False,
         o_bias: bool | None = None,
         qk_norm_eps: float | None = None,
+        unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -75,7 +79,7 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
-        norm = (lambda: RMSNorm(head_dim, qk_norm_eps)) if qk_norm_eps is not None else nn.Identity
+        norm = (lambda: RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset)) if qk_norm_eps is not None else nn.Identity
         self.q_norm, self.k_norm = norm(), norm()
         self.rotary = rotary
 

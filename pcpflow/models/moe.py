@@ -166,7 +166,7 @@ def sliced_mlp(mlp: GatedMLP, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor
         return mlp(x)
     w = mlp.gate_up_proj.weight
     gate, up = x @ w[lo:hi].T, x @ w[i + lo : i + hi].T
-    return (nn.functional.silu(gate) * up) @ mlp.down_proj.weight[:, lo:hi].T
+    return (mlp.act(gate) * up) @ mlp.down_proj.weight[:, lo:hi].T
 
 
 class MoEMLP(nn.Module):

@@ -8,6 +8,7 @@ Checkpoints are written by ``scripts/make_tiny_hf_checkpoint.py`` (transformers'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ transformers = pytest.importorskip(
 )
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from float64_compute import float64_compute  # noqa: E402
 from repo_scripts import load_script  # noqa: E402
 
 from pcpflow.errors import ConfigError  # noqa: E402
@@ -46,6 +48,7 @@ def ckpts(tmp_path_factory):
         ),
         "dsv3": script.build_checkpoint(root / "dsv3", "deepseek_v3"),
         "dsv2": root / "dsv2",
+        "gemma3": script.build_checkpoint(root / "gemma3", "gemma3", tie_word_embeddings=True),  # tied, as released
     }
 
 
@@ -514,11 +517,12 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     and no o bias, Qwen3's per-head q/k norms over its explicit head_dim, Mistral's none;
     Qwen3-MoE's dense layer 0 and MoE layer 1 (router, experts), Mixtral's
     ``block_sparse_moe`` experts ``w1``/``w3``/``w2`` on every layer, GLM-4.5's q/k/v biases
-    without an o bias, q/k norms, router bias and shared expert."""
+    without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
+    q/k norms and (``attention_bias``) q/k/v/o biases."""
     from pcpflow.models.hf import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
-    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe"):
+    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gemma3"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -727,6 +731,181 @@ def test_eos_token_ids_are_read_as_transformers_generate_reads_them(ckpts, tmp_p
     assert eos_token_ids(model) == []
     (path / "generation_config.json").unlink()
     assert eos_token_ids(model) == [7]
+
+
+
+# ------------------------------------------------------------------ Gemma 3
+GEMMA3_REFUSED = {
+    # name: (config.json changes, what the one problem says)
+    "attention soft-capping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    "logit soft-capping": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+    "multimodal": ({"architectures": ["Gemma3ForConditionalGeneration"]},
+                   "unsupported architecture Gemma3ForConditionalGeneration: multimodal Gemma 3"),
+    "multimodal by model_type": ({"architectures": _DELETE, "model_type": "gemma3"},
+                                 "unsupported architecture Gemma3ForConditionalGeneration: multimodal Gemma 3"),
+    "Gemma 2": ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture Gemma2ForCausalLM: Gemma 2"),
+    "Gemma 1": ({"architectures": _DELETE, "model_type": "gemma"}, "unsupported architecture GemmaForCausalLM: Gemma"),
+    "another activation": ({"hidden_activation": "gelu"}, "hidden_activation: Input should be 'gelu_pytorch_tanh'"),
+    "a layer type per layer": ({"layer_types": ["full_attention"]}, "layer_types has 1 entries; num_hidden_layers is 2"),
+    "an unknown layer type": ({"layer_types": ["sliding_attention", "chunked_attention"]},
+                              "layer_types.1: Input should be 'sliding_attention' or 'full_attention'"),
+    "rope_parameters not by layer type": ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                                          "rope_parameters of a Gemma 3 config.json maps each layer type"),
+    "a rope factor of the wrong type": ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": "8"}}},
+                                        "rope_parameters.full_attention.factor: Input should be a valid number"),
+}
+
+
+@pytest.mark.parametrize("case", GEMMA3_REFUSED)
+def test_gemma3_features_pcpflow_does_not_run_are_refused_by_name(ckpts, tmp_path, case):
+    """Gemma 2's soft-capping, bidirectional attention, the multimodal checkpoint, Gemma 1/2 and
+    config.json values transformers' Gemma 3 would not read as pcpflow does: one problem on
+    model.path naming the field (exit 2 before any rank starts, as every config problem)."""
+    changes, says = GEMMA3_REFUSED[case]
+    assert says in _problem(_copy(ckpts["gemma3"], tmp_path / "ckpt", **changes))
+
+
+def test_gemma3_layer_types_and_rope_are_read_as_transformers_reads_them(ckpts, tmp_path):
+    """Which layers slide and each layer type's RoPE, against transformers' ``Gemma3TextConfig``
+    read from the same config.json: ``layer_types``, else every ``sliding_window_pattern``-th
+    layer full (hand-worked below); RoPE as transformers 5 writes it (keyed by layer type) and as
+    transformers 4 did (``rope_theta`` + ``rope_scaling`` for full layers, ``rope_local_base_freq``
+    for sliding ones)."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    S, F = "sliding_attention", "full_attention"
+    v4_rope = dict(rope_parameters=_DELETE, rope_theta=500000.0, rope_local_base_freq=20000.0,
+                   rope_scaling={"rope_type": "linear", "factor": 4.0})
+    variants = {
+        "as saved": ({}, [S, F], 72),
+        "every 3rd full": (dict(num_hidden_layers=8, layer_types=_DELETE, sliding_window_pattern=3),
+                           [S, S, F, S, S, F, S, S], 72),
+        "every 6th full, the default": (dict(num_hidden_layers=7, layer_types=_DELETE), [S, S, S, S, S, F, S], 72),
+        "no layer slides": (dict(layer_types=[F, F]), [F, F], None),
+        "transformers' default window": (dict(sliding_window=_DELETE), [S, F], 4096),
+        "transformers 4's rope fields": (v4_rope, [S, F], 72),
+        "a scaled sliding rope": (dict(rope_parameters={S: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}}),
+                                  [S, F], 72),
+    }
+    for i, (name, (changes, kinds, window)) in enumerate(variants.items()):
+        path = _copy(ckpts["gemma3"], tmp_path / str(i), **{"sliding_window": 72, **changes})
+        ours, theirs = read_checkpoint_config(path), transformers.AutoConfig.from_pretrained(path)
+        assert ours.kinds == theirs.layer_types == kinds, name
+        assert ours.window == window, name
+        for kind, (theta, scaling) in {F: (ours.rope_theta, ours.rope_scaling),
+                                       S: (ours.local_rope_theta, ours.local_rope_scaling)}.items():
+            want = theirs.rope_parameters[kind]
+            assert theta == want["rope_theta"], (name, kind)
+            assert (scaling and (scaling.rope_type, scaling.factor)) == (
+                None if want["rope_type"] == "default" else (want["rope_type"], want["factor"])), (name, kind)
+
+
+def test_gemma3_window_admits_requests_as_long_as_it(ckpts, tmp_path):
+    """transformers' sliding layers see the last ``sliding_window`` keys, the query's own
+    included: with a window of 16 a 16-token prompt's logits are those of an unbounded window,
+    a 17-token prompt's are not. So pcpflow, attending to every earlier token, runs requests of
+    at most 16 tokens and refuses longer ones, naming the fields (no setting turns the window off)."""
+    ids = torch.tensor([[(7 * i + 3) % 384 for i in range(17)]])
+
+    def last_logits(window: int, n: int) -> torch.Tensor:
+        path = _copy(ckpts["gemma3"], tmp_path / f"w{window}-{n}", sliding_window=window)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        with torch.no_grad():
+            return model(ids[:, :n]).logits[0, -1]
+
+    torch.testing.assert_close(last_logits(16, 16), last_logits(4096, 16), rtol=0, atol=1e-12)
+    assert float((last_logits(16, 17) - last_logits(4096, 17)).abs().max()) > 1e-3
+
+    path = _copy(ckpts["gemma3"], tmp_path / "sixteen", sliding_window=16)
+    assert compose(_explicit(path, 12, 4)).model.path == str(path)
+    with pytest.raises(ConfigError) as exc:
+        compose(_explicit(path, 12, 5))
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path", problem
+    assert "config.json has sliding_window=16 on its sliding_attention layers (layer_types: 1 of 2 layers)" in problem.allowed
+    assert "the longest request reaches 17 tokens" in problem.allowed
+    assert problem.allowed.endswith("shorten the requests"), problem.allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_gemma3_embedding_and_norms_round_as_transformers(ckpts, dtype):
+    """The embedding scale is sqrt(hidden_size) rounded to the weights' dtype (bf16: sqrt(80) is
+    9.0), and the (1 + w) norms scale in float32 before rounding: the same bits as transformers'
+    ``Gemma3TextScaledWordEmbedding`` and ``Gemma3RMSNorm`` loaded from the same checkpoint (in
+    float64, its norms run under ``float64_compute``: they would downcast to float32). Tied
+    embeddings (transformers' default for Gemma 3) give no head of its own."""
+    path = ckpts["gemma3"]
+    want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = build_model(compose(["model=hf", f"model.path={path}", "pcp=1"]).model, dtype=dtype, seed=0)
+    assert model.lm_head is None
+    ids = torch.arange(0, 384, 7)
+    x = 3 * torch.randn(len(ids), 80, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x.to(dtype)
+    promoted = float64_compute() if dtype == torch.float64 else contextlib.nullcontext()
+    with torch.no_grad():
+        assert torch.equal(model.embed(ids), want.model.embed_tokens(ids))
+        heads = x[:, :72].unflatten(-1, (3, 24))
+        ours = [model.norm(x), model.layers[1].self_attn.k_norm(heads), model.layers[0].attn_out_norm(x),
+                model.layers[0].post_attention_norm(x)]
+        with promoted:
+            layer = want.model.layers[0]
+            theirs = [want.model.norm(x), want.model.layers[1].self_attn.k_norm(heads),
+                      layer.post_attention_layernorm(x), layer.pre_feedforward_layernorm(x)]
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+
+
+# config.json of gemma-3-270m (transformers 4.55, layer_types) and gemma-3-1b (4.50,
+# sliding_window_pattern) as published, with their published parameter counts
+GEMMA3_COMMON = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
+                     query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                     rope_scaling=None, sliding_window=512, attn_logit_softcapping=None, final_logit_softcapping=None,
+                     hidden_activation="gelu_pytorch_tanh", attention_bias=False)
+REAL_GEMMA3_CONFIGS = {
+    "gemma-3-270m": dict(GEMMA3_COMMON, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                         use_bidirectional_attention=False,
+                         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3),
+    "gemma-3-1b": dict(GEMMA3_COMMON, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       sliding_window_pattern=6, rope_theta=1000000, rope_local_base_freq=10000, eos_token_id=[1, 106]),
+}
+
+
+@pytest.mark.parametrize("name", REAL_GEMMA3_CONFIGS)
+def test_real_gemma3_configs_size_a_simulated_run(tmp_path, name):
+    """gemma-3-270m's model card counts 268M parameters (170M of them the embedding, 100M the
+    transformer blocks), gemma-3-1b's 1.0B: pcpflow's model of each config.json has transformers'
+    parameters exactly, the simulated card the card's counts (linear layers and the tied
+    embedding, to the published figures' rounding), GQA with one KV head of 256, and the 512-token
+    window refuses a 513-token request in a simulated run too."""
+    from pcpflow.models.card import card_from_hf_config
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    (tmp_path / "config.json").write_text(json.dumps(REAL_GEMMA3_CONFIGS[name]))
+    ours = build_uninitialized(lambda: HFModel(read_checkpoint_config(tmp_path)), "meta")
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.parameters())
+    card = card_from_hf_config(tmp_path)
+    assert (card["attention"], card["num_kv_heads"], card["head_dim"], card["tie_word_embeddings"]) == ("gqa", 1, 256, True)
+    sim = ["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
+           "workload=explicit", "workload.prompt_lens=[500]"]
+    sizes = model_sizes(compose([*sim, "workload.output_lens=[12]"]).model)
+    total, embedding = sizes.total_weight_params() + sizes.embedding_params, sizes.embedding_params
+    if name == "gemma-3-270m":
+        assert count / 1e6 == pytest.approx(268, abs=0.5)  # NOTE: published to the million
+        assert total / 1e6 == pytest.approx(268, abs=0.5)  # the norms are 0.06M
+        assert (embedding / 1e6, sizes.total_weight_params() / 1e6) == (pytest.approx(170, abs=5), pytest.approx(100, abs=5))
+    else:
+        assert count / 1e9 == pytest.approx(1.0, abs=0.05) and total / 1e9 == pytest.approx(1.0, abs=0.05)
+    with pytest.raises(ConfigError) as exc:
+        compose([*sim, "workload.output_lens=[13]"])
+    (problem,) = exc.value.problems
+    assert "sliding_window=512" in problem.allowed and "the longest request reaches 513 tokens" in problem.allowed
 
 
 # ------------------------------------------------------------------ rope

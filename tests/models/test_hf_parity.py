@@ -1,11 +1,11 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3 and DeepSeek-V2/V3 checkpoints are written by transformers itself
+Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3 and DeepSeek-V2/V3 checkpoints are written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
 one longer than ``scheduler.max_num_batched_tokens`` so it is prefilled in chunks — at
 pcp in {1, 2, 4}, dcp in {1, pcp}, replicated and sharded decodes, and tensor parallel
-at tp=2 pcp=2 (Llama, Qwen2, Qwen3 dcp 1, 2; DeepSeek dcp 1, 2, 4). The expected values
+at tp=2 pcp=2 (Llama, Qwen2, Qwen3, Gemma 3 dcp 1, 2; DeepSeek dcp 1, 2, 4). The expected values
 come from transformers alone: its forward with its own cache, prompt then one token at a
 time (the logits at the last prompt token and at every decode step), and
 ``model.generate(do_sample=False)`` for the tokens. pcpflow must match them within 1e-5
@@ -73,6 +73,10 @@ CHECKPOINTS = {
     "mistral_window": dict(arch="mistral", rope_scaling="none", sliding_window=LONGEST),
     # Phi-3: q/k/v stored as one qkv_proj, gate/up as one gate_up_proj; LongRoPE on 3/4 of a head
     "phi3_longrope": dict(arch="phi3", rope_scaling="longrope"),
+    # Gemma 3: (1 + w) norms around attention and MLP, q/k norms, GELU, embedding x sqrt(80),
+    # query_pre_attn_scalar, a sliding layer (RoPE base 1e4) whose window is the longest request
+    # and a full one (base 1e6, linear x8); untied, so that greedy tokens vary
+    "gemma3": dict(arch="gemma3", sliding_window=LONGEST),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -112,6 +116,10 @@ MATRIX = [
     ("phi3_longrope", "float32", 1, 1, "replicated", []),
     ("phi3_longrope", "float64", 2, 2, "sharded", []),
     ("phi3_longrope", "float32", 4, 4, "replicated", []),
+    ("gemma3", "float64", 1, 1, "replicated", []),
+    ("gemma3", "float32", 2, 2, "sharded", []),
+    ("gemma3", "float64", 4, 4, "sharded", []),
+    ("gemma3", "float32", 4, 1, "replicated", ["pipeline.restore.kind=sampled_rows"]),
     # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
     # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
     ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
@@ -126,6 +134,9 @@ MATRIX = [
     ("qwen3", "float32", 2, 1, "replicated", ["tp=2"]),
     ("qwen3", "float64", 2, 2, "sharded", ["tp=2"]),
     ("phi3_longrope", "float64", 2, 2, "replicated", ["tp=2"]),
+    # Gemma 3's MLP (GELU) split like the others, its q/k norms replicated
+    ("gemma3", "float64", 2, 1, "replicated", ["tp=2"]),
+    ("gemma3", "float32", 2, 2, "sharded", ["tp=2"]),
 ]
 
 
@@ -139,6 +150,7 @@ DEFAULT_CASES = {
     ("qwen3", "float64", 2, 2, "replicated"),
     ("mistral_window", "float32", 4, 4, "replicated"),
     ("phi3_longrope", "float64", 2, 2, "sharded"),
+    ("gemma3", "float64", 4, 4, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 

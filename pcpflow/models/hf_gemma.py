@@ -1,0 +1,188 @@
+"""Gemma 3 text checkpoints: ``Gemma3ForCausalLM`` (config.json ``model_type: gemma3_text``,
+e.g. gemma-3-270m, gemma-3-1b) — grouped-query attention with RoPE, as transformers'
+``modeling_gemma3.py`` computes it:
+
+- every norm (the layers', the final one, the per-head q/k norms before RoPE) scales by
+  ``1 + weight`` in float32 and then rounds (the stored weights are offsets from one), and
+  each layer is a sandwich: ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``;
+- the embedding is multiplied by ``sqrt(hidden_size)`` rounded to the weights' dtype;
+- the MLP's activation is tanh-approximated GELU (``hidden_activation: gelu_pytorch_tanh``);
+- the softmax scale is ``query_pre_attn_scalar ** -0.5``, ``head_dim`` is config.json's (256
+  unless given); q/k/v/o biases only when ``attention_bias``; embeddings tied unless
+  ``tie_word_embeddings: false``;
+- each layer is ``sliding_attention`` or ``full_attention`` (``layer_types``, else every
+  ``sliding_window_pattern``-th layer full, 6 unless given), with its own RoPE: full layers
+  ``rope_theta`` (1e6) and ``rope_scaling`` (linear x8 on the larger models), sliding layers
+  ``rope_local_base_freq`` (1e4) — as transformers 4 writes them, or transformers 5's
+  ``rope_parameters`` keyed by layer type.
+
+A sliding layer attends to the last ``sliding_window`` keys (itself included), pcpflow to the
+whole sequence: exact while no request is longer than the window (``window``, checked by
+``pcpflow.models.hf.length_problems``). Gemma 2's soft-capping (``attn_logit_softcapping``,
+``final_logit_softcapping``) and ``use_bidirectional_attention`` are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from pcpflow.models.base import AttentionSpec
+from pcpflow.models.common import DecoderLayer, GatedMLP, RopeScaling, RotaryEmbedding
+from pcpflow.models.hf_checkpoint import CheckpointConfig, read_rope
+from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
+from pcpflow.models.layers import GQAAttention, gqa_spec
+
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+def _layer_norm(hf: str, ours: str) -> Rename:
+    return Rename(f"model.layers.{{i}}.{hf}.weight", f"layers.{{i}}.{ours}.weight")
+
+
+class Gemma3Checkpoint(CheckpointConfig):
+    """The config.json fields of a Gemma 3 text checkpoint that pcpflow uses (transformers'
+    ``Gemma3TextConfig`` defaults)."""
+
+    num_key_value_heads: int = Field(4, gt=0)
+    head_dim: int = Field(256, gt=0)
+    query_pre_attn_scalar: float = Field(256, gt=0)
+    hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
+    hidden_act: Any = None  # NOTE: transformers' Gemma 3 reads hidden_activation only
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = Field(131072, gt=0)
+    sliding_window: int = Field(4096, gt=0)
+    sliding_window_pattern: int = Field(6, gt=0)
+    layer_types: list[LayerType] | None = None
+    local_rope_theta: float = Field(10000.0, gt=0)  # the sliding layers' RoPE
+    local_rope_scaling: RopeScaling | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool | None = False
+
+    moe: ClassVar[None] = None  # dense
+    window_off: ClassVar[str | None] = None  # no config.json setting turns its window off
+    renames: ClassVar[tuple[Rename, ...]] = (
+        *(r for r in DECODER_RENAMES if "layernorm" not in r.hf),
+        # NOTE: transformers' post_attention_layernorm norms the attention's output; the MLP's
+        # input norm is its pre_feedforward_layernorm (pcpflow's post_attention_norm)
+        _layer_norm("input_layernorm", "input_norm"),
+        _layer_norm("post_attention_layernorm", "attn_out_norm"),
+        _layer_norm("pre_feedforward_layernorm", "post_attention_norm"),
+        _layer_norm("post_feedforward_layernorm", "mlp_out_norm"),
+        *(attention_rename(f"{p}.{{wb}}", f"{p}.{{wb}}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        attention_rename("q_norm.weight", "q_norm.weight"),
+        attention_rename("k_norm.weight", "k_norm.weight"),
+    )
+
+    @classmethod
+    def _rope_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """Full layers' RoPE into ``rope_theta`` / ``rope_scaling``, sliding layers' into
+        ``local_rope_theta`` / ``local_rope_scaling``, as transformers'
+        ``Gemma3TextConfig.convert_rope_params_to_dict`` reads them."""
+        params = raw.pop("rope_parameters", None)
+        scaling = raw.pop("rope_scaling", None)
+        if params is None:  # transformers 4: rope_scaling is the full layers'
+            params, where = {"full_attention": scaling or {}}, {"full_attention": "rope_scaling"}
+        else:
+            where = {t: f"rope_parameters.{t}" for t in ("full_attention", "sliding_attention")}
+            if not isinstance(params, dict) or not params or set(params) - set(where):
+                raise ValueError(
+                    "rope_parameters of a Gemma 3 config.json maps each layer type (full_attention, "
+                    f"sliding_attention) to its RoPE settings; got {params!r}"
+                )
+        raw["rope_theta"], raw["rope_scaling"] = read_rope(
+            params.get("full_attention") or {}, where["full_attention"], raw,
+            default_theta=raw.get("rope_theta") or 1_000_000.0,
+        )
+        raw["local_rope_theta"], raw["local_rope_scaling"] = read_rope(
+            params.get("sliding_attention") or {}, "rope_parameters.sliding_attention", raw,
+            default_theta=raw.get("rope_local_base_freq") or 10_000.0,
+        )
+        return raw
+
+    @model_validator(mode="after")
+    def _what_pcpflow_runs(self) -> Gemma3Checkpoint:
+        problems = []
+        if self.attn_logit_softcapping is not None:
+            problems.append(f"attn_logit_softcapping={self.attn_logit_softcapping} is not supported (Gemma 2's "
+                            "soft-capped attention scores); Gemma 3 checkpoints have null")
+        if self.final_logit_softcapping is not None:
+            problems.append(f"final_logit_softcapping={self.final_logit_softcapping} is not supported (Gemma 2's "
+                            "soft-capped logits, cap * tanh(logits / cap)); Gemma 3 checkpoints have null")
+        if self.use_bidirectional_attention:
+            problems.append("use_bidirectional_attention=true is not supported (every token also sees later ones, "
+                            "as in an embedding model); pcpflow generates with causal attention")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                            f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            problems.append(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries; num_hidden_layers is "
+                            f"{self.num_hidden_layers}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim
+
+    @property
+    def rope_dims(self) -> int:
+        return self.head_dim
+
+    @property
+    def kinds(self) -> list[LayerType]:
+        """Each layer's type as transformers reads it: ``layer_types``, else layer ``i`` slides
+        unless ``(i + 1) % sliding_window_pattern == 0``."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        pattern = self.sliding_window_pattern
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.num_hidden_layers)]
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.kinds) if kind == "sliding_attention"]
+
+    @property
+    def window(self) -> int | None:
+        """The sliding layers' window (the most recent keys a query sees, itself included:
+        transformers masks keys at ``kv <= q - sliding_window``); None: no layer slides."""
+        return self.sliding_window if self.sliding_layers else None
+
+    def window_setting(self) -> str:
+        """The config.json fields that put ``window`` in effect."""
+        which = "layer_types" if self.layer_types is not None else f"sliding_window_pattern={self.sliding_window_pattern}"
+        return (f"sliding_window={self.window} on its sliding_attention layers ({which}: "
+                f"{len(self.sliding_layers)} of {self.num_hidden_layers} layers)")
+
+    def attn_spec(self) -> AttentionSpec:
+        return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.query_pre_attn_scalar**-0.5)
+
+    def lm_options(self) -> dict[str, Any]:
+        return {"embed_scale": self.hidden_size**0.5, "unit_offset": True}
+
+    def build_layers(self) -> list[DecoderLayer]:
+        h, eps = self.hidden_size, self.rms_norm_eps
+        rope = {"full_attention": (self.rope_theta, self.rope_scaling),
+                "sliding_attention": (self.local_rope_theta, self.local_rope_scaling)}
+        return [
+            DecoderLayer(
+                GQAAttention(
+                    hidden_size=h, num_heads=self.num_attention_heads, num_kv_heads=self.kv_heads, head_dim=self.dim,
+                    rotary=RotaryEmbedding(self.dim, rope[kind][0], scaling=rope[kind][1]),
+                    bias=self.attention_bias, qk_norm_eps=eps, unit_offset=True,
+                ),
+                h, self.intermediate_size, eps,
+                mlp=GatedMLP(h, self.intermediate_size, activation="gelu_tanh"),
+                sandwich=True, unit_offset=True,
+            )
+            for kind in self.kinds
+        ]
