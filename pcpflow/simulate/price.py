@@ -458,7 +458,7 @@ class Pricer:
         s, grid = self.sizes, self.grid
         L, n = s.num_moe_layers, float(layout.padded_num_tokens)
         rows = n * (grid.pcp if self.moe_dispatch == "gather" else 1)
-        add(rows, s.num_experts, s.hidden_size, L, key=self.act_key, wb=self.act_bytes)  # router
+        add(rows, s.router_outputs, s.hidden_size, L, key=self.act_key, wb=self.act_bytes)  # router (and a shared gate)
         for _, N, K in s.expert_gemms():
             add(n, N, K, L * s.num_shared_experts)
         real = layout.per_rank_num_tokens.astype(np.float64)
