@@ -28,6 +28,10 @@ odd ones full (base 1e6, linear x8 unless ``--rope-scaling`` says otherwise)::
 
     python scripts/make_tiny_hf_checkpoint.py --arch gemma3 --tie-word-embeddings --out /tmp/tiny-gemma3
 
+``smollm3`` has no RoPE on its second layer (``no_rope_layer_interval=2``); ``granite`` has
+each of Granite's multipliers away from one (embedding 2, residual 0.5, softmax scale 0.2,
+logits divided by 2.5).
+
 ``qwen2_moe``, ``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts,
 2 per token: Qwen2-MoE as Qwen3-MoE's routing below (with Qwen2's attention) plus a shared expert
 64 wide behind its sigmoid gate, Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
@@ -79,14 +83,16 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gemma3",
-         "deepseek_v3", "deepseek_v2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
+         "glm4_moe", "gemma3", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -128,6 +134,8 @@ DEFAULT_ROPE_SCALING = {
     "qwen3": "none",
     "mistral": "none",
     "phi3": "longrope",
+    "smollm3": "none",
+    "granite": "none",
     "qwen2_moe": "none",
     "qwen3_moe": "none",
     "mixtral": "none",
@@ -181,6 +189,11 @@ def tiny_config(
             mistral=dict(head_dim=16, sliding_window=sliding_window),
             # NOTE: q/k/v in one qkv_proj, gate/up in one gate_up_proj; RoPE on 12 of 16 dims
             phi3=dict(sliding_window=sliding_window, partial_rotary_factor=0.75, original_max_position_embeddings=128),
+            # NOTE: layer 1 of 2 without RoPE (no_rope_layer_interval=2)
+            smollm3=dict(no_rope_layer_interval=2, mlp_bias=bias, use_sliding_window=False),
+            # NOTE: each multiplier away from 1 and the softmax scale away from 1/sqrt(head_dim) = 0.25
+            granite=dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                         logits_scaling=2.5, mlp_bias=bias),
             # NOTE: Qwen2-MoE: a gated shared expert two experts wide; layer 0 dense (decoder_sparse_step=2)
             qwen2_moe=dict(use_sliding_window=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=2),

@@ -213,7 +213,8 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
     ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``.
-    ``unit_offset``: the norms scale by ``1 + weight`` (``RMSNorm``).
+    ``unit_offset``: the norms scale by ``1 + weight`` (``RMSNorm``); ``residual_multiplier``
+    (Granite): each block's output is scaled by it before it is added.
 
     ``self_attn(h, positions, layer, attn)`` is the model's attention: its projections
     around exactly one call to the engine's backend ``attn``."""
@@ -229,8 +230,10 @@ class DecoderLayer(nn.Module):
         *,
         sandwich: bool = False,
         unit_offset: bool = False,
+        residual_multiplier: float | None = None,
     ):
         super().__init__()
+        self.residual_multiplier = residual_multiplier
 
         def norm() -> RMSNorm:
             return RMSNorm(hidden_size, eps, unit_offset=unit_offset)
@@ -245,8 +248,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.attn_out_norm(self.self_attn(self.input_norm(x), positions, layer, attn))
-        return x + self.mlp_out_norm(self.mlp(self.post_attention_norm(x)))
+        x = x + self._scaled(self.attn_out_norm(self.self_attn(self.input_norm(x), positions, layer, attn)))
+        return x + self._scaled(self.mlp_out_norm(self.mlp(self.post_attention_norm(x))))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        # NOTE: Granite's residual_multiplier, a Python float times the block's output, as transformers
+        return h if self.residual_multiplier is None else h * self.residual_multiplier
 
 
 class TinyModelConfig(Settings):
@@ -272,7 +279,9 @@ class TinyModelConfig(Settings):
 class DecoderLM(CausalLM):
     """Embedding, a stack of ``DecoderLayer``, final norm and LM head; subclasses supply
     the attention block per layer and the ``AttentionSpec``. ``embed_scale`` multiplies the
-    embedding (Gemma: sqrt(hidden_size)); ``unit_offset``: the final norm's (``RMSNorm``)."""
+    embedding (Gemma: sqrt(hidden_size), rounded to the weights' dtype), ``embedding_multiplier``
+    too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite);
+    ``unit_offset``: the final norm's (``RMSNorm``)."""
 
     def __init__(
         self,
@@ -285,6 +294,8 @@ class DecoderLM(CausalLM):
         tie_word_embeddings: bool,
         embed_scale: float | None = None,
         unit_offset: bool = False,
+        embedding_multiplier: float | None = None,
+        logits_scaling: float | None = None,
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -293,6 +304,7 @@ class DecoderLM(CausalLM):
         self.attn_spec = attn_spec
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.embed_scale = embed_scale
+        self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset)
         self.lm_head = (
@@ -301,6 +313,8 @@ class DecoderLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is not None:  # NOTE: Granite's: a Python float, as transformers
+            x = x * self.embedding_multiplier
         if self.embed_scale is None:
             return x
         # NOTE: the scale rounded to the weights' dtype first, as transformers' Gemma (bf16: sqrt(3072) is 55.5)
@@ -323,7 +337,8 @@ class DecoderLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
+        logits = hidden @ weight.T
+        return logits if self.logits_scaling is None else logits / self.logits_scaling  # NOTE: Granite's
 
     @classmethod
     def from_config(

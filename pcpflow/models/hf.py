@@ -3,8 +3,8 @@
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
-``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
+``GraniteForCausalLM`` and the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k norms,
 head_dim, partial RoPE, fused tensors, the MoE fields — in a table), Gemma 3's text
 ``Gemma3ForCausalLM`` (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale,
@@ -72,6 +72,8 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -162,7 +164,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 3 or
+    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 3 or
     DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):

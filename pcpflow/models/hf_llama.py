@@ -1,5 +1,6 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM`` and the mixture-of-experts
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
+``GraniteForCausalLM`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
@@ -30,6 +31,12 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
   of type ``longrope``, or the older ``su`` / ``yarn`` that ``Phi3Config`` reads as it) within
   the original length (``CheckpointConfig.rope_limit``); a sliding window on every layer
   when ``sliding_window`` is set (default none).
+- SmolLM3: Llama's, with no RoPE on the layers ``no_rope_layers`` marks 0 (else every
+  ``no_rope_layer_interval``-th, 4); a window (``use_sliding_window``) on those layers only;
+  embeddings tied unless config.json says otherwise.
+- Granite (Granite 3.x): Llama's, with ``embedding_multiplier`` on the embedding,
+  ``residual_multiplier`` on each block's output, ``attention_multiplier`` as the softmax scale
+  and the logits divided by ``logits_scaling``.
 - Mixtral: Mistral's attention, its sliding window off unless ``sliding_window`` is set;
   every layer MoE (``num_local_experts``, top-``num_experts_per_tok``, always renormalised;
   ``block_sparse_moe`` tensors, experts ``w1``/``w3``/``w2``).
@@ -71,9 +78,12 @@ class GQAFamily:
     head_dim: int | None = None  # when config.json gives none (None: hidden_size / heads)
     rotary_factor: float = 1.0  # the share of a head RoPE rotates where config.json gives no partial_rotary_factor
     sliding: Literal["never", "every_layer", "use_sliding_window", "use_sliding_window_every_layer",
-                     "use_sliding_window_alternate"] = "never"
+                     "use_sliding_window_alternate", "use_sliding_window_nope"] = "never"
     reads_qkv_bias: bool = False  # config.json's qkv_bias, when given, decides q/k/v biases (Qwen2-MoE)
     default_window: int | None = 4096  # transformers' sliding_window where config.json gives none
+    tied_default: bool = False  # tie_word_embeddings where config.json gives none
+    nope: bool = False  # layers without RoPE: no_rope_layers, else every no_rope_layer_interval-th (SmolLM3)
+    multipliers: bool = False  # Granite's embedding, residual, attention multipliers and logits scaling
 
 
 FAMILIES = {
@@ -89,6 +99,9 @@ FAMILIES = {
     "Glm4MoeForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, qk_norm=None, rotary_factor=0.5),
     "Phi3ForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
                                  default_window=None),
+    "SmolLM3ForCausalLM": GQAFamily(sliding="use_sliding_window_nope", default_window=None, tied_default=True,
+                                    nope=True),
+    "GraniteForCausalLM": GQAFamily(multipliers=True),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -108,6 +121,12 @@ class LlamaCheckpoint(CheckpointConfig):
     use_qk_norm: bool = False
     qkv_bias: bool | None = None  # Qwen2-MoE's
     partial_rotary_factor: float | None = Field(None, gt=0, le=1)
+    no_rope_layers: list[int] | None = None  # SmolLM3: 1 a layer with RoPE, 0 one without
+    no_rope_layer_interval: int = Field(4, gt=0)
+    embedding_multiplier: float = 1.0  # Granite's four
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = Field(1.0, gt=0)
+    logits_scaling: float = Field(1.0, gt=0)
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral, GLM-4.5: from their MoE fields (``hf_moe.gqa_moe_settings``)
 
     renames: ClassVar[tuple[Rename, ...]] = (
@@ -134,6 +153,9 @@ class LlamaCheckpoint(CheckpointConfig):
             raw = dict(raw)
             if raw.get("sliding_window") == 0 and raw.get("architecture") == "Qwen2MoeForCausalLM":
                 raw["sliding_window"] = None  # NOTE: what Qwen2MoeConfig writes for no window
+            family = FAMILIES.get(raw.get("architecture"))
+            if family is not None and family.tied_default:
+                raw.setdefault("tie_word_embeddings", True)
             try:
                 raw["moe"] = gqa_moe_settings(raw, raw.get("architecture"))
             except TypeError:  # a field of the wrong type: the field's own validation names it
@@ -149,6 +171,10 @@ class LlamaCheckpoint(CheckpointConfig):
             )
         if self.dim % 2:
             raise ValueError(f"head_dim ({self.dim}) must be even for RoPE")
+        rope = self.no_rope_layers
+        if self.family.nope and rope is not None and (len(rope) != self.num_hidden_layers or set(rope) - {0, 1}):
+            raise ValueError(f"no_rope_layers must give each of the {self.num_hidden_layers} layers 1 (RoPE) or 0 "
+                             f"(none); got {rope}")
         if self.rope_dims % 2:
             raise ValueError(f"RoPE's dims (head_dim {self.dim} x partial_rotary_factor {self.rotary_factor}) "
                              f"must be even; got {self.rope_dims}")
@@ -189,6 +215,8 @@ class LlamaCheckpoint(CheckpointConfig):
             return [i for i in layers if i < len(self.layer_types) and self.layer_types[i] == "sliding_attention"]
         if sliding.endswith("alternate"):  # NOTE: Qwen2MoeConfig's layer_types when it writes none
             return [i for i in layers if i % 2 == 0 and i < self.max_window_layers]
+        if sliding.endswith("nope"):  # NOTE: SmolLM3Config's: the layers without RoPE
+            return [i for i in layers if not self.rope_layers[i]]
         return [i for i in layers if i >= self.max_window_layers]
 
     @property
@@ -219,8 +247,25 @@ class LlamaCheckpoint(CheckpointConfig):
         return (f"use_sliding_window=true, sliding_window={self.window} ({len(layers)} of "
                 f"{self.num_hidden_layers} layers, from layer {layers[0]})")
 
+    @property
+    def rope_layers(self) -> list[bool]:
+        """Which layers rotate q and k: all, but SmolLM3's NoPE layers (``no_rope_layers``, else
+        every ``no_rope_layer_interval``-th, as ``SmolLM3Config`` makes them)."""
+        n = self.num_hidden_layers
+        if not self.family.nope:
+            return [True] * n
+        if self.no_rope_layers is not None:
+            return [bool(x) for x in self.no_rope_layers]
+        return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(n)]
+
     def attn_spec(self) -> AttentionSpec:
-        return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
+        scale = self.attention_multiplier if self.family.multipliers else None  # NOTE: Granite's softmax scale
+        return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=scale)
+
+    def lm_options(self) -> dict[str, Any]:
+        if not self.family.multipliers:
+            return {}
+        return {"embedding_multiplier": self.embedding_multiplier, "logits_scaling": self.logits_scaling}
 
     def build_layers(self) -> list[DecoderLayer]:
         f = self.family
@@ -235,5 +280,6 @@ class LlamaCheckpoint(CheckpointConfig):
             bias=self.qkv_bias if f.reads_qkv_bias and self.qkv_bias is not None else given(f.qkv_bias, self.attention_bias),
             o_bias=given(f.o_bias, self.attention_bias),
             mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
-            rotary_dim=self.rope_dims,
+            rotary_dim=self.rope_dims, rope_layers=self.rope_layers,
+            residual_multiplier=self.residual_multiplier if f.multipliers else None,
         )

@@ -58,7 +58,7 @@ class GQAAttention(nn.Module):
     of q and of k (one weight shared by the heads) before RoPE, as Qwen3 (``unit_offset``:
     Gemma's, ``RMSNorm``); None: none. A
     ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
-    partial rotary)."""
+    partial rotary); None: no position embedding (a NoPE layer)."""
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class GQAAttention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         bias: bool = False,
         o_bias: bool | None = None,
         qk_norm_eps: float | None = None,
@@ -88,8 +88,9 @@ class GQAAttention(nn.Module):
     ) -> torch.Tensor:
         q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))
         k = self.k_norm(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        if self.rotary is not None:  # NOTE: None: a NoPE layer (SmolLM3's every fourth)
+            cos, sin = self.rotary.cos_sin(positions, h.dtype)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1))
         return self.o_proj(out.flatten(1))
 
@@ -176,11 +177,14 @@ def gqa_layers(
     qk_norm: bool = False,
     moe: MoEConfig | None = None,
     rotary_dim: int | None = None,
+    rope_layers: list[bool] | None = None,
+    residual_multiplier: float | None = None,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
     ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps``;
     ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral, GLM-4.5); ``rotary_dim``:
-    the dims RoPE rotates (None: all of ``head_dim``)."""
+    the dims RoPE rotates (None: all of ``head_dim``); ``rope_layers``: which layers rotate (None:
+    all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -188,7 +192,8 @@ def gqa_layers(
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                rotary=RotaryEmbedding(rotary_dim or head_dim, rope_theta, scaling=rope_scaling),
+                rotary=(RotaryEmbedding(rotary_dim or head_dim, rope_theta, scaling=rope_scaling)
+                        if rope_layers is None or rope_layers[i] else None),
                 bias=bias,
                 o_bias=o_bias,
                 qk_norm_eps=eps if qk_norm else None,
@@ -198,6 +203,7 @@ def gqa_layers(
             eps,
             mlp_bias=mlp_bias,
             mlp=build_mlp(moe, i, hidden_size, intermediate_size),
+            residual_multiplier=residual_multiplier,
         )
         for i in range(num_layers)
     ]

@@ -522,7 +522,8 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     from pcpflow.models.hf import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
-    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gemma3"):
+    for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
+                 "glm4_moe", "gemma3"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -569,6 +570,76 @@ def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
                        "workload=explicit", "workload.prompt_lens=[4096]", "workload.output_lens=[2]"])
         kv, d = want[name][:2]
         assert (cfg.model.num_kv_heads, cfg.model.head_dim) == (kv, d), name
+
+
+# config.json of SmolLM3-3B (a NoPE layer in four, tied), Granite-3.1-2B and -8B-Instruct (their
+# multipliers), with their published parameter counts (billions)
+REAL_LLAMA_STYLE_CONFIGS = {
+    "smollm3-3b": (dict(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", hidden_size=2048,
+                        intermediate_size=11008, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=36,
+                        vocab_size=128256, max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6,
+                        no_rope_layer_interval=4, use_sliding_window=False, sliding_window=None), 3.08),
+    "granite-3.1-2b": (dict(architectures=["GraniteForCausalLM"], model_type="granite", hidden_size=2048,
+                            intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=40,
+                            vocab_size=49155, max_position_embeddings=131072, rope_theta=5000000.0, rms_norm_eps=1e-5,
+                            tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                            attention_multiplier=0.015625, logits_scaling=8.0), 2.53),
+    "granite-3.1-8b": (dict(architectures=["GraniteForCausalLM"], model_type="granite", hidden_size=4096,
+                            intermediate_size=12800, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=40,
+                            vocab_size=49155, max_position_embeddings=131072, rope_theta=10000000.0, rms_norm_eps=1e-5,
+                            tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                            attention_multiplier=0.0078125, logits_scaling=16.0), 8.17),
+}
+
+
+@pytest.mark.parametrize("name", REAL_LLAMA_STYLE_CONFIGS)
+def test_real_smollm3_and_granite_configs_size_a_simulated_run(tmp_path, name):
+    """SmolLM3's and Granite's config.json come to their published parameter counts (tied
+    embeddings counted once: SmolLM3 ties them unless config.json says otherwise, as
+    ``SmolLM3Config``); every fourth SmolLM3 layer has no RoPE, as transformers' own config
+    class lists them; Granite's softmax scale is its attention_multiplier."""
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    config, total_b = REAL_LLAMA_STYLE_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=4", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
+    sizes = model_sizes(cfg.model)
+    assert cfg.model.tie_word_embeddings
+    assert (sizes.total_weight_params() + sizes.embedding_params) / 1e9 == pytest.approx(total_b, abs=0.02)
+    c = read_checkpoint_config(tmp_path)
+    if name.startswith("smollm3"):
+        theirs = transformers.SmolLM3Config(**{k: v for k, v in config.items() if k != "architectures"})
+        assert c.rope_layers == [bool(x) for x in theirs.no_rope_layers]
+        assert c.rope_layers.count(False) == 9 and not c.rope_layers[3] and c.rope_layers[4]
+    else:
+        assert c.attn_spec().scale == config["attention_multiplier"]
+
+
+def test_smollm3_nope_layers_and_windows_are_read_as_smollm3_config_reads_them(tmp_path):
+    """``no_rope_layers`` as given (1: RoPE), else every ``no_rope_layer_interval``-th layer
+    without; a window (``use_sliding_window``) on the NoPE layers only, as ``SmolLM3Config``
+    lays them out; a list of the wrong length or values is refused, naming the field."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    base = dict(architectures=["SmolLM3ForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=6, vocab_size=384)
+
+    def read(name, **fields):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**base, **fields}))
+        return read_checkpoint_config(tmp_path / name)
+
+    assert read("given", no_rope_layers=[1, 0, 1, 1, 0, 1]).rope_layers == [True, False, True, True, False, True]
+    assert read("interval", no_rope_layer_interval=3).rope_layers == [True, True, False, True, True, False]
+    windowed = read("window", no_rope_layer_interval=3, use_sliding_window=True, sliding_window=8)
+    theirs = transformers.SmolLM3Config(**{k: v for k, v in base.items() if k != "architectures"},
+                                        no_rope_layer_interval=3, use_sliding_window=True, sliding_window=8)
+    assert windowed.sliding_layers == [i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention"] == [2, 5]
+    assert windowed.window == 8 and read("no_window", no_rope_layer_interval=3, sliding_window=8).window is None
+    with pytest.raises(ValueError, match=r"no_rope_layers must give each of the 6 layers 1 \(RoPE\) or 0"):
+        read("short", no_rope_layers=[1, 0, 1])
 
 
 # config.json of Phi-3-mini-4k-instruct (no RoPE scaling, a 2047-token window) and Phi-4-mini-instruct

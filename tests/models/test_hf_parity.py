@@ -1,6 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 3 and DeepSeek-V2/V3 checkpoints are written by transformers itself
+Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 3 and DeepSeek-V2/V3 checkpoints are
+written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
 one longer than ``scheduler.max_num_batched_tokens`` so it is prefilled in chunks — at
@@ -73,6 +74,9 @@ CHECKPOINTS = {
     "mistral_window": dict(arch="mistral", rope_scaling="none", sliding_window=LONGEST),
     # Phi-3: q/k/v stored as one qkv_proj, gate/up as one gate_up_proj; LongRoPE on 3/4 of a head
     "phi3_longrope": dict(arch="phi3", rope_scaling="longrope"),
+    # SmolLM3: a layer without RoPE; Granite: its multipliers and softmax scale, tied embeddings
+    "smollm3_nope": dict(arch="smollm3", rope_scaling="yarn"),
+    "granite_tied": dict(arch="granite", rope_scaling="llama3", tie_word_embeddings=True, bias=True),
     # Gemma 3: (1 + w) norms around attention and MLP, q/k norms, GELU, embedding x sqrt(80),
     # query_pre_attn_scalar, a sliding layer (RoPE base 1e4) whose window is the longest request
     # and a full one (base 1e6, linear x8); untied, so that greedy tokens vary
@@ -116,6 +120,10 @@ MATRIX = [
     ("phi3_longrope", "float32", 1, 1, "replicated", []),
     ("phi3_longrope", "float64", 2, 2, "sharded", []),
     ("phi3_longrope", "float32", 4, 4, "replicated", []),
+    ("smollm3_nope", "float64", 2, 2, "sharded", []),
+    ("smollm3_nope", "float32", 4, 4, "replicated", []),
+    ("granite_tied", "float64", 4, 4, "replicated", []),
+    ("granite_tied", "float32", 2, 1, "sharded", []),
     ("gemma3", "float64", 1, 1, "replicated", []),
     ("gemma3", "float32", 2, 2, "sharded", []),
     ("gemma3", "float64", 4, 4, "sharded", []),
@@ -134,6 +142,8 @@ MATRIX = [
     ("qwen3", "float32", 2, 1, "replicated", ["tp=2"]),
     ("qwen3", "float64", 2, 2, "sharded", ["tp=2"]),
     ("phi3_longrope", "float64", 2, 2, "replicated", ["tp=2"]),
+    ("smollm3_nope", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("granite_tied", "float64", 2, 2, "sharded", ["tp=2"]),
     # Gemma 3's MLP (GELU) split like the others, its q/k norms replicated
     ("gemma3", "float64", 2, 1, "replicated", ["tp=2"]),
     ("gemma3", "float32", 2, 2, "sharded", ["tp=2"]),
@@ -150,6 +160,7 @@ DEFAULT_CASES = {
     ("qwen3", "float64", 2, 2, "replicated"),
     ("mistral_window", "float32", 4, 4, "replicated"),
     ("phi3_longrope", "float64", 2, 2, "sharded"),
+    ("granite_tied", "float64", 4, 4, "replicated"),
     ("gemma3", "float64", 4, 4, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
