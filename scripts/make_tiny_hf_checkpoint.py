@@ -32,6 +32,9 @@ odd ones full (base 1e6, linear x8 unless ``--rope-scaling`` says otherwise)::
 each of Granite's multipliers away from one (embedding 2, residual 0.5, softmax scale 0.2,
 logits divided by 2.5).
 
+``gemma2`` is ``gemma3``'s sizes without q/k norms, one RoPE (base 1e4), the even layers
+sliding, attention scores soft-capped at 4 and logits at 5 (so that both caps bite).
+
 ``qwen2_moe``, ``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts,
 2 per token: Qwen2-MoE as Qwen3-MoE's routing below (with Qwen2's attention) plus a shared expert
 64 wide behind its sigmoid gate, Qwen3-MoE with softmax routing and ``decoder_sparse_step=2`` (layer 0 dense, layer 1
@@ -84,7 +87,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma2", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -98,6 +101,7 @@ GQA_ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -141,6 +145,7 @@ DEFAULT_ROPE_SCALING = {
     "mixtral": "none",
     "glm4_moe": "none",
     "gemma3": "linear",
+    "gemma2": "none",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -211,11 +216,16 @@ def tiny_config(
             gemma3=dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=sliding_window or 4096,
                         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)],
                         rope_local_base_freq=10000.0),
+            # NOTE: Gemma 2: even layers slide; caps that bite on scores and logits of a few units
+            gemma2=dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=sliding_window or 4096,
+                        attn_logit_softcapping=4.0, final_logit_softcapping=5.0),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
         if arch == "gemma3":  # NOTE: hidden 80: its sqrt (the embedding scale) is not a float32 number
             common.update(hidden_size=80, rope_theta=1_000_000.0)
+        if arch == "gemma2":
+            common.update(hidden_size=80)
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(
         q_lora_rank=q_lora_rank,
@@ -302,7 +312,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter from ``torch.Generator(seed)`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
-    offsets = model.config.model_type == "gemma3_text"  # NOTE: Gemma's norms scale by 1 + weight
+    offsets = model.config.model_type in ("gemma3_text", "gemma2")  # NOTE: Gemma's norms scale by 1 + weight
 
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float64)

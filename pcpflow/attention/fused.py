@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from pcpflow.attention.paged import accumulation_dtype, paged_attention
+from pcpflow.attention.paged import accumulation_dtype, paged_attention, softcapped
 from pcpflow.models.base import AttentionSpec
 
 KERNELS = ("flex", "sdpa")
@@ -169,8 +169,8 @@ def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel):
     values = spec.values(entries).transpose(1, 2)  # [t, kvh, width, v]
     qt = q[rows.clamp(min=0)].transpose(1, 2)  # [t, H, g, qk]
     # bf16/fp16 stay narrow into the kernel (it accumulates in float32 itself).
-    if kernel == "flex":
-        o, lse = _flex(qt, keys, values, mask, spec.scale)
+    if kernel == "flex" or spec.softcap is not None:  # NOTE: SDPA takes no soft-cap
+        o, lse = _flex(qt, keys, values, mask, spec.scale, spec.softcap)
     else:
         o, lse = _sdpa(qt, keys, values, mask, spec)
     has = (row_ctx > 0)[:, None, :]  # rows without context: 0 and -inf, whatever the kernel
@@ -179,7 +179,7 @@ def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel):
     return o.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _flex(q, k, v, mask, scale):
+def _flex(q, k, v, mask, scale, softcap=None):
     from torch.nn.attention.flex_attention import flex_attention
 
     # NOTE: the mask as a score_mod rather than a BlockMask: eager flex vmaps a mask_mod
@@ -188,7 +188,7 @@ def _flex(q, k, v, mask, scale):
     neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
 
     def score_mod(score, b, h, qi, kj):
-        return torch.where(mask[b, qi, kj], score, neg_inf)
+        return torch.where(mask[b, qi, kj], softcapped(score, softcap), neg_inf)
 
     kwargs = dict(score_mod=score_mod, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     with warnings.catch_warnings():

@@ -81,6 +81,12 @@ def paged_attention(
     return out.to(out_dtype), lse
 
 
+def softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's attention logits), as transformers
+    computes it; ``scores`` when ``softcap`` is None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for bf16/fp16 (what attention accumulates and log-sum-exps travel in);
     float32 and float64 are their own."""
@@ -250,7 +256,7 @@ def _attend_segments(
 
         qt = q[safe_rows[idx]].view(t, g, num_kv_heads, group, spec.qk_dim)
         qt = qt.permute(0, 2, 1, 3, 4).reshape(t, num_kv_heads, g * group, spec.qk_dim)
-        scores = torch.matmul(qt, keys) * spec.scale  # [t, kvh, g*group, ctx]
+        scores = softcapped(torch.matmul(qt, keys) * spec.scale, spec.softcap)  # [t, kvh, g*group, ctx]
         mask = j < row_ctx[idx][:, :, None]  # [t, g, ctx]
         mask = mask[:, None, :, None, :].expand(t, 1, g, group, ctx).reshape(t, 1, g * group, ctx)
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -30,6 +30,7 @@ class AttentionSpec:
     v_offset: int  # where values start inside a cache entry
     entry_dim: int  # width of one cache entry
     scale: float  # softmax scale applied to q.k
+    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2)
 
     def keys(self, entries: torch.Tensor) -> torch.Tensor:
         """``[..., entry_dim] -> [..., num_kv_heads, qk_dim]``."""

@@ -53,7 +53,7 @@ class ModelCard(Settings):
 
 def card_from_hf_config(path: str | Path) -> dict:
     """The card (as a plain dict) of a Hugging Face checkpoint directory's config.json
-    (Llama-style GQA, Qwen3-MoE, Mixtral and Gemma 3 included, or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
+    (every Llama-style GQA family, Gemma 2 and 3 included, or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
     executed run loads it with; ValueError saying what is wrong."""
     from pcpflow.models.hf import read_checkpoint_config
 

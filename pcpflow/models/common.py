@@ -280,7 +280,8 @@ class DecoderLM(CausalLM):
     """Embedding, a stack of ``DecoderLayer``, final norm and LM head; subclasses supply
     the attention block per layer and the ``AttentionSpec``. ``embed_scale`` multiplies the
     embedding (Gemma: sqrt(hidden_size), rounded to the weights' dtype), ``embedding_multiplier``
-    too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite);
+    too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite),
+    ``final_logit_softcapping`` caps them, ``cap * tanh(logits / cap)`` (Gemma);
     ``unit_offset``: the final norm's (``RMSNorm``)."""
 
     def __init__(
@@ -296,6 +297,7 @@ class DecoderLM(CausalLM):
         unit_offset: bool = False,
         embedding_multiplier: float | None = None,
         logits_scaling: float | None = None,
+        final_logit_softcapping: float | None = None,
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -305,6 +307,7 @@ class DecoderLM(CausalLM):
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.embed_scale = embed_scale
         self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
+        self.final_logit_softcapping = final_logit_softcapping
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset)
         self.lm_head = (
@@ -338,7 +341,10 @@ class DecoderLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = hidden @ weight.T
-        return logits if self.logits_scaling is None else logits / self.logits_scaling  # NOTE: Granite's
+        if self.logits_scaling is not None:  # NOTE: Granite's
+            logits = logits / self.logits_scaling
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # NOTE: Gemma's, as transformers
 
     @classmethod
     def from_config(

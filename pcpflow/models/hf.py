@@ -7,11 +7,11 @@ Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``GraniteForCausalLM`` and the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k norms,
 head_dim, partial RoPE, fused tensors, the MoE fields — in a table), Gemma 3's text
-``Gemma3ForCausalLM`` (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale,
-GELU and RoPE per layer type) and ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or
+``Gemma3ForCausalLM`` and Gemma 2's ``Gemma2ForCausalLM`` (``hf_gemma``: the same GQA layers
+with Gemma's norms, embedding scale, GELU, RoPE per layer type and soft-capping) and ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or
 with MoE layers (``hf_deepseek``). The config is checked
 when the run config is validated — an unsupported architecture (other MoE families such as
-Llama 4 or OLMoE are named as such, Gemma 1/2 and multimodal Gemma 3 with a reason), a
+Llama 4 or OLMoE are named as such, Gemma 1 and multimodal Gemma 3 with a reason), a
 quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
 rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
 ``use_sliding_window``, Gemma 3's sliding layers) shorter than a request of the run
@@ -37,7 +37,7 @@ from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
-from pcpflow.models.hf_gemma import Gemma3Checkpoint
+from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
 from pcpflow.models.hf_weights import (
     Rename,
@@ -52,13 +52,13 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "DeepseekV2ForCausalLM": DeepseekCheckpoint,
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
     "Gemma3ForCausalLM": Gemma3Checkpoint,
+    "Gemma2ForCausalLM": Gemma2Checkpoint,
 }
 UNSUPPORTED = {
     "Gemma3ForConditionalGeneration": (
         "multimodal Gemma 3 (a vision tower beside the language model) is not supported; pcpflow runs "
         "Gemma 3 text checkpoints, Gemma3ForCausalLM (config.json model_type gemma3_text: gemma-3-270m, gemma-3-1b)"
     ),
-    "Gemma2ForCausalLM": "Gemma 2 (soft-capped attention scores and logits) is not supported",
     "GemmaForCausalLM": "Gemma (1) is not supported",
 }
 """Architectures refused with a reason of their own (others: a plain "unsupported")."""
@@ -164,7 +164,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 3 or
+    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3 or
     DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):

@@ -18,12 +18,19 @@ e.g. gemma-3-270m, gemma-3-1b) — grouped-query attention with RoPE, as transfo
 
 A sliding layer attends to the last ``sliding_window`` keys (itself included), pcpflow to the
 whole sequence: exact while no request is longer than the window (``window``, checked by
-``pcpflow.models.hf.length_problems``). Gemma 2's soft-capping (``attn_logit_softcapping``,
-``final_logit_softcapping``) and ``use_bidirectional_attention`` are refused by name.
+``pcpflow.models.hf.length_problems``). The logits are soft-capped when
+``final_logit_softcapping`` is set; ``attn_logit_softcapping`` (which transformers' Gemma 3
+does not apply) and ``use_bidirectional_attention`` are refused by name.
+
+Gemma 2 (``Gemma2ForCausalLM``, ``Gemma2Checkpoint``): the same, without q/k norms, one RoPE
+for every layer (``rope_theta``, ``rope_scaling``), the even layers sliding unless
+``layer_types`` says otherwise, attention scores soft-capped (``attn_logit_softcapping``, 50)
+and logits too (``final_logit_softcapping``, 30).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -57,11 +64,13 @@ class Gemma3Checkpoint(CheckpointConfig):
     layer_types: list[LayerType] | None = None
     local_rope_theta: float = Field(10000.0, gt=0)  # the sliding layers' RoPE
     local_rope_scaling: RopeScaling | None = None
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = Field(None, gt=0)
+    final_logit_softcapping: float | None = Field(None, gt=0)
     use_bidirectional_attention: bool | None = False
 
     moe: ClassVar[None] = None  # dense
+    qk_norm: ClassVar[bool] = True  # q/k norms before RoPE (Gemma 2: none)
+    attn_softcap: ClassVar[bool] = False  # whether transformers' attention applies attn_logit_softcapping
     window_off: ClassVar[str | None] = None  # no config.json setting turns its window off
     renames: ClassVar[tuple[Rename, ...]] = (
         *(r for r in DECODER_RENAMES if "layernorm" not in r.hf),
@@ -105,12 +114,10 @@ class Gemma3Checkpoint(CheckpointConfig):
     @model_validator(mode="after")
     def _what_pcpflow_runs(self) -> Gemma3Checkpoint:
         problems = []
-        if self.attn_logit_softcapping is not None:
+        if self.attn_logit_softcapping is not None and not self.attn_softcap:
             problems.append(f"attn_logit_softcapping={self.attn_logit_softcapping} is not supported (Gemma 2's "
-                            "soft-capped attention scores); Gemma 3 checkpoints have null")
-        if self.final_logit_softcapping is not None:
-            problems.append(f"final_logit_softcapping={self.final_logit_softcapping} is not supported (Gemma 2's "
-                            "soft-capped logits, cap * tanh(logits / cap)); Gemma 3 checkpoints have null")
+                            "soft-capped attention scores, which transformers' Gemma 3 does not apply); Gemma 3 "
+                            "checkpoints have null")
         if self.use_bidirectional_attention:
             problems.append("use_bidirectional_attention=true is not supported (every token also sees later ones, "
                             "as in an embedding model); pcpflow generates with causal attention")
@@ -164,10 +171,12 @@ class Gemma3Checkpoint(CheckpointConfig):
                 f"{len(self.sliding_layers)} of {self.num_hidden_layers} layers)")
 
     def attn_spec(self) -> AttentionSpec:
-        return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.query_pre_attn_scalar**-0.5)
+        spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.query_pre_attn_scalar**-0.5)
+        return dataclasses.replace(spec, softcap=self.attn_logit_softcapping if self.attn_softcap else None)
 
     def lm_options(self) -> dict[str, Any]:
-        return {"embed_scale": self.hidden_size**0.5, "unit_offset": True}
+        return {"embed_scale": self.hidden_size**0.5, "unit_offset": True,
+                "final_logit_softcapping": self.final_logit_softcapping}
 
     def build_layers(self) -> list[DecoderLayer]:
         h, eps = self.hidden_size, self.rms_norm_eps
@@ -178,7 +187,7 @@ class Gemma3Checkpoint(CheckpointConfig):
                 GQAAttention(
                     hidden_size=h, num_heads=self.num_attention_heads, num_kv_heads=self.kv_heads, head_dim=self.dim,
                     rotary=RotaryEmbedding(self.dim, rope[kind][0], scaling=rope[kind][1]),
-                    bias=self.attention_bias, qk_norm_eps=eps, unit_offset=True,
+                    bias=self.attention_bias, qk_norm_eps=eps if self.qk_norm else None, unit_offset=True,
                 ),
                 h, self.intermediate_size, eps,
                 mlp=GatedMLP(h, self.intermediate_size, activation="gelu_tanh"),
@@ -186,3 +195,30 @@ class Gemma3Checkpoint(CheckpointConfig):
             )
             for kind in self.kinds
         ]
+
+
+class Gemma2Checkpoint(Gemma3Checkpoint):
+    """The config.json fields of a Gemma 2 checkpoint (transformers' ``Gemma2Config`` defaults):
+    Gemma 3's layers without q/k norms, one RoPE for all of them, the even layers sliding (a
+    pattern of 2), attention scores and logits soft-capped."""
+
+    sliding_window_pattern: int = Field(2, gt=0)
+    max_position_embeddings: int = Field(8192, gt=0)
+    attn_logit_softcapping: float | None = Field(50.0, gt=0)
+    final_logit_softcapping: float | None = Field(30.0, gt=0)
+
+    qk_norm: ClassVar[bool] = False
+    attn_softcap: ClassVar[bool] = True
+
+    @classmethod
+    def _rope_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """One RoPE for every layer, read as any Llama-style config.json's."""
+        raw = super(Gemma3Checkpoint, cls)._rope_fields(raw)
+        raw["local_rope_theta"], raw["local_rope_scaling"] = raw["rope_theta"], raw.get("rope_scaling")
+        return raw
+
+    def window_setting(self) -> str:
+        if self.layer_types is not None:
+            return super().window_setting()
+        return (f"sliding_window={self.window} on its even layers (Gemma 2's, without layer_types: "
+                f"{len(self.sliding_layers)} of {self.num_hidden_layers} layers)")

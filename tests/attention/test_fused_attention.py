@@ -20,6 +20,9 @@ torch.set_num_threads(2)
 SPECS = {
     "gqa": AttentionSpec(num_heads=4, num_kv_heads=2, qk_dim=8, v_dim=8, v_offset=16, entry_dim=32, scale=0.3),
     "mla": AttentionSpec(num_heads=4, num_kv_heads=1, qk_dim=12, v_dim=8, v_offset=0, entry_dim=12, scale=0.25),
+    # NOTE: scores of a few units against a cap of 1.5 (Gemma 2's soft-capping bites; SDPA has none: flex runs)
+    "gqa_softcap": AttentionSpec(num_heads=4, num_kv_heads=2, qk_dim=8, v_dim=8, v_offset=16, entry_dim=32, scale=0.3,
+                                 softcap=1.5),
 }
 BLOCK = 4
 
@@ -52,7 +55,7 @@ def paged_case(rng, spec, lens):
 
 
 @pytest.mark.parametrize("kernel", ["flex", "sdpa"])
-@pytest.mark.parametrize("model", ["gqa", "mla"])
+@pytest.mark.parametrize("model", ["gqa", "mla", "gqa_softcap"])
 def test_fused_matches_reference_pcp_layout(kernel, model):
     spec, rng = SPECS[model], np.random.default_rng(1)
     q, cache, tables, req, ctx = paged_case(rng, spec, [37, 9, 1, 14])
@@ -136,3 +139,24 @@ def test_fused_runs_exact_against_the_single_rank():
         assert r["verify"]["passed"] and r["verify"]["kv_match"], r["verify"]
         assert r["verify"]["max_abs_logit_diff"] <= 1e-9
     assert gqa["outputs"] == gqa_ref["outputs"] and mla["outputs"] == mla_ref["outputs"]
+
+
+def test_soft_capped_scores_are_capped_before_the_softmax():
+    """Gemma 2's soft-capping, written out for one decode row in float64: softmax over
+    ``cap * tanh(scale * q.k / cap)`` of every key; the paged kernel gives that, and differs
+    from the uncapped attention (the cap bites)."""
+    spec = SPECS["gqa_softcap"]
+    rng = np.random.default_rng(5)
+    q, cache, tables, req, ctx = paged_case(rng, spec, [37, 9, 1, 14])
+    row = len(req) - 3  # request 3's decode row: 14 keys
+    got, _ = paged_attention(q, cache, spec, tables, req, ctx, BLOCK)
+    slots = [int(tables[3, j // BLOCK]) * BLOCK + j % BLOCK for j in range(14)]
+    entries = cache[slots]
+    for h in range(spec.num_heads):
+        kv = h // (spec.num_heads // spec.num_kv_heads)
+        keys = entries[:, kv * spec.qk_dim:(kv + 1) * spec.qk_dim]
+        values = entries[:, spec.v_offset + kv * spec.v_dim:spec.v_offset + (kv + 1) * spec.v_dim]
+        scores = keys @ q[row, h] * spec.scale
+        want = torch.softmax(spec.softcap * torch.tanh(scores / spec.softcap), 0) @ values
+        torch.testing.assert_close(got[row, h], want, rtol=0, atol=1e-13)
+        assert not torch.allclose(torch.softmax(scores, 0) @ values, want, atol=1e-3)

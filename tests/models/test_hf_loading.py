@@ -90,9 +90,9 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     (bad_json / "config.json").write_text("{not json")
     assert "not readable JSON" in _problem(bad_json)
 
-    gemma = _copy(ckpts["llama"], tmp_path / "gemma", architectures=["Gemma2ForCausalLM"])
-    msg = _problem(gemma)
-    assert "unsupported architecture Gemma2ForCausalLM" in msg
+    neox = _copy(ckpts["llama"], tmp_path / "neox", architectures=["GPTNeoXForCausalLM"])
+    msg = _problem(neox)
+    assert "unsupported architecture GPTNeoXForCausalLM" in msg
     assert all(a in msg for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"))
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
@@ -523,7 +523,7 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-                 "glm4_moe", "gemma3"):
+                 "glm4_moe", "gemma3", "gemma2"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -809,13 +809,12 @@ def test_eos_token_ids_are_read_as_transformers_generate_reads_them(ckpts, tmp_p
 GEMMA3_REFUSED = {
     # name: (config.json changes, what the one problem says)
     "attention soft-capping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
-    "logit soft-capping": ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    "a logit soft-cap of 0": ({"final_logit_softcapping": 0.0}, "final_logit_softcapping: Input should be greater than 0"),
     "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
     "multimodal": ({"architectures": ["Gemma3ForConditionalGeneration"]},
                    "unsupported architecture Gemma3ForConditionalGeneration: multimodal Gemma 3"),
     "multimodal by model_type": ({"architectures": _DELETE, "model_type": "gemma3"},
                                  "unsupported architecture Gemma3ForConditionalGeneration: multimodal Gemma 3"),
-    "Gemma 2": ({"architectures": ["Gemma2ForCausalLM"]}, "unsupported architecture Gemma2ForCausalLM: Gemma 2"),
     "Gemma 1": ({"architectures": _DELETE, "model_type": "gemma"}, "unsupported architecture GemmaForCausalLM: Gemma"),
     "another activation": ({"hidden_activation": "gelu"}, "hidden_activation: Input should be 'gelu_pytorch_tanh'"),
     "a layer type per layer": ({"layer_types": ["full_attention"]}, "layer_types has 1 entries; num_hidden_layers is 2"),
@@ -977,6 +976,48 @@ def test_real_gemma3_configs_size_a_simulated_run(tmp_path, name):
         compose([*sim, "workload.output_lens=[13]"])
     (problem,) = exc.value.problems
     assert "sliding_window=512" in problem.allowed and "the longest request reaches 513 tokens" in problem.allowed
+
+
+# config.json of gemma-2-2b-it and gemma-2-9b-it as published (transformers 4.42), with their
+# published parameter counts (billions: 2.61, 9.24)
+GEMMA2_COMMON = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=256, vocab_size=256000,
+                     max_position_embeddings=8192, query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                     hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", attention_bias=False)
+REAL_GEMMA2_CONFIGS = {
+    "gemma-2-2b": (dict(GEMMA2_COMMON, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4), 2.61),
+    "gemma-2-9b": (dict(GEMMA2_COMMON, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                        num_attention_heads=16, num_key_value_heads=8), 9.24),
+}
+
+
+@pytest.mark.parametrize("name", REAL_GEMMA2_CONFIGS)
+def test_real_gemma2_configs_size_a_simulated_run_and_read_as_transformers(tmp_path, name):
+    """Gemma 2's config.json: transformers' own parameter count, the published one to its
+    rounding (tied embedding counted once), its even layers sliding as ``Gemma2Config`` lays
+    them out (4096 keys: a request of 4097 is refused), both soft-caps read, no q/k norms."""
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    config, total_b = REAL_GEMMA2_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    c = read_checkpoint_config(tmp_path)
+    ours = build_uninitialized(lambda: HFModel(c), "meta")
+    theirs_config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(theirs_config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert c.sliding_layers == [i for i, t in enumerate(theirs_config.layer_types) if t == "sliding_attention"]
+    assert c.sliding_layers == list(range(0, config["num_hidden_layers"], 2))
+    assert (c.attn_spec().softcap, ours.final_logit_softcapping, c.attn_spec().scale) == (50.0, 30.0, 256**-0.5)
+    sim = ["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
+           "workload=explicit", "workload.prompt_lens=[4000]"]
+    sizes = model_sizes(compose([*sim, "workload.output_lens=[96]"]).model)
+    assert (sizes.total_weight_params() + sizes.embedding_params) / 1e9 == pytest.approx(total_b, abs=0.01)
+    with pytest.raises(ConfigError, match="the longest request reaches 4097 tokens"):
+        compose([*sim, "workload.output_lens=[97]"])
 
 
 # ------------------------------------------------------------------ rope

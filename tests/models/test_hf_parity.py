@@ -1,6 +1,6 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 3 and DeepSeek-V2/V3 checkpoints are
+Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -81,6 +81,8 @@ CHECKPOINTS = {
     # query_pre_attn_scalar, a sliding layer (RoPE base 1e4) whose window is the longest request
     # and a full one (base 1e6, linear x8); untied, so that greedy tokens vary
     "gemma3": dict(arch="gemma3", sliding_window=LONGEST),
+    # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite)
+    "gemma2_softcap": dict(arch="gemma2", sliding_window=LONGEST),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -128,6 +130,9 @@ MATRIX = [
     ("gemma3", "float32", 2, 2, "sharded", []),
     ("gemma3", "float64", 4, 4, "sharded", []),
     ("gemma3", "float32", 4, 1, "replicated", ["pipeline.restore.kind=sampled_rows"]),
+    ("gemma2_softcap", "float64", 2, 2, "sharded", []),
+    ("gemma2_softcap", "float32", 4, 4, "replicated", []),
+    ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
     # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
     # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
     ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
@@ -147,6 +152,7 @@ MATRIX = [
     # Gemma 3's MLP (GELU) split like the others, its q/k norms replicated
     ("gemma3", "float64", 2, 1, "replicated", ["tp=2"]),
     ("gemma3", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("gemma2_softcap", "float64", 2, 2, "replicated", ["tp=2"]),
 ]
 
 
@@ -162,6 +168,7 @@ DEFAULT_CASES = {
     ("phi3_longrope", "float64", 2, 2, "sharded"),
     ("granite_tied", "float64", 4, 4, "replicated"),
     ("gemma3", "float64", 4, 4, "sharded"),
+    ("gemma2_softcap", "float64", 2, 2, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 
