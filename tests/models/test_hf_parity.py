@@ -133,6 +133,8 @@ MATRIX = [
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
     ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
+    ("gemma2_softcap", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("gemma2_softcap", "float32", 2, 2, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
     # tensor parallel, tp=2 pcp=2 (4 ranks): Llama's 2 KV heads split (dcp 1, pcp),
     # DeepSeek's latent shared by the TP ranks (dcp 1, pcp, tp*pcp)
     ("llama", "float64", 2, 1, "replicated", ["tp=2"]),
