@@ -2,21 +2,22 @@
 
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
-Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
-``GraniteForCausalLM`` and the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
-``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k norms,
-head_dim, partial RoPE, fused tensors, the MoE fields — in a table), Gemma 3's text
-``Gemma3ForCausalLM`` and Gemma 2's ``Gemma2ForCausalLM`` (``hf_gemma``: the same GQA layers
-with Gemma's norms, embedding scale, GELU, RoPE per layer type and soft-capping) and ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or
-with MoE layers (``hf_deepseek``). The config is checked
-when the run config is validated — an unsupported architecture (other MoE families such as
-Llama 4 or OLMoE are named as such, Gemma 1 and multimodal Gemma 3 with a reason), a
-quantized checkpoint, a missing directory or weights are configuration errors (exit 2, no
-rank started); so is a sliding window (Mistral's ``sliding_window``, Qwen's
-``use_sliding_window``, Gemma 3's sliding layers) shorter than a request of the run
-(``length_problems``): pcpflow attends to the whole sequence, which equals the window only
-until a request outgrows it; and, in an executed run, a request past LongRoPE's original length.
+Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``, ``GraniteForCausalLM`` and
+the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``
+and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
+norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields — in a
+table); Gemma 3's text ``Gemma3ForCausalLM`` and Gemma 2's ``Gemma2ForCausalLM`` (``hf_gemma``:
+the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer type and
+soft-capping); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+(``hf_deepseek``). The config is checked when the run config is validated — an unsupported
+architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 and
+multimodal Gemma 3 with a reason), a quantized checkpoint, a missing directory or weights are
+configuration errors (exit 2, no rank started); so is a sliding window (Mistral's
+``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) shorter than a
+request of the run (``length_problems``): pcpflow attends to the whole sequence, which equals
+the window only until a request outgrows it; and, in an executed run, a request past
+LongRoPE's original length.
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
 attention.

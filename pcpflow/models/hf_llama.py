@@ -148,7 +148,8 @@ class LlamaCheckpoint(CheckpointConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _moe_fields(cls, raw: Any) -> Any:
+    def _family_fields(cls, raw: Any) -> Any:
+        """What a family reads beyond the fields themselves: its MoE settings, its defaults."""
         if isinstance(raw, dict):
             raw = dict(raw)
             if raw.get("sliding_window") == 0 and raw.get("architecture") == "Qwen2MoeForCausalLM":
