@@ -67,9 +67,10 @@ def test_a_quick_profile_of_two_ranks_measures_every_section(tmp_path):
     tables = doc["tables"]
     assert {"gemm", "attention", "memory", "launch", "host", "collectives", "sync"} <= set(tables)
     sync = tables["sync"]
-    # the work as it ran: about the grid's 0.5 and 4 ms (its repeats sized by one timed call)
+    # the work as it ran: the grid's 0.5 and 4 ms, its repeats sized by one timed call; a machine
+    # busy with other work stretches both alike, so their ratio (8) is what is checked
     assert len(sync["work_s"]) == len(sync["excess_s"]) == 2 and min(sync["excess_s"]) >= 0
-    assert 0.00025 < sync["work_s"][0] < 0.001 and 0.002 < sync["work_s"][1] < 0.008
+    assert 0 < sync["work_s"][0] and 4 < sync["work_s"][1] / sync["work_s"][0] < 16
     assert sync["fixed_us"] >= 0 and sync["per_work"] >= 0
     sim = cli("mode=simulate", "hardware=measured", f"hardware.path={run / 'hardware.yaml'}", "dtype=float32",
               "model=tiny_gqa", "pcp=2", f"hydra.run.dir={tmp_path / 'sim'}", "output.plots=false")
