@@ -55,6 +55,15 @@ def dcp_local_seq_lens(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) 
     return (lens // period) * interleave + tail
 
 
+def window_starts(positions, window: int | None) -> np.ndarray:
+    """int64: the first key a row at each position sees through a sliding window of
+    ``window`` keys (itself included: ``max(0, position + 1 - window)``); 0 without one."""
+    pos = np.asarray(positions, dtype=np.int64)
+    if window is None:
+        return np.zeros_like(pos)
+    return np.maximum(pos + 1 - window, 0)
+
+
 def dcp_shard_lens(seq_lens, dcp_size: int, interleave: int) -> np.ndarray:
     """``[dcp_size, n]``: ``dcp_local_seq_lens`` of every DCP rank at once."""
     _check_dcp(dcp_size, 0, interleave)

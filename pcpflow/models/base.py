@@ -31,6 +31,15 @@ class AttentionSpec:
     entry_dim: int  # width of one cache entry
     scale: float  # softmax scale applied to q.k
     softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) before the softmax (Gemma 2)
+    # A sliding window: the layers ``window_layers`` attend to the last ``window`` keys of each
+    # row's context, the row's own included (a row at position p sees keys
+    # ``max(0, p + 1 - window) .. p``: ``pcpflow.layouts.slots.window_starts``); the others to all.
+    window: int | None = None
+    window_layers: tuple[int, ...] = ()
+
+    def slides(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through the sliding window."""
+        return self.window is not None and layer in self.window_layers
 
     def keys(self, entries: torch.Tensor) -> torch.Tensor:
         """``[..., entry_dim] -> [..., num_kv_heads, qk_dim]``."""

@@ -7,6 +7,7 @@ The cache holds one entry per token: roped K of every kv head, then V
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -22,6 +23,25 @@ class TinyGQA(DecoderLM):
         name: Literal["tiny_gqa"] = "tiny_gqa"
         num_kv_heads: int = Field(2, gt=0, description="key/value heads (divides num_heads)")
         head_dim: int = Field(16, gt=0, multiple_of=2, description="per-head dim (all rotated)")
+        window: int | None = Field(
+            None, gt=0, description="a sliding window: the layers window_layers names attend to the last "
+            "`window` keys of each row (itself included), as Mistral's and Gemma's sliding layers; null: none")
+        window_layers: list[int] | None = Field(
+            None, description="the layers the window applies to (0-based); null: every layer")
+
+        @model_validator(mode="after")
+        def _window_layers_exist(self) -> TinyGQA.Config:
+            bad = [i for i in self.window_layers or () if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"window_layers {bad} are not layers of a {self.num_layers}-layer model "
+                                 f"(0 .. {self.num_layers - 1})")
+            return self
+
+        def sliding_layers(self) -> tuple[int, ...]:
+            """The layers the window applies to (none without a window)."""
+            if self.window is None:
+                return ()
+            return tuple(sorted(set(range(self.num_layers) if self.window_layers is None else self.window_layers)))
 
         @model_validator(mode="after")
         def _heads_divide(self) -> TinyGQA.Config:
@@ -38,5 +58,7 @@ class TinyGQA(DecoderLM):
             c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, intermediate_size=c.intermediate_size, eps=c.rms_norm_eps, rope_theta=c.rope_theta,
         )
-        super().__init__(layers=layers, attn_spec=gqa_spec(c.num_heads, c.num_kv_heads, c.head_dim), **c.lm_dims())
+        spec = gqa_spec(c.num_heads, c.num_kv_heads, c.head_dim)
+        spec = dataclasses.replace(spec, window=c.window, window_layers=c.sliding_layers())
+        super().__init__(layers=layers, attn_spec=spec, **c.lm_dims())
         self.config = config
