@@ -56,10 +56,12 @@ def fused_paged_attention(
     row_req_indices: torch.Tensor,
     row_context_lens: torch.Tensor,
     block_size: int,
+    starts: torch.Tensor | None = None,
     *,
     kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``paged_attention``'s result through a fused kernel (see module docstring)."""
+    """``paged_attention``'s result through a fused kernel (see module docstring); ``starts``:
+    each row's first key (a sliding window), None: 0."""
     kernel = kernel or default_kernel(q.device, q.dtype)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -72,9 +74,11 @@ def fused_paged_attention(
     req = row_req_indices.to(device=q.device, dtype=torch.long)
     ctx = row_context_lens.to(device=q.device, dtype=torch.long)
     tables = block_tables.to(device=q.device, dtype=torch.long)
+    first = None if starts is None else starts.to(device=q.device, dtype=torch.long)
     blocked = cache.reshape(-1, block_size, spec.entry_dim)
     for seg_rows in _segments(req, ctx):
         seg_ctx = torch.where(seg_rows >= 0, ctx[seg_rows.clamp(min=0)], 0)
+        seg_start = None if first is None else torch.where(seg_rows >= 0, first[seg_rows.clamp(min=0)], 0)
         seg_tables = tables[req[seg_rows.amax(1)]]
         order = torch.argsort(seg_ctx.amax(1), descending=True)
         ctx_sorted = seg_ctx.amax(1)[order].tolist()
@@ -88,7 +92,8 @@ def fused_paged_attention(
             start += idx.numel()
             rows = seg_rows[idx]
             o, l = _attend_dense(
-                q, blocked, spec, seg_tables[idx, :nblocks], rows, seg_ctx[idx], kernel
+                q, blocked, spec, seg_tables[idx, :nblocks], rows, seg_ctx[idx], kernel,
+                None if seg_start is None else seg_start[idx],
             )
             keep = rows >= 0
             out[rows[keep]] = o[keep].to(out_dtype)
@@ -103,12 +108,14 @@ def fused_decode_attention(
     row_block_tables: torch.Tensor,
     row_context_lens: torch.Tensor,
     block_size: int,
+    starts: torch.Tensor | None = None,
     *,
     kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One segment per row, static shapes: row ``n`` reads blocks ``row_block_tables[n]``
     (``[N, W]``, any valid block where unused) up to ``row_context_lens[n]`` keys (0 on
-    padded rows). What a CUDA graph captures: no host sync, no data-dependent shape."""
+    padded rows), from ``starts[n]`` on (a sliding window; None: 0). What a CUDA graph
+    captures: no host sync, no data-dependent shape."""
     kernel = kernel or default_kernel(q.device, q.dtype)
     blocked = cache.reshape(-1, block_size, spec.entry_dim)
     o, l = _attend_dense(
@@ -119,6 +126,7 @@ def fused_decode_attention(
         torch.arange(q.shape[0], device=q.device)[:, None],
         row_context_lens[:, None],
         kernel,
+        None if starts is None else starts[:, None],
     )
     return o[:, 0].to(q.dtype), l[:, 0].to(accumulation_dtype(q.dtype))
 
@@ -151,9 +159,10 @@ def _segments(req: torch.Tensor, ctx: torch.Tensor) -> list[torch.Tensor]:
     return groups
 
 
-def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel):
-    """Segments ``rows [t, g]`` (``-1`` pads, context ``row_ctx [t, g]``, 0 on pads) over
-    the blocks ``tables [t, nb]``: ``o [t, g, H, v_dim]``, ``lse [t, g, H]``."""
+def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel, row_start=None):
+    """Segments ``rows [t, g]`` (``-1`` pads, context ``row_ctx [t, g]``, 0 on pads, first
+    key ``row_start [t, g]``, None: 0) over the blocks ``tables [t, nb]``: ``o [t, g, H,
+    v_dim]``, ``lse [t, g, H]``."""
     t, g = rows.shape
     num_blocks, block_size, _ = blocked.shape
     width = tables.shape[1] * block_size
@@ -161,6 +170,8 @@ def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel):
     entries = blocked[tables.clamp(0, num_blocks - 1)].reshape(t, width, spec.entry_dim)
     j = torch.arange(width, device=q.device)
     mask = j[None, None, :] < row_ctx[:, :, None]  # [t, g, width]
+    if row_start is not None:  # NOTE: a sliding window masks the keys before each row's start
+        mask &= j[None, None, :] >= row_start[:, :, None]
     # NOTE: slots past every row's context may hold NaN (never written) or another
     # request's stale KV; a masked score still multiplies its value, so zero them.
     written = j[None, :] < row_ctx.amax(1)[:, None]
@@ -173,7 +184,9 @@ def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel):
         o, lse = _flex(qt, keys, values, mask, spec.scale, spec.softcap)
     else:
         o, lse = _sdpa(qt, keys, values, mask, spec)
-    has = (row_ctx > 0)[:, None, :]  # rows without context: 0 and -inf, whatever the kernel
+    # NOTE: rows without a key (no context, or none in their window on this shard): 0 and
+    # -inf, whatever the kernel makes of a row masked whole
+    has = (row_ctx > (0 if row_start is None else row_start))[:, None, :]
     o = torch.where(has[..., None], o, o.new_zeros(()))
     lse = torch.where(has, lse.to(acc), torch.full((), float("-inf"), dtype=acc, device=q.device))
     return o.transpose(1, 2), lse.transpose(1, 2)

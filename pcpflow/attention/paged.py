@@ -40,15 +40,17 @@ def paged_attention(
     row_req_indices: torch.Tensor,
     row_context_lens: torch.Tensor,
     block_size: int,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query row over its request's paged context.
 
-    Row ``n`` attends over entries ``j < row_context_lens[n]`` of block-table row
+    Row ``n`` attends over entries ``starts[n] <= j < row_context_lens[n]`` (``starts``: a
+    sliding window's first key in the same index space; None: 0) of block-table row
     ``r = row_req_indices[n]``; entry ``j`` lives at slot
     ``block_tables[r, j // block_size] * block_size + j % block_size`` of ``cache``
     (``[num_slots, entry_dim]``). Returns ``out [N, H, v_dim]`` and ``lse [N, H]``, the
-    natural-log log-sum-exp of the scaled scores; rows with no context get ``out = 0``
-    and ``lse = -inf``.
+    natural-log log-sum-exp of the scaled scores; rows with no context (or none from their
+    start on) get ``out = 0`` and ``lse = -inf``.
     """
     num_rows, num_heads, qk_dim = q.shape
     if (num_heads, qk_dim) != (spec.num_heads, spec.qk_dim):
@@ -73,11 +75,14 @@ def paged_attention(
     row_req_indices = row_req_indices.to(device=q.device, dtype=torch.long)
     row_context_lens = row_context_lens.to(device=q.device, dtype=torch.long)
     block_tables = block_tables.to(device=q.device, dtype=torch.long)
+    if starts is not None:
+        starts = starts.to(device=q.device, dtype=torch.long)
     blocked_cache = cache.reshape(-1, block_size, spec.entry_dim)
     for seg_rows in _segments(row_req_indices, row_context_lens):
         seg_block_tables = block_tables[row_req_indices[seg_rows.amax(1)]]
         row_ctx = torch.where(seg_rows >= 0, row_context_lens[seg_rows.clamp(min=0)], 0)
-        _attend_segments(q, blocked_cache, spec, seg_block_tables, seg_rows, row_ctx, out, lse)
+        row_start = None if starts is None else torch.where(seg_rows >= 0, starts[seg_rows.clamp(min=0)], 0)
+        _attend_segments(q, blocked_cache, spec, seg_block_tables, seg_rows, row_ctx, out, lse, row_start)
     return out.to(out_dtype), lse
 
 
@@ -222,11 +227,12 @@ def _attend_segments(
     row_ctx: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    row_start: torch.Tensor | None = None,
 ) -> None:
     """Attend every segment (``seg_rows [S, g]``, ``-1`` pads; a segment's rows share one
     request, whose block table is ``seg_block_tables[s]``; ``row_ctx [S, g]`` is each row's
-    context, 0 on pads) over ``blocked_cache [num_blocks, block_size, entry_dim]`` and write
-    the rows' results into ``out`` / ``lse``."""
+    context, 0 on pads; ``row_start [S, g]`` its first key, None: 0) over ``blocked_cache
+    [num_blocks, block_size, entry_dim]`` and write the rows' results into ``out`` / ``lse``."""
     num_kv_heads, num_heads = spec.num_kv_heads, spec.num_heads
     group = num_heads // num_kv_heads
     num_blocks, block_size, _ = blocked_cache.shape
@@ -258,6 +264,8 @@ def _attend_segments(
         qt = qt.permute(0, 2, 1, 3, 4).reshape(t, num_kv_heads, g * group, spec.qk_dim)
         scores = softcapped(torch.matmul(qt, keys) * spec.scale, spec.softcap)  # [t, kvh, g*group, ctx]
         mask = j < row_ctx[idx][:, :, None]  # [t, g, ctx]
+        if row_start is not None:  # NOTE: a sliding window: keys before a row's start are masked too
+            mask &= j >= row_start[idx][:, :, None]
         mask = mask[:, None, :, None, :].expand(t, 1, g, group, ctx).reshape(t, 1, g * group, ctx)
         scores = scores.masked_fill(~mask, float("-inf"))
 

@@ -43,8 +43,9 @@ SPECS = {
 }
 
 
-def naive_attention(q, cache, spec, block_tables, req, ctx, block_size):
-    """Row by row: gather the context slot by slot, softmax in float64 (numpy)."""
+def naive_attention(q, cache, spec, block_tables, req, ctx, block_size, starts=None):
+    """Row by row: gather the context slot by slot (keys ``starts[i] .. ctx[i] - 1``),
+    softmax in float64 (numpy)."""
     q, cache = q.double().numpy(), cache.double().numpy()
     n, h = q.shape[:2]
     group = spec.num_heads // spec.num_kv_heads
@@ -52,10 +53,11 @@ def naive_attention(q, cache, spec, block_tables, req, ctx, block_size):
     lse = np.full((n, h), -np.inf)
     for i in range(n):
         r, c = int(req[i]), int(ctx[i])
-        if c == 0:
+        first = 0 if starts is None else int(starts[i])
+        if c <= first:
             continue
         slots = [
-            int(block_tables[r, j // block_size]) * block_size + j % block_size for j in range(c)
+            int(block_tables[r, j // block_size]) * block_size + j % block_size for j in range(first, c)
         ]
         entries = cache[slots]
         for head in range(h):
@@ -125,6 +127,30 @@ def test_paged_attention_matches_naive(spec_name, block_size, tile_elements, mon
     empty = (ctx == 0).numpy()
     assert empty.any()
     assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("spec_name", ["gqa", "mla"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_a_sliding_window_attends_from_each_rows_start(spec_name, block_size, window):
+    """Each row reads keys ``starts .. ctx - 1``: a window's (``ctx - window``, at least 0),
+    and rows whose start reaches their context (a DCP shard without a key in the window)
+    give 0 and -inf."""
+    spec = SPECS[spec_name]
+    rng = np.random.default_rng([block_size, window])
+    q, cache, bt, req, ctx = random_case(rng, spec, block_size)
+    starts = torch.clamp(ctx - window, min=0)
+    starts[::9] = ctx[::9]  # no key left from the start on
+    out, lse = paged_attention(q, cache, spec, bt, req, ctx, block_size, starts)
+    ref_out, ref_lse = naive_attention(q, cache, spec, bt, req, ctx, block_size, starts)
+    np.testing.assert_allclose(out.numpy(), ref_out, **TORCH_VS_NUMPY)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, **TORCH_VS_NUMPY)
+    none = (starts >= ctx).numpy()
+    assert none.any() and (out[none] == 0).all() and (lse[none] == float("-inf")).all()
+    if window < 40:  # the window changes the rows it cuts (not a no-op)
+        full, _ = paged_attention(q, cache, spec, bt, req, ctx, block_size)
+        cut = ((starts > 0) & (starts < ctx)).numpy()
+        assert cut.any() and not torch.allclose(out[cut], full[cut])
 
 
 def test_paged_attention_float32():

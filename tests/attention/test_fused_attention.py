@@ -67,6 +67,27 @@ def test_fused_matches_reference_pcp_layout(kernel, model):
     torch.testing.assert_close(got_l, want_l, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["flex", "sdpa"])
+@pytest.mark.parametrize("window", [1, 5])
+def test_fused_sliding_window_matches_reference(kernel, window):
+    """A sliding window's start per row (keys ``ctx - window ..``; some rows with no key
+    left, as a DCP shard has): the reference kernel's result, 0 / -inf where no key is."""
+    spec, rng = SPECS["gqa"], np.random.default_rng(window)
+    q, cache, tables, req, ctx = paged_case(rng, spec, [37, 9, 1, 14])
+    starts = torch.clamp(ctx - window, min=0)
+    starts[3] = ctx[3]
+    want_o, want_l = paged_attention(q, cache, spec, tables, req, ctx, BLOCK, starts)
+    got_o, got_l = fused_paged_attention(q, cache, spec, tables, req, ctx, BLOCK, starts, kernel=kernel)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_l, want_l, rtol=0, atol=1e-12)
+    assert torch.isinf(got_l[3]).all()
+    rows = slice(-5, None)  # the decodes and padding: the static decode kernel too
+    got_o, got_l = fused_decode_attention(q[rows], cache, spec, tables[req[rows]], ctx[rows], BLOCK, starts[rows],
+                                          kernel=kernel)
+    torch.testing.assert_close(got_o, want_o[rows], rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_l, want_l[rows], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("model", ["gqa", "mla"])
 def test_fused_partials_merge_exact_under_dcp(model):
     """Two DCP shards (position p on rank p % 2): each rank's fused partial + lse over its

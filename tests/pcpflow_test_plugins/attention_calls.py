@@ -19,9 +19,9 @@ from pcpflow.pipeline.state import StepState
 CALLS: list[tuple[int, list[int], list[int]]] = []
 
 
-def _recording(q, cache, spec, block_tables, row_req_indices, row_context_lens, block_size):
+def _recording(q, cache, spec, block_tables, row_req_indices, row_context_lens, block_size, starts=None):
     CALLS.append((int(block_size), row_req_indices.tolist(), row_context_lens.tolist()))
-    return paged.paged_attention(q, cache, spec, block_tables, row_req_indices, row_context_lens, block_size)
+    return paged.paged_attention(q, cache, spec, block_tables, row_req_indices, row_context_lens, block_size, starts)
 
 
 fused.paged_attention = _recording  # NOTE: what attention_kernel("reference") hands the forward stage
