@@ -30,9 +30,10 @@ _dense_models: dict[str, torch.nn.Module] = {}
 
 
 def dense_reference_agrees(cfg, result) -> bool:
-    model = _dense_models.get(cfg.model.name)
+    key = cfg.model.model_dump_json()  # NOTE: a tiny model's settings (a window) change it
+    model = _dense_models.get(key)
     if model is None:
-        model = _dense_models[cfg.model.name] = build_model(cfg.model, dtype=torch.float64, seed=cfg.seed)
+        model = _dense_models[key] = build_model(cfg.model, dtype=torch.float64, seed=cfg.seed)
     return all(
         greedy_matches(model, row["prompt_token_ids"], out)
         for row, out in zip(result["requests"], result["outputs"])

@@ -22,11 +22,14 @@ def rope(x, positions, theta):
     return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
 
 
-def causal_attention(q, k, v, scale):
-    """q, k [N, H, d], v [N, H, dv] -> [N, H, dv], standard causal softmax attention."""
+def causal_attention(q, k, v, scale, window=None):
+    """q, k [N, H, d], v [N, H, dv] -> [N, H, dv], standard causal softmax attention; with a
+    ``window``, query i sees keys i - window < j <= i only."""
     n = q.shape[0]
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    hidden = (j > i) if window is None else (j > i) | (j <= i - window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
 
 
@@ -37,7 +40,8 @@ def reference_forward(model, ids):
     pos = torch.arange(len(ids))
     x = model.embed_tokens.weight[ids]
     residuals = []
-    for layer in model.layers:
+    slides = set(c.sliding_layers()) if c.name == "tiny_gqa" else set()
+    for index, layer in enumerate(model.layers):
         a = layer.self_attn
         h = rms(x, layer.input_norm.weight, c.rms_norm_eps)
         if c.name == "tiny_mla":
@@ -64,7 +68,8 @@ def reference_forward(model, ids):
             v = (h @ a.v_proj.weight.T).view(-1, nkv, hd)
             rep = nh // nkv
             o = causal_attention(
-                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 1 / math.sqrt(hd)
+                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 1 / math.sqrt(hd),
+                c.window if index in slides else None,
             )
         x = x + o.flatten(1) @ a.o_proj.weight.T
         h = rms(x, layer.post_attention_norm.weight, c.rms_norm_eps)

@@ -79,6 +79,9 @@ class CPAttention:
         self.kernel = kernel
         self.caches, self.spec, self.block_size = caches, spec, block_size
         self.pcp, self.dcp, self.meta = pcp, dcp, meta
+        if spec.window is not None and spec.window_layers and meta.window != spec.window:
+            raise ValueError(f"the model's layers {list(spec.window_layers)} slide over {spec.window} keys, but "
+                             f"the attention metadata was built for window={meta.window}")
         n, p = layout.padded_num_tokens, layout.pcp_size
         # Rows past the replicated-decode prefix move, if any rank has a real one there
         # (pcpflow.layouts.accounting: the one definition of what each layer gathers).
@@ -104,6 +107,7 @@ class CPAttention:
             start = self.heads_rows
             self.member_req = meta.gathered_row_req_indices.view(p, n)[self.member_pcp, start:].reshape(-1)
             self.member_ctx = meta.gathered_row_context_lens.view(p, n)[self.member_pcp, start:].reshape(-1)
+            self.member_start = _cut(meta.gathered_row_starts, lambda g: g.view(p, n)[self.member_pcp, start:].reshape(-1))
         elif dcp.size > 1 and self.has_rest:
             plan = meta.dcp_context
             if plan is not None and dcp_rest != "queries":
@@ -127,6 +131,7 @@ class CPAttention:
             assert meta.gathered_row_context_lens is not None
             self.rest_req = meta.gathered_row_req_indices.view(p, n)[:, nd:].reshape(-1)
             self.rest_ctx = meta.gathered_row_context_lens.view(p, n)[:, nd:].reshape(-1)
+            self.rest_start = _cut(meta.gathered_row_starts, lambda g: g.view(p, n)[:, nd:].reshape(-1))
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         self.write(layer, kv)
@@ -141,17 +146,21 @@ class CPAttention:
             _write(cache, self.rest_write, self.pcp.all_gather(kv[nd:], "kv_gather"))
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Step 2 alone: the attention of ``q`` over layer ``layer``'s cache."""
-        cache, nd = self.caches[layer], self.nd
+        """Step 2 alone: the attention of ``q`` over layer ``layer``'s cache (through the
+        sliding window on the layers ``AttentionSpec.window_layers`` names)."""
+        cache, nd, meta = self.caches[layer], self.nd, self.meta
+        slides = self.spec.slides(layer)
+        local_start = meta.local_row_starts if slides else None
         if self.dcp.size == 1:
-            out, _ = self._attend(q, self.meta.local_row_req_indices, self.meta.local_row_context_lens, cache)
+            out, _ = self._attend(q, meta.local_row_req_indices, meta.local_row_context_lens, cache, local_start)
             return out
         if self.dcp_tp > 1:
-            return self._attend_over_tp(q, cache)
+            return self._attend_over_tp(q, cache, slides)
         out = q.new_zeros((q.shape[0], self.spec.num_heads, self.spec.v_dim))
         if nd:
             o, lse = self._attend(
-                q[:nd], self.meta.local_row_req_indices[:nd], self.meta.local_row_context_lens[:nd], cache
+                q[:nd], meta.local_row_req_indices[:nd], meta.local_row_context_lens[:nd], cache,
+                None if local_start is None else local_start[:nd],
             )
             gathered = self.dcp.all_gather(pack_partials(o, lse, q.dtype), "dcp_decode_partials")
             out[:nd] = self._merge(gathered.view(self.dcp.size, nd, -1))
@@ -167,16 +176,17 @@ class CPAttention:
                 self.meta.local_row_req_indices[nd:],
                 c.row_context_lens[nd:],
                 self.block_size,
+                meta.context_row_starts[nd:] if slides else None,
             )
         elif self.has_rest:
             rest = q.shape[0] - nd
             q_all = self.dcp.all_gather(q[nd:], "dcp_query_gather")
-            o, lse = self._attend(q_all, self.rest_req, self.rest_ctx, cache)
+            o, lse = self._attend(q_all, self.rest_req, self.rest_ctx, cache, self.rest_start if slides else None)
             mine = self.dcp.all_to_all(pack_partials(o, lse, q.dtype), "dcp_partials")
             out[nd:] = self._merge(mine.view(self.dcp.size, rest, -1))
         return out
 
-    def _attend_over_tp(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    def _attend_over_tp(self, q: torch.Tensor, cache: torch.Tensor, slides: bool) -> torch.Tensor:
         """Step 3 (module docstring). Replicated decode rows are the same on every PCP
         rank: their queries are gathered over heads only (the ``dcp_heads`` TP block);
         the rest rows of every member are gathered over the whole DCP group."""
@@ -187,21 +197,21 @@ class CPAttention:
             q_heads = self.dcp_heads.all_gather(q[:nd], "dcp_decode_query_gather")
             req = meta.local_row_req_indices[:nd].repeat(t)
             ctx = meta.local_row_context_lens[:nd].repeat(t)
-            out[:nd] = self._to_owners(q_heads, req, ctx, cache, self.member_heads, t, "dcp_decode")
+            start = meta.local_row_starts[:nd].repeat(t) if slides else None
+            out[:nd] = self._to_owners(q_heads, req, ctx, start, cache, self.member_heads, t, "dcp_decode")
         if self.has_rest or nd < self.nd:
             q_rest = self.dcp.all_gather(q[nd:], "dcp_query_gather")
             member = torch.arange(self.dcp.size, device=q.device)
-            out[nd:] = self._to_owners(
-                q_rest, self.member_req, self.member_ctx, cache, member, self.dcp.size, "dcp"
-            )
+            out[nd:] = self._to_owners(q_rest, self.member_req, self.member_ctx, self.member_start if slides else None,
+                                       cache, member, self.dcp.size, "dcp")
         return out
 
-    def _to_owners(self, q_blocks, req, ctx, cache, owner_block, b: int, prefix: str) -> torch.Tensor:
-        """Attend ``b`` blocks of query rows over this rank's shard and give DCP member
-        ``m`` the merged result of block ``owner_block[m]`` (its rows and heads), by
-        ``dcp_comm_backend``."""
+    def _to_owners(self, q_blocks, req, ctx, starts, cache, owner_block, b: int, prefix: str) -> torch.Tensor:
+        """Attend ``b`` blocks of query rows (from ``starts``, a sliding layer's) over this
+        rank's shard and give DCP member ``m`` the merged result of block ``owner_block[m]``
+        (its rows and heads), by ``dcp_comm_backend``."""
         d, h, dv = self.dcp.size, self.spec.num_heads, self.spec.v_dim
-        o, lse = self._attend(q_blocks, req, ctx, cache)
+        o, lse = self._attend(q_blocks, req, ctx, cache, starts)
         rows = q_blocks.shape[0] // b
         o, lse = o.view(b, rows, h, dv), lse.view(b, rows, h)
         if self.dcp_comm_backend == "a2a":
@@ -216,8 +226,8 @@ class CPAttention:
         out = self.dcp.reduce_scatter(scaled[owner_block].flatten(0, 1), f"{prefix}_output_reduce_scatter")
         return out.to(q_blocks.dtype)
 
-    def _attend(self, q, req, ctx, cache):
-        return self.kernel(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size)
+    def _attend(self, q, req, ctx, cache, starts=None):
+        return self.kernel(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size, starts)
 
     def _merge(self, packed: torch.Tensor) -> torch.Tensor:
         return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim)
@@ -234,6 +244,12 @@ def layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:
         v_dim=spec.v_dim,
         dtype_bytes=caches[0].element_size() if caches else 1,
     )
+
+
+def _cut(starts: torch.Tensor | None, cut) -> torch.Tensor | None:
+    """A sliding window's row starts (``AttentionMetadata``) cut as a path cuts its rows'
+    context lens; None without a window."""
+    return None if starts is None else cut(starts)
 
 
 def _valid_writes(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

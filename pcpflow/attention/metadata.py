@@ -13,7 +13,12 @@ import torch
 
 from pcpflow.layouts.dcp_context import ContextGather
 from pcpflow.layouts.layout import BatchLayout
-from pcpflow.layouts.slots import compute_slot_mapping, dcp_local_seq_lens, expand_to_gathered
+from pcpflow.layouts.slots import (
+    compute_slot_mapping,
+    dcp_local_seq_lens,
+    expand_to_gathered,
+    window_starts,
+)
 from pcpflow.layouts.tensors import int64_tensor
 
 
@@ -49,6 +54,15 @@ class AttentionMetadata:
     # How the target's attention crossed the ranks ("allgather" | "ring_pass_kv" |
     # "ring_pass_q"), set by ``forward``: attention work and metrics.jsonl follow it.
     cp_attention: str | None = None
+    # A sliding window (``AttentionSpec.window``; None: none): the first key each row reads on
+    # a sliding layer, in the index space of its context lens above: ``local_row_starts``
+    # beside ``local_row_context_lens`` (this rank's DCP shard when dcp > 1),
+    # ``gathered_row_starts`` beside ``gathered_row_context_lens``, ``context_row_starts`` the
+    # local rows' in their whole context (the DCP context path's).
+    window: int | None = None
+    local_row_starts: torch.Tensor | None = None
+    gathered_row_starts: torch.Tensor | None = None
+    context_row_starts: torch.Tensor | None = None
 
 
 def rank_slot_mapping(
@@ -94,6 +108,7 @@ def build_attention_metadata(
     dcp_rank: int,
     device: torch.device,
     seq_lens: np.ndarray | None = None,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """Metadata of tokens ``[T]`` (``positions``, block-table row ``req_indices``) planned by
     ``layout``, for PCP rank ``pcp_rank`` and DCP rank ``dcp_rank``.
@@ -101,13 +116,16 @@ def build_attention_metadata(
     ``context_lens`` [T]: keys each token's query reads (default ``position + 1``, causal).
     ``seq_lens`` [R] (each request's ``num_computed + num_scheduled``): with dcp > 1, also
     prepare the rest rows' context path (``ContextGather``); without it they take the
-    queries path."""
+    queries path. ``window``: the model's sliding window (``AttentionSpec.window``): each
+    row's first key on a sliding layer (``window_starts`` of its position) too."""
     positions = np.asarray(positions, dtype=np.int64)
     req_indices = np.asarray(req_indices, dtype=np.int64)
     ctx_lens = positions + 1 if context_lens is None else np.asarray(context_lens, dtype=np.int64)
     slots = rank_slot_mapping(positions, req_indices, block_tables, kv, dcp_size=dcp_size, dcp_rank=dcp_rank)
     row_req, row_ctx = gathered_rows(layout, req_indices, ctx_lens)
     rows = layout.rank_rows(pcp_rank)
+    row_start = None if window is None else gathered_rows(layout, req_indices, window_starts(positions, window))[1]
+    whole_start = row_start
     context = None
     if dcp_size > 1:
         if seq_lens is not None:
@@ -123,9 +141,14 @@ def build_attention_metadata(
                 device=device,
             )
         row_ctx = dcp_local_seq_lens(row_ctx, dcp_size, dcp_rank, kv.interleave)
+        if row_start is not None:  # NOTE: the shard's keys before the start: positions only grow along a shard
+            row_start = dcp_local_seq_lens(row_start, dcp_size, dcp_rank, kv.interleave)
 
     def to(a: np.ndarray) -> torch.Tensor:
         return int64_tensor(a, device)
+
+    def maybe(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else to(a)
 
     return AttentionMetadata(
         gathered_slot_mapping=to(expand_to_gathered(slots, layout)),
@@ -135,4 +158,8 @@ def build_attention_metadata(
         gathered_row_req_indices=to(row_req) if dcp_size > 1 else None,
         gathered_row_context_lens=to(row_ctx) if dcp_size > 1 else None,
         dcp_context=context,
+        window=window,
+        local_row_starts=maybe(None if row_start is None else row_start[rows]),
+        gathered_row_starts=maybe(row_start if dcp_size > 1 else None),
+        context_row_starts=maybe(whole_start[rows] if dcp_size > 1 and whole_start is not None else None),
     )

@@ -55,6 +55,9 @@ class _HopTensors:
         self.visit_req = _tensor(hop.visit_req, device)
         self.visit_cache_lens = _tensor(hop.visit_cache_lens, device)
         self.visit_local_lens = _tensor(hop.visit_local_lens, device)
+        maybe = lambda a: None if a is None else _tensor(a, device)  # noqa: E731
+        self.stay_starts = maybe(hop.stay_starts)
+        self.visit_cache_starts, self.visit_local_starts = maybe(hop.visit_cache_starts), maybe(hop.visit_local_starts)
 
 
 class RingAttention:
@@ -74,6 +77,9 @@ class RingAttention:
         """``block_tables``: the global batch's (``AttentionMetadata.block_tables``);
         ``dcp``: the ring's group (the DCP group, equal to the PCP group); ``kernel``:
         ``paged_attention`` or a function with its contract."""
+        if spec.window is not None and spec.window_layers and ring.window != spec.window:
+            raise ValueError(f"the model's layers {list(spec.window_layers)} slide over {spec.window} keys, but "
+                             f"the ring was planned for window={ring.window} (rank_ring's window)")
         self.ring, self.caches, self.spec, self.block_size = ring, caches, spec, block_size
         self.block_tables, self.dcp, self.kernel = block_tables, dcp, kernel
         device = block_tables.device
@@ -81,6 +87,7 @@ class RingAttention:
         t = lambda a: _tensor(a, device)  # noqa: E731
         self.rep_rows, self.rep_req = t(ring.replicated_rows), t(ring.replicated_req)
         self.rep_lens = t(ring.replicated_cache_lens)
+        self.rep_starts = None if ring.replicated_cache_starts is None else t(ring.replicated_cache_starts)
         self.stay_rows, self.stay_req = t(ring.stay_rows), t(ring.stay_req)
         self.travel_rows = t(ring.travel_rows)
         self.local_tables = t(ring.local_tables)
@@ -92,6 +99,7 @@ class RingAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         cache, spec, ring, p = self.caches[layer], self.spec, self.ring, self.size
+        slides = spec.slides(layer)
         _write(cache, self.write_slots, kv.index_select(0, self.write_rows))
         block = kv.new_empty((ring.block_len, spec.entry_dim), dtype=cache.dtype)
         block[self.block_cached_at] = cache.index_select(0, self.block_cached_slots)
@@ -115,9 +123,10 @@ class RingAttention:
             if h:
                 _write(cache, hop.write_slots, package.index_select(0, hop.write_at))
             if self.stay_rows.numel():
-                stays.append(self.kernel(q_stay, package, spec, hop.block_tables, self.stay_req, hop.stay_lens, 1))
+                stays.append(self.kernel(q_stay, package, spec, hop.block_tables, self.stay_req, hop.stay_lens, 1,
+                                         hop.stay_starts if slides else None))
             if hop.visit_req.numel():
-                visits[hop.origin] = self._visit(queries, cache, own_keys, hop)
+                visits[hop.origin] = self._visit(queries, cache, own_keys, hop, slides)
             if pending is not None:
                 package, queries = pending.wait()
 
@@ -126,7 +135,9 @@ class RingAttention:
             o, lse = merge_attention_partials(torch.stack([s[0] for s in stays]), torch.stack([s[1] for s in stays]))
             out[self.stay_rows] = o.to(out.dtype)
         if ring.has_all2all:
-            rep = pack_partials(*self._paged(q.index_select(0, self.rep_rows), cache, self.rep_req, self.rep_lens), q.dtype)
+            rep_q = q.index_select(0, self.rep_rows)
+            rep = pack_partials(*self._paged(rep_q, cache, self.rep_req, self.rep_lens, self.rep_starts if slides else None),
+                                q.dtype)
             empty = rep.new_zeros((0, rep.shape[1]))
             send = torch.cat([t for v in visits for t in (pack_partials(*v, q.dtype) if v is not None else empty, rep)])
             got = self.dcp.all_to_all_v(send, ring.all2all_send.tolist(), ring.all2all_recv.tolist(), "ring_all2all")
@@ -136,15 +147,17 @@ class RingAttention:
             out[self.rep_rows] = merged[n_travel:].to(out.dtype)
         return out
 
-    def _visit(self, queries, cache, own_keys, hop: _HopTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    def _visit(self, queries, cache, own_keys, hop: _HopTensors, slides: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A visiting package's queries over this rank's keys: its cached shard (paged) and
-        its travelling rows' new KV, merged into one partial result."""
-        a = self._paged(queries, cache, hop.visit_req, hop.visit_cache_lens)
-        b = self.kernel(queries, own_keys, self.spec, self.local_tables, hop.visit_req, hop.visit_local_lens, 1)
+        its travelling rows' new KV, merged into one partial result (through the window on a
+        sliding layer)."""
+        a = self._paged(queries, cache, hop.visit_req, hop.visit_cache_lens, hop.visit_cache_starts if slides else None)
+        b = self.kernel(queries, own_keys, self.spec, self.local_tables, hop.visit_req, hop.visit_local_lens, 1,
+                        hop.visit_local_starts if slides else None)
         return merge_attention_partials(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]]))
 
-    def _paged(self, q, cache, req, lens):
-        return self.kernel(q, cache, self.spec, self.block_tables, req, lens, self.block_size)
+    def _paged(self, q, cache, req, lens, starts=None):
+        return self.kernel(q, cache, self.spec, self.block_tables, req, lens, self.block_size, starts)
 
     def _merge(self, packed: torch.Tensor) -> torch.Tensor:
         return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim)

@@ -7,9 +7,8 @@ safetensors headers against config.json), the workload from its lengths alone
 (``pcpflow.scheduling``: no token array is built to find out that it is too big, and the
 one "can this request ever fit" rule of the KV cache), and for an executed run, which
 allocates on this host, the host's memory (``pcpflow.rank.devices``); for every run, a
-checkpoint's sliding window and, executed, LongRoPE's original length against the longest
-request (``pcpflow.models.hf.length_problems``: a simulated run prices the whole-sequence
-attention pcpflow executes, so a window a request outgrows is refused there too). A simulated run (``mode=simulate``) reads only config.json and
+checkpoint's limits against the longest request (``pcpflow.models.hf.length_problems``:
+executed, LongRoPE's original length; simulated, a sliding window it does not price). A simulated run (``mode=simulate``) reads only config.json and
 sizes its KV cache from the hardware it prices, so host-memory limits are skipped there.
 
 ``feature_problems`` are the features' rules on the config itself (run beside its

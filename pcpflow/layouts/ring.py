@@ -43,6 +43,7 @@ from pcpflow.layouts.slots import (
     dcp_global_positions,
     dcp_local_seq_lens,
     dcp_shard_lens,
+    window_starts,
 )
 
 CP_ATTENTION = ("allgather", "ring_pass_kv", "ring_pass_q", "ring_auto")
@@ -237,6 +238,11 @@ class Hop:
     visit_pos: np.ndarray  # [recv_q]: its position
     visit_cache_lens: np.ndarray  # [recv_q]: entries of this rank's shard it reads (paged)
     visit_local_lens: np.ndarray  # [recv_q]: entries of this rank's travelling rows' KV it reads
+    # A sliding window (``rank_ring``'s ``window``): the first entry each of those reads
+    # reads on a sliding layer (the entries before it hold positions before the window).
+    stay_starts: np.ndarray | None = None
+    visit_cache_starts: np.ndarray | None = None
+    visit_local_starts: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,11 +271,15 @@ class RankRing:
     all2all_send: np.ndarray  # [P]: partial rows sent to each rank (itself included)
     all2all_recv: np.ndarray  # [P]: partial rows received from each rank
     has_all2all: bool
+    window: int | None = None  # the sliding window the reads' starts below are for (None: none)
+    replicated_cache_starts: np.ndarray | None = None  # a sliding window's first entry of the shard each reads
 
 
-def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int) -> RankRing:
+def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int, window: int | None = None) -> RankRing:
     """Rank ``rank``'s view of ``plan``; ``block_tables`` (int [R, max_blocks]) are the global
-    batch's, ``block_size`` the cache's."""
+    batch's, ``block_size`` the cache's. ``window``: the model's sliding window; each read
+    then also says where a sliding layer's starts (its entries are in position order per
+    request, so the entries before the window are a prefix: counted as the reads are)."""
     p, n, i_ = plan.pcp_size, plan.padded_num_tokens, plan.interleave
     tables = np.asarray(block_tables, dtype=np.int64)
     base = rank * n
@@ -303,6 +313,17 @@ def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int) -> RankR
     t_len = np.bincount(travel_req, minlength=num_reqs).astype(np.int64)
     local_tables = _segment_tables(t_first, t_len)
     travel_keys = travel_req * scale + travel_pos
+    slides = window is not None
+
+    def before(keys: np.ndarray, req: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+        """Entries of ``keys`` of each row's request before its window (positions < its start)."""
+        return _count_at_or_below(keys, req, window_starts(pos, window) - 1, scale) if slides else None
+
+    def shard_before(req: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
+        """Entries of this rank's cached shard of each row's request before its window."""
+        if not slides:
+            return None
+        return dcp_local_seq_lens(np.minimum(window_starts(pos, window), plan.cache_limit[req]), p, rank, i_)
 
     hops = []
     for h in range(p):
@@ -345,6 +366,9 @@ def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int) -> RankR
                 visit_pos=v_pos,
                 visit_cache_lens=visit_cache,
                 visit_local_lens=_count_at_or_below(travel_keys, v_req, v_pos, scale),
+                stay_starts=before(b_req * scale + b_pos, stay_req, stay_pos),
+                visit_cache_starts=shard_before(v_req, v_pos),
+                visit_local_starts=before(travel_keys, v_req, v_pos),
             )
         )
     send = plan.num_travel + plan.num_replicated
@@ -372,4 +396,6 @@ def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int) -> RankR
         all2all_send=send.astype(np.int64),
         all2all_recv=recv,
         has_all2all=plan.has_all2all,
+        window=window,
+        replicated_cache_starts=shard_before(rep_req, rep_pos),
     )

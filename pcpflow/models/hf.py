@@ -13,11 +13,10 @@ soft-capping); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or w
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 and
 multimodal Gemma 3 with a reason), a quantized checkpoint, a missing directory or weights are
-configuration errors (exit 2, no rank started); so is a sliding window (Mistral's
-``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) shorter than a
-request of the run (``length_problems``): pcpflow attends to the whole sequence, which equals
-the window only until a request outgrows it; and, in an executed run, a request past
-LongRoPE's original length.
+configuration errors (exit 2, no rank started); so is, in an executed run, a request past
+LongRoPE's original length (``length_problems``). A sliding window (Mistral's
+``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) is executed:
+``AttentionSpec.window``.
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
 attention.
@@ -267,10 +266,9 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
 
 def length_problems(model_config: Any, longest: int) -> list[Problem]:
     """A checkpoint's limits against the run's longest request (``longest``: prompt plus
-    output plus speculative tokens). A sliding window: pcpflow attends to every earlier
-    token, which is the window's attention exactly while no request is longer than the
-    window; a simulated run's card (``hf_card``) is checked against the config.json it was
-    read from, as it prices that attention. LongRoPE (executed runs): past its original
+    output plus speculative tokens). A sliding window: an executed run attends through it
+    (``AttentionSpec.window``); a simulated run's card (``hf_card``) is checked against the
+    config.json it was read from, as it prices every layer's attention whole. LongRoPE (executed runs): past its original
     length transformers ropes with other frequencies (``CheckpointConfig.rope_limit``)."""
     name = getattr(model_config, "name", None)
     if name == "hf" and model_config.path:
@@ -285,14 +283,14 @@ def length_problems(model_config: Any, longest: int) -> list[Problem]:
         return []  # the model's own validation reports it
     problems = []
     window = getattr(checkpoint, "window", None)
-    if window is not None and longest > window:
+    if name == "hf_card" and window is not None and longest > window:
         off = f", or use a checkpoint with {checkpoint.window_off}" if checkpoint.window_off else ""
         problems.append(Problem("model.path", str(path), (
             f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
-            f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; pcpflow "
-            f"does not implement sliding-window attention (it attends to every earlier token), which is "
-            f"exact only for requests of at most {window} tokens (prompt + output + speculative tokens): "
-            f"shorten the requests{off}"
+            f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; a simulated "
+            f"run prices every layer's attention over the whole sequence, which is the window's only for "
+            f"requests of at most {window} tokens (prompt + output + speculative tokens): shorten the "
+            f"requests{off} (an executed run attends through the window)"
         )))
     limit = checkpoint.rope_limit
     if name == "hf" and limit is not None and longest > limit:

@@ -16,9 +16,8 @@ e.g. gemma-3-270m, gemma-3-1b) — grouped-query attention with RoPE, as transfo
   ``rope_local_base_freq`` (1e4) — as transformers 4 writes them, or transformers 5's
   ``rope_parameters`` keyed by layer type.
 
-A sliding layer attends to the last ``sliding_window`` keys (itself included), pcpflow to the
-whole sequence: exact while no request is longer than the window (``window``, checked by
-``pcpflow.models.hf.length_problems``). The logits are soft-capped when
+A sliding layer attends to the last ``sliding_window`` keys (itself included:
+``AttentionSpec.window``). The logits are soft-capped when
 ``final_logit_softcapping`` is set; ``attn_logit_softcapping`` (which transformers' Gemma 3
 does not apply) and ``use_bidirectional_attention`` are refused by name.
 
@@ -172,7 +171,8 @@ class Gemma3Checkpoint(CheckpointConfig):
 
     def attn_spec(self) -> AttentionSpec:
         spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.query_pre_attn_scalar**-0.5)
-        return dataclasses.replace(spec, softcap=self.attn_logit_softcapping if self.attn_softcap else None)
+        return dataclasses.replace(spec, softcap=self.attn_logit_softcapping if self.attn_softcap else None,
+                                   window=self.window, window_layers=tuple(self.sliding_layers))
 
     def lm_options(self) -> dict[str, Any]:
         return {"embed_scale": self.hidden_size**0.5, "unit_offset": True,

@@ -45,13 +45,13 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
   unless set), MoE past ``first_k_dense_replace`` routed as DeepSeek-V3 (its field names), its
   MTP layer (past ``num_hidden_layers``) left out as DeepSeek-V3's is.
 
-pcpflow attends to the whole sequence, so a sliding window is exact only while no request
-is longer than it: ``LlamaCheckpoint.window`` is what the driver checks the run's
-requests against (``pcpflow.models.hf.length_problems``).
+A sliding window (``LlamaCheckpoint.window`` on ``sliding_layers``) is the attention spec's
+(``AttentionSpec.window``): those layers attend to the last ``window`` keys, as transformers masks them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -261,7 +261,8 @@ class LlamaCheckpoint(CheckpointConfig):
 
     def attn_spec(self) -> AttentionSpec:
         scale = self.attention_multiplier if self.family.multipliers else None  # NOTE: Granite's softmax scale
-        return gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=scale)
+        spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=scale)
+        return dataclasses.replace(spec, window=self.window, window_layers=tuple(self.sliding_layers))
 
     def lm_options(self) -> dict[str, Any]:
         if not self.family.multipliers:

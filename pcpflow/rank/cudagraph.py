@@ -138,6 +138,7 @@ class DecodeGraphs:
         rows = cfg.scheduler.max_num_batched_tokens
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         self.row_ctx = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.row_start = torch.zeros(rows, dtype=torch.int64, device=dev)  # a sliding window's first keys
         self.row_tables = torch.zeros(rows, self.width, dtype=torch.int64, device=dev)
         self.caches = [with_pad_slot(c) for c in ctx.kv_caches]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
@@ -153,6 +154,8 @@ class DecodeGraphs:
         self.row_tables[:n, : tables.shape[1]].copy_(tables)
         self.slots[:n].copy_(attn.gathered_slot_mapping[:n])
         self.row_ctx[:n].copy_(attn.local_row_context_lens)
+        if attn.local_row_starts is not None:
+            self.row_start[:n].copy_(attn.local_row_starts)
         if not self.capture:
             return self._forward(local.input_ids, local.positions)
         if n not in self.graphs:
@@ -202,13 +205,15 @@ class _StaticDecodeAttention:
         slots = g.slots[:n]
         base.index_copy_(0, torch.where(slots >= 0, slots, pad), kv.to(base.dtype))
         ctx = g.ctx
+        spec = ctx.model.attn_spec
         out, _ = fused_decode_attention(
             q,
             base[:pad],
-            ctx.model.attn_spec,
+            spec,
             g.row_tables[:n],
             g.row_ctx[:n],
             ctx.config.kv.block_size,
+            g.row_start[:n] if spec.slides(layer) else None,
             kernel=g.kernel,
         )
         return out

@@ -53,7 +53,7 @@ TOL = {"float32": 1e-5, "float64": 1e-10}
 MAX_BATCHED = 32
 PROMPT_LENS = [1, 6, 19, 45, 70]  # 45 and 70 are chunked (> MAX_BATCHED)
 OUTPUT_LENS = [5, 3, 6, 4, 2]
-LONGEST = max(p + o for p, o in zip(PROMPT_LENS, OUTPUT_LENS))
+WINDOW = 7  # a sliding window shorter than most prompts: prefill chunks, DCP shards and decodes slide
 
 # name -> make_tiny_hf_checkpoint.build_checkpoint options
 CHECKPOINTS = {
@@ -69,20 +69,20 @@ CHECKPOINTS = {
     "qwen2_tied": dict(arch="qwen2", rope_scaling="yarn", tie_word_embeddings=True),
     # Qwen3: q/k norms, head_dim 24 != hidden/heads
     "qwen3": dict(arch="qwen3", rope_scaling="none"),
-    # NOTE: a sliding window exactly as long as the longest request: transformers masks with
-    # it, pcpflow attends to everything, the same attention (the driver's window check)
-    "mistral_window": dict(arch="mistral", rope_scaling="none", sliding_window=LONGEST),
+    # Mistral: every layer slides over WINDOW keys
+    "mistral_window": dict(arch="mistral", rope_scaling="none", sliding_window=WINDOW),
     # Phi-3: q/k/v stored as one qkv_proj, gate/up as one gate_up_proj; LongRoPE on 3/4 of a head
     "phi3_longrope": dict(arch="phi3", rope_scaling="longrope"),
     # SmolLM3: a layer without RoPE; Granite: its multipliers and softmax scale, tied embeddings
     "smollm3_nope": dict(arch="smollm3", rope_scaling="yarn"),
     "granite_tied": dict(arch="granite", rope_scaling="llama3", tie_word_embeddings=True, bias=True),
     # Gemma 3: (1 + w) norms around attention and MLP, q/k norms, GELU, embedding x sqrt(80),
-    # query_pre_attn_scalar, a sliding layer (RoPE base 1e4) whose window is the longest request
-    # and a full one (base 1e6, linear x8); untied, so that greedy tokens vary
-    "gemma3": dict(arch="gemma3", sliding_window=LONGEST),
-    # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite)
-    "gemma2_softcap": dict(arch="gemma2", sliding_window=LONGEST),
+    # query_pre_attn_scalar, a sliding layer (RoPE base 1e4, WINDOW keys) and a full one (base
+    # 1e6, linear x8); untied, so that greedy tokens vary
+    "gemma3": dict(arch="gemma3", sliding_window=WINDOW),
+    # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
+    # its even layer sliding over WINDOW keys
+    "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
