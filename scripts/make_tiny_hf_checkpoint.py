@@ -32,6 +32,10 @@ odd ones full (base 1e6, linear x8 unless ``--rope-scaling`` says otherwise)::
 each of Granite's multipliers away from one (embedding 2, residual 0.5, softmax scale 0.2,
 logits divided by 2.5).
 
+``gemma3_mm`` is ``gemma3``'s language model inside a multimodal ``Gemma3ForConditionalGeneration``
+(a one-layer SigLIP vision tower and its projector beside it, the text tensors under
+``language_model.``), as gemma-3-4b/12b/27b are stored.
+
 ``gemma2`` is ``gemma3``'s sizes without q/k norms, one RoPE (base 1e4), the even layers
 sliding, attention scores soft-capped at 4 and logits at 5 (so that both caps bite).
 
@@ -87,7 +91,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma2", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "gemma2", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -145,6 +149,7 @@ DEFAULT_ROPE_SCALING = {
     "mixtral": "none",
     "glm4_moe": "none",
     "gemma3": "linear",
+    "gemma3_mm": "linear",
     "gemma2": "none",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
@@ -243,6 +248,15 @@ def tiny_config(
         n_group=4 if moe else 1,
         topk_group=2 if moe else 1,
     )
+    if arch == "gemma3_mm":
+        text = tiny_config("gemma3", rope_scaling=rope_scaling, tie_word_embeddings=tie_word_embeddings, bias=bias,
+                           vocab_size=vocab_size, num_layers=num_layers, sliding_window=sliding_window)
+        # NOTE: the smallest SigLIP; the special image tokens are ordinary ids of the vocabulary, as released
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                         boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
+                                         image_token_index=vocab_size - 1, tie_word_embeddings=tie_word_embeddings)
     if arch == "deepseek_v3":
         return transformers.DeepseekV3Config(
             **common, **mla, rope_interleave=rope_interleave, routed_scaling_factor=2.5, norm_topk_prob=True
@@ -312,13 +326,15 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter from ``torch.Generator(seed)`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
-    offsets = model.config.model_type in ("gemma3_text", "gemma2")  # NOTE: Gemma's norms scale by 1 + weight
+    offsets = model.config.model_type in ("gemma3_text", "gemma3", "gemma2")  # NOTE: Gemma's norms scale by 1 + weight
 
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float64)
 
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if ".vision_tower." in f".{name}" or ".multi_modal_projector." in f".{name}":
+                continue  # NOTE: a multimodal model's image side: never run on text (transformers' own init)
             if name.endswith("embed_tokens.weight"):
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
                 value = randn(param.shape) * std
@@ -361,6 +377,7 @@ def build_checkpoint(
         **{name: getattr(transformers, model) for name, (_, model) in GQA_ARCHS.items()},
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+        "gemma3_mm": transformers.Gemma3ForConditionalGeneration,
     }[arch]
     model = cls(config).to(torch.float32)
     init_weights(model, seed)

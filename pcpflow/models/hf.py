@@ -7,12 +7,13 @@ Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen
 the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``
 and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
 norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields — in a
-table); Gemma 3's text ``Gemma3ForCausalLM`` and Gemma 2's ``Gemma2ForCausalLM`` (``hf_gemma``:
-the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer type and
-soft-capping); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimodal
+``Gemma3ForConditionalGeneration`` (text only) and Gemma 2's ``Gemma2ForCausalLM``
+(``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
+type and soft-capping); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
-architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 and
-multimodal Gemma 3 with a reason), a quantized checkpoint, a missing directory or weights are
+architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 with a
+reason), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
 ``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) is executed:
@@ -37,7 +38,7 @@ from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
-from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint
+from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
 from pcpflow.models.hf_weights import (
     Rename,
@@ -52,13 +53,10 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "DeepseekV2ForCausalLM": DeepseekCheckpoint,
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
     "Gemma3ForCausalLM": Gemma3Checkpoint,
+    "Gemma3ForConditionalGeneration": Gemma3MultimodalCheckpoint,  # its language model: text in, text out
     "Gemma2ForCausalLM": Gemma2Checkpoint,
 }
 UNSUPPORTED = {
-    "Gemma3ForConditionalGeneration": (
-        "multimodal Gemma 3 (a vision tower beside the language model) is not supported; pcpflow runs "
-        "Gemma 3 text checkpoints, Gemma3ForCausalLM (config.json model_type gemma3_text: gemma-3-270m, gemma-3-1b)"
-    ),
     "GemmaForCausalLM": "Gemma (1) is not supported",
 }
 """Architectures refused with a reason of their own (others: a plain "unsupported")."""
@@ -137,7 +135,7 @@ def read_checkpoint(path: str | Path) -> CheckpointConfig:
     return checkpoint
 
 
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+EMBEDDING, HEAD = "embed_tokens.weight", "lm_head.weight"  # pcpflow's names of the two
 
 
 def stored_names(path: Path) -> list[str]:
@@ -151,10 +149,12 @@ def tying(checkpoint: CheckpointConfig, names: list[str]) -> tuple[bool, tuple[R
     is loaded as its own (transformers keeps a stored head that differs from the embedding;
     one equal to it computes the same), a head stored alone is the embedding too."""
     renames = checkpoint.renames
-    if not checkpoint.tie_word_embeddings or {HEAD, EMBEDDING} <= set(names):
+    stored = {r.ours: r.hf for r in renames}  # NOTE: a multimodal checkpoint's sit under language_model.
+    head, embedding = stored[HEAD], stored[EMBEDDING]
+    if not checkpoint.tie_word_embeddings or {head, embedding} <= set(names):
         return False, renames
-    if HEAD in names:
-        return True, tuple(Rename(HEAD, "embed_tokens.weight") if r.hf == HEAD else r for r in renames)
+    if head in names:
+        return True, tuple(Rename(head, EMBEDDING) if r.hf == head else r for r in renames)
     return True, renames
 
 
@@ -219,7 +219,8 @@ class HFModel(DecoderLM):
         tied, renames = tying(checkpoint, stored_names(Path(config.path)))
         model = build_uninitialized(lambda: cls(checkpoint, tied=tied), device).to(dtype)
         if torch.device(device).type != "meta":
-            load_checkpoint(model, Path(config.path), renames, num_layers=checkpoint.num_hidden_layers)
+            load_checkpoint(model, Path(config.path), renames, num_layers=checkpoint.num_hidden_layers,
+                            skip=checkpoint.skip)
         return model
 
     @classmethod
@@ -320,10 +321,10 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
         return []
     params = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     plan = plan_names(names, [n for n, _ in model.named_parameters()], renames,
-                      num_layers=checkpoint.num_hidden_layers)
+                      num_layers=checkpoint.num_hidden_layers, skip=checkpoint.skip)
     problems = []
     if plan.unfilled:
-        stored = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+        stored = {int(m.group(1)) for n in names if (m := re.search(r"(?:^|\.)model\.layers\.(\d+)\.", n))}
         hint = ""
         if len(stored) < checkpoint.num_hidden_layers:
             hint = f" (config.json says num_hidden_layers={checkpoint.num_hidden_layers}; the weights hold {len(stored)} layer(s))"

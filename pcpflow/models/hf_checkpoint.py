@@ -46,6 +46,7 @@ class CheckpointConfig(BaseModel):
     allow_quantized: bool = False  # a simulated run reads the sizes of quantized checkpoints too
 
     renames: ClassVar[tuple[Rename, ...]] = ()
+    skip: ClassVar[tuple[str, ...]] = ()  # stored tensors pcpflow leaves out (regexes: a vision tower)
 
     @model_validator(mode="before")
     @classmethod

@@ -21,6 +21,9 @@ A sliding layer attends to the last ``sliding_window`` keys (itself included:
 ``final_logit_softcapping`` is set; ``attn_logit_softcapping`` (which transformers' Gemma 3
 does not apply) and ``use_bidirectional_attention`` are refused by name.
 
+The multimodal Gemma 3 (``Gemma3ForConditionalGeneration``: 4B, 12B, 27B) runs its language
+model on text (``Gemma3MultimodalCheckpoint``: ``text_config``, tensors under ``language_model.``).
+
 Gemma 2 (``Gemma2ForCausalLM``, ``Gemma2Checkpoint``): the same, without q/k norms, one RoPE
 for every layer (``rope_theta``, ``rope_scaling``), the even layers sliding unless
 ``layer_types`` says otherwise, attention scores soft-capped (``attn_logit_softcapping``, 50)
@@ -222,3 +225,50 @@ class Gemma2Checkpoint(Gemma3Checkpoint):
             return super().window_setting()
         return (f"sliding_window={self.window} on its even layers (Gemma 2's, without layer_types: "
                 f"{len(self.sliding_layers)} of {self.num_hidden_layers} layers)")
+
+
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8)
+"""transformers' ``Gemma3TextConfig`` defaults of what ``CheckpointConfig`` requires: a multimodal
+config.json's ``text_config`` writes only what differs from them (gemma-3-4b-it: hidden size,
+widths, depth, RoPE scaling, window)."""
+
+VISION_TENSORS = (r"vision_tower\..*", r"multi_modal_projector\..*")
+"""What a multimodal Gemma 3 checkpoint stores beside its language model (SigLIP and the
+projection into the text embedding): not loaded, as no image is ever given."""
+
+
+class Gemma3MultimodalCheckpoint(Gemma3Checkpoint):
+    """The language model of a multimodal Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``,
+    config.json ``model_type: gemma3``: gemma-3-4b, -12b, -27b), run on text alone: config.json's
+    ``text_config`` (``Gemma3TextConfig`` defaults where it is silent), the tensors under
+    ``language_model.`` as transformers stores them, the vision tower and projector left in the
+    file. Without an image transformers' forward is its text model's (causal and sliding masks,
+    no bidirectional image blocks), but for one setting: its LM head is not soft-capped, so a
+    ``text_config`` with ``final_logit_softcapping`` set is refused rather than guessed."""
+
+    renames: ClassVar[tuple[Rename, ...]] = tuple(
+        dataclasses.replace(r, hf=f"language_model.{r.hf}") for r in Gemma3Checkpoint.renames)
+    skip: ClassVar[tuple[str, ...]] = VISION_TENSORS
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], architecture: str, *, allow_quantized: bool = False) -> Gemma3Checkpoint:
+        text = raw.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json of a {architecture}: text_config must be a mapping; got {text!r}")
+        if text.get("model_type", "gemma3_text") != "gemma3_text":
+            raise ValueError(f"config.json of a {architecture}: text_config.model_type must be gemma3_text; "
+                             f"got {text['model_type']!r}")
+        merged = {**GEMMA3_TEXT_DEFAULTS, **text}
+        for key in ("quantization_config", "tie_word_embeddings"):  # NOTE: the whole model's, at the top
+            if key in raw:
+                merged[key] = raw[key]
+        return super().parse(merged, architecture, allow_quantized=allow_quantized)
+
+    @model_validator(mode="after")
+    def _logits_as_transformers(self) -> Gemma3MultimodalCheckpoint:
+        if self.final_logit_softcapping is not None:
+            raise ValueError(f"text_config.final_logit_softcapping={self.final_logit_softcapping} is not supported: "
+                             "transformers' Gemma3ForConditionalGeneration does not soft-cap its logits (its "
+                             "Gemma3ForCausalLM does); released Gemma 3 checkpoints have null")
+        return self

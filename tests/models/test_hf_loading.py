@@ -803,10 +803,6 @@ GEMMA3_REFUSED = {
     "attention soft-capping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     "a logit soft-cap of 0": ({"final_logit_softcapping": 0.0}, "final_logit_softcapping: Input should be greater than 0"),
     "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
-    "multimodal": ({"architectures": ["Gemma3ForConditionalGeneration"]},
-                   "unsupported architecture Gemma3ForConditionalGeneration: multimodal Gemma 3"),
-    "multimodal by model_type": ({"architectures": _DELETE, "model_type": "gemma3"},
-                                 "unsupported architecture Gemma3ForConditionalGeneration: multimodal Gemma 3"),
     "Gemma 1": ({"architectures": _DELETE, "model_type": "gemma"}, "unsupported architecture GemmaForCausalLM: Gemma"),
     "another activation": ({"hidden_activation": "gelu"}, "hidden_activation: Input should be 'gelu_pytorch_tanh'"),
     "a layer type per layer": ({"layer_types": ["full_attention"]}, "layer_types has 1 entries; num_hidden_layers is 2"),
@@ -821,11 +817,47 @@ GEMMA3_REFUSED = {
 
 @pytest.mark.parametrize("case", GEMMA3_REFUSED)
 def test_gemma3_features_pcpflow_does_not_run_are_refused_by_name(ckpts, tmp_path, case):
-    """Gemma 2's soft-capping, bidirectional attention, the multimodal checkpoint, Gemma 1/2 and
+    """Gemma 2's soft-capping, bidirectional attention, Gemma 1 and
     config.json values transformers' Gemma 3 would not read as pcpflow does: one problem on
     model.path naming the field (exit 2 before any rank starts, as every config problem)."""
     changes, says = GEMMA3_REFUSED[case]
     assert says in _problem(_copy(ckpts["gemma3"], tmp_path / "ckpt", **changes))
+
+
+def _text_config(path: Path, **changes) -> Path:
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"].update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_multimodal_gemma3_runs_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (gemma-3-4b and up; config.json model_type gemma3): its
+    text_config and the tensors under language_model., the vision tower and projector left in
+    the file (tests/models/test_hf_parity.py holds the tokens to transformers'). Refused by name:
+    a text_config of another model, and a logit soft-cap transformers' multimodal class ignores;
+    a tensor the language model lacks is still named."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    path = script.build_checkpoint(tmp_path / "mm", "gemma3_mm", tie_word_embeddings=True, sliding_window=7)
+    assert any(n.startswith("vision_tower.") for n in _stored(path))  # what is skipped is there
+    c = read_checkpoint_config(path)
+    assert (type(c).__name__, c.hidden_size, c.window, c.sliding_layers) == ("Gemma3MultimodalCheckpoint", 80, 7, [0])
+    assert compose(["model=hf", f"model.path={path}", "pcp=2"]).model.path == str(path)
+    by_type = _copy(path, tmp_path / "by_type", architectures=_DELETE)  # model_type gemma3 names it
+    assert type(read_checkpoint_config(by_type)).__name__ == "Gemma3MultimodalCheckpoint"
+    capped = _text_config(_copy(path, tmp_path / "capped"), final_logit_softcapping=30.0)
+    assert "final_logit_softcapping=30.0 is not supported" in _problem(capped)
+    other = _text_config(_copy(path, tmp_path / "other"), model_type="llama")
+    assert "text_config.model_type must be gemma3_text; got 'llama'" in _problem(other)
+    deeper = _text_config(_copy(path, tmp_path / "deeper"), num_hidden_layers=3, layer_types=["sliding_attention"] * 3)
+    assert "language_model.model.layers.2.self_attn.q_proj.weight" in _problem(deeper)
+
+
+def _stored(path: Path) -> list[str]:
+    from pcpflow.models.hf import stored_names
+
+    return stored_names(path)
 
 
 def test_gemma3_layer_types_and_rope_are_read_as_transformers_reads_them(ckpts, tmp_path):
@@ -965,6 +997,54 @@ def test_real_gemma3_configs_size_a_simulated_run(tmp_path, name):
         compose([*sim, "workload.output_lens=[13]"])
     (problem,) = exc.value.problems
     assert "sliding_window=512" in problem.allowed and "the longest request reaches 513 tokens" in problem.allowed
+
+
+# config.json of gemma-3-4b-it, -12b-it and -27b-it as published (transformers 4.50: a text_config
+# that writes only what differs from Gemma3TextConfig's defaults; the vision tower's config
+# abridged to SigLIP's sizes), with the Gemma 3 technical report's non-embedding parameters
+# (Table 1, millions)
+GEMMA3_MM_VISION = dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model",
+                        num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False)
+GEMMA3_MM_TEXT = dict(model_type="gemma3_text", rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)
+REAL_GEMMA3_MM_CONFIGS = {
+    "gemma-3-4b": (dict(GEMMA3_MM_TEXT, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34), 3209),
+    "gemma-3-12b": (dict(GEMMA3_MM_TEXT, hidden_size=3840, intermediate_size=15360, num_attention_heads=16,
+                         num_hidden_layers=48, num_key_value_heads=8), 10759),
+    "gemma-3-27b": (dict(GEMMA3_MM_TEXT, head_dim=128, hidden_size=5376, intermediate_size=21504,
+                         num_attention_heads=32, num_hidden_layers=62, num_key_value_heads=16,
+                         query_pre_attn_scalar=168), 25600),
+}
+
+
+@pytest.mark.parametrize("name", REAL_GEMMA3_MM_CONFIGS)
+def test_real_multimodal_gemma3_configs_size_their_language_model(tmp_path, name):
+    """The language model of gemma-3-4b/12b/27b: transformers' own parameter count of it
+    (Gemma3ForConditionalGeneration's language_model, tied head), the report's non-embedding
+    count to the million, read from text_config with Gemma3TextConfig's defaults (8 heads, 4 KV
+    heads, head_dim 256, vocabulary 262,208); its 1024-key window on 5 layers of 6."""
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    text, non_embedding = REAL_GEMMA3_MM_CONFIGS[name]
+    raw = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", text_config=text,
+               vision_config=GEMMA3_MM_VISION, mm_tokens_per_image=256, image_token_index=262144,
+               boi_token_index=255999, eoi_token_index=256000, eos_token_id=[1, 106])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    c = read_checkpoint_config(tmp_path)
+    ours = build_uninitialized(lambda: HFModel(c), "meta")
+    with torch.device("meta"):
+        theirs = transformers.Gemma3ForConditionalGeneration(transformers.AutoConfig.from_pretrained(tmp_path))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.model.language_model.parameters())
+    embedding = ours.embed_tokens.weight.numel()
+    assert (count - embedding) / 1e6 == pytest.approx(non_embedding, abs=0.5)
+    assert (c.vocab_size, c.kv_heads, c.window, len(c.sliding_layers)) == (
+        262208, text.get("num_key_value_heads", 4), 1024, c.num_hidden_layers - c.num_hidden_layers // 6)
+    sim = ["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
+           "workload=explicit", "workload.prompt_lens=[1000]", "workload.output_lens=[8]"]
+    sizes = model_sizes(compose(sim).model)
+    assert sizes.total_weight_params() / 1e6 == pytest.approx(non_embedding, rel=0.001)
 
 
 # config.json of gemma-2-2b-it and gemma-2-9b-it as published (transformers 4.42), with their

@@ -80,6 +80,9 @@ CHECKPOINTS = {
     # query_pre_attn_scalar, a sliding layer (RoPE base 1e4, WINDOW keys) and a full one (base
     # 1e6, linear x8); untied, so that greedy tokens vary
     "gemma3": dict(arch="gemma3", sliding_window=WINDOW),
+    # Gemma 3 4B-27B: the same language model inside Gemma3ForConditionalGeneration, beside a
+    # vision tower it never runs (text_config, tensors under language_model.)
+    "gemma3_mm": dict(arch="gemma3_mm", sliding_window=WINDOW, tie_word_embeddings=True),
     # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
     # its even layer sliding over WINDOW keys
     "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
@@ -130,6 +133,8 @@ MATRIX = [
     ("gemma3", "float32", 2, 2, "sharded", []),
     ("gemma3", "float64", 4, 4, "sharded", []),
     ("gemma3", "float32", 4, 1, "replicated", ["pipeline.restore.kind=sampled_rows"]),
+    ("gemma3_mm", "float64", 2, 2, "sharded", []),
+    ("gemma3_mm", "float32", 4, 1, "replicated", []),
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
     ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
@@ -154,6 +159,7 @@ MATRIX = [
     # Gemma 3's MLP (GELU) split like the others, its q/k norms replicated
     ("gemma3", "float64", 2, 1, "replicated", ["tp=2"]),
     ("gemma3", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("gemma3_mm", "float32", 2, 2, "replicated", ["tp=2"]),
     ("gemma2_softcap", "float64", 2, 2, "replicated", ["tp=2"]),
 ]
 
@@ -169,7 +175,7 @@ DEFAULT_CASES = {
     ("mistral_window", "float32", 4, 4, "replicated"),
     ("phi3_longrope", "float64", 2, 2, "sharded"),
     ("granite_tied", "float64", 4, 4, "replicated"),
-    ("gemma3", "float64", 4, 4, "sharded"),
+    ("gemma3_mm", "float64", 2, 2, "sharded"),
     ("gemma2_softcap", "float64", 2, 2, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
@@ -204,9 +210,9 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     if promote and dtype == "float64":
         # NOTE: only construction and compute run promoted, never weight loading (which
         # may view raw bytes as float32).
-        base = model.model
+        base = getattr(model.model, "language_model", model.model)  # NOTE: a multimodal model's text model
         with float64_compute():
-            base.rotary_emb = type(base.rotary_emb)(config=model.config)
+            base.rotary_emb = type(base.rotary_emb)(config=base.config)
     return model
 
 
@@ -236,6 +242,12 @@ def transformers_reference(path: Path, prompts, output_lens, dtype: str, *, prom
 
 
 # ----------------------------------------------------------------- fixtures
+def _vocab_size(path: Path) -> int:
+    raw = json.loads((path / "config.json").read_text())
+    return raw.get("text_config", raw)["vocab_size"]
+
+
+
 _CHECKPOINTS: dict[str, Path] = {}
 
 
@@ -259,9 +271,7 @@ def checkpoints():
 
 @pytest.fixture(scope="module")
 def vocab_size(checkpoints):
-    sizes = {
-        json.loads((p / "config.json").read_text())["vocab_size"] for p in checkpoints.values()
-    }
+    sizes = {_vocab_size(p) for p in checkpoints.values()}
     assert len(sizes) == 1
     return sizes.pop()
 
@@ -283,7 +293,7 @@ def references(checkpoints, vocab_size):
 
 def _parity_configs(cases):
     checkpoints = _build_checkpoints()
-    sizes = {json.loads((p / "config.json").read_text())["vocab_size"] for p in checkpoints.values()}
+    sizes = {_vocab_size(p) for p in checkpoints.values()}
     (vocab_size,) = sizes
     prompts = json.dumps(_prompts(vocab_size)).replace(" ", "")
     configs = [
