@@ -36,6 +36,9 @@ logits divided by 2.5).
 (a one-layer SigLIP vision tower and its projector beside it, the text tensors under
 ``language_model.``), as gemma-3-4b/12b/27b are stored.
 
+``mistral3`` is ``mistral``'s language model inside ``Mistral3ForConditionalGeneration`` (a
+one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
+
 ``gemma2`` is ``gemma3``'s sizes without q/k norms, one RoPE (base 1e4), the even layers
 sliding, attention scores soft-capped at 4 and logits at 5 (so that both caps bite).
 
@@ -91,7 +94,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "gemma2", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -150,6 +153,7 @@ DEFAULT_ROPE_SCALING = {
     "glm4_moe": "none",
     "gemma3": "linear",
     "gemma3_mm": "linear",
+    "mistral3": "none",
     "gemma2": "none",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
@@ -257,6 +261,14 @@ def tiny_config(
         return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                          boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
                                          image_token_index=vocab_size - 1, tie_word_embeddings=tie_word_embeddings)
+    if arch == "mistral3":
+        text = tiny_config("mistral", rope_scaling=rope_scaling, vocab_size=vocab_size, num_layers=num_layers,
+                           sliding_window=sliding_window)
+        # NOTE: the smallest Pixtral; the image token an ordinary id of the vocabulary, as released
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                      image_size=28, patch_size=14)
+        return transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision, spatial_merge_size=2,
+                                           image_token_index=vocab_size - 1, tie_word_embeddings=tie_word_embeddings)
     if arch == "deepseek_v3":
         return transformers.DeepseekV3Config(
             **common, **mla, rope_interleave=rope_interleave, routed_scaling_factor=2.5, norm_topk_prob=True
@@ -378,6 +390,7 @@ def build_checkpoint(
         "deepseek_v3": transformers.DeepseekV3ForCausalLM,
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
         "gemma3_mm": transformers.Gemma3ForConditionalGeneration,
+        "mistral3": transformers.Mistral3ForConditionalGeneration,
     }[arch]
     model = cls(config).to(torch.float32)
     init_weights(model, seed)

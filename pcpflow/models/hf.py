@@ -8,7 +8,8 @@ the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``Mixtr
 and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
 norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields — in a
 table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimodal
-``Gemma3ForConditionalGeneration`` (text only) and Gemma 2's ``Gemma2ForCausalLM``
+``Gemma3ForConditionalGeneration`` (text only: ``hf_checkpoint.LanguageModelOf``, as Mistral
+Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
@@ -39,7 +40,7 @@ from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
-from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint
+from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint
 from pcpflow.models.hf_weights import (
     Rename,
     checkpoint_files,
@@ -54,6 +55,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
     "Gemma3ForCausalLM": Gemma3Checkpoint,
     "Gemma3ForConditionalGeneration": Gemma3MultimodalCheckpoint,  # its language model: text in, text out
+    "Mistral3ForConditionalGeneration": Mistral3Checkpoint,  # the same
     "Gemma2ForCausalLM": Gemma2Checkpoint,
 }
 UNSUPPORTED = {
@@ -76,6 +78,7 @@ _MODEL_TYPES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
 }

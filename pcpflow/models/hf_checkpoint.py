@@ -9,6 +9,7 @@ spellings — ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_param
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -184,3 +185,41 @@ def _read_longrope(params: dict[str, Any], raw: dict[str, Any]) -> None:
     longest = raw.get("max_position_embeddings", 2048)
     if params.get("factor") is None and type(original) is int and original > 0 and type(longest) is int:
         params["factor"] = longest / original
+
+
+class LanguageModelOf:
+    """Mixin: the language model of a multimodal checkpoint (a vision tower beside it), run on
+    text alone. Its config.json nests the text model's fields in ``text_config`` (the text
+    config class's defaults, ``text_defaults``, where it is silent), its tensors sit under
+    ``language_model.``, and what it stores for images (``skip``) is left in the file. The
+    whole model's ``tie_word_embeddings`` and ``quantization_config`` are read at the top, as
+    transformers reads them (``tie_default``: the multimodal config class's default)."""
+
+    text_architecture: ClassVar[str]  # the text model's architecture (its family)
+    text_model_types: ClassVar[tuple[str, ...]]  # what text_config.model_type may say
+    text_defaults: ClassVar[dict[str, Any]] = {}
+    tie_default: ClassVar[bool] = True
+    skip: ClassVar[tuple[str, ...]] = (r"vision_tower\..*", r"multi_modal_projector\..*")
+
+    @classmethod
+    def prefixed(cls, renames: tuple[Rename, ...]) -> tuple[Rename, ...]:
+        """The text model's renames, under ``language_model.``."""
+        return tuple(dataclasses.replace(r, hf=f"language_model.{r.hf}") for r in renames)
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], architecture: str, *, allow_quantized: bool = False):
+        where = f"config.json of a {architecture}"
+        text = raw.get("text_config") or {}
+        if not isinstance(text, dict):
+            raise ValueError(f"{where}: text_config must be a mapping; got {text!r}")
+        kind = text.get("model_type", cls.text_model_types[0])
+        if kind not in cls.text_model_types:
+            raise ValueError(f"{where}: text_config.model_type must be {' or '.join(cls.text_model_types)}; got {kind!r}")
+        merged = {**cls.text_defaults, **text, "tie_word_embeddings": raw.get("tie_word_embeddings", cls.tie_default)}
+        if "quantization_config" in raw:
+            merged["quantization_config"] = raw["quantization_config"]
+        try:
+            return super().parse(merged, cls.text_architecture, allow_quantized=allow_quantized)  # type: ignore[misc]
+        except ValueError as exc:
+            raise ValueError(str(exc).replace(f"config.json of a {cls.text_architecture}",
+                                              f"{where} (its text_config)")) from None

@@ -39,7 +39,7 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, GatedMLP, RopeScaling, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, read_rope
+from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf, read_rope
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import GQAAttention, gqa_spec
 
@@ -233,37 +233,19 @@ GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_s
 config.json's ``text_config`` writes only what differs from them (gemma-3-4b-it: hidden size,
 widths, depth, RoPE scaling, window)."""
 
-VISION_TENSORS = (r"vision_tower\..*", r"multi_modal_projector\..*")
-"""What a multimodal Gemma 3 checkpoint stores beside its language model (SigLIP and the
-projection into the text embedding): not loaded, as no image is ever given."""
 
-
-class Gemma3MultimodalCheckpoint(Gemma3Checkpoint):
+class Gemma3MultimodalCheckpoint(LanguageModelOf, Gemma3Checkpoint):
     """The language model of a multimodal Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``,
-    config.json ``model_type: gemma3``: gemma-3-4b, -12b, -27b), run on text alone: config.json's
-    ``text_config`` (``Gemma3TextConfig`` defaults where it is silent), the tensors under
-    ``language_model.`` as transformers stores them, the vision tower and projector left in the
-    file. Without an image transformers' forward is its text model's (causal and sliding masks,
-    no bidirectional image blocks), but for one setting: its LM head is not soft-capped, so a
-    ``text_config`` with ``final_logit_softcapping`` set is refused rather than guessed."""
+    config.json ``model_type: gemma3``: gemma-3-4b, -12b, -27b), run on text alone
+    (``LanguageModelOf``). Without an image transformers' forward is its text model's (causal
+    and sliding masks, no bidirectional image blocks), but for one setting: its LM head is not
+    soft-capped, so a ``text_config`` with ``final_logit_softcapping`` set is refused rather
+    than guessed."""
 
-    renames: ClassVar[tuple[Rename, ...]] = tuple(
-        dataclasses.replace(r, hf=f"language_model.{r.hf}") for r in Gemma3Checkpoint.renames)
-    skip: ClassVar[tuple[str, ...]] = VISION_TENSORS
-
-    @classmethod
-    def parse(cls, raw: dict[str, Any], architecture: str, *, allow_quantized: bool = False) -> Gemma3Checkpoint:
-        text = raw.get("text_config") or {}
-        if not isinstance(text, dict):
-            raise ValueError(f"config.json of a {architecture}: text_config must be a mapping; got {text!r}")
-        if text.get("model_type", "gemma3_text") != "gemma3_text":
-            raise ValueError(f"config.json of a {architecture}: text_config.model_type must be gemma3_text; "
-                             f"got {text['model_type']!r}")
-        merged = {**GEMMA3_TEXT_DEFAULTS, **text}
-        for key in ("quantization_config", "tie_word_embeddings"):  # NOTE: the whole model's, at the top
-            if key in raw:
-                merged[key] = raw[key]
-        return super().parse(merged, architecture, allow_quantized=allow_quantized)
+    text_architecture: ClassVar[str] = "Gemma3ForCausalLM"
+    text_model_types: ClassVar[tuple[str, ...]] = ("gemma3_text",)
+    text_defaults: ClassVar[dict[str, Any]] = GEMMA3_TEXT_DEFAULTS
+    renames: ClassVar[tuple[Rename, ...]] = LanguageModelOf.prefixed(Gemma3Checkpoint.renames)
 
     @model_validator(mode="after")
     def _logits_as_transformers(self) -> Gemma3MultimodalCheckpoint:

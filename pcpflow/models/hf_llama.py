@@ -59,7 +59,7 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
-from pcpflow.models.hf_checkpoint import CheckpointConfig
+from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf
 from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, QWEN2_MOE_RENAMES, gqa_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import gqa_layers, gqa_spec
@@ -285,3 +285,21 @@ class LlamaCheckpoint(CheckpointConfig):
             rotary_dim=self.rope_dims, rope_layers=self.rope_layers,
             residual_multiplier=self.residual_multiplier if f.multipliers else None,
         )
+
+
+MISTRAL_TEXT_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=8)
+"""transformers' ``MistralConfig`` defaults of what ``LlamaCheckpoint`` requires (its 4096-key
+window where ``text_config`` gives no ``sliding_window`` is the family's own default)."""
+
+
+class Mistral3Checkpoint(LanguageModelOf, LlamaCheckpoint):
+    """The language model of a multimodal Mistral 3 checkpoint (``Mistral3ForConditionalGeneration``,
+    config.json ``model_type: mistral3``: Mistral Small 3.1 / 3.2), run on text alone
+    (``LanguageModelOf``): a Mistral model from ``text_config``; without an image transformers'
+    forward is exactly its text model's."""
+
+    text_architecture: ClassVar[str] = "MistralForCausalLM"
+    text_model_types: ClassVar[tuple[str, ...]] = ("mistral",)
+    text_defaults: ClassVar[dict[str, Any]] = MISTRAL_TEXT_DEFAULTS
+    renames: ClassVar[tuple[Rename, ...]] = LanguageModelOf.prefixed(LlamaCheckpoint.renames)

@@ -1047,6 +1047,46 @@ def test_real_multimodal_gemma3_configs_size_their_language_model(tmp_path, name
     assert sizes.total_weight_params() / 1e6 == pytest.approx(non_embedding, rel=0.001)
 
 
+# config.json of Mistral-Small-3.1-24B-Instruct-2503 as published (its text_config; the Pixtral
+# vision tower's config abridged): "24B" parameters, 0.4B of them the vision tower's
+MISTRAL_SMALL_31 = dict(
+    architectures=["Mistral3ForConditionalGeneration"], model_type="mistral3", image_token_index=10, spatial_merge_size=2,
+    multimodal_projector_bias=False, projector_hidden_act="gelu", vision_feature_layer=-1,
+    text_config=dict(head_dim=128, hidden_size=5120, intermediate_size=32768, max_position_embeddings=131072,
+                     model_type="mistral", num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8,
+                     rms_norm_eps=1e-05, rope_theta=1000000000.0, sliding_window=None, vocab_size=131072),
+    vision_config=dict(head_dim=64, hidden_size=1024, image_size=1540, intermediate_size=4096, model_type="pixtral",
+                       num_attention_heads=16, num_hidden_layers=24, patch_size=14, rope_theta=10000.0),
+)
+
+
+def test_multimodal_mistral3_runs_its_language_model(tmp_path):
+    """Mistral3ForConditionalGeneration (Mistral Small 3.1 / 3.2): a Mistral language model from
+    text_config under language_model., the Pixtral tower unread (tokens held to transformers'
+    in tests/models/test_hf_parity.py). Mistral Small 3.1's config.json: transformers' parameter
+    count of its language model and head (untied: both stored), 23.6B of the published 24B, no
+    window (sliding_window null)."""
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+
+    path = script.build_checkpoint(tmp_path / "tiny", "mistral3", sliding_window=7)
+    c = read_checkpoint_config(path)
+    assert (type(c).__name__, c.architecture, c.window) == ("Mistral3Checkpoint", "MistralForCausalLM", 7)
+    assert compose(["model=hf", f"model.path={path}", "pcp=2"]).model.path == str(path)
+    other = _text_config(_copy(path, tmp_path / "other"), model_type="qwen2")
+    assert "text_config.model_type must be mistral; got 'qwen2'" in _problem(other)
+
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps(MISTRAL_SMALL_31))
+    c = read_checkpoint_config(tmp_path / "small")
+    ours = build_uninitialized(lambda: HFModel(c, tied=False), "meta")
+    with torch.device("meta"):
+        theirs = transformers.Mistral3ForConditionalGeneration(transformers.AutoConfig.from_pretrained(tmp_path / "small"))
+    count = sum(p.numel() for p in ours.parameters())
+    want = sum(p.numel() for p in theirs.model.language_model.parameters()) + theirs.lm_head.weight.numel()
+    assert count == want and count / 1e9 == pytest.approx(23.57, abs=0.01) and c.window is None
+
+
 # config.json of gemma-2-2b-it and gemma-2-9b-it as published (transformers 4.42), with their
 # published parameter counts (billions: 2.61, 9.24)
 GEMMA2_COMMON = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=256, vocab_size=256000,

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 and DeepSeek-V2/V3 checkpoints are
+Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
+and Mistral 3 too: their language models) and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -83,6 +84,8 @@ CHECKPOINTS = {
     # Gemma 3 4B-27B: the same language model inside Gemma3ForConditionalGeneration, beside a
     # vision tower it never runs (text_config, tensors under language_model.)
     "gemma3_mm": dict(arch="gemma3_mm", sliding_window=WINDOW, tie_word_embeddings=True),
+    # Mistral Small 3.1 / 3.2: Mistral's language model inside Mistral3ForConditionalGeneration
+    "mistral3": dict(arch="mistral3", sliding_window=WINDOW),
     # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
     # its even layer sliding over WINDOW keys
     "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
@@ -135,6 +138,8 @@ MATRIX = [
     ("gemma3", "float32", 4, 1, "replicated", ["pipeline.restore.kind=sampled_rows"]),
     ("gemma3_mm", "float64", 2, 2, "sharded", []),
     ("gemma3_mm", "float32", 4, 1, "replicated", []),
+    ("mistral3", "float64", 2, 2, "sharded", []),
+    ("mistral3", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
     ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
@@ -205,7 +210,9 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     """``from_pretrained`` in ``dtype``. With ``promote`` (float64 only), the rotary
     embedding — whose frequencies transformers computes in float32 at construction — is
     built again under ``PromoteFloat32``; forwards must then run under it too."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    # NOTE: by config.json's architecture: a multimodal one has no AutoModelForCausalLM class
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval()
     if promote and dtype == "float64":
         # NOTE: only construction and compute run promoted, never weight loading (which
