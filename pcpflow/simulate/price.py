@@ -908,17 +908,18 @@ def _at(v: np.ndarray | float, rank: int) -> float:
     return float(v[rank]) if isinstance(v, np.ndarray) else float(v)
 
 
-def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask) -> np.ndarray:
+def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask,
+                   window: int | None = None) -> np.ndarray:
     """[P] (query, key) pairs of the busiest DCP shard of each PCP rank (of the requests
-    ``request_mask`` keeps, all when None). With DCP inside PCP this is ``attention_work``.
-    With DCP over TP ranks every member scores every gathered row (all PCP ranks' rows,
-    replicated decodes once per PCP rank, with its own heads) over its shard; member
-    ``d = pcp_rank * dcp_tp + tp_local``."""
+    ``request_mask`` keeps, all when None; ``window``: on one sliding layer). With DCP inside
+    PCP this is ``attention_work``. With DCP over TP ranks every member scores every gathered
+    row (all PCP ranks' rows, replicated decodes once per PCP rank, with its own heads) over
+    its shard; member ``d = pcp_rank * dcp_tp + tp_local``."""
     if grid.dcp_tp == 1:
         return attention_work(layout, positions, dcp_size=grid.dcp, interleave=interleave, request_mask=request_mask,
-                              dcp_rest=dcp_rest)
+                              dcp_rest=dcp_rest, window=window)
     first, rows, _ = (np.concatenate(x) for x in zip(*segment_runs(layout, positions, request_mask)))
-    member = shard_pairs(first, rows, dcp_size=grid.dcp, interleave=interleave)
+    member = shard_pairs(first, rows, dcp_size=grid.dcp, interleave=interleave, window=window)
     return member.reshape(-1, grid.dcp_tp).max(axis=1).repeat(grid.pcp // (grid.dcp // grid.dcp_tp))
 
 
