@@ -729,6 +729,12 @@ def attention_work(
     return work + shard_pairs(a, n, dcp_size=dcp_size, interleave=interleave, window=window)
 
 
+def sliding_window(spec) -> int | None:
+    """The window of a model's sliding layers (its ``AttentionSpec``), None when no layer
+    slides: what ``window`` takes to count one sliding layer's pairs."""
+    return None if spec.window is None or not spec.window_layers else int(spec.window)
+
+
 def segment_runs(
     layout: BatchLayout, positions: np.ndarray, request_mask: np.ndarray | None = None
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -171,6 +171,10 @@ class StepCounts:
     ring_plan: RingPlan | None = None
     per_rank_calls: dict[str, list[int]] = field(default_factory=dict)  # ring purposes, per global rank
     per_rank_bytes: dict[str, list[int]] = field(default_factory=dict)
+    # One sliding-window layer's (``ModelSizes.window``; None: no layer slides): pairs, work, decode work
+    window_pairs: np.ndarray | None = None
+    window_work: np.ndarray | None = None
+    window_decode_work: np.ndarray | None = None
 
 
 def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest: DCPRest,
@@ -181,8 +185,11 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     uniform routing's expectation (flagged in ``expected``). ``ring`` (``pass_kv`` |
     ``pass_q``): the step runs the executed ring (``pcpflow.attention.ring``) in place of the
     attention's all-gather paths: its sends as ``ring_step_traffic`` lists them, its pairs as
-    ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs."""
+    ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs.
+    A model with sliding-window layers (``sizes.window``) also counts one such layer's pairs."""
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
+    window = sizes.window
+    w_pairs = w_work = w_decode = None
     moe_layers = sizes.num_moe_layers if sizes.num_experts else 0
     calls, nbytes, priced = _collective_counts(
         layout, batch.logits_indices, grid=grid, shape=shape, dtype_bytes=dtype_bytes, dcp_rest=dcp_rest,
@@ -195,6 +202,10 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
                                     tp_size=grid.tp, plan=plan)
         pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan)
         work, decode_work = pairs, np.zeros_like(pairs)  # a ring's price reads its plan (flash.ring_blocks)
+        if window is not None:
+            w_pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan,
+                                          window=window)
+            w_work, w_decode = w_pairs, decode_work
     else:
         positions = batch.token_positions  # NOTE: read per segment
         pairs = attention_work(layout, positions, dcp_size=grid.layout_dcp, interleave=interleave,
@@ -203,6 +214,11 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
         work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, positions, grid, interleave,
                                                              dcp_rest.mode, None)
+        if window is not None:
+            w_pairs = attention_work(layout, positions, dcp_size=grid.layout_dcp, interleave=interleave,
+                                     dcp_rest=dcp_rest.mode, window=window)
+            w_work = w_pairs if grid.dcp_tp == 1 else _busiest_shard(layout, positions, grid, interleave,
+                                                                     dcp_rest.mode, None, window)
         # NOTE: whether any, or every, token is a decode reads the requests that have tokens;
         # without shard_decodes the layout counts their tokens (num_replicated_decode_tokens:
         # every decode token of the step), so that is all of the step's, or none, without a numpy call
@@ -214,11 +230,15 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         else:
             decodes_only, prefills_only = nd == layout.num_tokens, nd == 0
         if decodes_only:
-            decode_work = work
+            decode_work, w_decode = work, w_work
         elif prefills_only:
             decode_work = np.zeros_like(work)
+            w_decode = None if window is None else decode_work
         else:
             decode_work = _busiest_shard(layout, positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
+            if window is not None:
+                w_decode = _busiest_shard(layout, positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling,
+                                          window)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -262,7 +282,8 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         expected = ROUTED_PURPOSES
     return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected, dcp_rest=dcp_rest.mode,
                       ring=f"ring_{ring}" if ring is not None else None, ring_plan=plan,
-                      per_rank_calls=per_calls, per_rank_bytes=per_bytes)
+                      per_rank_calls=per_calls, per_rank_bytes=per_bytes, window_pairs=w_pairs, window_work=w_work,
+                      window_decode_work=w_decode)
 
 
 _COLLECTIVE_COUNTS: dict[tuple, tuple[dict[str, int], dict[str, int], list]] = {}
