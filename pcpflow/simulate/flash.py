@@ -42,6 +42,12 @@ the visiting rows over this rank's keys (pass-Q), and after the loop the rows ev
 Their pairs are the executed counts' (``tests/simulate/test_simulate_flash.py`` checks them
 against ``ring_attention_work`` and ``attention_work``); a step's FLOPs are priced from those
 counts, the blocks giving each call's rate.
+
+**A sliding layer** (``window``): a row at ``p`` sees the keys ``max(0, p + 1 - window) .. p``.
+Each query run is cut where its window starts to slide (``window_runs``): the rows before see
+every key before them (the blocks above), the *band* after them the last ``window`` keys each, a
+block without a causal part at the band's mean keys (``_band``): FlashAttention-3's local
+attention loops each query tile over the key blocks of its window only.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Per PCP rank (its TP ranks hold the same rows and cost the same; ``N`` its padde
 - ``attention``: the pairs of the rank's busiest DCP shard (``attention_work``, the executed
   count; a ring's ``ring_attention_work``), prefill rows through FlashAttention-3's kernel at
   its published throughput for the shapes each call holds (``pcpflow.simulate.flash``), decode
-  rows through split-KV;
+  rows through split-KV; a model's sliding-window layers apart from its full ones, each kind by
+  its own pairs times its layer count (``Pricer._layer_kinds``);
 - ``memory_ops``: norms, RoPE, residual adds, the activation, KV writes, DCP and ring merges
   (HBM-bound; every kernel of pcpflow's forward that is neither a GEMM nor attention costs at
   least the kernel floor);

@@ -165,3 +165,16 @@ def test_a_measured_profile_prices_a_sliding_layer_as_the_kernel_runs_it(tmp_pat
         assert _without(s, window) == p
     assert slid["metrics"][window] != slid["metrics"]["per_rank_attention_work"]
     json.dumps(slid["metrics"])  # the new field is plain JSON
+
+
+@pytest.mark.parametrize("fields, says", [
+    (["model.sliding_window=4096"], "go together"),  # a window without the layers it slides on
+    (["model.sliding_layers=4"], "go together"),  # sliding layers without their window
+    (["model.sliding_window=4096", "model.sliding_layers=33"], "exceeds num_layers (32)"),
+])
+def test_a_cards_window_and_its_layers_go_together(fields, says):
+    from pcpflow.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        compose(LLAMA + ["workload.prompt_lens=[10]", "workload.output_lens=[1]"] + fields)
+    assert any(says in str(p) for p in exc.value.problems), exc.value.problems
