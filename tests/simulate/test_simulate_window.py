@@ -30,6 +30,8 @@ LAYOUTS = {
     "dcp_over_tp": ["tp=16", "pcp=1", "dcp=2"],  # 8 KV heads over 16 ranks: DCP over TP ranks
 }
 LONG = ["workload.prompt_lens=[24576,3000]", "workload.output_lens=[3,5]", "workload.arrival_steps=[0,1]"]
+SLOW = {"dcp2_context_sharded", "ring_pass_q_sharded", "dcp_over_tp"}
+NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS]
 
 
 def _run(overrides):
@@ -41,7 +43,7 @@ def _without(d: dict, *keys) -> dict:
     return {k: v for k, v in d.items() if k not in keys}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", NAMES)
 def test_a_window_wider_than_every_context_is_no_window(layout):
     """Half the layers sliding through 30000 keys, no request reaching 24580: the same run,
     every step's record and price alike; the sliding layer's pairs are the full layer's."""
@@ -55,7 +57,7 @@ def test_a_window_wider_than_every_context_is_no_window(layout):
         assert _without(w, window) == p
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", NAMES)
 def test_a_sliding_window_prices_less_attention_and_nothing_else(layout):
     """Through 2048 keys on 16 of 32 layers: every step that reaches past the window prices
     less attention; the same counts (tokens, pairs of a full layer, collectives) and the same
