@@ -632,8 +632,8 @@ class Pricer:
         s = self.sizes
         if s.window is None or np.array_equal(counts.window_pairs, counts.pairs):
             return ((None, None),)
-        full = s.num_layers - s.sliding_layers
-        return ((full, None),) * (full > 0) + ((s.sliding_layers, s.window),)
+        full, sliding = s.num_layers - s.sliding_layers, (s.sliding_layers, s.window)
+        return ((full, None), sliding) if full else (sliding,)
 
     def _prefill(self, pairs, peak_pairs, layers: int | None = None):
         """Seconds of prefill attention of ``pairs`` priced as ``peak_pairs`` at the peak, on
