@@ -52,7 +52,12 @@ from pcpflow.layouts.ring import (
     plan_ring,
     request_num_computed,
 )
-from pcpflow.layouts.slots import dcp_local_seq_lens, dcp_shard_len_sums, dcp_shard_lens
+from pcpflow.layouts.slots import (
+    dcp_local_seq_lens,
+    dcp_shard_len_sums,
+    dcp_shard_lens,
+    window_starts,
+)
 
 DCP_REST_POLICIES = ("auto", "queries", "context")
 """How the rows past the replicated-decode prefix attend under DCP (``plan_dcp_rest``)."""
@@ -688,6 +693,7 @@ def attention_work(
     interleave: int,
     request_mask: np.ndarray | None = None,
     dcp_rest: str = "queries",
+    window: int | None = None,
 ) -> np.ndarray:
     """(query, key) pairs each rank scores this step, from the layout alone.
 
@@ -696,28 +702,37 @@ def attention_work(
     their path (``dcp_rest``, the mode ``plan_dcp_rest`` chose): every gathered row over
     its shard (``queries``), or its own rows over their whole context (``context``).
     ``request_mask`` (bool [R]) counts only the rows of those requests (e.g. decodes).
+    ``window``: the pairs of one sliding layer, each row over the keys of its window only
+    (``pcpflow.layouts.slots.window_starts``: ``max(0, p + 1 - window) .. p``, or that
+    range's entries in a shard); None: a full-attention layer's.
     """
     p, nd = layout.pcp_size, layout.num_replicated_decode_tokens
     runs = segment_runs(layout, positions, request_mask)
     if dcp_size == 1:
         # NOTE: ranks that share one run (a decode-only layout's) share its count: counted once
-        work = [context_pairs(runs[0][0], runs[0][1])]
+        work = [context_pairs(runs[0][0], runs[0][1], window)]
         for prev, run in zip(runs, runs[1:]):
-            work.append(work[-1] if run is prev else context_pairs(run[0], run[1]))
+            work.append(work[-1] if run is prev else context_pairs(run[0], run[1], window))
         return np.array(work, dtype=np.int64)
     # NOTE: replicated decodes are whole segments filling the first nd rows of every rank
     a, n, local = runs[0]
     decode = local < nd
-    work = shard_pairs(a[decode], n[decode], dcp_size=dcp_size, interleave=interleave)
+    work = shard_pairs(a[decode], n[decode], dcp_size=dcp_size, interleave=interleave, window=window)
     rest = [(a[local >= nd], n[local >= nd]) for a, n, local in runs]
     if dcp_rest == "context":
         # NOTE: dcp > 1 means dcp == pcp (tp = 1): DCP rank r holds PCP rank r's rows.
         assert dcp_size == p, f"dcp ({dcp_size}) != pcp ({p})"
-        return work + np.array([context_pairs(a, n) for a, n in rest], dtype=np.int64)
+        return work + np.array([context_pairs(a, n, window) for a, n in rest], dtype=np.int64)
     if dcp_rest != "queries":
         raise ValueError(f"dcp_rest must be 'queries' or 'context', got {dcp_rest!r}")
     a, n = (np.concatenate(x) for x in zip(*rest))
-    return work + shard_pairs(a, n, dcp_size=dcp_size, interleave=interleave)
+    return work + shard_pairs(a, n, dcp_size=dcp_size, interleave=interleave, window=window)
+
+
+def sliding_window(spec) -> int | None:
+    """The window of a model's sliding layers (its ``AttentionSpec``), None when no layer
+    slides: what ``window`` takes to count one sliding layer's pairs."""
+    return None if spec.window is None or not spec.window_layers else int(spec.window)
 
 
 def segment_runs(
@@ -743,18 +758,41 @@ def segment_runs(
     return runs
 
 
-def context_pairs(first: np.ndarray, rows: np.ndarray) -> int:
+def context_pairs(first: np.ndarray, rows: np.ndarray, window: int | None = None) -> int:
     """Pairs that runs of ``rows`` rows at positions ``first ..`` score over their whole
-    context: row ``first + i`` sees ``first + i + 1`` keys."""
+    context: row ``first + i`` sees ``first + i + 1`` keys; through a sliding ``window``,
+    ``min(first + i + 1, window)`` (``_before_window``)."""
     # NOTE: integer dot products (exact); rows (rows + 1) is even, so its sum halves exactly
-    return int(rows @ first) + int(rows @ (rows + 1)) // 2
+    pairs = int(rows @ first) + int(rows @ (rows + 1)) // 2
+    if window is None:
+        return pairs
+    hi, lo = _before_window(first, rows, window)
+    return pairs - int((hi * (hi + 1) // 2 - lo * (lo + 1) // 2).sum())
 
 
-def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleave: int) -> np.ndarray:
+def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleave: int,
+                window: int | None = None) -> np.ndarray:
     """int64 [dcp_size]: pairs that runs of ``rows`` rows at positions ``first ..`` score over
-    each DCP shard of their context."""
+    each DCP shard of their context (through a sliding ``window``: the shard's entries in
+    each row's window, ``_before_window``)."""
     last = dcp_shard_len_sums(first + rows, dcp_size, interleave)
-    return (last - dcp_shard_len_sums(first, dcp_size, interleave)).sum(axis=1)
+    pairs = (last - dcp_shard_len_sums(first, dcp_size, interleave)).sum(axis=1)
+    if window is None:
+        return pairs
+    hi, lo = _before_window(first, rows, window)
+    return pairs - (dcp_shard_len_sums(hi, dcp_size, interleave) - dcp_shard_len_sums(lo, dcp_size, interleave)).sum(axis=1)
+
+
+def _before_window(first: np.ndarray, rows: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo), int64: the keys runs of ``rows`` rows at positions ``first ..`` do not see
+    through a sliding ``window``. Row ``q`` sees ``[s, q]``, ``s = max(0, q + 1 - window)``:
+    its keys over a shard (``L = dcp_local_seq_lens``) are ``L(q + 1) - L(s)``, and over the
+    run's rows ``sum L(s) = sum_{y=1}^{hi} L(y) - sum_{y=1}^{lo} L(y)`` with ``hi = max(0,
+    first + rows - window)``, ``lo = max(0, first - window)`` (rows whose window starts at 0
+    add nothing): ``dcp_shard_len_sums(hi) - dcp_shard_len_sums(lo)``, or ``hi (hi + 1) / 2
+    - lo (lo + 1) / 2`` over the whole context."""
+    first = np.asarray(first, dtype=np.int64)
+    return np.maximum(first + rows - window, 0), np.maximum(first - window, 0)
 
 
 # --- ring attention (``pipeline.forward.cp_attention``: ``pcpflow.layouts.ring`` plans it,
@@ -884,26 +922,38 @@ def ring_totals(per_rank_calls, per_rank_bytes) -> tuple[dict[str, int], dict[st
 
 
 def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interleave: int,
-                        plan: RingPlan | None = None) -> np.ndarray:
+                        plan: RingPlan | None = None, window: int | None = None) -> np.ndarray:
     """(query, key) pairs each PCP rank scores in one step's ring: a staying row all of its
     ``position + 1`` keys, on its rank; a travelling row, on every rank, that rank's cached
     shard of its request and that rank's new keys of it at or before its position; a row
     every rank holds, on every rank, that rank's shard of its ``position + 1`` keys.
+    ``window``: one sliding layer's, each of these keys only where it is in the row's window
+    (at or after ``pcpflow.layouts.slots.window_starts``); None: a full-attention layer's.
     ``plan``: the step's ``plan_ring``, when the caller has it."""
     plan = plan or plan_ring(layout, positions, variant=variant, interleave=interleave)
     p, n = plan.pcp_size, plan.padded_num_tokens
     rank = np.arange(p * n, dtype=np.int64) // max(n, 1)
     work = np.zeros(p, dtype=np.int64)
     stays = plan.kind == STAYS
-    np.add.at(work, rank[stays], plan.pos[stays] + 1)
+    np.add.at(work, rank[stays], plan.pos[stays] + 1 if window is None else np.minimum(plan.pos[stays] + 1, window))
     rep = (plan.kind == REPLICATED) & (rank == 0)
     travels = plan.kind == TRAVELS
     t_req, t_pos = plan.req[travels], plan.pos[travels]
     scale = int(plan.pos.max(initial=0)) + 2
     work += dcp_shard_lens(plan.pos[rep] + 1, p, interleave).sum(axis=1)
-    work += dcp_shard_lens(plan.cache_limit[t_req], p, interleave).sum(axis=1)
+    limit = plan.cache_limit[t_req]
+    work += dcp_shard_lens(limit, p, interleave).sum(axis=1)
+    t_first = t_req * scale
+    if window is not None:
+        # NOTE: a key before the row's window start s is left out: a shard's entries below
+        # min(s, limit) of the cache, below s of the rows every rank holds, new keys below s
+        r_pos = plan.pos[rep]
+        work -= dcp_shard_lens(window_starts(r_pos, window), p, interleave).sum(axis=1)
+        t_start = window_starts(t_pos, window)
+        work -= dcp_shard_lens(np.minimum(t_start, limit), p, interleave).sum(axis=1)
+        t_first = t_first + t_start
     for r in range(p):
         mine = np.sort(t_req[rank[travels] == r] * scale + t_pos[rank[travels] == r])
-        seen = np.searchsorted(mine, t_req * scale + t_pos, side="right") - np.searchsorted(mine, t_req * scale)
+        seen = np.searchsorted(mine, t_req * scale + t_pos, side="right") - np.searchsorted(mine, t_first)
         work[r] += seen.sum()
     return work

@@ -35,6 +35,11 @@ class ModelCard(Settings):
     v_head_dim: int | None = Field(None, ge=1)
     intermediate_size: int = Field(ge=1, description="dense MLP width")
     tie_word_embeddings: bool = False
+    sliding_window: int | None = Field(
+        None, ge=1, description="the sliding layers' window: the last `sliding_window` keys of each row, itself "
+        "included (Mistral's, Gemma's); null: none")
+    sliding_layers: int = Field(0, ge=0, description="how many of the layers attend through sliding_window (the "
+                                "others to every key); 0: none")
     weights_dtype: Literal["bf16", "fp8"] = Field("bf16", description="the checkpoint's linear weights (simulate.weights_dtype: null takes it)")
     moe: MoEConfig | None = Field(None, description="MoE MLPs (pcpflow.models.moe_config); None: dense")
 
@@ -50,11 +55,21 @@ class ModelCard(Settings):
             raise ValueError(f"attention={self.attention} needs {', '.join(missing)}")
         return self
 
+    @model_validator(mode="after")
+    def _sliding_layers(self) -> ModelCard:
+        if self.sliding_layers > self.num_layers:
+            raise ValueError(f"sliding_layers ({self.sliding_layers}) exceeds num_layers ({self.num_layers})")
+        if (self.sliding_window is None) != (self.sliding_layers == 0):
+            raise ValueError(f"sliding_window ({self.sliding_window}) and sliding_layers ({self.sliding_layers}) "
+                             "go together: a window needs the layers it slides on, sliding layers their window")
+        return self
+
 
 def card_from_hf_config(path: str | Path) -> dict:
     """The card (as a plain dict) of a Hugging Face checkpoint directory's config.json
     (every Llama-style GQA family, Gemma 2 and 3 included, or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
-    executed run loads it with; ValueError saying what is wrong."""
+    executed run loads it with, its sliding window and how many layers slide as that parser
+    reads them (``window``, ``sliding_layers``); ValueError saying what is wrong."""
     from pcpflow.models.hf import read_checkpoint_config
 
     path = Path(path).expanduser().resolve()
@@ -69,6 +84,9 @@ def card_from_hf_config(path: str | Path) -> dict:
         "intermediate_size": c.intermediate_size,
         "tie_word_embeddings": c.tie_word_embeddings,
         "weights_dtype": "fp8" if c.quant_method == "fp8" else "bf16",
+        # NOTE: DeepSeek's configs have no window (no attribute); a GQA family's is None without sliding layers
+        "sliding_window": getattr(c, "window", None),
+        "sliding_layers": len(getattr(c, "sliding_layers", ())),
     }
     if hasattr(c, "kv_lora_rank"):  # DeepSeek: latent attention
         card.update(attention="mla", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,

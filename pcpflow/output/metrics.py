@@ -50,11 +50,15 @@ def draft_record(outcome) -> dict[str, int]:
 
 def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str, int], nbytes: dict[str, int],
                 step_s: float, generated: int, to_generate: int, stage_s: dict[str, float] | None = None,
-                serving: Any = None, num_blocks: int = 0, time_s: float | None = None) -> dict[str, Any]:
+                serving: Any = None, num_blocks: int = 0, time_s: float | None = None,
+                window_attention_work: Any = None) -> dict[str, Any]:
     """The metrics.jsonl line of one step, as an executed and a simulated run both write it
     (each adds its own fields: verification, drafting and experts; prices). ``serving``:
     the scheduler's ``StepStats`` of the step (preemptions, prefix hits, KV blocks in use
-    of ``num_blocks``, running and waiting requests); ``time_s``: the run clock at its start."""
+    of ``num_blocks``, running and waiting requests); ``time_s``: the run clock at its start.
+    ``attention_work``: the pairs each rank scores on one full-attention layer;
+    ``window_attention_work``: on one sliding-window layer (a model with such layers only:
+    ``per_rank_window_attention_work``)."""
     extra: dict[str, Any] = {}
     if serving is not None:
         extra = {
@@ -67,6 +71,8 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
             "prefix_query_tokens": serving.prefix_query_tokens,
             "num_preempted": serving.num_preempted,
         }
+    window = {} if window_attention_work is None else {
+        "per_rank_window_attention_work": np.asarray(window_attention_work).tolist()}
     return {
         "step": batch.step,
         "num_reqs": batch.num_reqs,
@@ -75,6 +81,7 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
         "per_rank_tokens": layout.per_rank_num_tokens.tolist(),
         "padded_num_tokens": layout.padded_num_tokens,
         "per_rank_attention_work": np.asarray(attention_work).tolist(),
+        **window,
         "collective_calls": calls,
         "collective_bytes": nbytes,
         "stage_s": stage_s or {},
@@ -121,6 +128,8 @@ def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp:
         for k, v in (r or {}).get("stage_s", {}).items():
             stage_s[k] += v
     ranks = sum(pcp.values())
+    window = "per_rank_window_attention_work"
+    windowed = {window: per_rank(window)} if any(r is not None and window in r for _, r in recs) else {}
     serving = {k: sum(getattr(st, k) for st in stats.values()) for k in ("num_running", "num_waiting",
                                                                          "kv_blocks_used")}
     counted = [st for name, st in stats.items() if scheduled is None or name in scheduled]
@@ -135,6 +144,7 @@ def pool_step_record(step: int, pools: dict[str, dict[str, Any] | None], *, pcp:
         # NOTE: the mean over both pools' ranks, so that the padding fraction stays the share of padded rows
         "padded_num_tokens": sum(r["padded_num_tokens"] * pcp[n] for n, r in recs if r is not None) / ranks,
         "per_rank_attention_work": per_rank("per_rank_attention_work"),
+        **windowed,
         "collective_calls": by_purpose("collective_calls", transfer.get("calls", 0)),
         "collective_bytes": by_purpose("collective_bytes", transfer.get("bytes", 0)),
         "stage_s": dict(stage_s),
@@ -161,6 +171,7 @@ class MetricsRecorder:
         self.per_rank_tokens = np.zeros(pcp_size, dtype=np.int64)
         self.per_rank_padded_tokens = 0
         self.per_rank_attention_work = np.zeros(pcp_size, dtype=np.int64)
+        self.per_rank_window_attention_work: np.ndarray | None = None  # a model with sliding-window layers
         self.step_token_imbalance: list[float] = []
         self.stage_s: dict[str, float] = defaultdict(float)
         self.collective_calls: dict[str, int] = defaultdict(int)
@@ -190,6 +201,10 @@ class MetricsRecorder:
         self.per_rank_tokens += tokens
         self.per_rank_padded_tokens += record["padded_num_tokens"]
         self.per_rank_attention_work += record["per_rank_attention_work"]
+        if "per_rank_window_attention_work" in record:
+            if self.per_rank_window_attention_work is None:
+                self.per_rank_window_attention_work = np.zeros(self.pcp_size, dtype=np.int64)
+            self.per_rank_window_attention_work += record["per_rank_window_attention_work"]
         total = sum(tokens)
         if total:
             self.step_token_imbalance.append(float(max(tokens) / (total / len(tokens))))
@@ -286,6 +301,8 @@ class MetricsRecorder:
             "framework_overhead_s": None if simulated else framework,
             "framework_overhead_fraction": None if simulated else (framework / stage_total if stage_total else 0.0),
         }
+        if self.per_rank_window_attention_work is not None:
+            out["per_rank_window_attention_work"] = self.per_rank_window_attention_work.tolist()
         if serving is not None:
             out.update(self.serving_metrics(requests, **serving))
         if self.cp_attention_steps:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from pcpflow.layouts.accounting import (
     attention_work,
     ring_attention_work,
     ring_totals,
+    sliding_window,
 )
+from pcpflow.layouts.ring import plan_ring
 from pcpflow.models import build_model
 from pcpflow.output.metrics import MetricsRecorder, draft_record, step_record
 from pcpflow.parallel.comm import Comm, CommStats, gather_sent
@@ -235,17 +238,23 @@ def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: f
     b, layout, cfg = state.batch, state.layout, ctx.config
     ran = state.attn.cp_attention or "allgather"
     if ran.startswith("ring_"):
-        work = ring_attention_work(layout, b.positions, variant=ran[len("ring_"):], interleave=cfg.kv.interleave)
+        variant = ran[len("ring_"):]
+        plan = plan_ring(layout, b.positions, variant=variant, interleave=cfg.kv.interleave)
+        count = partial(ring_attention_work, layout, b.positions, variant=variant, interleave=cfg.kv.interleave,
+                        plan=plan)
     else:
-        work = attention_work(
+        count = partial(
+            attention_work,
             layout,
             b.positions,
             dcp_size=ctx.layout_dcp_size,  # per PCP rank (its TP ranks share it)
             interleave=cfg.kv.interleave,
             dcp_rest=state.attn.dcp_rest or "queries",
         )
-    record = step_record(b, layout, attention_work=work, calls=calls, nbytes=nbytes, stage_s=state.timings,
+    window = sliding_window(ctx.model.attn_spec)  # NOTE: a TP rank's local spec keeps the window
+    record = step_record(b, layout, attention_work=count(), calls=calls, nbytes=nbytes, stage_s=state.timings,
                          step_s=step_s, generated=generated, to_generate=to_generate, serving=serving,
-                         num_blocks=cfg.kv.num_blocks, time_s=time_s)
+                         num_blocks=cfg.kv.num_blocks, time_s=time_s,
+                         window_attention_work=None if window is None else count(window=window))
     record["cp_attention"] = ran
     return record

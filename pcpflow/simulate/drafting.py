@@ -140,6 +140,8 @@ class SimulatedDrafting:
         none = np.zeros_like(target.work)
         pre = replace(target, work=target.work if attends else none, decode_work=target.decode_work if attends else none,
                       priced=self._priced(prefill), ring=None, ring_plan=None)
+        if not attends and target.window_work is not None:  # NOTE: no layer attends, sliding or not
+            pre = replace(pre, window_work=none, window_decode_work=none)
         phases = [("prefill", self._price(batch, layout, pre, runtime_mode, samples=m if work.head_after_prefill else 0,
                                           proj=work.prefill_proj))]
         if replicated:
@@ -158,12 +160,23 @@ class SimulatedDrafting:
                 for c, k in count_collectives(colls).items() if size[c.group] > 1]
 
     def _replicated_counts(self, rb: GlobalBatch, layout, priced) -> StepCounts:
+        """A replicated forward's decode rows, counted on the drafter's layers (through the
+        window on the sliding ones, when its layers are a target's that slide: ``self``)."""
         grid = self.grid
-        pairs = attention_work(layout, rb.token_positions, dcp_size=grid.layout_dcp,
-                               interleave=self.cfg.kv.interleave, dcp_rest="queries")
-        work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, rb.token_positions, grid, self.cfg.kv.interleave,
-                                                             "queries", None)
-        return StepCounts(pairs, work, work, {}, {}, priced)
+
+        def count(window):
+            pairs = attention_work(layout, rb.token_positions, dcp_size=grid.layout_dcp,
+                                   interleave=self.cfg.kv.interleave, dcp_rest="queries", window=window)
+            work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, rb.token_positions, grid,
+                                                                 self.cfg.kv.interleave, "queries", None, window)
+            return pairs, work
+
+        pairs, work = count(None)
+        if self.sizes.window is None:
+            return StepCounts(pairs, work, work, {}, {}, priced)
+        w_pairs, w_work = count(self.sizes.window)
+        return StepCounts(pairs, work, work, {}, {}, priced, window_pairs=w_pairs, window_work=w_work,
+                          window_decode_work=w_work)
 
     def _price(self, batch, layout, counts: StepCounts, runtime_mode: str, *, samples: int, proj: int) -> StepPrice:
         p = self.pricer.price(batch, layout, counts, runtime_mode=runtime_mode, samples=samples)

@@ -264,7 +264,7 @@ class SimulatedRun:
                              step_s=p.step_s, generated=sum(lp.generated for lp in self.loops),
                              to_generate=self.recorder.num_to_generate, serving=scheduler.stats,
                              num_blocks=self.cfg.kv.num_blocks, time_s=float(loop.step_start[batch.step]),
-                             stage_s=stage_s)
+                             stage_s=stage_s, window_attention_work=counts.window_pairs)
         if self.router is not None:
             record["replica"] = replica
         record.update(draft_record(outcome))

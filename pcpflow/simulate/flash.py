@@ -42,6 +42,12 @@ the visiting rows over this rank's keys (pass-Q), and after the loop the rows ev
 Their pairs are the executed counts' (``tests/simulate/test_simulate_flash.py`` checks them
 against ``ring_attention_work`` and ``attention_work``); a step's FLOPs are priced from those
 counts, the blocks giving each call's rate.
+
+**A sliding layer** (``window``): a row at ``p`` sees the keys ``max(0, p + 1 - window) .. p``.
+Each query run is cut where its window starts to slide (``window_runs``): the rows before see
+every key before them (the blocks above), the *band* after them the last ``window`` keys each, a
+block without a causal part at the band's mean keys (``_band``): FlashAttention-3's local
+attention loops each query tile over the key blocks of its window only.
 """
 
 from __future__ import annotations
@@ -128,23 +134,61 @@ def _segments(layout: BatchLayout, positions) -> tuple[np.ndarray, ...]:
 
 
 def engine_blocks(layout: BatchLayout, positions, is_prefilling, *, dcp_size: int, interleave: int,
-                  dcp_rest: str) -> Blocks | None:
+                  dcp_rest: str, window: int | None = None) -> Blocks | None:
     """The prefill rows' calls of pcpflow's all-gather paths, binned by DCP shard: without
     DCP (or on the context path) each rank's rows over their whole context ``[0, p]``; on
-    the queries path every gathered prefill row over each shard. None without prefill rows."""
+    the queries path every gathered prefill row over each shard. None without prefill rows.
+    ``window``: one sliding layer's calls (``window_runs``)."""
     rank, req, a, n, _ = _segments(layout, positions)
     keep = np.asarray(is_prefilling, dtype=bool)[req] & (n > 0)
     if not keep.any():
         return None
     rank, a, n = rank[keep], a[keep], n[keep]
-    if dcp_size == 1 or dcp_rest == "context":
-        kf, kl = a + 1, a + n
-        return Blocks(rank, n, kf, kl, n * a + n * (n + 1) // 2)
-    # every shard d at once: [D, runs], shard-major
+    whole = dcp_size == 1 or dcp_rest == "context"
+    if window is None:
+        return _context_blocks(rank, a, n) if whole else _shard_blocks(a, n, dcp_size, interleave)
+    ramp, b, nb = window_runs(a, n, window)
+    if whole:
+        band = Blocks(rank, nb, np.full_like(nb, window), np.full_like(nb, window), nb * window)
+        return _rows_only(_concat([_context_blocks(rank, a, ramp), band]))
+    # the band's rows over each shard d: [D, runs], shard-major; row q sees the shard's [q + 1 - W, q]
+    pairs = (dcp_shard_len_sums(b + nb, dcp_size, interleave) - dcp_shard_len_sums(b, dcp_size, interleave)
+             - dcp_shard_len_sums(np.maximum(b + nb - window, 0), dcp_size, interleave)
+             + dcp_shard_len_sums(np.maximum(b - window, 0), dcp_size, interleave))
+    shard = np.repeat(np.arange(dcp_size, dtype=np.int64), b.shape[0])
+    return _rows_only(_concat([_shard_blocks(a, ramp, dcp_size, interleave),
+                               _band(shard, np.tile(nb, dcp_size), pairs.ravel())]))
+
+
+def _context_blocks(rank, a, n) -> Blocks:
+    """Runs of ``n`` rows at ``a ..`` on ``rank`` over their whole context ``[0, p]``."""
+    return Blocks(rank, n, a + 1, a + n, n * a + n * (n + 1) // 2)
+
+
+def _shard_blocks(a, n, dcp_size: int, interleave: int) -> Blocks:
+    """Runs of ``n`` rows at ``a ..`` over each DCP shard of their context, shard-major."""
     kf, kl = dcp_shard_lens(a + 1, dcp_size, interleave), dcp_shard_lens(a + n, dcp_size, interleave)
     pairs = dcp_shard_len_sums(a + n, dcp_size, interleave) - dcp_shard_len_sums(a, dcp_size, interleave)
     shard = np.repeat(np.arange(dcp_size, dtype=np.int64), a.shape[0])
     return Blocks(shard, np.tile(n, dcp_size), kf.ravel(), kl.ravel(), pairs.ravel())
+
+
+def window_runs(a, n, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sliding layer's query runs of ``n`` rows at ``a ..``, each cut where its window
+    starts to slide: (``ramp``, ``b``, ``nb``): its first ``ramp`` rows (positions below
+    ``window``) see every key at or before them, as without a window (the blocks' shapes
+    above); the ``nb`` rows at ``b ..`` after them each see the ``window`` keys up to
+    themselves (over a shard: that range's entries, about ``window / D``), every row as many,
+    a band the kernel loops over in full (``_band``)."""
+    ramp = np.minimum(np.maximum(window - a, 0), n)
+    return ramp, a + ramp, n - ramp
+
+
+def _band(bin_, nb, pairs) -> Blocks:
+    """Band blocks (``window_runs``) of ``nb`` rows scoring ``pairs``: each row over the
+    band's mean keys (rounded up), a block without a causal part."""
+    keys = np.where(nb > 0, -(-pairs // np.maximum(nb, 1)), 0)
+    return Blocks(bin_, nb, keys, keys, pairs)
 
 
 @dataclass(frozen=True)
@@ -159,8 +203,10 @@ class RingBlocks:
     after_decode_pairs: np.ndarray  # [P]
 
 
-def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -> RingBlocks:
-    """The calls a ring's step makes (module docstring), from its plan and the layout."""
+def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling, window: int | None = None) -> RingBlocks:
+    """The calls a ring's step makes (module docstring), from its plan and the layout.
+    ``window``: one sliding layer's calls (``window_runs``: each run's rows before its window
+    slides as without one, the band after them over the keys of each row's window)."""
     p, inter = plan.pcp_size, plan.interleave
     rank, req, a, n, local = _segments(layout, positions)
     real = n > 0
@@ -168,40 +214,63 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling) -
     kind = plan.kind[rank * plan.padded_num_tokens + local] if rank.shape[0] else np.zeros(0, np.int8)
     prefill = np.asarray(is_prefilling, dtype=bool)[req]
     h = np.arange(p, dtype=np.int64)
+    qn = n
+    if window is not None:
+        qn, b, nb = window_runs(a, n, window)
+    parts = []  # (blocks, their runs)
 
     # pass-KV: staying run i meets, at iteration h, the block of origin (rank_i - h) % P: its
     # cached shard of the request (every entry before the run) and its new runs.
     st = np.flatnonzero(kind == STAYS)
     origin = (rank[st, None] - h[None, :]) % p
+    at_st = np.broadcast_to(rank[st, None], origin.shape)
     cached = plan.block_cached[origin, req[st, None]]
-    kv = _runs_over(st, rank, req, a, n, iteration=lambda qi, kj: (rank[qi] - rank[kj]) % p)
-    stays = _blocks(st, np.broadcast_to(rank[st, None], origin.shape), h, n, cached, kv, p)
+    kv_iteration = lambda qi, kj: (rank[qi] - rank[kj]) % p  # noqa: E731
+    kv = _runs_over(st, rank, req, a, n, iteration=kv_iteration, qn=qn)
+    parts.append((_blocks(st, at_st, h, qn, cached, kv, p), st))
 
     # pass-Q: travelling run i visits rank (rank_i + h) % P at iteration h: that rank's cached
     # shard of the request (every entry before the run) and its own travelling runs' new KV.
     tr = np.flatnonzero(kind == TRAVELS)
     host = (rank[tr, None] + h[None, :]) % p
     cached = np.take_along_axis(dcp_shard_lens(plan.num_computed[req[tr]], p, inter).T, host, axis=1)
-    q = _runs_over(tr, rank, req, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p)
-    visits = _blocks(tr, host, h, n, cached, q, p)
+    q_iteration = lambda qi, kj: (rank[kj] - rank[qi]) % p  # noqa: E731
+    q = _runs_over(tr, rank, req, a, n, iteration=q_iteration, qn=qn)
+    parts.append((_blocks(tr, host, h, qn, cached, q, p), tr))
+
+    if window is not None:  # the bands: cached keys and new runs within each row's window
+        # (runs, the rank whose cache they read, the rank they run on, iteration)
+        for rows, cache, on, iteration in ((st, origin, at_st, kv_iteration), (tr, host, host, q_iteration)):
+            cached = _cached_in_window(plan.num_computed[req[rows]], cache, b[rows], nb[rows], window, p, inter)
+            runs = _runs_over(rows, rank, req, a, n, iteration=iteration, qa=b, qn=nb, window=window)
+            parts.append((_band_blocks(rows, on, h, nb, cached, runs, p), rows))
 
     pre_parts, dec = [], np.zeros(p * p)
-    for b, rows in ((stays, st), (visits, tr)):
-        if b is None:
+    for blocks, rows in parts:
+        if blocks is None:
             continue
         is_pre = np.repeat(prefill[rows], p)
-        pre_parts.append(Blocks(b.bin[is_pre], b.rows[is_pre], b.k_first[is_pre], b.k_last[is_pre], b.pairs[is_pre]))
-        dec += np.bincount(b.bin[~is_pre], weights=b.pairs[~is_pre].astype(np.float64), minlength=p * p)
+        pre_parts.append(Blocks(blocks.bin[is_pre], blocks.rows[is_pre], blocks.k_first[is_pre],
+                                blocks.k_last[is_pre], blocks.pairs[is_pre]))
+        dec += np.bincount(blocks.bin[~is_pre], weights=blocks.pairs[~is_pre].astype(np.float64), minlength=p * p)
 
     # Rows every rank holds: after the loop, each rank over its shard of [0, p] (rank 0's copies).
     rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
-    ar, nr, pre = a[rp], n[rp], prefill[rp]
+    ar, nr, pre = a[rp], qn[rp], prefill[rp]
     # every rank r at once: [P, rows]
     kf, kl = dcp_shard_lens(ar + 1, p, inter), dcp_shard_lens(ar + nr, p, inter)
     pairs = dcp_shard_len_sums(ar + nr, p, inter) - dcp_shard_len_sums(ar, p, inter)
     after = Blocks(np.repeat(h, int(pre.sum())), np.tile(nr[pre], p), kf[:, pre].ravel(), kl[:, pre].ravel(),
                    pairs[:, pre].ravel())
     after_dec = pairs[:, ~pre].sum(axis=1).astype(np.float64)
+    if window is not None:  # the bands over each rank's shard of their windows
+        br, nbr = b[rp], nb[rp]
+        band = (dcp_shard_len_sums(br + nbr, p, inter) - dcp_shard_len_sums(br, p, inter)
+                - dcp_shard_len_sums(np.maximum(br + nbr - window, 0), p, inter)
+                + dcp_shard_len_sums(np.maximum(br - window, 0), p, inter))
+        after = _concat([after, _band(np.repeat(h, int(pre.sum())), np.tile(nbr[pre], p), band[:, pre].ravel())])
+        after_dec = after_dec + band[:, ~pre].sum(axis=1)
+        return RingBlocks(_rows_only(_concat(pre_parts)), dec.reshape(p, p), _rows_only(after), after_dec)
     return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
 
 
@@ -212,9 +281,18 @@ def _concat(parts: list[Blocks]) -> Blocks:
     return Blocks(*(np.concatenate([getattr(b, f) for b in parts]) for f in ("bin", "rows", "k_first", "k_last", "pairs")))
 
 
-def _runs_over(runs, rank, req, a, n, *, iteration):
+def _rows_only(b: Blocks) -> Blocks:
+    """``b`` without its blocks of no rows (a sliding layer's runs without a ramp or a band)."""
+    keep = b.rows > 0
+    return Blocks(b.bin[keep], b.rows[keep], b.k_first[keep], b.k_last[keep], b.pairs[keep])
+
+
+def _runs_over(runs, rank, req, a, n, *, iteration, qa=None, qn=None, window: int | None = None):
     """Each (query run, key run) pair of ``runs`` of one request: (query run, iteration, keys
-    its first row sees, keys its last row sees, pairs), the key run contiguous ``[b, b + m)``."""
+    its first row sees, keys its last row sees, pairs), the key run contiguous ``[b, b + m)``.
+    The query runs' rows: ``qn`` (default ``n``) at ``qa ..`` (default ``a``); ``window``: each
+    row's keys of the run within its window only (the pairs; its first and last row's keys
+    as without one)."""
     if not runs.shape[0]:
         return None
     queries = runs
@@ -228,10 +306,12 @@ def _runs_over(runs, rank, req, a, n, *, iteration):
     first = np.repeat(lo - np.cumsum(count) + count, count)
     kj = keys[np.arange(qi.shape[0], dtype=np.int64) + first]
     b, m = a[kj], n[kj]
-    aq, nq = a[qi], n[qi]
+    aq, nq = (a if qa is None else qa)[qi], (n if qn is None else qn)[qi]
     kf = np.clip(aq - b + 1, 0, m)
     kl = np.clip(aq + nq - b, 0, m)
     pairs = _run_sum(aq + nq - b, m) - _run_sum(aq - b, m)
+    if window is not None:  # NOTE: row x leaves out the run's keys before x + 1 - window: _run_sum shifted
+        pairs = pairs - _run_sum(aq + nq - window - b, m) + _run_sum(aq - window - b, m)
     return qi, iteration(qi, kj), kf, kl, pairs
 
 
@@ -263,3 +343,31 @@ def _blocks(rows, rank_at, h, n, cached, runs, p: int) -> Blocks | None:
         pairs = pairs.ravel() + np.bincount(flat, weights=pr, minlength=k * p).astype(np.int64)
     binned = (rank_at * p + h[None, :]).ravel()
     return Blocks(binned, nq.ravel(), np.ravel(kf), np.ravel(kl), np.ravel(pairs))
+
+
+def _cached_in_window(computed, at, b, nb, window: int, p: int, inter: int) -> np.ndarray:
+    """``[rows, P]``: the pairs band runs (``nb`` rows at ``b ..``, each at least ``window``)
+    score over the cached shard (positions below ``computed``) of rank ``at`` [rows, P]: row
+    x its entries in ``[x + 1 - window, computed)``, ``L(c) - L(min(y, c))`` with ``y = x + 1 -
+    window`` (``L = dcp_local_seq_lens``), summed over ``y`` in ``(lo, hi]``."""
+    lo, hi = np.maximum(b - window, 0), np.maximum(b + nb - window, 0)
+    full = dcp_shard_lens(computed, p, inter)  # [P, rows]
+    below = (dcp_shard_len_sums(np.minimum(hi, computed), p, inter) - dcp_shard_len_sums(np.minimum(lo, computed), p, inter)
+             + full * (np.maximum(hi - computed, 0) - np.maximum(lo - computed, 0)))
+    return np.take_along_axis((nb * full - below).T, at, axis=1)
+
+
+def _band_blocks(rows, rank_at, h, nb, cached, runs, p: int) -> Blocks | None:
+    """``[len(rows), P]`` band blocks (run, iteration) on ``rank_at``: the ``cached`` pairs
+    (``_cached_in_window``) plus the key ``runs``' (``_runs_over`` with a window), as ``_band``."""
+    if not rows.shape[0]:
+        return None
+    k = rows.shape[0]
+    index = np.full(int(rows.max()) + 1, -1, dtype=np.int64)
+    index[rows] = np.arange(k, dtype=np.int64)
+    pairs = cached.astype(np.int64).ravel()
+    if runs is not None:
+        qi, it, _, _, pr = runs
+        pairs = pairs + np.bincount(index[qi] * p + it, weights=pr, minlength=k * p).astype(np.int64)
+    binned = (rank_at * p + h[None, :]).ravel()
+    return _band(binned, np.repeat(nb[rows], p), pairs)

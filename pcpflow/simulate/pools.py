@@ -96,7 +96,8 @@ class _PoolPricing(SimulatedRun):
         rest, counts, p, meta = self._priced(batch, layout, mode)
         record = step_record(batch, layout, attention_work=counts.pairs, calls=counts.calls, nbytes=counts.nbytes,
                              step_s=p.step_s, generated=0, to_generate=0, serving=stats,
-                             num_blocks=self.cfg.kv.num_blocks, time_s=time_s)
+                             num_blocks=self.cfg.kv.num_blocks, time_s=time_s,
+                             window_attention_work=counts.window_pairs)
         record.update(_step_fields(rest, counts, p, meta))
         self.recorder.step(record)  # NOTE: this pool's own totals (run_s: its busy seconds)
         self._accumulate(rest, p, meta)

@@ -9,7 +9,8 @@ Per PCP rank (its TP ranks hold the same rows and cost the same; ``N`` its padde
 - ``attention``: the pairs of the rank's busiest DCP shard (``attention_work``, the executed
   count; a ring's ``ring_attention_work``), prefill rows through FlashAttention-3's kernel at
   its published throughput for the shapes each call holds (``pcpflow.simulate.flash``), decode
-  rows through split-KV;
+  rows through split-KV; a model's sliding-window layers apart from its full ones, each kind by
+  its own pairs times its layer count (``Pricer._layer_kinds``);
 - ``memory_ops``: norms, RoPE, residual adds, the activation, KV writes, DCP and ring merges
   (HBM-bound; every kernel of pcpflow's forward that is neither a GEMM nor attention costs at
   least the kernel floor);
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -171,6 +172,10 @@ class StepCounts:
     ring_plan: RingPlan | None = None
     per_rank_calls: dict[str, list[int]] = field(default_factory=dict)  # ring purposes, per global rank
     per_rank_bytes: dict[str, list[int]] = field(default_factory=dict)
+    # One sliding-window layer's (``ModelSizes.window``; None: no layer slides): pairs, work, decode work
+    window_pairs: np.ndarray | None = None
+    window_work: np.ndarray | None = None
+    window_decode_work: np.ndarray | None = None
 
 
 def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes: int, dcp_rest: DCPRest,
@@ -181,8 +186,11 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
     uniform routing's expectation (flagged in ``expected``). ``ring`` (``pass_kv`` |
     ``pass_q``): the step runs the executed ring (``pcpflow.attention.ring``) in place of the
     attention's all-gather paths: its sends as ``ring_step_traffic`` lists them, its pairs as
-    ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs."""
+    ``ring_attention_work`` counts them. ``kv_bytes``: KV entries' element size when it differs.
+    A model with sliding-window layers (``sizes.window``) also counts one such layer's pairs."""
     shape = sizes.shape_per_rank(grid.tp, dtype_bytes)
+    window = sizes.window
+    w_pairs = w_work = w_decode = None
     moe_layers = sizes.num_moe_layers if sizes.num_experts else 0
     calls, nbytes, priced = _collective_counts(
         layout, batch.logits_indices, grid=grid, shape=shape, dtype_bytes=dtype_bytes, dcp_rest=dcp_rest,
@@ -195,6 +203,10 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
                                     tp_size=grid.tp, plan=plan)
         pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan)
         work, decode_work = pairs, np.zeros_like(pairs)  # a ring's price reads its plan (flash.ring_blocks)
+        if window is not None:
+            w_pairs = ring_attention_work(layout, batch.positions, variant=ring, interleave=interleave, plan=plan,
+                                          window=window)
+            w_work, w_decode = w_pairs, decode_work
     else:
         positions = batch.token_positions  # NOTE: read per segment
         pairs = attention_work(layout, positions, dcp_size=grid.layout_dcp, interleave=interleave,
@@ -203,6 +215,11 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         # ``pairs`` itself: _busiest_shard would count the same attention_work again.
         work = pairs if grid.dcp_tp == 1 else _busiest_shard(layout, positions, grid, interleave,
                                                              dcp_rest.mode, None)
+        if window is not None:
+            w_pairs = attention_work(layout, positions, dcp_size=grid.layout_dcp, interleave=interleave,
+                                     dcp_rest=dcp_rest.mode, window=window)
+            w_work = w_pairs if grid.dcp_tp == 1 else _busiest_shard(layout, positions, grid, interleave,
+                                                                     dcp_rest.mode, None, window)
         # NOTE: whether any, or every, token is a decode reads the requests that have tokens;
         # without shard_decodes the layout counts their tokens (num_replicated_decode_tokens:
         # every decode token of the step), so that is all of the step's, or none, without a numpy call
@@ -214,11 +231,15 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         else:
             decodes_only, prefills_only = nd == layout.num_tokens, nd == 0
         if decodes_only:
-            decode_work = work
+            decode_work, w_decode = work, w_work
         elif prefills_only:
             decode_work = np.zeros_like(work)
+            w_decode = None if window is None else decode_work
         else:
             decode_work = _busiest_shard(layout, positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling)
+            if window is not None:
+                w_decode = _busiest_shard(layout, positions, grid, interleave, dcp_rest.mode, ~batch.is_prefilling,
+                                          window)
     per_calls: dict[str, list[int]] = {}
     per_bytes: dict[str, list[int]] = {}
     if traffic is not None:
@@ -262,7 +283,8 @@ def step_counts(batch, layout, *, grid: RankGrid, sizes: ModelSizes, dtype_bytes
         expected = ROUTED_PURPOSES
     return StepCounts(pairs, work, decode_work, calls, nbytes, priced, expected, dcp_rest=dcp_rest.mode,
                       ring=f"ring_{ring}" if ring is not None else None, ring_plan=plan,
-                      per_rank_calls=per_calls, per_rank_bytes=per_bytes)
+                      per_rank_calls=per_calls, per_rank_bytes=per_bytes, window_pairs=w_pairs, window_work=w_work,
+                      window_decode_work=w_decode)
 
 
 _COLLECTIVE_COUNTS: dict[tuple, tuple[dict[str, int], dict[str, int], list]] = {}
@@ -339,6 +361,11 @@ class Attention:
     flops: np.ndarray | list[float]
     decode_bytes: np.ndarray | list[float]
     comm_s: np.ndarray | list[float]
+
+    def plus(self, other: Attention) -> Attention:
+        """Both kinds of layers' attention (``Pricer._layer_kinds``), figure by figure."""
+        return Attention(*(np.add(getattr(self, f), getattr(other, f)) for f in
+                           ("prefill_s", "decode_s", "compute_s", "flops", "decode_bytes", "comm_s")))
 
 
 class Pricer:
@@ -492,7 +519,10 @@ class Pricer:
         elif self.measured:
             att = self._measured_attention(batch, layout, counts)
         else:
-            att = self._engine_attention(batch, layout, counts)
+            kinds = self._layer_kinds(counts)
+            att = self._engine_attention(batch, layout, counts, *kinds[0])
+            for more in kinds[1:]:
+                att = att.plus(self._engine_attention(batch, layout, counts, *more))
         # NOTE: from here every [P] figure is a list of floats: P is a few ranks, and numpy's
         # elementwise float64 operations are Python's, value for value (the same operations in
         # the same order), without a numpy call each.
@@ -570,16 +600,17 @@ class Pricer:
             hbm_bytes=[w + d + mem_bytes + merge_bytes for w, d in zip(w_bytes, att_dec_bytes)],
         )
 
-    def _per_pair(self) -> tuple[float, float, float]:
-        return self._pair_costs
+    def _per_pair(self, layers: int | None = None) -> tuple[float, float, float]:
+        """``_pair_costs_of_run``: over every layer (None), or over ``layers`` of them."""
+        return self._pair_costs if layers is None else self._pair_costs_of_run(layers)
 
-    def _pair_costs_of_run(self) -> tuple[float, float, float]:
-        """FLOPs of one (query, key) pair over every layer, prefill and decode kernels, and KV
-        bytes of one key over every layer (heads split by tp, gathered back over a DCP
-        group's TP part)."""
+    def _pair_costs_of_run(self, layers: int | None = None) -> tuple[float, float, float]:
+        """FLOPs of one (query, key) pair over every layer (or ``layers`` of them), prefill and
+        decode kernels, and KV bytes of one key over them (heads split by tp, gathered back over
+        a DCP group's TP part)."""
         s, grid = self.sizes, self.grid
         heads = s.num_heads / grid.tp * grid.dcp_tp
-        L = s.num_layers
+        L = s.num_layers if layers is None else layers
         return (2.0 * heads * L * (s.prefill_qk_dim + s.prefill_v_dim),
                 2.0 * heads * L * (s.decode_qk_dim + s.decode_v_dim),
                 s.entry_dim_per_rank(grid.tp) * self.kv_bytes * L)
@@ -592,24 +623,38 @@ class Pricer:
             return 1
         return max(1, (s.num_heads // self.grid.tp) // s.kv_heads_per_rank(self.grid.tp))
 
-    def _prefill(self, pairs, peak_pairs):
-        """Seconds of prefill attention of ``pairs`` priced as ``peak_pairs`` at the peak."""
-        k, L = self.kern, self.sizes.num_layers
-        fpp, _, entry = self._per_pair()
+    def _layer_kinds(self, counts: StepCounts) -> tuple[tuple[int | None, int | None], ...]:
+        """(layers, window) of each kind of attention layer the step's attention is priced for,
+        each kind by its own pairs times its layers: every layer at once ``(None, None)`` when
+        none slides, or when the window cuts no pair this step (every row's context fits it:
+        the sliding layers score what the full ones do); else the full layers (if any) and the
+        ``sliding_layers`` through ``sliding_window``."""
+        s = self.sizes
+        if s.window is None or np.array_equal(counts.window_pairs, counts.pairs):
+            return ((None, None),)
+        full, sliding = s.num_layers - s.sliding_layers, (s.sliding_layers, s.window)
+        return ((full, None), sliding) if full else (sliding,)
+
+    def _prefill(self, pairs, peak_pairs, layers: int | None = None):
+        """Seconds of prefill attention of ``pairs`` priced as ``peak_pairs`` at the peak, on
+        every layer (or ``layers`` of them)."""
+        k, L = self.kern, self.sizes.num_layers if layers is None else layers
+        fpp, _, entry = self._per_pair(layers)
         t = k.prefill_attention(np.asarray(peak_pairs) * fpp, entry * np.asarray(pairs) / flash.QUERY_TILE,
                                 peak_key=self.act_key)
         return np.where(np.asarray(pairs) > 0, np.maximum(t, L * k.floor), 0.0)
 
-    def _decode(self, pairs):
-        """Seconds of split-KV decode attention of ``pairs`` and whether FLOPs bound it."""
+    def _decode(self, pairs, layers: int | None = None):
+        """Seconds of split-KV decode attention of ``pairs`` (every layer, or ``layers``) and
+        whether FLOPs bound it."""
         pairs = np.asarray(pairs, dtype=np.float64)
-        t, bound = self._decode_lists(pairs.ravel().tolist())
+        t, bound = self._decode_lists(pairs.ravel().tolist(), layers)
         return np.array(t, dtype=np.float64).reshape(pairs.shape), np.array(bound, dtype=bool).reshape(pairs.shape)
 
-    def _decode_lists(self, pairs: list[float]) -> tuple[list[float], list[bool]]:
+    def _decode_lists(self, pairs: list[float], layers: int | None = None) -> tuple[list[float], list[bool]]:
         """``_decode`` of a few ranks' pairs (floats), as lists."""
-        k, L = self.kern, self.sizes.num_layers
-        _, fpp, entry = self._per_pair()
+        k, L = self.kern, self.sizes.num_layers if layers is None else layers
+        _, fpp, entry = self._per_pair(layers)
         floor = L * k.floor
         # NOTE: a few ranks' floats: plain Python (each operation numpy's, value for value), not a numpy call each
         t, bound = [], []
@@ -619,31 +664,35 @@ class Pricer:
             bound.append(flops_bound)
         return t, bound
 
-    def _engine_attention(self, batch, layout, counts: StepCounts) -> Attention:
+    def _engine_attention(self, batch, layout, counts: StepCounts, layers: int | None = None,
+                          window: int | None = None) -> Attention:
         """The all-gather paths: one call per rank, its rows over the context or its DCP shard
-        (``flash.engine_blocks``) at the executed pairs of its busiest shard."""
+        (``flash.engine_blocks``) at the executed pairs of its busiest shard; on every layer, or
+        on ``layers`` of them (``_layer_kinds``: sliding ones through ``window``)."""
         grid, P = self.grid, self.grid.pcp
-        fpp, dpp, entry = self._per_pair()
-        decode_pairs = counts.decode_work.astype(np.float64)
+        fpp, dpp, entry = self._per_pair(layers)
+        work, decode_work = ((counts.work, counts.decode_work) if window is None
+                             else (counts.window_work, counts.window_decode_work))
+        decode_pairs = decode_work.astype(np.float64)
         # NOTE: a step of decodes (its work is its decode work): _prefill of no pairs is 0.0 on every rank
-        prefill_pairs = None if counts.work is counts.decode_work else counts.work.astype(np.float64) - decode_pairs
+        prefill_pairs = None if work is decode_work else work.astype(np.float64) - decode_pairs
         if prefill_pairs is None or not prefill_pairs.any():
             # NOTE: per-rank lists of floats (astype's values): price sums them in plain Python
             dec = decode_pairs.tolist()
-            t_dec, dec_bound = self._decode_lists(dec)
+            t_dec, dec_bound = self._decode_lists(dec, layers)
             zeros = [0.0] * P  # NOTE: so is fpp * prefill_pairs: the FLOPs are the decodes' alone
             return Attention(zeros, t_dec, [t if b else 0.0 for t, b in zip(t_dec, dec_bound)],
                              [dpp * x for x in dec], [entry * x for x in dec], zeros)
         ratio = np.ones(P)
         blocks = flash.engine_blocks(layout, batch.token_positions, batch.is_prefilling, dcp_size=grid.dcp,
-                                     interleave=self.interleave, dcp_rest=counts.dcp_rest)
+                                     interleave=self.interleave, dcp_rest=counts.dcp_rest, window=window)
         if blocks is not None:
             shard = blocks.bin // grid.dcp_tp  # DCP member d = pcp_rank * dcp_tp + tp_local
             pairs = np.bincount(shard, weights=blocks.pairs.astype(np.float64), minlength=P)
             peak = np.bincount(shard, weights=blocks.peak_pairs(self._group()), minlength=P)
             ratio = np.where(pairs > 0, peak / np.maximum(pairs, 1e-300), 1.0)
-        t_pre = self._prefill(prefill_pairs, prefill_pairs * ratio)
-        t_dec, dec_bound = self._decode(decode_pairs)
+        t_pre = self._prefill(prefill_pairs, prefill_pairs * ratio, layers)
+        t_dec, dec_bound = self._decode(decode_pairs, layers)
         return Attention(t_pre, t_dec, t_pre + np.where(dec_bound, t_dec, 0.0), fpp * prefill_pairs + dpp * decode_pairs,
                          entry * decode_pairs, np.zeros(P))
 
@@ -652,23 +701,10 @@ class Pricer:
         attention of the package it holds (``flash.ring_blocks``) beside its hop (its send to
         the next rank, its receive from the one before: point to point, both purposes in one
         batch), the longer of the two; after the loop the rows every rank holds, then pass-Q's
-        all-to-all, exposed."""
+        all-to-all, exposed. Each kind of layer (``_layer_kinds``) runs its loops beside the
+        same hops (a measured profile's sliding call is a full one's: one kind)."""
         grid, s, place, plan = self.grid, self.sizes, self.place, counts.ring_plan
         P, L = grid.pcp, s.num_layers
-        fpp, dpp, entry = self._per_pair()
-        rb = flash.ring_blocks(plan, layout, batch.positions, batch.is_prefilling)
-        pairs, peak = rb.loop.per_bin(P * P, self._group())
-        a_pairs, a_peak = rb.after.per_bin(P, self._group())
-        if self.measured:
-            loop, after = self._measured_ring_attention(plan)
-            loop_dec, after_dec = np.zeros((P, P)), np.zeros(P)
-            loop_bound, after_bound = np.zeros((P, P), dtype=bool), np.zeros(P, dtype=bool)
-        else:
-            loop = self._prefill(pairs, peak).reshape(P, P)
-            loop_dec, loop_bound = self._decode(rb.loop_decode_pairs)
-            after = self._prefill(a_pairs, a_peak)
-            after_dec, after_bound = self._decode(rb.after_decode_pairs)
-        attention = loop + loop_dec  # [P, P]: rank, iteration; every layer
 
         # The hops: iteration h < P - 1 sends the package of origin (r - h) % P (one layer).
         kv_rows, q_rows = ring_hop_rows(plan)
@@ -678,6 +714,43 @@ class Pricer:
         sizes, at = np.unique(kv_b + q_b, return_inverse=True)  # NOTE: most hops carry the same bytes
         send = np.array([place.seconds("sendrecv", "dcp", float(b))[0] for b in sizes])[at].reshape(kv_b.shape)
         send = np.where(kv_b + q_b > 0, send, 0.0)  # NOTE: an empty package is no call
+        kinds = ((None, None),) if self.measured else self._layer_kinds(counts)
+        att = self._ring_layers(batch, layout, plan, kv_b, q_b, send, terms, picks, *kinds[0])
+        for more in kinds[1:]:
+            att = att.plus(self._ring_layers(batch, layout, plan, kv_b, q_b, send, terms, picks, *more))
+        comm = att.comm_s
+        a2a = np.asarray(counts.per_rank_bytes.get("ring_all2all", [0] * grid.world_size), dtype=np.float64)[:: grid.tp]
+        if a2a.any():
+            n = grid.dcp
+            per_layer = a2a / L * n / (n - 1)  # the buffer NCCL splits over the ring (its own share stays)
+            sec = np.array([place.seconds("all_to_all", "dcp", float(b))[0] for b in per_layer])
+            _add(terms, "ring_all2all", L * sec, np.zeros(P))
+            comm = comm + L * sec
+            picks["ring_all2all"] = "p2p"
+        return replace(att, comm_s=comm)
+
+    def _ring_layers(self, batch, layout, plan: RingPlan, kv_b, q_b, send, terms: dict, picks: dict,
+                     layers: int | None = None, window: int | None = None) -> Attention:
+        """``_ring``'s loops on every layer (or on ``layers`` of them, through ``window``):
+        each iteration's attention beside its hop (``send``: one layer's seconds, ``kv_b`` /
+        ``q_b`` its bytes), the hops' exposed and hidden seconds added to ``terms``; the rows
+        every rank holds after the loop. ``comm_s``: the exposed hops."""
+        P = self.grid.pcp
+        L = self.sizes.num_layers if layers is None else layers
+        fpp, dpp, entry = self._per_pair(layers)
+        rb = flash.ring_blocks(plan, layout, batch.positions, batch.is_prefilling, window)
+        pairs, peak = rb.loop.per_bin(P * P, self._group())
+        a_pairs, a_peak = rb.after.per_bin(P, self._group())
+        if self.measured:
+            loop, after = self._measured_ring_attention(plan)
+            loop_dec, after_dec = np.zeros((P, P)), np.zeros(P)
+            loop_bound, after_bound = np.zeros((P, P), dtype=bool), np.zeros(P, dtype=bool)
+        else:
+            loop = self._prefill(pairs, peak, layers).reshape(P, P)
+            loop_dec, loop_bound = self._decode(rb.loop_decode_pairs, layers)
+            after = self._prefill(a_pairs, a_peak, layers)
+            after_dec, after_bound = self._decode(rb.after_decode_pairs, layers)
+        attention = loop + loop_dec  # [P, P]: rank, iteration; these layers
         hop = ring_loop(attention, L * send, overlap=self.hw.overlap.p2p)
         exposed, hidden = np.maximum(hop - attention, 0.0), np.minimum(hop, attention)
         if not self.hw.overlap.p2p:  # NOTE: the profile's transfers run on the thread that computes
@@ -694,21 +767,13 @@ class Pricer:
             w = np.where(total_b > 0, part / np.maximum(total_b, 1e-300), 0.0)
             _add(terms, purpose, (exposed * w).sum(axis=1), (hidden * w).sum(axis=1))
             picks[purpose] = "p2p"
-        comm = exposed.sum(axis=1)
-        a2a = np.asarray(counts.per_rank_bytes.get("ring_all2all", [0] * grid.world_size), dtype=np.float64)[:: grid.tp]
-        if a2a.any():
-            n = grid.dcp
-            per_layer = a2a / L * n / (n - 1)  # the buffer NCCL splits over the ring (its own share stays)
-            sec = np.array([place.seconds("all_to_all", "dcp", float(b))[0] for b in per_layer])
-            _add(terms, "ring_all2all", L * sec, np.zeros(P))
-            comm = comm + L * sec
-            picks["ring_all2all"] = "p2p"
         t_pre = loop.sum(axis=1) + after
         t_dec = loop_dec.sum(axis=1) + after_dec
         compute = t_pre + np.where(loop_bound, loop_dec, 0.0).sum(axis=1) + np.where(after_bound, after_dec, 0.0)
         pre_pairs = pairs.reshape(P, P).sum(axis=1) + a_pairs
         dec_pairs = rb.loop_decode_pairs.sum(axis=1) + rb.after_decode_pairs
-        return Attention(t_pre, t_dec, compute, fpp * pre_pairs + dpp * dec_pairs, entry * dec_pairs, comm)
+        return Attention(t_pre, t_dec, compute, fpp * pre_pairs + dpp * dec_pairs, entry * dec_pairs,
+                         exposed.sum(axis=1))
 
     # ------------------------------------------------------------------ measured profiles
     def _measured_features(self) -> np.ndarray:
@@ -908,17 +973,18 @@ def _at(v: np.ndarray | float, rank: int) -> float:
     return float(v[rank]) if isinstance(v, np.ndarray) else float(v)
 
 
-def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask) -> np.ndarray:
+def _busiest_shard(layout, positions, grid: RankGrid, interleave: int, dcp_rest: str, request_mask,
+                   window: int | None = None) -> np.ndarray:
     """[P] (query, key) pairs of the busiest DCP shard of each PCP rank (of the requests
-    ``request_mask`` keeps, all when None). With DCP inside PCP this is ``attention_work``.
-    With DCP over TP ranks every member scores every gathered row (all PCP ranks' rows,
-    replicated decodes once per PCP rank, with its own heads) over its shard; member
-    ``d = pcp_rank * dcp_tp + tp_local``."""
+    ``request_mask`` keeps, all when None; ``window``: on one sliding layer). With DCP inside
+    PCP this is ``attention_work``. With DCP over TP ranks every member scores every gathered
+    row (all PCP ranks' rows, replicated decodes once per PCP rank, with its own heads) over
+    its shard; member ``d = pcp_rank * dcp_tp + tp_local``."""
     if grid.dcp_tp == 1:
         return attention_work(layout, positions, dcp_size=grid.dcp, interleave=interleave, request_mask=request_mask,
-                              dcp_rest=dcp_rest)
+                              dcp_rest=dcp_rest, window=window)
     first, rows, _ = (np.concatenate(x) for x in zip(*segment_runs(layout, positions, request_mask)))
-    member = shard_pairs(first, rows, dcp_size=grid.dcp, interleave=interleave)
+    member = shard_pairs(first, rows, dcp_size=grid.dcp, interleave=interleave, window=window)
     return member.reshape(-1, grid.dcp_tp).max(axis=1).repeat(grid.pcp // (grid.dcp // grid.dcp_tp))
 
 

@@ -48,6 +48,14 @@ class ModelSizes:
     head_dims: tuple[int, ...] = ()  # gqa: (head_dim,); mla: (q_lora, kv_lora, nope, rope, v)
     dense_intermediate: int = 0  # a dense MLP's inner width
     moe_intermediate: int = 0  # one expert's inner width
+    sliding_window: int | None = None  # the sliding layers' window (keys a row sees, itself included)
+    sliding_layers: int = 0  # how many layers attend through it (the others to every key)
+
+    @property
+    def window(self) -> int | None:
+        """The window one sliding layer's pairs are counted through (``attention_work``'s
+        ``window``); None when no layer slides."""
+        return self.sliding_window if self.sliding_layers else None
 
     @property
     def num_moe_layers(self) -> int:
@@ -147,6 +155,10 @@ def model_sizes(model) -> ModelSizes:
             tie_word_embeddings=c.tie_word_embeddings,
             **_moe_sizes(getattr(c, "moe", None), c.num_layers, c.hidden_size, c.intermediate_size),
         )
+        if isinstance(model, ModelCard):
+            common.update(sliding_window=c.sliding_window, sliding_layers=c.sliding_layers)
+        elif name == "tiny_gqa":  # NOTE: its window on the layers it names, as its executed spec has it
+            common.update(sliding_window=c.window, sliding_layers=len(c.sliding_layers()))
         gqa = c.attention == "gqa" if isinstance(model, ModelCard) else name == "tiny_gqa"
         if gqa:
             return _gqa(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, **common)
@@ -172,9 +184,11 @@ def drafter_sizes(layer, num_layers: int, target: ModelSizes) -> ModelSizes:
 
 def target_layers(target: ModelSizes, num_layers: int) -> ModelSizes:
     """Sizes of ``num_layers`` of the target's own decoder layers (its last ones: MoE where it
-    has MoE layers), its vocabulary shared: DeepSeek-V3's MTP module as the simulator prices it."""
+    has MoE layers), its vocabulary shared: DeepSeek-V3's MTP module as the simulator prices it.
+    They attend to every key: pcpflow's drafters have no sliding window."""
     moe = min(num_layers, target.num_moe_layers) if target.num_experts else 0
-    return replace(target, num_layers=num_layers, num_dense_layers=num_layers - moe)
+    return replace(target, num_layers=num_layers, num_dense_layers=num_layers - moe, sliding_window=None,
+                   sliding_layers=0)
 
 
 def _moe_sizes(moe, num_layers: int, hidden: int, intermediate: int) -> dict:

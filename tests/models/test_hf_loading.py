@@ -1200,3 +1200,33 @@ def test_scaled_rope_equals_transformers(params, dim):
     # transformers evaluates these in float32
     torch.testing.assert_close(inv_freq, want_inv_freq.double(), rtol=1e-6, atol=0)
     assert factor == pytest.approx(want_factor, rel=1e-12)
+
+
+# config.json of Mistral-7B-v0.1 as published: a 4096-key window on every layer
+MISTRAL_V01 = dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096, intermediate_size=14336,
+                   num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=32000,
+                   max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
+                   tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("name, config, want", [
+    # five sliding layers, then a full one (layer_types), 18 layers: 15 slide
+    ("gemma-3-270m", REAL_GEMMA3_CONFIGS["gemma-3-270m"], (512, 15)),
+    # every sliding_window_pattern-th (6th) layer full: layers 5, 11, 17, 23 of 26, the 22 others slide
+    ("gemma-3-1b", REAL_GEMMA3_CONFIGS["gemma-3-1b"], (512, 22)),
+    ("gemma-2-2b", REAL_GEMMA2_CONFIGS["gemma-2-2b"][0], (4096, 13)),  # the even layers of 26
+    ("mistral-7b-v0.1", MISTRAL_V01, (4096, 32)),  # every layer
+    ("mistral-7b-v0.3", dict(MISTRAL_V01, sliding_window=None, vocab_size=32768), (None, 0)),  # none
+])
+def test_a_checkpoints_sliding_layers_come_to_its_card(tmp_path, name, config, want):
+    """A simulated run of a checkpoint prices its sliding layers: the card has its window and
+    how many layers slide, as the published layouts give them, and so do the run's sizes."""
+    from pcpflow.models.card import card_from_hf_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    card = card_from_hf_config(tmp_path)
+    assert (card["sliding_window"], card["sliding_layers"]) == want
+    sizes = model_sizes(compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
+                                 "workload=explicit", "workload.prompt_lens=[300]", "workload.output_lens=[2]"]).model)
+    assert (sizes.sliding_window, sizes.sliding_layers, sizes.window) == (*want, want[0] if want[1] else None)

@@ -63,22 +63,26 @@ COUNTED = ("per_rank_tokens", "padded_num_tokens", "per_rank_attention_work", "d
            "kv_blocks_used", "num_running", "num_waiting")
 RING_SENT = ("collective_calls", "collective_bytes", "per_rank_collective_calls", "per_rank_collective_bytes")
 """A ring's point-to-point sends, every rank's: from the executed run's metrics.jsonl."""
+WINDOW = "per_rank_window_attention_work"
+"""One sliding layer's pairs (a model with sliding layers): from the executed run's metrics.jsonl."""
 
 
 def executed_steps(path, run_dir=None) -> list[dict]:
-    """The probe's lines of an executed run; with ``run_dir`` (a ring's run), every rank's ring
-    sends as the engine gathered and recorded them in its metrics.jsonl."""
+    """The probe's lines of an executed run; with ``run_dir`` (a ring's run, a sliding
+    window's), every rank's ring sends and the sliding layer's pairs as the engine recorded
+    them in its metrics.jsonl."""
     steps = read(path)
     if run_dir is not None:
         for line, rec in zip(steps, read(Path(run_dir) / "metrics.jsonl")):
-            line.update({k: rec[k] for k in RING_SENT if k in rec})
+            line.update({k: rec[k] for k in (*RING_SENT, WINDOW) if k in rec})
     return steps
 
 
 def mismatches(simulated: list[dict], executed: list[dict], *, ring: bool, dcp_over_tp: bool) -> list[str]:
     """Where a simulated run's step records differ from the executed run's probe lines: the
-    steps, then every ``COUNTED`` key (and a ring's per-rank sends) step by step. Bytes the
-    simulation can only expect (``expected_bytes``: all_to_all MoE routing) are left out;
+    steps, then every ``COUNTED`` key (and a ring's per-rank sends, a sliding layer's pairs)
+    step by step. Bytes the simulation can only expect (``expected_bytes``: all_to_all MoE
+    routing) are left out;
     with DCP over TP ranks the probe counts pairs per DCP shard, the run per PCP rank, so
     ``per_rank_attention_work`` is not compared."""
     out = []
@@ -86,7 +90,7 @@ def mismatches(simulated: list[dict], executed: list[dict], *, ring: bool, dcp_o
         out.append(f"steps: simulated {[s['step'] for s in simulated]}, executed {[s['step'] for s in executed]}")
     expected = set(simulated[0].get("expected_bytes", ())) if simulated else set()
     for ex, si in zip(executed, simulated):
-        for key in COUNTED + (RING_SENT[2:] if ring else ()):
+        for key in COUNTED + (RING_SENT[2:] if ring else ()) + ((WINDOW,) if WINDOW in ex else ()):
             if key == "per_rank_attention_work" and dcp_over_tp:
                 continue
             a, b = si.get(key), ex[key]

@@ -43,6 +43,7 @@ WORKLOAD = [
     "output.progress=false",
 ]
 MOE = ["model=tiny_mla", "model.moe.num_experts=8", "model.moe.top_k=2"]
+WINDOW = ["model=tiny_gqa", "model.window=5", "model.window_layers=[1]"]
 # Serving: prompts sharing a stem (prefix hits) in a KV cache small enough to preempt, and a
 # Mooncake trace replayed in steps whose hash blocks span whole KV blocks (the simulated run
 # keys blocks by the trace's hash ids, the executed one by token ids).
@@ -122,6 +123,12 @@ CASES = {
     "moe_gather_tp2_pcp2_self_draft": ["tp=2", "pcp=2", *MOE, "moe.dispatch=gather", "draft=self", "draft.error_rate=0.2"],
     "pcp4_replicated_self_draft_gqa": ["pcp=4", "decode=replicated", "model=tiny_gqa", "kv.interleave=2", "draft=self",
                                        "draft.error_rate=0.4"],
+    # A sliding window (5 keys) on layer 1 of tiny GQA: one sliding layer's pairs every step too
+    # (per_rank_window_attention_work), on each all-gather path and through a ring.
+    "pcp2_window_gqa": ["pcp=2", "decode=sharded", *WINDOW],
+    "pcp2_dcp2_queries_window_gqa": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=queries", "kv.interleave=2", *WINDOW],
+    "pcp2_dcp2_context_window_gqa": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=context", *WINDOW],
+    "pcp2_dcp2_ring_pass_kv_window_gqa": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *WINDOW],
 }
 SIM_ONLY = {name: ["simulate.draft_acceptance=[0.0]"] for name in CASES if "draft=mtp" in CASES[name]
             or "draft=dspark" in CASES[name]}
@@ -132,7 +139,8 @@ TIMED = ("arrival_step", "first_token_step", "finish_step", "ttft_steps", "tpot_
 DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dcp2_queries_gqa",
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
            "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "serving_pcp1_sampled_preempted",
-           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft"}
+           "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft",
+           "pcp2_dcp2_context_window_gqa", "pcp2_dcp2_ring_pass_kv_window_gqa"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
@@ -158,7 +166,7 @@ class Runs:
             base = _base(name)
             cfgs.append(compose(base + verify + extra + [probe]))
             paths.append(path)
-            dirs.append(path.parent if _ring(name) else None)
+            dirs.append(path.parent if _ring(name) or _window(name) else None)
             # NOTE: the same prefix caching in both runs (executed runs default to off, simulated to on)
             caching = [] if "kv.prefix_caching=true" in extra else ["kv.prefix_caching=false"]
             sim = SimulatedRun(compose(base + [e for e in extra if e != "verify=true"] + caching
@@ -170,6 +178,11 @@ class Runs:
 
 def _ring(name: str) -> bool:
     return any(o.startswith("pipeline.forward.cp_attention=ring") for o in CASES[name])
+
+
+def _window(name: str) -> bool:
+    """A model with a sliding layer: its pairs are read from the executed run's metrics.jsonl."""
+    return any(o.startswith("model.window=") for o in CASES[name])
 
 
 def _base(name: str) -> list[str]:
@@ -227,6 +240,9 @@ def test_same_requests_over_the_same_steps(both, name):
     expected = set(m_si["simulate"]["expected_bytes"])
     for key in ("num_steps", "num_tokens", "per_rank_tokens", "per_rank_attention_work", "collective_calls"):
         assert m_si[key] == m_ex[key], key
+    assert m_si.get(step_counts.WINDOW) == m_ex.get(step_counts.WINDOW)
+    if _window(name):  # the window (5 keys) cuts the longer prompts' rows: fewer pairs than a full layer's
+        assert sum(m_ex[step_counts.WINDOW]) < sum(m_ex["per_rank_attention_work"])
     assert _counted(m_si["collective_bytes"], expected) == _counted(m_ex["collective_bytes"], expected)
 
 

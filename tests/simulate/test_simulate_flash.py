@@ -89,6 +89,44 @@ def test_a_rings_calls_score_the_executed_rings_pairs(case):
 
 
 @PROPERTY
+@given(batches(), st.sampled_from([1, 2, 3, 7, 16, 1000]))
+def test_a_sliding_layers_ring_calls_score_its_pairs(case, window):
+    """The same on a sliding layer: each run's rows before its window slides, then its band
+    (every row over its window's keys, a block without a causal part), add up per rank to
+    ``ring_attention_work`` through the window."""
+    layout, positions = _layout(case)
+    p = case["p"]
+    plan = plan_ring(layout, positions, variant=case["variant"], interleave=case["interleave"])
+    rb = flash.ring_blocks(plan, layout, positions, case["pre"], window=window)
+    loop = np.bincount(rb.loop.bin // p, weights=rb.loop.pairs, minlength=p)
+    after = np.bincount(rb.after.bin, weights=rb.after.pairs, minlength=p)
+    got = loop + after + rb.loop_decode_pairs.sum(axis=1) + rb.after_decode_pairs
+    want = ring_attention_work(layout, positions, variant=case["variant"], interleave=case["interleave"], window=window)
+    assert got.tolist() == want.tolist()
+    for b in (rb.loop, rb.after):  # no row loops over more than its window
+        assert (b.k_first <= b.k_last).all() and (b.k_last <= window).all() and (b.pairs <= b.rows * window).all()
+
+
+@PROPERTY
+@given(batches(), st.sampled_from([1, 2, 3, 7, 16, 1000]))
+def test_a_sliding_layers_engine_calls_score_its_prefill_pairs(case, window):
+    layout, positions = _layout(case)
+    p, inter = case["p"], case["interleave"]
+    for dcp, mode in ((1, "queries"), (p, "context"), (p, "queries")):
+        lay = plan_layout(case["q"], case["pre"], pcp_size=p, dcp_size=dcp, shard_decodes=case["shard"],
+                          num_computed_tokens=case["c"])
+        blocks = flash.engine_blocks(lay, positions, case["pre"], dcp_size=dcp, interleave=inter, dcp_rest=mode,
+                                     window=window)
+        want = attention_work(lay, positions, dcp_size=dcp, interleave=inter, dcp_rest=mode, request_mask=case["pre"],
+                              window=window)
+        got = np.zeros(p) if blocks is None else np.bincount(blocks.bin, weights=blocks.pairs, minlength=p)
+        assert got.tolist() == want.tolist(), (dcp, mode)
+        if blocks is not None:
+            assert (blocks.k_first <= blocks.k_last).all() and (blocks.k_last <= window).all()
+            assert (blocks.pairs <= blocks.rows * window).all()
+
+
+@PROPERTY
 @given(batches())
 def test_the_engines_calls_score_its_prefill_pairs(case):
     """Each rank's prefill runs over their contexts (without DCP, or on the context path), and
