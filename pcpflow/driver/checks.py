@@ -8,7 +8,7 @@ safetensors headers against config.json), the workload from its lengths alone
 one "can this request ever fit" rule of the KV cache), and for an executed run, which
 allocates on this host, the host's memory (``pcpflow.rank.devices``); for every run, a
 checkpoint's limits against the longest request (``pcpflow.models.hf.length_problems``:
-executed, LongRoPE's original length; simulated, a sliding window it does not price). A simulated run (``mode=simulate``) reads only config.json and
+executed, LongRoPE's original length). A simulated run (``mode=simulate``) reads only config.json and
 sizes its KV cache from the hardware it prices, so host-memory limits are skipped there.
 
 ``feature_problems`` are the features' rules on the config itself (run beside its

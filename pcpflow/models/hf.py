@@ -270,34 +270,20 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
 
 def length_problems(model_config: Any, longest: int) -> list[Problem]:
     """A checkpoint's limits against the run's longest request (``longest``: prompt plus
-    output plus speculative tokens). A sliding window: an executed run attends through it
-    (``AttentionSpec.window``); a simulated run's card (``hf_card``) is checked against the
-    config.json it was read from, as it prices every layer's attention whole. LongRoPE (executed runs): past its original
-    length transformers ropes with other frequencies (``CheckpointConfig.rope_limit``)."""
-    name = getattr(model_config, "name", None)
-    if name == "hf" and model_config.path:
-        path = model_config.path
-    elif name == "hf_card" and model_config.source:
-        path = Path(model_config.source).parent
-    else:
+    output plus speculative tokens): LongRoPE, in executed runs (past its original length
+    transformers ropes with other frequencies: ``CheckpointConfig.rope_limit``). A sliding
+    window is no limit: executed runs attend through it (``AttentionSpec.window``), simulated
+    ones price its layers by their own pairs (``ModelCard.sliding_window``)."""
+    if getattr(model_config, "name", None) != "hf" or not model_config.path:
         return []
+    path = model_config.path
     try:
         checkpoint = read_checkpoint_config(path, sizes_only=True)  # NOTE: config.json is all it reads
     except ValueError:
         return []  # the model's own validation reports it
     problems = []
-    window = getattr(checkpoint, "window", None)
-    if name == "hf_card" and window is not None and longest > window:
-        off = f", or use a checkpoint with {checkpoint.window_off}" if checkpoint.window_off else ""
-        problems.append(Problem("model.path", str(path), (
-            f"a checkpoint without a sliding window shorter than the run's requests: config.json has "
-            f"{checkpoint.window_setting()}, and the longest request reaches {longest} tokens; a simulated "
-            f"run prices every layer's attention over the whole sequence, which is the window's only for "
-            f"requests of at most {window} tokens (prompt + output + speculative tokens): shorten the "
-            f"requests{off} (an executed run attends through the window)"
-        )))
     limit = checkpoint.rope_limit
-    if name == "hf" and limit is not None and longest > limit:
+    if limit is not None and longest > limit:
         problems.append(Problem("model.path", str(path), (
             f"requests within LongRoPE's original length: config.json's rope scaling is longrope with "
             f"original_max_position_embeddings={limit}, and the longest request reaches {longest} tokens; "

@@ -73,7 +73,6 @@ class Gemma3Checkpoint(CheckpointConfig):
     moe: ClassVar[None] = None  # dense
     qk_norm: ClassVar[bool] = True  # q/k norms before RoPE (Gemma 2: none)
     attn_softcap: ClassVar[bool] = False  # whether transformers' attention applies attn_logit_softcapping
-    window_off: ClassVar[str | None] = None  # no config.json setting turns its window off
     renames: ClassVar[tuple[Rename, ...]] = (
         *(r for r in DECODER_RENAMES if "layernorm" not in r.hf),
         # NOTE: transformers' post_attention_layernorm norms the attention's output; the MLP's
@@ -166,12 +165,6 @@ class Gemma3Checkpoint(CheckpointConfig):
         transformers masks keys at ``kv <= q - sliding_window``); None: no layer slides."""
         return self.sliding_window if self.sliding_layers else None
 
-    def window_setting(self) -> str:
-        """The config.json fields that put ``window`` in effect."""
-        which = "layer_types" if self.layer_types is not None else f"sliding_window_pattern={self.sliding_window_pattern}"
-        return (f"sliding_window={self.window} on its sliding_attention layers ({which}: "
-                f"{len(self.sliding_layers)} of {self.num_hidden_layers} layers)")
-
     def attn_spec(self) -> AttentionSpec:
         spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.query_pre_attn_scalar**-0.5)
         return dataclasses.replace(spec, softcap=self.attn_logit_softcapping if self.attn_softcap else None,
@@ -219,12 +212,6 @@ class Gemma2Checkpoint(Gemma3Checkpoint):
         raw = super(Gemma3Checkpoint, cls)._rope_fields(raw)
         raw["local_rope_theta"], raw["local_rope_scaling"] = raw["rope_theta"], raw.get("rope_scaling")
         return raw
-
-    def window_setting(self) -> str:
-        if self.layer_types is not None:
-            return super().window_setting()
-        return (f"sliding_window={self.window} on its even layers (Gemma 2's, without layer_types: "
-                f"{len(self.sliding_layers)} of {self.num_hidden_layers} layers)")
 
 
 GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,

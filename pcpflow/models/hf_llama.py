@@ -223,7 +223,7 @@ class LlamaCheckpoint(CheckpointConfig):
     @property
     def window(self) -> int | None:
         """The sliding window (the most recent keys a query sees, itself included) of the
-        layers that have one; None: every layer sees the whole sequence, as pcpflow does."""
+        layers that have one; None: every layer sees the whole sequence."""
         if not self.sliding_layers:
             return None
         return self.window_size
@@ -232,21 +232,6 @@ class LlamaCheckpoint(CheckpointConfig):
     def window_size(self) -> int | None:
         """config.json's ``sliding_window``, else the family's transformers default."""
         return self.sliding_window if "sliding_window" in self.model_fields_set else self.family.default_window
-
-    @property
-    def window_off(self) -> str:
-        """The config.json setting without a window."""
-        return "use_sliding_window false" if self.family.sliding.startswith("use_") else "sliding_window null"
-
-    def window_setting(self) -> str:
-        """The config.json fields that put ``window`` in effect, as config.json spells them."""
-        if self.family.sliding == "every_layer":
-            return f"sliding_window={self.window} (every layer)"
-        if self.family.sliding == "use_sliding_window_every_layer":
-            return f"use_sliding_window=true, sliding_window={self.window} (every layer)"
-        layers = self.sliding_layers
-        return (f"use_sliding_window=true, sliding_window={self.window} ({len(layers)} of "
-                f"{self.num_hidden_layers} layers, from layer {layers[0]})")
 
     @property
     def rope_layers(self) -> list[bool]:

@@ -405,16 +405,14 @@ def test_an_executed_run_attends_through_the_window(windowed, arch):
     assert (spec.window, spec.window_layers) == (16, (0, 1))
 
 
-def test_a_simulated_run_refuses_the_window_too(windowed):
-    """A simulated run prices the whole-sequence attention pcpflow executes: with a window a
-    request outgrows, that price would be of another model, so the same rule refuses it."""
+def test_a_simulated_run_prices_the_window(windowed):
+    """A simulated run reads the window from config.json into its card and prices the sliding
+    layers by their own pairs (tests/simulate/test_simulate_window.py): a request longer than
+    the window is no problem there either."""
     sim = ["mode=simulate", "hardware=h100_sxm", "model=hf", f"model.path={windowed['mistral']}", "pcp=2",
-           "workload=explicit", "workload.prompt_lens=[12]"]
-    assert compose([*sim, "workload.output_lens=[4]"]).mode == "simulate"
-    with pytest.raises(ConfigError) as exc:
-        compose([*sim, "workload.output_lens=[5]"])
-    (problem,) = exc.value.problems
-    assert problem.field == "model.path" and "the longest request reaches 17 tokens" in problem.allowed
+           "workload=explicit", "workload.prompt_lens=[40]", "workload.output_lens=[5]"]
+    card = compose(sim).model
+    assert (card.sliding_window, card.sliding_layers) == (16, 2)
 
 
 def test_a_request_past_longrope_s_original_length_exits_2_when_executed(tmp_path):
@@ -653,8 +651,8 @@ REAL_PHI3_CONFIGS = {
 @pytest.mark.parametrize("name", REAL_PHI3_CONFIGS)
 def test_real_phi3_checkpoint_configs_size_a_simulated_run(tmp_path, name):
     """A simulated run of a Phi-3 family config.json counts the parameters its model card
-    publishes (3.8B, to its rounding); Phi-3-mini-4k's window (2047, every layer) holds a
-    request of 2047 tokens and refuses one of 2048, simulated as executed."""
+    publishes (3.8B, to its rounding); its window (Phi-3-mini-4k's 2047, every layer) is read
+    into the card, which prices requests longer than it too."""
     from pcpflow.models.hf import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
@@ -668,9 +666,8 @@ def test_real_phi3_checkpoint_configs_size_a_simulated_run(tmp_path, name):
     assert (cfg.model.num_heads, cfg.model.num_kv_heads, cfg.model.head_dim) == (heads, kv_heads, 3072 // heads)
     window = read_checkpoint_config(tmp_path).window
     assert window == config["sliding_window"]
-    if window < 4096:
-        with pytest.raises(ConfigError, match="sliding_window=2047 \\(every layer\\)"):
-            compose([*sim, "workload.prompt_lens=[2000]", "workload.output_lens=[48]"])
+    longer = compose([*sim, "workload.prompt_lens=[2000]", "workload.output_lens=[48]"]).model  # past the window
+    assert (longer.sliding_window, longer.sliding_layers) == (window, 32)
 
 
 # config.json of Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B, Qwen3-30B-A3B, Qwen3-235B-A22B (as transformers 4
@@ -969,7 +966,7 @@ def test_real_gemma3_configs_size_a_simulated_run(tmp_path, name):
     transformer blocks), gemma-3-1b's 1.0B: pcpflow's model of each config.json has transformers'
     parameters exactly, the simulated card the card's counts (linear layers and the tied
     embedding, to the published figures' rounding), GQA with one KV head of 256, and the 512-token
-    window refuses a 513-token request in a simulated run too."""
+    window on its sliding layers in the card of a simulated run past it."""
     from pcpflow.models.card import card_from_hf_config
     from pcpflow.models.common import build_uninitialized
     from pcpflow.models.hf import read_checkpoint_config
@@ -993,10 +990,8 @@ def test_real_gemma3_configs_size_a_simulated_run(tmp_path, name):
         assert (embedding / 1e6, sizes.total_weight_params() / 1e6) == (pytest.approx(170, abs=5), pytest.approx(100, abs=5))
     else:
         assert count / 1e9 == pytest.approx(1.0, abs=0.05) and total / 1e9 == pytest.approx(1.0, abs=0.05)
-    with pytest.raises(ConfigError) as exc:
-        compose([*sim, "workload.output_lens=[13]"])
-    (problem,) = exc.value.problems
-    assert "sliding_window=512" in problem.allowed and "the longest request reaches 513 tokens" in problem.allowed
+    card = compose([*sim, "workload.output_lens=[13]"]).model  # 513 tokens: past the window
+    assert (card.sliding_window, card.sliding_layers) == (512, 15 if name == "gemma-3-270m" else 22)
 
 
 # config.json of gemma-3-4b-it, -12b-it and -27b-it as published (transformers 4.50: a text_config
@@ -1105,7 +1100,7 @@ REAL_GEMMA2_CONFIGS = {
 def test_real_gemma2_configs_size_a_simulated_run_and_read_as_transformers(tmp_path, name):
     """Gemma 2's config.json: transformers' own parameter count, the published one to its
     rounding (tied embedding counted once), its even layers sliding as ``Gemma2Config`` lays
-    them out (4096 keys: a request of 4097 is refused), both soft-caps read, no q/k norms."""
+    them out (4096 keys, in the card of a simulated run past them), both soft-caps read, no q/k norms."""
     from pcpflow.models.common import build_uninitialized
     from pcpflow.models.hf import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
@@ -1125,8 +1120,8 @@ def test_real_gemma2_configs_size_a_simulated_run_and_read_as_transformers(tmp_p
            "workload=explicit", "workload.prompt_lens=[4000]"]
     sizes = model_sizes(compose([*sim, "workload.output_lens=[96]"]).model)
     assert (sizes.total_weight_params() + sizes.embedding_params) / 1e9 == pytest.approx(total_b, abs=0.01)
-    with pytest.raises(ConfigError, match="the longest request reaches 4097 tokens"):
-        compose([*sim, "workload.output_lens=[97]"])
+    card = compose([*sim, "workload.output_lens=[97]"]).model  # 4097 tokens: past the window
+    assert (card.sliding_window, card.sliding_layers) == (4096, config["num_hidden_layers"] // 2)
 
 
 # ------------------------------------------------------------------ rope
