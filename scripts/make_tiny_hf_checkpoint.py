@@ -39,6 +39,9 @@ logits divided by 2.5).
 ``mistral3`` is ``mistral``'s language model inside ``Mistral3ForConditionalGeneration`` (a
 one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 
+``olmo2`` and ``olmo3`` are post-norm layers with q and k normed over the whole projection
+(OLMo 3: its even layers sliding, YaRN on the odd, full ones).
+
 ``gemma2`` is ``gemma3``'s sizes without q/k norms, one RoPE (base 1e4), the even layers
 sliding, attention scores soft-capped at 4 and logits at 5 (so that both caps bite).
 
@@ -94,7 +97,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -109,6 +112,8 @@ GQA_ARCHS = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -155,6 +160,8 @@ DEFAULT_ROPE_SCALING = {
     "gemma3_mm": "linear",
     "mistral3": "none",
     "gemma2": "none",
+    "olmo2": "none",
+    "olmo3": "yarn",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -228,6 +235,10 @@ def tiny_config(
             # NOTE: Gemma 2: even layers slide; caps that bite on scores and logits of a few units
             gemma2=dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=sliding_window or 4096,
                         attn_logit_softcapping=4.0, final_logit_softcapping=5.0),
+            olmo2=dict(),
+            # NOTE: layers 0 and 1 slide, the others are full (YaRN on them alone); 4 layers
+            olmo3=dict(sliding_window=sliding_window or 4096,
+                       layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")

@@ -92,6 +92,7 @@ class ModelShape:
     qk_dim: int  # per-head query dim as the attention kernel sees it
     v_dim: int  # per-head attention output dim
     dtype_bytes: int
+    full_qk_norm: bool = False  # q and k normed over the whole projection (OLMo 2): a TP all-reduce each
 
     @property
     def partials_width(self) -> int:
@@ -370,12 +371,17 @@ def dcp_tp_size(pcp_size: int, dcp_size: int) -> int:
     return dcp_size // pcp_size if pcp_size > 1 else dcp_size
 
 
-def tp_layer_collectives(layout: BatchLayout, *, tp_size: int, hidden_size: int) -> list[Collective]:
-    """A decoder layer's row-parallel all-reduces: attention's ``o_proj``, the MLP's
-    ``down_proj`` (none at tp=1)."""
+def tp_layer_collectives(layout: BatchLayout, *, tp_size: int, shape: ModelShape) -> list[Collective]:
+    """A decoder layer's TP all-reduces (none at tp=1): the row-parallel ``o_proj`` and the
+    MLP's ``down_proj``, then, with ``shape.full_qk_norm``, q's and k's sums of squares (one
+    number a row, in float32 at least: ``pcpflow.parallel.tensor_parallel.ShardedRMSNorm``)."""
     if tp_size == 1:
         return []
-    return [Collective("all_reduce", "tp_all_reduce", "tp", (layout.padded_num_tokens, hidden_size))] * 2
+    rows = layout.padded_num_tokens
+    out = [Collective("all_reduce", "tp_all_reduce", "tp", (rows, shape.hidden_size))] * 2
+    if shape.full_qk_norm:
+        out += [Collective("all_reduce", "tp_qk_norm", "tp", (rows, 1), shape.accumulation_bytes)] * 2
+    return out
 
 
 def dcp_over_tp_collectives(
@@ -426,7 +432,7 @@ def tp_step_collectives(
     ``pcp_size``) with ``dcp_size`` KV shards: ``step_collectives`` with the TP all-reduces
     and, when DCP spans TP ranks, its heads exchange. ``shape`` is one TP rank's."""
     per_layer = attention_collectives(layout, dcp_size=dcp_size, shape=shape, dcp_rest=dcp_rest, backend=backend)
-    per_layer = per_layer + tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)
+    per_layer = per_layer + tp_layer_collectives(layout, tp_size=tp_size, shape=shape)
     return per_layer * shape.num_layers + [
         restore_collective(layout, logits_indices, kind=restore, hidden_size=shape.hidden_size)
     ]
@@ -487,10 +493,11 @@ def draft_step_collectives(
         else:
             attn = [Collective("all_gather", "kv_gather", "pcp", (rows, shape.entry_dim))] if rows else []
         attn = [replace(c, purpose=f"draft_{c.purpose}") for c in attn]
-        reduces = [replace(c, purpose=tp) for c in tp_layer_collectives(lay, tp_size=tp_size,
-                                                                        hidden_size=shape.hidden_size)]
+        layer = tp_layer_collectives(lay, tp_size=tp_size, shape=shape)
+        reduces = [replace(c, purpose=tp) if c.purpose == "tp_all_reduce" else c for c in layer]
         if not attend:
-            reduces = reduces[:1]  # NOTE: o_proj of the zeros the writer returns; no MLP runs
+            # NOTE: o_proj of the zeros the writer returns and the q/k norms before it; no MLP runs
+            reduces = reduces[:1] + reduces[2:]
         out = (attn + reduces) * shape.num_layers
         for _ in range(num_moe_layers if reduces and attend else 0):
             out.remove(reduces[1])
@@ -641,7 +648,7 @@ def grid_step_collectives(
     if not num_moe_layers:
         return out
     if tp_size > 1:
-        down = tp_layer_collectives(layout, tp_size=tp_size, hidden_size=shape.hidden_size)[1]
+        down = tp_layer_collectives(layout, tp_size=tp_size, shape=shape)[1]
         for _ in range(num_moe_layers):
             out.remove(down)
     if moe_dispatch == "gather":

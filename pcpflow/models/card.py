@@ -40,6 +40,8 @@ class ModelCard(Settings):
         "included (Mistral's, Gemma's); null: none")
     sliding_layers: int = Field(0, ge=0, description="how many of the layers attend through sliding_window (the "
                                 "others to every key); 0: none")
+    full_qk_norm: bool = Field(False, description="q and k each normed over the whole projection, all heads at "
+                               "once (OLMo 2 and 3): under TP, two all-reduces of a number a row per layer")
     weights_dtype: Literal["bf16", "fp8"] = Field("bf16", description="the checkpoint's linear weights (simulate.weights_dtype: null takes it)")
     moe: MoEConfig | None = Field(None, description="MoE MLPs (pcpflow.models.moe_config); None: dense")
 
@@ -87,6 +89,7 @@ def card_from_hf_config(path: str | Path) -> dict:
         # NOTE: DeepSeek's configs have no window (no attribute); a GQA family's is None without sliding layers
         "sliding_window": getattr(c, "window", None),
         "sliding_layers": len(getattr(c, "sliding_layers", ())),
+        "full_qk_norm": c.full_qk_norm,
     }
     if hasattr(c, "kv_lora_rank"):  # DeepSeek: latent attention
         card.update(attention="mla", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,

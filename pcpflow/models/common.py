@@ -20,22 +20,31 @@ from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
 
 class RMSNorm(nn.Module):
     """RMS norm scaled by ``weight``; ``unit_offset`` (Gemma): by ``1 + weight``, the weight
-    stored as its offset from one."""
+    stored as its offset from one; ``scale_first`` (OLMo 2): scaled before it is rounded to
+    the input dtype (as Gemma's is)."""
 
-    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False):
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False, scale_first: bool = False):
         super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
+        self.eps, self.unit_offset, self.scale_first = eps, unit_offset, scale_first or unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = narrow_to_float32(x)
+        return self.scaled(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps), x.dtype)
+
+    def scaled(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The normalized ``h`` scaled and rounded to ``dtype``."""
         # NOTE: bf16/fp16 normalize in float32, then scale in the input dtype (as
-        # transformers' Llama/DeepSeek RMSNorm) or, Gemma's, scale in float32 and then round;
-        # float32/float64 compute in place.
-        h = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (h * (1 + self.weight.to(h.dtype))).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        # transformers' Llama/DeepSeek RMSNorm) or, Gemma's and OLMo's, scale in float32 and
+        # then round; float32/float64 compute in place.
+        if self.scale_first:
+            return (h * (int(self.unit_offset) + self.weight.to(h.dtype))).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def narrow_to_float32(x: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 as float32 (what norms compute in); wider dtypes as they are."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -212,8 +221,9 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
-    ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``.
-    ``unit_offset``: the norms scale by ``1 + weight`` (``RMSNorm``); ``residual_multiplier``
+    ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``, and
+    without ``pre_norm`` (OLMo 2: ``sandwich`` alone) only the outputs, ``x + norm(attn(x))``.
+    ``unit_offset`` / ``scale_first``: the norms' (``RMSNorm``); ``residual_multiplier``
     (Granite): each block's output is scaled by it before it is added.
 
     ``self_attn(h, positions, layer, attn)`` is the model's attention: its projections
@@ -231,16 +241,19 @@ class DecoderLayer(nn.Module):
         sandwich: bool = False,
         unit_offset: bool = False,
         residual_multiplier: float | None = None,
+        pre_norm: bool = True,
+        scale_first: bool = False,
     ):
         super().__init__()
         self.residual_multiplier = residual_multiplier
 
         def norm() -> RMSNorm:
-            return RMSNorm(hidden_size, eps, unit_offset=unit_offset)
+            return RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first)
 
-        self.input_norm = norm()
+        self.input_norm = norm() if pre_norm else nn.Identity()
         self.self_attn = self_attn
-        self.post_attention_norm = norm()  # NOTE: the MLP's input norm (Gemma's pre_feedforward_layernorm)
+        # NOTE: the MLP's input norm (Gemma's pre_feedforward_layernorm)
+        self.post_attention_norm = norm() if pre_norm else nn.Identity()
         # NOTE: ``mlp`` replaces the dense MLP (a mixture-of-experts block, pcpflow.models.moe)
         self.mlp = mlp if mlp is not None else GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
         self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if sandwich else (nn.Identity(), nn.Identity())
@@ -282,7 +295,7 @@ class DecoderLM(CausalLM):
     embedding (Gemma: sqrt(hidden_size), rounded to the weights' dtype), ``embedding_multiplier``
     too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite),
     ``final_logit_softcapping`` caps them, ``cap * tanh(logits / cap)`` (Gemma);
-    ``unit_offset``: the final norm's (``RMSNorm``)."""
+    ``unit_offset``, ``scale_first``: the final norm's (``RMSNorm``)."""
 
     def __init__(
         self,
@@ -298,6 +311,7 @@ class DecoderLM(CausalLM):
         embedding_multiplier: float | None = None,
         logits_scaling: float | None = None,
         final_logit_softcapping: float | None = None,
+        scale_first: bool = False,
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -309,7 +323,7 @@ class DecoderLM(CausalLM):
         self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
         self.final_logit_softcapping = final_logit_softcapping
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset)
+        self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first)
         self.lm_head = (
             None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
         )

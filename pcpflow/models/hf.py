@@ -11,7 +11,8 @@ table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimod
 ``Gemma3ForConditionalGeneration`` (text only: ``hf_checkpoint.LanguageModelOf``, as Mistral
 Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
-type and soft-capping); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
+projection); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
@@ -41,6 +42,7 @@ from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint
+from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
 from pcpflow.models.hf_weights import (
     Rename,
     checkpoint_files,
@@ -57,6 +59,8 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Gemma3ForConditionalGeneration": Gemma3MultimodalCheckpoint,  # its language model: text in, text out
     "Mistral3ForConditionalGeneration": Mistral3Checkpoint,  # the same
     "Gemma2ForCausalLM": Gemma2Checkpoint,
+    "Olmo2ForCausalLM": Olmo2Checkpoint,
+    "Olmo3ForCausalLM": Olmo3Checkpoint,
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -81,6 +85,8 @@ _MODEL_TYPES = {
     "mistral3": "Mistral3ForConditionalGeneration",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
 
 
@@ -167,8 +173,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3 or
-    DeepSeek model with the weights of a Hugging Face checkpoint."""
+    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
+    OLMo 2/3 or DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""

@@ -48,6 +48,7 @@ class CheckpointConfig(BaseModel):
 
     renames: ClassVar[tuple[Rename, ...]] = ()
     skip: ClassVar[tuple[str, ...]] = ()  # stored tensors pcpflow leaves out (regexes: a vision tower)
+    full_qk_norm: ClassVar[bool] = False  # q and k normed over the whole projection (OLMo 2 and 3)
 
     @model_validator(mode="before")
     @classmethod
@@ -185,6 +186,18 @@ def _read_longrope(params: dict[str, Any], raw: dict[str, Any]) -> None:
     longest = raw.get("max_position_embeddings", 2048)
     if params.get("factor") is None and type(original) is int and original > 0 and type(longest) is int:
         params["factor"] = longest / original
+
+
+def head_problems(heads: int, kv_heads: int, head_dim: int, layer_types: list | None, num_layers: int) -> list[str]:
+    """What a GQA config.json's heads and layer types must satisfy (Gemma, OLMo)."""
+    problems = []
+    if heads % kv_heads:
+        problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    if head_dim % 2:
+        problems.append(f"head_dim ({head_dim}) must be even for RoPE")
+    if layer_types is not None and len(layer_types) != num_layers:
+        problems.append(f"layer_types has {len(layer_types)} entries; num_hidden_layers is {num_layers}")
+    return problems
 
 
 class LanguageModelOf:

@@ -39,7 +39,7 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, GatedMLP, RopeScaling, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf, read_rope
+from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf, head_problems, read_rope
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import GQAAttention, gqa_spec
 
@@ -122,14 +122,8 @@ class Gemma3Checkpoint(CheckpointConfig):
         if self.use_bidirectional_attention:
             problems.append("use_bidirectional_attention=true is not supported (every token also sees later ones, "
                             "as in an embedding model); pcpflow generates with causal attention")
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                            f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            problems.append(f"head_dim ({self.head_dim}) must be even for RoPE")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            problems.append(f"layer_types has {len(self.layer_types)} entries; num_hidden_layers is "
-                            f"{self.num_hidden_layers}")
+        problems += head_problems(self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.layer_types,
+                                  self.num_hidden_layers)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -14,6 +14,7 @@ transformers.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import nn
@@ -56,7 +57,9 @@ class GQAAttention(nn.Module):
     """Grouped-query attention. ``bias``: biases on q/k/v, and on o unless ``o_bias`` says
     otherwise (Qwen2: q/k/v only). ``qk_norm_eps``: an RMSNorm over each head's ``head_dim``
     of q and of k (one weight shared by the heads) before RoPE, as Qwen3 (``unit_offset``:
-    Gemma's, ``RMSNorm``); None: none. A
+    Gemma's, ``RMSNorm``); None: none; ``qk_norm_width="full"`` (OLMo 2): one RMSNorm over the
+    whole projection of q (all heads) and one over k's, scaled before rounding, as
+    ``Olmo2RMSNorm`` (under TP its mean square is the TP group's: ``ShardedRMSNorm``). A
     ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
     partial rotary); None: no position embedding (a NoPE layer)."""
 
@@ -72,22 +75,32 @@ class GQAAttention(nn.Module):
         o_bias: bool | None = None,
         qk_norm_eps: float | None = None,
         unit_offset: bool = False,
+        qk_norm_width: Literal["head", "full"] = "head",
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.full_qk_norm = qk_norm_eps is not None and qk_norm_width == "full"
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
-        norm = (lambda: RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset)) if qk_norm_eps is not None else nn.Identity
-        self.q_norm, self.k_norm = norm(), norm()
+        if self.full_qk_norm:
+            self.q_norm = RMSNorm(num_heads * head_dim, qk_norm_eps, scale_first=True)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, qk_norm_eps, scale_first=True)
+        else:
+            norm = (lambda: RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset)) if qk_norm_eps is not None else nn.Identity
+            self.q_norm, self.k_norm = norm(), norm()
         self.rotary = rotary
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
-        q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))
-        k = self.k_norm(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        if self.full_qk_norm:  # NOTE: OLMo 2's: over the whole projection, then split into heads
+            q = self.q_norm(self.q_proj(h)).unflatten(-1, (self.num_heads, self.head_dim))
+            k = self.k_norm(self.k_proj(h)).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        else:
+            q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))
+            k = self.k_norm(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         if self.rotary is not None:  # NOTE: None: a NoPE layer (SmolLM3's every fourth)
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
@@ -174,14 +187,15 @@ def gqa_layers(
     bias: bool = False,
     o_bias: bool | None = None,
     mlp_bias: bool = False,
-    qk_norm: bool = False,
+    qk_norm: bool | Literal["head", "full"] = False,
     moe: MoEConfig | None = None,
     rotary_dim: int | None = None,
     rope_layers: list[bool] | None = None,
     residual_multiplier: float | None = None,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
-    ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps``;
+    ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps`` (``"full"``:
+    OLMo 2's, over the whole projection);
     ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral, GLM-4.5); ``rotary_dim``:
     the dims RoPE rotates (None: all of ``head_dim``); ``rope_layers``: which layers rotate (None:
     all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``)."""
@@ -197,6 +211,7 @@ def gqa_layers(
                 bias=bias,
                 o_bias=o_bias,
                 qk_norm_eps=eps if qk_norm else None,
+                qk_norm_width="full" if qk_norm == "full" else "head",
             ),
             hidden_size,
             intermediate_size,

@@ -28,11 +28,14 @@ from torch import nn
 
 from pcpflow.errors import Problem
 from pcpflow.models.base import AttentionSpec
-from pcpflow.models.common import DecoderLayer, GatedMLP
+from pcpflow.models.common import DecoderLayer, GatedMLP, RMSNorm, narrow_to_float32
 from pcpflow.models.layers import GQAAttention, MLAAttention
 
 TP_ALL_REDUCE = "tp_all_reduce"
 """Purpose of the row-parallel all-reduces (two per decoder layer: attention and MLP)."""
+
+TP_QK_NORM = "tp_qk_norm"
+"""Purpose of the all-reduces of a full-width q/k norm's sums of squares (OLMo 2: two per layer)."""
 
 
 class RowParallelLinear(nn.Module):
@@ -48,6 +51,25 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.comm.all_reduce(nn.functional.linear(x, self.weight), TP_ALL_REDUCE)
         return y if self.bias is None else y + self.bias
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMS norm over a width split by heads over TP (OLMo 2's q/k norms): this rank's
+    columns of ``weight``; the mean square is the whole width's, from every rank's sum of
+    squares (one all-reduce of one number a row). ``shared``: how many TP ranks hold each of
+    these columns (GQA KV heads replicated when tp exceeds them), whose sums count once."""
+
+    def __init__(self, norm: RMSNorm, columns: torch.Tensor, comm, shared: int) -> None:
+        super().__init__()
+        self.norm, self.comm, self.shared = norm, comm, shared
+        self.width = norm.weight.numel()
+        norm.weight = nn.Parameter(norm.weight.data.index_select(0, columns.to(norm.weight.device)), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = narrow_to_float32(x)
+        squares = self.comm.all_reduce(h.pow(2).sum(-1, keepdim=True), TP_QK_NORM)
+        mean = squares / (self.shared * self.width)
+        return self.norm.scaled(h * torch.rsqrt(mean + self.norm.eps), x.dtype)
 
 
 # -------------------------------------------------------------------- which slices
@@ -131,6 +153,9 @@ def shard_attention(attn: nn.Module, comm, tp_rank: int, tp_size: int) -> None:
         _keep_rows(attn.q_proj, q_rows)
         _keep_rows(attn.k_proj, _head_rows(kv, hd))
         _keep_rows(attn.v_proj, _head_rows(kv, hd))
+        if attn.full_qk_norm:
+            attn.q_norm = ShardedRMSNorm(attn.q_norm, q_rows, comm, 1)
+            attn.k_norm = ShardedRMSNorm(attn.k_norm, _head_rows(kv, hd), comm, _kv_share(tp_size, attn.num_kv_heads))
         attn.o_proj = _row_parallel(attn.o_proj, q_rows, comm)
         attn.num_heads, attn.num_kv_heads = heads, len(kv)
     elif isinstance(attn, MLAAttention):

@@ -50,6 +50,7 @@ class ModelSizes:
     moe_intermediate: int = 0  # one expert's inner width
     sliding_window: int | None = None  # the sliding layers' window (keys a row sees, itself included)
     sliding_layers: int = 0  # how many layers attend through it (the others to every key)
+    full_qk_norm: bool = False  # q and k normed over the whole projection (OLMo 2): TP all-reduces them
 
     @property
     def window(self) -> int | None:
@@ -84,6 +85,7 @@ class ModelSizes:
             qk_dim=self.decode_qk_dim,
             v_dim=self.decode_v_dim,
             dtype_bytes=dtype_bytes,
+            full_qk_norm=self.full_qk_norm,
         )
 
     def active_params_per_row(self) -> int:
@@ -156,9 +158,10 @@ def model_sizes(model) -> ModelSizes:
             **_moe_sizes(getattr(c, "moe", None), c.num_layers, c.hidden_size, c.intermediate_size),
         )
         if isinstance(model, ModelCard):
-            common.update(sliding_window=c.sliding_window, sliding_layers=c.sliding_layers)
+            common.update(sliding_window=c.sliding_window, sliding_layers=c.sliding_layers, full_qk_norm=c.full_qk_norm)
         elif name == "tiny_gqa":  # NOTE: its window on the layers it names, as its executed spec has it
-            common.update(sliding_window=c.window, sliding_layers=len(c.sliding_layers()))
+            common.update(sliding_window=c.window, sliding_layers=len(c.sliding_layers()),
+                          full_qk_norm=c.qk_norm == "full")
         gqa = c.attention == "gqa" if isinstance(model, ModelCard) else name == "tiny_gqa"
         if gqa:
             return _gqa(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, **common)
@@ -188,7 +191,7 @@ def target_layers(target: ModelSizes, num_layers: int) -> ModelSizes:
     They attend to every key: pcpflow's drafters have no sliding window."""
     moe = min(num_layers, target.num_moe_layers) if target.num_experts else 0
     return replace(target, num_layers=num_layers, num_dense_layers=num_layers - moe, sliding_window=None,
-                   sliding_layers=0)
+                   sliding_layers=0, full_qk_norm=False)
 
 
 def _moe_sizes(moe, num_layers: int, hidden: int, intermediate: int) -> dict:

@@ -1225,3 +1225,67 @@ def test_a_checkpoints_sliding_layers_come_to_its_card(tmp_path, name, config, w
     sizes = model_sizes(compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
                                  "workload=explicit", "workload.prompt_lens=[300]", "workload.output_lens=[2]"]).model)
     assert (sizes.sliding_window, sizes.sliding_layers, sizes.window) == (*want, want[0] if want[1] else None)
+
+
+# ------------------------------------------------------------------ OLMo 2 / 3
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_olmo_norms_round_as_transformers(tmp_path, dtype):
+    """OLMo's norms scale in float32 before rounding (``Olmo2RMSNorm``: "main diff with Llama"):
+    the same bits as transformers' layer, final and full-width q/k norms loaded from the same
+    checkpoint; a Llama-style norm (scale after rounding) differs in bf16."""
+    from pcpflow.models.common import RMSNorm
+
+    path = script.build_checkpoint(tmp_path / "olmo2", "olmo2")
+    want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    model = build_model(compose(["model=hf", f"model.path={path}", "pcp=1"]).model, dtype=dtype, seed=0)
+    x = 3 * torch.randn(17, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x.to(dtype)
+    layer, theirs = model.layers[1], want.model.layers[1]
+    with torch.no_grad():
+        pairs = [(model.norm(x), want.model.norm(x)), (layer.attn_out_norm(x), theirs.post_attention_layernorm(x)),
+                 (layer.mlp_out_norm(x), theirs.post_feedforward_layernorm(x)),
+                 (layer.self_attn.q_norm(x), theirs.self_attn.q_norm(x))]
+        llama_style = RMSNorm(64, model.norm.eps).to(dtype)
+        llama_style.weight.copy_(model.norm.weight)
+        late = llama_style(x)
+    for ours, reference in pairs:
+        assert ours.dtype == reference.dtype == dtype and torch.equal(ours, reference)
+    assert torch.equal(late, pairs[0][1]) == (dtype != torch.bfloat16)
+
+
+# config.json of OLMo-2-1124-7B and OLMo-2-0325-32B as published, with their parameter counts (billions)
+OLMO2_COMMON = dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2", attention_bias=False, rms_norm_eps=1e-6,
+                    rope_scaling=None, rope_theta=500000, tie_word_embeddings=False, vocab_size=100352)
+REAL_OLMO2_CONFIGS = {
+    "OLMo-2-1124-7B": (dict(OLMO2_COMMON, hidden_size=4096, intermediate_size=11008, max_position_embeddings=4096,
+                            num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=32), 7.30),
+    "OLMo-2-0325-32B": (dict(OLMO2_COMMON, hidden_size=5120, intermediate_size=27648, max_position_embeddings=4096,
+                             num_attention_heads=40, num_hidden_layers=64, num_key_value_heads=8), 32.23),
+}
+
+
+@pytest.mark.parametrize("name", REAL_OLMO2_CONFIGS)
+def test_real_olmo2_configs_size_a_simulated_run_with_its_norm_all_reduces(tmp_path, name):
+    """OLMo 2's config.json: transformers' own parameter count (to the published 7.3B / 32.2B),
+    and a simulated run at tp=8 issues and prices the q/k norms' all-reduces (two a layer)."""
+    from pcpflow.driver.cli import compose_raw
+    from pcpflow.driver.job import prepare_job
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.engine import simulate_run
+
+    config, total_b = REAL_OLMO2_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = build_uninitialized(lambda: HFModel(read_checkpoint_config(tmp_path)), "meta")
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.parameters()) and count / 1e9 == pytest.approx(total_b, abs=0.01)
+    sim = ["mode=simulate", "hardware=h100_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=1",
+           "workload=explicit", "workload.prompt_lens=[2048]", "workload.output_lens=[2]", "output.plots=false",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    m = simulate_run(prepare_job(compose_raw(sim)))["metrics"]
+    layers = config["num_hidden_layers"]
+    assert m["collective_calls"]["tp_qk_norm"] == 2 * layers * m["num_steps"]
+    assert m["collective_calls"]["tp_all_reduce"] == 2 * layers * m["num_steps"]
+    assert m["simulate"]["breakdown_s"]["tp_qk_norm"]["exposed_s"] > 0

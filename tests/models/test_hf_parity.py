@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-and Mistral 3 too: their language models) and DeepSeek-V2/V3 checkpoints are
+and Mistral 3 too: their language models), OLMo 2/3 and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -89,6 +89,10 @@ CHECKPOINTS = {
     # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
     # its even layer sliding over WINDOW keys
     "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
+    # OLMo 2: post-norm layers, q and k normed over the whole projection (under TP: the group's
+    # mean square); OLMo 3: the same, its even layer sliding over WINDOW keys, YaRN on the full one
+    "olmo2": dict(arch="olmo2"),
+    "olmo3_window": dict(arch="olmo3", sliding_window=WINDOW),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -142,6 +146,10 @@ MATRIX = [
     ("mistral3", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
+    ("olmo2", "float64", 1, 1, "replicated", []),
+    ("olmo2", "float32", 4, 4, "sharded", []),
+    ("olmo3_window", "float64", 2, 2, "sharded", []),
+    ("olmo3_window", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
     ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
     ("gemma2_softcap", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float32", 2, 2, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
@@ -166,6 +174,9 @@ MATRIX = [
     ("gemma3", "float32", 2, 2, "sharded", ["tp=2"]),
     ("gemma3_mm", "float32", 2, 2, "replicated", ["tp=2"]),
     ("gemma2_softcap", "float64", 2, 2, "replicated", ["tp=2"]),
+    # OLMo's full-width q/k norms split over TP: the sums of squares all-reduced
+    ("olmo2", "float64", 2, 1, "replicated", ["tp=2"]),
+    ("olmo3_window", "float32", 2, 2, "sharded", ["tp=2"]),
 ]
 
 
@@ -182,6 +193,7 @@ DEFAULT_CASES = {
     ("granite_tied", "float64", 4, 4, "replicated"),
     ("gemma3_mm", "float64", 2, 2, "sharded"),
     ("gemma2_softcap", "float64", 2, 2, "sharded"),
+    ("olmo3_window", "float64", 2, 2, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 

@@ -17,6 +17,7 @@ including the two tiny 8-rank grids (tp=4 pcp=2, one thread per rank).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -378,10 +379,16 @@ def test_tp_traffic_hand_derived():
         "dcp_query_gather": 3 * 2 * 48 * 8 * 2,
         "dcp_partials": 6 * (2 * 32 + 2) * 8,
     }
-    tp = tp_layer_collectives(layout, tp_size=2, hidden_size=64)
+    tp = tp_layer_collectives(layout, tp_size=2, shape=shape)
     assert step_traffic(tp, pcp_size=1, dcp_size=1, dtype_bytes=8, tp_size=2) == (
         {"tp_all_reduce": 2},
         {"tp_all_reduce": 2 * 3 * 64 * 8 * 2},
+    )
+    # OLMo 2's q and k norms: one number a row each, all-reduced (float64 here: its own dtype)
+    olmo = tp_layer_collectives(layout, tp_size=2, shape=dataclasses.replace(shape, full_qk_norm=True))
+    assert step_traffic(olmo, pcp_size=1, dcp_size=1, dtype_bytes=8, tp_size=2) == (
+        {"tp_all_reduce": 2, "tp_qk_norm": 2},
+        {"tp_all_reduce": 2 * 3 * 64 * 8 * 2, "tp_qk_norm": 2 * 3 * 1 * 8 * 2},
     )
 
 

@@ -75,6 +75,12 @@ CASES = {
     "tp2_pcp2_dcp4_a2a": ["tp=2", "pcp=2", "dcp=4", "dcp_comm_backend=a2a", "decode=sharded"],
     "tp2_dcp2_a2a_sampled_rows": ["tp=2", "pcp=1", "dcp=2", "dcp_comm_backend=a2a", "pipeline.restore.kind=sampled_rows"],
     "tp2_pcp2_dcp2_queries_a2a": ["tp=2", "pcp=2", "dcp=2", "dcp_comm_backend=a2a", "pipeline.forward.dcp_rest=queries"],
+    # OLMo 2's q/k norms over the whole projection: two all-reduces a layer (tp_qk_norm), KV heads shared
+    # by both TP ranks (each sum counted once), and the target drafting with its own layers
+    "tp2_pcp2_full_qk_norm_gqa": ["tp=2", "pcp=2", "dcp=2", "model=tiny_gqa", "model.qk_norm=full", "model.num_kv_heads=1",
+                                  "pipeline.forward.dcp_rest=queries"],
+    "tp2_pcp2_full_qk_norm_self_draft": ["tp=2", "pcp=2", "model=tiny_gqa", "model.qk_norm=full", "draft=self",
+                                         "draft.error_rate=0.3", "decode=sharded"],
     # Mixture of experts, each dispatch (all_to_all bytes follow the router: see expected_bytes).
     "moe_local_pcp2": ["pcp=2", *MOE, "moe.dispatch=local"],
     "moe_gather_pcp2": ["pcp=2", "dcp=2", *MOE, "moe.dispatch=gather", "pipeline.forward.dcp_rest=context"],
