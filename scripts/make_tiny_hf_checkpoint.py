@@ -39,6 +39,9 @@ logits divided by 2.5).
 ``mistral3`` is ``mistral``'s language model inside ``Mistral3ForConditionalGeneration`` (a
 one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 
+``cohere2`` has parallel blocks (attention and MLP on one centered norm), its even layers sliding
+with interleaved RoPE and its odd ones full without position embedding, logits times 0.75.
+
 ``olmo2`` and ``olmo3`` are post-norm layers with q and k normed over the whole projection
 (OLMo 3: its even layers sliding, YaRN on the odd, full ones).
 
@@ -97,7 +100,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -114,6 +117,7 @@ GQA_ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -162,6 +166,7 @@ DEFAULT_ROPE_SCALING = {
     "gemma2": "none",
     "olmo2": "none",
     "olmo3": "yarn",
+    "cohere2": "none",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -239,6 +244,10 @@ def tiny_config(
             # NOTE: layers 0 and 1 slide, the others are full (YaRN on them alone); 4 layers
             olmo3=dict(sliding_window=sliding_window or 4096,
                        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
+            # NOTE: even layers slide (interleaved RoPE), odd ones are full (NoPE); a logit scale that
+            # keeps the logits decisive (the released 0.0625-0.25 would flatten random ones)
+            cohere2=dict(sliding_window=sliding_window or 4096, logit_scale=0.75, layer_norm_eps=1e-5,
+                         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")

@@ -21,15 +21,20 @@ from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
 class RMSNorm(nn.Module):
     """RMS norm scaled by ``weight``; ``unit_offset`` (Gemma): by ``1 + weight``, the weight
     stored as its offset from one; ``scale_first`` (OLMo 2): scaled before it is rounded to
-    the input dtype (as Gemma's is)."""
+    the input dtype (as Gemma's is); ``centered`` (Cohere's LayerNorm, which has no bias): of
+    ``x - mean(x)``, scaled first."""
 
-    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False, scale_first: bool = False):
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False, scale_first: bool = False,
+                 centered: bool = False):
         super().__init__()
-        self.eps, self.unit_offset, self.scale_first = eps, unit_offset, scale_first or unit_offset
+        self.eps, self.unit_offset, self.centered = eps, unit_offset, centered
+        self.scale_first = scale_first or unit_offset or centered
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = narrow_to_float32(x)
+        if self.centered:
+            h = h - h.mean(-1, keepdim=True)
         return self.scaled(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps), x.dtype)
 
     def scaled(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -222,9 +227,10 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
     ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``, and
-    without ``pre_norm`` (OLMo 2: ``sandwich`` alone) only the outputs, ``x + norm(attn(x))``.
-    ``unit_offset`` / ``scale_first``: the norms' (``RMSNorm``); ``residual_multiplier``
-    (Granite): each block's output is scaled by it before it is added.
+    without ``pre_norm`` (OLMo 2: ``sandwich`` alone) only the outputs, ``x + norm(attn(x))``;
+    ``parallel`` (Cohere): ``x + attn(norm(x)) + mlp(norm(x))``, one norm.
+    ``unit_offset`` / ``scale_first`` / ``centered``: the norms' (``RMSNorm``);
+    ``residual_multiplier`` (Granite): each block's output is scaled by it before it is added.
 
     ``self_attn(h, positions, layer, attn)`` is the model's attention: its projections
     around exactly one call to the engine's backend ``attn``."""
@@ -243,17 +249,19 @@ class DecoderLayer(nn.Module):
         residual_multiplier: float | None = None,
         pre_norm: bool = True,
         scale_first: bool = False,
+        centered: bool = False,
+        parallel: bool = False,
     ):
         super().__init__()
-        self.residual_multiplier = residual_multiplier
+        self.residual_multiplier, self.parallel = residual_multiplier, parallel
 
         def norm() -> RMSNorm:
-            return RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first)
+            return RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first, centered=centered)
 
         self.input_norm = norm() if pre_norm else nn.Identity()
         self.self_attn = self_attn
-        # NOTE: the MLP's input norm (Gemma's pre_feedforward_layernorm)
-        self.post_attention_norm = norm() if pre_norm else nn.Identity()
+        # NOTE: the MLP's input norm (Gemma's pre_feedforward_layernorm); a parallel block has none of its own
+        self.post_attention_norm = norm() if pre_norm and not parallel else nn.Identity()
         # NOTE: ``mlp`` replaces the dense MLP (a mixture-of-experts block, pcpflow.models.moe)
         self.mlp = mlp if mlp is not None else GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
         self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if sandwich else (nn.Identity(), nn.Identity())
@@ -261,6 +269,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
     ) -> torch.Tensor:
+        if self.parallel:  # NOTE: Cohere's: attention and MLP read one norm of x, both added to it
+            h = self.input_norm(x)
+            return x + self.self_attn(h, positions, layer, attn) + self.mlp(h)
         x = x + self._scaled(self.attn_out_norm(self.self_attn(self.input_norm(x), positions, layer, attn)))
         return x + self._scaled(self.mlp_out_norm(self.mlp(self.post_attention_norm(x))))
 
@@ -293,9 +304,10 @@ class DecoderLM(CausalLM):
     """Embedding, a stack of ``DecoderLayer``, final norm and LM head; subclasses supply
     the attention block per layer and the ``AttentionSpec``. ``embed_scale`` multiplies the
     embedding (Gemma: sqrt(hidden_size), rounded to the weights' dtype), ``embedding_multiplier``
-    too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite),
+    too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite), ``logit_scale``
+    multiplies them (Cohere),
     ``final_logit_softcapping`` caps them, ``cap * tanh(logits / cap)`` (Gemma);
-    ``unit_offset``, ``scale_first``: the final norm's (``RMSNorm``)."""
+    ``unit_offset``, ``scale_first``, ``centered``: the final norm's (``RMSNorm``)."""
 
     def __init__(
         self,
@@ -312,6 +324,8 @@ class DecoderLM(CausalLM):
         logits_scaling: float | None = None,
         final_logit_softcapping: float | None = None,
         scale_first: bool = False,
+        centered: bool = False,
+        logit_scale: float | None = None,
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -321,9 +335,9 @@ class DecoderLM(CausalLM):
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.embed_scale = embed_scale
         self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
-        self.final_logit_softcapping = final_logit_softcapping
+        self.final_logit_softcapping, self.logit_scale = final_logit_softcapping, logit_scale
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first)
+        self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first, centered=centered)
         self.lm_head = (
             None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
         )
@@ -357,6 +371,8 @@ class DecoderLM(CausalLM):
         logits = hidden @ weight.T
         if self.logits_scaling is not None:  # NOTE: Granite's
             logits = logits / self.logits_scaling
+        if self.logit_scale is not None:  # NOTE: Cohere's: a Python float times the logits, as transformers
+            logits = logits * self.logit_scale
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap  # NOTE: Gemma's, as transformers
 

@@ -12,7 +12,7 @@ table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimod
 Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
-projection); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+projection); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
@@ -39,6 +39,7 @@ from pydantic import Field, field_validator
 from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
+from pcpflow.models.hf_cohere import Cohere2Checkpoint
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint
@@ -61,6 +62,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Gemma2ForCausalLM": Gemma2Checkpoint,
     "Olmo2ForCausalLM": Olmo2Checkpoint,
     "Olmo3ForCausalLM": Olmo3Checkpoint,
+    "Cohere2ForCausalLM": Cohere2Checkpoint,
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -87,6 +89,7 @@ _MODEL_TYPES = {
     "gemma": "GemmaForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 
 
@@ -174,7 +177,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
-    OLMo 2/3 or DeepSeek model with the weights of a Hugging Face checkpoint."""
+    OLMo 2/3, Cohere 2 or DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RopeScaling
 from pcpflow.models.hf_weights import Rename
+from pcpflow.models.layers import gqa_spec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LONGROPE_ALIASES = {"Phi3ForCausalLM": ("su", "yarn")}
@@ -198,6 +199,63 @@ def head_problems(heads: int, kv_heads: int, head_dim: int, layer_types: list | 
     if layer_types is not None and len(layer_types) != num_layers:
         problems.append(f"layer_types has {len(layer_types)} entries; num_hidden_layers is {num_layers}")
     return problems
+
+
+def layer_kinds(layer_types: list[str] | None, num_layers: int, pattern: int) -> list[str]:
+    """Each layer's attention as transformers lays it out for Gemma 3, OLMo 3 and Cohere 2:
+    ``layer_types``, else layer ``i`` slides unless ``(i + 1) % pattern == 0``."""
+    if layer_types is not None:
+        return list(layer_types)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+class HeadsOfHidden(CheckpointConfig):
+    """A GQA checkpoint whose ``head_dim`` is hidden / heads and whose layers may slide (OLMo 2/3,
+    Cohere 2): its KV heads (all heads unless given), the layer kinds (``kinds``, every layer full
+    unless a family says otherwise) and the window of the sliding ones."""
+
+    num_key_value_heads: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _heads(self) -> HeadsOfHidden:
+        problems = head_problems(self.num_attention_heads, self.kv_heads, self.dim, getattr(self, "layer_types", None),
+                                 self.num_hidden_layers)
+        if self.hidden_size % self.num_attention_heads:
+            problems.append(f"hidden_size ({self.hidden_size}) must split into num_attention_heads "
+                            f"({self.num_attention_heads}) heads (head_dim is hidden_size / heads)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dims(self) -> int:
+        return self.dim
+
+    @property
+    def kinds(self) -> list[str]:
+        return ["full_attention"] * self.num_hidden_layers
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.kinds) if kind == "sliding_attention"]
+
+    @property
+    def window(self) -> int | None:
+        """The sliding layers' window (the most recent keys a query sees, itself included); None:
+        no layer slides (or ``sliding_window`` is null: they attend to every key)."""
+        return getattr(self, "sliding_window", None) if self.sliding_layers else None
+
+    def attn_spec(self) -> AttentionSpec:
+        spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
+        return dataclasses.replace(spec, window=self.window, window_layers=tuple(self.sliding_layers))
 
 
 class LanguageModelOf:

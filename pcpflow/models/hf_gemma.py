@@ -39,7 +39,13 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, GatedMLP, RopeScaling, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf, head_problems, read_rope
+from pcpflow.models.hf_checkpoint import (
+    CheckpointConfig,
+    LanguageModelOf,
+    head_problems,
+    layer_kinds,
+    read_rope,
+)
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import GQAAttention, gqa_spec
 
@@ -144,10 +150,7 @@ class Gemma3Checkpoint(CheckpointConfig):
     def kinds(self) -> list[LayerType]:
         """Each layer's type as transformers reads it: ``layer_types``, else layer ``i`` slides
         unless ``(i + 1) % sliding_window_pattern == 0``."""
-        if self.layer_types is not None:
-            return list(self.layer_types)
-        pattern = self.sliding_window_pattern
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(self.num_hidden_layers)]
+        return layer_kinds(self.layer_types, self.num_hidden_layers, self.sliding_window_pattern)
 
     @property
     def sliding_layers(self) -> list[int]:

@@ -20,16 +20,14 @@ models) on the full layers, plain RoPE at 500,000 on the sliding ones; or transf
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RopeScaling, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, head_problems, read_rope
+from pcpflow.models.hf_checkpoint import HeadsOfHidden, layer_kinds, read_rope
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
-from pcpflow.models.layers import GQAAttention, gqa_spec
+from pcpflow.models.layers import GQAAttention
 
 LayerType = Literal["sliding_attention", "full_attention"]
 
@@ -38,11 +36,10 @@ def _layer_norm(hf: str, ours: str) -> Rename:
     return Rename(f"model.layers.{{i}}.{hf}.weight", f"layers.{{i}}.{ours}.weight")
 
 
-class Olmo2Checkpoint(CheckpointConfig):
+class Olmo2Checkpoint(HeadsOfHidden):
     """The config.json fields of an OLMo 2 checkpoint that pcpflow uses (transformers'
     ``Olmo2Config`` defaults)."""
 
-    num_key_value_heads: int | None = Field(None, gt=0)
     rms_norm_eps: float = Field(1e-5, gt=0)
 
     moe: ClassVar[None] = None  # dense
@@ -58,51 +55,9 @@ class Olmo2Checkpoint(CheckpointConfig):
         attention_rename("k_norm.weight", "k_norm.weight"),
     )
 
-    @model_validator(mode="after")
-    def _heads(self) -> Olmo2Checkpoint:
-        problems = head_problems(self.num_attention_heads, self.kv_heads, self.dim, getattr(self, "layer_types", None),
-                                 self.num_hidden_layers)
-        if self.hidden_size % self.num_attention_heads:
-            problems.append(f"hidden_size ({self.hidden_size}) must split into num_attention_heads "
-                            f"({self.num_attention_heads}) heads (OLMo's head_dim is hidden_size / heads)")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rope_dims(self) -> int:
-        return self.dim
-
-    @property
-    def kinds(self) -> list[LayerType]:
-        """Each layer's attention (OLMo 2: every layer full)."""
-        return ["full_attention"] * self.num_hidden_layers
-
-    @property
-    def sliding_layers(self) -> list[int]:
-        return [i for i, kind in enumerate(self.kinds) if kind == "sliding_attention"]
-
-    @property
-    def window(self) -> int | None:
-        """The sliding layers' window (the most recent keys a query sees, itself included);
-        None: no layer slides."""
-        return None
-
     def rope(self, kind: LayerType) -> tuple[float, RopeScaling | None]:
         """The RoPE (theta, scaling) of a layer of ``kind``."""
         return self.rope_theta, self.rope_scaling
-
-    def attn_spec(self) -> AttentionSpec:
-        spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
-        return dataclasses.replace(spec, window=self.window, window_layers=tuple(self.sliding_layers))
 
     def lm_options(self) -> dict[str, Any]:
         return {"scale_first": True}
@@ -162,15 +117,9 @@ class Olmo3Checkpoint(Olmo2Checkpoint):
         return raw
 
     @property
-    def kinds(self) -> list[LayerType]:
+    def kinds(self) -> list[str]:
         """``layer_types``, else transformers' default: layer ``i`` slides unless ``(i + 1) % 4 == 0``."""
-        if self.layer_types is not None:
-            return list(self.layer_types)
-        return ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(self.num_hidden_layers)]
-
-    @property
-    def window(self) -> int | None:
-        return self.sliding_window if self.sliding_layers else None
+        return layer_kinds(self.layer_types, self.num_hidden_layers, 4)
 
     def rope(self, kind: LayerType) -> tuple[float, RopeScaling | None]:
         if kind == "sliding_attention":

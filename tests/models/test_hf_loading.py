@@ -1253,6 +1253,22 @@ def test_olmo_norms_round_as_transformers(tmp_path, dtype):
     assert torch.equal(late, pairs[0][1]) == (dtype != torch.bfloat16)
 
 
+def _sized_as_transformers(path: Path, config: dict):
+    """Write ``config`` to ``path``/config.json: (pcpflow's checkpoint config, its model on meta,
+    transformers' config) of it, the model's parameters counted and held to transformers' own."""
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+
+    (path / "config.json").write_text(json.dumps(config))
+    c = read_checkpoint_config(path)
+    ours = build_uninitialized(lambda: HFModel(c), "meta")
+    theirs_config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(theirs_config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    return c, ours, theirs_config
+
+
 # config.json of OLMo-2-1124-7B and OLMo-2-0325-32B as published, with their parameter counts (billions)
 OLMO2_COMMON = dict(architectures=["Olmo2ForCausalLM"], model_type="olmo2", attention_bias=False, rms_norm_eps=1e-6,
                     rope_scaling=None, rope_theta=500000, tie_word_embeddings=False, vocab_size=100352)
@@ -1270,17 +1286,11 @@ def test_real_olmo2_configs_size_a_simulated_run_with_its_norm_all_reduces(tmp_p
     and a simulated run at tp=8 issues and prices the q/k norms' all-reduces (two a layer)."""
     from pcpflow.driver.cli import compose_raw
     from pcpflow.driver.job import prepare_job
-    from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
     from pcpflow.simulate.engine import simulate_run
 
     config, total_b = REAL_OLMO2_CONFIGS[name]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ours = build_uninitialized(lambda: HFModel(read_checkpoint_config(tmp_path)), "meta")
-    with torch.device("meta"):
-        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
-    count = sum(p.numel() for p in ours.parameters())
-    assert count == sum(p.numel() for p in theirs.parameters()) and count / 1e9 == pytest.approx(total_b, abs=0.01)
+    _, ours, _ = _sized_as_transformers(tmp_path, config)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(total_b, abs=0.01)
     sim = ["mode=simulate", "hardware=h100_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=1",
            "workload=explicit", "workload.prompt_lens=[2048]", "workload.output_lens=[2]", "output.plots=false",
            f"hydra.run.dir={tmp_path / 'run'}"]
@@ -1289,3 +1299,34 @@ def test_real_olmo2_configs_size_a_simulated_run_with_its_norm_all_reduces(tmp_p
     assert m["collective_calls"]["tp_qk_norm"] == 2 * layers * m["num_steps"]
     assert m["collective_calls"]["tp_all_reduce"] == 2 * layers * m["num_steps"]
     assert m["simulate"]["breakdown_s"]["tp_qk_norm"]["exposed_s"] > 0
+
+
+# ------------------------------------------------------------------ Cohere 2
+# config.json of c4ai-command-r7b-12-2024 and c4ai-command-a-03-2025 as published, with their
+# parameter counts (billions: 8.03, 111)
+COHERE2_COMMON = dict(architectures=["Cohere2ForCausalLM"], model_type="cohere2", attention_bias=False,
+                      layer_norm_eps=1e-05, logit_scale=0.25, rope_theta=50000, sliding_window=4096,
+                      sliding_window_pattern=4, vocab_size=256000)
+REAL_COHERE2_CONFIGS = {
+    "command-r7b": (dict(COHERE2_COMMON, hidden_size=4096, intermediate_size=14336, max_position_embeddings=132096,
+                         num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8), 8.03),
+    "command-a": (dict(COHERE2_COMMON, hidden_size=12288, intermediate_size=36864, max_position_embeddings=131072,
+                       num_attention_heads=96, num_hidden_layers=64, num_key_value_heads=8), 111.1),
+}
+
+
+@pytest.mark.parametrize("name", REAL_COHERE2_CONFIGS)
+def test_real_cohere2_configs_size_a_simulated_run(tmp_path, name):
+    """Cohere 2's config.json: transformers' own parameter count (tied embedding counted once) to
+    the published 8.03B / 111B, three layers of four sliding over 4096 keys as ``Cohere2Config``
+    lays them out (the card of a simulated run past the window carries them), the full ones NoPE."""
+    config, total_b = REAL_COHERE2_CONFIGS[name]
+    c, ours, theirs_config = _sized_as_transformers(tmp_path, config)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(total_b, abs=0.05)
+    assert c.sliding_layers == [i for i, t in enumerate(theirs_config.layer_types) if t == "sliding_attention"]
+    assert [layer.self_attn.rotary is None for layer in ours.layers][:4] == [False, False, False, True]
+    assert (ours.logit_scale, ours.lm_head, c.rms_norm_eps) == (0.25, None, 1e-5)
+    sim = ["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
+           "workload=explicit", "workload.prompt_lens=[8000]", "workload.output_lens=[4]"]
+    card = compose(sim).model
+    assert (card.sliding_window, card.sliding_layers, card.num_kv_heads) == (4096, 3 * config["num_hidden_layers"] // 4, 8)

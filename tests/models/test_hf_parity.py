@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-and Mistral 3 too: their language models), OLMo 2/3 and DeepSeek-V2/V3 checkpoints are
+and Mistral 3 too: their language models), OLMo 2/3, Cohere 2 and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -93,6 +93,9 @@ CHECKPOINTS = {
     # mean square); OLMo 3: the same, its even layer sliding over WINDOW keys, YaRN on the full one
     "olmo2": dict(arch="olmo2"),
     "olmo3_window": dict(arch="olmo3", sliding_window=WINDOW),
+    # Cohere 2 (Command R7B, Command A): parallel blocks on one centered norm, a sliding layer with
+    # interleaved RoPE and a full one without position embedding, scaled logits; tied embeddings
+    "cohere2_window": dict(arch="cohere2", sliding_window=WINDOW, tie_word_embeddings=True),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -150,6 +153,9 @@ MATRIX = [
     ("olmo2", "float32", 4, 4, "sharded", []),
     ("olmo3_window", "float64", 2, 2, "sharded", []),
     ("olmo3_window", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("cohere2_window", "float64", 2, 2, "sharded", []),
+    ("cohere2_window", "float32", 4, 1, "replicated", []),
+    ("cohere2_window", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
     ("gemma2_softcap", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float32", 2, 2, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
@@ -177,6 +183,7 @@ MATRIX = [
     # OLMo's full-width q/k norms split over TP: the sums of squares all-reduced
     ("olmo2", "float64", 2, 1, "replicated", ["tp=2"]),
     ("olmo3_window", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("cohere2_window", "float32", 2, 2, "replicated", ["tp=2"]),
 ]
 
 
@@ -194,6 +201,7 @@ DEFAULT_CASES = {
     ("gemma3_mm", "float64", 2, 2, "sharded"),
     ("gemma2_softcap", "float64", 2, 2, "sharded"),
     ("olmo3_window", "float64", 2, 2, "sharded"),
+    ("cohere2_window", "float64", 2, 2, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 

@@ -117,6 +117,7 @@ EXECUTED = ["model=tiny_mla", "model.moe.num_experts=4", "model.moe.top_k=2", "o
             "output.progress=false"]
 
 
+@pytest.mark.slow  # NOTE: seven executed runs of their own ranks (11 s): the default set's budget
 def test_bf16_moe_with_dcp_verifies_with_its_routing_near_ties_listed():
     seeds = [0, 1, 2, 3]
     cfgs = [compose([*EXECUTED, "pcp=2", "dcp=2", "dtype=bfloat16", f"seed={s}"]) for s in seeds]
