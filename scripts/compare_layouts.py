@@ -242,7 +242,7 @@ class PlannerStats:
         colls = step_collectives(
             layout, batch.logits_indices, dcp_size=lay.dcp, shape=shape, dcp_rest=rests["auto"]
         )
-        colls += tp_layer_collectives(layout, tp_size=tp, hidden_size=shape.hidden_size) * shape.num_layers
+        colls += tp_layer_collectives(layout, tp_size=tp, shape=shape) * shape.num_layers
         for k, v in traffic(colls).items():
             self.bytes[k] = self.bytes.get(k, 0) + v
         sampled = restore_collective(

@@ -42,6 +42,11 @@ one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 ``cohere2`` has parallel blocks (attention and MLP on one centered norm), its even layers sliding
 with interleaved RoPE and its odd ones full without position embedding, logits times 0.75.
 
+``seed_oss`` has q/k/v biases (its default) and an o bias (``attention_out_bias``), head 24.
+
+``exaone4`` is post-norm with per-head q/k norms, its even layers sliding (RoPE, llama3 scaling)
+and its odd ones full without position embedding.
+
 ``olmo2`` and ``olmo3`` are post-norm layers with q and k normed over the whole projection
 (OLMo 3: its even layers sliding, YaRN on the odd, full ones).
 
@@ -100,7 +105,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "exaone4", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -118,6 +123,8 @@ GQA_ARCHS = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -167,6 +174,8 @@ DEFAULT_ROPE_SCALING = {
     "olmo2": "none",
     "olmo3": "yarn",
     "cohere2": "none",
+    "seed_oss": "none",
+    "exaone4": "llama3",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -246,10 +255,17 @@ def tiny_config(
                        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
             # NOTE: even layers slide (interleaved RoPE), odd ones are full (NoPE); a logit scale that
             # keeps the logits decisive (the released 0.0625-0.25 would flatten random ones)
+            # NOTE: q/k/v biases (attention_bias, its default) and o's own (attention_out_bias, set here)
+            seed_oss=dict(head_dim=24, attention_out_bias=True, mlp_bias=bias),
+            # NOTE: the even layers slide and rotate, the odd ones are full and NoPE (its "LLLG", in two)
+            exaone4=dict(sliding_window=sliding_window or 4096, sliding_window_pattern="LG",
+                         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
             cohere2=dict(sliding_window=sliding_window or 4096, logit_scale=0.75, layer_norm_eps=1e-5,
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
+            common.pop("attention_bias")
+        if arch == "seed_oss" and not bias:  # NOTE: absent: Seed-OSS's default, q/k/v biases
             common.pop("attention_bias")
         if arch == "gemma3":  # NOTE: hidden 80: its sqrt (the embedding scale) is not a float32 number
             common.update(hidden_size=80, rope_theta=1_000_000.0)

@@ -12,7 +12,8 @@ table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimod
 Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
-projection); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+projection); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers);
+EXAONE 4.0 (``hf_exaone``: post-norm, per-head q/k norms, NoPE full layers); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
@@ -41,6 +42,7 @@ from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_cohere import Cohere2Checkpoint
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
+from pcpflow.models.hf_exaone import Exaone4Checkpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
@@ -63,6 +65,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Olmo2ForCausalLM": Olmo2Checkpoint,
     "Olmo3ForCausalLM": Olmo3Checkpoint,
     "Cohere2ForCausalLM": Cohere2Checkpoint,
+    "Exaone4ForCausalLM": Exaone4Checkpoint,
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -80,6 +83,7 @@ _MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -90,6 +94,7 @@ _MODEL_TYPES = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 
 
@@ -177,7 +182,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
-    OLMo 2/3, Cohere 2 or DeepSeek model with the weights of a Hugging Face checkpoint."""
+    OLMo 2/3, Cohere 2, EXAONE 4 or DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""

@@ -46,14 +46,10 @@ from pcpflow.models.hf_checkpoint import (
     layer_kinds,
     read_rope,
 )
-from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
+from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename, layer_norm_rename
 from pcpflow.models.layers import GQAAttention, gqa_spec
 
 LayerType = Literal["sliding_attention", "full_attention"]
-
-
-def _layer_norm(hf: str, ours: str) -> Rename:
-    return Rename(f"model.layers.{{i}}.{hf}.weight", f"layers.{{i}}.{ours}.weight")
 
 
 class Gemma3Checkpoint(CheckpointConfig):
@@ -83,10 +79,10 @@ class Gemma3Checkpoint(CheckpointConfig):
         *(r for r in DECODER_RENAMES if "layernorm" not in r.hf),
         # NOTE: transformers' post_attention_layernorm norms the attention's output; the MLP's
         # input norm is its pre_feedforward_layernorm (pcpflow's post_attention_norm)
-        _layer_norm("input_layernorm", "input_norm"),
-        _layer_norm("post_attention_layernorm", "attn_out_norm"),
-        _layer_norm("pre_feedforward_layernorm", "post_attention_norm"),
-        _layer_norm("post_feedforward_layernorm", "mlp_out_norm"),
+        layer_norm_rename("input_layernorm", "input_norm"),
+        layer_norm_rename("post_attention_layernorm", "attn_out_norm"),
+        layer_norm_rename("pre_feedforward_layernorm", "post_attention_norm"),
+        layer_norm_rename("post_feedforward_layernorm", "mlp_out_norm"),
         *(attention_rename(f"{p}.{{wb}}", f"{p}.{{wb}}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
         attention_rename("q_norm.weight", "q_norm.weight"),
         attention_rename("k_norm.weight", "k_norm.weight"),

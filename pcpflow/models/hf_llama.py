@@ -1,6 +1,6 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
-``GraniteForCausalLM`` and the mixture-of-experts
+``GraniteForCausalLM``, ``SeedOssForCausalLM`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
@@ -34,6 +34,8 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 - SmolLM3: Llama's, with no RoPE on the layers ``no_rope_layers`` marks 0 (else every
   ``no_rope_layer_interval``-th, 4); a window (``use_sliding_window``) on those layers only;
   embeddings tied unless config.json says otherwise.
+- Seed-OSS (Seed-OSS-36B, 512K context): Llama's, q/k/v biases unless ``attention_bias: false``,
+  o's bias as ``attention_out_bias`` says (default none), ``head_dim`` 128 unless given.
 - Granite (Granite 3.x): Llama's, with ``embedding_multiplier`` on the embedding,
   ``residual_multiplier`` on each block's output, ``attention_multiplier`` as the softmax scale
   and the logits divided by ``logits_scaling``.
@@ -84,6 +86,8 @@ class GQAFamily:
     tied_default: bool = False  # tie_word_embeddings where config.json gives none
     nope: bool = False  # layers without RoPE: no_rope_layers, else every no_rope_layer_interval-th (SmolLM3)
     multipliers: bool = False  # Granite's embedding, residual, attention multipliers and logits scaling
+    bias_default: bool = False  # attention_bias where config.json gives none (Seed-OSS: true)
+    out_bias_field: bool = False  # o's bias from attention_out_bias, not attention_bias (Seed-OSS)
 
 
 FAMILIES = {
@@ -102,6 +106,7 @@ FAMILIES = {
     "SmolLM3ForCausalLM": GQAFamily(sliding="use_sliding_window_nope", default_window=None, tied_default=True,
                                     nope=True),
     "GraniteForCausalLM": GQAFamily(multipliers=True),
+    "SeedOssForCausalLM": GQAFamily(head_dim=128, bias_default=True, out_bias_field=True),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -127,6 +132,7 @@ class LlamaCheckpoint(CheckpointConfig):
     residual_multiplier: float = 1.0
     attention_multiplier: float = Field(1.0, gt=0)
     logits_scaling: float = Field(1.0, gt=0)
+    attention_out_bias: bool = False  # Seed-OSS's o bias
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral, GLM-4.5: from their MoE fields (``hf_moe.gqa_moe_settings``)
 
     renames: ClassVar[tuple[Rename, ...]] = (
@@ -157,6 +163,8 @@ class LlamaCheckpoint(CheckpointConfig):
             family = FAMILIES.get(raw.get("architecture"))
             if family is not None and family.tied_default:
                 raw.setdefault("tie_word_embeddings", True)
+            if family is not None and family.bias_default:
+                raw.setdefault("attention_bias", True)
             try:
                 raw["moe"] = gqa_moe_settings(raw, raw.get("architecture"))
             except TypeError:  # a field of the wrong type: the field's own validation names it
@@ -265,7 +273,7 @@ class LlamaCheckpoint(CheckpointConfig):
             num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             bias=self.qkv_bias if f.reads_qkv_bias and self.qkv_bias is not None else given(f.qkv_bias, self.attention_bias),
-            o_bias=given(f.o_bias, self.attention_bias),
+            o_bias=self.attention_out_bias if f.out_bias_field else given(f.o_bias, self.attention_bias),
             mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
             rotary_dim=self.rope_dims, rope_layers=self.rope_layers,
             residual_multiplier=self.residual_multiplier if f.multipliers else None,

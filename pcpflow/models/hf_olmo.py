@@ -26,14 +26,10 @@ from pydantic import Field
 
 from pcpflow.models.common import DecoderLayer, RopeScaling, RotaryEmbedding
 from pcpflow.models.hf_checkpoint import HeadsOfHidden, layer_kinds, read_rope
-from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
+from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename, layer_norm_rename
 from pcpflow.models.layers import GQAAttention
 
 LayerType = Literal["sliding_attention", "full_attention"]
-
-
-def _layer_norm(hf: str, ours: str) -> Rename:
-    return Rename(f"model.layers.{{i}}.{hf}.weight", f"layers.{{i}}.{ours}.weight")
 
 
 class Olmo2Checkpoint(HeadsOfHidden):
@@ -48,8 +44,8 @@ class Olmo2Checkpoint(HeadsOfHidden):
     renames: ClassVar[tuple[Rename, ...]] = (
         *(r for r in DECODER_RENAMES if "layernorm" not in r.hf),
         # NOTE: OLMo's post_attention_layernorm norms the attention's output (pcpflow's attn_out_norm)
-        _layer_norm("post_attention_layernorm", "attn_out_norm"),
-        _layer_norm("post_feedforward_layernorm", "mlp_out_norm"),
+        layer_norm_rename("post_attention_layernorm", "attn_out_norm"),
+        layer_norm_rename("post_feedforward_layernorm", "mlp_out_norm"),
         *(attention_rename(f"{p}.{{wb}}", f"{p}.{{wb}}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
         attention_rename("q_norm.weight", "q_norm.weight"),
         attention_rename("k_norm.weight", "k_norm.weight"),

@@ -67,6 +67,11 @@ DECODER_RENAMES = (
 """Embedding, norms, MLP and LM head: the same names in Llama and DeepSeek checkpoints."""
 
 
+def layer_norm_rename(hf: str, ours: str) -> Rename:
+    """A layer's norm: ``model.layers.{i}.<hf>.weight`` -> ``layers.{i}.<ours>.weight``."""
+    return Rename(f"model.layers.{{i}}.{hf}.weight", f"layers.{{i}}.{ours}.weight")
+
+
 def attention_rename(hf: str, ours: str) -> Rename:
     """A rename inside a layer's attention block: ``self_attn.<hf>`` -> ``self_attn.<ours>``."""
     return Rename("model.layers.{i}.self_attn." + hf, "layers.{i}.self_attn." + ours)

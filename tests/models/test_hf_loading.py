@@ -1330,3 +1330,34 @@ def test_real_cohere2_configs_size_a_simulated_run(tmp_path, name):
            "workload=explicit", "workload.prompt_lens=[8000]", "workload.output_lens=[4]"]
     card = compose(sim).model
     assert (card.sliding_window, card.sliding_layers, card.num_kv_heads) == (4096, 3 * config["num_hidden_layers"] // 4, 8)
+
+
+# ------------------------------------------------------------------ Seed-OSS, EXAONE 4.0
+# config.json of Seed-OSS-36B-Instruct (512K context) and EXAONE-4.0-32B as published, with their
+# parameter counts (billions: 36.15, 32.0)
+SEED_OSS_36B = dict(architectures=["SeedOssForCausalLM"], model_type="seed_oss", attention_bias=True,
+                    attention_out_bias=False, mlp_bias=False, head_dim=128, hidden_size=5120, intermediate_size=27648,
+                    max_position_embeddings=524288, num_attention_heads=80, num_hidden_layers=64,
+                    num_key_value_heads=8, rms_norm_eps=1e-06, rope_theta=10000000.0, tie_word_embeddings=False,
+                    vocab_size=155136)
+EXAONE4_32B = dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", head_dim=128, hidden_size=5120,
+                   intermediate_size=27392, max_position_embeddings=131072, num_attention_heads=40, num_hidden_layers=64,
+                   num_key_value_heads=8, rms_norm_eps=1e-05, rope_theta=1000000.0, sliding_window=4096,
+                   sliding_window_pattern="LLLG", tie_word_embeddings=False, vocab_size=102400,
+                   rope_scaling={"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                   layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 16)
+
+
+@pytest.mark.parametrize("config, total_b", [(SEED_OSS_36B, 36.15), (EXAONE4_32B, 32.0)], ids=["seed-oss-36b", "exaone-4.0-32b"])
+def test_real_seed_oss_and_exaone4_configs_size_as_published(tmp_path, config, total_b):
+    """transformers' own parameter count, to the published 36B / 32B; Seed-OSS's q/k/v biases and
+    no o bias; EXAONE's three sliding layers of four, its full layers without RoPE."""
+    c, ours, theirs_config = _sized_as_transformers(tmp_path, config)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(total_b, abs=0.05)
+    attn = ours.layers[3].self_attn
+    if config["model_type"] == "seed_oss":
+        assert (attn.q_proj.bias is not None, attn.o_proj.bias is None, attn.head_dim) == (True, True, 128)
+        return
+    assert c.sliding_layers == [i for i, t in enumerate(theirs_config.layer_types) if t == "sliding_attention"]
+    assert (c.window, attn.rotary, ours.layers[0].self_attn.rotary is not None) == (4096, None, True)

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-and Mistral 3 too: their language models), OLMo 2/3, Cohere 2 and DeepSeek-V2/V3 checkpoints are
+and Mistral 3 too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, EXAONE 4 and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -91,6 +91,10 @@ CHECKPOINTS = {
     "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
     # OLMo 2: post-norm layers, q and k normed over the whole projection (under TP: the group's
     # mean square); OLMo 3: the same, its even layer sliding over WINDOW keys, YaRN on the full one
+    # Seed-OSS: Llama's with q/k/v biases by default and o's own bias field
+    "seed_oss": dict(arch="seed_oss"),
+    # EXAONE 4.0: post-norm layers, per-head q/k norms, a sliding layer with RoPE, a full one NoPE
+    "exaone4_window": dict(arch="exaone4", sliding_window=WINDOW),
     "olmo2": dict(arch="olmo2"),
     "olmo3_window": dict(arch="olmo3", sliding_window=WINDOW),
     # Cohere 2 (Command R7B, Command A): parallel blocks on one centered norm, a sliding layer with
@@ -149,6 +153,10 @@ MATRIX = [
     ("mistral3", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
+    ("seed_oss", "float64", 2, 2, "sharded", []),
+    ("seed_oss", "float32", 4, 4, "replicated", []),
+    ("exaone4_window", "float64", 2, 2, "sharded", []),
+    ("exaone4_window", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
     ("olmo2", "float64", 1, 1, "replicated", []),
     ("olmo2", "float32", 4, 4, "sharded", []),
     ("olmo3_window", "float64", 2, 2, "sharded", []),
@@ -184,6 +192,8 @@ MATRIX = [
     ("olmo2", "float64", 2, 1, "replicated", ["tp=2"]),
     ("olmo3_window", "float32", 2, 2, "sharded", ["tp=2"]),
     ("cohere2_window", "float32", 2, 2, "replicated", ["tp=2"]),
+    ("seed_oss", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("exaone4_window", "float32", 2, 2, "replicated", ["tp=2"]),
 ]
 
 

@@ -1,7 +1,7 @@
 """The twin property over layouts nobody chose by hand: seeded random configs (tiny models,
 tp 1-2, pcp 1-4, each dcp, both decode modes, both DCP paths and backends, rings, restores,
-interleaves, experts, prefix caching in small caches, cached prefixes, staggered arrivals and
-small budgets) run executed on CPU ranks, verified against one rank, and simulated; every
+interleaves, experts, prefix caching in small caches, cached prefixes, staggered arrivals,
+small budgets, sliding windows and OLMo's whole-projection q/k norms) run executed on CPU ranks, verified against one rank, and simulated; every
 step counts the same (``step_counts.mismatches``: tokens, pairs, collective calls and bytes
 by purpose, prefix hits, preemptions, blocks in use). The hand-picked matrix is ``test_simulate_equality.py``; this
 one draws its cases from a fixed seed, so a failure names a config to rerun. A second draw
@@ -64,6 +64,22 @@ def draw(rng: random.Random) -> list[str]:
     return ov
 
 
+def gqa_extras(rng: random.Random, ov: list[str]) -> list[str]:
+    """A tiny GQA config's own axes, from a generator of their own (the draws above stay as
+    they were): a sliding window (on every layer, or on one), q and k normed over the whole
+    projection (under TP: OLMo 2's all-reduced sums)."""
+    if "model=tiny_gqa" not in ov:
+        return []
+    out = []
+    if rng.random() < 0.5:
+        out.append(f"model.window={rng.choice([1, 3, 6])}")
+        if rng.random() < 0.5:
+            out.append(f"model.window_layers=[{rng.choice([0, 1])}]")
+    if rng.random() < 0.3:
+        out.append("model.qk_norm=full")
+    return out
+
+
 def valid(ov: list[str]) -> bool:
     try:
         compose(ov), compose(ov + ["verify=false"] + SIMULATED)
@@ -76,6 +92,7 @@ def cases() -> list[list[str]]:
     rng, out = random.Random(SEED), []
     while len(out) < CASES:
         ov = draw(rng)
+        ov += gqa_extras(random.Random(f"{SEED}:{len(out)}"), ov)
         if valid(ov):
             out.append(ov)
     return out
@@ -118,6 +135,9 @@ def test_random_layouts_count_what_their_executed_runs_count(tmp_path, which):
     assert any(rings) and any("kv.prefix_caching=true" in ov for ov in drawn)
     assert any("model.moe.num_experts=8" in ov for ov in drawn) and any(_value(ov, "tp") == 2 for ov in drawn)
     assert {_value(ov, "pcp") for ov in drawn} >= {1, 2, 3, 4}
+    windowed = [ov for ov in drawn if any(o.startswith("model.window=") for o in ov)]
+    assert any(rings[drawn.index(ov)] for ov in windowed) and any(_value(ov, "dcp") > 1 for ov in windowed)
+    assert any("model.qk_norm=full" in ov and _value(ov, "tp") == 2 for ov in drawn)
     _same_counts(tmp_path, drawn, rings)
 
 
