@@ -57,7 +57,7 @@ def write_trace(path: Path, n: int = 4) -> Path:
 
 
 # ------------------------------------------------------------------------- configs
-_CARDS = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3")
+_CARDS = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b")
 
 
 def test_every_shipped_yaml_composes_and_validates(tmp_path):

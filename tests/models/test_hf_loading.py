@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -1040,6 +1041,22 @@ def test_real_multimodal_gemma3_configs_size_their_language_model(tmp_path, name
            "workload=explicit", "workload.prompt_lens=[1000]", "workload.output_lens=[8]"]
     sizes = model_sizes(compose(sim).model)
     assert sizes.total_weight_params() / 1e6 == pytest.approx(non_embedding, rel=0.001)
+
+
+def test_the_gemma3_27b_card_is_its_config_json_s():
+    """``model=gemma3_27b`` is what ``model=hf`` reads from gemma-3-27b-it's config.json (the
+    same sizes, window and sliding layers), so a simulated run of either prices the same model."""
+    from pcpflow.models.card import ModelCard, card_from_hf_config
+
+    text, _ = REAL_GEMMA3_MM_CONFIGS["gemma-3-27b"]
+    raw = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", text_config=text,
+               vision_config=GEMMA3_MM_VISION)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(raw))
+        from_config = ModelCard(**card_from_hf_config(d))
+    card = compose(["mode=simulate", "hardware=h200_sxm", "model=gemma3_27b"]).model
+    skip = {"name", "source"}
+    assert card.model_dump(exclude=skip) == from_config.model_dump(exclude=skip)
 
 
 # config.json of Mistral-Small-3.1-24B-Instruct-2503 as published (its text_config; the Pixtral
