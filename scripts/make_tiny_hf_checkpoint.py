@@ -36,6 +36,9 @@ logits divided by 2.5).
 (a one-layer SigLIP vision tower and its projector beside it, the text tensors under
 ``language_model.``), as gemma-3-4b/12b/27b are stored.
 
+``qwen2_5_vl`` is ``qwen2``'s language model inside ``Qwen2_5_VLForConditionalGeneration`` (M-RoPE
+sections 2/3/3, a one-block vision tower beside it).
+
 ``mistral3`` is ``mistral``'s language model inside ``Mistral3ForConditionalGeneration`` (a
 one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 
@@ -105,7 +108,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "exaone4", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "exaone4", "qwen2_5_vl", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -170,6 +173,7 @@ DEFAULT_ROPE_SCALING = {
     "gemma3": "linear",
     "gemma3_mm": "linear",
     "mistral3": "none",
+    "qwen2_5_vl": "none",
     "gemma2": "none",
     "olmo2": "none",
     "olmo3": "yarn",
@@ -297,6 +301,17 @@ def tiny_config(
         return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
                                          boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
                                          image_token_index=vocab_size - 1, tie_word_embeddings=tie_word_embeddings)
+    if arch == "qwen2_5_vl":
+        text = tiny_config("qwen2", rope_scaling="none", tie_word_embeddings=tie_word_embeddings, vocab_size=vocab_size,
+                           num_layers=num_layers, sliding_window=sliding_window).to_dict()
+        text["rope_parameters"] = {"rope_type": "default", "type": "mrope", "mrope_section": [2, 3, 3],
+                                   "rope_theta": 10000.0}  # NOTE: head 16: 8 frequencies in 3 sections
+        # NOTE: the smallest vision tower; the special ids are ordinary ids of the vocabulary
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      spatial_merge_size=2, patch_size=14, window_size=56, fullatt_block_indexes=[0])
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab_size - 1,
+                                             video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
+                                             tie_word_embeddings=tie_word_embeddings)
     if arch == "mistral3":
         text = tiny_config("mistral", rope_scaling=rope_scaling, vocab_size=vocab_size, num_layers=num_layers,
                            sliding_window=sliding_window)
@@ -381,7 +396,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".vision_tower." in f".{name}" or ".multi_modal_projector." in f".{name}":
+            if any(f".{part}." in f".{name}" for part in ("vision_tower", "multi_modal_projector", "visual")):
                 continue  # NOTE: a multimodal model's image side: never run on text (transformers' own init)
             if name.endswith("embed_tokens.weight"):
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
@@ -427,6 +442,7 @@ def build_checkpoint(
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
         "gemma3_mm": transformers.Gemma3ForConditionalGeneration,
         "mistral3": transformers.Mistral3ForConditionalGeneration,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
     }[arch]
     model = cls(config).to(torch.float32)
     init_weights(model, seed)

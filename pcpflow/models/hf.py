@@ -44,7 +44,7 @@ from pcpflow.models.hf_cohere import Cohere2Checkpoint
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
-from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint
+from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
 from pcpflow.models.hf_weights import (
     Rename,
@@ -61,6 +61,8 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Gemma3ForCausalLM": Gemma3Checkpoint,
     "Gemma3ForConditionalGeneration": Gemma3MultimodalCheckpoint,  # its language model: text in, text out
     "Mistral3ForConditionalGeneration": Mistral3Checkpoint,  # the same
+    "Qwen2VLForConditionalGeneration": Qwen2VLCheckpoint,  # the same
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLCheckpoint,
     "Gemma2ForCausalLM": Gemma2Checkpoint,
     "Olmo2ForCausalLM": Olmo2Checkpoint,
     "Olmo3ForCausalLM": Olmo3Checkpoint,
@@ -89,6 +91,8 @@ _MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "olmo2": "Olmo2ForCausalLM",

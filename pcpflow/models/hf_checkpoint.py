@@ -261,14 +261,16 @@ class HeadsOfHidden(CheckpointConfig):
 class LanguageModelOf:
     """Mixin: the language model of a multimodal checkpoint (a vision tower beside it), run on
     text alone. Its config.json nests the text model's fields in ``text_config`` (the text
-    config class's defaults, ``text_defaults``, where it is silent), its tensors sit under
-    ``language_model.``, and what it stores for images (``skip``) is left in the file. The
-    whole model's ``tie_word_embeddings`` and ``quantization_config`` are read at the top, as
-    transformers reads them (``tie_default``: the multimodal config class's default)."""
+    config class's defaults, ``text_defaults``, where it is silent; ``text_at_top``: or writes
+    them beside the vision config, as Qwen2-VL's older files do), its tensors sit under
+    ``language_model.`` (``prefixed``), and what it stores for images (``skip``) is left in the
+    file. The whole model's ``tie_word_embeddings`` and ``quantization_config`` are read at the
+    top, as transformers reads them (``tie_default``: the multimodal config class's default)."""
 
     text_architecture: ClassVar[str]  # the text model's architecture (its family)
     text_model_types: ClassVar[tuple[str, ...]]  # what text_config.model_type may say
     text_defaults: ClassVar[dict[str, Any]] = {}
+    text_at_top: ClassVar[bool] = False
     tie_default: ClassVar[bool] = True
     skip: ClassVar[tuple[str, ...]] = (r"vision_tower\..*", r"multi_modal_projector\..*")
 
@@ -278,11 +280,20 @@ class LanguageModelOf:
         return tuple(dataclasses.replace(r, hf=f"language_model.{r.hf}") for r in renames)
 
     @classmethod
+    def text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
+        """The text model's fields as its own config.json would write them (a family reads its own)."""
+        return text
+
+    @classmethod
     def parse(cls, raw: dict[str, Any], architecture: str, *, allow_quantized: bool = False):
         where = f"config.json of a {architecture}"
-        text = raw.get("text_config") or {}
+        text = raw.get("text_config")
+        if text is None and cls.text_at_top:
+            text = {k: v for k, v in raw.items() if k not in ("vision_config", "architectures", "model_type")}
+        text = text or {}
         if not isinstance(text, dict):
             raise ValueError(f"{where}: text_config must be a mapping; got {text!r}")
+        text = cls.text_fields(text)
         kind = text.get("model_type", cls.text_model_types[0])
         if kind not in cls.text_model_types:
             raise ValueError(f"{where}: text_config.model_type must be {' or '.join(cls.text_model_types)}; got {kind!r}")

@@ -296,3 +296,41 @@ class Mistral3Checkpoint(LanguageModelOf, LlamaCheckpoint):
     text_model_types: ClassVar[tuple[str, ...]] = ("mistral",)
     text_defaults: ClassVar[dict[str, Any]] = MISTRAL_TEXT_DEFAULTS
     renames: ClassVar[tuple[Rename, ...]] = LanguageModelOf.prefixed(LlamaCheckpoint.renames)
+
+
+QWEN2_VL_TEXT_DEFAULTS = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                              num_attention_heads=64, num_key_value_heads=8, rope_theta=1_000_000.0,
+                              max_window_layers=80)
+"""transformers' ``Qwen2_5_VLTextConfig`` (and ``Qwen2VLTextConfig``) defaults that ``LlamaCheckpoint``'s differ from."""
+
+
+class Qwen2VLCheckpoint(LanguageModelOf, LlamaCheckpoint):
+    """The language model of Qwen2-VL / Qwen2.5-VL (``Qwen2VLForConditionalGeneration``,
+    ``Qwen2_5_VLForConditionalGeneration``), run on text alone (``LanguageModelOf``): Qwen2's
+    layers from ``text_config`` (or, in older files, the top level), tensors stored as a text
+    model's (``model.layers.*``), the ``visual.*`` tower unread. Their multimodal RoPE (M-RoPE)
+    rotates the sections of a head (``mrope_section``: time, height, width) by three position
+    ids, which text alone makes one and the same: plain RoPE, as ``get_rope_index`` gives a
+    prompt without images."""
+
+    text_architecture: ClassVar[str] = "Qwen2ForCausalLM"
+    text_model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl_text", "qwen2_5_vl_text")
+    text_defaults: ClassVar[dict[str, Any]] = QWEN2_VL_TEXT_DEFAULTS
+    text_at_top: ClassVar[bool] = True
+    tie_default: ClassVar[bool] = False
+    skip: ClassVar[tuple[str, ...]] = (r"visual\..*",)
+
+    @classmethod
+    def text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
+        """M-RoPE as plain RoPE (its sections must cover a head's rotated half)."""
+        key = "rope_parameters" if text.get("rope_parameters") is not None else "rope_scaling"
+        rope = text.get(key)
+        if not isinstance(rope, dict) or "mrope_section" not in rope:
+            return text
+        sections = rope["mrope_section"]
+        heads = text.get("num_attention_heads", QWEN2_VL_TEXT_DEFAULTS["num_attention_heads"])
+        dim = text.get("hidden_size", QWEN2_VL_TEXT_DEFAULTS["hidden_size"]) // heads
+        if not (isinstance(sections, list) and all(type(s) is int and s >= 0 for s in sections) and 2 * sum(sections) == dim):
+            raise ValueError(f"{key}.mrope_section must split a head's {dim // 2} rotated frequencies; got {sections!r}")
+        plain = {k: v for k, v in rope.items() if k not in ("mrope_section", "type", "rope_type", "mrope_interleaved")}
+        return {**text, key: {**plain, "rope_type": "default"}}

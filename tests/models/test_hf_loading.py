@@ -1059,6 +1059,43 @@ def test_the_gemma3_27b_card_is_its_config_json_s():
     assert card.model_dump(exclude=skip) == from_config.model_dump(exclude=skip)
 
 
+# config.json of Qwen2.5-VL-7B-Instruct as published (transformers 4.49: the text model's fields at the
+# top, M-RoPE as rope_scaling; the vision tower's config abridged): 8.29B parameters, 0.67B of them
+# the vision tower's
+QWEN25_VL_7B = dict(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl",
+                    hidden_size=3584, intermediate_size=18944, max_position_embeddings=128000, max_window_layers=28,
+                    num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4, rms_norm_eps=1e-06,
+                    rope_theta=1000000.0, sliding_window=32768, tie_word_embeddings=False, use_sliding_window=False,
+                    vocab_size=152064, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                       out_hidden_size=3584, spatial_merge_size=2, patch_size=14, window_size=112,
+                                       fullatt_block_indexes=[7, 15, 23, 31]))
+
+
+def test_qwen25_vl_reads_its_language_model_from_the_top_level(tmp_path):
+    """Qwen2.5-VL's older config.json writes the text model's fields at the top: read as a Qwen2
+    text model's (q/k/v biases, no window without use_sliding_window), M-RoPE as plain RoPE at its
+    theta (its sections cover a head's 64 frequencies; ones that do not are refused by name), and
+    transformers' own parameter count of the language model and head: 7.62B of the published 8.29B."""
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_VL_7B))
+    c = read_checkpoint_config(tmp_path)
+    assert (type(c).__name__, c.kv_heads, c.dim, c.rope_theta, c.rope_scaling, c.window) == (
+        "Qwen2VLCheckpoint", 4, 128, 1e6, None, None)
+    ours = build_uninitialized(lambda: HFModel(c), "meta")
+    with torch.device("meta"):
+        theirs = transformers.Qwen2_5_VLForConditionalGeneration(transformers.AutoConfig.from_pretrained(tmp_path))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.model.language_model.parameters()) + theirs.lm_head.weight.numel()
+    assert count / 1e9 == pytest.approx(7.62, abs=0.01) and ours.layers[0].self_attn.q_proj.bias is not None
+    bad = dict(QWEN25_VL_7B, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 16]})
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="mrope_section must split a head's 64 rotated frequencies"):
+        read_checkpoint_config(tmp_path)
+
+
 # config.json of Mistral-Small-3.1-24B-Instruct-2503 as published (its text_config; the Pixtral
 # vision tower's config abridged): "24B" parameters, 0.4B of them the vision tower's
 MISTRAL_SMALL_31 = dict(

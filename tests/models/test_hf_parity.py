@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-and Mistral 3 too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, EXAONE 4 and DeepSeek-V2/V3 checkpoints are
+Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, EXAONE 4 and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -84,6 +84,8 @@ CHECKPOINTS = {
     # Gemma 3 4B-27B: the same language model inside Gemma3ForConditionalGeneration, beside a
     # vision tower it never runs (text_config, tensors under language_model.)
     "gemma3_mm": dict(arch="gemma3_mm", sliding_window=WINDOW, tie_word_embeddings=True),
+    # Qwen2.5-VL: Qwen2's language model (M-RoPE, plain on text) beside a vision tower it never runs
+    "qwen2_5_vl": dict(arch="qwen2_5_vl"),
     # Mistral Small 3.1 / 3.2: Mistral's language model inside Mistral3ForConditionalGeneration
     "mistral3": dict(arch="mistral3", sliding_window=WINDOW),
     # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
@@ -150,6 +152,8 @@ MATRIX = [
     ("gemma3_mm", "float64", 2, 2, "sharded", []),
     ("gemma3_mm", "float32", 4, 1, "replicated", []),
     ("mistral3", "float64", 2, 2, "sharded", []),
+    ("qwen2_5_vl", "float64", 2, 2, "sharded", []),
+    ("qwen2_5_vl", "float32", 4, 1, "replicated", []),
     ("mistral3", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
@@ -187,6 +191,7 @@ MATRIX = [
     ("gemma3", "float64", 2, 1, "replicated", ["tp=2"]),
     ("gemma3", "float32", 2, 2, "sharded", ["tp=2"]),
     ("gemma3_mm", "float32", 2, 2, "replicated", ["tp=2"]),
+    ("qwen2_5_vl", "float64", 2, 2, "sharded", ["tp=2"]),
     ("gemma2_softcap", "float64", 2, 2, "replicated", ["tp=2"]),
     # OLMo's full-width q/k norms split over TP: the sums of squares all-reduced
     ("olmo2", "float64", 2, 1, "replicated", ["tp=2"]),
