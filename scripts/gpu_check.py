@@ -11,7 +11,7 @@ Sections, in priority order (each records its own error and the check goes on):
   profile    `python -m pcpflow mode=profile pcp=1` on the GPU (<= 90 s): GEMMs, attention
              (fused), memory, launch and graph replay, pcpflow's host work; its collectives
              stay priced by NCCL's model (from: h200_sxm); a cut profile is kept, partial
-  attention  fused vs reference paged attention at a real shape: max |diff|, time
+  attention  fused vs reference paged attention at a real shape (and through a 1024-key window): max |diff|, time
   runs       pcp=1 bf16 engine runs (<= 120 s): tiny models, then a random-weight model at
              Llama-3-8B dims (a few layers) at 8K and 32K prompts; eager vs CUDA graphs
              (cudagraph_mode=full_decode_only, attention=fused): TTFT, TPOT, speed-up,
@@ -186,16 +186,22 @@ class Check:
         specs = {
             "gqa_llama3_8b": gqa_spec(32, 8, 128) if not self.dry else gqa_spec(4, 2, 16),
             "mla_16_heads": mla_spec(16, 512, 64, 0.07) if not self.dry else mla_spec(4, 32, 8, 0.1),
+            # a sliding layer's window (Gemma 3's 1024; the dry run's 8): each row's first key
+            "gqa_window_1024": gqa_spec(32, 16, 128) if not self.dry else gqa_spec(4, 2, 16),
         }
+        windows = {"gqa_window_1024": 8 if self.dry else 1024}
         dtype = torch.bfloat16
         for name, spec in specs.items():
             args = _paged_case(spec, ctx_len, chunk, decodes, 16, self.device, dtype)
+            ctx = args[5]
+            starts = (ctx - windows[name]).clamp(min=0) if name in windows else torch.zeros_like(ctx)
+            args = (*args, starts) if name in windows else args
             out_r, lse_r = paged_attention(*args)
             out_f, lse_f = fused_paged_attention(*args)
             reps = 1 if self.dry else 3
             t_ref = self.timed(lambda: paged_attention(*args), reps)
             t_fused = self.timed(lambda: fused_paged_attention(*args), reps)
-            pairs = chunk * (ctx_len - chunk) + chunk * (chunk + 1) // 2 + decodes * ctx_len
+            pairs = int((ctx - starts).sum())
             e[name] = {
                 "rows": chunk + decodes,
                 "context": ctx_len,

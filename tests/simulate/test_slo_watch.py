@@ -83,7 +83,8 @@ def test_no_target_or_a_run_cut_at_max_steps_is_never_stopped():
 
 @pytest.mark.parametrize("service", [
     ["workload.request_rate=10"],
-    ["workload.request_rate=10", "disagg=pd"],
+    # NOTE: slow: the same watch over two pools' runs (4 s; the default set's budget)
+    pytest.param(["workload.request_rate=10", "disagg=pd"], marks=pytest.mark.slow),
 ], ids=["one pool", "pools"])
 def test_a_goodput_search_finds_the_rate_it_finds_without_stopping(service, monkeypatch):
     """The rate search of ``pcpflow.search.evaluate`` tries the same rates and finds the same
