@@ -45,6 +45,8 @@ one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 ``cohere2`` has parallel blocks (attention and MLP on one centered norm), its even layers sliding
 with interleaved RoPE and its odd ones full without position embedding, logits times 0.75.
 
+``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
+
 ``seed_oss`` has q/k/v biases (its default) and an o bias (``attention_out_bias``), head 24.
 
 ``exaone4`` is post-norm with per-head q/k norms, its even layers sliding (RoPE, llama3 scaling)
@@ -108,7 +110,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "exaone4", "qwen2_5_vl", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -127,6 +129,7 @@ GQA_ARCHS = {
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
 }
 
@@ -179,6 +182,7 @@ DEFAULT_ROPE_SCALING = {
     "olmo3": "yarn",
     "cohere2": "none",
     "seed_oss": "none",
+    "ernie4_5": "none",
     "exaone4": "llama3",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
@@ -261,6 +265,8 @@ def tiny_config(
             # keeps the logits decisive (the released 0.0625-0.25 would flatten random ones)
             # NOTE: q/k/v biases (attention_bias, its default) and o's own (attention_out_bias, set here)
             seed_oss=dict(head_dim=24, attention_out_bias=True, mlp_bias=bias),
+            # NOTE: every bias (use_bias), RoPE on adjacent pairs; tied as its released 0.3B
+            ernie4_5=dict(head_dim=24, use_bias=True),
             # NOTE: the even layers slide and rotate, the odd ones are full and NoPE (its "LLLG", in two)
             exaone4=dict(sliding_window=sliding_window or 4096, sliding_window_pattern="LG",
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),

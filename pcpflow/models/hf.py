@@ -86,6 +86,7 @@ _MODEL_TYPES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

@@ -1,6 +1,6 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
-``GraniteForCausalLM``, ``SeedOssForCausalLM`` and the mixture-of-experts
+``GraniteForCausalLM``, ``SeedOssForCausalLM``, ``Ernie4_5ForCausalLM`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
@@ -36,6 +36,9 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
   embeddings tied unless config.json says otherwise.
 - Seed-OSS (Seed-OSS-36B, 512K context): Llama's, q/k/v biases unless ``attention_bias: false``,
   o's bias as ``attention_out_bias`` says (default none), ``head_dim`` 128 unless given.
+- ERNIE 4.5 (dense: ERNIE-4.5-0.3B, 128K context): Llama's, every bias (q/k/v/o and the MLP's) as
+  ``use_bias`` says, RoPE on pairs of adjacent dims, ``head_dim`` 128 unless given, embeddings
+  tied unless config.json says otherwise.
 - Granite (Granite 3.x): Llama's, with ``embedding_multiplier`` on the embedding,
   ``residual_multiplier`` on each block's output, ``attention_multiplier`` as the softmax scale
   and the logits divided by ``logits_scaling``.
@@ -88,6 +91,8 @@ class GQAFamily:
     multipliers: bool = False  # Granite's embedding, residual, attention multipliers and logits scaling
     bias_default: bool = False  # attention_bias where config.json gives none (Seed-OSS: true)
     out_bias_field: bool = False  # o's bias from attention_out_bias, not attention_bias (Seed-OSS)
+    use_bias: bool = False  # every bias (q/k/v/o, MLP) from config.json's use_bias (ERNIE 4.5)
+    interleaved_rope: bool = False  # RoPE on pairs of adjacent dims (ERNIE 4.5)
 
 
 FAMILIES = {
@@ -107,6 +112,7 @@ FAMILIES = {
                                     nope=True),
     "GraniteForCausalLM": GQAFamily(multipliers=True),
     "SeedOssForCausalLM": GQAFamily(head_dim=128, bias_default=True, out_bias_field=True),
+    "Ernie4_5ForCausalLM": GQAFamily(head_dim=128, tied_default=True, use_bias=True, interleaved_rope=True),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -133,6 +139,7 @@ class LlamaCheckpoint(CheckpointConfig):
     attention_multiplier: float = Field(1.0, gt=0)
     logits_scaling: float = Field(1.0, gt=0)
     attention_out_bias: bool = False  # Seed-OSS's o bias
+    use_bias: bool = False  # ERNIE 4.5's, every bias
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral, GLM-4.5: from their MoE fields (``hf_moe.gqa_moe_settings``)
 
     renames: ClassVar[tuple[Rename, ...]] = (
@@ -268,15 +275,19 @@ class LlamaCheckpoint(CheckpointConfig):
         def given(fixed: bool | None, field: bool) -> bool:
             return field if fixed is None else fixed
 
+        qkv = self.qkv_bias if f.reads_qkv_bias and self.qkv_bias is not None else given(f.qkv_bias, self.attention_bias)
+        out = self.attention_out_bias if f.out_bias_field else given(f.o_bias, self.attention_bias)
+        mlp = given(f.mlp_bias, self.mlp_bias)
+        if f.use_bias:  # NOTE: ERNIE 4.5's one field for every bias
+            qkv = out = mlp = self.use_bias
         return gqa_layers(
             self.num_hidden_layers, hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
             num_kv_heads=self.kv_heads, head_dim=self.dim, intermediate_size=self.intermediate_size,
             eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            bias=self.qkv_bias if f.reads_qkv_bias and self.qkv_bias is not None else given(f.qkv_bias, self.attention_bias),
-            o_bias=self.attention_out_bias if f.out_bias_field else given(f.o_bias, self.attention_bias),
-            mlp_bias=given(f.mlp_bias, self.mlp_bias), qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
+            bias=qkv, o_bias=out, mlp_bias=mlp, qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
             rotary_dim=self.rope_dims, rope_layers=self.rope_layers,
             residual_multiplier=self.residual_multiplier if f.multipliers else None,
+            interleaved_rope=f.interleaved_rope,
         )
 
 

@@ -192,13 +192,15 @@ def gqa_layers(
     rotary_dim: int | None = None,
     rope_layers: list[bool] | None = None,
     residual_multiplier: float | None = None,
+    interleaved_rope: bool = False,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
     ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps`` (``"full"``:
     OLMo 2's, over the whole projection);
     ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral, GLM-4.5); ``rotary_dim``:
     the dims RoPE rotates (None: all of ``head_dim``); ``rope_layers``: which layers rotate (None:
-    all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``)."""
+    all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``);
+    ``interleaved_rope``: RoPE on pairs of adjacent dims (ERNIE 4.5's)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -206,7 +208,8 @@ def gqa_layers(
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                rotary=(RotaryEmbedding(rotary_dim or head_dim, rope_theta, scaling=rope_scaling)
+                rotary=(RotaryEmbedding(rotary_dim or head_dim, rope_theta, scaling=rope_scaling,
+                                        interleaved=interleaved_rope)
                         if rope_layers is None or rope_layers[i] else None),
                 bias=bias,
                 o_bias=o_bias,

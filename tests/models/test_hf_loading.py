@@ -1403,13 +1403,24 @@ EXAONE4_32B = dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", h
                    layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 16)
 
 
-@pytest.mark.parametrize("config, total_b", [(SEED_OSS_36B, 36.15), (EXAONE4_32B, 32.0)], ids=["seed-oss-36b", "exaone-4.0-32b"])
+ERNIE45_03B = dict(architectures=["Ernie4_5ForCausalLM"], model_type="ernie4_5", head_dim=128, hidden_size=1024,
+                   intermediate_size=3072, max_position_embeddings=131072, num_attention_heads=16, num_hidden_layers=18,
+                   num_key_value_heads=2, rms_norm_eps=1e-05, rope_theta=500000, use_bias=False,
+                   tie_word_embeddings=True, vocab_size=103424)
+
+
+@pytest.mark.parametrize("config, total_b", [(SEED_OSS_36B, 36.15), (EXAONE4_32B, 32.0), (ERNIE45_03B, 0.36)],
+                         ids=["seed-oss-36b", "exaone-4.0-32b", "ernie-4.5-0.3b"])
 def test_real_seed_oss_and_exaone4_configs_size_as_published(tmp_path, config, total_b):
-    """transformers' own parameter count, to the published 36B / 32B; Seed-OSS's q/k/v biases and
-    no o bias; EXAONE's three sliding layers of four, its full layers without RoPE."""
+    """transformers' own parameter count, to the published 36B / 32B / 0.36B; Seed-OSS's q/k/v
+    biases and no o bias; ERNIE's interleaved RoPE; EXAONE's three sliding layers of four, its full
+    layers without RoPE."""
     c, ours, theirs_config = _sized_as_transformers(tmp_path, config)
-    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(total_b, abs=0.05)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(total_b, rel=0.005)
     attn = ours.layers[3].self_attn
+    if config["model_type"] == "ernie4_5":
+        assert (attn.rotary.interleaved, attn.q_proj.bias, ours.lm_head) == (True, None, None)
+        return
     if config["model_type"] == "seed_oss":
         assert (attn.q_proj.bias is not None, attn.o_proj.bias is None, attn.head_dim) == (True, True, 128)
         return

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, EXAONE 4 and DeepSeek-V2/V3 checkpoints are
+Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4 and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -95,6 +95,8 @@ CHECKPOINTS = {
     # mean square); OLMo 3: the same, its even layer sliding over WINDOW keys, YaRN on the full one
     # Seed-OSS: Llama's with q/k/v biases by default and o's own bias field
     "seed_oss": dict(arch="seed_oss"),
+    # ERNIE 4.5: every bias, RoPE on adjacent pairs (interleaved), tied embeddings
+    "ernie4_5": dict(arch="ernie4_5", tie_word_embeddings=True),
     # EXAONE 4.0: post-norm layers, per-head q/k norms, a sliding layer with RoPE, a full one NoPE
     "exaone4_window": dict(arch="exaone4", sliding_window=WINDOW),
     "olmo2": dict(arch="olmo2"),
@@ -159,6 +161,9 @@ MATRIX = [
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
     ("seed_oss", "float64", 2, 2, "sharded", []),
     ("seed_oss", "float32", 4, 4, "replicated", []),
+    ("ernie4_5", "float64", 2, 2, "sharded", []),
+    ("ernie4_5", "float32", 4, 1, "replicated", []),
+    ("ernie4_5", "float64", 2, 2, "replicated", ["tp=2"]),
     ("exaone4_window", "float64", 2, 2, "sharded", []),
     ("exaone4_window", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
     ("olmo2", "float64", 1, 1, "replicated", []),
