@@ -22,15 +22,19 @@ def rope(x, positions, theta):
     return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
 
 
-def causal_attention(q, k, v, scale, window=None):
+def causal_attention(q, k, v, scale, window=None, sinks=None):
     """q, k [N, H, d], v [N, H, dv] -> [N, H, dv], standard causal softmax attention; with a
-    ``window``, query i sees keys i - window < j <= i only."""
+    ``window``, query i sees keys i - window < j <= i only; ``sinks [H]``: one more logit per
+    head in every row's softmax, its probability dropped (gpt-oss's eager attention)."""
     n = q.shape[0]
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     hidden = (j > i) if window is None else (j > i) | (j <= i - window)
     s = s.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[:, None, None].expand(-1, n, 1)], dim=-1)
+    p = torch.softmax(s, -1)[..., :n]
+    return torch.einsum("hqk,khd->qhd", p, v)
 
 
 def reference_forward(model, ids):
@@ -69,7 +73,7 @@ def reference_forward(model, ids):
             rep = nh // nkv
             o = causal_attention(
                 q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 1 / math.sqrt(hd),
-                c.window if index in slides else None,
+                c.window if index in slides else None, a.sinks,
             )
         x = x + o.flatten(1) @ a.o_proj.weight.T
         h = rms(x, layer.post_attention_norm.weight, c.rms_norm_eps)

@@ -41,6 +41,7 @@ from pcpflow.attention.paged import (
     merge_packed_partials,
     pack_partials,
     paged_attention,
+    with_sinks,
 )
 from pcpflow.layouts.accounting import (
     QUERIES,
@@ -133,9 +134,9 @@ class CPAttention:
             self.rest_ctx = meta.gathered_row_context_lens.view(p, n)[:, nd:].reshape(-1)
             self.rest_start = _cut(meta.gathered_row_starts, lambda g: g.view(p, n)[:, nd:].reshape(-1))
 
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.write(layer, kv)
-        return self.attend(layer, q)
+        return self.attend(layer, q, sinks)
 
     def write(self, layer: int, kv: torch.Tensor) -> None:
         """Step 1 alone: write this rank's new entries ``kv`` to layer ``layer``'s cache
@@ -145,17 +146,18 @@ class CPAttention:
         if self.rest_write is not None:
             _write(cache, self.rest_write, self.pcp.all_gather(kv[nd:], "kv_gather"))
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Step 2 alone: the attention of ``q`` over layer ``layer``'s cache (through the
-        sliding window on the layers ``AttentionSpec.window_layers`` names)."""
+        sliding window on the layers ``AttentionSpec.window_layers`` names, and the heads'
+        attention ``sinks`` if given: applied once per row, where its result is whole)."""
         cache, nd, meta = self.caches[layer], self.nd, self.meta
         slides = self.spec.slides(layer)
         local_start = meta.local_row_starts if slides else None
         if self.dcp.size == 1:
-            out, _ = self._attend(q, meta.local_row_req_indices, meta.local_row_context_lens, cache, local_start)
-            return out
+            return with_sinks(*self._attend(q, meta.local_row_req_indices, meta.local_row_context_lens, cache,
+                                             local_start), sinks)
         if self.dcp_tp > 1:
-            return self._attend_over_tp(q, cache, slides)
+            return self._attend_over_tp(q, cache, slides, sinks)
         out = q.new_zeros((q.shape[0], self.spec.num_heads, self.spec.v_dim))
         if nd:
             o, lse = self._attend(
@@ -163,12 +165,12 @@ class CPAttention:
                 None if local_start is None else local_start[:nd],
             )
             gathered = self.dcp.all_gather(pack_partials(o, lse, q.dtype), "dcp_decode_partials")
-            out[:nd] = self._merge(gathered.view(self.dcp.size, nd, -1))
+            out[:nd] = self._merge(gathered.view(self.dcp.size, nd, -1), sinks)
         if self.has_rest and self.dcp_rest.mode == "context":
             c = self.context
             shard = self.dcp.all_gather(cache.index_select(0, c.send_slots), "dcp_context_gather")
             contexts = shard.index_select(0, c.source)
-            out[nd:], _ = self.kernel(
+            out[nd:] = with_sinks(*self.kernel(
                 q[nd:],
                 contexts,
                 self.spec,
@@ -177,16 +179,16 @@ class CPAttention:
                 c.row_context_lens[nd:],
                 self.block_size,
                 meta.context_row_starts[nd:] if slides else None,
-            )
+            ), sinks)
         elif self.has_rest:
             rest = q.shape[0] - nd
             q_all = self.dcp.all_gather(q[nd:], "dcp_query_gather")
             o, lse = self._attend(q_all, self.rest_req, self.rest_ctx, cache, self.rest_start if slides else None)
             mine = self.dcp.all_to_all(pack_partials(o, lse, q.dtype), "dcp_partials")
-            out[nd:] = self._merge(mine.view(self.dcp.size, rest, -1))
+            out[nd:] = self._merge(mine.view(self.dcp.size, rest, -1), sinks)
         return out
 
-    def _attend_over_tp(self, q: torch.Tensor, cache: torch.Tensor, slides: bool) -> torch.Tensor:
+    def _attend_over_tp(self, q: torch.Tensor, cache: torch.Tensor, slides: bool, sinks: torch.Tensor | None) -> torch.Tensor:
         """Step 3 (module docstring). Replicated decode rows are the same on every PCP
         rank: their queries are gathered over heads only (the ``dcp_heads`` TP block);
         the rest rows of every member are gathered over the whole DCP group."""
@@ -198,18 +200,18 @@ class CPAttention:
             req = meta.local_row_req_indices[:nd].repeat(t)
             ctx = meta.local_row_context_lens[:nd].repeat(t)
             start = meta.local_row_starts[:nd].repeat(t) if slides else None
-            out[:nd] = self._to_owners(q_heads, req, ctx, start, cache, self.member_heads, t, "dcp_decode")
+            out[:nd] = self._to_owners(q_heads, req, ctx, start, cache, self.member_heads, t, "dcp_decode", sinks)
         if self.has_rest or nd < self.nd:
             q_rest = self.dcp.all_gather(q[nd:], "dcp_query_gather")
             member = torch.arange(self.dcp.size, device=q.device)
             out[nd:] = self._to_owners(q_rest, self.member_req, self.member_ctx, self.member_start if slides else None,
-                                       cache, member, self.dcp.size, "dcp")
+                                       cache, member, self.dcp.size, "dcp", sinks)
         return out
 
-    def _to_owners(self, q_blocks, req, ctx, starts, cache, owner_block, b: int, prefix: str) -> torch.Tensor:
+    def _to_owners(self, q_blocks, req, ctx, starts, cache, owner_block, b: int, prefix: str, sinks) -> torch.Tensor:
         """Attend ``b`` blocks of query rows (from ``starts``, a sliding layer's) over this
         rank's shard and give DCP member ``m`` the merged result of block ``owner_block[m]``
-        (its rows and heads), by ``dcp_comm_backend``."""
+        (its rows and heads), by ``dcp_comm_backend``; the owner applies its heads' ``sinks``."""
         d, h, dv = self.dcp.size, self.spec.num_heads, self.spec.v_dim
         o, lse = self._attend(q_blocks, req, ctx, cache, starts)
         rows = q_blocks.shape[0] // b
@@ -217,20 +219,21 @@ class CPAttention:
         if self.dcp_comm_backend == "a2a":
             send = pack_partials(o[owner_block].flatten(0, 1), lse[owner_block].flatten(0, 1), q_blocks.dtype)
             mine = self.dcp.all_to_all(send, f"{prefix}_partials")
-            return self._merge(mine.view(d, rows, -1)).to(q_blocks.dtype)
+            return self._merge(mine.view(d, rows, -1), sinks).to(q_blocks.dtype)
         lses = self.dcp.all_gather(lse.flatten(0, 1), f"{prefix}_lse_gather").view(d, b, rows, h)
         total = torch.logsumexp(lses, dim=0)  # -inf where no shard has a key
         w = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - total))[..., None]
         # NOTE: where() so that an empty shard's weight never multiplies a NaN.
         scaled = torch.where(w > 0, w * o.to(w.dtype), 0.0)
         out = self.dcp.reduce_scatter(scaled[owner_block].flatten(0, 1), f"{prefix}_output_reduce_scatter")
-        return out.to(q_blocks.dtype)
+        # NOTE: the reduce-scatter sums this member's block over every shard: its whole lse is the block's total.
+        return with_sinks(out, total[owner_block[self.dcp.rank]], sinks).to(q_blocks.dtype)
 
     def _attend(self, q, req, ctx, cache, starts=None):
         return self.kernel(q, cache, self.spec, self.meta.block_tables, req, ctx, self.block_size, starts)
 
-    def _merge(self, packed: torch.Tensor) -> torch.Tensor:
-        return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim)
+    def _merge(self, packed: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim, sinks)
 
 
 def layer_shape(spec: AttentionSpec, caches: list[torch.Tensor]) -> ModelShape:

@@ -118,10 +118,25 @@ def unpack_partials(packed: torch.Tensor, num_heads: int, v_dim: int) -> tuple[t
     return outs, lses
 
 
-def merge_packed_partials(packed: torch.Tensor, num_heads: int, v_dim: int) -> torch.Tensor:
-    """The merged output ``[rows, H, Dv]`` of ``P`` packed partials ``[P, rows, H*Dv + H*k]``."""
-    out, _ = merge_attention_partials(*unpack_partials(packed, num_heads, v_dim))
-    return out
+def merge_packed_partials(
+    packed: torch.Tensor, num_heads: int, v_dim: int, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The merged output ``[rows, H, Dv]`` of ``P`` packed partials ``[P, rows, H*Dv + H*k]``
+    (through the heads' attention ``sinks``, if any: ``with_sinks``)."""
+    return with_sinks(*merge_attention_partials(*unpack_partials(packed, num_heads, v_dim)), sinks)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head that reads no value (gpt-oss's
+    attention sinks, ``sinks [H]``): ``out * exp(lse) / (exp(lse) + exp(sink))``, i.e.
+    ``out * sigmoid(lse - sink)``; ``out`` when ``sinks`` is None. ``out [N, H, Dv]`` and
+    ``lse [N, H]`` must cover every key of their rows (a whole context, or partials merged):
+    the sink joins a row's softmax once, so a DCP or ring run applies it after its merge, where
+    the row's owner holds its heads' sinks. A row without keys stays 0."""
+    if sinks is None:
+        return out
+    keep = torch.sigmoid(lse - sinks.to(device=lse.device, dtype=lse.dtype))
+    return (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
 
 
 def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> list[torch.Tensor]:

@@ -31,6 +31,7 @@ from pcpflow.attention.paged import (
     merge_packed_partials,
     pack_partials,
     paged_attention,
+    with_sinks,
 )
 from pcpflow.layouts.ring import RankRing
 from pcpflow.layouts.tensors import int64_tensor
@@ -97,7 +98,9 @@ class RingAttention:
         self.delivery_rows = t(ring.delivery_rows)
         self.hops = [_HopTensors(h, device) for h in ring.hops]
 
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's attention of ``q`` (through the heads' attention ``sinks``, if given, once
+        per row after its merge)."""
         cache, spec, ring, p = self.caches[layer], self.spec, self.ring, self.size
         slides = spec.slides(layer)
         _write(cache, self.write_slots, kv.index_select(0, self.write_rows))
@@ -133,7 +136,7 @@ class RingAttention:
         out = q.new_zeros((q.shape[0], spec.num_heads, spec.v_dim))
         if stays:
             o, lse = merge_attention_partials(torch.stack([s[0] for s in stays]), torch.stack([s[1] for s in stays]))
-            out[self.stay_rows] = o.to(out.dtype)
+            out[self.stay_rows] = with_sinks(o, lse, sinks).to(out.dtype)
         if ring.has_all2all:
             rep_q = q.index_select(0, self.rep_rows)
             rep = pack_partials(*self._paged(rep_q, cache, self.rep_req, self.rep_lens, self.rep_starts if slides else None),
@@ -141,7 +144,7 @@ class RingAttention:
             empty = rep.new_zeros((0, rep.shape[1]))
             send = torch.cat([t for v in visits for t in (pack_partials(*v, q.dtype) if v is not None else empty, rep)])
             got = self.dcp.all_to_all_v(send, ring.all2all_send.tolist(), ring.all2all_recv.tolist(), "ring_all2all")
-            merged = self._merge(got.view(p, -1, got.shape[1]))
+            merged = self._merge(got.view(p, -1, got.shape[1]), sinks)
             n_travel = self.travel_rows.numel()
             out[self.travel_rows] = merged[:n_travel].to(out.dtype)
             out[self.rep_rows] = merged[n_travel:].to(out.dtype)
@@ -159,8 +162,8 @@ class RingAttention:
     def _paged(self, q, cache, req, lens, starts=None):
         return self.kernel(q, cache, self.spec, self.block_tables, req, lens, self.block_size, starts)
 
-    def _merge(self, packed: torch.Tensor) -> torch.Tensor:
-        return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim)
+    def _merge(self, packed: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        return merge_packed_partials(packed, self.spec.num_heads, self.spec.v_dim, sinks)
 
 
 def _write(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor) -> None:

@@ -53,10 +53,11 @@ class AttentionSpec:
 
 
 class AttentionBackend(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``kv`` (``[N, entry_dim]``, this rank's rows) to layer ``layer``'s cache
         and return the attention of ``q`` (``[N, num_heads, qk_dim]``) over each row's
-        context: ``[N, num_heads, v_dim]``."""
+        context: ``[N, num_heads, v_dim]``; ``sinks [num_heads]``: one more softmax logit per
+        head that reads no value (gpt-oss's attention sinks), None: none."""
         ...
 
 

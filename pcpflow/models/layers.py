@@ -61,7 +61,9 @@ class GQAAttention(nn.Module):
     whole projection of q (all heads) and one over k's, scaled before rounding, as
     ``Olmo2RMSNorm`` (under TP its mean square is the TP group's: ``ShardedRMSNorm``). A
     ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
-    partial rotary); None: no position embedding (a NoPE layer)."""
+    partial rotary); None: no position embedding (a NoPE layer). ``sinks``: one learned softmax
+    logit per query head that reads no value (gpt-oss's attention sinks, ``self.sinks [H]``),
+    handed to the backend, which adds it once to each row's whole softmax."""
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class GQAAttention(nn.Module):
         qk_norm_eps: float | None = None,
         unit_offset: bool = False,
         qk_norm_width: Literal["head", "full"] = "head",
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -91,6 +94,13 @@ class GQAAttention(nn.Module):
             norm = (lambda: RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset)) if qk_norm_eps is not None else nn.Identity
             self.q_norm, self.k_norm = norm(), norm()
         self.rotary = rotary
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+
+    def seeded_init(self, gen: torch.Generator, gain: float) -> None:
+        """``build_seeded``'s rule for the sinks (the projections are its own Linears): ``N(0, 1)``,
+        a logit on the scores' scale, large enough to take a visible share of a short row's mass."""
+        if self.sinks is not None:
+            self.sinks.copy_(torch.randn(self.sinks.shape, generator=gen, dtype=torch.float64))
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, layer: int, attn: AttentionBackend
@@ -104,7 +114,7 @@ class GQAAttention(nn.Module):
         if self.rotary is not None:  # NOTE: None: a NoPE layer (SmolLM3's every fourth)
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-        out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1))
+        out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1), sinks=self.sinks)
         return self.o_proj(out.flatten(1))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -193,6 +203,7 @@ def gqa_layers(
     rope_layers: list[bool] | None = None,
     residual_multiplier: float | None = None,
     interleaved_rope: bool = False,
+    sinks: bool = False,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
     ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps`` (``"full"``:
@@ -200,7 +211,8 @@ def gqa_layers(
     ``moe``: MoE MLPs on the layers it makes MoE (Qwen3-MoE, Mixtral, GLM-4.5); ``rotary_dim``:
     the dims RoPE rotates (None: all of ``head_dim``); ``rope_layers``: which layers rotate (None:
     all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``);
-    ``interleaved_rope``: RoPE on pairs of adjacent dims (ERNIE 4.5's)."""
+    ``interleaved_rope``: RoPE on pairs of adjacent dims (ERNIE 4.5's); ``sinks``: attention sinks
+    (gpt-oss's, ``GQAAttention``)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -215,6 +227,7 @@ def gqa_layers(
                 o_bias=o_bias,
                 qk_norm_eps=eps if qk_norm else None,
                 qk_norm_width="full" if qk_norm == "full" else "head",
+                sinks=sinks,
             ),
             hidden_size,
             intermediate_size,

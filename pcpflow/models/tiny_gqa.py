@@ -31,6 +31,9 @@ class TinyGQA(DecoderLM):
         qk_norm: Literal["none", "head", "full"] = Field(
             "none", description="q and k RMS-normed before RoPE: none | head (each head, as Qwen3) | full (the "
             "whole projection, all heads at once, as OLMo 2: under TP an all-reduce of each row's sum of squares)")
+        sinks: bool = Field(
+            False, description="attention sinks: one learned softmax logit per query head that reads no value "
+            "(gpt-oss's), joined once to each row's whole softmax on every path (DCP and the rings after their merge)")
 
         @model_validator(mode="after")
         def _window_layers_exist(self) -> TinyGQA.Config:
@@ -60,7 +63,7 @@ class TinyGQA(DecoderLM):
         layers = gqa_layers(
             c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, intermediate_size=c.intermediate_size, eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-            qk_norm=False if c.qk_norm == "none" else c.qk_norm,
+            qk_norm=False if c.qk_norm == "none" else c.qk_norm, sinks=c.sinks,
         )
         spec = gqa_spec(c.num_heads, c.num_kv_heads, c.head_dim)
         spec = dataclasses.replace(spec, window=c.window, window_layers=c.sliding_layers())

@@ -157,6 +157,9 @@ def shard_attention(attn: nn.Module, comm, tp_rank: int, tp_size: int) -> None:
             attn.q_norm = ShardedRMSNorm(attn.q_norm, q_rows, comm, 1)
             attn.k_norm = ShardedRMSNorm(attn.k_norm, _head_rows(kv, hd), comm, _kv_share(tp_size, attn.num_kv_heads))
         attn.o_proj = _row_parallel(attn.o_proj, q_rows, comm)
+        if attn.sinks is not None:  # NOTE: one logit per query head: cut as the heads are
+            mine = torch.arange(tp_rank * heads, (tp_rank + 1) * heads, device=attn.sinks.device)
+            attn.sinks = nn.Parameter(attn.sinks.data.index_select(0, mine), requires_grad=False)
         attn.num_heads, attn.num_kv_heads = heads, len(kv)
     elif isinstance(attn, MLAAttention):
         heads = attn.num_heads // tp_size

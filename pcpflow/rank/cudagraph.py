@@ -196,8 +196,9 @@ class _StaticDecodeAttention:
     def __init__(self, graphs: DecodeGraphs, n: int) -> None:
         self.g, self.n = graphs, n
 
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         from pcpflow.attention.fused import fused_decode_attention
+        from pcpflow.attention.paged import with_sinks
 
         g, n = self.g, self.n
         base = g.caches[layer]
@@ -206,7 +207,7 @@ class _StaticDecodeAttention:
         base.index_copy_(0, torch.where(slots >= 0, slots, pad), kv.to(base.dtype))
         ctx = g.ctx
         spec = ctx.model.attn_spec
-        out, _ = fused_decode_attention(
+        out, lse = fused_decode_attention(
             q,
             base[:pad],
             spec,
@@ -216,4 +217,4 @@ class _StaticDecodeAttention:
             g.row_start[:n] if spec.slides(layer) else None,
             kernel=g.kernel,
         )
-        return out
+        return with_sinks(out, lse, sinks)

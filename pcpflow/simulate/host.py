@@ -82,7 +82,7 @@ def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[i
 
         calls = 0
 
-        def __call__(self, layer_idx, q, kv):
+        def __call__(self, layer_idx, q, kv, sinks=None):
             cache = torch.empty(8 * block, spec.entry_dim, device=meta, dtype=dt)
             slots = torch.empty(n, dtype=torch.long, device=meta)
             with op_count() as c:

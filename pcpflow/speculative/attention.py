@@ -100,7 +100,7 @@ class KVWriter:
     def __init__(self, backend: CPAttention) -> None:
         self.backend = backend
 
-    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.backend.write(layer, kv)
         spec = self.backend.spec
         return q.new_zeros((q.shape[0], spec.num_heads, spec.v_dim))
