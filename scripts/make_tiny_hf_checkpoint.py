@@ -68,6 +68,11 @@ expert, scaling 2.5), with q/k norms, q/k/v biases under ``--bias`` and RoPE on 
 
     python scripts/make_tiny_hf_checkpoint.py --arch qwen3_moe --out /tmp/tiny-qwen3-moe
 
+``gpt_oss`` is every layer mixture-of-experts (8 experts 32 wide, 2 per token, chosen on the
+router's biased logits), experts with biases and gpt-oss's clamped SwiGLU (``swiglu_limit=1``, so
+that the clamps bite), attention biases and a sink per head, the even layers sliding, YaRN with
+its correction range not rounded (``truncate: false``).
+
 ``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
 in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
 a random ``e_score_correction_bias`` (``N(0, 0.1^2)``, so that it changes which experts
@@ -76,7 +81,7 @@ weights are ``N(0, 1/fan_in)`` as every linear weight.
 
 Weights are drawn from ``torch.Generator(seed)``: linear weights ``N(0, 1/fan_in)``, the LM
 head ``N(0, 4/hidden)`` (logits of standard deviation ~2), embeddings ``N(0, 1)`` (tied:
-``N(0, 4/hidden)``, as the head), biases ``N(0, 0.1^2)``, and every norm weight
+``N(0, 4/hidden)``, as the head), biases ``N(0, 0.1^2)``, gpt-oss's attention sinks ``N(0, 1)``, and every norm weight
 ``1 + N(0, 0.2^2)`` (Gemma's stored offsets ``N(0, 0.2^2)``: the same norms) — not transformers' ``std=0.02`` init, whose logits are nearly flat
 (greedy decoding would then hinge on rounding). Logits of a few units keep float32
 rounding near 1e-6 while top-2 gaps stay far above it. Norm weights that are not all one
@@ -110,7 +115,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -131,6 +136,7 @@ GQA_ARCHS = {
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -151,6 +157,15 @@ ROPE_SCALINGS = {
         "beta_slow": 1,
         "mscale": 1.0,
         "mscale_all_dim": 0.8,
+    },
+    # NOTE: gpt-oss's: the correction range not rounded outwards, the attention factor YaRN's default
+    "yarn_untruncated": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "truncate": False,
     },
     # NOTE: Phi-3's: 6 frequencies (head 16, RoPE on 3/4 of it); short factors used up to the
     # original length, 128, with factor 256/128 = 2 (cos/sin x sqrt(1 + ln 2 / ln 128))
@@ -184,6 +199,7 @@ DEFAULT_ROPE_SCALING = {
     "seed_oss": "none",
     "ernie4_5": "none",
     "exaone4": "llama3",
+    "gpt_oss": "yarn_untruncated",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -272,6 +288,11 @@ def tiny_config(
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
             cohere2=dict(sliding_window=sliding_window or 4096, logit_scale=0.75, layer_norm_eps=1e-5,
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
+            # NOTE: every layer MoE (8 experts 32 wide, top-2 on the router's biased logits), sinks on
+            # every head, even layers sliding; swiglu_limit 1.0 so that the clamps bite on activations of a few units
+            gpt_oss=dict(head_dim=16, sliding_window=sliding_window or 4096, num_local_experts=8, num_experts_per_tok=2,
+                         swiglu_limit=1.0,
+                         layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -281,6 +302,8 @@ def tiny_config(
             common.update(hidden_size=80, rope_theta=1_000_000.0)
         if arch == "gemma2":
             common.update(hidden_size=80)
+        if arch == "gpt_oss":  # NOTE: the experts' width (gpt-oss has no dense MLP)
+            common.update(intermediate_size=32)
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(
         q_lora_rank=q_lora_rank,
@@ -409,9 +432,11 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 value = randn(param.shape) * std
             elif name.endswith("norm.weight") or "layernorm" in name:
                 value = (0 if offsets else 1) + 0.2 * randn(param.shape)
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):  # NOTE: gpt-oss's experts' gate_up_proj_bias / down_proj_bias too
                 value = 0.1 * randn(param.shape)
-            elif param.dim() in (2, 3):  # 3: stacked experts [E, out, in]
+            elif name.endswith(".sinks"):  # gpt-oss: a logit per head, on the scores' scale
+                value = randn(param.shape)
+            elif param.dim() in (2, 3):  # 3: stacked experts [E, out, in] (gpt-oss: [E, in, out])
                 gain = LOGIT_GAIN if name == "lm_head.weight" else 1.0
                 value = randn(param.shape) * (gain / math.sqrt(param.shape[-1]))
             else:

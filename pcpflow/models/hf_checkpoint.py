@@ -50,6 +50,7 @@ class CheckpointConfig(BaseModel):
     renames: ClassVar[tuple[Rename, ...]] = ()
     skip: ClassVar[tuple[str, ...]] = ()  # stored tensors pcpflow leaves out (regexes: a vision tower)
     full_qk_norm: ClassVar[bool] = False  # q and k normed over the whole projection (OLMo 2 and 3)
+    dequantized: ClassVar[tuple[str, ...]] = ()  # quant methods the loader widens to the run's dtype (gpt-oss: mxfp4)
 
     @model_validator(mode="before")
     @classmethod
@@ -78,7 +79,7 @@ class CheckpointConfig(BaseModel):
 
     @model_validator(mode="after")
     def _not_quantized(self) -> CheckpointConfig:
-        if self.quant_method is not None and not self.allow_quantized:
+        if self.quant_method is not None and self.quant_method not in self.dequantized and not self.allow_quantized:
             raise ValueError(f"quantized checkpoints ({self.quant_method}) are not supported; use an unquantized "
                              "(bf16/fp16/fp32) checkpoint")
         return self
