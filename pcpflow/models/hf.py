@@ -13,11 +13,13 @@ Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausa
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
 projection); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers);
-EXAONE 4.0 (``hf_exaone``: post-norm, per-head q/k norms, NoPE full layers); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+EXAONE 4.0 (``hf_exaone``: post-norm, per-head q/k norms, NoPE full layers); OpenAI's gpt-oss
+``GptOssForCausalLM`` (``hf_gptoss``: attention sinks, alternating sliding layers, MoE with biased
+experts, its MXFP4 experts dequantized at load); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
-configuration errors (exit 2, no rank started); so is, in an executed run, a request past
+configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
 ``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) is executed:
 ``AttentionSpec.window``.
@@ -43,6 +45,7 @@ from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_cohere import Cohere2Checkpoint
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
+from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
@@ -68,6 +71,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Olmo3ForCausalLM": Olmo3Checkpoint,
     "Cohere2ForCausalLM": Cohere2Checkpoint,
     "Exaone4ForCausalLM": Exaone4Checkpoint,
+    "GptOssForCausalLM": GptOssCheckpoint,
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -100,6 +104,7 @@ _MODEL_TYPES = {
     "olmo3": "Olmo3ForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -134,7 +139,7 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
     raw = read_config_json(path)
     arch = architecture_of(raw)
     if arch not in ARCHITECTURES and _is_moe(raw, arch):
-        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(("Mixtral", "Deepseek"))]
+        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(("Mixtral", "Deepseek", "GptOss"))]
         raise ValueError(
             f"unsupported architecture {arch}: a mixture-of-experts variant pcpflow does not route; "
             f"supported MoE checkpoints: {', '.join(supported)}"
