@@ -203,6 +203,17 @@ def sliced_mlp(mlp: GatedMLP, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor
     return out
 
 
+class BiasedExpert(GatedMLP):
+    """A routed expert with biases (``expert_bias``): ``x @ W^T + b``, the bias added to the
+    rounded product, as transformers' ``GptOssExperts`` (and ``sliced_mlp``) compute it.
+    NOTE: nn.Linear fuses the add (one rounding): in bf16 most outputs would differ by an ulp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up_proj, down_proj = self.gate_up_proj, self.down_proj
+        gate, up = (x @ up_proj.weight.T + up_proj.bias).chunk(2, dim=-1)
+        return self.glu(gate, up) @ down_proj.weight.T + down_proj.bias
+
+
 def expert_glu(moe: MoEConfig) -> GLU | None:
     """The routed experts' GLU (None: ``GatedMLP``'s default, SiLU)."""
     if moe.activation == "swiglu_clamped":
@@ -220,9 +231,9 @@ class MoEMLP(nn.Module):
         width = moe.intermediate_size or intermediate_size
         self.intermediate_size = width
         self.gate = TopKRouter(hidden_size, moe)
-        glu = expert_glu(moe)
+        expert, glu = BiasedExpert if moe.expert_bias else GatedMLP, expert_glu(moe)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, width, bias=moe.expert_bias, glu=glu) for _ in range(moe.num_experts)
+            expert(hidden_size, width, bias=moe.expert_bias, glu=glu) for _ in range(moe.num_experts)
         )
         shared = width * moe.num_shared_experts
         self.shared_experts = GatedMLP(hidden_size, shared) if shared else None

@@ -1,6 +1,6 @@
 """gpt-oss's mixture of experts held to transformers: ``GptOssMLP`` with random weights,
 saved under its checkpoint names, loaded through ``GPT_OSS_MOE_RENAMES`` into pcpflow's
-``MoEMLP`` (float64: the same output, the same routing); its router in bfloat16; the expert
+``MoEMLP`` (float64: the same output, the same routing; bfloat16: bit for bit); the expert
 shares every dispatch computes (intermediate slices, expert ranges) summing to the whole
 with biases; MXFP4 dequantized bit for bit as transformers does, and an MXFP4 checkpoint
 loading to the weights of its dense twin.
@@ -26,6 +26,7 @@ from pcpflow.models.hf_moe import GPT_OSS_MOE_RENAMES, gqa_moe_settings  # noqa:
 from pcpflow.models.hf_weights import load_checkpoint, plan_names  # noqa: E402
 from pcpflow.models.moe import MoEMLP, expert_slice, moe_config_problems, sliced_mlp  # noqa: E402
 from pcpflow.models.moe_config import MoEConfig  # noqa: E402
+from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape  # noqa: E402
 from pcpflow.models.mxfp4 import dequantize_mxfp4  # noqa: E402
 
 ARCH = "GptOssForCausalLM"
@@ -132,6 +133,40 @@ def test_router_keeps_bfloat16_as_transformers():
     weights, our_ids = ours(x)
     assert weights.dtype == torch.bfloat16
     assert torch.equal(our_ids, ids) and torch.equal(weights, scores)
+
+
+def test_moe_layer_is_transformers_bit_for_bit_in_bfloat16(tmp_path):
+    """bf16 throughout: routing in the model dtype, biases added to the rounded products."""
+    config = tiny_config(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=4)
+    gen = torch.Generator().manual_seed(5)
+    hf = GptOssMLP(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    hf = hf.to(torch.bfloat16)
+    path = save(tmp_path / "bf16", dict(hf.state_dict()))
+    ours = ours_of(config).to(torch.bfloat16)
+    load_checkpoint(OneLayer(ours), path, GPT_OSS_MOE_RENAMES, num_layers=1)
+    x = torch.randn(100, config.hidden_size, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), hf(x[None])[0][0])
+
+
+def test_fused_expert_shapes_as_the_checkpoint_stores_them():
+    """What the header check (``hf._tensor_problems``) wants of each gpt-oss tensor, from
+    pcpflow's parameter shapes; an MXFP4 pair's dense shape is transformers'."""
+    e, h, i = 4, 64, 32
+    ours = {"gate.weight": (e, h), "gate.bias": (e,), "gate_up_proj.weight": (2 * i, h), "gate_up_proj.bias": (2 * i,),
+            "down_proj.weight": (h, i), "down_proj.bias": (h,)}
+    want = {"router.weight": (e, h), "router.bias": (e,), "experts.gate_up_proj": (e, h, 2 * i),
+            "experts.gate_up_proj_bias": (e, 2 * i), "experts.down_proj": (e, i, h), "experts.down_proj_bias": (e, h)}
+    for rule in GPT_OSS_MOE_RENAMES:
+        shape = ours[rule.ours.removeprefix("layers.{i}.mlp.").removeprefix("experts.{j}.")]
+        targets = [shape] * (e if rule.experts else 1)
+        assert rule.checkpoint_shape(targets) == want[rule.hf.removeprefix("model.layers.{i}.mlp.")]
+    blocks = torch.zeros(e, 2 * i, h // 32, 16, dtype=torch.uint8)
+    scales = torch.zeros(e, 2 * i, h // 32, dtype=torch.uint8)
+    assert mxfp4_dense_shape(tuple(blocks.shape)) == tuple(convert_moe_packed_tensors(blocks, scales).shape)
 
 
 @pytest.mark.parametrize("width,parts", [(7, 3), (2, 3), (1, 4)])
