@@ -207,21 +207,45 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+GLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""A gated linear unit's elementwise part: ``(gate, up) -> hidden`` (what ``down_proj`` reads)."""
+
+
+def act_glu(act: Callable[[torch.Tensor], torch.Tensor], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up``: SwiGLU with ``act`` SiLU, GeGLU with GELU."""
+    return act(gate) * up
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's GLU (transformers' ``GptOssExperts._apply_gate``): ``gate`` clamped above at
+    ``limit``, ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``.
+    NOTE: the ``+ 1`` (a residual on up) is why this is a function of both halves rather
+    than an activation of ``gate`` alone; the products are in transformers' order."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``, ``act`` SiLU (Gemma: tanh-approximated GELU); gate and up
-    are one fused projection."""
+    """``down(glu(gate(x), up(x)))``; ``glu`` by default ``act(gate) * up``, ``act`` SiLU (Gemma:
+    tanh-approximated GELU). Gate and up are one fused projection, ``[gate rows; up rows]``."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: Literal["silu", "gelu_tanh"] = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: Literal["silu", "gelu_tanh"] = "silu",
+        glu: GLU | None = None,
     ):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = ACTIVATIONS[activation]
+        self.glu = glu if glu is not None else functools.partial(act_glu, ACTIVATIONS[activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.glu(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -56,6 +56,7 @@ from pcpflow.models.hf_weights import (
     plan_names,
     read_safetensors_header,
 )
+from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     **dict.fromkeys(FAMILIES, LlamaCheckpoint),
@@ -349,16 +350,16 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
     if plan.twice:
         problems.append(Problem("model.path", str(path), f"each tensor stored once; "
                                 f"{len(plan.twice)} stored more than once: {_some(plan.twice)}"))
-    for hf_name, shape in shapes.items():
-        for rename in renames:
-            m = rename.pattern().fullmatch(hf_name)
-            if m is None:
-                continue
-            shapes_of = [params.get(name.format(**m.groupdict())) for name in (rename.ours, *rename.stacked)]
-            want = None if None in shapes_of else (sum(s[0] for s in shapes_of), *shapes_of[0][1:])
-            if want is not None and rename.part is not None:
-                want = (want[0] // rename.part[1], *want[1:])
-            if want is not None and tuple(shape) != want:
-                problems.append(Problem("model.path", str(path), f"tensor {hf_name} has shape {list(shape)}; config.json implies {list(want)}"))
-            break
+    for base, (blocks, scales) in plan.mxfp4.items():  # NOTE: an MXFP4 pair is checked as its dense tensor
+        if len(shapes[blocks]) != 4 or shapes[scales] != shapes[blocks][:-1]:
+            problems.append(Problem("model.path", str(path), f"MXFP4 {blocks} {list(shapes[blocks])} and {scales} "
+                                    f"{list(shapes[scales])}: want blocks [E, rows, G, B] and scales [E, rows, G]"))
+        else:
+            shapes[base] = mxfp4_dense_shape(shapes[blocks])
+    for hf_name, targets in plan.targets.items():
+        shapes_of = [params.get(name) for name, _ in targets]
+        want = None if None in shapes_of else plan.rules[hf_name].checkpoint_shape(shapes_of)
+        shape = shapes.get(hf_name)
+        if want is not None and shape is not None and tuple(shape) != want:
+            problems.append(Problem("model.path", str(path), f"tensor {hf_name} has shape {list(shape)}; config.json implies {list(want)}"))
     return problems[:10]

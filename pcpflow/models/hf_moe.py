@@ -1,4 +1,4 @@
-"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE and Mixtral checkpoints: which
+"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss checkpoints: which
 config.json fields make which ``MoEConfig`` (transformers' routing; unsupported variants
 named), and where the router, routed and shared experts' tensors go."""
 
@@ -87,15 +87,35 @@ MIXTRAL_RENAMES = (
 """Mixtral: ``block_sparse_moe``, each expert's ``w1`` (gate), ``w3`` (up) and ``w2`` (down),
 as Mistral's checkpoints and transformers' ``save_pretrained`` store them."""
 
+def _fused_experts(hf: str, ours: str, **layout: bool) -> Rename:
+    return Rename("model.layers.{i}.mlp.experts." + hf, "layers.{i}.mlp.experts.{j}." + ours, experts=True, **layout)
+
+
+GPT_OSS_MOE_RENAMES = (
+    _mlp("router.weight", "gate.weight"),
+    _mlp("router.bias", "gate.bias"),
+    _fused_experts("gate_up_proj", "gate_up_proj.weight", transposed=True, interleaved=True, mxfp4=True),
+    _fused_experts("gate_up_proj_bias", "gate_up_proj.bias", interleaved=True),
+    _fused_experts("down_proj", "down_proj.weight", transposed=True, mxfp4=True),
+    _fused_experts("down_proj_bias", "down_proj.bias"),
+)
+"""gpt-oss: the ``router`` with its bias, and every expert of a layer in one tensor per
+projection (transformers' ``GptOssExperts``): ``gate_up_proj [E, hidden, 2I]`` (``x @ W``, gate
+and up interleaved along 2I), its bias ``[E, 2I]`` (interleaved), ``down_proj [E, I, hidden]``
+and its bias ``[E, hidden]``; the two weights as MXFP4 ``_blocks``/``_scales`` pairs in
+OpenAI's released checkpoints, dense in a ``save_pretrained`` of the dequantized model."""
+
 GQA_MOE_DEFAULTS = {
     "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                                 shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1),
     "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                                 norm_topk_prob=False, decoder_sparse_step=1),
     "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2),
+    "GptOssForCausalLM": dict(num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
+                              swiglu_alpha=1.702, swiglu_limit=7.0),
 }
-"""transformers' defaults (``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``) of the MoE
-fields a config.json may omit."""
+"""transformers' defaults (``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``, ``GptOssConfig``)
+of the MoE fields a config.json may omit."""
 
 
 V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
@@ -103,12 +123,14 @@ V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """``MoEConfig`` fields of a Qwen2-MoE, Qwen3-MoE, Mixtral or GLM-4.5 config.json dict: the Qwens
-    and Mixtral route by softmax (one group, router logits in the model's dtype, as transformers'
-    ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``; Qwen2-MoE with a
-    gated shared expert ``shared_expert_intermediate_size`` wide), GLM-4.5 as DeepSeek-V3
-    (``Glm4MoeTopkRouter``, its DeepSeek field names); None for a dense architecture or no
-    experts; ValueError naming an unsupported variant."""
+    """``MoEConfig`` fields of a Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss or GLM-4.5 config.json dict:
+    the Qwens and Mixtral route by softmax (one group, router logits in the model's dtype, as
+    transformers' ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``; Qwen2-MoE
+    with a gated shared expert ``shared_expert_intermediate_size`` wide), gpt-oss by
+    ``topk_softmax`` (``GptOssTopKRouter``: a biased router in the model's dtype; every layer MoE,
+    biased experts with the clamped SwiGLU), GLM-4.5 as DeepSeek-V3 (``Glm4MoeTopkRouter``, its
+    DeepSeek field names); None for a dense architecture or no experts; ValueError naming an
+    unsupported variant."""
     if arch == "Glm4MoeForCausalLM":
         glm = {k: v for k, v in raw.items() if v is not None}
         # NOTE: transformers 5 writes num_local_experts (its attribute_map), 4 n_routed_experts
@@ -123,6 +145,13 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     if arch == "MixtralForCausalLM":
         moe = dict(num_experts=get("num_local_experts"), top_k=get("num_experts_per_tok"),
                    intermediate_size=get("intermediate_size"), norm_topk_prob=True, **common)
+    elif arch == "GptOssForCausalLM":
+        # NOTE: num_experts is GptOssConfig's alias of num_local_experts (its attribute_map)
+        experts = raw.get("num_local_experts") or raw.get("num_experts") or get("num_local_experts")
+        moe = dict(num_experts=experts, top_k=get("num_experts_per_tok"), intermediate_size=get("intermediate_size"),
+                   router_bias=True, expert_bias=True, activation="swiglu_clamped",
+                   swiglu_alpha=get("swiglu_alpha"), swiglu_limit=get("swiglu_limit"),
+                   **{**common, "scoring_func": "topk_softmax", "norm_topk_prob": False})
     else:
         if get("mlp_only_layers"):
             raise ValueError(f"mlp_only_layers={get('mlp_only_layers')} is not supported; supported: [] (the MoE "

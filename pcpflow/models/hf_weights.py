@@ -5,21 +5,27 @@ A checkpoint directory holds ``model.safetensors``, or shards listed by
 ``Rename`` table (first match wins); the table says which pcpflow parameter it fills and,
 for fused parameters (gate and up projections are one ``gate_up_proj``), which slice of
 it along dim 0 — or, where the checkpoint fuses what pcpflow keeps apart (Phi-3's ``qkv_proj``), which
-parameters it stacks. Every pcpflow parameter (every slice of a fused one) must be filled
+parameters it stacks, or, where it stacks every expert in one tensor (gpt-oss), each expert's
+parameter (transposed and de-interleaved as the rename says; MXFP4 ``_blocks``/``_scales``
+pairs read as the dense tensor). Every pcpflow parameter (every slice of a fused one) must be filled
 exactly once; anything the table does not know is an error rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import struct
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from pcpflow.models.mxfp4 import BLOCKS, SCALES, dequantize_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -31,18 +37,50 @@ class Rename:
     ``{i}`` stands for a layer index, ``{j}`` for an expert index and ``{wb}`` for ``weight`` or ``bias``;
     ``part=(k, n)``: the tensor is the k-th of n equal slices of a fused parameter along
     dim 0; ``stacked``: the tensor is ``ours`` and then these parameters, stacked along dim 0
-    (each as many rows as the parameter has)."""
+    (each as many rows as the parameter has).
+
+    ``experts``: the tensor stacks every expert's along dim 0 (``hf`` has no ``{j}``, ``ours``
+    has), one slice per expert ``{j}`` of the model. Each slice (or the tensor) is then read
+    as the checkpoint stores it: ``transposed``, ``[in, out]`` (``x @ W``), where pcpflow
+    keeps ``nn.Linear``'s ``[out, in]``; ``interleaved``, a fused gate/up whose gate and up
+    rows alternate (gate = rows ``0::2``), where pcpflow keeps ``[gate; up]``. ``mxfp4``:
+    the checkpoint may store it as ``<hf>_blocks`` + ``<hf>_scales`` (``pcpflow.models.mxfp4``)."""
 
     hf: str
     ours: str
     part: tuple[int, int] | None = None
     stacked: tuple[str, ...] = ()
+    experts: bool = False
+    transposed: bool = False
+    interleaved: bool = False
+    mxfp4: bool = False
 
     def pattern(self) -> re.Pattern[str]:
         return _compile(self.hf)
 
     def target_pattern(self) -> re.Pattern[str]:
         return _compile(self.ours)
+
+    def as_ours(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One parameter's slice of the checkpoint tensor, in pcpflow's layout."""
+        if self.transposed:
+            tensor = tensor.transpose(-1, -2)
+        if self.interleaved:
+            # NOTE: de-interleaved here, once, so every expert path slices [gate; up] as the dense MLP's
+            tensor = torch.cat([tensor[0::2], tensor[1::2]])
+        return tensor
+
+    def checkpoint_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The shape the checkpoint tensor must have to fill parameters of ``shapes`` (its
+        targets, in order)."""
+        first = shapes[0]
+        if self.stacked:
+            return (sum(s[0] for s in shapes), *first[1:])
+        if self.part is not None:
+            first = (first[0] // self.part[1], *first[1:])
+        if self.transposed:
+            first = (*first[:-2], first[-1], first[-2])
+        return (len(shapes), *first) if self.experts else first
 
 
 def _compile(template: str) -> re.Pattern[str]:
@@ -121,10 +159,30 @@ def is_skipped(hf_name: str, *, num_layers: int, skip: tuple[str, ...] = ()) -> 
 class NamePlan:
     """Which checkpoint tensor fills which parameter (slice), and what does not fit."""
 
-    targets: dict[str, list[tuple[str, tuple[int, int] | None]]]  # several: a stacked tensor
+    targets: dict[str, list[tuple[str, tuple[int, int] | None]]]  # several: a stacked tensor, or experts
     unknown: list[str]  # checkpoint tensors with no place in the model
     twice: list[str]  # checkpoint tensors filling a parameter (slice) already filled
     unfilled: list[str]  # parameters (or their missing slices) as the checkpoint would name them
+    rules: dict[str, Rename] = field(default_factory=dict)  # the rename each planned tensor follows
+    mxfp4: dict[str, tuple[str, str]] = field(default_factory=dict)  # dense name -> its (blocks, scales)
+
+
+def mxfp4_pairs(names: list[str], renames: tuple[Rename, ...]) -> dict[str, tuple[str, str]]:
+    """The tensors ``names`` store as MXFP4 pairs that an ``mxfp4`` rename takes: dense name ->
+    (blocks, scales). A lone half stays itself (and has no place in the model)."""
+    have, packed = set(names), [r.pattern() for r in renames if r.mxfp4]
+    pairs = {}
+    for name in names:
+        base = name.removesuffix(BLOCKS)
+        if base != name and base + SCALES in have and any(p.fullmatch(base) for p in packed):
+            pairs[base] = (name, base + SCALES)
+    return pairs
+
+
+def dense_names(names: list[str], pairs: dict[str, tuple[str, str]]) -> list[str]:
+    """``names`` with each MXFP4 pair (``mxfp4_pairs``) as its dense name, in the blocks' place."""
+    halves = {half: base for base, both in pairs.items() for half in both}
+    return [halves.get(n, n) for n in names if n not in halves or n.endswith(BLOCKS)]
 
 
 def plan_names(
@@ -140,12 +198,12 @@ def plan_names(
     check calls it on the safetensors headers alone."""
     compiled = [(r.pattern(), r) for r in renames]
     filled: dict[str, set[int]] = {name: set() for name in params}
-    plan = NamePlan({}, [], [], [])
-    for hf_name in names:
+    plan = NamePlan({}, [], [], [], mxfp4=mxfp4_pairs(names, renames))
+    for hf_name in dense_names(names, plan.mxfp4):
         if is_skipped(hf_name, num_layers=num_layers, skip=skip):
             continue
-        targets = _rename(hf_name, compiled)
-        if targets is None or any(name not in filled for name, _ in targets):
+        rule, targets = _rename(hf_name, compiled, filled)
+        if rule is None or not targets or any(name not in filled for name, _ in targets):
             plan.unknown.append(hf_name)
             continue
         # NOTE: a tensor without a part fills every part (Phi-3's gate_up_proj is pcpflow's whole)
@@ -154,7 +212,7 @@ def plan_names(
         if any(k in filled[name] for name, k in indices):
             plan.twice.append(hf_name)
         else:
-            plan.targets[hf_name] = targets
+            plan.targets[hf_name], plan.rules[hf_name] = targets, rule
         for name, k in indices:
             filled[name].add(k)
     for name in params:
@@ -187,12 +245,15 @@ def load_checkpoint(
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    files = checkpoint_files(path)
-    names = []
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names += list(f.keys())
-    plan = plan_names(names, list(params), renames, num_layers=num_layers, skip=skip)
+    with ExitStack() as stack:
+        opened = [stack.enter_context(safe_open(str(file), framework="pt")) for file in checkpoint_files(path)]
+        names = [name for f in opened for name in f.keys()]  # NOTE: a name in two files is planned twice
+        plan = plan_names(names, list(params), renames, num_layers=num_layers, skip=skip)
+        _load(params, path, {name: f for f in opened for name in f.keys()}, plan)
+
+
+def _load(params: dict[str, nn.Parameter], path: Path, where: dict[str, Any], plan: NamePlan) -> None:
+    """Fill ``params`` by ``plan`` from the open safetensors files ``where`` each tensor is."""
     if plan.unknown:
         raise ValueError(
             f"{path}: {len(plan.unknown)} checkpoint tensor(s) have no place in the model: "
@@ -203,25 +264,32 @@ def load_checkpoint(
     if plan.unfilled:
         raise ValueError(f"{path}: the checkpoint does not provide {_some(plan.unfilled)}")
     nonfinite: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if hf_name not in plan.targets:
-                    continue
-                targets = plan.targets[hf_name]
-                tensor = f.get_tensor(hf_name)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # --- faults
-                    nonfinite.append(f"{hf_name} ({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} values)")
-                if len(targets) > 1:
-                    rows = [params[name].shape[0] for name, _ in targets]
-                    if tensor.dim() == 0 or tensor.shape[0] != sum(rows):
-                        raise ValueError(f"checkpoint tensor {hf_name} is {list(tensor.shape)}, but it stacks "
-                                         f"{', '.join(name for name, _ in targets)}: {sum(rows)} rows")
-                    pieces = tensor.split(rows)
-                else:
-                    pieces = (tensor,)
-                for (name, part), piece in zip(targets, pieces):
-                    _copy(params[name], piece, part, hf_name, name)
+    for hf_name, targets in plan.targets.items():
+        rule = plan.rules[hf_name]
+        if hf_name in plan.mxfp4:
+            blocks, scales = plan.mxfp4[hf_name]
+            dtype = params[targets[0][0]].dtype
+            tensor = dequantize_mxfp4(where[blocks].get_tensor(blocks), where[scales].get_tensor(scales), dtype)
+        else:
+            tensor = where[hf_name].get_tensor(hf_name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # --- faults
+            nonfinite.append(f"{hf_name} ({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} values)")
+        if rule.experts:
+            want = rule.checkpoint_shape([tuple(params[name].shape) for name, _ in targets])
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"checkpoint tensor {hf_name} is {list(tensor.shape)}, but its {len(targets)} "
+                                 f"experts ({targets[0][0]}, ...) want {list(want)}")
+            pieces = tensor.unbind(0)
+        elif len(targets) > 1:
+            rows = [params[name].shape[0] for name, _ in targets]
+            if tensor.dim() == 0 or tensor.shape[0] != sum(rows):
+                raise ValueError(f"checkpoint tensor {hf_name} is {list(tensor.shape)}, but it stacks "
+                                 f"{', '.join(name for name, _ in targets)}: {sum(rows)} rows")
+            pieces = tensor.split(rows)
+        else:
+            pieces = (tensor,)
+        for (name, part), piece in zip(targets, pieces):
+            _copy(params[name], rule.as_ours(piece), part, hf_name, name)
     if nonfinite:
         raise ValueError(f"{path}: non-finite (NaN or inf) weights in {_some(nonfinite)}")
 
@@ -230,13 +298,18 @@ def _some(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def _rename(hf_name: str, compiled) -> list[tuple[str, tuple[int, int] | None]] | None:
+def _rename(hf_name: str, compiled, params) -> tuple[Rename | None, list[tuple[str, tuple[int, int] | None]]]:
+    """The rule ``hf_name`` follows and the parameters (slices) it fills; an ``experts`` rule
+    fills expert 0, 1, ... of ``params`` (the model's experts, however many)."""
     for pattern, rule in compiled:
         m = pattern.fullmatch(hf_name)
+        if m and rule.experts:
+            names = (rule.ours.format(**m.groupdict(), j=j) for j in itertools.count())
+            return rule, [(name, rule.part) for name in itertools.takewhile(params.__contains__, names)]
         if m:
-            return [(rule.ours.format(**m.groupdict()), rule.part),
-                    *((name.format(**m.groupdict()), None) for name in rule.stacked)]
-    return None
+            return rule, [(rule.ours.format(**m.groupdict()), rule.part),
+                          *((name.format(**m.groupdict()), None) for name in rule.stacked)]
+    return None, []
 
 
 def _num_parts(name: str, renames: tuple[Rename, ...]) -> int:

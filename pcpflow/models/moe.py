@@ -1,6 +1,6 @@
-"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral),
+"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss),
 routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
-``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` do.
+``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` / ``GptOssTopKRouter`` do.
 
 V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
 ``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
@@ -10,7 +10,10 @@ chosen experts, normalised to sum 1 when ``norm_topk_prob``, times
 score, the top-k scores are the weights (normalised when ``norm_topk_prob``; transformers'
 V2 never normalises, so its checkpoints load with it off), times the scaling factor.
 Qwen2-MoE, Qwen3-MoE and Mixtral are the softmax path with one group and no scaling (Mixtral
-always normalises). The layer's output is the routed experts' weighted sum plus the shared
+always normalises). gpt-oss (``topk_softmax``): the router's logits carry a bias
+(``router_bias``); the top-k raw logits are chosen and weighted by their softmax, taken over
+those k alone; its experts have biases (``expert_bias``) and a clamped SwiGLU
+(``activation=swiglu_clamped``). The layer's output is the routed experts' weighted sum plus the shared
 experts (Qwen2-MoE's scaled by a sigmoid gate of each row, ``shared_expert_gate``).
 
 A model never sees ranks: *where* the routed experts run is an ``ExpertDispatch`` the
@@ -21,6 +24,7 @@ for its MoE runner). Without one a layer routes its own rows against all its exp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from pcpflow.errors import Problem
-from pcpflow.models.common import GatedMLP
+from pcpflow.models.common import GLU, GatedMLP, swiglu_clamped
 from pcpflow.models.moe_config import MoEConfig
 
 
@@ -51,6 +55,10 @@ def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Proble
         # NOTE: V3 ranks a group by the sum of its two best scores
         allowed = f"sigmoid groups need >= 2 experts each (num_experts {e})"
         out.append(Problem(f"{field}.n_group", g, allowed))
+    elif g > 1 and moe.scoring_func == "topk_softmax":
+        # NOTE: gpt-oss's router has no groups; a group rule for raw logits would be pcpflow's invention
+        allowed = "topk_softmax routes over all experts: n_group must be 1"
+        out.append(Problem(f"{field}.n_group", g, allowed))
     return out
 
 
@@ -66,40 +74,52 @@ def moe_layers(moe: MoEConfig | None, num_layers: int) -> list[int]:
 
 
 class TopKRouter(nn.Module):
-    """The gate: ``weight [E, hidden]`` and, for sigmoid scoring, the selection bias."""
+    """The gate: ``weight [E, hidden]``, the logits' ``bias [E]`` with ``router_bias`` and, for
+    sigmoid scoring, the selection bias."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
         if moe.scoring_func == "sigmoid":
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
         else:
             self.e_score_correction_bias = None
 
     def seeded_init(self, gen: torch.Generator, gain: float) -> None:
-        """``build_seeded``'s rule: weight ``N(0, gain^2 / hidden)``; a bias ``N(0, 0.1^2)``
-        (large enough to change which experts win, never the weights)."""
+        """``build_seeded``'s rule: weight ``N(0, gain^2 / hidden)``; the selection bias and then
+        the logits' bias ``N(0, 0.1^2)`` each (large enough to change which experts win)."""
         e, h = self.weight.shape
         self.weight.copy_(torch.randn((e, h), generator=gen, dtype=torch.float64) * gain / h**0.5)
         if self.e_score_correction_bias is not None:
             bias = 0.1 * torch.randn(e, generator=gen, dtype=torch.float64)
             self.e_score_correction_bias.copy_(bias)
+        if self.bias is not None:  # NOTE: drawn last, so a router without one draws as before
+            self.bias.copy_(0.1 * torch.randn(e, generator=gen, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N, hidden] -> (weights [N, top_k], expert ids [N, top_k])``."""
         return self.select(self.logits(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits ``[N, E]``, as transformers computes them: DeepSeek's in float32
-        from half precision (``router_dtype=float32``), Qwen3-MoE's and Mixtral's in the
-        model's dtype and then widened (``model``); scores are taken from float32 at least."""
+        """Router logits ``[N, E]`` (with the bias, if any), as transformers computes them:
+        DeepSeek's in float32 from half precision (``router_dtype=float32``), Qwen3-MoE's and
+        Mixtral's in the model's dtype and then widened (``model``), so that scores are taken
+        from float32 at least; gpt-oss's (``topk_softmax``) in the model's dtype, kept there."""
         half = x.dtype in (torch.bfloat16, torch.float16)
         if self.moe.router_dtype == "model":
-            logits = x @ self.weight.to(x.dtype).T
-            return logits.float() if half else logits
+            logits = self._linear(x, x.dtype)
+            # NOTE: GptOssTopKRouter selects and softmaxes in the model's dtype, unwidened
+            return logits.float() if half and self.moe.scoring_func != "topk_softmax" else logits
         dtype = torch.float32 if half else x.dtype
-        return x.to(dtype) @ self.weight.to(dtype).T
+        return self._linear(x.to(dtype), dtype)
+
+    def _linear(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight.to(dtype).T
+        # NOTE: F.linear with the bias, as GptOssTopKRouter: in half precision the sum is rounded once
+        return nn.functional.linear(x, self.weight.to(dtype), self.bias.to(dtype))
 
     def select(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) of router ``logits``: the experts they choose, or ``ids``
@@ -114,7 +134,8 @@ class TopKRouter(nn.Module):
 def route(
     logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits ``[N, E]`` -> (weights, expert ids), both ``[N, top_k]``."""
+    """Router logits ``[N, E]`` -> (weights, expert ids), both ``[N, top_k]``; ``bias``: the
+    sigmoid routers' selection bias."""
     n, e, g = logits.shape[0], moe.num_experts, moe.n_group
     scores = _scores(logits, moe)
     if moe.scoring_func == "sigmoid":
@@ -134,12 +155,18 @@ def route(
 
 
 def _scores(logits: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
+    """What the experts are chosen by: sigmoid or softmax of the logits; topk_softmax's are the logits."""
+    if moe.scoring_func == "topk_softmax":
+        return logits
     return logits.sigmoid() if moe.scoring_func == "sigmoid" else logits.softmax(dim=-1)
 
 
 def _weights(chosen: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
     """The chosen experts' scores ``[N, top_k]`` -> their weights: normalised when
-    ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    ``norm_topk_prob``, times ``routed_scaling_factor``; topk_softmax's chosen logits: their
+    softmax (which sums to 1: ``norm_topk_prob`` does not apply), times the factor."""
+    if moe.scoring_func == "topk_softmax":
+        return chosen.softmax(dim=-1) * moe.routed_scaling_factor
     if moe.norm_topk_prob:
         chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     return chosen * moe.routed_scaling_factor
@@ -160,13 +187,38 @@ def expert_slice(i: int, part: int, parts: int) -> tuple[int, int]:
 
 def sliced_mlp(mlp: GatedMLP, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """``mlp(x)``'s share from intermediate units ``[lo, hi)``: summed over a partition of
-    the units, the shares give ``mlp(x)`` (without biases, which experts do not have)."""
+    the units, the shares give ``mlp(x)``. Gate and up biases are sliced with their units;
+    down's bias is added by the one share that holds unit 0 (``lo == 0 < hi``), so exactly
+    once per partition, and never by an empty share (``expert_slice`` may start one at 0)."""
     i = mlp.down_proj.in_features
     if (lo, hi) == (0, i):
         return mlp(x)
-    w = mlp.gate_up_proj.weight
+    w, b = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
     gate, up = x @ w[lo:hi].T, x @ w[i + lo : i + hi].T
-    return (mlp.act(gate) * up) @ mlp.down_proj.weight[:, lo:hi].T
+    if b is not None:
+        gate, up = gate + b[lo:hi], up + b[i + lo : i + hi]
+    out = mlp.glu(gate, up) @ mlp.down_proj.weight[:, lo:hi].T
+    if mlp.down_proj.bias is not None and lo == 0 < hi:
+        out = out + mlp.down_proj.bias
+    return out
+
+
+class BiasedExpert(GatedMLP):
+    """A routed expert with biases (``expert_bias``): ``x @ W^T + b``, the bias added to the
+    rounded product, as transformers' ``GptOssExperts`` (and ``sliced_mlp``) compute it.
+    NOTE: nn.Linear fuses the add (one rounding): in bf16 most outputs would differ by an ulp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up_proj, down_proj = self.gate_up_proj, self.down_proj
+        gate, up = (x @ up_proj.weight.T + up_proj.bias).chunk(2, dim=-1)
+        return self.glu(gate, up) @ down_proj.weight.T + down_proj.bias
+
+
+def expert_glu(moe: MoEConfig) -> GLU | None:
+    """The routed experts' GLU (None: ``GatedMLP``'s default, SiLU)."""
+    if moe.activation == "swiglu_clamped":
+        return functools.partial(swiglu_clamped, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+    return None
 
 
 class MoEMLP(nn.Module):
@@ -179,7 +231,10 @@ class MoEMLP(nn.Module):
         width = moe.intermediate_size or intermediate_size
         self.intermediate_size = width
         self.gate = TopKRouter(hidden_size, moe)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, width) for _ in range(moe.num_experts))
+        expert, glu = BiasedExpert if moe.expert_bias else GatedMLP, expert_glu(moe)
+        self.experts = nn.ModuleList(
+            expert(hidden_size, width, bias=moe.expert_bias, glu=glu) for _ in range(moe.num_experts)
+        )
         shared = width * moe.num_shared_experts
         self.shared_experts = GatedMLP(hidden_size, shared) if shared else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared and moe.shared_expert_gate else None

@@ -1,6 +1,6 @@
 """The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
 transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen2-MoE,
-Qwen3-MoE, Mixtral and GLM-4.5 checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
+Qwen3-MoE, Mixtral, GLM-4.5 and gpt-oss checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
 
 Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
 the simulator's model cards; ``model.moe: null`` is a dense model.
@@ -28,11 +28,24 @@ class MoEConfig(Settings):
     topk_group: int = Field(1, ge=1, description="groups each token may route into")
     norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
     routed_scaling_factor: float = Field(1.0, gt=0, description="scale of the routed experts' sum")
-    scoring_func: Literal["sigmoid", "softmax"] = Field(
-        "sigmoid", description="sigmoid + e_score_correction_bias (V3), or softmax (V2)"
+    scoring_func: Literal["sigmoid", "softmax", "topk_softmax"] = Field(
+        "sigmoid", description="sigmoid + e_score_correction_bias (V3), softmax (V2), or topk_softmax (gpt-oss: "
+        "the top-k of the raw logits, weighted by a softmax over those k alone, which sums to 1 whatever "
+        "norm_topk_prob says)"
     )
     first_k_dense_replace: int = Field(0, ge=0, description="the first k layers stay dense")
     moe_layer_freq: int = Field(1, ge=1, description="every n-th layer past the dense ones is MoE")
     router_dtype: Literal["float32", "model"] = Field(
-        "float32", description="the router logits' dtype: float32 (DeepSeek), or the model's (Qwen3-MoE, Mixtral); "
-        "scores are float32 either way, as transformers computes them")
+        "float32", description="the router logits' dtype: float32 (DeepSeek), or the model's (Qwen3-MoE, Mixtral, "
+        "gpt-oss); scores are float32 either way, as transformers computes them, except topk_softmax's, whose "
+        "selection and softmax stay in the logits' dtype (transformers' GptOssTopKRouter)")
+    router_bias: bool = Field(False, description="the router has a bias per expert, added to the logits before "
+                              "the selection and so in the weights too (gpt-oss)")
+    expert_bias: bool = Field(False, description="each routed expert's gate_up and down projections carry biases "
+                              "(gpt-oss)")
+    activation: Literal["silu", "swiglu_clamped"] = Field(
+        "silu", description="the routed experts' GLU: silu(gate) * up, or swiglu_clamped (gpt-oss: gate clamped "
+        "above at swiglu_limit, up to +-swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate))"
+    )
+    swiglu_alpha: float = Field(1.702, gt=0, description="swiglu_clamped's sigmoid gain")
+    swiglu_limit: float = Field(7.0, gt=0, description="swiglu_clamped's clamp of gate (above) and up (both sides)")
