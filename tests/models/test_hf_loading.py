@@ -1426,3 +1426,67 @@ def test_real_seed_oss_and_exaone4_configs_size_as_published(tmp_path, config, t
         return
     assert c.sliding_layers == [i for i, t in enumerate(theirs_config.layer_types) if t == "sliding_attention"]
     assert (c.window, attn.rotary, ours.layers[0].self_attn.rotary is not None) == (4096, None, True)
+
+
+def _gpt_oss_config(layers: int, experts: int) -> dict:
+    """config.json of openai/gpt-oss-120b (36 layers, 128 experts) and gpt-oss-20b (24, 32), as released."""
+    return dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", attention_bias=True, head_dim=64, hidden_act="silu",
+        hidden_size=2880, intermediate_size=2880, initial_context_length=4096, max_position_embeddings=131072,
+        num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=layers, num_local_experts=experts,
+        num_experts_per_tok=4, experts_per_token=4, rms_norm_eps=1e-5, sliding_window=128, swiglu_limit=7.0,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                          original_max_position_embeddings=4096),
+        rope_theta=150000, router_aux_loss_coef=0.9, tie_word_embeddings=False, vocab_size=201088,
+        eos_token_id=200002, pad_token_id=199999,
+        quantization_config=dict(quant_method="mxfp4", modules_to_not_convert=[
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]),
+    )
+
+
+# OpenAI's gpt-oss model card (2025), table 1: parameters in billions, total and active per token
+# (its active count takes the unembedding and not the embedding).
+REAL_GPT_OSS = {"gpt-oss-120b": ((36, 128), 116.83, 5.13), "gpt-oss-20b": ((24, 32), 20.91, 3.61)}
+
+
+@pytest.mark.parametrize("name", REAL_GPT_OSS)
+def test_real_gpt_oss_configs_read_and_size_a_simulated_run(tmp_path, name):
+    """A released gpt-oss config.json (MXFP4 experts, which an executed run dequantizes) reads as
+    transformers' GptOssConfig does: YaRN untruncated, every even layer sliding over 128 keys, 4 of
+    its experts per token routed on biased logits with the clamped SwiGLU; and a simulated run counts
+    the parameters OpenAI's model card publishes."""
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    (layers, experts), total_b, active_b = REAL_GPT_OSS[name]
+    (tmp_path / "config.json").write_text(json.dumps(_gpt_oss_config(layers, experts)))
+    c = read_checkpoint_config(tmp_path)
+    assert (c.window, len(c.sliding_layers), c.sliding_layers[:2]) == (128, layers // 2, [0, 2])
+    assert (c.rope_theta, c.rope_scaling.rope_type, c.rope_scaling.factor, c.rope_scaling.truncate) == (
+        150000, "yarn", 32.0, False)
+    m = c.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts) == (experts, 4, 2880, 0)
+    assert (m.scoring_func, m.router_bias, m.expert_bias, m.activation, m.swiglu_limit) == (
+        "topk_softmax", True, True, "swiglu_clamped", 7.0)
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
+    sizes = model_sizes(cfg.model)
+    unembedding = 201088 * 2880
+    total = (sizes.total_weight_params() + sizes.embedding_params) / 1e9
+    active = (sizes.active_params_per_row() + unembedding) / 1e9
+    # NOTE: 1%: the card's figures count biases and sinks (a few million), which the sizes leave out
+    assert total == pytest.approx(total_b, rel=0.01), total
+    assert active == pytest.approx(active_b, rel=0.01), active
+    assert (cfg.model.sliding_window, cfg.model.sliding_layers) == (128, layers // 2)
+
+
+def test_gpt_oss_quantized_other_than_mxfp4_is_refused(tmp_path):
+    """gpt-oss's MXFP4 experts are dequantized at load; any other quantization is refused by name."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    raw = _gpt_oss_config(24, 32)
+    raw["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
+        read_checkpoint_config(tmp_path)

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4 and DeepSeek-V2/V3 checkpoints are
+Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -104,6 +104,9 @@ CHECKPOINTS = {
     # Cohere 2 (Command R7B, Command A): parallel blocks on one centered norm, a sliding layer with
     # interleaved RoPE and a full one without position embedding, scaled logits; tied embeddings
     "cohere2_window": dict(arch="cohere2", sliding_window=WINDOW, tie_word_embeddings=True),
+    # gpt-oss: attention sinks on every head, q/k/v/o biases, its even layer sliding over WINDOW keys,
+    # YaRN untruncated; every MLP MoE (biased router and experts, clamped SwiGLU that bites)
+    "gpt_oss_window": dict(arch="gpt_oss", sliding_window=WINDOW, bias=True),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -173,6 +176,11 @@ MATRIX = [
     ("cohere2_window", "float64", 2, 2, "sharded", []),
     ("cohere2_window", "float32", 4, 1, "replicated", []),
     ("cohere2_window", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("gpt_oss_window", "float64", 2, 2, "sharded", []),
+    ("gpt_oss_window", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("gpt_oss_window", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("gpt_oss_window", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
+    ("gpt_oss_window", "float32", 4, 1, "sharded", []),
     ("gemma2_softcap", "float64", 2, 1, "replicated", ["pipeline.forward.attention=fused"]),
     ("gemma2_softcap", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float32", 2, 2, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
@@ -204,6 +212,10 @@ MATRIX = [
     ("cohere2_window", "float32", 2, 2, "replicated", ["tp=2"]),
     ("seed_oss", "float64", 2, 2, "sharded", ["tp=2"]),
     ("exaone4_window", "float32", 2, 2, "replicated", ["tp=2"]),
+    # gpt-oss's sinks cut with their heads (DCP over TP ranks, each owner applying its own heads'
+    # sinks, needs KV heads shared by the TP ranks: tests/attention/test_attention_sinks.py)
+    ("gpt_oss_window", "float64", 2, 2, "replicated", ["tp=2"]),
+    ("gpt_oss_window", "float32", 2, 1, "sharded", ["tp=2"]),
 ]
 
 
@@ -222,6 +234,7 @@ DEFAULT_CASES = {
     ("gemma2_softcap", "float64", 2, 2, "sharded"),
     ("olmo3_window", "float64", 2, 2, "sharded"),
     ("cohere2_window", "float64", 2, 2, "sharded"),
+    ("gpt_oss_window", "float64", 2, 2, "sharded"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 
@@ -252,7 +265,9 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     built again under ``PromoteFloat32``; forwards must then run under it too."""
     # NOTE: by config.json's architecture: a multimodal one has no AutoModelForCausalLM class
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    model = getattr(transformers, arch).from_pretrained(path, dtype=getattr(torch, dtype))
+    # NOTE: gpt-oss's experts through transformers' eager loop (its grouped GEMM takes no float64)
+    extra = {"experts_implementation": "eager"} if arch == "GptOssForCausalLM" else {}
+    model = getattr(transformers, arch).from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     model.eval()
     if promote and dtype == "float64":
         # NOTE: only construction and compute run promoted, never weight loading (which

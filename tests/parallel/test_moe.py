@@ -398,6 +398,7 @@ HF_CASES = [
     ("dsv3_moe", "float64", 4, 4, "sharded", "local"),
     ("qwen3_moe", "float64", 2, 2, "replicated", "all_to_all"),
     ("qwen2_moe", "float64", 2, 2, "sharded", "gather"),
+    ("gpt_oss", "float64", 2, 2, "sharded", "gather"),
 ]
 HF_SLOW_CASES = [
     ("dsv3_moe", "float64", 4, 4, "sharded", "gather"),
@@ -416,10 +417,13 @@ HF_SLOW_CASES = [
     ("glm4_moe", "float64", 2, 1, "sharded", "local", "tp=2"),
     ("qwen2_moe", "float32", 4, 4, "replicated", "all_to_all"),
     ("qwen2_moe", "float64", 2, 2, "replicated", "local", "tp=2"),
+    ("gpt_oss", "float64", 4, 4, "replicated", "all_to_all"),
+    ("gpt_oss", "float32", 2, 2, "replicated", "gather", "tp=2"),
+    ("gpt_oss", "float64", 2, 1, "sharded", "all_to_all", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's is not.
-HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1}
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's and gpt-oss's are not.
+HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2}
 
 
 class _Checkpoints(dict):
@@ -432,6 +436,7 @@ class _Checkpoints(dict):
         "qwen3_moe": ("qwen3_moe", {}),
         "mixtral": ("mixtral", {}),
         "glm4_moe": ("glm4_moe", dict(bias=True)),
+        "gpt_oss": ("gpt_oss", dict(bias=True)),
     }
 
     def __init__(self, root: Path) -> None:
