@@ -497,6 +497,10 @@ REMOVED_SIMULATE = {
 }
 
 
+EXPERT_DTYPES = ("bf16", "fp8", "fp4", "mxfp4", "fp32", "fp64")
+"""What ``simulate.expert_weights_dtype`` takes: ``weights_dtype``'s and mxfp4."""
+
+
 class SimulateConfig(Settings):
     """How a simulated run prices a step (``pcpflow.simulate``). Two factors are fitted
     (``FITTED``, docs/simulate.md says on what); every other number comes from the hardware
@@ -513,6 +517,13 @@ class SimulateConfig(Settings):
         description="linear-layer weights and their GEMMs' peak: bf16 | fp8 | fp4 (refused on hardware "
         "without an fp4 peak) | fp32 | fp64; null: the card's checkpoint dtype (fp8 for DeepSeek-V3, bf16 "
         "otherwise; a tiny model on a measured profile: the run's dtype)",
+    )
+    expert_weights_dtype: Literal[EXPERT_DTYPES] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="the routed experts' weights and their GEMMs' peak: bf16 | fp8 | fp4 (W4A4 at the fp4 peak: "
+        "refused on hardware without one) | mxfp4 (W4A16: 4.25 bits a weight read, dequantized in the kernel, at "
+        "the activations' peak, as vLLM runs gpt-oss on Hopper and by default on Blackwell) | fp32 | fp64; shared "
+        "experts and routers follow weights_dtype; null: the card's expert_weights_dtype, then weights_dtype",
     )
     kv_dtype: Literal["bf16", "fp8"] = Field(
         "bf16", description="the KV cache: sizes its blocks, its reads and the KV it moves"

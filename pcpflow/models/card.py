@@ -13,13 +13,14 @@ from pydantic import Field, model_validator
 from pcpflow.errors import Settings
 from pcpflow.models.moe_config import MoEConfig
 
-CARD_NAMES = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b")
+CARD_NAMES = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b", "gpt_oss_20b", "gpt_oss_120b")
 
 
 class ModelCard(Settings):
     """GQA (Llama) or MLA (DeepSeek) decoder sizes; ``moe`` set: MoE MLPs."""
 
-    name: Literal["llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b", "hf_card"]
+    name: Literal["llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b", "gpt_oss_20b", "gpt_oss_120b",
+                  "hf_card"]
     source: str | None = Field(None, description="where the sizes come from (hf_card: the config.json)")
     attention: Literal["gqa", "mla"] = Field(description="gqa: K/V heads; mla: latent cache")
     vocab_size: int = Field(ge=1)
@@ -43,6 +44,9 @@ class ModelCard(Settings):
     full_qk_norm: bool = Field(False, description="q and k each normed over the whole projection, all heads at "
                                "once (OLMo 2 and 3): under TP, two all-reduces of a number a row per layer")
     weights_dtype: Literal["bf16", "fp8"] = Field("bf16", description="the checkpoint's linear weights (simulate.weights_dtype: null takes it)")
+    expert_weights_dtype: Literal["bf16", "fp8", "mxfp4"] | None = Field(
+        None, description="the routed experts' stored weights (mxfp4: gpt-oss's; simulate.expert_weights_dtype: "
+        "null takes it); null: as weights_dtype")
     moe: MoEConfig | None = Field(None, description="MoE MLPs (pcpflow.models.moe_config); None: dense")
 
     @model_validator(mode="after")
@@ -86,6 +90,8 @@ def card_from_hf_config(path: str | Path) -> dict:
         "intermediate_size": c.intermediate_size,
         "tie_word_embeddings": c.tie_word_embeddings,
         "weights_dtype": "fp8" if c.quant_method == "fp8" else "bf16",
+        # NOTE: mxfp4 quantizes the routed experts alone (gpt-oss's modules_to_not_convert: the rest stays bf16)
+        "expert_weights_dtype": "mxfp4" if c.quant_method == "mxfp4" else None,
         # NOTE: DeepSeek's configs have no window (no attribute); a GQA family's is None without sliding layers
         "sliding_window": getattr(c, "window", None),
         "sliding_layers": len(getattr(c, "sliding_layers", ())),

@@ -149,10 +149,12 @@ def print_summary(result: dict[str, Any]) -> None:
         table.add_row("hardware profile", f"{prof['path']}  (mode=simulate hardware=measured hardware.path=...)")
     sim = m.get("simulate") if m else None
     if sim:
+        experts = sim.get("expert_weights_dtype")  # the routed experts' where they differ (gpt-oss: mxfp4)
+        mixed = f" (experts {experts})" if experts not in (None, sim["weights_dtype"]) else ""
         table.add_row(
             "simulated on",
             f"{sim['hardware']} · {sim['gpus']} {'CPU ranks' if sim.get('device') == 'cpu' else 'GPUs'} "
-            f"({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}"
+            f"({sim['nodes']} nodes) · tp={cfg['tp']} · weights {sim['weights_dtype']}{mixed}"
             f" · KV {sim.get('kv_dtype', 'bf16')} · {sim['tflops_per_gpu']:.0f} TF/s per GPU",
         )
         if sim.get("breakdown_s"):

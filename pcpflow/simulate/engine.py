@@ -411,6 +411,8 @@ def simulate_summary(run: SimulatedRun) -> dict[str, Any]:
         "gpus": gpus,
         "nodes": -(-gpus // hw.gpus_per_node),
         "weights_dtype": sim.weights_dtype,
+        # NOTE: null for a dense model (no routed expert to store)
+        "expert_weights_dtype": (sim.expert_weights_dtype or sim.weights_dtype) if run.sizes.num_experts else None,
         "kv_dtype": sim.kv_dtype,
         "cp_decode": sim.cp_decode,
         "cp_attention": run.cp_attention,

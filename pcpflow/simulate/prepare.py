@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from pcpflow.config.choices import allowed_choices
-from pcpflow.config.hardware import PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
+from pcpflow.config.hardware import EXPERT_DTYPES, PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
 from pcpflow.config.run import draft_slot
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
@@ -93,6 +93,10 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     raw["simulate"] = sim_raw
     if sim_raw.get("weights_dtype") is None:
         sim_raw["weights_dtype"] = (raw.get("model") or {}).get("weights_dtype") or _executed_weights(raw)
+    if sim_raw.get("expert_weights_dtype") is None:
+        experts = (raw.get("model") or {}).get("expert_weights_dtype") or sim_raw["weights_dtype"]
+        if experts in EXPERT_DTYPES:  # NOTE: a weights_dtype that is not is said once, on its own field
+            sim_raw["expert_weights_dtype"] = experts
     sched, kv = raw.setdefault("scheduler", {}), raw.setdefault("kv", {})
     derive = unset_derived(raw)
     if not derive:
@@ -111,7 +115,7 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         requests = requests_of(workload, sizes.vocab_size, int(raw.get("seed", 0)))
         draft_w, draft_kv = drafter_memory(draft_slot(raw.get("draft"), raw.get("pipeline")), model, sizes, sim,
                                            tp=tp, weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype,
-                                           plugins=raw.get("plugins") or ())
+                                           plugins=raw.get("plugins") or (), expert_dtype=sim.expert_weights_dtype)
         per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype) + block_size * draft_kv
         free = kv_budget_bytes(sizes, hw, sim, tp=tp) - draft_w
         if free < per_block:  # NOTE: simulate_problems names what does not fit (weights, or one block)
@@ -178,13 +182,15 @@ def _positive(value: Any) -> int:
     return v
 
 
-def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str | None, tp: int) -> float:
+def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str | None, tp: int, expert_dtype: str | None = None) -> float:
     """One TP rank's weights as ``pcpflow.parallel.tensor_parallel`` leaves them: the linear
     weights in ``weights_dtype`` split by tp, GQA's K/V projections whole per KV head a rank
     holds (``tp / num_kv_heads`` ranks share one when tp exceeds them), MLA's q_a and kv_a
     whole on every rank (the latent all heads share), embedding and LM head in bf16,
     replicated. Routed experts are split by tp as an expert-parallel deployment places them
-    (an executed run's tiny MoE keeps every expert on every rank: docs/moe.md)."""
+    (an executed run's tiny MoE keeps every expert on every rank: docs/moe.md), in
+    ``expert_dtype`` (None: ``weights_dtype``); shared experts and routers are not routed:
+    ``weights_dtype``."""
     if sizes.attention == "gqa":
         (d,) = sizes.head_dims
         extra = sizes.num_layers * 2 * sizes.hidden_size * d * (sizes.kv_heads_per_rank(tp) - sizes.num_kv_heads / tp)
@@ -192,12 +198,16 @@ def weight_bytes_per_gpu(sizes: ModelSizes, weights_dtype: str | None, tp: int) 
         q_lora, kv_lora, _, rope, _ = sizes.head_dims
         extra = sizes.num_layers * sizes.hidden_size * ((q_lora or 0) + kv_lora + rope) * (1 - 1 / tp)
     linear = sizes.total_weight_params() / tp + extra
-    return linear * DTYPE_BYTES[weights_dtype or "bf16"] + sizes.embedding_params * 2
+    w = DTYPE_BYTES[weights_dtype or "bf16"]
+    # NOTE: + 0.0 where the experts are at weights_dtype: the same float as before they had a dtype
+    routed = sizes.routed_expert_params / tp * (DTYPE_BYTES[expert_dtype or weights_dtype or "bf16"] - w)
+    return linear * w + routed + sizes.embedding_params * 2
 
 
 def kv_budget_bytes(sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig, *, tp: int) -> float:
     """HBM one GPU has for its KV cache: its usable share less the weights."""
-    return hw.hbm_gib * GIB * sim.hbm_utilization - weight_bytes_per_gpu(sizes, sim.weights_dtype, tp)
+    return hw.hbm_gib * GIB * sim.hbm_utilization - weight_bytes_per_gpu(sizes, sim.weights_dtype, tp,
+                                                                          sim.expert_weights_dtype)
 
 
 def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str) -> float:
@@ -206,11 +216,12 @@ def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str) -
 
 
 def drafter_memory(draft: dict[str, Any] | None, model, sizes: ModelSizes, sim, *, tp: int, weights_dtype: str | None,
-                   kv_dtype: str, plugins: list[str] | tuple[str, ...] = ()) -> tuple[float, float]:
+                   kv_dtype: str, plugins: list[str] | tuple[str, ...] = (),
+                   expert_dtype: str | None = None) -> tuple[float, float]:
     """(weight bytes, KV bytes per token) a drafter adds on one GPU: its layers' weights and
     input projection (its embedding and LM head are the target's; ``self`` is the target
-    itself) and its cache's entries, every layer. (0, 0) without a drafter, or for one whose
-    settings validation reports."""
+    itself) and its cache's entries, every layer, its routed experts (a target's MoE layers)
+    in ``expert_dtype``. (0, 0) without a drafter, or for one whose settings validation reports."""
     from pcpflow.pipeline.assemble import load_stages
     from pcpflow.pipeline.stage import UnknownStageError, build_config, resolve
 
@@ -229,7 +240,7 @@ def drafter_memory(draft: dict[str, Any] | None, model, sizes: ModelSizes, sim, 
     own = (target_layers(sizes, work.num_layers) if sim.drafter_layers(model) == "target"
            else drafter_sizes(work.layer, work.num_layers, sizes))
     w = DTYPE_BYTES[weights_dtype or "bf16"]
-    weights = weight_bytes_per_gpu(own, weights_dtype, tp) - own.embedding_params * 2
+    weights = weight_bytes_per_gpu(own, weights_dtype, tp, expert_dtype) - own.embedding_params * 2
     weights += max(work.prefill_proj, work.step_proj) * own.hidden_size ** 2 * w
     return weights, own.entry_dim_per_rank(tp) * own.num_layers * DTYPE_BYTES[kv_dtype]
 
@@ -412,10 +423,16 @@ def dtype_problems(cfg) -> list[Problem]:
         p.append(Problem("dtype", cfg.dtype, f"{hw.name} prices activations at a peak of hardware.peak_tflops; "
                          f"allowed: {', '.join(known)}"))
     weights = cfg.simulate.weights_dtype
+    have = [k for k in ("bf16", "fp8", "fp4", "fp32", "fp64") if hw.peak(k) is not None]
     if weights is not None and hw.peak(weights) is None:
-        have = [k for k in ("bf16", "fp8", "fp4", "fp32", "fp64") if hw.peak(k) is not None]
         p.append(Problem("simulate.weights_dtype", weights, f"{hw.name} has no {weights} tensor-core peak "
                          f"(hardware.peak_tflops.{weights}: null); {allowed_choices(weights, have)}"))
+    # NOTE: mxfp4 experts compute at the activations' peak (weight-only: pcpflow.simulate.price.gemm_peak_key);
+    # experts at weights_dtype are that field's problem
+    experts = cfg.simulate.expert_weights_dtype
+    if experts not in (None, "mxfp4", weights) and hw.peak(experts) is None:
+        p.append(Problem("simulate.expert_weights_dtype", experts, f"{hw.name} has no {experts} tensor-core peak "
+                         f"(hardware.peak_tflops.{experts}: null); {allowed_choices(experts, [*have, 'mxfp4'])}"))
     return p
 
 
@@ -436,12 +453,15 @@ def serving_problems(cfg, requests) -> list[Problem]:
 
 def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
     hw, sim, tp, dcp = cfg.hardware, cfg.simulate, cfg.tp, cfg.dcp
+    experts = sim.expert_weights_dtype
     draft_w, draft_kv = drafter_memory(cfg.draft_stage_config() if cfg.draft_enabled else None, cfg.model, sizes, sim, tp=tp,
-                                       weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype, plugins=cfg.plugins)
-    weights = weight_bytes_per_gpu(sizes, sim.weights_dtype, tp) + draft_w
+                                       weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype, plugins=cfg.plugins,
+                                       expert_dtype=experts)
+    weights = weight_bytes_per_gpu(sizes, sim.weights_dtype, tp, experts) + draft_w
     usable = hw.hbm_gib * GIB * sim.hbm_utilization
+    mixed = f" ({experts} routed experts)" if sizes.num_experts and experts not in (None, sim.weights_dtype) else ""
     where = (f"{hw.name} has {hw.hbm_gib:.1f} GiB per GPU, x simulate.hbm_utilization {sim.hbm_utilization} = "
-             f"{usable / GIB:.1f} GiB; the {sim.weights_dtype} weights take {weights / GIB:.1f} GiB at tp={tp}"
+             f"{usable / GIB:.1f} GiB; the {sim.weights_dtype} weights{mixed} take {weights / GIB:.1f} GiB at tp={tp}"
              + (f" (the drafter's {draft_w / GIB:.1f} GiB included)" if draft_w else ""))
     if weights >= usable:
         # NOTE: a narrower dtype is advice only where the weights are wider than fp8 already

@@ -4,8 +4,9 @@ its slowest rank (docs/simulate.md, "Operators").
 Per PCP rank (its TP ranks hold the same rows and cost the same; ``N`` its padded rows):
 
 - ``gemm``: every projection of every layer by its ``M x N x K`` (``ModelSizes``' lists; MoE
-  experts where ``moe.dispatch`` runs them; the LM head, replicated, on the sampled rows), priced by
-  ``pcpflow.simulate.kernels`` (tiles, waves, roofline, floor);
+  experts where ``moe.dispatch`` runs them, the routed ones' weights at
+  ``simulate.expert_weights_dtype``: ``gemm_peak_key``; the LM head, replicated, on the sampled
+  rows), priced by ``pcpflow.simulate.kernels`` (tiles, waves, roofline, floor);
 - ``attention``: the pairs of the rank's busiest DCP shard (``attention_work``, the executed
   count; a ring's ``ring_attention_work``), prefill rows through FlashAttention-3's kernel at
   its published throughput for the shapes each call holds (``pcpflow.simulate.flash``), decode
@@ -385,6 +386,8 @@ class Pricer:
         self.kv_key, self.kv_bytes = kv_key, DTYPE_BYTES[kv_key]
         self.w_key = sim.weights_dtype or "bf16"
         self.w_bytes = DTYPE_BYTES[self.w_key]
+        experts = sim.expert_weights_dtype or self.w_key
+        self.e_key, self.e_bytes = gemm_peak_key(experts, act_key), DTYPE_BYTES[experts]  # the routed experts'
         self.host, self.moe_dispatch = host, moe_dispatch
         # NOTE: pcpflow's own forward on a measured profile: its unfused ops' bytes, counted.
         self.counted_bytes = (elementwise_bytes(sizes, grid.tp, dtype_of(act_key)) if self.measured else None)
@@ -499,7 +502,7 @@ class Pricer:
         per_expert = np.where(experts > 0, routed / np.maximum(experts, 1e-9), 0.0)
         for _, N, K in s.expert_gemms():
             # NOTE: a grouped GEMM: each reached expert's rows tiled apart
-            add(per_expert, N, K, L * experts)
+            add(per_expert, N, K, L * experts, key=self.e_key, wb=self.e_bytes)
 
     # ------------------------------------------------------------------ the step
     def price(self, batch, layout, counts: StepCounts, *, runtime_mode: str = "none",
@@ -998,6 +1001,16 @@ def _prefill_context(batch, layout, grid: RankGrid) -> np.ndarray:
     for r, seg in enumerate(layout.segments):
         out[r] = ctx[np.unique(seg.req_idx)].sum()
     return out / grid.dcp
+
+
+def gemm_peak_key(weights_dtype: str, act_key: str) -> str:
+    """The peak a GEMM of ``weights_dtype`` weights computes at: its own, but mxfp4's is the
+    activations' (weight-only: the 4.25-bit weights stream from HBM and are dequantized in the
+    kernel, the math at the activations' dtype; W4A16 as vLLM runs gpt-oss's MXFP4 experts
+    (``vllm/model_executor/layers/quantization/mxfp4.py``, ``get_mxfp4_backend``): Marlin or
+    Triton's matmul_ogs on Hopper, which has no FP4 tensor cores; FlashInfer's MXFP4 x BF16
+    kernels by default on Blackwell, MXFP8 activations only when asked for)."""
+    return act_key if weights_dtype == "mxfp4" else weights_dtype
 
 
 def _experts_touched(sizes: ModelSizes, rows):

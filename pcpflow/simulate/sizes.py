@@ -18,8 +18,12 @@ from dataclasses import dataclass, replace
 from pcpflow.layouts.accounting import ModelShape
 from pcpflow.models.card import ModelCard
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "fp64": 8, "fp32": 4, "bf16": 2, "fp8": 1, "fp4": 0.5}
-"""Bytes per element of the run's ``dtype`` and of the ``simulate.*_dtype`` keys (fp4: two per byte)."""
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "fp64": 8, "fp32": 4, "bf16": 2, "fp8": 1, "fp4": 0.5,
+               # NOTE: OCP Microscaling Formats (MX) v1.0, MXFP4: 4-bit E2M1 elements in blocks of 32
+               # sharing one 8-bit E8M0 scale, (32 x 4 + 8) / 32 = 4.25 bits
+               "mxfp4": 0.53125}
+"""Bytes per element of the run's ``dtype`` and of the ``simulate.*_dtype`` keys (fp4: two per
+byte; mxfp4: two per byte and a block's scale)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,12 @@ class ModelSizes:
 
     def total_weight_params(self) -> int:
         return int(self.layer_weight_params(self.num_experts))
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Every routed expert of every MoE layer (``simulate.expert_weights_dtype`` stores them;
+        shared experts and routers are not routed: ``weights_dtype``)."""
+        return self.num_moe_layers * self.num_experts * self.expert_params
 
     def attention_gemms(self, tp: int) -> list[tuple[str, int, int]]:
         """One layer's attention projections on one TP rank: (name, N, K) of ``[rows, K] x

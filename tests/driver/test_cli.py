@@ -20,6 +20,7 @@ from pcpflow.driver.cli import compose_raw
 from pcpflow.driver.compose import config_groups as _config_groups
 from pcpflow.driver.job import prepare_job
 from pcpflow.errors import ConfigError
+from pcpflow.models.card import CARD_NAMES
 from pcpflow.testing import cli as in_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def write_trace(path: Path, n: int = 4) -> Path:
 
 
 # ------------------------------------------------------------------------- configs
-_CARDS = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b")
+_CARDS = CARD_NAMES  # every shipped card (conf/model/) prices simulated runs only
 
 
 def test_every_shipped_yaml_composes_and_validates(tmp_path):
