@@ -55,12 +55,16 @@ def dcp_local_seq_lens(seq_lens, dcp_size: int, dcp_rank: int, interleave: int) 
     return (lens // period) * interleave + tail
 
 
-def window_starts(positions, window: int | None) -> np.ndarray:
+def window_starts(positions, window: int | None, kind: str = "sliding") -> np.ndarray:
     """int64: the first key a row at each position sees through a sliding window of
-    ``window`` keys (itself included: ``max(0, position + 1 - window)``); 0 without one."""
+    ``window`` keys (itself included: ``max(0, position + 1 - window)``), or, ``kind="chunked"``,
+    through chunks of ``window`` positions (its chunk's first: ``position - position % window``,
+    Llama 4's chunked attention); 0 without one."""
     pos = np.asarray(positions, dtype=np.int64)
     if window is None:
         return np.zeros_like(pos)
+    if kind == "chunked":
+        return pos - pos % window
     return np.maximum(pos + 1 - window, 0)
 
 

@@ -15,7 +15,7 @@ absorbed into latent space); GQA stores roped K then V.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ class AttentionSpec:
     # ``max(0, p + 1 - window) .. p``: ``pcpflow.layouts.slots.window_starts``); the others to all.
     window: int | None = None
     window_layers: tuple[int, ...] = ()
+    # ``chunked`` (Llama 4's chunked attention): the window is aligned instead, a row at position p
+    # sees keys ``p - p % window .. p`` (its chunk's, up to itself).
+    window_kind: Literal["sliding", "chunked"] = "sliding"
 
     def slides(self, layer: int) -> bool:
         """Whether layer ``layer`` attends through the sliding window."""

@@ -210,7 +210,7 @@ def _layer_op_us(b: Bench, kind: str) -> float:
     x = torch.randn(rows, 32, device=b.device)
     positions = torch.arange(rows, device=b.device)
 
-    def attend(_layer, q, _kv):  # the backend is measured apart (the attention section)
+    def attend(_layer, q, _kv, sinks=None):  # the backend is measured apart (the attention section)
         return q.new_zeros(q.shape[0], spec.num_heads, spec.v_dim)
 
     with torch.no_grad():

@@ -185,7 +185,7 @@ def _elementwise(attention: str, hidden: int, heads: int, kv_heads: int, dims: t
     make_attn, spec = _attention_module(attention, hidden, heads, kv_heads, dims)
     layer = build_uninitialized(lambda: DecoderLayer(make_attn(), hidden, inter, 1e-6), device="meta").to(dt)
 
-    def attend(_layer, q, _kv):
+    def attend(_layer, q, _kv, sinks=None):
         counted_bytes.paused = True  # the attention call (KV write, kernel) is priced apart
         out = q.new_empty(q.shape[0], spec.num_heads, spec.v_dim)
         counted_bytes.paused = False

@@ -55,7 +55,7 @@ class PagedCache:
         blocks = self.block_tables[req_indices, positions // self.block_size]
         self.slots = blocks * self.block_size + positions % self.block_size
 
-    def __call__(self, layer, q, kv):
+    def __call__(self, layer, q, kv, sinks=None):
         self.layers_called.append(layer)
         self.caches[layer][self.slots] = kv
         out, _ = paged_attention(

@@ -505,7 +505,7 @@ class _ThreadGroup:
 def _dense_attention(spec):
     """Causal attention of one sequence over its own new entries (no cache)."""
 
-    def attn(layer, q, kv):
+    def attn(layer, q, kv, sinks=None):
         k, v = spec.keys(kv), spec.values(kv)  # [n, kvh, d]
         group = spec.num_heads // spec.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

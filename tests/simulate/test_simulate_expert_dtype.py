@@ -157,16 +157,11 @@ GPT_OSS_120B = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", h
 
 def test_the_gpt_oss_card_is_its_config_json_s(tmp_path):
     """``model=gpt_oss_120b`` prices what ``model=hf`` reads from its config.json: the same sizes,
-    window, sliding layers and expert dtype (routing fields aside: they price nothing). Skipped
-    until pcpflow reads GptOssForCausalLM."""
+    window, sliding layers, routing and expert dtype."""
     path = _config_json(tmp_path, "gpt_oss_120b", GPT_OSS_120B)
-    try:
-        from_config = card_from_hf_config(path)
-    except ValueError as exc:
-        if "GptOssForCausalLM" in str(exc):
-            pytest.skip(f"pcpflow does not read gpt-oss yet: {exc}")
-        raise
+    from_config = card_from_hf_config(path)
     card = compose(["mode=simulate", "hardware=h200_sxm", "model=gpt_oss_120b"]).model
     hf = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={path}"]).model
     assert model_sizes(hf) == model_sizes(card)
     assert (from_config["weights_dtype"], from_config["expert_weights_dtype"]) == ("bf16", "mxfp4")
+    assert hf.moe == card.moe and (hf.sliding_window, hf.sliding_layers) == (card.sliding_window, card.sliding_layers)
