@@ -143,7 +143,7 @@ class ModelForward(Stage):
         plan = plan_ring(layout, b.positions, variant=variant, interleave=ctx.config.kv.interleave)
         state.attn.cp_attention = f"ring_{variant}"
         return RingAttention(
-            ring=rank_ring(plan, ctx.pcp_rank, b.block_tables, ctx.block_size, window=spec.window),
+            ring=rank_ring(plan, ctx.pcp_rank, b.block_tables, ctx.block_size, window=spec.windowed()),
             caches=ctx.kv_caches,
             spec=spec,
             block_size=ctx.block_size,

@@ -39,6 +39,6 @@ class PagedSlots(Stage):
             dcp_rank=ctx.dcp_rank,
             device=ctx.device,
             seq_lens=b.seq_lens,
-            window=ctx.model.attn_spec.window,
+            window=ctx.model.attn_spec.windowed(),
         )
         return state

@@ -22,14 +22,20 @@ def rope(x, positions, theta):
     return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x1 * ang.sin() + x2 * ang.cos()], -1)
 
 
-def causal_attention(q, k, v, scale, window=None, sinks=None):
+def causal_attention(q, k, v, scale, window=None, sinks=None, window_kind="sliding"):
     """q, k [N, H, d], v [N, H, dv] -> [N, H, dv], standard causal softmax attention; with a
-    ``window``, query i sees keys i - window < j <= i only; ``sinks [H]``: one more logit per
-    head in every row's softmax, its probability dropped (gpt-oss's eager attention)."""
+    ``window``, query i sees keys i - window < j <= i only, or, ``window_kind="chunked"``,
+    keys of its own chunk of ``window`` (i - i % window <= j <= i); ``sinks [H]``: one more
+    logit per head in every row's softmax, its probability dropped (gpt-oss's eager attention)."""
     n = q.shape[0]
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    hidden = (j > i) if window is None else (j > i) | (j <= i - window)
+    if window is None:
+        hidden = j > i
+    elif window_kind == "chunked":
+        hidden = (j > i) | (j < i - i % window)
+    else:
+        hidden = (j > i) | (j <= i - window)
     s = s.masked_fill(hidden, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.to(s.dtype)[:, None, None].expand(-1, n, 1)], dim=-1)
@@ -73,7 +79,7 @@ def reference_forward(model, ids):
             rep = nh // nkv
             o = causal_attention(
                 q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 1 / math.sqrt(hd),
-                c.window if index in slides else None, a.sinks,
+                c.window if index in slides else None, a.sinks, c.window_kind,
             )
         x = x + o.flatten(1) @ a.o_proj.weight.T
         h = rms(x, layer.post_attention_norm.weight, c.rms_norm_eps)

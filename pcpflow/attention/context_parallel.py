@@ -80,8 +80,8 @@ class CPAttention:
         self.kernel = kernel
         self.caches, self.spec, self.block_size = caches, spec, block_size
         self.pcp, self.dcp, self.meta = pcp, dcp, meta
-        if spec.window is not None and spec.window_layers and meta.window != spec.window:
-            raise ValueError(f"the model's layers {list(spec.window_layers)} slide over {spec.window} keys, but "
+        if spec.windowed() is not None and meta.window != spec.windowed():
+            raise ValueError(f"the model's layers {list(spec.window_layers)} attend through {spec.windowed()}, but "
                              f"the attention metadata was built for window={meta.window}")
         n, p = layout.padded_num_tokens, layout.pcp_size
         # Rows past the replicated-decode prefix move, if any rank has a real one there

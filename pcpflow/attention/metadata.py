@@ -14,10 +14,11 @@ import torch
 from pcpflow.layouts.dcp_context import ContextGather
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.slots import (
+    Window,
+    as_window,
     compute_slot_mapping,
     dcp_local_seq_lens,
     expand_to_gathered,
-    window_starts,
 )
 from pcpflow.layouts.tensors import int64_tensor
 
@@ -54,12 +55,12 @@ class AttentionMetadata:
     # How the target's attention crossed the ranks ("allgather" | "ring_pass_kv" |
     # "ring_pass_q"), set by ``forward``: attention work and metrics.jsonl follow it.
     cp_attention: str | None = None
-    # A sliding window (``AttentionSpec.window``; None: none): the first key each row reads on
-    # a sliding layer, in the index space of its context lens above: ``local_row_starts``
+    # A window (``AttentionSpec.windowed``, sliding or chunked; None: none): the first key each
+    # row reads on a windowed layer, in the index space of its context lens above: ``local_row_starts``
     # beside ``local_row_context_lens`` (this rank's DCP shard when dcp > 1),
     # ``gathered_row_starts`` beside ``gathered_row_context_lens``, ``context_row_starts`` the
     # local rows' in their whole context (the DCP context path's).
-    window: int | None = None
+    window: Window | None = None
     local_row_starts: torch.Tensor | None = None
     gathered_row_starts: torch.Tensor | None = None
     context_row_starts: torch.Tensor | None = None
@@ -108,7 +109,7 @@ def build_attention_metadata(
     dcp_rank: int,
     device: torch.device,
     seq_lens: np.ndarray | None = None,
-    window: int | None = None,
+    window: Window | int | None = None,
 ) -> AttentionMetadata:
     """Metadata of tokens ``[T]`` (``positions``, block-table row ``req_indices``) planned by
     ``layout``, for PCP rank ``pcp_rank`` and DCP rank ``dcp_rank``.
@@ -116,15 +117,16 @@ def build_attention_metadata(
     ``context_lens`` [T]: keys each token's query reads (default ``position + 1``, causal).
     ``seq_lens`` [R] (each request's ``num_computed + num_scheduled``): with dcp > 1, also
     prepare the rest rows' context path (``ContextGather``); without it they take the
-    queries path. ``window``: the model's sliding window (``AttentionSpec.window``): each
-    row's first key on a sliding layer (``window_starts`` of its position) too."""
+    queries path. ``window``: the model's window (``AttentionSpec.windowed``; an int: a
+    sliding one): each row's first key on a windowed layer (``Window.starts`` of its position) too."""
+    window = as_window(window)
     positions = np.asarray(positions, dtype=np.int64)
     req_indices = np.asarray(req_indices, dtype=np.int64)
     ctx_lens = positions + 1 if context_lens is None else np.asarray(context_lens, dtype=np.int64)
     slots = rank_slot_mapping(positions, req_indices, block_tables, kv, dcp_size=dcp_size, dcp_rank=dcp_rank)
     row_req, row_ctx = gathered_rows(layout, req_indices, ctx_lens)
     rows = layout.rank_rows(pcp_rank)
-    row_start = None if window is None else gathered_rows(layout, req_indices, window_starts(positions, window))[1]
+    row_start = None if window is None else gathered_rows(layout, req_indices, window.starts(positions))[1]
     whole_start = row_start
     context = None
     if dcp_size > 1:

@@ -78,8 +78,8 @@ class RingAttention:
         """``block_tables``: the global batch's (``AttentionMetadata.block_tables``);
         ``dcp``: the ring's group (the DCP group, equal to the PCP group); ``kernel``:
         ``paged_attention`` or a function with its contract."""
-        if spec.window is not None and spec.window_layers and ring.window != spec.window:
-            raise ValueError(f"the model's layers {list(spec.window_layers)} slide over {spec.window} keys, but "
+        if spec.windowed() is not None and ring.window != spec.windowed():
+            raise ValueError(f"the model's layers {list(spec.window_layers)} attend through {spec.windowed()}, but "
                              f"the ring was planned for window={ring.window} (rank_ring's window)")
         self.ring, self.caches, self.spec, self.block_size = ring, caches, spec, block_size
         self.block_tables, self.dcp, self.kernel = block_tables, dcp, kernel

@@ -39,11 +39,12 @@ import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout
 from pcpflow.layouts.slots import (
+    Window,
+    as_window,
     compute_slot_mapping,
     dcp_global_positions,
     dcp_local_seq_lens,
     dcp_shard_lens,
-    window_starts,
 )
 
 CP_ATTENTION = ("allgather", "ring_pass_kv", "ring_pass_q", "ring_auto")
@@ -238,8 +239,8 @@ class Hop:
     visit_pos: np.ndarray  # [recv_q]: its position
     visit_cache_lens: np.ndarray  # [recv_q]: entries of this rank's shard it reads (paged)
     visit_local_lens: np.ndarray  # [recv_q]: entries of this rank's travelling rows' KV it reads
-    # A sliding window (``rank_ring``'s ``window``): the first entry each of those reads
-    # reads on a sliding layer (the entries before it hold positions before the window).
+    # A window (``rank_ring``'s ``window``, sliding or chunked): the first entry each of those
+    # reads reads on a windowed layer (the entries before it hold positions before the window).
     stay_starts: np.ndarray | None = None
     visit_cache_starts: np.ndarray | None = None
     visit_local_starts: np.ndarray | None = None
@@ -271,15 +272,17 @@ class RankRing:
     all2all_send: np.ndarray  # [P]: partial rows sent to each rank (itself included)
     all2all_recv: np.ndarray  # [P]: partial rows received from each rank
     has_all2all: bool
-    window: int | None = None  # the sliding window the reads' starts below are for (None: none)
-    replicated_cache_starts: np.ndarray | None = None  # a sliding window's first entry of the shard each reads
+    window: Window | None = None  # the window the reads' starts below are for (None: none)
+    replicated_cache_starts: np.ndarray | None = None  # a window's first entry of the shard each reads
 
 
-def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int, window: int | None = None) -> RankRing:
+def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int, window: Window | int | None = None) -> RankRing:
     """Rank ``rank``'s view of ``plan``; ``block_tables`` (int [R, max_blocks]) are the global
-    batch's, ``block_size`` the cache's. ``window``: the model's sliding window; each read
-    then also says where a sliding layer's starts (its entries are in position order per
-    request, so the entries before the window are a prefix: counted as the reads are)."""
+    batch's, ``block_size`` the cache's. ``window``: the model's window (``AttentionSpec.windowed``;
+    an int: a sliding one); each read then also says where a windowed layer's starts (its
+    entries are in position order per request, so the entries before the window are a prefix:
+    counted as the reads are)."""
+    window = as_window(window)
     p, n, i_ = plan.pcp_size, plan.padded_num_tokens, plan.interleave
     tables = np.asarray(block_tables, dtype=np.int64)
     base = rank * n
@@ -317,13 +320,13 @@ def rank_ring(plan: RingPlan, rank: int, block_tables, block_size: int, window: 
 
     def before(keys: np.ndarray, req: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         """Entries of ``keys`` of each row's request before its window (positions < its start)."""
-        return _count_at_or_below(keys, req, window_starts(pos, window) - 1, scale) if slides else None
+        return _count_at_or_below(keys, req, window.starts(pos) - 1, scale) if slides else None
 
     def shard_before(req: np.ndarray, pos: np.ndarray) -> np.ndarray | None:
         """Entries of this rank's cached shard of each row's request before its window."""
         if not slides:
             return None
-        return dcp_local_seq_lens(np.minimum(window_starts(pos, window), plan.cache_limit[req]), p, rank, i_)
+        return dcp_local_seq_lens(np.minimum(window.starts(pos), plan.cache_limit[req]), p, rank, i_)
 
     hops = []
     for h in range(p):

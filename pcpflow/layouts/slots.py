@@ -14,7 +14,8 @@ rank: one block table row ("virtual blocks" of B*D positions) serves all DCP ran
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -65,7 +66,35 @@ def window_starts(positions, window: int | None, kind: str = "sliding") -> np.nd
         return np.zeros_like(pos)
     if kind == "chunked":
         return pos - pos % window
+    if kind != "sliding":
+        raise ValueError(f"window kind must be 'sliding' or 'chunked', got {kind!r}")
     return np.maximum(pos + 1 - window, 0)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The keys a windowed layer's rows see: the last ``size`` (``sliding``: Mistral's and
+    Gemma's sliding layers) or their own chunk of ``size`` positions up to themselves
+    (``chunked``: Llama 4's chunked attention). ``window=`` takes one of these, or an int for a
+    sliding window of that size."""
+
+    size: int
+    kind: Literal["sliding", "chunked"] = "sliding"
+
+    def starts(self, positions) -> np.ndarray:
+        """int64: each row's first key (``window_starts``)."""
+        return window_starts(positions, self.size, self.kind)
+
+    @property
+    def chunked(self) -> bool:
+        return self.kind == "chunked"
+
+
+def as_window(window: Window | int | None, kind: str = "sliding") -> Window | None:
+    """``window`` as a ``Window`` (an int: ``kind``'s window of that size); None stays None."""
+    if window is None or isinstance(window, Window):
+        return window
+    return Window(int(window), kind)
 
 
 def dcp_shard_lens(seq_lens, dcp_size: int, interleave: int) -> np.ndarray:

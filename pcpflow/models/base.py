@@ -20,6 +20,8 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
+from pcpflow.layouts.slots import Window
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -41,8 +43,12 @@ class AttentionSpec:
     window_kind: Literal["sliding", "chunked"] = "sliding"
 
     def slides(self, layer: int) -> bool:
-        """Whether layer ``layer`` attends through the sliding window."""
+        """Whether layer ``layer`` attends through the window (sliding or chunked)."""
         return self.window is not None and layer in self.window_layers
+
+    def windowed(self) -> Window | None:
+        """The window of the layers ``slides`` names, with its kind; None when none has one."""
+        return None if self.window is None or not self.window_layers else Window(int(self.window), self.window_kind)
 
     def keys(self, entries: torch.Tensor) -> torch.Tensor:
         """``[..., entry_dim] -> [..., num_kv_heads, qk_dim]``."""

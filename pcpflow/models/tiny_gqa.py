@@ -28,6 +28,10 @@ class TinyGQA(DecoderLM):
             "`window` keys of each row (itself included), as Mistral's and Gemma's sliding layers; null: none")
         window_layers: list[int] | None = Field(
             None, description="the layers the window applies to (0-based); null: every layer")
+        window_kind: Literal["sliding", "chunked"] = Field(
+            "sliding", description="how the window reads: sliding (the last `window` keys of each row) | chunked "
+            "(Llama 4's chunked attention: a row at position p sees keys p - p % window .. p, its own chunk of "
+            "`window` positions up to itself)")
         qk_norm: Literal["none", "head", "full"] = Field(
             "none", description="q and k RMS-normed before RoPE: none | head (each head, as Qwen3) | full (the "
             "whole projection, all heads at once, as OLMo 2: under TP an all-reduce of each row's sum of squares)")
@@ -66,6 +70,6 @@ class TinyGQA(DecoderLM):
             qk_norm=False if c.qk_norm == "none" else c.qk_norm, sinks=c.sinks,
         )
         spec = gqa_spec(c.num_heads, c.num_kv_heads, c.head_dim)
-        spec = dataclasses.replace(spec, window=c.window, window_layers=c.sliding_layers())
+        spec = dataclasses.replace(spec, window=c.window, window_layers=c.sliding_layers(), window_kind=c.window_kind)
         super().__init__(layers=layers, attn_spec=spec, **c.lm_dims())
         self.config = config

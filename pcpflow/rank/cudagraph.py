@@ -138,7 +138,7 @@ class DecodeGraphs:
         rows = cfg.scheduler.max_num_batched_tokens
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
         self.row_ctx = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.row_start = torch.zeros(rows, dtype=torch.int64, device=dev)  # a sliding window's first keys
+        self.row_start = torch.zeros(rows, dtype=torch.int64, device=dev)  # a window's first keys (sliding or chunked)
         self.row_tables = torch.zeros(rows, self.width, dtype=torch.int64, device=dev)
         self.caches = [with_pad_slot(c) for c in ctx.kv_caches]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}

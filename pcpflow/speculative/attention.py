@@ -78,7 +78,7 @@ def replicated_attention(
         dcp_size=ctx.dcp_size,
         dcp_rank=ctx.dcp_rank,
         device=ctx.device,
-        window=spec.window,
+        window=spec.windowed(),
     )
     return CPAttention(
         layout=layout,
