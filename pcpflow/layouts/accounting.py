@@ -53,10 +53,12 @@ from pcpflow.layouts.ring import (
     request_num_computed,
 )
 from pcpflow.layouts.slots import (
+    Window,
+    as_window,
+    chunk_runs,
     dcp_local_seq_lens,
     dcp_shard_len_sums,
     dcp_shard_lens,
-    window_starts,
 )
 
 DCP_REST_POLICIES = ("auto", "queries", "context")
@@ -700,7 +702,7 @@ def attention_work(
     interleave: int,
     request_mask: np.ndarray | None = None,
     dcp_rest: str = "queries",
-    window: int | None = None,
+    window: Window | int | None = None,
 ) -> np.ndarray:
     """(query, key) pairs each rank scores this step, from the layout alone.
 
@@ -709,9 +711,10 @@ def attention_work(
     their path (``dcp_rest``, the mode ``plan_dcp_rest`` chose): every gathered row over
     its shard (``queries``), or its own rows over their whole context (``context``).
     ``request_mask`` (bool [R]) counts only the rows of those requests (e.g. decodes).
-    ``window``: the pairs of one sliding layer, each row over the keys of its window only
-    (``pcpflow.layouts.slots.window_starts``: ``max(0, p + 1 - window) .. p``, or that
-    range's entries in a shard); None: a full-attention layer's.
+    ``window``: the pairs of one windowed layer (``Window``; an int: a sliding one), each row
+    over the keys of its window only (``Window.starts``: ``max(0, p + 1 - W) .. p`` sliding,
+    ``p - p % W .. p`` chunked, or that range's entries in a shard); None: a full-attention
+    layer's.
     """
     p, nd = layout.pcp_size, layout.num_replicated_decode_tokens
     runs = segment_runs(layout, positions, request_mask)
@@ -734,12 +737,6 @@ def attention_work(
         raise ValueError(f"dcp_rest must be 'queries' or 'context', got {dcp_rest!r}")
     a, n = (np.concatenate(x) for x in zip(*rest))
     return work + shard_pairs(a, n, dcp_size=dcp_size, interleave=interleave, window=window)
-
-
-def sliding_window(spec) -> int | None:
-    """The window of a model's sliding layers (its ``AttentionSpec``), None when no layer
-    slides: what ``window`` takes to count one sliding layer's pairs."""
-    return None if spec.window is None or not spec.window_layers else int(spec.window)
 
 
 def segment_runs(
@@ -765,39 +762,54 @@ def segment_runs(
     return runs
 
 
-def context_pairs(first: np.ndarray, rows: np.ndarray, window: int | None = None) -> int:
+def context_pairs(first: np.ndarray, rows: np.ndarray, window: Window | int | None = None) -> int:
     """Pairs that runs of ``rows`` rows at positions ``first ..`` score over their whole
-    context: row ``first + i`` sees ``first + i + 1`` keys; through a sliding ``window``,
-    ``min(first + i + 1, window)`` (``_before_window``)."""
+    context: row ``first + i`` sees ``first + i + 1`` keys; through a ``window`` (an int: a
+    sliding one), those from its start on (``_keys_before``)."""
     # NOTE: integer dot products (exact); rows (rows + 1) is even, so its sum halves exactly
     pairs = int(rows @ first) + int(rows @ (rows + 1)) // 2
-    if window is None:
+    w = as_window(window)
+    if w is None:
         return pairs
-    hi, lo = _before_window(first, rows, window)
-    return pairs - int((hi * (hi + 1) // 2 - lo * (lo + 1) // 2).sum())
+    return pairs - int(_keys_before(first, rows, w, lambda x: x, lambda x: x * (x + 1) // 2))
 
 
 def shard_pairs(first: np.ndarray, rows: np.ndarray, *, dcp_size: int, interleave: int,
-                window: int | None = None) -> np.ndarray:
+                window: Window | int | None = None) -> np.ndarray:
     """int64 [dcp_size]: pairs that runs of ``rows`` rows at positions ``first ..`` score over
-    each DCP shard of their context (through a sliding ``window``: the shard's entries in
-    each row's window, ``_before_window``)."""
+    each DCP shard of their context (through a ``window``: the shard's entries from each
+    row's start on, ``_keys_before``)."""
     last = dcp_shard_len_sums(first + rows, dcp_size, interleave)
     pairs = (last - dcp_shard_len_sums(first, dcp_size, interleave)).sum(axis=1)
-    if window is None:
+    w = as_window(window)
+    if w is None:
         return pairs
-    hi, lo = _before_window(first, rows, window)
-    return pairs - (dcp_shard_len_sums(hi, dcp_size, interleave) - dcp_shard_len_sums(lo, dcp_size, interleave)).sum(axis=1)
+    return pairs - _keys_before(first, rows, w, lambda x: dcp_shard_lens(x, dcp_size, interleave),
+                                lambda x: dcp_shard_len_sums(x, dcp_size, interleave))
+
+
+def _keys_before(first, rows, window: Window, lens, len_sums):
+    """The keys runs of ``rows`` rows at positions ``first ..`` do not see through ``window``,
+    summed over the last axis: row ``q`` sees ``[s, q]`` (``Window.starts``), its keys over a
+    shard (``lens = dcp_local_seq_lens``, or ``x`` over the whole context) ``L(q + 1) -
+    L(s)``; this is ``sum L(s)``. Sliding, ``s = max(0, q + 1 - W)`` runs over ``(lo, hi]``
+    (``_before_window``): ``len_sums(hi) - len_sums(lo)`` (``len_sums(x) = sum_{y=1}^{x}
+    L(y)``). Chunked, ``s`` is constant over each piece of a run within one chunk
+    (``chunk_runs``): each piece's rows x ``L(its chunk's start)``."""
+    first, rows = np.asarray(first, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+    if window.chunked:
+        _, _, n, start = chunk_runs(first, rows, window.size)
+        return (lens(start) * n).sum(axis=-1)
+    hi, lo = _before_window(first, rows, window.size)
+    return (len_sums(hi) - len_sums(lo)).sum(axis=-1)
 
 
 def _before_window(first: np.ndarray, rows: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """(hi, lo), int64: the keys runs of ``rows`` rows at positions ``first ..`` do not see
-    through a sliding ``window``. Row ``q`` sees ``[s, q]``, ``s = max(0, q + 1 - window)``:
-    its keys over a shard (``L = dcp_local_seq_lens``) are ``L(q + 1) - L(s)``, and over the
-    run's rows ``sum L(s) = sum_{y=1}^{hi} L(y) - sum_{y=1}^{lo} L(y)`` with ``hi = max(0,
-    first + rows - window)``, ``lo = max(0, first - window)`` (rows whose window starts at 0
-    add nothing): ``dcp_shard_len_sums(hi) - dcp_shard_len_sums(lo)``, or ``hi (hi + 1) / 2
-    - lo (lo + 1) / 2`` over the whole context."""
+    """(hi, lo), int64: the window starts runs of ``rows`` rows at positions ``first ..`` pass
+    through a sliding ``window`` of that size. Row ``q`` sees ``[s, q]``, ``s = max(0, q + 1 -
+    window)``; over the run's rows ``sum L(s) = sum_{y=1}^{hi} L(y) - sum_{y=1}^{lo} L(y)`` with
+    ``hi = max(0, first + rows - window)``, ``lo = max(0, first - window)`` (rows whose window
+    starts at 0 add nothing)."""
     first = np.asarray(first, dtype=np.int64)
     return np.maximum(first + rows - window, 0), np.maximum(first - window, 0)
 
@@ -929,20 +941,23 @@ def ring_totals(per_rank_calls, per_rank_bytes) -> tuple[dict[str, int], dict[st
 
 
 def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interleave: int,
-                        plan: RingPlan | None = None, window: int | None = None) -> np.ndarray:
+                        plan: RingPlan | None = None, window: Window | int | None = None) -> np.ndarray:
     """(query, key) pairs each PCP rank scores in one step's ring: a staying row all of its
     ``position + 1`` keys, on its rank; a travelling row, on every rank, that rank's cached
     shard of its request and that rank's new keys of it at or before its position; a row
     every rank holds, on every rank, that rank's shard of its ``position + 1`` keys.
-    ``window``: one sliding layer's, each of these keys only where it is in the row's window
-    (at or after ``pcpflow.layouts.slots.window_starts``); None: a full-attention layer's.
+    ``window``: one windowed layer's (``Window``; an int: a sliding one), each of these keys
+    only where it is in the row's window (at or after ``Window.starts``); None: a
+    full-attention layer's.
     ``plan``: the step's ``plan_ring``, when the caller has it."""
     plan = plan or plan_ring(layout, positions, variant=variant, interleave=interleave)
+    window = as_window(window)
     p, n = plan.pcp_size, plan.padded_num_tokens
     rank = np.arange(p * n, dtype=np.int64) // max(n, 1)
     work = np.zeros(p, dtype=np.int64)
     stays = plan.kind == STAYS
-    np.add.at(work, rank[stays], plan.pos[stays] + 1 if window is None else np.minimum(plan.pos[stays] + 1, window))
+    s_pos = plan.pos[stays]
+    np.add.at(work, rank[stays], s_pos + 1 if window is None else s_pos + 1 - window.starts(s_pos))
     rep = (plan.kind == REPLICATED) & (rank == 0)
     travels = plan.kind == TRAVELS
     t_req, t_pos = plan.req[travels], plan.pos[travels]
@@ -955,8 +970,8 @@ def ring_attention_work(layout: BatchLayout, positions, *, variant: str, interle
         # NOTE: a key before the row's window start s is left out: a shard's entries below
         # min(s, limit) of the cache, below s of the rows every rank holds, new keys below s
         r_pos = plan.pos[rep]
-        work -= dcp_shard_lens(window_starts(r_pos, window), p, interleave).sum(axis=1)
-        t_start = window_starts(t_pos, window)
+        work -= dcp_shard_lens(window.starts(r_pos), p, interleave).sum(axis=1)
+        t_start = window.starts(t_pos)
         work -= dcp_shard_lens(np.minimum(t_start, limit), p, interleave).sum(axis=1)
         t_first = t_first + t_start
     for r in range(p):

@@ -97,6 +97,21 @@ def as_window(window: Window | int | None, kind: str = "sliding") -> Window | No
     return Window(int(window), kind)
 
 
+def chunk_runs(first, rows, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of ``rows`` rows at positions ``first ..`` cut where chunks of ``size`` positions
+    begin (a chunked window's): (run, first position, rows, the chunk's first position), int64
+    [pieces] each, in run order; every row of a piece sees the keys ``chunk start .. itself``."""
+    first = np.asarray(first, dtype=np.int64).reshape(-1)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    c0 = first // size
+    count = np.where(rows > 0, (first + rows - 1) // size - c0 + 1, 0)
+    run = np.repeat(np.arange(first.shape[0], dtype=np.int64), count)
+    chunk = c0[run] + np.arange(run.shape[0], dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    start = chunk * size
+    lo = np.maximum(start, first[run])
+    return run, lo, np.minimum(start + size, first[run] + rows[run]) - lo, start
+
+
 def dcp_shard_lens(seq_lens, dcp_size: int, interleave: int) -> np.ndarray:
     """``[dcp_size, n]``: ``dcp_local_seq_lens`` of every DCP rank at once."""
     _check_dcp(dcp_size, 0, interleave)

@@ -57,7 +57,7 @@ def step_record(batch: Any, layout: Any, *, attention_work: Any, calls: dict[str
     the scheduler's ``StepStats`` of the step (preemptions, prefix hits, KV blocks in use
     of ``num_blocks``, running and waiting requests); ``time_s``: the run clock at its start.
     ``attention_work``: the pairs each rank scores on one full-attention layer;
-    ``window_attention_work``: on one sliding-window layer (a model with such layers only:
+    ``window_attention_work``: on one windowed layer, sliding or chunked (a model with such layers only:
     ``per_rank_window_attention_work``)."""
     extra: dict[str, Any] = {}
     if serving is not None:
@@ -171,7 +171,7 @@ class MetricsRecorder:
         self.per_rank_tokens = np.zeros(pcp_size, dtype=np.int64)
         self.per_rank_padded_tokens = 0
         self.per_rank_attention_work = np.zeros(pcp_size, dtype=np.int64)
-        self.per_rank_window_attention_work: np.ndarray | None = None  # a model with sliding-window layers
+        self.per_rank_window_attention_work: np.ndarray | None = None  # a model with windowed (sliding or chunked) layers
         self.step_token_imbalance: list[float] = []
         self.stage_s: dict[str, float] = defaultdict(float)
         self.collective_calls: dict[str, int] = defaultdict(int)

@@ -20,7 +20,6 @@ from pcpflow.layouts.accounting import (
     attention_work,
     ring_attention_work,
     ring_totals,
-    sliding_window,
 )
 from pcpflow.layouts.ring import plan_ring
 from pcpflow.models import build_model
@@ -251,7 +250,7 @@ def batch_record(ctx: RankContext, state: StepState, *, calls, nbytes, step_s: f
             interleave=cfg.kv.interleave,
             dcp_rest=state.attn.dcp_rest or "queries",
         )
-    window = sliding_window(ctx.model.attn_spec)  # NOTE: a TP rank's local spec keeps the window
+    window = ctx.model.attn_spec.windowed()  # NOTE: a TP rank's local spec keeps the window (and its kind)
     record = step_record(b, layout, attention_work=count(), calls=calls, nbytes=nbytes, stage_s=state.timings,
                          step_s=step_s, generated=generated, to_generate=to_generate, serving=serving,
                          num_blocks=cfg.kv.num_blocks, time_s=time_s,

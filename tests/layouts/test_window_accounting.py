@@ -1,5 +1,5 @@
-"""The pairs of a sliding-window layer (``attention_work``, ``ring_attention_work`` and the
-simulator's ``_busiest_shard`` with ``window``), against a brute force.
+"""The pairs of a sliding-window or chunked layer (``attention_work``, ``ring_attention_work``
+and the simulator's ``_busiest_shard`` with ``window``), against a brute force.
 
 The brute force walks the gathered rows of a random layout one by one (prefills split and
 replicated, decodes replicated and sharded, cached prefixes, padding, dcp 1..4, interleave
@@ -7,7 +7,8 @@ replicated, decodes replicated and sharded, cached prefixes, padding, dcp 1..4, 
 sees on each rank (a DCP shard's: the keys k with ``(k // I) % D`` its rank), by the rules
 each count documents; ``W = None`` sees ``0 .. p`` (today's count, so the brute force is
 checked against the unchanged code too). Windows: 1, 2, a few keys, and larger than every
-context (then equal to no window).
+context (then equal to no window); chunked ones (``Window(C, "chunked")``) the same sizes, a
+row at p seeing ``p - p % C .. p``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from hypothesis import strategies as st
 from pcpflow.layouts.accounting import attention_work, ring_attention_work
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, plan_ring
+from pcpflow.layouts.slots import Window
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate.price import _busiest_shard
 
 PROPERTY = settings(max_examples=80, deadline=None, database=None)
-WINDOWS = (None, 1, 2, 3, 5, 8, 1000)
+WINDOWS = (None, 1, 2, 3, 5, 8, 1000, *(Window(c, "chunked") for c in (1, 2, 3, 5, 8, 1000)))
 
 
 @st.composite
@@ -57,6 +59,9 @@ def _rows(layout, positions, q):
 
 def _keys(pos, window):
     """The keys a row at ``pos`` sees."""
+    if isinstance(window, Window):
+        assert window.kind == "chunked"
+        return range(pos - pos % window.size, pos + 1)
     return range(0 if window is None else max(0, pos + 1 - window), pos + 1)
 
 
