@@ -38,9 +38,13 @@ class ModelCard(Settings):
     tie_word_embeddings: bool = False
     sliding_window: int | None = Field(
         None, ge=1, description="the sliding layers' window: the last `sliding_window` keys of each row, itself "
-        "included (Mistral's, Gemma's); null: none")
+        "included (Mistral's, Gemma's); with window_kind chunked, the chunk size (Llama 4's attention_chunk_size); "
+        "null: none")
     sliding_layers: int = Field(0, ge=0, description="how many of the layers attend through sliding_window (the "
-                                "others to every key); 0: none")
+                                "others to every key; with window_kind chunked, the chunked layers); 0: none")
+    window_kind: Literal["sliding", "chunked"] = Field(
+        "sliding", description="how those layers read: sliding (the last sliding_window keys) | chunked (Llama 4: a "
+        "row at position p sees keys p - p % sliding_window .. p, its own chunk up to itself)")
     full_qk_norm: bool = Field(False, description="q and k each normed over the whole projection, all heads at "
                                "once (OLMo 2 and 3): under TP, two all-reduces of a number a row per layer")
     weights_dtype: Literal["bf16", "fp8"] = Field("bf16", description="the checkpoint's linear weights (simulate.weights_dtype: null takes it)")
@@ -95,6 +99,8 @@ def card_from_hf_config(path: str | Path) -> dict:
         # NOTE: DeepSeek's configs have no window (no attribute); a GQA family's is None without sliding layers
         "sliding_window": getattr(c, "window", None),
         "sliding_layers": len(getattr(c, "sliding_layers", ())),
+        # NOTE: a family with chunked layers (Llama 4) says so; the others slide
+        "window_kind": getattr(c, "window_kind", "sliding"),
         "full_qk_norm": c.full_qk_norm,
     }
     if hasattr(c, "kv_lora_rank"):  # DeepSeek: latent attention

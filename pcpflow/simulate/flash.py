@@ -48,6 +48,12 @@ Each query run is cut where its window starts to slide (``window_runs``): the ro
 every key before them (the blocks above), the *band* after them the last ``window`` keys each, a
 block without a causal part at the band's mean keys (``_band``): FlashAttention-3's local
 attention loops each query tile over the key blocks of its window only.
+
+**A chunked layer** (``Window(C, "chunked")``, Llama 4's): a row at ``p`` sees the keys ``p - p %
+C .. p``. Each query run is cut where a chunk begins (``chunk_runs``); a piece is a causal block
+over the keys of its chunk up to each row, as a prefill starting at the chunk's first position
+would be: FlashAttention-3's local attention skips the key blocks before each query block's
+chunk start. In a ring a piece meets only its own chunk's keys (cached and new).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import numpy as np
 
 from pcpflow.layouts.layout import BatchLayout, TokenPositions, as_positions
 from pcpflow.layouts.ring import REPLICATED, STAYS, TRAVELS, RingPlan
-from pcpflow.layouts.slots import dcp_shard_len_sums, dcp_shard_lens
+from pcpflow.layouts.slots import Window, as_window, chunk_runs, dcp_shard_len_sums, dcp_shard_lens
 
 SOURCE = "FlashAttention-3, arXiv 2407.08608, Figure 5 (c), (d): BF16, head dim 128, H100 SXM5 at 989 TF/s"
 SEQLENS = np.array([512, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
@@ -134,19 +140,27 @@ def _segments(layout: BatchLayout, positions) -> tuple[np.ndarray, ...]:
 
 
 def engine_blocks(layout: BatchLayout, positions, is_prefilling, *, dcp_size: int, interleave: int,
-                  dcp_rest: str, window: int | None = None) -> Blocks | None:
+                  dcp_rest: str, window: Window | int | None = None) -> Blocks | None:
     """The prefill rows' calls of pcpflow's all-gather paths, binned by DCP shard: without
     DCP (or on the context path) each rank's rows over their whole context ``[0, p]``; on
     the queries path every gathered prefill row over each shard. None without prefill rows.
-    ``window``: one sliding layer's calls (``window_runs``)."""
+    ``window``: one sliding layer's calls (``window_runs``; an int: a sliding window), or one
+    chunked layer's (each run cut into its chunks' pieces, ``chunk_runs``)."""
     rank, req, a, n, _ = _segments(layout, positions)
     keep = np.asarray(is_prefilling, dtype=bool)[req] & (n > 0)
     if not keep.any():
         return None
     rank, a, n = rank[keep], a[keep], n[keep]
     whole = dcp_size == 1 or dcp_rest == "context"
-    if window is None:
+    w = as_window(window)
+    if w is None:
         return _context_blocks(rank, a, n) if whole else _shard_blocks(a, n, dcp_size, interleave)
+    if w.chunked:
+        run, ca, cn, start = chunk_runs(a, n, w.size)
+        if whole:  # NOTE: a piece's rows see keys start .. q: a causal block at positions shifted by start
+            return _context_blocks(rank[run], ca - start, cn)
+        return _shard_blocks(ca, cn, dcp_size, interleave, start)
+    window = w.size
     ramp, b, nb = window_runs(a, n, window)
     if whole:
         band = Blocks(rank, nb, np.full_like(nb, window), np.full_like(nb, window), nb * window)
@@ -165,10 +179,14 @@ def _context_blocks(rank, a, n) -> Blocks:
     return Blocks(rank, n, a + 1, a + n, n * a + n * (n + 1) // 2)
 
 
-def _shard_blocks(a, n, dcp_size: int, interleave: int) -> Blocks:
-    """Runs of ``n`` rows at ``a ..`` over each DCP shard of their context, shard-major."""
+def _shard_blocks(a, n, dcp_size: int, interleave: int, start=None) -> Blocks:
+    """Runs of ``n`` rows at ``a ..`` over each DCP shard of their context, shard-major;
+    ``start``: of the positions from ``start`` on only (a chunk's pieces: ``chunk_runs``)."""
     kf, kl = dcp_shard_lens(a + 1, dcp_size, interleave), dcp_shard_lens(a + n, dcp_size, interleave)
     pairs = dcp_shard_len_sums(a + n, dcp_size, interleave) - dcp_shard_len_sums(a, dcp_size, interleave)
+    if start is not None:  # NOTE: each row leaves out the shard's L(start) entries before it
+        before = dcp_shard_lens(start, dcp_size, interleave)
+        kf, kl, pairs = kf - before, kl - before, pairs - n * before
     shard = np.repeat(np.arange(dcp_size, dtype=np.int64), a.shape[0])
     return Blocks(shard, np.tile(n, dcp_size), kf.ravel(), kl.ravel(), pairs.ravel())
 
@@ -203,16 +221,22 @@ class RingBlocks:
     after_decode_pairs: np.ndarray  # [P]
 
 
-def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling, window: int | None = None) -> RingBlocks:
+def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling,
+                window: Window | int | None = None) -> RingBlocks:
     """The calls a ring's step makes (module docstring), from its plan and the layout.
     ``window``: one sliding layer's calls (``window_runs``: each run's rows before its window
-    slides as without one, the band after them over the keys of each row's window)."""
+    slides as without one, the band after them over the keys of each row's window; an int: a
+    sliding window), or one chunked layer's (``_chunked_ring_blocks``)."""
     p, inter = plan.pcp_size, plan.interleave
     rank, req, a, n, local = _segments(layout, positions)
     real = n > 0
     rank, req, a, n, local = rank[real], req[real], a[real], n[real], local[real]
     kind = plan.kind[rank * plan.padded_num_tokens + local] if rank.shape[0] else np.zeros(0, np.int8)
     prefill = np.asarray(is_prefilling, dtype=bool)[req]
+    w = as_window(window)
+    if w is not None and w.chunked:
+        return _chunked_ring_blocks(plan, rank, req, a, n, kind, prefill, w.size)
+    window = None if w is None else w.size
     h = np.arange(p, dtype=np.int64)
     qn = n
     if window is not None:
@@ -271,6 +295,53 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling, w
         after = _concat([after, _band(np.repeat(h, int(pre.sum())), np.tile(nbr[pre], p), band[:, pre].ravel())])
         after_dec = after_dec + band[:, ~pre].sum(axis=1)
         return RingBlocks(_rows_only(_concat(pre_parts)), dec.reshape(p, p), _rows_only(after), after_dec)
+    return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
+
+
+def _chunked_ring_blocks(plan: RingPlan, rank, req, a, n, kind, prefill, size: int) -> RingBlocks:
+    """``ring_blocks`` of a chunked layer: every run (query and key runs alike) cut where chunks
+    of ``size`` begin (``chunk_runs``); a query piece meets the key pieces of its own chunk only
+    (matched by request and chunk) and the cached entries from its chunk's start on, so each
+    piece is a block of the loop as a run is without a window."""
+    p, inter = plan.pcp_size, plan.interleave
+    run, a, n, start = chunk_runs(a, n, size)
+    rank, req, kind, prefill = rank[run], req[run], kind[run], prefill[run]
+    group = req * (int(start.max(initial=0)) // size + 1) + start // size  # NOTE: a (request, chunk) key
+    h = np.arange(p, dtype=np.int64)
+    computed = plan.num_computed[req]
+    # [P, pieces]: each shard's cached entries from the piece's chunk start on
+    cached_in_chunk = dcp_shard_lens(computed, p, inter) - dcp_shard_lens(np.minimum(start, computed), p, inter)
+    parts = []
+
+    st = np.flatnonzero(kind == STAYS)
+    origin = (rank[st, None] - h[None, :]) % p
+    at_st = np.broadcast_to(rank[st, None], origin.shape)
+    cached = np.take_along_axis(cached_in_chunk[:, st].T, origin, axis=1)
+    kv = _runs_over(st, rank, group, a, n, iteration=lambda qi, kj: (rank[qi] - rank[kj]) % p)
+    parts.append((_blocks(st, at_st, h, n, cached, kv, p), st))
+
+    tr = np.flatnonzero(kind == TRAVELS)
+    host = (rank[tr, None] + h[None, :]) % p
+    cached = np.take_along_axis(cached_in_chunk[:, tr].T, host, axis=1)
+    q = _runs_over(tr, rank, group, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p)
+    parts.append((_blocks(tr, host, h, n, cached, q, p), tr))
+
+    pre_parts, dec = [], np.zeros(p * p)
+    for blocks, rows in parts:
+        if blocks is None:
+            continue
+        is_pre = np.repeat(prefill[rows], p)
+        pre_parts.append(Blocks(blocks.bin[is_pre], blocks.rows[is_pre], blocks.k_first[is_pre],
+                                blocks.k_last[is_pre], blocks.pairs[is_pre]))
+        dec += np.bincount(blocks.bin[~is_pre], weights=blocks.pairs[~is_pre].astype(np.float64), minlength=p * p)
+
+    # Rows every rank holds: after the loop, each rank over its shard of [chunk start, p].
+    rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
+    pre = prefill[rp]
+    b = _shard_blocks(a[rp], n[rp], p, inter, start[rp])  # shard-major: [P, rows]
+    keep = np.tile(pre, p)
+    after = Blocks(b.bin[keep], b.rows[keep], b.k_first[keep], b.k_last[keep], b.pairs[keep])
+    after_dec = b.pairs.reshape(p, -1)[:, ~pre].sum(axis=1).astype(np.float64)
     return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
 
 

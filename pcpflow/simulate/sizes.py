@@ -16,6 +16,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from pcpflow.layouts.accounting import ModelShape
+from pcpflow.layouts.slots import Window
 from pcpflow.models.card import ModelCard
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "fp64": 8, "fp32": 4, "bf16": 2, "fp8": 1, "fp4": 0.5,
@@ -54,13 +55,14 @@ class ModelSizes:
     moe_intermediate: int = 0  # one expert's inner width
     sliding_window: int | None = None  # the sliding layers' window (keys a row sees, itself included)
     sliding_layers: int = 0  # how many layers attend through it (the others to every key)
+    window_kind: str = "sliding"  # or "chunked": sliding_window is the chunk size (Llama 4), those layers chunked
     full_qk_norm: bool = False  # q and k normed over the whole projection (OLMo 2): TP all-reduces them
 
     @property
-    def window(self) -> int | None:
-        """The window one sliding layer's pairs are counted through (``attention_work``'s
-        ``window``); None when no layer slides."""
-        return self.sliding_window if self.sliding_layers else None
+    def window(self) -> Window | None:
+        """The window (with its kind) one sliding or chunked layer's pairs are counted through
+        (``attention_work``'s ``window``); None when no layer has one."""
+        return Window(self.sliding_window, self.window_kind) if self.sliding_layers and self.sliding_window else None
 
     @property
     def num_moe_layers(self) -> int:
@@ -168,9 +170,10 @@ def model_sizes(model) -> ModelSizes:
             **_moe_sizes(getattr(c, "moe", None), c.num_layers, c.hidden_size, c.intermediate_size),
         )
         if isinstance(model, ModelCard):
-            common.update(sliding_window=c.sliding_window, sliding_layers=c.sliding_layers, full_qk_norm=c.full_qk_norm)
+            common.update(sliding_window=c.sliding_window, sliding_layers=c.sliding_layers, window_kind=c.window_kind,
+                          full_qk_norm=c.full_qk_norm)
         elif name == "tiny_gqa":  # NOTE: its window on the layers it names, as its executed spec has it
-            common.update(sliding_window=c.window, sliding_layers=len(c.sliding_layers()),
+            common.update(sliding_window=c.window, sliding_layers=len(c.sliding_layers()), window_kind=c.window_kind,
                           full_qk_norm=c.qk_norm == "full")
         gqa = c.attention == "gqa" if isinstance(model, ModelCard) else name == "tiny_gqa"
         if gqa:

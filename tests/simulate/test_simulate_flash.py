@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pcpflow.layouts.accounting import attention_work, ring_attention_work
 from pcpflow.layouts.layout import plan_layout
 from pcpflow.layouts.ring import plan_ring
+from pcpflow.layouts.slots import Window
 from pcpflow.simulate import flash
 
 PROPERTY = settings(max_examples=60, deadline=None, database=None)
@@ -124,6 +125,83 @@ def test_a_sliding_layers_engine_calls_score_its_prefill_pairs(case, window):
         if blocks is not None:
             assert (blocks.k_first <= blocks.k_last).all() and (blocks.k_last <= window).all()
             assert (blocks.pairs <= blocks.rows * window).all()
+
+
+CHUNKS = st.sampled_from([1, 2, 3, 7, 16, 1000])
+
+
+def _fits_its_chunk(b, size):
+    """Blocks of a chunked layer: every row over at most ``size`` keys, the first row's keys
+    at most the last's, and at least ``rows x k_first`` pairs, at most ``rows x k_last``."""
+    assert (b.k_first >= 0).all() and (b.k_first <= b.k_last).all() and (b.k_last <= size).all()
+    assert (b.pairs >= b.rows * b.k_first).all() and (b.pairs <= b.rows * b.k_last).all()
+
+
+@PROPERTY
+@given(batches(), CHUNKS)
+def test_a_chunked_layers_ring_calls_score_its_pairs(case, size):
+    """On a chunked layer: each run cut where its chunks begin, every piece over its chunk's
+    keys only, add up per rank to ``ring_attention_work`` through the chunks."""
+    layout, positions = _layout(case)
+    p = case["p"]
+    window = Window(size, "chunked")
+    plan = plan_ring(layout, positions, variant=case["variant"], interleave=case["interleave"])
+    rb = flash.ring_blocks(plan, layout, positions, case["pre"], window=window)
+    loop = np.bincount(rb.loop.bin // p, weights=rb.loop.pairs, minlength=p)
+    after = np.bincount(rb.after.bin, weights=rb.after.pairs, minlength=p)
+    got = loop + after + rb.loop_decode_pairs.sum(axis=1) + rb.after_decode_pairs
+    want = ring_attention_work(layout, positions, variant=case["variant"], interleave=case["interleave"], window=window)
+    assert got.tolist() == want.tolist()
+    for b in (rb.loop, rb.after):
+        _fits_its_chunk(b, size)
+
+
+@PROPERTY
+@given(batches(), CHUNKS)
+def test_a_chunked_layers_engine_calls_score_its_prefill_pairs(case, size):
+    layout, positions = _layout(case)
+    p, inter = case["p"], case["interleave"]
+    window = Window(size, "chunked")
+    for dcp, mode in ((1, "queries"), (p, "context"), (p, "queries")):
+        lay = plan_layout(case["q"], case["pre"], pcp_size=p, dcp_size=dcp, shard_decodes=case["shard"],
+                          num_computed_tokens=case["c"])
+        blocks = flash.engine_blocks(lay, positions, case["pre"], dcp_size=dcp, interleave=inter, dcp_rest=mode,
+                                     window=window)
+        want = attention_work(lay, positions, dcp_size=dcp, interleave=inter, dcp_rest=mode, request_mask=case["pre"],
+                              window=window)
+        got = np.zeros(p) if blocks is None else np.bincount(blocks.bin, weights=blocks.pairs, minlength=p)
+        assert got.tolist() == want.tolist(), (dcp, mode)
+        if blocks is not None:
+            _fits_its_chunk(blocks, size)
+
+
+def test_a_chunked_run_is_cut_where_its_chunks_begin_by_hand():
+    """Ten rows at positions 0..9, chunks of 4: rows 0..3 see 0 .. themselves (1 .. 4 keys, 10
+    pairs), rows 4..7 see 4 .. themselves (the same block), rows 8, 9 see 8 .. themselves (1, 2
+    keys, 3 pairs): each a causal block as if its chunk were a prompt of its own. Over two
+    shards (interleave 1: even positions on shard 0), every row (the queries path)."""
+    from pcpflow.layouts.layout import plan_layout
+
+    window = Window(4, "chunked")
+    layout = plan_layout(np.array([10]), np.array([True]), pcp_size=1)
+    b = flash.engine_blocks(layout, np.arange(10), np.array([True]), dcp_size=1, interleave=1, dcp_rest="queries",
+                            window=window)
+    got = sorted(zip(b.rows.tolist(), b.k_first.tolist(), b.k_last.tolist(), b.pairs.tolist()))
+    assert got == sorted([(4, 1, 4, 10), (4, 1, 4, 10), (2, 1, 2, 3)])
+    layout = plan_layout(np.array([10]), np.array([True]), pcp_size=2, dcp_size=2)
+    b = flash.engine_blocks(layout, np.arange(10), np.array([True]), dcp_size=2, interleave=1, dcp_rest="queries",
+                            window=window)
+    # rank 0 holds rows 0..2 and 9, rank 1 the run 3..8: pieces 0..2 | 3 | 4..7 | 8 | 9
+    got = sorted(zip(b.bin.tolist(), b.rows.tolist(), b.k_first.tolist(), b.k_last.tolist(), b.pairs.tolist()))
+    # (shard, rows, keys of the first row, of the last, pairs)
+    want = [
+        (0, 3, 1, 2, 4), (1, 3, 0, 1, 2),  # rows 0..2 over 0..p: shard 0 holds 0, 2; shard 1 holds 1
+        (0, 1, 2, 2, 2), (1, 1, 2, 2, 2),  # row 3: 0..3, two a shard
+        (0, 4, 1, 2, 6), (1, 4, 0, 2, 4),  # rows 4..7 over 4..p: shard 0 holds 4, 6; shard 1 holds 5, 7
+        (0, 1, 1, 1, 1), (1, 1, 0, 0, 0),  # row 8: itself (shard 0)
+        (0, 1, 1, 1, 1), (1, 1, 1, 1, 1),  # row 9: 8 (shard 0), 9 (shard 1)
+    ]
+    assert got == sorted(want)
 
 
 @PROPERTY
