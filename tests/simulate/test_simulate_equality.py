@@ -44,6 +44,7 @@ WORKLOAD = [
 ]
 MOE = ["model=tiny_mla", "model.moe.num_experts=8", "model.moe.top_k=2"]
 WINDOW = ["model=tiny_gqa", "model.window=5", "model.window_layers=[1]"]
+CHUNKED = ["model=tiny_gqa", "model.window=5", "model.window_layers=[0]", "model.window_kind=chunked"]
 # Serving: prompts sharing a stem (prefix hits) in a KV cache small enough to preempt, and a
 # Mooncake trace replayed in steps whose hash blocks span whole KV blocks (the simulated run
 # keys blocks by the trace's hash ids, the executed one by token ids).
@@ -135,6 +136,18 @@ CASES = {
     "pcp2_dcp2_queries_window_gqa": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=queries", "kv.interleave=2", *WINDOW],
     "pcp2_dcp2_context_window_gqa": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=context", *WINDOW],
     "pcp2_dcp2_ring_pass_kv_window_gqa": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *WINDOW],
+    # Chunked attention (Llama 4's; chunks of 5 on layer 0): one chunked layer's pairs every step,
+    # on each all-gather path, through both rings and in the drafter's own layers.
+    "pcp2_chunked_gqa": ["pcp=2", "decode=sharded", *CHUNKED],
+    "pcp2_dcp2_queries_chunked_gqa": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=queries", "kv.interleave=2",
+                                      *CHUNKED],
+    "pcp2_dcp2_context_chunked_gqa": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=context",
+                                      *CHUNKED],
+    "pcp2_dcp2_ring_pass_kv_chunked_gqa": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *CHUNKED],
+    "pcp2_dcp2_ring_pass_q_chunked_gqa": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.cp_attention=ring_pass_q",
+                                          *CHUNKED],
+    "pcp2_dcp2_self_draft_chunked_gqa": ["pcp=2", "dcp=2", "decode=sharded", "pipeline.forward.dcp_rest=queries",
+                                         "draft=self", "draft.error_rate=0.3", *CHUNKED],
 }
 SIM_ONLY = {name: ["simulate.draft_acceptance=[0.0]"] for name in CASES if "draft=mtp" in CASES[name]
             or "draft=dspark" in CASES[name]}
@@ -146,7 +159,7 @@ DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dc
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
            "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "serving_pcp1_sampled_preempted",
            "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft",
-           "pcp2_dcp2_context_window_gqa", "pcp2_dcp2_ring_pass_kv_window_gqa"}
+           "pcp2_dcp2_context_window_gqa", "pcp2_dcp2_ring_pass_kv_window_gqa", "pcp2_dcp2_ring_pass_q_chunked_gqa"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
@@ -187,7 +200,7 @@ def _ring(name: str) -> bool:
 
 
 def _window(name: str) -> bool:
-    """A model with a sliding layer: its pairs are read from the executed run's metrics.jsonl."""
+    """A model with a sliding or chunked layer: its pairs are read from the executed run's metrics.jsonl."""
     return any(o.startswith("model.window=") for o in CASES[name])
 
 
@@ -247,7 +260,7 @@ def test_same_requests_over_the_same_steps(both, name):
     for key in ("num_steps", "num_tokens", "per_rank_tokens", "per_rank_attention_work", "collective_calls"):
         assert m_si[key] == m_ex[key], key
     assert m_si.get(step_counts.WINDOW) == m_ex.get(step_counts.WINDOW)
-    if _window(name):  # the window (5 keys) cuts the longer prompts' rows: fewer pairs than a full layer's
+    if _window(name):  # the window (5 keys, or chunks of 5) cuts the longer prompts' rows: fewer pairs than a full layer's
         assert sum(m_ex[step_counts.WINDOW]) < sum(m_ex["per_rank_attention_work"])
     assert _counted(m_si["collective_bytes"], expected) == _counted(m_ex["collective_bytes"], expected)
 
