@@ -116,3 +116,35 @@ def test_a_chunked_prefill_is_cut_where_its_chunks_begin_by_hand():
                + 1024 / _figure(FIG_5C, 1024) + 1024 * 1023 / 2 / _figure(FIG_5D, 1023))
     per_pair = 2 * 32 * 256 / 989.5e12
     assert prefill["purpose_s"]["attention"] == pytest.approx(16 * per_pair * (full + chunked), rel=1e-9)
+
+
+def test_a_checkpoint_config_with_chunked_layers_gives_a_chunked_card(tmp_path, monkeypatch):
+    """card_from_hf_config reads ``window_kind`` where the parsed config exposes it (the Llama 4
+    family's), else the window slides; the card validates either way."""
+    import json
+
+    import pcpflow.models.hf as hf
+    from pcpflow.models.card import ModelCard, card_from_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=256, intermediate_size=512,
+        num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4, vocab_size=1000,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=64,
+        tie_word_embeddings=False)))
+    sliding = card_from_hf_config(tmp_path)
+    assert (sliding["sliding_window"], sliding["sliding_layers"], sliding["window_kind"]) == (64, 4, "sliding")
+
+    read = hf.read_checkpoint_config
+
+    class Chunked:
+        def __init__(self, c):
+            self._c = c
+
+        def __getattr__(self, name):
+            return "chunked" if name == "window_kind" else getattr(self._c, name)
+
+    monkeypatch.setattr(hf, "read_checkpoint_config", lambda *a, **k: Chunked(read(*a, **k)))
+    chunked = card_from_hf_config(tmp_path)
+    assert chunked == {**sliding, "window_kind": "chunked"}
+    card = ModelCard(**chunked)
+    assert (card.window_kind, card.sliding_window, card.sliding_layers) == ("chunked", 64, 4)
