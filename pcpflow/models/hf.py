@@ -15,9 +15,12 @@ type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed ov
 projection); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers);
 EXAONE 4.0 (``hf_exaone``: post-norm, per-head q/k norms, NoPE full layers); OpenAI's gpt-oss
 ``GptOssForCausalLM`` (``hf_gptoss``: attention sinks, alternating sliding layers, MoE with biased
-experts, its MXFP4 experts dequantized at load); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+experts, its MXFP4 experts dequantized at load); Meta's Llama 4 ``Llama4ForCausalLM`` and the
+language model of ``Llama4ForConditionalGeneration`` (``hf_llama4``: chunked attention on the RoPE
+layers, NoPE layers with attention temperature tuning, q/k L2 norms after RoPE, MoE with input-scaled
+top-1 experts and a shared expert); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
-architecture (other MoE families such as Llama 4 or OLMoE are named as such, Gemma 1 with a
+architecture (other MoE families such as OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
@@ -47,6 +50,7 @@ from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
+from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
 from pcpflow.models.hf_weights import (
@@ -73,6 +77,8 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Cohere2ForCausalLM": Cohere2Checkpoint,
     "Exaone4ForCausalLM": Exaone4Checkpoint,
     "GptOssForCausalLM": GptOssCheckpoint,
+    "Llama4ForCausalLM": Llama4Checkpoint,
+    "Llama4ForConditionalGeneration": Llama4MultimodalCheckpoint,  # its language model, as Gemma 3's
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -106,6 +112,8 @@ _MODEL_TYPES = {
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
 }
 
 
@@ -140,7 +148,7 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
     raw = read_config_json(path)
     arch = architecture_of(raw)
     if arch not in ARCHITECTURES and _is_moe(raw, arch):
-        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(("Mixtral", "Deepseek", "GptOss"))]
+        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(("Mixtral", "Deepseek", "GptOss", "Llama4"))]
         raise ValueError(
             f"unsupported architecture {arch}: a mixture-of-experts variant pcpflow does not route; "
             f"supported MoE checkpoints: {', '.join(supported)}"
@@ -193,7 +201,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
-    OLMo 2/3, Cohere 2, EXAONE 4 or DeepSeek model with the weights of a Hugging Face checkpoint."""
+    OLMo 2/3, Cohere 2, EXAONE 4, gpt-oss, Llama 4 or DeepSeek model with the weights of a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""
