@@ -228,7 +228,8 @@ MATRIX = [
     ("llama4", "float64", 1, 1, "replicated", []),
     ("llama4", "float32", 2, 2, "sharded", []),
     ("llama4", "float64", 4, 4, "replicated", []),
-    ("llama4", "float32", 4, 1, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("llama4", "float32", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("llama4", "float32", 4, 1, "sharded", []),
     ("llama4_mm", "float64", 2, 2, "sharded", []),
     # Llama 4's temperature and L2 norms are per head: cut with the heads
     ("llama4", "float64", 2, 2, "replicated", ["tp=2"]),
@@ -242,7 +243,7 @@ CHUNKED_CASES = [
     ("llama4_chunk7", "float64", 1, 1, "replicated", []),
     ("llama4_chunk7", "float32", 2, 2, "sharded", []),
     ("llama4_chunk7", "float64", 4, 4, "replicated", []),
-    ("llama4_chunk7", "float64", 2, 1, "sharded", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("llama4_chunk7", "float64", 2, 2, "sharded", ["pipeline.forward.cp_attention=ring_pass_q"]),
     ("llama4_chunk7", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("llama4_chunk7", "float32", 2, 2, "replicated", ["tp=2"]),
 ]
