@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec
-from pcpflow.models.common import DecoderLayer, RMSNorm, RopeScaling, RotaryEmbedding, narrow_to_float32
+from pcpflow.models.common import (
+    DecoderLayer,
+    RMSNorm,
+    RopeScaling,
+    RotaryEmbedding,
+    narrow_to_float32,
+)
 from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 

@@ -18,10 +18,9 @@ transformers = pytest.importorskip(
 )
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from float64_compute import float64_compute  # noqa: E402
 from transformers.models.llama4.configuration_llama4 import Llama4TextConfig  # noqa: E402
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe  # noqa: E402
-
-from float64_compute import float64_compute  # noqa: E402
 
 from pcpflow.models.hf_moe import LLAMA4_MOE_RENAMES, llama4_moe_settings  # noqa: E402
 from pcpflow.models.hf_weights import load_checkpoint  # noqa: E402
