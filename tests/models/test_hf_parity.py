@@ -48,6 +48,7 @@ import shared_ranks  # noqa: E402
 from float64_compute import float64_compute  # noqa: E402
 from repo_scripts import load_script  # noqa: E402
 
+from pcpflow.models.hf import CHUNKED_ATTENTION_EXECUTED  # noqa: E402
 from pcpflow.testing import compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -236,9 +237,8 @@ MATRIX = [
 ]
 
 # Llama 4 with chunks of WINDOW keys: chunk boundaries inside prefill chunks, DCP shards and decodes.
-# NOTE: for after the merge of chunked attention's execution (``AttentionSpec.window_kind``): until
-# then the engine slides its window, so these stay out of MATRIX (CHUNKED_EXECUTED = True adds them).
-CHUNKED_EXECUTED = False
+# NOTE: they join MATRIX once the attention paths execute ``AttentionSpec.window_kind: chunked``
+# (``hf.CHUNKED_ATTENTION_EXECUTED``); until then the engine slides its window and refuses them.
 CHUNKED_CASES = [
     ("llama4_chunk7", "float64", 1, 1, "replicated", []),
     ("llama4_chunk7", "float32", 2, 2, "sharded", []),
@@ -247,7 +247,7 @@ CHUNKED_CASES = [
     ("llama4_chunk7", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("llama4_chunk7", "float32", 2, 2, "replicated", ["tp=2"]),
 ]
-if CHUNKED_EXECUTED:
+if CHUNKED_ATTENTION_EXECUTED:
     MATRIX += CHUNKED_CASES
 
 
