@@ -25,7 +25,8 @@ reason), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
 ``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) is executed:
-``AttentionSpec.window``.
+``AttentionSpec.window``; Llama 4's attention chunks (``window_kind: chunked``) are not yet, so an
+executed run takes requests of one chunk at most (``CHUNKED_ATTENTION_EXECUTED``).
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
 attention.
