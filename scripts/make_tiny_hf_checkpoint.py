@@ -73,6 +73,18 @@ router's biased logits), experts with biases and gpt-oss's clamped SwiGLU (``swi
 that the clamps bite), attention biases and a sink per head, the even layers sliding, YaRN with
 its correction range not rounded (``truncate: false``).
 
+``llama4`` (``Llama4ForCausalLM``) has 4 layers: layers 0-2 rotate (RoPE on adjacent pairs, llama3
+scaling), attend within chunks of ``--chunk`` keys (``attention_chunk_size``; transformers' 8192
+without it) and L2-norm q and k after RoPE (``use_qk_norm``); layer 3 has no position embedding and
+its q scaled by the attention temperature (``floor_scale=4``, ``attn_scale=0.1``, so that it bites
+at test lengths). Layers 1 and 3 are mixture-of-experts (``interleave_moe_layer_step=2``: 8 experts
+32 wide, top-1, each expert's input scaled by the sigmoid of its router logit, plus a shared expert
+32 wide), layers 0 and 2 dense MLPs 128 wide (``intermediate_size_mlp``). ``llama4_mm`` is that
+language model inside ``Llama4ForConditionalGeneration`` (a one-layer vision model and its projector
+beside it, the text tensors under ``language_model.``), as the released Scout and Maverick are stored::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch llama4 --chunk 7 --out /tmp/tiny-llama4
+
 ``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
 in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
 a random ``e_score_correction_bias`` (``N(0, 0.1^2)``, so that it changes which experts
@@ -115,7 +127,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -137,6 +149,7 @@ GQA_ARCHS = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -200,6 +213,8 @@ DEFAULT_ROPE_SCALING = {
     "ernie4_5": "none",
     "exaone4": "llama3",
     "gpt_oss": "yarn_untruncated",
+    "llama4": "llama3",
+    "llama4_mm": "llama3",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -217,9 +232,10 @@ def tiny_config(
     num_layers: int = 2,
     moe: bool = False,
     sliding_window: int | None = None,
+    chunk: int | None = None,
 ):
     """The transformers config of a tiny ``arch`` model (``rope_scaling`` None: the arch's
-    default, see ``DEFAULT_ROPE_SCALING``)."""
+    default, see ``DEFAULT_ROPE_SCALING``; ``chunk``: Llama 4's ``attention_chunk_size``)."""
     import transformers
 
     scaling = ROPE_SCALINGS[rope_scaling or DEFAULT_ROPE_SCALING[arch]]
@@ -293,6 +309,12 @@ def tiny_config(
             gpt_oss=dict(head_dim=16, sliding_window=sliding_window or 4096, num_local_experts=8, num_experts_per_tok=2,
                          swiglu_limit=1.0,
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
+            # NOTE: layer 3 NoPE (no_rope_layer_interval=4) with a temperature that bites past position 3;
+            # layers 1 and 3 MoE (8 experts 32 wide, top-1, a shared expert), 0 and 2 dense (128 wide)
+            llama4=dict(head_dim=16, intermediate_size_mlp=128, num_local_experts=8, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, no_rope_layer_interval=4, use_qk_norm=True,
+                        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1,
+                        **({"attention_chunk_size": chunk} if chunk is not None else {})),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -304,6 +326,8 @@ def tiny_config(
             common.update(hidden_size=80)
         if arch == "gpt_oss":  # NOTE: the experts' width (gpt-oss has no dense MLP)
             common.update(intermediate_size=32)
+        if arch == "llama4":  # NOTE: the experts' and shared expert's width; 4 layers so that the NoPE one exists
+            common.update(intermediate_size=32, num_hidden_layers=max(num_layers, 4))
         return getattr(transformers, GQA_ARCHS[arch][0])(**common, num_key_value_heads=2, **family)
     mla = dict(
         q_lora_rank=q_lora_rank,
@@ -328,6 +352,15 @@ def tiny_config(
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                       patch_size=14)
         return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                                         boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
+                                         image_token_index=vocab_size - 1, tie_word_embeddings=tie_word_embeddings)
+    if arch == "llama4_mm":
+        text = tiny_config("llama4", rope_scaling=rope_scaling, tie_word_embeddings=tie_word_embeddings, bias=bias,
+                           vocab_size=vocab_size, num_layers=num_layers, chunk=chunk)
+        # NOTE: the smallest vision model; the image tokens ordinary ids of the vocabulary
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+        return transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision,
                                          boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
                                          image_token_index=vocab_size - 1, tie_word_embeddings=tie_word_embeddings)
     if arch == "qwen2_5_vl":
@@ -425,7 +458,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if any(f".{part}." in f".{name}" for part in ("vision_tower", "multi_modal_projector", "visual")):
+            if any(f".{part}." in f".{name}" for part in ("vision_tower", "vision_model", "multi_modal_projector",
+                                                          "visual")):
                 continue  # NOTE: a multimodal model's image side: never run on text (transformers' own init)
             if name.endswith("embed_tokens.weight"):
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
@@ -436,6 +470,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 value = 0.1 * randn(param.shape)
             elif name.endswith(".sinks"):  # gpt-oss: a logit per head, on the scores' scale
                 value = randn(param.shape)
+            elif ".feed_forward.experts." in name:  # NOTE: Llama 4's stacked experts, [E, in, out]: fan_in is dim 1
+                value = randn(param.shape) / math.sqrt(param.shape[1])
             elif param.dim() in (2, 3):  # 3: stacked experts [E, out, in] (gpt-oss: [E, in, out])
                 gain = LOGIT_GAIN if name == "lm_head.weight" else 1.0
                 value = randn(param.shape) * (gain / math.sqrt(param.shape[-1]))
@@ -474,6 +510,7 @@ def build_checkpoint(
         "gemma3_mm": transformers.Gemma3ForConditionalGeneration,
         "mistral3": transformers.Mistral3ForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "llama4_mm": transformers.Llama4ForConditionalGeneration,
     }[arch]
     model = cls(config).to(torch.float32)
     init_weights(model, seed)
@@ -508,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--bias", action="store_true", help="attention (and Llama MLP) biases; Qwen2 has q/k/v biases always")
     p.add_argument("--sliding-window", type=int, default=None, help="Mistral / Qwen: a sliding window of N tokens")
+    p.add_argument("--chunk", type=int, default=None, help="Llama 4: attention_chunk_size (default transformers' 8192)")
     p.add_argument(
         "--no-rope-interleave",
         action="store_true",
@@ -536,6 +574,7 @@ def main(argv: list[str] | None = None) -> None:
         rope_interleave=not args.no_rope_interleave,
         moe=args.moe,
         sliding_window=args.sliding_window,
+        chunk=args.chunk,
         tokenizer=args.tokenizer,
         eos_token_id=args.eos_token_id,
     )

@@ -1,4 +1,4 @@
-"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss checkpoints: which
+"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and Llama 4 checkpoints: which
 config.json fields make which ``MoEConfig`` (transformers' routing; unsupported variants
 named), and where the router, routed and shared experts' tensors go."""
 
@@ -104,6 +104,68 @@ projection (transformers' ``GptOssExperts``): ``gate_up_proj [E, hidden, 2I]`` (
 and up interleaved along 2I), its bias ``[E, 2I]`` (interleaved), ``down_proj [E, I, hidden]``
 and its bias ``[E, hidden]``; the two weights as MXFP4 ``_blocks``/``_scales`` pairs in
 OpenAI's released checkpoints, dense in a ``save_pretrained`` of the dequantized model."""
+
+def _feed_forward(hf: str, ours: str, part: tuple[int, int] | None = None, **layout: bool) -> Rename:
+    return Rename("model.layers.{i}.feed_forward." + hf, "layers.{i}.mlp." + ours, part, **layout)
+
+
+LLAMA4_MOE_RENAMES = (
+    _feed_forward("router.weight", "gate.weight"),
+    _feed_forward("experts.gate_up_proj", "experts.{j}.gate_up_proj.weight", experts=True, transposed=True),
+    _feed_forward("experts.down_proj", "experts.{j}.down_proj.weight", experts=True, transposed=True),
+    _feed_forward("shared_expert.gate_proj.weight", "shared_experts.gate_up_proj.weight", (0, 2)),
+    _feed_forward("shared_expert.up_proj.weight", "shared_experts.gate_up_proj.weight", (1, 2)),
+    _feed_forward("shared_expert.down_proj.weight", "shared_experts.down_proj.weight"),
+    _feed_forward("gate_proj.weight", "gate_up_proj.weight", (0, 2)),
+    _feed_forward("up_proj.weight", "gate_up_proj.weight", (1, 2)),
+    _feed_forward("down_proj.weight", "down_proj.weight"),
+)
+"""Llama 4's ``feed_forward``: on an MoE layer the ``router``, every expert in one tensor per
+projection (transformers' ``Llama4TextExperts``: ``gate_up_proj [E, hidden, 2I]``, ``x @ W``, gate
+the first half of 2I and up the second, not interleaved; ``down_proj [E, I, hidden]``) and the
+``shared_expert``; on a dense layer its own gate/up/down projections."""
+
+LLAMA4_MOE_DEFAULTS = dict(num_local_experts=16, num_experts_per_tok=1, intermediate_size=8192,
+                           interleave_moe_layer_step=1, num_hidden_layers=48)
+"""``Llama4TextConfig``'s defaults of the MoE fields a config.json may omit."""
+
+
+def llama4_moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``MoEConfig`` fields of a Llama 4 text config.json dict (``Llama4TextMoe``): the top-k of the
+    router's raw logits (in the model's dtype), each expert's input scaled by the sigmoid of its logit
+    (``topk_sigmoid``, ``weights_on=input``), one shared expert as wide as the routed ones; MoE on
+    ``moe_layers``, else every ``interleave_moe_layer_step``-th layer from ``step - 1`` (transformers'
+    rule). None when no layer is MoE; ValueError naming a ``moe_layers`` list that no step gives."""
+    get = {**LLAMA4_MOE_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}.get
+    step, layers = get("interleave_moe_layer_step"), get("num_hidden_layers")
+    if not (type(step) is int and step >= 1):
+        raise ValueError(f"interleave_moe_layer_step must be a positive integer; got {step!r}")
+    if not (type(layers) is int and layers >= 1):
+        return None  # NOTE: the config's own validation names num_hidden_layers
+    listed = raw.get("moe_layers")
+    if listed is not None:
+        if not (isinstance(listed, list) and all(type(i) is int for i in listed)):
+            raise ValueError(f"moe_layers must be a list of layer indices; got {listed!r}")
+        if not listed:
+            return None
+        # NOTE: pcpflow's MoE layers are every n-th from the first: a list any step gives is read as that step
+        step = listed[1] - listed[0] if len(listed) > 1 else layers
+        if step < 1 or listed != list(range(listed[0], layers, step)):
+            raise ValueError(f"moe_layers={listed} is not supported; supported: every n-th layer from one on "
+                             f"(transformers' default, range(interleave_moe_layer_step - 1, {layers}, "
+                             "interleave_moe_layer_step))")
+        first = listed[0]
+    else:
+        first = step - 1
+        if first >= layers:
+            return None
+    return _checked(dict(
+        num_experts=get("num_local_experts"), top_k=get("num_experts_per_tok"), intermediate_size=get("intermediate_size"),
+        num_shared_experts=1, scoring_func="topk_sigmoid", weights_on="input", norm_topk_prob=False,
+        routed_scaling_factor=1.0, n_group=1, topk_group=1, router_dtype="model",
+        first_k_dense_replace=first, moe_layer_freq=step,
+    ))
+
 
 GQA_MOE_DEFAULTS = {
     "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,

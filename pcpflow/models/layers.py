@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from pcpflow.models.base import AttentionBackend, AttentionSpec
-from pcpflow.models.common import DecoderLayer, RMSNorm, RopeScaling, RotaryEmbedding
+from pcpflow.models.common import (
+    DecoderLayer,
+    RMSNorm,
+    RopeScaling,
+    RotaryEmbedding,
+    narrow_to_float32,
+)
 from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 
@@ -53,6 +59,19 @@ def mla_spec(num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> 
     )
 
 
+class WeightlessRMSNorm(nn.Module):
+    """An RMS norm without a weight, in float32 at least and rounded back to the input's dtype
+    (transformers' ``Llama4TextWeightlessRMSNorm``, the L2 norm of Llama 4's q and k)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = narrow_to_float32(x)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class GQAAttention(nn.Module):
     """Grouped-query attention. ``bias``: biases on q/k/v, and on o unless ``o_bias`` says
     otherwise (Qwen2: q/k/v only). ``qk_norm_eps``: an RMSNorm over each head's ``head_dim``
@@ -63,7 +82,12 @@ class GQAAttention(nn.Module):
     ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
     partial rotary); None: no position embedding (a NoPE layer). ``sinks``: one learned softmax
     logit per query head that reads no value (gpt-oss's attention sinks, ``self.sinks [H]``),
-    handed to the backend, which adds it once to each row's whole softmax."""
+    handed to the backend, which adds it once to each row's whole softmax.
+
+    Llama 4's: ``rope_l2_eps``, on a layer that rotates, q and k are normed per head *after* RoPE
+    by a weightless RMSNorm (``Llama4TextL2Norm``); ``temperature_tuning=(floor_scale, attn_scale)``,
+    q of the row at position ``p`` scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``
+    (its NoPE layers' attention temperature tuning)."""
 
     def __init__(
         self,
@@ -79,9 +103,13 @@ class GQAAttention(nn.Module):
         unit_offset: bool = False,
         qk_norm_width: Literal["head", "full"] = "head",
         sinks: bool = False,
+        rope_l2_eps: float | None = None,
+        temperature_tuning: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_l2_norm = WeightlessRMSNorm(rope_l2_eps) if rope_l2_eps is not None else None
+        self.temperature_tuning = temperature_tuning
         self.full_qk_norm = qk_norm_eps is not None and qk_norm_width == "full"
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -114,8 +142,21 @@ class GQAAttention(nn.Module):
         if self.rotary is not None:  # NOTE: None: a NoPE layer (SmolLM3's every fourth)
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        if self.rope_l2_norm is not None:  # NOTE: Llama 4's: after RoPE (a norm per head ignores its pair order)
+            q, k = self.rope_l2_norm(q), self.rope_l2_norm(k)
+        if self.temperature_tuning is not None:
+            q = self._tuned(q, positions)
         out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1), sinks=self.sinks)
         return self.o_proj(out.flatten(1))
+
+    def _tuned(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``q`` of rows at ``positions`` scaled by Llama 4's attention temperature, computed in
+        float32 at least and the product rounded to q's dtype, as ``Llama4TextAttention``."""
+        floor_scale, attn_scale = self.temperature_tuning
+        # NOTE: positions straight to float32 (bf16 would round them), as transformers' positions.float()
+        t = positions.to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype)
+        scales = torch.log1p(torch.floor((t + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * scales[:, None, None]).to(q.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary.dim

@@ -1,6 +1,7 @@
-"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss),
+"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4),
 routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
-``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` / ``GptOssTopKRouter`` do.
+``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` / ``GptOssTopKRouter`` /
+``Llama4Router`` do.
 
 V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
 ``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
@@ -13,7 +14,9 @@ Qwen2-MoE, Qwen3-MoE and Mixtral are the softmax path with one group and no scal
 always normalises). gpt-oss (``topk_softmax``): the router's logits carry a bias
 (``router_bias``); the top-k raw logits are chosen and weighted by their softmax, taken over
 those k alone; its experts have biases (``expert_bias``) and a clamped SwiGLU
-(``activation=swiglu_clamped``). The layer's output is the routed experts' weighted sum plus the shared
+(``activation=swiglu_clamped``). Llama 4 (``topk_sigmoid``): the top-k raw logits are chosen, each
+weighted by its sigmoid (float32, then the model's dtype), and the weight scales the expert's
+*input* (``weights_on=input``: ``expert(x * w)``, the outputs summed unweighted). The layer's output is the routed experts' weighted sum plus the shared
 experts (Qwen2-MoE's scaled by a sigmoid gate of each row, ``shared_expert_gate``).
 
 A model never sees ranks: *where* the routed experts run is an ``ExpertDispatch`` the
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from pcpflow.errors import Problem
-from pcpflow.models.common import GLU, GatedMLP, swiglu_clamped
+from pcpflow.models.common import GLU, GatedMLP, narrow_to_float32, swiglu_clamped
 from pcpflow.models.moe_config import MoEConfig
 
 
@@ -55,9 +58,9 @@ def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Proble
         # NOTE: V3 ranks a group by the sum of its two best scores
         allowed = f"sigmoid groups need >= 2 experts each (num_experts {e})"
         out.append(Problem(f"{field}.n_group", g, allowed))
-    elif g > 1 and moe.scoring_func == "topk_softmax":
-        # NOTE: gpt-oss's router has no groups; a group rule for raw logits would be pcpflow's invention
-        allowed = "topk_softmax routes over all experts: n_group must be 1"
+    elif g > 1 and moe.scoring_func in ("topk_softmax", "topk_sigmoid"):
+        # NOTE: gpt-oss's and Llama 4's routers have no groups; a group rule for raw logits would be pcpflow's invention
+        allowed = f"{moe.scoring_func} routes over all experts: n_group must be 1"
         out.append(Problem(f"{field}.n_group", g, allowed))
     return out
 
@@ -155,8 +158,9 @@ def route(
 
 
 def _scores(logits: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
-    """What the experts are chosen by: sigmoid or softmax of the logits; topk_softmax's are the logits."""
-    if moe.scoring_func == "topk_softmax":
+    """What the experts are chosen by: sigmoid or softmax of the logits; topk_softmax's and
+    topk_sigmoid's are the logits."""
+    if moe.scoring_func in ("topk_softmax", "topk_sigmoid"):
         return logits
     return logits.sigmoid() if moe.scoring_func == "sigmoid" else logits.softmax(dim=-1)
 
@@ -164,9 +168,12 @@ def _scores(logits: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 def _weights(chosen: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
     """The chosen experts' scores ``[N, top_k]`` -> their weights: normalised when
     ``norm_topk_prob``, times ``routed_scaling_factor``; topk_softmax's chosen logits: their
-    softmax (which sums to 1: ``norm_topk_prob`` does not apply), times the factor."""
+    softmax (which sums to 1: ``norm_topk_prob`` does not apply), times the factor; topk_sigmoid's:
+    each one's sigmoid (``Llama4Router``: of the logit widened to float32 at least)."""
     if moe.scoring_func == "topk_softmax":
         return chosen.softmax(dim=-1) * moe.routed_scaling_factor
+    if moe.scoring_func == "topk_sigmoid":
+        return narrow_to_float32(chosen).sigmoid() * moe.routed_scaling_factor
     if moe.norm_topk_prob:
         chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     return chosen * moe.routed_scaling_factor
@@ -266,7 +273,9 @@ class MoEMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted sum over ``experts`` (default all) of each row's chosen experts, each
         computed on its intermediate share ``part`` = (k, n), and the rows each expert
-        received (``[E]`` int64). ``ids`` -1 chooses no expert (padding)."""
+        received (``[E]`` int64). ``ids`` -1 chooses no expert (padding). ``weights_on=input``
+        (Llama 4): each expert runs on its rows scaled by their weights (rounded to the rows'
+        dtype first, as ``Llama4Router`` rounds its scores) and its outputs are summed as they are."""
         out = torch.zeros_like(x)
         rows_per_expert = torch.zeros(self.moe.num_experts, dtype=torch.int64, device=x.device)
         if not len(x):
@@ -280,7 +289,11 @@ class MoEMLP(nn.Module):
             if not hit[e] or hi == lo:
                 continue
             row, slot = (ids == e).nonzero(as_tuple=True)
-            y = sliced_mlp(self.experts[e], x[row], lo, hi) * weights[row, slot, None]
+            w = weights[row, slot, None]
+            if self.moe.weights_on == "input":
+                y = sliced_mlp(self.experts[e], x[row] * w.to(x.dtype), lo, hi)
+            else:
+                y = sliced_mlp(self.experts[e], x[row], lo, hi) * w
             out.index_add_(0, row, y.to(out.dtype))
         if experts is not None:
             outside = torch.ones(self.moe.num_experts, dtype=torch.bool, device=x.device)

@@ -1,6 +1,6 @@
 """The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
 transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen2-MoE,
-Qwen3-MoE, Mixtral, GLM-4.5 and gpt-oss checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
+Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss and Llama 4 checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
 
 Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
 the simulator's model cards; ``model.moe: null`` is a dense model.
@@ -28,10 +28,16 @@ class MoEConfig(Settings):
     topk_group: int = Field(1, ge=1, description="groups each token may route into")
     norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
     routed_scaling_factor: float = Field(1.0, gt=0, description="scale of the routed experts' sum")
-    scoring_func: Literal["sigmoid", "softmax", "topk_softmax"] = Field(
-        "sigmoid", description="sigmoid + e_score_correction_bias (V3), softmax (V2), or topk_softmax (gpt-oss: "
+    scoring_func: Literal["sigmoid", "softmax", "topk_softmax", "topk_sigmoid"] = Field(
+        "sigmoid", description="sigmoid + e_score_correction_bias (V3), softmax (V2), topk_softmax (gpt-oss: "
         "the top-k of the raw logits, weighted by a softmax over those k alone, which sums to 1 whatever "
-        "norm_topk_prob says)"
+        "norm_topk_prob says), or topk_sigmoid (Llama 4: the top-k of the raw logits, each weighted by its own "
+        "sigmoid in float32)"
+    )
+    weights_on: Literal["output", "input"] = Field(
+        "output", description="where a routed expert's weight applies: to its output, summed weighted (every "
+        "family but Llama 4), or to its input, the outputs summed unweighted (Llama 4's expert(x * w), not "
+        "w * expert(x): the SwiGLU is not linear)"
     )
     first_k_dense_replace: int = Field(0, ge=0, description="the first k layers stay dense")
     moe_layer_freq: int = Field(1, ge=1, description="every n-th layer past the dense ones is MoE")

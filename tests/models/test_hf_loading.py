@@ -97,8 +97,8 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     assert all(a in msg for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"))
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
-    llama4 = _copy(ckpts["llama"], tmp_path / "llama4", architectures=["Llama4ForCausalLM"], num_local_experts=16)
-    assert "unsupported architecture Llama4ForCausalLM: a mixture-of-experts variant" in _problem(llama4)
+    olmoe = _copy(ckpts["llama"], tmp_path / "olmoe", architectures=["OlmoeForCausalLM"], num_experts=64)
+    assert "unsupported architecture OlmoeForCausalLM: a mixture-of-experts variant" in _problem(olmoe)
     freq = _copy(ckpts["dsv3"], tmp_path / "freq", first_k_dense_replace=1, moe_layer_freq=2)
     assert "moe_layer_freq=2 is not supported" in _problem(freq)
     dense = _copy(ckpts["dsv3"], tmp_path / "dense", n_routed_experts=None, first_k_dense_replace=0)
@@ -1490,3 +1490,132 @@ def test_gpt_oss_quantized_other_than_mxfp4_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
         read_checkpoint_config(tmp_path)
+
+
+# ------------------------------------------------------------------ Llama 4
+def _llama4_config(*, experts: int, step: int, qk_norm: bool, rope_scaling: dict | None, longest: int) -> dict:
+    """config.json of meta-llama/Llama-4-Scout-17B-16E(-Instruct) and Llama-4-Maverick-17B-128E(-Instruct)
+    as released on Hugging Face (Llama4ForConditionalGeneration; the vision config abridged: pcpflow
+    leaves it unread), text_config with the fields they publish."""
+    layers = 48
+    text = dict(
+        model_type="llama4_text", attention_bias=False, attention_chunk_size=8192, attn_scale=0.1,
+        attn_temperature_tuning=True, floor_scale=8192, head_dim=128, hidden_act="silu", hidden_size=5120,
+        interleave_moe_layer_step=step, intermediate_size=8192, intermediate_size_mlp=16384,
+        max_position_embeddings=longest, moe_layers=list(range(step - 1, layers, step)),
+        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)], num_attention_heads=40, num_experts_per_tok=1,
+        num_hidden_layers=layers, num_key_value_heads=8, num_local_experts=experts, rms_norm_eps=1e-5,
+        rope_scaling=rope_scaling, rope_theta=500000.0, use_qk_norm=qk_norm, vocab_size=202048,
+        bos_token_id=200000, eos_token_id=[200001, 200007, 200008], pad_token_id=200018, torch_dtype="bfloat16",
+    )
+    vision = dict(model_type="llama4_vision_model", hidden_size=1408, num_hidden_layers=34, num_attention_heads=16,
+                  intermediate_size=5632, image_size=336, patch_size=14, vision_output_dim=4096)
+    return dict(architectures=["Llama4ForConditionalGeneration"], model_type="llama4", text_config=text,
+                vision_config=vision, boi_token_index=200080, eoi_token_index=200081, image_token_index=200092,
+                tie_word_embeddings=False)
+
+
+SCOUT_ROPE = dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                  original_max_position_embeddings=8192)
+
+# Meta's model cards (2025-04): parameters in billions, total and active per token. The totals
+# count the vision encoder too (under 1B), which pcpflow, running text alone, does not.
+REAL_LLAMA4 = {
+    "scout-17b-16e": (dict(experts=16, step=1, qk_norm=True, rope_scaling=SCOUT_ROPE, longest=10485760), 109, 17),
+    "maverick-17b-128e": (dict(experts=128, step=2, qk_norm=False, rope_scaling=None, longest=1048576), 400, 17),
+}
+
+
+@pytest.mark.parametrize("name", REAL_LLAMA4)
+def test_real_llama4_configs_read_and_size_a_simulated_run(tmp_path, name):
+    """A released Llama 4 config.json reads as transformers' Llama4TextConfig does (every fourth
+    layer NoPE, the others chunked over 8192 keys; Scout's llama3 RoPE scaling; MoE on every layer
+    (Scout) or every other one (Maverick), top-1 with a shared expert, the dense layers'
+    intermediate_size_mlp), and a simulated run counts the parameters Meta's model cards publish."""
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    options, total_b, active_b = REAL_LLAMA4[name]
+    (tmp_path / "config.json").write_text(json.dumps(_llama4_config(**options)))
+    c = read_checkpoint_config(tmp_path)
+    nope = [i for i, rope in enumerate(c.rope_layers) if not rope]
+    assert nope == list(range(3, 48, 4))
+    assert c.chunked_layers == [i for i in range(48) if i not in nope]
+    spec = c.attn_spec()
+    assert (spec.window, spec.window_kind, spec.num_heads, spec.num_kv_heads, spec.qk_dim) == (8192, "chunked", 40, 8, 128)
+    assert c.rope_theta == 500000.0
+    if options["rope_scaling"] is None:
+        assert c.rope_scaling is None
+    else:
+        s = c.rope_scaling
+        assert (s.rope_type, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) == (
+            "llama3", 16.0, 1.0, 1.0, 8192)
+    m = c.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts) == (options["experts"], 1, 8192, 1)
+    assert (m.scoring_func, m.weights_on, m.router_bias, m.expert_bias) == ("topk_sigmoid", "input", False, False)
+    assert (m.first_k_dense_replace, m.moe_layer_freq, c.intermediate_size) == (options["step"] - 1, options["step"], 16384)
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
+    sizes = model_sizes(cfg.model)
+    assert sizes.num_dense_layers == 48 - 48 // options["step"]
+    total = (sizes.total_weight_params() + sizes.embedding_params) / 1e9
+    active = (sizes.active_params_per_row() + sizes.embedding_params) / 1e9
+    # NOTE: 2%: the published figures are rounded, and their totals hold the vision encoder
+    assert total == pytest.approx(total_b, rel=0.02), total
+    assert active == pytest.approx(active_b, rel=0.02), active
+
+
+@pytest.fixture(scope="module")
+def llama4_ckpt(tmp_path_factory):
+    return script.build_checkpoint(tmp_path_factory.mktemp("llama4") / "llama4", "llama4", chunk=16)
+
+
+def test_llama4_layers_are_read_as_transformers_lays_them_out(llama4_ckpt, tmp_path):
+    """The tiny Llama 4 checkpoint's config.json as transformers wrote it: layer 3 NoPE and full,
+    layers 0-2 chunked with RoPE; MoE on 1 and 3; the same model when config.json leaves
+    ``no_rope_layers``, ``layer_types`` and ``moe_layers`` to their defaults."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    c = read_checkpoint_config(llama4_ckpt)
+    assert (c.rope_layers, c.chunked_layers, c.window) == ([True, True, True, False], [0, 1, 2], 16)
+    assert (c.moe.first_k_dense_replace, c.moe.moe_layer_freq) == (1, 2)
+    bare = _copy(llama4_ckpt, tmp_path / "bare", no_rope_layers=_DELETE, layer_types=_DELETE, moe_layers=_DELETE)
+    b = read_checkpoint_config(bare)
+    assert (b.rope_layers, b.kinds, b.moe) == (c.rope_layers, c.kinds, c.moe)
+    unchunked = _copy(llama4_ckpt, tmp_path / "unchunked", layer_types=_DELETE, attention_chunk_size=None)
+    assert read_checkpoint_config(unchunked).window is None
+
+
+def test_unsupported_llama4_configs_are_named(llama4_ckpt, tmp_path):
+    """A Llama 4 config.json pcpflow would not run as transformers does is refused naming the field."""
+    uneven = _copy(llama4_ckpt, tmp_path / "uneven", moe_layers=[0, 1, 3])
+    assert "moe_layers=[0, 1, 3] is not supported" in _problem(uneven)
+    dynamic = _copy(llama4_ckpt, tmp_path / "dynamic", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    assert "rope type 'dynamic' is not supported" in _problem(dynamic)
+    short = _copy(llama4_ckpt, tmp_path / "short", no_rope_layers=[1, 1, 0])
+    assert "no_rope_layers has 3 entries; num_hidden_layers is 4" in _problem(short)
+    chunkless = _copy(llama4_ckpt, tmp_path / "chunkless", attention_chunk_size=None)
+    assert "attention_chunk_size is null" in _problem(chunkless)
+    vision = {"architectures": ["Llama4ForConditionalGeneration"], "text_config": {"model_type": "llama"}}
+    (tmp_path / "mm").mkdir()
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(vision))
+    assert "text_config.model_type must be llama4_text; got 'llama'" in _problem(tmp_path / "mm")
+
+
+def test_llama4_requests_past_one_chunk_are_refused_until_chunks_are_executed(llama4_ckpt):
+    """While the attention paths slide every window (``hf.CHUNKED_ATTENTION_EXECUTED`` false), an
+    executed run of a chunked Llama 4 takes requests of one chunk at most (there chunked attention
+    is causal attention), naming the chunk and the length; a simulated run prices any length."""
+    from pcpflow.models.hf import CHUNKED_ATTENTION_EXECUTED
+
+    if CHUNKED_ATTENTION_EXECUTED:
+        pytest.skip("chunked attention is executed")
+    run = ["model=hf", f"model.path={llama4_ckpt}", "pcp=1", "workload=explicit", "workload.output_lens=[4]"]
+    assert compose([*run, "workload.prompt_lens=[12]"]).model.path == str(llama4_ckpt)  # 16 tokens: one chunk
+    with pytest.raises(ConfigError) as exc:
+        compose([*run, "workload.prompt_lens=[13]"])
+    (problem,) = exc.value.problems
+    assert problem.field == "model.path"
+    assert "attention_chunk_size is 16" in problem.allowed and "reaches 17 tokens" in problem.allowed
+    sim = compose(["mode=simulate", "hardware=h200_sxm", *run, "workload.prompt_lens=[100]"])
+    assert sim.model.sliding_window == 16

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints run token for token with transformers.
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss and DeepSeek-V2/V3 checkpoints are
+Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
+Llama 4 (its multimodal one too) and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -47,6 +48,7 @@ import shared_ranks  # noqa: E402
 from float64_compute import float64_compute  # noqa: E402
 from repo_scripts import load_script  # noqa: E402
 
+from pcpflow.models.hf import CHUNKED_ATTENTION_EXECUTED  # noqa: E402
 from pcpflow.testing import compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +109,14 @@ CHECKPOINTS = {
     # gpt-oss: attention sinks on every head, q/k/v/o biases, its even layer sliding over WINDOW keys,
     # YaRN untruncated; every MLP MoE (biased router and experts, clamped SwiGLU that bites)
     "gpt_oss_window": dict(arch="gpt_oss", sliding_window=WINDOW, bias=True),
+    # Llama 4: RoPE on adjacent pairs (llama3 scaling), q/k L2-normed after it, a NoPE layer with the
+    # attention temperature (biting from position 3), MoE layers (top-1, input scaled by the sigmoid
+    # score, a shared expert) between dense ones; chunks of 128 keys, longer than any request (76 tokens)
+    # (chunked attention is then causal attention: CHUNKED_CASES run chunks of WINDOW keys)
+    "llama4": dict(arch="llama4", chunk=128),
+    # Llama 4 Scout / Maverick: the same language model inside Llama4ForConditionalGeneration
+    "llama4_mm": dict(arch="llama4_mm", chunk=128),
+    "llama4_chunk7": dict(arch="llama4", chunk=WINDOW),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -216,7 +226,29 @@ MATRIX = [
     # sinks, needs KV heads shared by the TP ranks: tests/attention/test_attention_sinks.py)
     ("gpt_oss_window", "float64", 2, 2, "replicated", ["tp=2"]),
     ("gpt_oss_window", "float32", 2, 1, "sharded", ["tp=2"]),
+    ("llama4", "float64", 1, 1, "replicated", []),
+    ("llama4", "float32", 2, 2, "sharded", []),
+    ("llama4", "float64", 4, 4, "replicated", []),
+    ("llama4", "float32", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("llama4", "float32", 4, 1, "sharded", []),
+    ("llama4_mm", "float64", 2, 2, "sharded", []),
+    # Llama 4's temperature and L2 norms are per head: cut with the heads
+    ("llama4", "float64", 2, 2, "replicated", ["tp=2"]),
 ]
+
+# Llama 4 with chunks of WINDOW keys: chunk boundaries inside prefill chunks, DCP shards and decodes.
+# NOTE: they join MATRIX once the attention paths execute ``AttentionSpec.window_kind: chunked``
+# (``hf.CHUNKED_ATTENTION_EXECUTED``); until then the engine slides its window and refuses them.
+CHUNKED_CASES = [
+    ("llama4_chunk7", "float64", 1, 1, "replicated", []),
+    ("llama4_chunk7", "float32", 2, 2, "sharded", []),
+    ("llama4_chunk7", "float64", 4, 4, "replicated", []),
+    ("llama4_chunk7", "float64", 2, 2, "sharded", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("llama4_chunk7", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("llama4_chunk7", "float32", 2, 2, "replicated", ["tp=2"]),
+]
+if CHUNKED_ATTENTION_EXECUTED:
+    MATRIX += CHUNKED_CASES
 
 
 # NOTE: a representative default set (each family once, pcp 2/4, dcp, both decode modes,
@@ -235,6 +267,7 @@ DEFAULT_CASES = {
     ("olmo3_window", "float64", 2, 2, "sharded"),
     ("cohere2_window", "float64", 2, 2, "sharded"),
     ("gpt_oss_window", "float64", 2, 2, "sharded"),
+    ("llama4", "float64", 4, 4, "replicated"),
 }
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 
@@ -272,7 +305,9 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     if promote and dtype == "float64":
         # NOTE: only construction and compute run promoted, never weight loading (which
         # may view raw bytes as float32).
-        base = getattr(model.model, "language_model", model.model)  # NOTE: a multimodal model's text model
+        # NOTE: a multimodal model's text model; Llama 4's holds a whole Llama4ForCausalLM
+        inner = model.model if hasattr(model, "model") else model.language_model.model
+        base = getattr(inner, "language_model", inner)
         with float64_compute():
             base.rotary_emb = type(base.rotary_emb)(config=base.config)
     return model

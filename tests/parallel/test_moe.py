@@ -420,10 +420,21 @@ HF_SLOW_CASES = [
     ("gpt_oss", "float64", 4, 4, "replicated", "all_to_all"),
     ("gpt_oss", "float32", 2, 2, "replicated", "gather", "tp=2"),
     ("gpt_oss", "float64", 2, 1, "sharded", "all_to_all", "tp=2"),
+    # Llama 4: top-1 of the raw logits, each expert's *input* scaled by the sigmoid score (every mode
+    # must scale before the expert: gather's intermediate shares, all_to_all's owners), a shared expert
+    ("llama4", "float64", 2, 2, "sharded", "gather"),
+    ("llama4", "float32", 4, 4, "replicated", "all_to_all"),
+    ("llama4", "float64", 4, 1, "sharded", "local"),
+    ("llama4", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
+    ("llama4", "float32", 2, 1, "sharded", "gather", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's and gpt-oss's are not.
-HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2}
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's and gpt-oss's are not;
+# Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
+HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2,
+                 "llama4": 2}
+# Experts per token of each tiny checkpoint: 2, but Llama 4's 1 (its released models' num_experts_per_tok).
+HF_TOP_K = {"llama4": 1}
 
 
 class _Checkpoints(dict):
@@ -437,6 +448,7 @@ class _Checkpoints(dict):
         "mixtral": ("mixtral", {}),
         "glm4_moe": ("glm4_moe", dict(bias=True)),
         "gpt_oss": ("gpt_oss", dict(bias=True)),
+        "llama4": ("llama4", {}),  # NOTE: transformers' chunk of 8192 keys: longer than any request here
     }
 
     def __init__(self, root: Path) -> None:
@@ -561,8 +573,7 @@ def _hf_check(case, hf_results):
         assert result["outputs"][i] == tokens, f"request {i}"
         got = torch.tensor(result["logits"][i], dtype=torch.float64)
         assert float((got - logits).abs().max()) <= tol, f"request {i}"
-    top_k = 2  # every tiny checkpoint routes each row to 2 experts
-    routed = HF_MOE_LAYERS[ckpt] * top_k * result["metrics"]["num_tokens"]
+    routed = HF_MOE_LAYERS[ckpt] * HF_TOP_K.get(ckpt, 2) * result["metrics"]["num_tokens"]
     assert sum(result["metrics"]["moe_tokens_per_expert"]) == routed
 
 
