@@ -68,7 +68,7 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
                 problems += host_memory_problems(cfg, *lengths, specs=None if imported else _resolved(cfg))
             if len(lengths[0]):  # NOTE: simulated too: it prices the whole-sequence attention pcpflow runs
                 longest = int((lengths[0] + lengths[1]).max()) + cfg.num_speculative_tokens
-                problems += length_problems(cfg.model, longest, executed=kind not in ("simulate", "search"))
+                problems += length_problems(cfg.model, longest)
     if problems:
         raise ConfigError(problems)
     return cfg

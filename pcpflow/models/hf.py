@@ -25,8 +25,7 @@ reason), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
 ``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) is executed:
-``AttentionSpec.window``; Llama 4's attention chunks (``window_kind: chunked``) are not yet, so an
-executed run takes requests of one chunk at most (``CHUNKED_ATTENTION_EXECUTED``).
+``AttentionSpec.window``, and so are Llama 4's attention chunks (``window_kind: chunked``).
 The weights are cast to the run's ``dtype``; only ``safetensors`` is needed to load them.
 A simulated run reads the same architectures' sizes (quantized ones too) and prices full
 attention.
@@ -302,19 +301,13 @@ def checkpoint_problems(model_config: Any) -> list[Problem]:
     return _tensor_problems(path, shapes, names) + generation_problems(model_config)
 
 
-CHUNKED_ATTENTION_EXECUTED = False
-"""Whether executed runs attend within aligned chunks (``AttentionSpec.window_kind: chunked``,
-Llama 4). NOTE: not yet: the attention paths slide every window, which is chunked attention only
-while a request fits in one chunk; ``length_problems`` refuses longer ones until they do."""
-
-
-def length_problems(model_config: Any, longest: int, *, executed: bool = True) -> list[Problem]:
+def length_problems(model_config: Any, longest: int) -> list[Problem]:
     """A checkpoint's limits against the run's longest request (``longest``: prompt plus
     output plus speculative tokens): LongRoPE, in executed runs (past its original length
-    transformers ropes with other frequencies: ``CheckpointConfig.rope_limit``); Llama 4's
-    attention chunk, in ``executed`` runs while ``CHUNKED_ATTENTION_EXECUTED`` is false. A sliding
-    window is no limit: executed runs attend through it (``AttentionSpec.window``), simulated
-    ones price its layers by their own pairs (``ModelCard.sliding_window``)."""
+    transformers ropes with other frequencies: ``CheckpointConfig.rope_limit``). A sliding
+    window or Llama 4's attention chunks are no limit: executed runs attend through them
+    (``AttentionSpec.window``, ``window_kind``), simulated ones price their layers by their own
+    pairs (``ModelCard.sliding_window``, ``window_kind``)."""
     if getattr(model_config, "name", None) != "hf" or not model_config.path:
         return []
     path = model_config.path
@@ -331,16 +324,6 @@ def length_problems(model_config: Any, longest: int, *, executed: bool = True) -
             f"past that length transformers ropes every position of a forward, the cached prompt's too, "
             f"with long_factor, which pcpflow does not (it ropes each position once, with short_factor): "
             f"requests of at most {limit} tokens (prompt + output + speculative tokens) run exactly"
-        )))
-    spec = checkpoint.attn_spec()
-    chunked = spec.window_kind == "chunked" and spec.window is not None and bool(spec.window_layers)
-    if executed and chunked and not CHUNKED_ATTENTION_EXECUTED and longest > spec.window:
-        problems.append(Problem("model.path", str(path), (
-            f"requests within one attention chunk: config.json's attention_chunk_size is {spec.window} (layers "
-            f"{_some([str(i) for i in spec.window_layers])} attend within their chunk), and the longest request "
-            f"reaches {longest} tokens; pcpflow does not execute chunked attention yet (past one chunk it would "
-            f"slide the window instead): requests of at most {spec.window} tokens (prompt + output + speculative "
-            "tokens) run exactly"
         )))
     return problems
 

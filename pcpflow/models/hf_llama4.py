@@ -148,6 +148,11 @@ class Llama4Checkpoint(CheckpointConfig):
         """The layers that attend through ``window`` (chunked, ``attn_spec``'s ``window_kind``)."""
         return self.chunked_layers
 
+    @property
+    def window_kind(self) -> str:
+        """How the ``sliding_layers`` read (a model card's ``window_kind``): within their chunk."""
+        return "chunked"
+
     def attn_spec(self) -> AttentionSpec:
         spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim)
         return dataclasses.replace(spec, window=self.window, window_layers=tuple(self.chunked_layers),

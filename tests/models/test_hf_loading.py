@@ -1557,6 +1557,7 @@ def test_real_llama4_configs_read_and_size_a_simulated_run(tmp_path, name):
     cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
                    "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
     sizes = model_sizes(cfg.model)
+    assert (cfg.model.sliding_window, cfg.model.sliding_layers, cfg.model.window_kind) == (8192, 36, "chunked")
     assert sizes.num_dense_layers == 48 - 48 // options["step"]
     total = (sizes.total_weight_params() + sizes.embedding_params) / 1e9
     active = (sizes.active_params_per_row() + sizes.embedding_params) / 1e9
@@ -1600,22 +1601,3 @@ def test_unsupported_llama4_configs_are_named(llama4_ckpt, tmp_path):
     (tmp_path / "mm").mkdir()
     (tmp_path / "mm" / "config.json").write_text(json.dumps(vision))
     assert "text_config.model_type must be llama4_text; got 'llama'" in _problem(tmp_path / "mm")
-
-
-def test_llama4_requests_past_one_chunk_are_refused_until_chunks_are_executed(llama4_ckpt):
-    """While the attention paths slide every window (``hf.CHUNKED_ATTENTION_EXECUTED`` false), an
-    executed run of a chunked Llama 4 takes requests of one chunk at most (there chunked attention
-    is causal attention), naming the chunk and the length; a simulated run prices any length."""
-    from pcpflow.models.hf import CHUNKED_ATTENTION_EXECUTED
-
-    if CHUNKED_ATTENTION_EXECUTED:
-        pytest.skip("chunked attention is executed")
-    run = ["model=hf", f"model.path={llama4_ckpt}", "pcp=1", "workload=explicit", "workload.output_lens=[4]"]
-    assert compose([*run, "workload.prompt_lens=[12]"]).model.path == str(llama4_ckpt)  # 16 tokens: one chunk
-    with pytest.raises(ConfigError) as exc:
-        compose([*run, "workload.prompt_lens=[13]"])
-    (problem,) = exc.value.problems
-    assert problem.field == "model.path"
-    assert "attention_chunk_size is 16" in problem.allowed and "reaches 17 tokens" in problem.allowed
-    sim = compose(["mode=simulate", "hardware=h200_sxm", *run, "workload.prompt_lens=[100]"])
-    assert sim.model.sliding_window == 16

@@ -48,7 +48,6 @@ import shared_ranks  # noqa: E402
 from float64_compute import float64_compute  # noqa: E402
 from repo_scripts import load_script  # noqa: E402
 
-from pcpflow.models.hf import CHUNKED_ATTENTION_EXECUTED  # noqa: E402
 from pcpflow.testing import compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,8 +236,6 @@ MATRIX = [
 ]
 
 # Llama 4 with chunks of WINDOW keys: chunk boundaries inside prefill chunks, DCP shards and decodes.
-# NOTE: they join MATRIX once the attention paths execute ``AttentionSpec.window_kind: chunked``
-# (``hf.CHUNKED_ATTENTION_EXECUTED``); until then the engine slides its window and refuses them.
 CHUNKED_CASES = [
     ("llama4_chunk7", "float64", 1, 1, "replicated", []),
     ("llama4_chunk7", "float32", 2, 2, "sharded", []),
@@ -247,8 +244,7 @@ CHUNKED_CASES = [
     ("llama4_chunk7", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("llama4_chunk7", "float32", 2, 2, "replicated", ["tp=2"]),
 ]
-if CHUNKED_ATTENTION_EXECUTED:
-    MATRIX += CHUNKED_CASES
+MATRIX += CHUNKED_CASES
 
 
 # NOTE: a representative default set (each family once, pcp 2/4, dcp, both decode modes,
