@@ -1270,6 +1270,7 @@ MISTRAL_V01 = dict(architectures=["MistralForCausalLM"], model_type="mistral", h
 def test_a_checkpoints_sliding_layers_come_to_its_card(tmp_path, name, config, want):
     """A simulated run of a checkpoint prices its sliding layers: the card has its window and
     how many layers slide, as the published layouts give them, and so do the run's sizes."""
+    from pcpflow.layouts.slots import Window
     from pcpflow.models.card import card_from_hf_config
     from pcpflow.simulate.sizes import model_sizes
 
@@ -1278,7 +1279,7 @@ def test_a_checkpoints_sliding_layers_come_to_its_card(tmp_path, name, config, w
     assert (card["sliding_window"], card["sliding_layers"]) == want
     sizes = model_sizes(compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
                                  "workload=explicit", "workload.prompt_lens=[300]", "workload.output_lens=[2]"]).model)
-    assert (sizes.sliding_window, sizes.sliding_layers, sizes.window) == (*want, want[0] if want[1] else None)
+    assert (sizes.sliding_window, sizes.sliding_layers, sizes.window) == (*want, Window(want[0]) if want[1] else None)
 
 
 # ------------------------------------------------------------------ OLMo 2 / 3

@@ -268,6 +268,12 @@ DEFAULT_CASES = {
 DEFAULT_TP_CASES = {("dsv3", "float64", 2, 4, "sharded")}
 
 
+def _checkpoint_param(ckpt: str):
+    """A checkpoint's own checks run in the default set when a default case runs it, else with the slow set."""
+    default = {c[0] for c in DEFAULT_CASES | DEFAULT_TP_CASES}
+    return pytest.param(ckpt, marks=[] if ckpt in default else [pytest.mark.slow])
+
+
 def _is_default(case) -> bool:
     ckpt, dtype, pcp, dcp, decode, extra = case
     return (ckpt, dtype, pcp, dcp, decode) in (DEFAULT_TP_CASES if "tp=2" in extra else DEFAULT_CASES)
@@ -453,7 +459,7 @@ def test_pcpflow_matches_transformers(case, pcpflow_results, references, vocab_s
         assert diff <= TOL[dtype], f"request {i}: max |logit diff| {diff:.3e} > {TOL[dtype]}"
 
 
-@pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("ckpt", [_checkpoint_param(c) for c in sorted(CHECKPOINTS)])
 def test_float64_reference_is_transformers_at_float64(ckpt, references):
     """``PromoteFloat32`` changes precision only: the promoted reference agrees with
     transformers' plain float32 and float64 runs to float32 rounding (same tokens, logits
@@ -466,7 +472,7 @@ def test_float64_reference_is_transformers_at_float64(ckpt, references):
         assert 1e-9 < diff < 1e-4, diff
 
 
-@pytest.mark.parametrize("ckpt", sorted(CHECKPOINTS))
+@pytest.mark.parametrize("ckpt", [_checkpoint_param(c) for c in sorted(CHECKPOINTS)])
 def test_tiny_checkpoints_have_decisive_logits(ckpt, references):
     """Token equality is robust only if greedy choices are not near-ties: logits within
     ``tol`` of the reference cannot change an argmax whose top-2 gap exceeds ``2 * tol``;
