@@ -159,7 +159,7 @@ DEFAULT = {"pcp1_gqa", "pcp2_replicated", "pcp2_dcp2_context_verified", "pcp2_dc
            "tp2_dcp2_ag_rs", "moe_gather_pcp2", "moe_all_to_all_pcp2", "moe_local_tp2_dcp2",
            "serving_pcp2_dcp2_preempted", "serving_trace_pcp2", "serving_pcp1_sampled_preempted",
            "serving_trace_sampled_preempted", "pcp2_dcp2_ring_pass_kv", "pcp2_dcp2_self_draft",
-           "pcp2_dcp2_context_window_gqa", "pcp2_dcp2_ring_pass_kv_window_gqa", "pcp2_dcp2_ring_pass_q_chunked_gqa"}
+           "pcp2_dcp2_context_window_gqa", "pcp2_dcp2_ring_pass_kv_window_gqa"}
 SLOW = set(CASES) - DEFAULT
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES]
 
