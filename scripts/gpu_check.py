@@ -11,7 +11,7 @@ Sections, in priority order (each records its own error and the check goes on):
   profile    `python -m pcpflow mode=profile pcp=1` on the GPU (<= 90 s): GEMMs, attention
              (fused), memory, launch and graph replay, pcpflow's host work; its collectives
              stay priced by NCCL's model (from: h200_sxm); a cut profile is kept, partial
-  attention  fused vs reference paged attention at a real shape (and through a 1024-key window): max |diff|, time
+  attention  fused vs reference paged attention at a real shape (and through a 1024-key window, 2048-key chunks): max |diff|, time
   runs       pcp=1 bf16 engine runs (<= 120 s): tiny models, then a random-weight model at
              Llama-3-8B dims (a few layers) at 8K and 32K prompts; eager vs CUDA graphs
              (cudagraph_mode=full_decode_only, attention=fused): TTFT, TPOT, speed-up,
@@ -188,14 +188,19 @@ class Check:
             "mla_16_heads": mla_spec(16, 512, 64, 0.07) if not self.dry else mla_spec(4, 32, 8, 0.1),
             # a sliding layer's window (Gemma 3's 1024; the dry run's 8): each row's first key
             "gqa_window_1024": gqa_spec(32, 16, 128) if not self.dry else gqa_spec(4, 2, 16),
+            # a chunked layer's chunk (Llama 4's attention_chunk_size is 8192; 2048 cuts this context)
+            "gqa_chunked_2048": gqa_spec(40, 8, 128) if not self.dry else gqa_spec(4, 2, 16),
         }
         windows = {"gqa_window_1024": 8 if self.dry else 1024}
+        chunks = {"gqa_chunked_2048": 8 if self.dry else 2048}
         dtype = torch.bfloat16
         for name, spec in specs.items():
             args = _paged_case(spec, ctx_len, chunk, decodes, 16, self.device, dtype)
             ctx = args[5]
             starts = (ctx - windows[name]).clamp(min=0) if name in windows else torch.zeros_like(ctx)
-            args = (*args, starts) if name in windows else args
+            if name in chunks:  # NOTE: the row at position ctx - 1 starts at its chunk's first key
+                starts = (ctx - 1) - (ctx - 1) % chunks[name]
+            args = (*args, starts) if name in windows or name in chunks else args
             out_r, lse_r = paged_attention(*args)
             out_f, lse_f = fused_paged_attention(*args)
             reps = 1 if self.dry else 3
@@ -289,6 +294,11 @@ class Check:
         for model in tiny:
             for mode in ("none", "full_decode_only"):
                 self._run(e, f"{model}/{mode}", [f"model={model}"], list(prompts), 4 if self.dry else 32, mode)
+        # attention sinks and a chunked layer through the CUDA-graph decode kernel (gpt-oss's, Llama 4's)
+        sunk = ["model=tiny_gqa", "model.sinks=true", f"model.window={4 if self.dry else 128}",
+                "model.window_kind=chunked", "model.window_layers=[0]"]
+        for mode in ("none", "full_decode_only"):
+            self._run(e, f"tiny_gqa_sinks_chunked/{mode}", sunk, list(prompts), 4 if self.dry else 32, mode)
         dims = dict(LLAMA3_8B)
         if self.dry:
             dims.update(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=512)

@@ -512,7 +512,10 @@ def build_checkpoint(
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "llama4_mm": transformers.Llama4ForConditionalGeneration,
     }[arch]
-    model = cls(config).to(torch.float32)
+    model = cls(config)
+    for t in (*model.parameters(), *model.buffers()):  # NOTE: float32; Llama 4's vision keeps its complex rotary table
+        if t.is_floating_point():
+            t.data = t.data.float()
     init_weights(model, seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,13 +45,15 @@ def test_dry_run_reports_every_section(tmp_path):
     profile = sections["hardware"]["hardware_profile"]
     assert profile["hbm_tbps"] > 0 and set(profile["peak_tflops"]) >= {"bf16"}
     assert "peak_tflops: {bf16:" in (tmp_path / "hardware_measured.yaml").read_text()
-    for name in ("gqa_llama3_8b", "mla_16_heads"):
+    for name in ("gqa_llama3_8b", "mla_16_heads", "gqa_window_1024", "gqa_chunked_2048"):
         att = sections["attention"][name]
         assert att["max_abs_out_diff"] < 0.05 and att["fused_s"] > 0  # bf16 inputs
     runs = sections["runs"]
     graphs = runs["llama3_8b_dims/40/full_decode_only"]
     assert graphs["verify"]["passed"] and graphs["cudagraph"]["graph_forward_steps"] > 0, graphs
     assert graphs["same_tokens_as_eager"] and graphs["tpot_speedup_vs_eager"] > 0, graphs
+    sunk = runs["tiny_gqa_sinks_chunked/full_decode_only"]  # sinks and a chunk through the graph kernel
+    assert sunk["verify"]["passed"] and sunk["same_tokens_as_eager"], sunk
 
 
 def test_a_cut_run_still_reports(tmp_path):
