@@ -269,14 +269,7 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling,
             runs = _runs_over(rows, rank, req, a, n, iteration=iteration, qa=b, qn=nb, window=window)
             parts.append((_band_blocks(rows, on, h, nb, cached, runs, p), rows))
 
-    pre_parts, dec = [], np.zeros(p * p)
-    for blocks, rows in parts:
-        if blocks is None:
-            continue
-        is_pre = np.repeat(prefill[rows], p)
-        pre_parts.append(Blocks(blocks.bin[is_pre], blocks.rows[is_pre], blocks.k_first[is_pre],
-                                blocks.k_last[is_pre], blocks.pairs[is_pre]))
-        dec += np.bincount(blocks.bin[~is_pre], weights=blocks.pairs[~is_pre].astype(np.float64), minlength=p * p)
+    pre_parts, dec = _split_prefill(parts, prefill, p)
 
     # Rows every rank holds: after the loop, each rank over its shard of [0, p] (rank 0's copies).
     rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
@@ -296,6 +289,20 @@ def ring_blocks(plan: RingPlan, layout: BatchLayout, positions, is_prefilling,
         after_dec = after_dec + band[:, ~pre].sum(axis=1)
         return RingBlocks(_rows_only(_concat(pre_parts)), dec.reshape(p, p), _rows_only(after), after_dec)
     return RingBlocks(_concat(pre_parts), dec.reshape(p, p), after, after_dec)
+
+
+def _split_prefill(parts, prefill, p: int) -> tuple[list[Blocks], np.ndarray]:
+    """The loop's ``(blocks, rows)`` parts split by their rows' kind: the prefill rows' blocks, and
+    the decode rows' pairs summed per (rank, iteration) bin, ``[p * p]``."""
+    pre_parts, dec = [], np.zeros(p * p)
+    for blocks, rows in parts:
+        if blocks is None:
+            continue
+        is_pre = np.repeat(prefill[rows], p)
+        pre_parts.append(Blocks(blocks.bin[is_pre], blocks.rows[is_pre], blocks.k_first[is_pre],
+                                blocks.k_last[is_pre], blocks.pairs[is_pre]))
+        dec += np.bincount(blocks.bin[~is_pre], weights=blocks.pairs[~is_pre].astype(np.float64), minlength=p * p)
+    return pre_parts, dec
 
 
 def _chunked_ring_blocks(plan: RingPlan, rank, req, a, n, kind, prefill, size: int) -> RingBlocks:
@@ -326,14 +333,7 @@ def _chunked_ring_blocks(plan: RingPlan, rank, req, a, n, kind, prefill, size: i
     q = _runs_over(tr, rank, group, a, n, iteration=lambda qi, kj: (rank[kj] - rank[qi]) % p)
     parts.append((_blocks(tr, host, h, n, cached, q, p), tr))
 
-    pre_parts, dec = [], np.zeros(p * p)
-    for blocks, rows in parts:
-        if blocks is None:
-            continue
-        is_pre = np.repeat(prefill[rows], p)
-        pre_parts.append(Blocks(blocks.bin[is_pre], blocks.rows[is_pre], blocks.k_first[is_pre],
-                                blocks.k_last[is_pre], blocks.pairs[is_pre]))
-        dec += np.bincount(blocks.bin[~is_pre], weights=blocks.pairs[~is_pre].astype(np.float64), minlength=p * p)
+    pre_parts, dec = _split_prefill(parts, prefill, p)
 
     # Rows every rank holds: after the loop, each rank over its shard of [chunk start, p].
     rp = np.flatnonzero((kind == REPLICATED) & (rank == 0))
