@@ -13,14 +13,15 @@ from pydantic import Field, model_validator
 from pcpflow.errors import Settings
 from pcpflow.models.moe_config import MoEConfig
 
-CARD_NAMES = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b", "gpt_oss_20b", "gpt_oss_120b")
+CARD_NAMES = ("llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b", "gpt_oss_20b", "gpt_oss_120b",
+              "llama4_scout", "llama4_maverick")
 
 
 class ModelCard(Settings):
     """GQA (Llama) or MLA (DeepSeek) decoder sizes; ``moe`` set: MoE MLPs."""
 
     name: Literal["llama3_8b", "llama3_70b", "llama3_405b", "deepseek_v3", "gemma3_27b", "gpt_oss_20b", "gpt_oss_120b",
-                  "hf_card"]
+                  "llama4_scout", "llama4_maverick", "hf_card"]
     source: str | None = Field(None, description="where the sizes come from (hf_card: the config.json)")
     attention: Literal["gqa", "mla"] = Field(description="gqa: K/V heads; mla: latent cache")
     vocab_size: int = Field(ge=1)

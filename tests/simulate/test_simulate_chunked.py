@@ -148,3 +148,27 @@ def test_a_checkpoint_config_with_chunked_layers_gives_a_chunked_card(tmp_path, 
     assert chunked == {**sliding, "window_kind": "chunked"}
     card = ModelCard(**chunked)
     assert (card.window_kind, card.sliding_window, card.sliding_layers) == ("chunked", 64, 4)
+
+
+@pytest.mark.parametrize("card, options", [("llama4_scout", "LLAMA4_SCOUT"), ("llama4_maverick", "LLAMA4_MAVERICK")])
+def test_the_llama4_cards_are_their_config_json_s(tmp_path, card, options):
+    """``model=llama4_scout`` / ``llama4_maverick`` price what ``model=hf`` reads from the released
+    config.json: the same sizes, chunked layers (36 of 48, chunks of 8192) and routing (Scout's MoE
+    on every layer, Maverick's on every other one)."""
+    import json
+
+    import released_configs
+
+    from pcpflow.models.card import card_from_hf_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    (tmp_path / "config.json").write_text(json.dumps(released_configs.llama4_config(**getattr(released_configs, options))))
+    run = ["mode=simulate", "hardware=h200_sxm", "tp=8"]  # NOTE: neither fits one GPU in bf16
+    shipped = compose([*run, f"model={card}"]).model
+    read = compose([*run, "model=hf", f"model.path={tmp_path}"]).model
+    assert model_sizes(read) == model_sizes(shipped)
+    fields = card_from_hf_config(tmp_path)
+    for name in ("sliding_window", "sliding_layers", "window_kind", "intermediate_size", "num_kv_heads", "head_dim"):
+        assert getattr(shipped, name) == fields[name], name
+    assert shipped.moe == read.moe
+    assert (shipped.sliding_window, shipped.sliding_layers, shipped.window_kind) == (8192, 36, "chunked")
