@@ -34,7 +34,6 @@ attention.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +59,7 @@ from pcpflow.models.hf_weights import (
     plan_names,
     read_safetensors_header,
 )
+from pcpflow.models.hub import resolve_checkpoint
 from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
@@ -211,9 +211,11 @@ class HFModel(DecoderLM):
             None,
             validate_default=True,
             description=(
-                "the checkpoint directory (required): config.json + *.safetensors, e.g. a "
-                "`huggingface-cli download` or `save_pretrained` directory; a relative path "
-                "resolves against the working directory when the config is validated"
+                "the checkpoint (required): a directory with config.json + *.safetensors (a "
+                "`save_pretrained` or `hf download` one; a relative path resolves against the "
+                "working directory when the config is validated), or a Hugging Face Hub id "
+                "owner/name[@revision], read from the Hugging Face cache and downloaded into it "
+                "when missing (not with HF_HUB_OFFLINE=1)"
             ),
         )
 
@@ -226,8 +228,8 @@ class HFModel(DecoderLM):
                     "+ *.safetensors; scripts/make_tiny_hf_checkpoint.py builds a tiny one)"
                 )
             # NOTE: resolved once, in the driver, so that ranks started elsewhere read the
-            # same directory.
-            path = os.path.abspath(os.path.expanduser(str(path)))
+            # same directory (a Hub id's snapshot, downloaded here: pcpflow.models.hub).
+            path = resolve_checkpoint(str(path), weights=True)
             read_checkpoint(path)
             return path
 

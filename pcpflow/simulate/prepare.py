@@ -23,6 +23,7 @@ from pcpflow.config.hardware import EXPERT_DTYPES, PEAK_OF_DTYPE, HardwareConfig
 from pcpflow.config.run import draft_slot
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
+from pcpflow.models.hub import resolve_checkpoint
 from pcpflow.simulate.sizes import (
     DTYPE_BYTES,
     ModelSizes,
@@ -84,9 +85,9 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     if model.get("name") == "hf":
         if not model.get("path"):
             raise ConfigError([Problem("model.path", model.get("path"), "required with model=hf: a checkpoint "
-                                       "directory with a config.json (model.path=DIR)")])
+                                       "directory with a config.json, or a Hugging Face Hub id (model.path=DIR)")])
         try:
-            raw["model"] = card_from_hf_config(model.get("path") or "")
+            raw["model"] = card_from_hf_config(resolve_checkpoint(str(model.get("path")), weights=False))
         except ValueError as exc:
             raise ConfigError([Problem("model.path", model.get("path"), f"a checkpoint directory with a config.json; {exc}")]) from None
     sim_raw = raw.setdefault("simulate", {}) or {}
