@@ -46,7 +46,8 @@ def paged_attention(
     """Attention of each query row over its request's paged context.
 
     Row ``n`` attends over entries ``starts[n] <= j < row_context_lens[n]`` (``starts``: a
-    sliding window's first key in the same index space; None: 0) of block-table row
+    sliding or chunked window's first key in the same index space, None: 0; the blocks before
+    the first one a segment's rows need are not read) of block-table row
     ``r = row_req_indices[n]``; entry ``j`` lives at slot
     ``block_tables[r, j // block_size] * block_size + j % block_size`` of ``cache``
     (``[num_slots, entry_dim]``). Returns ``out [N, H, v_dim]`` and ``lse [N, H]``, the
