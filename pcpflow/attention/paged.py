@@ -8,9 +8,10 @@ combines the shards exactly.
 
 Rows are processed in *segments*: a run of consecutive rows of one request (a prefill
 chunk) is cut into segments of ``_SEGMENT_ROWS`` rows that share one gather of the
-request's keys; every other row (decodes, short runs) is a segment of its own. Segments
-are sorted by context length and processed in tiles sized from a memory budget, so there
-is no Python loop per token or per request.
+request's keys; every other row (decodes, short runs) is a segment of its own. A segment
+reads its *span*: the blocks from the first one any of its rows needs (its smallest start,
+a windowed layer's) to its longest context. Segments are sorted by span and processed in
+tiles sized from a memory budget, so there is no Python loop per token or per request.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def paged_attention(
     """Attention of each query row over its request's paged context.
 
     Row ``n`` attends over entries ``starts[n] <= j < row_context_lens[n]`` (``starts``: a
-    sliding window's first key in the same index space; None: 0) of block-table row
+    sliding or chunked window's first key in the same index space, None: 0; the blocks before
+    the first one a segment's rows need are not read) of block-table row
     ``r = row_req_indices[n]``; entry ``j`` lives at slot
     ``block_tables[r, j // block_size] * block_size + j % block_size`` of ``cache``
     (``[num_slots, entry_dim]``). Returns ``out [N, H, v_dim]`` and ``lse [N, H]``, the
@@ -78,7 +80,7 @@ def paged_attention(
     if starts is not None:
         starts = starts.to(device=q.device, dtype=torch.long)
     blocked_cache = cache.reshape(-1, block_size, spec.entry_dim)
-    for seg_rows in _segments(row_req_indices, row_context_lens):
+    for seg_rows in _segments(row_req_indices, row_context_lens, starts):
         seg_block_tables = block_tables[row_req_indices[seg_rows.amax(1)]]
         row_ctx = torch.where(seg_rows >= 0, row_context_lens[seg_rows.clamp(min=0)], 0)
         row_start = None if starts is None else torch.where(seg_rows >= 0, starts[seg_rows.clamp(min=0)], 0)
@@ -139,11 +141,12 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None)
     return (out.to(keep.dtype) * keep[..., None]).to(out.dtype)
 
 
-def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> list[torch.Tensor]:
+def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor,
+              starts: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Group rows into ``[num_segments, g]`` index matrices (``-1`` pads, at least one row
     per segment): rows in runs of at least ``_SEGMENT_ROWS`` consecutive rows of one request
-    in segments of that many, every other row alone. Rows without context are left out
-    (their result is already final)."""
+    in segments of that many, every other row alone. Rows without a key (no context, or
+    none from their start on) are left out (their result is already final)."""
     n = row_req_indices.shape[0]
     device = row_req_indices.device
     arange = torch.arange(n, device=device)
@@ -153,7 +156,7 @@ def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> 
     run_start = arange[is_start]
     run_len = torch.diff(run_start, append=torch.tensor([n], device=device))
     pos_in_run = arange - run_start[run_id]
-    has_context = row_context_lens > 0
+    has_context = row_context_lens > (0 if starts is None else starts)
     in_long_run = (run_len[run_id] >= _SEGMENT_ROWS) & has_context
 
     groups = []
@@ -173,28 +176,30 @@ def _segments(row_req_indices: torch.Tensor, row_context_lens: torch.Tensor) -> 
     return groups
 
 
-def _tiles(seg_ctx: list[int], per_key: int, block_size: int, max_blocks: int) -> Iterator[tuple[int, int, int]]:
-    """``(first, stop, blocks)`` of each tile over segments sorted by context, longest first:
-    a tile takes as many segments as ``_TILE_ELEMENTS`` holds at its first segment's context
-    in whole blocks (``per_key`` elements a key and segment), at least one."""
-    first, n = 0, len(seg_ctx)
+def _tiles(seg_blocks: list[int], per_key: int, block_size: int, max_blocks: int) -> Iterator[tuple[int, int, int]]:
+    """``(first, stop, blocks)`` of each tile over segments sorted by the blocks they read
+    (their span), longest first: a tile takes as many segments as ``_TILE_ELEMENTS`` holds at
+    its first segment's span (``per_key`` elements a key and segment), at least one."""
+    first, n = 0, len(seg_blocks)
     while first < n:
-        blocks = min(-(-seg_ctx[first] // block_size), max_blocks)
+        blocks = min(seg_blocks[first], max_blocks)
         stop = min(n, first + max(1, _TILE_ELEMENTS // (blocks * block_size * per_key)))
         yield first, stop, blocks
         first = stop
 
 
 def kernel_work(row_req, row_context_lens, *, num_heads: int, entry_dim: int, block_size: int,
-                max_blocks: int | None = None) -> np.ndarray:
-    """float64 ``[2, 5]``: what ``paged_attention`` does with these rows, counted without
-    running it (numpy, no loop per row): for its rows alone (``g = 1``, row 0) and its long
-    runs' segments (``g = _SEGMENT_ROWS``, row 1): ``WORK_FIELDS``, the rows, the pairs they
-    score (their contexts' sum), the tiles, the entries the tiles gather (each segment at its
-    tile's padded context) and the pairs they score (``g`` times that: pads included).
+                max_blocks: int | None = None, starts=None) -> np.ndarray:
+    """float64 ``[2, 5]``: what ``paged_attention`` does with these rows (from ``starts``, a
+    windowed layer's first keys; None: 0), counted without running it (numpy, no loop per
+    row): for its rows alone (``g = 1``, row 0) and its long runs' segments (``g =
+    _SEGMENT_ROWS``, row 1): ``WORK_FIELDS``, the rows with a key, the pairs they score (their
+    keys from start to context), the tiles, the entries the tiles gather (each segment at its
+    tile's padded span) and the pairs they score (``g`` times that: pads included).
     ``max_blocks``: the block table's width (no cap when None)."""
     req = np.asarray(row_req, dtype=np.int64)
     ctx = np.asarray(row_context_lens, dtype=np.int64)
+    first = np.zeros_like(ctx) if starts is None else np.asarray(starts, dtype=np.int64)
     out = np.zeros((2, len(WORK_FIELDS)))
     n = req.shape[0]
     if n == 0:
@@ -205,31 +210,31 @@ def kernel_work(row_req, row_context_lens, *, num_heads: int, entry_dim: int, bl
     run_id = np.cumsum(is_start) - 1
     run_start = np.flatnonzero(is_start)
     run_len = np.diff(run_start, append=n)
-    has = ctx > 0
+    has = ctx > first
     long = (run_len[run_id] >= g) & has
     rows = np.flatnonzero(long)
-    seg_ctx = np.zeros(0, dtype=np.int64)
+    seg_ctx = seg_first = np.zeros(0, dtype=np.int64)
     if rows.size:  # a segment per (run, block of g positions): contiguous in row order
         key = run_id[rows] * (n // g + 1) + (rows - run_start[run_id[rows]]) // g
-        first = np.flatnonzero(np.diff(key, prepend=-1))
-        seg_ctx = np.maximum.reduceat(ctx[rows], first)
-    for i, (size, alone, segs) in enumerate(((1, has & ~long, None), (g, long, seg_ctx))):
-        segs = ctx[alone] if segs is None else segs
-        if not segs.size:
+        at = np.flatnonzero(np.diff(key, prepend=-1))
+        seg_ctx, seg_first = np.maximum.reduceat(ctx[rows], at), np.minimum.reduceat(first[rows], at)
+    for i, (size, alone, c, f) in enumerate(((1, has & ~long, ctx[has & ~long], first[has & ~long]),
+                                             (g, long, seg_ctx, seg_first))):
+        if not c.size:
             continue
         per_key = size * num_heads * 2 + entry_dim
-        c = np.sort(segs)[::-1]
         blocks = -(-c // block_size)
         if max_blocks is not None:
             blocks = np.minimum(blocks, max_blocks)
-        # NOTE: a segment whose padded context fills more than half the tile budget is a tile
-        # of its own (longest first: a prefix); the rest go through the kernel's own loop.
-        k = int(np.count_nonzero(2 * blocks * block_size * per_key > _TILE_ELEMENTS))
-        tiles, gathered = k, int(blocks[:k].sum()) * block_size
-        for a, b, nb in _tiles(c[k:].tolist(), per_key, block_size, max_blocks or int(blocks.max())):
+        span = np.sort(np.maximum(blocks - f // block_size, 1))[::-1]
+        # NOTE: a segment whose padded span fills more than half the tile budget is a tile of
+        # its own (longest first: a prefix); the rest go through the kernel's own loop.
+        k = int(np.count_nonzero(2 * span * block_size * per_key > _TILE_ELEMENTS))
+        tiles, gathered = k, int(span[:k].sum()) * block_size
+        for a, b, nb in _tiles(span[k:].tolist(), per_key, block_size, max_blocks or int(span.max())):
             tiles += 1
             gathered += (b - a) * nb * block_size
-        out[i] = alone.sum(), ctx[alone].sum(), tiles, gathered, size * gathered
+        out[i] = alone.sum(), (ctx - first)[alone].sum(), tiles, gathered, size * gathered
     return out
 
 
@@ -247,41 +252,54 @@ def _attend_segments(
     """Attend every segment (``seg_rows [S, g]``, ``-1`` pads; a segment's rows share one
     request, whose block table is ``seg_block_tables[s]``; ``row_ctx [S, g]`` is each row's
     context, 0 on pads; ``row_start [S, g]`` its first key, None: 0) over ``blocked_cache
-    [num_blocks, block_size, entry_dim]`` and write the rows' results into ``out`` / ``lse``."""
+    [num_blocks, block_size, entry_dim]`` and write the rows' results into ``out`` / ``lse``.
+    A segment reads its span: the blocks from its smallest start's to its longest context."""
     num_kv_heads, num_heads = spec.num_kv_heads, spec.num_heads
     group = num_heads // num_kv_heads
     num_blocks, block_size, _ = blocked_cache.shape
+    max_blocks = seg_block_tables.shape[1]
     g = seg_rows.shape[1]
     valid_row = seg_rows >= 0
     safe_rows = seg_rows.clamp(min=0)
-    seg_ctx, order = torch.sort(row_ctx.amax(1), descending=True)
-    # Sorted by context, each tile is padded to its first segment's context (in blocks).
+    seg_ctx = row_ctx.amax(1)
+    ctx_blocks = torch.clamp((seg_ctx + block_size - 1) // block_size, max=max_blocks)
+    if row_start is None:
+        seg_first = first_block = torch.zeros_like(seg_ctx)
+    else:
+        seg_first = torch.where(valid_row, row_start, seg_ctx[:, None]).amin(1)
+        first_block = seg_first // block_size
+    spans = (ctx_blocks - first_block).clamp(min=1)
+    # Sorted by span (then context: the order by context alone when every start is 0), each
+    # tile is padded to its first segment's span (in blocks).
+    _, order = torch.sort(spans * (int(seg_ctx.max()) + 1) + seg_ctx, descending=True)
+    seg_blocks = spans[order]
     per_key = g * num_heads * 2 + spec.entry_dim  # scores + probs + gathered entry
-    for first, stop, ctx_blocks in _tiles(seg_ctx.tolist(), per_key, block_size, seg_block_tables.shape[1]):
-        ctx = ctx_blocks * block_size
+    for first, stop, span in _tiles(seg_blocks.tolist(), per_key, block_size, max_blocks):
+        width = span * block_size
         idx = order[first:stop]
         t = idx.numel()
 
-        # NOTE: whole blocks are gathered (contiguous copies), slots past a row's context
-        # are masked; unused block-table entries (e.g. -1) are clamped, never read.
-        blocks = seg_block_tables[idx, :ctx_blocks].clamp(0, num_blocks - 1)
-        entries = blocked_cache[blocks].view(t, ctx, spec.entry_dim).to(q.dtype)
-        j = torch.arange(ctx, device=q.device)
-        # NOTE: slots past a segment's context were never written for it (they may hold
-        # NaN, another request's stale KV, anything): zero them, since a masked score
-        # still multiplies its value (0 * NaN = NaN).
-        written = j < row_ctx[idx].amax(1)[:, None]
+        # NOTE: whole blocks are gathered (contiguous copies), keys outside a row's window are
+        # masked; unused block-table entries (e.g. -1) are clamped, never read.
+        cols = torch.clamp(first_block[idx, None] + torch.arange(span, device=q.device), max=max_blocks - 1)
+        blocks = seg_block_tables[idx].gather(1, cols).clamp(0, num_blocks - 1)
+        entries = blocked_cache[blocks].view(t, width, spec.entry_dim).to(q.dtype)
+        j = first_block[idx, None] * block_size + torch.arange(width, device=q.device)  # [t, width]: key index
+        # NOTE: slots past a segment's context, or before the first key any of its rows reads,
+        # were never written for it or may be stale (NaN, another request's KV, anything):
+        # zero them, since a masked score still multiplies its value (0 * NaN = NaN).
+        written = (j < seg_ctx[idx, None]) & (j >= seg_first[idx, None])
         entries = torch.where(written[:, :, None], entries, entries.new_zeros(()))
-        keys = spec.keys(entries).permute(0, 2, 3, 1)  # [t, kvh, qk_dim, ctx]
-        values = spec.values(entries).permute(0, 2, 1, 3)  # [t, kvh, ctx, v_dim]
+        keys = spec.keys(entries).permute(0, 2, 3, 1)  # [t, kvh, qk_dim, width]
+        values = spec.values(entries).permute(0, 2, 1, 3)  # [t, kvh, width, v_dim]
 
         qt = q[safe_rows[idx]].view(t, g, num_kv_heads, group, spec.qk_dim)
         qt = qt.permute(0, 2, 1, 3, 4).reshape(t, num_kv_heads, g * group, spec.qk_dim)
-        scores = softcapped(torch.matmul(qt, keys) * spec.scale, spec.softcap)  # [t, kvh, g*group, ctx]
-        mask = j < row_ctx[idx][:, :, None]  # [t, g, ctx]
-        if row_start is not None:  # NOTE: a sliding window: keys before a row's start are masked too
-            mask &= j >= row_start[idx][:, :, None]
-        mask = mask[:, None, :, None, :].expand(t, 1, g, group, ctx).reshape(t, 1, g * group, ctx)
+        scores = softcapped(torch.matmul(qt, keys) * spec.scale, spec.softcap)  # [t, kvh, g*group, width]
+        mask = j[:, None, :] < row_ctx[idx][:, :, None]  # [t, g, width]
+        if row_start is not None:  # NOTE: a window: keys before a row's start are masked too
+            mask &= j[:, None, :] >= row_start[idx][:, :, None]
+        mask = mask[:, None, :, None, :].expand(t, 1, g, group, width).reshape(t, 1, g * group, width)
         scores = scores.masked_fill(~mask, float("-inf"))
 
         m = scores.amax(-1, keepdim=True)

@@ -13,8 +13,11 @@ what the profile measured it to.
 - **GEMMs** by ``(m, n, k)`` at the run's dtype (``F.linear``, as pcpflow's layers run).
 - **Attention** by the work of each call as the backend cuts it (``call_work``): pcpflow's
   reference kernel attends a request's run of 32 rows or more in segments of 32 that share one
-  key gather, every other row alone, in tiles of segments padded to the tile's longest context
-  in whole blocks (``pcpflow.attention.paged.kernel_work`` counts them as the kernel runs them);
+  key gather, every other row alone, each reading its span (whole blocks from the first its
+  rows need, a windowed layer's rows from their window's start, to its longest context), in
+  tiles of segments padded to the tile's longest span (``pcpflow.attention.paged.kernel_work``
+  counts them as the kernel runs them; a model's windowed layers are priced by their own calls,
+  its full layers by theirs);
   a call costs a fixed part per tile, per entry element its tiles gather (the cache entry,
   ``E``), per pair they score a score per head (``H``) and the products (``F = heads x (qk +
   v)``): ``[tiles, E gathered, H scored, F scored] . u``. The tables hold several head shapes
@@ -100,16 +103,21 @@ def request_rows(requests: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarra
 
 
 def call_work(backend: str, req: np.ndarray, ctx: np.ndarray, decode: np.ndarray | None, *, heads: float,
-              entry: float, block_size: int) -> np.ndarray:
+              entry: float, block_size: int, starts: np.ndarray | None = None) -> np.ndarray:
     """``[2, 5]`` (``pcpflow.attention.paged.WORK_FIELDS``): one call's work for its rows
-    (request ``req``, context ``ctx``; rows without context add nothing), row 0 priced on the
-    decode table, row 1 on the prefill table. The reference kernel: its rows alone and its long
-    runs' segments, each in its tiles (``kernel_work``: what it gathers and scores, pads
-    included). A fused kernel: its decode rows (``decode``, bool) and the rest, one call."""
+    (request ``req``, context ``ctx``, first key ``starts`` on a windowed layer, None: 0; rows
+    without a key add nothing), row 0 priced on the decode table, row 1 on the prefill table.
+    The reference kernel: its rows alone and its long runs' segments, each in its tiles
+    (``kernel_work``: what it gathers and scores from each segment's first needed block, pads
+    included). A fused kernel: its decode rows (``decode``, bool) and the rest, one call; it
+    gathers and scores every key up to each row's context, windowed or not
+    (``pcpflow.attention.fused`` masks the keys before a row's start), so ``starts`` changes
+    nothing there."""
     if backend == "reference":
         from pcpflow.attention.paged import kernel_work
 
-        return kernel_work(req, ctx, num_heads=int(round(heads)), entry_dim=int(round(entry)), block_size=block_size)
+        return kernel_work(req, ctx, num_heads=int(round(heads)), entry_dim=int(round(entry)), block_size=block_size,
+                           starts=starts)
     out = np.zeros((2, 5))
     decode = np.zeros(len(ctx), dtype=bool) if decode is None else decode
     for i, rows in enumerate((decode & (ctx > 0), ~decode & (ctx > 0))):

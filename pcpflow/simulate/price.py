@@ -63,7 +63,7 @@ from pcpflow.layouts.accounting import (
     step_traffic,
 )
 from pcpflow.layouts.ring import RingPlan, plan_ring
-from pcpflow.layouts.slots import dcp_shard_lens
+from pcpflow.layouts.slots import Window, dcp_shard_lens
 from pcpflow.parallel.grid import RankGrid
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import (
@@ -519,13 +519,12 @@ class Pricer:
         picks: dict[str, str] = {}
         if counts.ring_plan is not None:
             att = self._ring(batch, layout, counts, terms, picks)
-        elif self.measured:
-            att = self._measured_attention(batch, layout, counts)
         else:
+            attend = self._measured_attention if self.measured else self._engine_attention
             kinds = self._layer_kinds(counts)
-            att = self._engine_attention(batch, layout, counts, *kinds[0])
+            att = attend(batch, layout, counts, *kinds[0])
             for more in kinds[1:]:
-                att = att.plus(self._engine_attention(batch, layout, counts, *more))
+                att = att.plus(attend(batch, layout, counts, *more))
         # NOTE: from here every [P] figure is a list of floats: P is a few ranks, and numpy's
         # elementwise float64 operations are Python's, value for value (the same operations in
         # the same order), without a numpy call each.
@@ -705,7 +704,7 @@ class Pricer:
         the next rank, its receive from the one before: point to point, both purposes in one
         batch), the longer of the two; after the loop the rows every rank holds, then pass-Q's
         all-to-all, exposed. Each kind of layer (``_layer_kinds``) runs its loops beside the
-        same hops (a measured profile's sliding call is a full one's: one kind)."""
+        same hops."""
         grid, s, place, plan = self.grid, self.sizes, self.place, counts.ring_plan
         P, L = grid.pcp, s.num_layers
 
@@ -717,7 +716,7 @@ class Pricer:
         sizes, at = np.unique(kv_b + q_b, return_inverse=True)  # NOTE: most hops carry the same bytes
         send = np.array([place.seconds("sendrecv", "dcp", float(b))[0] for b in sizes])[at].reshape(kv_b.shape)
         send = np.where(kv_b + q_b > 0, send, 0.0)  # NOTE: an empty package is no call
-        kinds = ((None, None),) if self.measured else self._layer_kinds(counts)
+        kinds = self._layer_kinds(counts)
         att = self._ring_layers(batch, layout, plan, kv_b, q_b, send, terms, picks, *kinds[0])
         for more in kinds[1:]:
             att = att.plus(self._ring_layers(batch, layout, plan, kv_b, q_b, send, terms, picks, *more))
@@ -745,7 +744,7 @@ class Pricer:
         pairs, peak = rb.loop.per_bin(P * P, self._group())
         a_pairs, a_peak = rb.after.per_bin(P, self._group())
         if self.measured:
-            loop, after = self._measured_ring_attention(plan)
+            loop, after = self._measured_ring_attention(plan, layers, window)
             loop_dec, after_dec = np.zeros((P, P)), np.zeros(P)
             loop_bound, after_bound = np.zeros((P, P), dtype=bool), np.zeros(P, dtype=bool)
         else:
@@ -785,82 +784,99 @@ class Pricer:
         heads = s.num_heads / grid.tp
         return head_features(s.entry_dim_per_rank(grid.tp), heads, heads * (s.decode_qk_dim + s.decode_v_dim))
 
-    def _measured_ring_attention(self, plan: RingPlan) -> tuple[np.ndarray, np.ndarray]:
-        """A ring's calls (``measured_ring_calls``) from a profile's tables, every layer:
-        seconds ``[P, P]`` per rank and iteration, ``[P]`` after the loop. A call whose rows
-        read no key costs the smallest call the profile timed (``attention_fixed``)."""
+    def _measured_ring_attention(self, plan: RingPlan, layers: int | None = None,
+                                 window: Window | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A ring's calls (``measured_ring_calls``) from a profile's tables, on every layer (or
+        on ``layers`` of them, through ``window``): seconds ``[P, P]`` per rank and iteration,
+        ``[P]`` after the loop. A call whose rows read no key costs the smallest call the
+        profile timed (``attention_fixed``)."""
         s, k, P = self.sizes, self.kern, self.grid.pcp
         w, kind = self._measured_features(), s.attention
         fixed = k.attention_fixed(w, kind)
         seconds = np.zeros((P, P + 1))
-        for (r, h), calls in self.measured_ring_calls(plan).items():
-            for req, lens, block_size in calls:
-                t = k.call(call_work(k.backend, req, lens, None, heads=w[2], entry=w[1], block_size=block_size), w, kind)
+        for (r, h), calls in self.measured_ring_calls(plan, window).items():
+            for req, lens, block_size, starts in calls:
+                work = call_work(k.backend, req, lens, None, heads=w[2], entry=w[1], block_size=block_size,
+                                 starts=starts)
+                t = k.call(work, w, kind)
                 seconds[r, h] += t if t > 0 else fixed
-        L = s.num_layers
+        L = s.num_layers if layers is None else layers
         return L * seconds[:, :P], L * seconds[:, P]
 
-    def measured_ring_calls(self, plan: RingPlan) -> dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int]]]:
+    def measured_ring_calls(self, plan: RingPlan, window: Window | None = None
+                            ) -> dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int, np.ndarray | None]]]:
         """Each call of pcpflow's backend one layer of a ring makes (``pcpflow.attention.ring``),
         its rows' requests and keys from the executed ring's own plan (``rank_ring``) and its
-        block size, by (rank, iteration; ``P``: after the loop): every iteration one call of the
-        rank's staying rows over the block it holds (blocks of one entry), two of the visiting
-        queries (over its cached shard, over its travelling rows' new KV); after the loop one
-        call of the rows every rank holds over its shard."""
+        block size, and on a windowed layer (``window``) the rows' first keys (None: 0), by
+        (rank, iteration; ``P``: after the loop): every iteration one call of the rank's staying
+        rows over the block it holds (blocks of one entry), two of the visiting queries (over its
+        cached shard, over its travelling rows' new KV); after the loop one call of the rows
+        every rank holds over its shard."""
         from pcpflow.layouts.ring import rank_ring
 
         P, bs = self.grid.pcp, self.block_size
         # NOTE: the block tables only place slots, which no price reads: zeros wide enough
         tables = np.zeros((plan.block_cached.shape[1], int(plan.pos.max(initial=0)) // bs + 2), dtype=np.int64)
-        out: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int]]] = {}
+        out: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int, np.ndarray | None]]] = {}
         for r in range(P):
-            ring = rank_ring(plan, r, tables, bs)
+            ring = rank_ring(plan, r, tables, bs, window)
             for h, hop in enumerate(ring.hops):
                 calls = out.setdefault((r, h), [])
                 if ring.stay_rows.size:
-                    calls.append((ring.stay_req, hop.stay_lens, 1))
+                    calls.append((ring.stay_req, hop.stay_lens, 1, hop.stay_starts))
                 if hop.visit_req.size:
-                    calls += [(hop.visit_req, hop.visit_cache_lens, bs), (hop.visit_req, hop.visit_local_lens, 1)]
+                    calls += [(hop.visit_req, hop.visit_cache_lens, bs, hop.visit_cache_starts),
+                              (hop.visit_req, hop.visit_local_lens, 1, hop.visit_local_starts)]
             if ring.replicated_rows.size:
-                out[r, P] = [(ring.replicated_req, ring.replicated_cache_lens, bs)]
+                out[r, P] = [(ring.replicated_req, ring.replicated_cache_lens, bs, ring.replicated_cache_starts)]
         return out
 
-    def _measured_attention(self, batch, layout, counts: StepCounts) -> Attention:
+    def _measured_attention(self, batch, layout, counts: StepCounts, layers: int | None = None,
+                            window: Window | None = None) -> Attention:
         """The all-gather paths from a profile's tables: each call a layer makes
         (``measured_calls``), at the executed head shape (MLA absorbed for every row), by the
         work of its rows as the backend cuts them (``call_work``: the reference kernel's
-        segments and tiles); its decode rows' share priced as a call of them alone. A PCP rank
-        waits for its slowest TP rank (DCP over TP ranks: each over its own shard)."""
+        segments and tiles, from each row's start on a windowed layer); its decode rows' share
+        priced as a call of them alone; on every layer, or on ``layers`` of them
+        (``_layer_kinds``: windowed ones through ``window``). A PCP rank waits for its slowest
+        TP rank (DCP over TP ranks: each over its own shard)."""
         s, k = self.sizes, self.kern
         w = self._measured_features()
         work = partial(call_work, k.backend, heads=w[2], entry=w[1], block_size=self.block_size)
 
-        def priced(rq, cx, dec) -> np.ndarray:
-            whole = k.call(work(rq, cx, dec), w, s.attention)
-            if not dec.any() or dec[cx > 0].all():  # NOTE: no decode row, or every row with keys one
+        def priced(rq, cx, dec, st) -> np.ndarray:
+            whole = k.call(work(rq, cx, dec, starts=st), w, s.attention)
+            has = cx > (0 if st is None else st)
+            if not dec.any() or dec[has].all():  # NOTE: no decode row, or every row with keys one
                 return np.array([0.0, whole] if dec.any() else [whole, 0.0])
-            alone = min(k.call(work(rq[dec], cx[dec], dec[dec]), w, s.attention), whole)
+            alone = min(k.call(work(rq[dec], cx[dec], dec[dec], starts=None if st is None else st[dec]), w,
+                               s.attention), whole)
             return np.array([whole - alone, alone])
 
-        per_rank = self.measured_calls(batch, layout, counts)
+        per_rank = self.measured_calls(batch, layout, counts, window)
         seconds = np.array([max((sum((priced(*c) for c in calls), np.zeros(2)) for calls in per_tp),
                                 key=lambda x: x.sum()) for per_tp in per_rank])
-        fpp, dpp, entry = self._per_pair()
-        decode_pairs = counts.decode_work.astype(np.float64)
-        prefill_pairs = counts.work.astype(np.float64) - decode_pairs
-        L = s.num_layers
+        fpp, dpp, entry = self._per_pair(layers)
+        work_pairs, decode_work = ((counts.work, counts.decode_work) if window is None
+                                   else (counts.window_work, counts.window_decode_work))
+        decode_pairs = decode_work.astype(np.float64)
+        prefill_pairs = work_pairs.astype(np.float64) - decode_pairs
+        L = s.num_layers if layers is None else layers
         t_pre, t_dec = L * seconds[:, 0], L * seconds[:, 1]
         return Attention(t_pre, t_dec, t_pre + t_dec, fpp * prefill_pairs + dpp * decode_pairs, entry * decode_pairs,
                          np.zeros(len(per_rank)))
 
-    def measured_calls(self, batch, layout, counts: StepCounts) -> list[list[list[tuple]]]:
+    def measured_calls(self, batch, layout, counts: StepCounts, window: Window | None = None
+                       ) -> list[list[list[tuple]]]:
         """``[P][dcp_tp]``: the calls of pcpflow's backend one layer makes on each PCP rank's TP
         ranks of its DCP group (one when DCP is inside PCP) on the all-gather paths, as
-        ``pcpflow.attention.context_parallel`` makes them, each ``(req, ctx, decode)``: its rows'
-        requests and keys (the executed metadata's ``gathered_rows``) and which decode. With DCP
-        the decode rows' call and the rest rows' apart, each row over the rank's shard of its
-        keys (DCP rank ``r dcp_tp + j``); over TP ranks (step 3) every TP rank attends the decode
-        rows of each of its heads' blocks and every PCP rank's rest rows once for each TP rank."""
+        ``pcpflow.attention.context_parallel`` makes them, each ``(req, ctx, decode, starts)``:
+        its rows' requests and keys (the executed metadata's ``gathered_rows``), which decode,
+        and on a windowed layer (``window``) each row's first key in the same index space (the
+        metadata's row starts; None: 0). With DCP the decode rows' call and the rest rows'
+        apart, each row over the rank's shard of its keys (DCP rank ``r dcp_tp + j``); over TP
+        ranks (step 3) every TP rank attends the decode rows of each of its heads' blocks and
+        every PCP rank's rest rows once for each TP rank."""
         from pcpflow.attention.metadata import gathered_rows
 
         grid = self.grid
@@ -868,20 +884,26 @@ class Pricer:
         positions = np.asarray(batch.positions, dtype=np.int64)
         req, ctx = (a.reshape(P, n) for a in gathered_rows(layout, batch.req_indices, positions + 1))
         decode = ~np.asarray(batch.is_prefilling, dtype=bool)[req] & (ctx > 0)
+        first = None
+        if window is not None:
+            first = gathered_rows(layout, batch.req_indices, window.starts(positions))[1].reshape(P, n)
 
         if grid.dcp == 1:
-            return [[[(req[r], ctx[r], decode[r])]] for r in range(P)]
+            return [[[_cut(lambda a: a[r], req, ctx, decode, first)]] for r in range(P)]
         shards = dcp_shard_lens(ctx, grid.dcp, self.interleave).reshape(grid.dcp, P, n)  # every DCP rank's
+        # NOTE: the shard's keys before a row's start: positions only grow along a shard
+        starts = (None if first is None
+                  else dcp_shard_lens(first, grid.dcp, self.interleave).reshape(grid.dcp, P, n))
 
         def calls(r: int, j: int) -> list[tuple]:
-            shard = shards[r * t + j]
+            rows = (req, shards[r * t + j], decode, None if starts is None else starts[r * t + j])
             if t > 1:  # NOTE: each block of rows once per TP rank of the group, consecutive
-                return [tuple(np.tile(a[r, :nd], t) for a in (req, shard, decode)),
-                        tuple(np.repeat(a[:, nd:], t, axis=0).ravel() for a in (req, shard, decode))]
-            out = [(req[r, :nd], shard[r, :nd], decode[r, :nd])]
+                return [_cut(lambda a: np.tile(a[r, :nd], t), *rows),
+                        _cut(lambda a: np.repeat(a[:, nd:], t, axis=0).ravel(), *rows)]
+            out = [_cut(lambda a: a[r, :nd], *rows)]
             if counts.dcp_rest == "context":  # its own rows over their gathered whole context
-                return out + [(req[r, nd:], ctx[r, nd:], decode[r, nd:])]
-            return out + [(req[:, nd:].ravel(), shard[:, nd:].ravel(), decode[:, nd:].ravel())]
+                return out + [_cut(lambda a: a[r, nd:], req, ctx, decode, first)]
+            return out + [_cut(lambda a: a[:, nd:].ravel(), *rows)]
 
         return [[calls(r, j) for j in range(t)] for r in range(P)]
 
@@ -961,6 +983,11 @@ def ring_loop(attention: np.ndarray, send: np.ndarray, *, overlap: bool = True) 
         hop[:, h] = np.maximum(np.maximum(done, start), np.roll(done, 1)) - start  # and what r - 1 sends it
         start = start + (np.maximum(attention[:, h], hop[:, h]) if overlap else attention[:, h] + hop[:, h])
     return hop
+
+
+def _cut(rows, *arrays: np.ndarray | None) -> tuple:
+    """A call's ``(req, ctx, decode, starts)``: ``rows`` of each of ``arrays`` (None stays None)."""
+    return tuple(None if a is None else rows(a) for a in arrays)
 
 
 def _add(terms: dict, name: str, exposed: np.ndarray | float, hidden: np.ndarray | float) -> None:

@@ -129,17 +129,27 @@ def test_paged_attention_matches_naive(spec_name, block_size, tile_elements, mon
     assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
 
 
+def window_first_keys(ctx, window: int, kind: str):
+    """Each row's first key by hand: the last ``window`` keys (sliding), or the keys of the
+    row's own chunk of ``window`` positions (chunked: a row at ``ctx - 1`` starts at the
+    chunk's first position); 0 for rows without context."""
+    ctx = np.asarray(ctx)
+    first = np.maximum(ctx - window, 0) if kind == "sliding" else (np.maximum(ctx - 1, 0) // window) * window
+    return torch.from_numpy(np.where(ctx > 0, first, 0))
+
+
 @pytest.mark.parametrize("spec_name", ["gqa", "mla"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [1, 7, 40])
-def test_a_sliding_window_attends_from_each_rows_start(spec_name, block_size, window):
-    """Each row reads keys ``starts .. ctx - 1``: a window's (``ctx - window``, at least 0),
-    and rows whose start reaches their context (a DCP shard without a key in the window)
-    give 0 and -inf."""
+@pytest.mark.parametrize("kind", ["sliding", "chunked"])
+def test_a_window_attends_from_each_rows_start(spec_name, block_size, window, kind):
+    """Each row reads keys ``starts .. ctx - 1``: a sliding window's (``ctx - window``, at
+    least 0) or its chunk's, and rows whose start reaches their context (a DCP shard without a
+    key in the window) give 0 and -inf."""
     spec = SPECS[spec_name]
-    rng = np.random.default_rng([block_size, window])
+    rng = np.random.default_rng([block_size, window, len(kind)])
     q, cache, bt, req, ctx = random_case(rng, spec, block_size)
-    starts = torch.clamp(ctx - window, min=0)
+    starts = window_first_keys(ctx, window, kind)
     starts[::9] = ctx[::9]  # no key left from the start on
     out, lse = paged_attention(q, cache, spec, bt, req, ctx, block_size, starts)
     ref_out, ref_lse = naive_attention(q, cache, spec, bt, req, ctx, block_size, starts)
@@ -151,6 +161,37 @@ def test_a_sliding_window_attends_from_each_rows_start(spec_name, block_size, wi
         full, _ = paged_attention(q, cache, spec, bt, req, ctx, block_size)
         cut = ((starts > 0) & (starts < ctx)).numpy()
         assert cut.any() and not torch.allclose(out[cut], full[cut])
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_keys_before_a_window_never_leak_into_the_output(block_size):
+    """Slots before every row's window (a freed or stale block's, NaN here) are read with the
+    first block a segment needs: the result is attention over the window's keys alone (a
+    prefill run of 40 rows through a window of 9, a decode and short rows of another
+    request), against a dense float64 softmax over exactly those keys."""
+    spec = SPECS["gqa"]
+    rng = np.random.default_rng(block_size)
+    length, window = 120, 9
+    width = -(-length // block_size)
+    bt = torch.from_numpy(rng.permutation(2 * width).reshape(2, width))
+    cache = torch.from_numpy(rng.standard_normal((2 * width * block_size, spec.entry_dim)))
+    req = torch.tensor([0] * 40 + [1] * 3)
+    ctx = torch.tensor(list(range(61, 101)) + [120, 50, 51])
+    starts = torch.clamp(ctx - window, min=0)
+    for r, first in ((0, 61 - window), (1, 50 - window)):  # every slot before the window: NaN
+        slots = bt[r, torch.arange(first) // block_size] * block_size + torch.arange(first) % block_size
+        cache[slots] = float("nan")
+    q = torch.from_numpy(rng.standard_normal((len(req), spec.num_heads, spec.qk_dim)))
+    out, lse = paged_attention(q, cache, spec, bt, req, ctx, block_size, starts)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    for n in range(len(req)):
+        keys = torch.arange(int(starts[n]), int(ctx[n]))
+        entries = cache[bt[req[n], keys // block_size] * block_size + keys % block_size]
+        k = spec.keys(entries).repeat_interleave(2, dim=1)  # [K, H, D]
+        v = spec.values(entries).repeat_interleave(2, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[n], k) * spec.scale
+        torch.testing.assert_close(out[n], torch.einsum("hk,khd->hd", scores.softmax(-1), v), rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse[n], torch.logsumexp(scores, -1), rtol=0, atol=1e-12)
 
 
 def test_paged_attention_float32():
@@ -371,19 +412,21 @@ def test_kernel_work_counts_the_tiles_the_kernel_runs(spec_name, monkeypatch):
     """``kernel_work`` (numpy, no tensors: what a measured profile prices a call by) against the
     tiles ``paged_attention`` itself runs, recorded as they go: random rows of a few requests
     (runs shorter and longer than a segment, rows without context, block sizes 1-16, contexts
-    short and long enough for tiles of one segment), per group the tiles, the entries they
-    gather and the pairs they score."""
+    short and long enough for tiles of one segment), with no window, a sliding one and a
+    chunked one (some rows without a key from their start on), per group the tiles, the
+    entries they gather and the pairs they score; the rows with a key and their pairs (the
+    keys from start to context) by brute force."""
     spec = SPECS[spec_name]
     seen = []
     tiles = attention._tiles
 
-    def spy(seg_ctx, per_key, block_size, max_blocks):
-        for first, stop, blocks in tiles(seg_ctx, per_key, block_size, max_blocks):
+    def spy(seg_blocks, per_key, block_size, max_blocks):
+        for first, stop, blocks in tiles(seg_blocks, per_key, block_size, max_blocks):
             seen.append((per_key, stop - first, blocks * block_size))
             yield first, stop, blocks
 
     rng = np.random.default_rng(7)
-    for trial in range(60):
+    for trial in range(90):
         block_size = int(rng.choice([1, 4, 16]))
         lens = rng.integers(1, 16_000 if trial % 3 == 0 else 300, size=int(rng.integers(1, 5)))
         req, ctx = [], []
@@ -392,20 +435,50 @@ def test_kernel_work_counts_the_tiles_the_kernel_runs(spec_name, monkeypatch):
             first = int(rng.integers(-3, lens[r]))  # below 0: rows without context
             req += [r] * q
             ctx += np.clip(np.arange(first, first + q), 0, lens[r]).tolist()
+        starts = None
+        if trial % 3:
+            starts = window_first_keys(ctx, int(rng.integers(1, 3000)), ("sliding", "chunked")[trial % 2 - 1])
+            starts[:: int(rng.integers(5, 40))] += int(rng.integers(0, 50))  # some past their context
         width = int(-(-lens.max() // block_size))
         tables = torch.arange(lens.size * width).view(lens.size, width)
         cache = torch.zeros(lens.size * width * block_size, spec.entry_dim)
         q = torch.zeros(len(req), spec.num_heads, spec.qk_dim)
         seen.clear()
         monkeypatch.setattr(attention, "_tiles", spy)
-        paged_attention(q, cache, spec, tables, torch.tensor(req), torch.tensor(ctx), block_size)
+        paged_attention(q, cache, spec, tables, torch.tensor(req), torch.tensor(ctx), block_size, starts)
         monkeypatch.setattr(attention, "_tiles", tiles)
         ran = np.zeros((2, 3))
         for per_key, t, padded in seen:
             g = (per_key - spec.entry_dim) // (2 * spec.num_heads)
             ran[int(g > 1)] += (1, t * padded, t * g * padded)
         work = attention.kernel_work(req, ctx, num_heads=spec.num_heads, entry_dim=spec.entry_dim,
-                                     block_size=block_size, max_blocks=width)
+                                     block_size=block_size, max_blocks=width,
+                                     starts=None if starts is None else starts.numpy())
         assert work[:, 2:].tolist() == ran.tolist(), trial
-        c = np.array(ctx)
-        assert work[:, 0].sum() == np.count_nonzero(c) and work[:, 1].sum() == c.sum()
+        keys = np.maximum(np.array(ctx) - (0 if starts is None else starts.numpy()), 0)
+        assert work[:, 0].sum() == np.count_nonzero(keys) and work[:, 1].sum() == keys.sum(), trial
+
+
+def test_a_windowed_row_gathers_its_window_not_its_context():
+    """Hand-worked (gqa: entry 32, 4 heads): a decode at 16,384 keys through a sliding window
+    of 512 reads the blocks of keys 15,872-16,383: 32 blocks of 16 (15,872 = 992 x 16), 512
+    entries; through a chunk of 2,048 it reads its chunk (16,384 - 1 = 16,383 is in chunk 7,
+    from 14,336): 128 blocks. A window starting mid-block reads that whole block too (from
+    16,383 - 500 = 15,883: blocks 992-1023). A prefill run of 64 rows at 16,321-16,384 through
+    512: two segments of 32 from 15,809 and 15,841 (blocks 988 and 990) to 16,352 and 16,384
+    (blocks 1022 and 1024): 34 blocks each, one tile (2 x 34 x 16 x 288 elements, under
+    2^20): 2 x 34 x 16 entries, 32 times as many pairs."""
+    spec = SPECS["gqa"]
+
+    def work(ctx, starts):
+        return attention.kernel_work([0] * len(ctx), ctx, num_heads=4, entry_dim=32, block_size=16, starts=starts)
+
+    assert work([16384], [15872])[0].tolist() == [1, 512, 1, 512, 512]
+    assert work([16384], [14336])[0].tolist() == [1, 2048, 1, 2048, 2048]
+    assert work([16384], [15883])[0].tolist() == [1, 501, 1, 512, 512]
+    ctx = np.arange(16321, 16385)
+    assert work(ctx, ctx - 512)[1].tolist() == [64, 64 * 512, 1, 2 * 34 * 16, 32 * 2 * 34 * 16]
+    # No window: each segment reads every block up to its context (1,022 and 1,024 blocks: over
+    # half the tile budget at 32 x 4 x 2 + 32 = 288 elements a key, a tile each).
+    assert work(ctx, None)[1].tolist() == [64, 1_046_560, 2, 2046 * 16, 32 * 2046 * 16]
+    assert (spec.entry_dim, spec.num_heads) == (32, 4)

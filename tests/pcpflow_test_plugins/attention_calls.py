@@ -1,7 +1,8 @@
 """Records every call of the reference attention kernel a rank makes (its block size, its rows'
-requests and keys), one line per rank and step, for tests/simulate/test_simulate_calls.py to
-compare with the calls a simulated run prices on a measured profile. Importing this module
-(``plugins=[...]``, before the pipeline is built) hands the forward stage a recording kernel."""
+requests, keys and starts, None without a window), one line per rank and step, for
+tests/simulate/test_simulate_calls.py to compare with the calls a simulated run prices on a
+measured profile. Importing this module (``plugins=[...]``, before the pipeline is built) hands
+the forward stage a recording kernel."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from pcpflow.attention import paged
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
 
-CALLS: list[tuple[int, list[int], list[int]]] = []
+CALLS: list[tuple[int, list[int], list[int], list[int] | None]] = []
 
 
 def _recording(q, cache, spec, block_tables, row_req_indices, row_context_lens, block_size, starts=None):
-    CALLS.append((int(block_size), row_req_indices.tolist(), row_context_lens.tolist()))
+    CALLS.append((int(block_size), row_req_indices.tolist(), row_context_lens.tolist(),
+                  None if starts is None else starts.tolist()))
     return paged.paged_attention(q, cache, spec, block_tables, row_req_indices, row_context_lens, block_size, starts)
 
 

@@ -1,9 +1,11 @@
 """A simulated run on a measured profile prices the attention calls the executed run makes:
-the same calls, each with the same rows' requests and keys and the same block size, every step
-and rank (``Pricer.measured_calls``, ``Pricer.measured_ring_calls`` against the reference kernel's
-calls recorded inside the executed ranks by ``pcpflow_test_plugins.attention_calls``). The price
-of a call is its work as the kernel cuts it (``kernel_work``, checked against the kernel's own
-tiles in tests/attention/test_attention.py), so the two together price what the kernel runs."""
+the same calls, each with the same rows' requests, keys and window starts and the same block
+size, every step, rank and layer (``Pricer.measured_calls``, ``Pricer.measured_ring_calls``,
+each kind of layer by its own calls: a windowed one's rows from their starts, against the
+reference kernel's calls recorded inside the executed ranks by
+``pcpflow_test_plugins.attention_calls``). The price of a call is its work as the kernel cuts
+it (``kernel_work``, checked against the kernel's own tiles in
+tests/attention/test_attention.py), so the two together price what the kernel runs."""
 
 from __future__ import annotations
 
@@ -25,20 +27,25 @@ WORK = ["model=tiny_gqa", "dtype=float32", "workload=explicit", "workload.prompt
         "scheduler.max_num_seqs=4", "kv.num_blocks=64", "output.plots=false", "output.progress=false"]
 # Each all-gather path and both rings, DCP inside PCP and over TP ranks, two interleaves and
 # block sizes: prompts under and over a segment (32 rows), a cached prefix, chunked prefills
-# beside decodes.
+# beside decodes; tiny_gqa's second layer through a sliding or a chunked window in most.
+SLIDING = ["model.window=5", "model.window_layers=[1]"]
+CHUNKED = ["model.window=16", "model.window_kind=chunked", "model.window_layers=[1]"]
 CASES = {
-    "pcp=2": ["pcp=2"],
+    "pcp=2 sliding": ["pcp=2", *SLIDING],
     "dcp=2 queries replicated": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=queries", "decode=replicated"],
-    "dcp=2 context sharded": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=context", "decode=sharded",
-                              "kv.interleave=2", "kv.block_size=8"],
-    "dcp over tp": ["tp=2", "dcp=2", "pcp=1", "model.num_kv_heads=1"],
-    "ring pass-KV": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv"],
-    "ring pass-Q sharded": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_q", "decode=sharded"],
+    "dcp=2 context sharded chunked": ["pcp=2", "dcp=2", "pipeline.forward.dcp_rest=context", "decode=sharded",
+                                      "kv.interleave=2", "kv.block_size=8", *CHUNKED],
+    "dcp over tp sliding": ["tp=2", "dcp=2", "pcp=1", "model.num_kv_heads=1", *SLIDING],
+    "ring pass-KV sliding": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_kv", *SLIDING],
+    "ring pass-Q sharded chunked": ["pcp=2", "dcp=2", "pipeline.forward.cp_attention=ring_pass_q", "decode=sharded",
+                                    *CHUNKED],
 }
 
 
-def _key(block_size: int, req, ctx) -> tuple:
-    return int(block_size), tuple(int(x) for x in req), tuple(int(x) for x in ctx)
+def _key(block_size: int, req, ctx, starts) -> tuple:
+    """A call's block size, rows' requests, keys and starts (None: every row from key 0)."""
+    starts = [0] * len(req) if starts is None else starts
+    return int(block_size), *(tuple(int(x) for x in a) for a in (req, ctx, starts))
 
 
 @pytest.fixture(scope="module")
@@ -58,37 +65,47 @@ def test_a_simulated_run_prices_the_calls_the_executed_run_makes(name, executed,
 
     (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict()))
     cfg = compose([*WORK, *CASES[name], "mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}"])
-    priced: list[dict[tuple[int, int], list[tuple]]] = []  # per step: (PCP rank, TP rank in DCP) -> calls
-    gather, ring = Pricer.measured_calls, Pricer.measured_ring_calls
+    priced: list[dict[tuple[int, int], Counter]] = []  # per step: (PCP rank, TP rank in DCP) -> calls x layers
+    kinds: set = set()  # (layers, window) each step's layers were priced through
+    price, gather, ring = Pricer.price, Pricer._measured_attention, Pricer._measured_ring_attention
 
-    def gathered(self, *a, **k):
-        out = gather(self, *a, **k)
-        priced.append({(r, j): [(self.block_size, c[0], c[1]) for c in calls]
-                       for r, per_tp in enumerate(out) for j, calls in enumerate(per_tp)})
-        return out
+    def step(self, *a, **k):
+        priced.append({})
+        return price(self, *a, **k)
 
-    def ringed(self, plan):
-        out = ring(self, plan)
-        step: dict[tuple[int, int], list[tuple]] = {}
-        for (r, _), calls in out.items():
-            step.setdefault((r, 0), []).extend((bs, req, lens) for req, lens, bs in calls)
-        priced.append(step)
-        return out
+    def add(self, layers, window, calls_of_rank) -> None:
+        kinds.add((layers, window))
+        for rank, calls in calls_of_rank:
+            counter = priced[-1].setdefault(rank, Counter())
+            for bs, req, ctx, starts in calls:
+                if np.any(np.asarray(ctx) > 0):
+                    counter[_key(bs, req, ctx, starts)] += self.sizes.num_layers if layers is None else layers
 
-    monkeypatch.setattr(Pricer, "measured_calls", gathered)
-    monkeypatch.setattr(Pricer, "measured_ring_calls", ringed)
+    def gathered(self, batch, layout, counts, layers=None, window=None):
+        out = self.measured_calls(batch, layout, counts, window)
+        add(self, layers, window, (((r, j), [(self.block_size, *c[:2], c[3]) for c in calls])
+                                   for r, per_tp in enumerate(out) for j, calls in enumerate(per_tp)))
+        return gather(self, batch, layout, counts, layers, window)
+
+    def ringed(self, plan, layers=None, window=None):
+        out = self.measured_ring_calls(plan, window)
+        add(self, layers, window, (((r, 0), [(bs, req, lens, starts) for req, lens, bs, starts in calls])
+                                   for (r, _), calls in out.items()))
+        return ring(self, plan, layers, window)
+
+    monkeypatch.setattr(Pricer, "price", step)
+    monkeypatch.setattr(Pricer, "_measured_attention", gathered)
+    monkeypatch.setattr(Pricer, "_measured_ring_attention", ringed)
     simulate_run(cfg)
     got = executed[name]
     tp, dcp_tp, layers = cfg.tp, cfg.grid.dcp_tp, cfg.model.num_layers
     assert len(priced) == 1 + max(s for s, _ in got) > 3  # every step priced once, prefills and decodes
+    if cfg.model.window is not None:  # the windowed layer priced apart from the full one in some step
+        assert any(w is not None for _, w in kinds), kinds
     compared = 0
-    for (step, rank), calls in sorted(got.items()):
+    for (step_, rank), calls in sorted(got.items()):
         ran = Counter(_key(*c) for c in calls if any(calls_ctx > 0 for calls_ctx in c[2]))
-        r, j = rank // tp, rank % tp % dcp_tp
-        want = Counter()
-        for bs, req, ctx in priced[step][r, j]:
-            if np.any(np.asarray(ctx) > 0):
-                want[_key(bs, req, ctx)] += layers
-        assert ran == want, (name, step, rank)
+        want = priced[step_].get((rank // tp, rank % tp % dcp_tp), Counter())
+        assert ran == want, (name, step_, rank)
         compared += sum(ran.values())
     assert compared >= len(priced) * layers  # at least a call a layer every step

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 import yaml
-from measured_profile import profile_dict
+from measured_profile import C_E, C_F, C_H, TILE_S, profile_dict
 
 from pcpflow.simulate import flash
 from pcpflow.simulate.engine import SimulatedRun
@@ -152,21 +152,37 @@ def test_a_sliding_run_is_cut_where_its_window_starts_to_slide_by_hand():
     assert got == sorted(want)
 
 
-def test_a_measured_profile_prices_a_sliding_layer_as_the_kernel_runs_it(tmp_path):
-    """pcpflow's reference kernel gathers a sliding layer's blocks from key 0 and masks the
-    window: its call is a full one's, so a measured profile prices the run as without a window;
-    only the record's sliding pairs differ."""
+@pytest.mark.parametrize("window", [["model.window=5"], ["model.window=32", "model.window_kind=chunked"]])
+def test_a_measured_profile_prices_a_windowed_layer_by_the_blocks_its_kernel_reads(tmp_path, window):
+    """pcpflow's reference kernel reads a windowed row's blocks from its window's first one on:
+    a measured profile prices tiny_gqa's windowed layer (1 of 2) by those calls, the full layer
+    by its own. One prompt of 40 (pcp=1, blocks of 16; a run of 32 rows or more goes in
+    segments of 32: rows 0-31 and 32-39), then two decodes; the profile's law is
+    ``TILE_S`` a tile, ``E = C_E x 64`` an entry gathered, ``S = C_H x 4 + C_F x 128`` a pair
+    scored (a segment scores 32 rows a key). Full layer: the segments reach 32 and 40 keys (2
+    and 3 blocks), one tile at 3 blocks: 96 entries, 32 x 96 pairs; the decodes at 41 and 42
+    keys read 3 blocks: 48. Windowed layer (sliding through 5: rows 32-39 from keys 28-35, so
+    from block 1; chunks of 32: from key 32, block 2): the first segment from block 0 (2
+    blocks), the second 2 (sliding) or 1 (chunked) blocks, one tile at 2 blocks: 64 entries;
+    each decode from block 2 (sliding: keys 36 and 37 on; chunked: 32 on): 16. Everything else
+    is the run without a window."""
     (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict()))
-    common = ["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}", "dtype=float32", "pcp=2",
-              "model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[40,7]", "workload.output_lens=[3,2]",
+    common = ["mode=simulate", "hardware=measured", f"hardware.path={tmp_path / 'hw.yaml'}", "dtype=float32", "pcp=1",
+              "model=tiny_gqa", "workload=explicit", "workload.prompt_lens=[40]", "workload.output_lens=[3]",
               "scheduler.max_num_batched_tokens=64", "kv.num_blocks=64", "output.plots=false"]
     plain, plain_steps = _run(common)
-    slid, slid_steps = _run(common + ["model.window=5", "model.window_layers=[1]"])
-    window = "per_rank_window_attention_work"
-    for s, p in zip(slid_steps, plain_steps, strict=True):
-        assert _without(s, window) == p
-    assert slid["metrics"][window] != slid["metrics"]["per_rank_attention_work"]
-    json.dumps(slid["metrics"])  # the new field is plain JSON
+    slid, slid_steps = _run(common + window + ["model.window_layers=[1]"])
+    e, s = C_E * 64, C_H * 4 + C_F * 128
+    prefill_full, prefill_window = TILE_S + 96 * e + 32 * 96 * s, TILE_S + 64 * e + 32 * 64 * s
+    decode_full, decode_window = TILE_S + 48 * (e + s), TILE_S + 16 * (e + s)
+    assert [st["num_prefill_tokens"] for st in slid_steps] == [40, 0, 0]
+    want = [prefill_full + prefill_window] + [decode_full + decode_window] * 2
+    for st, p, w in zip(slid_steps, plain_steps, want, strict=True):
+        assert st["purpose_s"]["attention"] == pytest.approx(w, rel=1e-9)
+        assert _without(st["purpose_s"], "attention") == _without(p["purpose_s"], "attention")
+    assert [p["purpose_s"]["attention"] for p in plain_steps] == pytest.approx(
+        [2 * prefill_full, 2 * decode_full, 2 * decode_full], rel=1e-9)
+    json.dumps(slid["metrics"])  # the window's field is plain JSON
 
 
 @pytest.mark.parametrize("fields, says", [
