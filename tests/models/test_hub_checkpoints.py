@@ -1,5 +1,5 @@
 """``model.path=owner/name``: a checkpoint named by its Hugging Face Hub id is its snapshot in the
-Hugging Face cache, with what a run reads fetched when missing (``pcpflow.models.hub``).
+Hugging Face cache, with what a run reads fetched when missing (``pcpflow.hub``).
 
 No Hub is reachable where these tests run: the cache is laid out here as ``huggingface_hub``
 keeps it (``models--owner--name/refs/main`` naming a snapshot), read offline; what a run fetches
@@ -21,8 +21,8 @@ huggingface_hub = pytest.importorskip("huggingface_hub")
 
 from repo_scripts import load_script  # noqa: E402
 
+from pcpflow import hub  # noqa: E402
 from pcpflow.errors import ConfigError  # noqa: E402
-from pcpflow.models import hub  # noqa: E402
 from pcpflow.testing import compose  # noqa: E402
 
 script = load_script("make_tiny_hf_checkpoint")
@@ -137,3 +137,16 @@ def test_a_run_fetches_only_what_it_reads(tiny, cache, monkeypatch):
     assert {"config.json", hub.INDEX_FILE} <= set(configs) and not any(f.endswith((".bin", ".safetensors")) for f in configs)
     assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert not (snapshot / "consolidated.safetensors").exists() and not (snapshot / "original").exists()
+
+
+def test_the_download_child_answers_as_the_driver_would(tiny, cache, monkeypatch):
+    """Online the driver fetches in a child Python (``python -m pcpflow.hub``: killed at once
+    when the driver is interrupted); its answer is ``fetch``'s, here from the cache it is handed
+    through the environment (offline: no Hub is reachable)."""
+    snapshot = _cached(cache, "acme/tiny-llama", tiny)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub._fetch_in_child("acme/tiny-llama", None, weights=True) == {"snapshot": str(snapshot)}
+    assert hub._fetch_in_child("acme/tiny-llama", SHA, weights=False) == {"snapshot": str(snapshot)}
+    answer = hub._fetch_in_child("acme/not-cached", None, weights=False)
+    assert list(answer) == ["error"] and "LocalEntryNotFoundError" in answer["error"]

@@ -11,6 +11,11 @@ repository's other formats: ``.bin``, ``original/``, GGUF, Mistral's consolidate
 It runs once, in the driver, when the config is validated: the ranks are handed the snapshot
 directory. A name that is neither gives one configuration error on ``model.path`` (exit 2)
 saying both: no such directory, and what the Hub or the cache answered.
+
+Online, the download runs in a child Python (``python -m pcpflow.hub``, torch-free) whose
+progress bars show on stderr: ``huggingface_hub`` fetches with threads that would hold the
+driver's exit until their files are done, while a child is killed the moment the driver is
+interrupted (Ctrl-C, SIGTERM; a later run resumes its partial files).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from pcpflow.errors import missing_extra
@@ -48,19 +55,39 @@ def resolve_checkpoint(path: str, *, weights: bool) -> str:
     if missing:
         raise ValueError(f"no checkpoint directory at {local}, and {path} read as a Hugging Face Hub id needs "
                          f"huggingface_hub: {missing}")
-    repo, revision = match["repo"], match["revision"]
+    from huggingface_hub import constants
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    answer = (fetch if offline else _fetch_in_child)(match["repo"], match["revision"], weights=weights)
+    if "error" in answer:
+        where = "the Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "the Hugging Face Hub or its cache"
+        raise ValueError(f"no checkpoint directory at {local}, and {path} could not be read from {where}: "
+                         f"{answer['error']}")
+    return answer["snapshot"]
+
+
+def fetch(repo: str, revision: str | None, *, weights: bool) -> dict[str, str]:
+    """``{"snapshot": directory}`` of ``repo`` at ``revision`` once what a run reads is in the
+    cache, or ``{"error": what the Hub or the cache answered}``."""
     try:
         snapshot = _download(repo, revision, list(RUN_FILES if weights else CONFIG_FILES))
         if weights:
             _download(repo, revision, _weight_files(Path(snapshot)))
     except Exception as exc:  # NOTE: the Hub's own errors (not found, gated, offline, network) say what is wrong
-        from huggingface_hub import constants
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
+    return {"snapshot": snapshot}
 
-        reason = " ".join(str(exc).split())
-        where = "the Hugging Face cache (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub or its cache"
-        raise ValueError(f"no checkpoint directory at {local}, and {path} could not be read from {where}: "
-                         f"{type(exc).__name__}: {reason}") from None
-    return snapshot
+
+def _fetch_in_child(repo: str, revision: str | None, *, weights: bool) -> dict[str, str]:
+    """``fetch`` in a child Python (its stderr, the progress bars, passed through): killed
+    at once if this one is interrupted (``subprocess.run`` kills it on any exception)."""
+    argv = [sys.executable, "-m", "pcpflow.hub", repo, revision or "", "weights" if weights else "config"]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"error": f"the download ({' '.join(argv[1:])}) ended with exit code {done.returncode} and no answer"}
 
 
 def _download(repo: str, revision: str | None, files: list[str]) -> str:
@@ -80,3 +107,8 @@ def _weight_files(snapshot: Path) -> list[str]:
         return sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{index} is not a safetensors index ({exc})") from None
+
+
+if __name__ == "__main__":  # the child of _fetch_in_child: python -m pcpflow.hub REPO REVISION weights|config
+    _repo, _revision, _what = sys.argv[1:4]
+    print(json.dumps(fetch(_repo, _revision or None, weights=_what == "weights")), flush=True)
