@@ -85,6 +85,15 @@ beside it, the text tensors under ``language_model.``), as the released Scout an
 
     python scripts/make_tiny_hf_checkpoint.py --arch llama4 --chunk 7 --out /tmp/tiny-llama4
 
+``hunyuan`` (``HunYuanDenseV1ForCausalLM``) has ``head_dim=24`` != hidden/heads, a per-head RMSNorm of
+q and k after RoPE, and RoPE's base stretched by a fixed NTK alpha of 50 (``rope_scaling`` of type
+``dynamic`` with an ``alpha``, as the released configs write it; ``--bias``: q/k/v/o biases).
+``hunyuan_moe`` (``HunYuanMoEV1ForCausalLM``) has the same attention and every layer
+mixture-of-experts: 8 experts 32 wide, top-2 (``moe_topk`` one per layer, as released) of a float32
+softmax router, renormalised, plus a shared expert 32 wide::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch hunyuan --out /tmp/tiny-hunyuan
+
 ``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
 in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
 a random ``e_score_correction_bias`` (``N(0, 0.1^2)``, so that it changes which experts
@@ -127,7 +136,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -150,6 +159,8 @@ GQA_ARCHS = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
+    "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"),
+    "hunyuan_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -180,6 +191,8 @@ ROPE_SCALINGS = {
         "beta_slow": 1,
         "truncate": False,
     },
+    # NOTE: Hunyuan's, as its released configs write it: a fixed NTK alpha (theta x 50^(d / (d - 2)))
+    "ntk_alpha": {"type": "dynamic", "alpha": 50.0, "factor": 1.0},
     # NOTE: Phi-3's: 6 frequencies (head 16, RoPE on 3/4 of it); short factors used up to the
     # original length, 128, with factor 256/128 = 2 (cos/sin x sqrt(1 + ln 2 / ln 128))
     "longrope": {
@@ -215,6 +228,8 @@ DEFAULT_ROPE_SCALING = {
     "gpt_oss": "yarn_untruncated",
     "llama4": "llama3",
     "llama4_mm": "llama3",
+    "hunyuan": "ntk_alpha",
+    "hunyuan_moe": "ntk_alpha",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
 }
@@ -315,6 +330,10 @@ def tiny_config(
                         interleave_moe_layer_step=2, no_rope_layer_interval=4, use_qk_norm=True,
                         attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1,
                         **({"attention_chunk_size": chunk} if chunk is not None else {})),
+            # NOTE: head_dim 24 != hidden/heads; q/k norms after RoPE (always); every layer MoE (8 experts
+            # 32 wide, 2 per token, given per layer as the released list, and a shared expert as wide)
+            hunyuan=dict(head_dim=24),
+            hunyuan_moe=dict(head_dim=24, num_experts=8, moe_topk=[2] * num_layers),
         )[arch]
         if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -325,6 +344,8 @@ def tiny_config(
         if arch == "gemma2":
             common.update(hidden_size=80)
         if arch == "gpt_oss":  # NOTE: the experts' width (gpt-oss has no dense MLP)
+            common.update(intermediate_size=32)
+        if arch == "hunyuan_moe":  # NOTE: the routed and shared experts' width
             common.update(intermediate_size=32)
         if arch == "llama4":  # NOTE: the experts' and shared expert's width; 4 layers so that the NoPE one exists
             common.update(intermediate_size=32, num_hidden_layers=max(num_layers, 4))

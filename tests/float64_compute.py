@@ -34,3 +34,12 @@ def float64_compute():
             yield
     finally:
         torch.set_default_dtype(default)
+
+
+def promote_parameters(model: torch.nn.Module) -> None:
+    """A float64 model's float32 parameters — asked for at construction, which ``from_pretrained``
+    runs unpromoted (Hunyuan's router, a float32 Linear in a model of any dtype) — as float64,
+    exactly: what ``PromoteFloat32`` would have built."""
+    for p in model.parameters():
+        if p.dtype == torch.float32:
+            p.data = p.data.double()

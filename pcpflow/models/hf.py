@@ -18,7 +18,9 @@ EXAONE 4.0 (``hf_exaone``: post-norm, per-head q/k norms, NoPE full layers); Ope
 experts, its MXFP4 experts dequantized at load); Meta's Llama 4 ``Llama4ForCausalLM`` and the
 language model of ``Llama4ForConditionalGeneration`` (``hf_llama4``: chunked attention on the RoPE
 layers, NoPE layers with attention temperature tuning, q/k L2 norms after RoPE, MoE with input-scaled
-top-1 experts and a shared expert); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
+top-1 experts and a shared expert); Tencent's Hunyuan ``HunYuanDenseV1ForCausalLM`` and
+``HunYuanMoEV1ForCausalLM`` (``hf_hunyuan``: per-head q/k norms after RoPE, RoPE's fixed NTK alpha, MoE
+with a shared expert); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
@@ -50,6 +52,7 @@ from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
+from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
 from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
@@ -79,6 +82,8 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "GptOssForCausalLM": GptOssCheckpoint,
     "Llama4ForCausalLM": Llama4Checkpoint,
     "Llama4ForConditionalGeneration": Llama4MultimodalCheckpoint,  # its language model, as Gemma 3's
+    "HunYuanDenseV1ForCausalLM": HunyuanDenseCheckpoint,
+    "HunYuanMoEV1ForCausalLM": HunyuanMoECheckpoint,
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -114,6 +119,8 @@ _MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
 }
 
 
@@ -148,7 +155,8 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
     raw = read_config_json(path)
     arch = architecture_of(raw)
     if arch not in ARCHITECTURES and _is_moe(raw, arch):
-        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(("Mixtral", "Deepseek", "GptOss", "Llama4"))]
+        moe_families = ("Mixtral", "Deepseek", "GptOss", "Llama4", "HunYuanMoE")
+        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(moe_families)]
         raise ValueError(
             f"unsupported architecture {arch}: a mixture-of-experts variant pcpflow does not route; "
             f"supported MoE checkpoints: {', '.join(supported)}"
@@ -201,7 +209,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
-    OLMo 2/3, Cohere 2, EXAONE 4, gpt-oss, Llama 4 or DeepSeek model with the weights of a Hugging Face checkpoint."""
+    OLMo 2/3, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan or DeepSeek model with the weights of a Hugging Face
+    checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""

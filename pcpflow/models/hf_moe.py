@@ -1,6 +1,6 @@
-"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and Llama 4 checkpoints: which
-config.json fields make which ``MoEConfig`` (transformers' routing; unsupported variants
-named), and where the router, routed and shared experts' tensors go."""
+"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4
+and Hunyuan-A13B checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
+routing; unsupported variants named), and where the router, routed and shared experts' tensors go."""
 
 from __future__ import annotations
 
@@ -165,6 +165,48 @@ def llama4_moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
         routed_scaling_factor=1.0, n_group=1, topk_group=1, router_dtype="model",
         first_k_dense_replace=first, moe_layer_freq=step,
     ))
+
+
+HUNYUAN_MOE_RENAMES = (
+    _mlp("gate.wg.weight", "gate.weight"),
+    *(r for r in MOE_RENAMES if ".experts.{j}." in r.hf),
+    _mlp("shared_mlp.gate_proj.weight", "shared_experts.gate_up_proj.weight", (0, 2)),
+    _mlp("shared_mlp.up_proj.weight", "shared_experts.gate_up_proj.weight", (1, 2)),
+    _mlp("shared_mlp.down_proj.weight", "shared_experts.down_proj.weight"),
+)
+"""Hunyuan-A13B: the router ``gate.wg``, routed experts one tensor per expert and projection (as
+transformers' ``save_pretrained`` stores them), the ``shared_mlp``."""
+
+
+def hunyuan_moe_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """``MoEConfig`` fields of a Hunyuan MoE config.json dict (``HunYuanMoEV1Moe``): every layer MoE, a
+    softmax over ``num_experts`` router logits computed in float32 (``gate.wg`` is a float32 Linear
+    whatever the model's dtype), the top ``moe_topk`` renormalised to sum 1, plus one shared expert
+    added unweighted; routed and shared experts ``intermediate_size`` wide (transformers reads neither
+    ``moe_intermediate_size`` nor ``num_shared_expert``). ValueError naming what transformers cannot
+    build (several expert counts) or pcpflow does not route (a top-k that differs by layer)."""
+    def given(name: str, alias: str, default: Any) -> Any:
+        # NOTE: the alias is HunYuanMoEV1Config's attribute_map
+        value = raw.get(name, raw.get(alias))
+        return default if value is None else value
+
+    experts, top_k = given("num_experts", "num_local_experts", 1), given("moe_topk", "num_experts_per_tok", 1)
+    layers = raw.get("num_hidden_layers")
+    if type(experts) is not int:
+        raise ValueError(f"num_experts must be one number of experts for every layer (transformers' HunYuanMoEV1Experts "
+                         f"builds that many on each); got {experts!r}")
+    if isinstance(top_k, list) and type(layers) is int:
+        if len(top_k) < layers or not all(type(k) is int for k in top_k):
+            raise ValueError(f"moe_topk must give each of the {layers} layers its experts per token; got {top_k!r}")
+        if len(set(top_k[:layers])) > 1:
+            raise ValueError(f"moe_topk={top_k[:layers]} is not supported; supported: the same top-k on every layer "
+                             "(as Hunyuan-A13B's list gives)")
+        top_k = top_k[0]
+    if type(top_k) is not int:
+        raise ValueError(f"moe_topk must be a number of experts per token, or one per layer; got {top_k!r}")
+    return _checked(dict(num_experts=experts, top_k=top_k, num_shared_experts=1, scoring_func="softmax",
+                         norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                         router_dtype="float32"))
 
 
 GQA_MOE_DEFAULTS = {

@@ -84,6 +84,9 @@ class GQAAttention(nn.Module):
     logit per query head that reads no value (gpt-oss's attention sinks, ``self.sinks [H]``),
     handed to the backend, which adds it once to each row's whole softmax.
 
+    ``qk_norm_after_rope`` (Hunyuan): the per-head q/k norms apply to the roped heads instead, so
+    that each weight meets a rotated dim.
+
     Llama 4's: ``rope_l2_eps``, on a layer that rotates, q and k are normed per head *after* RoPE
     by a weightless RMSNorm (``Llama4TextL2Norm``); ``temperature_tuning=(floor_scale, attn_scale)``,
     q of the row at position ``p`` scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``
@@ -102,6 +105,7 @@ class GQAAttention(nn.Module):
         qk_norm_eps: float | None = None,
         unit_offset: bool = False,
         qk_norm_width: Literal["head", "full"] = "head",
+        qk_norm_after_rope: bool = False,
         sinks: bool = False,
         rope_l2_eps: float | None = None,
         temperature_tuning: tuple[float, float] | None = None,
@@ -111,6 +115,8 @@ class GQAAttention(nn.Module):
         self.rope_l2_norm = WeightlessRMSNorm(rope_l2_eps) if rope_l2_eps is not None else None
         self.temperature_tuning = temperature_tuning
         self.full_qk_norm = qk_norm_eps is not None and qk_norm_width == "full"
+        assert not (qk_norm_after_rope and self.full_qk_norm), "a norm over the whole projection comes before RoPE"
+        self.qk_norm_after_rope = qk_norm_after_rope
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -137,11 +143,15 @@ class GQAAttention(nn.Module):
             q = self.q_norm(self.q_proj(h)).unflatten(-1, (self.num_heads, self.head_dim))
             k = self.k_norm(self.k_proj(h)).unflatten(-1, (self.num_kv_heads, self.head_dim))
         else:
-            q = self.q_norm(self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim)))
-            k = self.k_norm(self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+            q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
+            k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+            if not self.qk_norm_after_rope:
+                q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:  # NOTE: None: a NoPE layer (SmolLM3's every fourth)
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        if self.qk_norm_after_rope:  # NOTE: Hunyuan's: the roped heads normed
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_l2_norm is not None:  # NOTE: Llama 4's: after RoPE (a norm per head ignores its pair order)
             q, k = self.rope_l2_norm(q), self.rope_l2_norm(k)
         if self.temperature_tuning is not None:

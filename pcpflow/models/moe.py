@@ -10,8 +10,8 @@ chosen experts, normalised to sum 1 when ``norm_topk_prob``, times
 ``routed_scaling_factor``. V2 (``softmax``): softmax scores, groups ranked by their best
 score, the top-k scores are the weights (normalised when ``norm_topk_prob``; transformers'
 V2 never normalises, so its checkpoints load with it off), times the scaling factor.
-Qwen2-MoE, Qwen3-MoE and Mixtral are the softmax path with one group and no scaling (Mixtral
-always normalises). gpt-oss (``topk_softmax``): the router's logits carry a bias
+Qwen2-MoE, Qwen3-MoE, Mixtral and Hunyuan-A13B are the softmax path with one group and no scaling
+(Mixtral and Hunyuan always normalise; Hunyuan's router logits in float32). gpt-oss (``topk_softmax``): the router's logits carry a bias
 (``router_bias``); the top-k raw logits are chosen and weighted by their softmax, taken over
 those k alone; its experts have biases (``expert_bias``) and a clamped SwiGLU
 (``activation=swiglu_clamped``). Llama 4 (``topk_sigmoid``): the top-k raw logits are chosen, each

@@ -1578,3 +1578,91 @@ def test_unsupported_llama4_configs_are_named(llama4_ckpt, tmp_path):
     (tmp_path / "mm").mkdir()
     (tmp_path / "mm" / "config.json").write_text(json.dumps(vision))
     assert "text_config.model_type must be llama4_text; got 'llama'" in _problem(tmp_path / "mm")
+
+
+# ------------------------------------------------------------------ Hunyuan
+def _hunyuan_config(path: Path, **changes) -> Path:
+    """A Hunyuan config.json alone (what is read before any tensor): the tiny dense model's fields."""
+    raw = dict(architectures=["HunYuanDenseV1ForCausalLM"], model_type="hunyuan_v1_dense", vocab_size=1000,
+               hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=24, rope_theta=10000.0,
+               rope_scaling={"type": "dynamic", "alpha": 50.0, "factor": 1.0}, tie_word_embeddings=True)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**raw, **changes}))
+    return path
+
+
+def test_hunyuan_rope_is_read_as_transformers_reads_it(tmp_path):
+    """A ``dynamic`` rope with an alpha (or ``ntk_alpha``) is a fixed NTK stretch of the base, whatever
+    else it says, in either spelling of the settings; another scaling reads as every family's."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    c = read_checkpoint_config(_hunyuan_config(tmp_path / "alpha"))
+    assert (c.rope_alpha, c.rope_scaling, c.rope_base) == (50.0, None, 10000.0 * 50.0 ** (24 / 22))
+    v5 = read_checkpoint_config(_hunyuan_config(tmp_path / "v5", rope_scaling=None, rope_theta=None, rope_parameters={
+        "rope_type": "ntk_alpha", "alpha": 1000, "rope_theta": 20000.0, "beta_fast": 32, "mscale": 1.0}))
+    assert (v5.rope_alpha, v5.rope_theta, v5.rope_scaling) == (1000.0, 20000.0, None)
+    linear = read_checkpoint_config(_hunyuan_config(tmp_path / "linear", rope_scaling={"type": "linear", "factor": 4.0}))
+    assert (linear.rope_alpha, linear.rope_scaling.rope_type, linear.rope_base) == (None, "linear", 10000.0)
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling of type 'dynamic' without an alpha is not supported (dynamic NTK"),
+    (dict(rope_scaling={"type": "dynamic", "alpha": "1000"}), "rope_scaling.alpha must be a positive number; got '1000'"),
+    (dict(rope_scaling={"type": "yarn_hunyuan", "factor": 2.0}), "rope type 'yarn_hunyuan' is not supported"),
+    (dict(architectures=["HunYuanMoEV1ForCausalLM"], num_experts=8, moe_topk=[2, 3, 2]),
+     "moe_topk=[2, 3, 2] is not supported; supported: the same top-k on every layer"),
+    (dict(architectures=["HunYuanMoEV1ForCausalLM"], num_experts=8, moe_topk=[2, 2]),
+     "moe_topk must give each of the 3 layers its experts per token; got [2, 2]"),
+    (dict(architectures=["HunYuanMoEV1ForCausalLM"], num_experts=[8, 8, 8], moe_topk=2),
+     "num_experts must be one number of experts for every layer"),
+    (dict(architectures=["HunYuanMoEV1ForCausalLM"], num_experts=8, moe_topk=9), "moe.top_k=9: must be <= num_experts (8)"),
+], ids=["dynamic-ntk", "alpha-string", "unknown-type", "topk-by-layer", "topk-short", "experts-by-layer", "topk-past"])
+def test_hunyuan_configs_pcpflow_does_not_run_are_named(tmp_path, changes, says):
+    assert says in _problem(_hunyuan_config(tmp_path / "c", **changes))
+
+
+def test_hunyuan_configs_size_a_simulated_run_by_hand(tmp_path):
+    """Linear-layer parameters counted by hand from the config (tied: one embedding matrix), the same
+    as transformers' own model of it holds: attention 64x96 (q), 2 x 64x48 (k, v), 96x64 (o); the dense
+    MLP 3 x 64x80; the MoE router 64x8, 8 routed experts and one shared, each 3 x 64x80."""
+    from pcpflow.models.card import ModelCard, card_from_hf_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    attention, mlp, embedding = 64 * 96 + 2 * 64 * 48 + 96 * 64, 3 * 64 * 80, 1000 * 64
+    cases = {"dense": ({}, 3 * (attention + mlp)),
+             "moe": (dict(architectures=["HunYuanMoEV1ForCausalLM"], model_type="hunyuan_v1_moe", num_experts=8,
+                          moe_topk=[2] * 3), 3 * (attention + 64 * 8 + 9 * mlp))}
+    for name, (changes, layers) in cases.items():
+        path = _hunyuan_config(tmp_path / name, **changes)
+        card = ModelCard(**card_from_hf_config(path))
+        sizes = model_sizes(card)
+        assert (card.num_kv_heads, card.head_dim, card.tie_word_embeddings) == (2, 24, True)
+        assert (sizes.total_weight_params(), sizes.embedding_params) == (layers, embedding), name
+        _sized_as_transformers(path, json.loads((path / "config.json").read_text()))
+
+
+# The size fields of Hunyuan-A13B-Instruct's config.json (64 experts, 8 of them and a shared one per
+# token, tied embeddings); its model card: 80B parameters, 13B active.
+HUNYUAN_A13B = dict(architectures=["HunYuanMoEV1ForCausalLM"], model_type="hunyuan_v1_moe", hidden_size=4096,
+                    intermediate_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128, vocab_size=128167, num_experts=64, moe_topk=[8] * 32, num_shared_expert=[1] * 32,
+                    moe_intermediate_size=[3072] * 32, tie_word_embeddings=True, rope_theta=10000.0,
+                    rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                                  "mscale_all_dim": 1.0, "type": "dynamic"})
+
+
+def test_hunyuan_a13b_config_sizes_as_its_model_card(tmp_path):
+    from pcpflow.simulate.sizes import model_sizes
+
+    c, _, _ = _sized_as_transformers(tmp_path, HUNYUAN_A13B)
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.num_shared_experts, c.rope_alpha) == (64, 8, 1, 1000.0)
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
+    sizes = model_sizes(cfg.model)
+    total = (sizes.total_weight_params() + sizes.embedding_params) / 1e9
+    active = (sizes.active_params_per_row() + sizes.embedding_params) / 1e9
+    # NOTE: the card's figures are rounded to the billion
+    assert total == pytest.approx(80, rel=0.03), total
+    assert active == pytest.approx(13, rel=0.03), active

@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
 Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too) and DeepSeek-V2/V3 checkpoints are
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE) and DeepSeek-V2/V3 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -45,7 +45,7 @@ transformers = pytest.importorskip(
 pytest.importorskip("safetensors", reason="parity tests need safetensors: pip install -e '.[test]'")
 
 import shared_ranks  # noqa: E402
-from float64_compute import float64_compute  # noqa: E402
+from float64_compute import float64_compute, promote_parameters  # noqa: E402
 from repo_scripts import load_script  # noqa: E402
 
 from pcpflow.testing import compose  # noqa: E402
@@ -116,6 +116,11 @@ CHECKPOINTS = {
     # Llama 4 Scout / Maverick: the same language model inside Llama4ForConditionalGeneration
     "llama4_mm": dict(arch="llama4_mm", chunk=128),
     "llama4_chunk7": dict(arch="llama4", chunk=WINDOW),
+    # Hunyuan: per-head q/k norms after RoPE, RoPE's base stretched by a fixed NTK alpha, head_dim 24 !=
+    # hidden/heads, q/k/v/o biases; its MoE (A13B) every layer routed (float32 softmax router, top-2 of 8
+    # renormalised) plus a shared expert, tied embeddings
+    "hunyuan_bias": dict(arch="hunyuan", bias=True),
+    "hunyuan_moe_tied": dict(arch="hunyuan_moe", tie_word_embeddings=True),
     "dsv3": dict(arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn"),
     "dsv3_rotate_half": dict(
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
@@ -246,6 +251,19 @@ CHUNKED_CASES = [
 ]
 MATRIX += CHUNKED_CASES
 
+HUNYUAN_CASES = [
+    ("hunyuan_bias", "float64", 1, 1, "replicated", []),
+    ("hunyuan_bias", "float32", 2, 2, "sharded", []),
+    ("hunyuan_bias", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("hunyuan_bias", "float32", 4, 1, "sharded", []),
+    # the q/k norms' weights replicated over TP, applied to each rank's roped heads
+    ("hunyuan_bias", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("hunyuan_moe_tied", "float64", 2, 2, "sharded", []),
+    ("hunyuan_moe_tied", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("hunyuan_moe_tied", "float64", 2, 1, "replicated", ["tp=2"]),
+]
+MATRIX += HUNYUAN_CASES
+
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,
 # both dtypes, tp; the default set's budget keeps the newer families' cases, gpt-oss's and Llama 4's
@@ -280,7 +298,8 @@ def _is_default(case) -> bool:
 
 
 def _matrix_of(case) -> str:
-    return "hf_parity" if _is_default(case) else "hf_parity/slow"
+    """The default matrix, or the slow one of the case's checkpoint (``-k <checkpoint>`` runs its cases alone)."""
+    return "hf_parity" if _is_default(case) else f"hf_parity/slow/{case[0]}"
 
 
 def _case_id(case) -> str:
@@ -300,8 +319,8 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     built again under ``PromoteFloat32``; forwards must then run under it too."""
     # NOTE: by config.json's architecture: a multimodal one has no AutoModelForCausalLM class
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    # NOTE: gpt-oss's experts through transformers' eager loop (its grouped GEMM takes no float64)
-    extra = {"experts_implementation": "eager"} if arch == "GptOssForCausalLM" else {}
+    # NOTE: gpt-oss's and Hunyuan's experts through transformers' eager loop (its grouped GEMM takes no float64)
+    extra = {"experts_implementation": "eager"} if arch in ("GptOssForCausalLM", "HunYuanMoEV1ForCausalLM") else {}
     model = getattr(transformers, arch).from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     model.eval()
     if promote and dtype == "float64":
@@ -312,6 +331,7 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
         base = getattr(inner, "language_model", inner)
         with float64_compute():
             base.rotary_emb = type(base.rotary_emb)(config=base.config)
+        promote_parameters(model)
     return model
 
 
@@ -420,8 +440,12 @@ def _parity_configs(cases):
     return configs
 
 
-shared_ranks.matrix("hf_parity")(lambda: _parity_configs([c for c in MATRIX if _is_default(c)]))
-shared_ranks.matrix("hf_parity/slow")(lambda: _parity_configs([c for c in MATRIX if not _is_default(c)]))
+def _register(name: str) -> None:
+    shared_ranks.matrix(name)(lambda: _parity_configs([c for c in MATRIX if _matrix_of(c) == name]))
+
+
+for _name in dict.fromkeys(map(_matrix_of, MATRIX)):
+    _register(_name)
 
 
 @pytest.fixture(scope="module")

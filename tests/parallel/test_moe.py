@@ -427,12 +427,17 @@ HF_SLOW_CASES = [
     ("llama4", "float64", 4, 1, "sharded", "local"),
     ("llama4", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
     ("llama4", "float32", 2, 1, "sharded", "gather", "tp=2"),
+    # Hunyuan-A13B: softmax over float32 router logits, top-2 renormalised, a shared expert, every layer
+    ("hunyuan_moe", "float64", 2, 2, "sharded", "gather"),
+    ("hunyuan_moe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("hunyuan_moe", "float64", 4, 1, "sharded", "local"),
+    ("hunyuan_moe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's and gpt-oss's are not;
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's and Hunyuan's are not;
 # Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
 HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2,
-                 "llama4": 2}
+                 "llama4": 2, "hunyuan_moe": 2}
 # Experts per token of each tiny checkpoint: 2, but Llama 4's 1 (its released models' num_experts_per_tok).
 HF_TOP_K = {"llama4": 1}
 
@@ -449,6 +454,7 @@ class _Checkpoints(dict):
         "glm4_moe": ("glm4_moe", dict(bias=True)),
         "gpt_oss": ("gpt_oss", dict(bias=True)),
         "llama4": ("llama4", {}),  # NOTE: transformers' chunk of 8192 keys: longer than any request here
+        "hunyuan_moe": ("hunyuan_moe", dict(bias=True)),
     }
 
     def __init__(self, root: Path) -> None:
@@ -477,7 +483,7 @@ def _hf_prompts(vocab_size: int) -> list[list[int]]:
 def transformers_greedy(path: Path, prompts, dtype: str):
     """(tokens, logits [n, vocab]) per prompt from ``generate``; float64 runs transformers'
     eager experts (its grouped GEMM takes no float64) under ``PromoteFloat32``."""
-    from float64_compute import float64_compute
+    from float64_compute import float64_compute, promote_parameters
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), experts_implementation="eager"
@@ -486,6 +492,7 @@ def transformers_greedy(path: Path, prompts, dtype: str):
     if promote:
         with float64_compute():
             model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+        promote_parameters(model)
     out = []
     with float64_compute() if promote else torch.no_grad(), torch.no_grad():
         for prompt, n in zip(prompts, HF_OUTPUT_LENS):
