@@ -32,6 +32,16 @@ odd ones full (base 1e6, linear x8 unless ``--rope-scaling`` says otherwise)::
 each of Granite's multipliers away from one (embedding 2, residual 0.5, softmax scale 0.2,
 logits divided by 2.5).
 
+``granitemoe`` (``GraniteMoeForCausalLM``) has ``granite``'s multipliers and every layer
+mixture-of-experts: 8 experts 32 wide, 2 per token (the top-2 router logits, weighted by a softmax
+over those two), stored fused (``input_linear``, ``output_linear``); ``granitemoeshared`` adds a
+shared MLP 64 wide beside the experts. ``granite4`` is Granite 4.0's ``GraniteMoeHybridForCausalLM``
+with attention layers only (``layer_types`` all ``attention``, RoPE), the same experts and shared
+MLP; ``granite4_dense`` has no experts (its shared MLP, 128 wide, is each layer's MLP, as
+granite-4.0-micro) and no position embedding (``position_embedding_type: nope``)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch granite4 --out /tmp/tiny-granite4
+
 ``gemma3_mm`` is ``gemma3``'s language model inside a multimodal ``Gemma3ForConditionalGeneration``
 (a one-layer SigLIP vision tower and its projector beside it, the text tensors under
 ``language_model.``), as gemma-3-4b/12b/27b are stored.
@@ -135,7 +145,8 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
+         "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
          "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -145,6 +156,10 @@ GQA_ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM"),
+    "granite4": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "granite4_dense": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -210,6 +225,10 @@ DEFAULT_ROPE_SCALING = {
     "phi3": "longrope",
     "smollm3": "none",
     "granite": "none",
+    "granitemoe": "none",
+    "granitemoeshared": "none",
+    "granite4": "none",
+    "granite4_dense": "none",
     "qwen2_moe": "none",
     "qwen3_moe": "none",
     "mixtral": "none",
@@ -271,6 +290,10 @@ def tiny_config(
         pad_token_id=None,
     )
     if arch in GQA_ARCHS:
+        # NOTE: each multiplier away from 1 and the softmax scale away from 1/sqrt(head_dim) = 0.25
+        granite_multipliers = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                   logits_scaling=2.5)
+        granite_moe = dict(num_local_experts=8, num_experts_per_tok=2)
         family = dict(
             llama=dict(head_dim=16, mlp_bias=bias),
             qwen2=dict(use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0),
@@ -281,9 +304,15 @@ def tiny_config(
             phi3=dict(sliding_window=sliding_window, partial_rotary_factor=0.75, original_max_position_embeddings=128),
             # NOTE: layer 1 of 2 without RoPE (no_rope_layer_interval=2)
             smollm3=dict(no_rope_layer_interval=2, mlp_bias=bias, use_sliding_window=False),
-            # NOTE: each multiplier away from 1 and the softmax scale away from 1/sqrt(head_dim) = 0.25
-            granite=dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
-                         logits_scaling=2.5, mlp_bias=bias),
+            granite=dict(granite_multipliers, mlp_bias=bias),
+            # NOTE: every layer MoE, 8 experts 32 wide (intermediate_size), top-2; a shared MLP two experts wide
+            granitemoe=dict(granite_multipliers, **granite_moe),
+            granitemoeshared=dict(granite_multipliers, **granite_moe, shared_intermediate_size=64),
+            # NOTE: attention layers only (the transformers 4 spelling, as the released config.json files)
+            granite4=dict(granite_multipliers, **granite_moe, shared_intermediate_size=64,
+                          layer_types=["attention"] * num_layers, position_embedding_type="rope"),
+            granite4_dense=dict(granite_multipliers, num_local_experts=0, shared_intermediate_size=128,
+                                layer_types=["attention"] * num_layers, position_embedding_type="nope"),
             # NOTE: Qwen2-MoE: a gated shared expert two experts wide; layer 0 dense (decoder_sparse_step=2)
             qwen2_moe=dict(use_sliding_window=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                            shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=2),
@@ -343,7 +372,7 @@ def tiny_config(
             common.update(hidden_size=80, rope_theta=1_000_000.0)
         if arch == "gemma2":
             common.update(hidden_size=80)
-        if arch == "gpt_oss":  # NOTE: the experts' width (gpt-oss has no dense MLP)
+        if arch in ("gpt_oss", "granitemoe", "granitemoeshared", "granite4"):  # NOTE: the experts' width
             common.update(intermediate_size=32)
         if arch == "hunyuan_moe":  # NOTE: the routed and shared experts' width
             common.update(intermediate_size=32)

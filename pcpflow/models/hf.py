@@ -21,7 +21,10 @@ layers, NoPE layers with attention temperature tuning, q/k L2 norms after RoPE, 
 top-1 experts and a shared expert); Tencent's Hunyuan ``HunYuanDenseV1ForCausalLM`` and
 ``HunYuanMoEV1ForCausalLM`` (``hf_hunyuan``: per-head q/k norms after RoPE, RoPE's fixed NTK alpha, MoE
 with a shared expert); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
-(``hf_deepseek``). The config is checked when the run config is validated — an unsupported
+(``hf_deepseek``); IBM's ``GraniteMoeForCausalLM``, ``GraniteMoeSharedForCausalLM`` and Granite 4.0's
+``GraniteMoeHybridForCausalLM`` with attention layers only (``hf_granite``: Granite's multipliers, top-k
+experts weighted by a softmax over the k, a shared MLP; a hybrid's Mamba2 layers are refused, naming
+them). The config is checked when the run config is validated — an unsupported
 architecture (other MoE families such as OLMoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
@@ -52,6 +55,7 @@ from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
 from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
+from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
 from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
@@ -84,6 +88,9 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Llama4ForConditionalGeneration": Llama4MultimodalCheckpoint,  # its language model, as Gemma 3's
     "HunYuanDenseV1ForCausalLM": HunyuanDenseCheckpoint,
     "HunYuanMoEV1ForCausalLM": HunyuanMoECheckpoint,
+    "GraniteMoeForCausalLM": GraniteMoeCheckpoint,
+    "GraniteMoeSharedForCausalLM": GraniteMoeCheckpoint,
+    "GraniteMoeHybridForCausalLM": GraniteMoeCheckpoint,  # attention layers only
 }
 UNSUPPORTED = {
     "GemmaForCausalLM": "Gemma (1) is not supported",
@@ -121,6 +128,9 @@ _MODEL_TYPES = {
     "llama4": "Llama4ForConditionalGeneration",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
     "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 
@@ -209,8 +219,8 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
-    OLMo 2/3, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan or DeepSeek model with the weights of a Hugging Face
-    checkpoint."""
+    OLMo 2/3, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan, DeepSeek or Granite MoE / 4.0 model with the weights of
+    a Hugging Face checkpoint."""
 
     class Config(Settings):
         """A Hugging Face checkpoint directory (config.json + safetensors)."""

@@ -1,5 +1,5 @@
-"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4
-and Hunyuan-A13B checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
+"""The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4,
+Hunyuan-A13B and Granite checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
 routing; unsupported variants named), and where the router, routed and shared experts' tensors go."""
 
 from __future__ import annotations
@@ -125,6 +125,23 @@ projection (transformers' ``Llama4TextExperts``: ``gate_up_proj [E, hidden, 2I]`
 the first half of 2I and up the second, not interleaved; ``down_proj [E, I, hidden]``) and the
 ``shared_expert``; on a dense layer its own gate/up/down projections."""
 
+def _block_sparse_moe(hf: str, ours: str, **layout: bool) -> Rename:
+    return Rename("model.layers.{i}.block_sparse_moe." + hf, "layers.{i}.mlp." + ours, **layout)
+
+
+GRANITE_MOE_RENAMES = (
+    _block_sparse_moe("router.layer.weight", "gate.weight"),
+    _block_sparse_moe("input_linear.weight", "experts.{j}.gate_up_proj.weight", experts=True),
+    _block_sparse_moe("output_linear.weight", "experts.{j}.down_proj.weight", experts=True),
+    Rename("model.layers.{i}.shared_mlp.input_linear.weight", "layers.{i}.mlp.shared_experts.gate_up_proj.weight"),
+    Rename("model.layers.{i}.shared_mlp.output_linear.weight", "layers.{i}.mlp.shared_experts.down_proj.weight"),
+)
+"""Granite's MoE (``GraniteMoeMoE``, as its checkpoints and ``save_pretrained`` store it): the
+``router.layer`` and every expert of a layer in one tensor per projection, ``input_linear
+[E, 2I, hidden]`` (``nn.Linear``'s layout, gate the first half of 2I and up the second, as
+pcpflow's ``gate_up_proj``) and ``output_linear [E, hidden, I]``; the ``shared_mlp`` beside them
+(GraniteMoeShared, Granite 4.0), one MLP of the shared experts' summed width, gate then up."""
+
 LLAMA4_MOE_DEFAULTS = dict(num_local_experts=16, num_experts_per_tok=1, intermediate_size=8192,
                            interleave_moe_layer_step=1, num_hidden_layers=48)
 """``Llama4TextConfig``'s defaults of the MoE fields a config.json may omit."""
@@ -217,9 +234,13 @@ GQA_MOE_DEFAULTS = {
     "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2),
     "GptOssForCausalLM": dict(num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
                               swiglu_alpha=1.702, swiglu_limit=7.0),
+    "GraniteMoeForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=0),
+    "GraniteMoeSharedForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=0),
+    "GraniteMoeHybridForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=1024),
 }
-"""transformers' defaults (``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``, ``GptOssConfig``)
-of the MoE fields a config.json may omit."""
+"""transformers' defaults (``Qwen2MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``, ``GptOssConfig``,
+``GraniteMoeConfig``, ``GraniteMoeSharedConfig``, ``GraniteMoeHybridConfig``) of the MoE fields a
+config.json may omit (GraniteMoe has no shared MLP)."""
 
 
 V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
@@ -233,8 +254,8 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     with a gated shared expert ``shared_expert_intermediate_size`` wide), gpt-oss by
     ``topk_softmax`` (``GptOssTopKRouter``: a biased router in the model's dtype; every layer MoE,
     biased experts with the clamped SwiGLU), GLM-4.5 as DeepSeek-V3 (``Glm4MoeTopkRouter``, its
-    DeepSeek field names); None for a dense architecture or no experts; ValueError naming an
-    unsupported variant."""
+    DeepSeek field names), Granite by ``granite_moe_settings``; None for a dense architecture or no
+    experts; ValueError naming an unsupported variant."""
     if arch == "Glm4MoeForCausalLM":
         glm = {k: v for k, v in raw.items() if v is not None}
         # NOTE: transformers 5 writes num_local_experts (its attribute_map), 4 n_routed_experts
@@ -243,6 +264,8 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
         return moe_settings({**glm, "architecture": arch})
     if arch not in GQA_MOE_DEFAULTS:
         return None
+    if arch.startswith("GraniteMoe"):
+        return granite_moe_settings(raw, arch)
     get = {**GQA_MOE_DEFAULTS[arch], **{k: v for k, v in raw.items() if v is not None}}.get
     common = dict(scoring_func="softmax", n_group=1, topk_group=1, routed_scaling_factor=1.0,
                   num_shared_experts=0, router_dtype="model")
@@ -276,16 +299,51 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     return _checked(moe)
 
 
+def granite_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    """``MoEConfig`` fields of a Granite MoE config.json dict (``GraniteMoeTopKRouter``): every layer
+    MoE, ``num_local_experts`` experts ``intermediate_size`` wide, the top ``num_experts_per_tok`` of
+    the router's logits (the model's dtype, widened to float32) weighted by a softmax over those k
+    alone, rounded to the model's dtype (``topk_softmax``, ``weights_dtype=model``); the shared MLP,
+    ``shared_intermediate_size`` wide (0: none), as shared experts. None for a Granite 4.0 hybrid
+    without experts (``num_local_experts: 0``: its shared MLP is the layer's MLP)."""
+    get = {**GQA_MOE_DEFAULTS[arch], **{k: v for k, v in raw.items() if v is not None}}.get
+    experts, shared = get("num_local_experts"), get("shared_intermediate_size")
+    hybrid = arch == "GraniteMoeHybridForCausalLM"
+    if hybrid and not (type(shared) is int and shared > 0):
+        raise ValueError(f"shared_intermediate_size must be a positive integer (every {arch} layer has its shared "
+                         f"MLP); got {shared!r}")
+    if not (type(experts) is int and experts >= (0 if hybrid else 1)):
+        every = "0 (the shared MLP alone) or more" if hybrid else f"a positive integer (every {arch} layer is MoE)"
+        raise ValueError(f"num_local_experts must be {every}; got {experts!r}")
+    if experts == 0:
+        return None
+    moe = dict(num_experts=experts, top_k=get("num_experts_per_tok"), intermediate_size=get("intermediate_size"),
+               scoring_func="topk_softmax", weights_dtype="model", norm_topk_prob=False, n_group=1, topk_group=1,
+               routed_scaling_factor=1.0, router_dtype="model", num_shared_experts=0)
+    if shared:
+        why = "or 0 (none): pcpflow's shared experts are each as wide as a routed one"
+        moe["num_shared_experts"] = _shared_experts(("shared_intermediate_size", shared),
+                                                    ("intermediate_size", get("intermediate_size")), why)
+    return _checked(moe)
+
+
+def _shared_experts(width: tuple[str, Any], expert_width: tuple[str, Any], why: str) -> int:
+    """How many of pcpflow's shared experts, each as wide as a routed one, make a family's one
+    shared MLP (they compute the same as one MLP of their summed width); ``width`` and
+    ``expert_width``: (config.json field, value); ``why``: the refusal's reason."""
+    (field, w), (expert_field, e) = width, expert_width
+    if not (type(w) is int and type(e) is int and e > 0 and w > 0):
+        raise ValueError(f"{field} ({w!r}) and {expert_field} ({e!r}) must be positive integers")
+    if w % e:
+        raise ValueError(f"{field}={w} is not supported; supported: a multiple of {expert_field} ({e}), {why}")
+    return w // e
+
+
 def _gated_shared_expert(width: Any, expert_width: Any) -> dict[str, Any]:
-    """Qwen2-MoE's shared expert, ``width`` wide, as pcpflow's shared experts: that many experts
-    ``expert_width`` wide (one MLP of their summed width, the same function), behind the gate."""
-    if not (type(width) is int and type(expert_width) is int and expert_width > 0 and width > 0):
-        raise ValueError(f"shared_expert_intermediate_size ({width!r}) and moe_intermediate_size ({expert_width!r}) "
-                         "must be positive integers")
-    if width % expert_width:
-        raise ValueError(f"shared_expert_intermediate_size={width} is not supported; supported: a multiple of "
-                         f"moe_intermediate_size ({expert_width}), as every released Qwen2-MoE checkpoint")
-    return dict(num_shared_experts=width // expert_width, shared_expert_gate=True)
+    """Qwen2-MoE's shared expert, ``width`` wide, as pcpflow's shared experts, behind the gate."""
+    shared = _shared_experts(("shared_expert_intermediate_size", width), ("moe_intermediate_size", expert_width),
+                             "as every released Qwen2-MoE checkpoint")
+    return dict(num_shared_experts=shared, shared_expert_gate=True)
 
 
 def _checked(moe: dict[str, Any]) -> dict[str, Any]:

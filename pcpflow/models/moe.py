@@ -1,7 +1,7 @@
-"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4),
-routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
+"""Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4,
+Granite), routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
 ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` / ``GptOssTopKRouter`` /
-``Llama4Router`` do.
+``Llama4Router`` / ``GraniteMoeTopKRouter`` do.
 
 V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
 ``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
@@ -14,7 +14,9 @@ Qwen2-MoE, Qwen3-MoE, Mixtral and Hunyuan-A13B are the softmax path with one gro
 (Mixtral and Hunyuan always normalise; Hunyuan's router logits in float32). gpt-oss (``topk_softmax``): the router's logits carry a bias
 (``router_bias``); the top-k raw logits are chosen and weighted by their softmax, taken over
 those k alone; its experts have biases (``expert_bias``) and a clamped SwiGLU
-(``activation=swiglu_clamped``). Llama 4 (``topk_sigmoid``): the top-k raw logits are chosen, each
+(``activation=swiglu_clamped``). Granite routes as gpt-oss without the bias, in float32, its
+weights rounded to the model's dtype (``weights_dtype=model``). Llama 4 (``topk_sigmoid``): the
+top-k raw logits are chosen, each
 weighted by its sigmoid (float32, then the model's dtype), and the weight scales the expert's
 *input* (``weights_on=input``: ``expert(x * w)``, the outputs summed unweighted). The layer's output is the routed experts' weighted sum plus the shared
 experts (Qwen2-MoE's scaled by a sigmoid gate of each row, ``shared_expert_gate``).
@@ -109,12 +111,14 @@ class TopKRouter(nn.Module):
         """Router logits ``[N, E]`` (with the bias, if any), as transformers computes them:
         DeepSeek's in float32 from half precision (``router_dtype=float32``), Qwen3-MoE's and
         Mixtral's in the model's dtype and then widened (``model``), so that scores are taken
-        from float32 at least; gpt-oss's (``topk_softmax``) in the model's dtype, kept there."""
+        from float32 at least; gpt-oss's (``topk_softmax``) in the model's dtype, kept there
+        (Granite's, ``weights_dtype=model``, widened)."""
         half = x.dtype in (torch.bfloat16, torch.float16)
         if self.moe.router_dtype == "model":
             logits = self._linear(x, x.dtype)
             # NOTE: GptOssTopKRouter selects and softmaxes in the model's dtype, unwidened
-            return logits.float() if half and self.moe.scoring_func != "topk_softmax" else logits
+            kept = self.moe.scoring_func == "topk_softmax" and self.moe.weights_dtype == "scores"
+            return logits.float() if half and not kept else logits
         dtype = torch.float32 if half else x.dtype
         return self._linear(x.to(dtype), dtype)
 
@@ -126,12 +130,15 @@ class TopKRouter(nn.Module):
 
     def select(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) of router ``logits``: the experts they choose, or ``ids``
-        given (weighted by these logits)."""
+        given (weighted by these logits); ``weights_dtype=model``: the weights rounded to the
+        model's (the router's own) dtype, as ``GraniteMoeTopKRouter``'s ``type_as``."""
         bias = self.e_score_correction_bias
         bias = None if bias is None else bias.to(logits.dtype)
         if ids is None:
-            return route(logits, bias, self.moe)
-        return _weights(_scores(logits, self.moe).gather(1, ids), self.moe), ids
+            weights, ids = route(logits, bias, self.moe)
+        else:
+            weights = _weights(_scores(logits, self.moe).gather(1, ids), self.moe)
+        return (weights.to(self.weight.dtype) if self.moe.weights_dtype == "model" else weights), ids
 
 
 def route(

@@ -1,6 +1,6 @@
 """The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
 transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen2-MoE,
-Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss and Llama 4 checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
+Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss, Llama 4 and Granite checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
 
 Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
 the simulator's model cards; ``model.moe: null`` is a dense model.
@@ -45,6 +45,10 @@ class MoEConfig(Settings):
         "float32", description="the router logits' dtype: float32 (DeepSeek), or the model's (Qwen3-MoE, Mixtral, "
         "gpt-oss); scores are float32 either way, as transformers computes them, except topk_softmax's, whose "
         "selection and softmax stay in the logits' dtype (transformers' GptOssTopKRouter)")
+    weights_dtype: Literal["scores", "model"] = Field(
+        "scores", description="the routed weights' dtype as they scale the experts: scores, the dtype they are "
+        "scored in (float32 for a bf16/fp16 model, topk_softmax's the logits'); or model, scored in float32 "
+        "(topk_softmax's too) and rounded to the model's dtype first (Granite's GraniteMoeTopKRouter)")
     router_bias: bool = Field(False, description="the router has a bias per expert, added to the logits before "
                               "the selection and so in the weights too (gpt-oss)")
     expert_bias: bool = Field(False, description="each routed expert's gate_up and down projections carry biases "

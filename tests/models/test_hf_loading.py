@@ -510,12 +510,13 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     Qwen3-MoE's dense layer 0 and MoE layer 1 (router, experts), Mixtral's
     ``block_sparse_moe`` experts ``w1``/``w3``/``w2`` on every layer, GLM-4.5's q/k/v biases
     without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
-    q/k norms and (``attention_bias``) q/k/v/o biases."""
+    q/k norms and (``attention_bias``) q/k/v/o biases; Granite's fused experts, shared MLP and
+    q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP)."""
     from pcpflow.models.hf import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-                 "glm4_moe", "gemma3", "gemma2"):
+                 "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -524,7 +525,9 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
         plan = plan_names(list(theirs), list(params), checkpoint.renames, num_layers=checkpoint.num_hidden_layers)
         assert (plan.unknown, plan.unfilled, plan.twice) == ([], [], []), arch
         for hf, targets in plan.targets.items():
-            if all(part is None for _, part in targets):  # one parameter, or several stacked (Phi-3's qkv_proj)
+            if plan.rules[hf].experts:  # NOTE: Granite's experts of a layer, stacked along a new first dim
+                assert theirs[hf] == (len(targets), *params[targets[0][0]]), (arch, hf)
+            elif all(part is None for _, part in targets):  # one parameter, or several stacked (Phi-3's qkv_proj)
                 assert theirs[hf] == (sum(params[n][0] for n, _ in targets), *params[targets[0][0]][1:]), (arch, hf)
         if arch == "phi3":  # NOTE: qkv_proj is q (4 heads x 16), then k and v (2 kv heads x 16 each)
             assert theirs["model.layers.0.self_attn.qkv_proj.weight"] == (64 + 32 + 32, 64)
@@ -1666,3 +1669,120 @@ def test_hunyuan_a13b_config_sizes_as_its_model_card(tmp_path):
     # NOTE: the card's figures are rounded to the billion
     assert total == pytest.approx(80, rel=0.03), total
     assert active == pytest.approx(13, rel=0.03), active
+# ------------------------------------------------------------------ Granite MoE, Granite 4.0
+# config.json of granite-3.1-1b-a400m-instruct and granite-3.1-3b-a800m-instruct: the fields that size them
+# (their multipliers, which size nothing, left out); hand-made Granite 4.0 hybrids with attention layers only
+GRANITE_MOE_COMMON = dict(architectures=["GraniteMoeForCausalLM"], model_type="granitemoe", intermediate_size=512,
+                          num_key_value_heads=8, num_experts_per_tok=8, vocab_size=49155, max_position_embeddings=131072,
+                          rope_theta=10000000.0, tie_word_embeddings=True)
+GRANITE4_COMMON = dict(architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid", hidden_size=1536,
+                       num_attention_heads=12, num_key_value_heads=4, num_hidden_layers=6, vocab_size=100352,
+                       layer_types=["attention"] * 6, position_embedding_type="rope", tie_word_embeddings=True)
+GRANITE_CONFIGS = {
+    "granite-3.1-1b-a400m": dict(GRANITE_MOE_COMMON, hidden_size=1024, num_attention_heads=16, num_hidden_layers=24,
+                                 num_local_experts=32),
+    "granite-3.1-3b-a800m": dict(GRANITE_MOE_COMMON, hidden_size=1536, num_attention_heads=24, num_hidden_layers=32,
+                                 num_local_experts=40),
+    # experts 512 wide and a shared MLP of two experts' width
+    "granite4-moe": dict(GRANITE4_COMMON, intermediate_size=512, shared_intermediate_size=1024, num_local_experts=64,
+                         num_experts_per_tok=6),
+    # no experts: the shared MLP (4096 wide) is each layer's MLP, whatever intermediate_size says
+    "granite4-dense": dict(GRANITE4_COMMON, intermediate_size=512, shared_intermediate_size=4096, num_local_experts=0,
+                           tie_word_embeddings=False),
+}
+
+
+def _granite_counts(c: dict) -> tuple[int, int]:
+    """(linear parameters of all layers, those one token meets) of a Granite config.json, by hand:
+    q/k/v/o, the router, each expert's gate/up/down, the shared MLP's."""
+    h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    attention = 2 * h * heads * d + 2 * h * kv * d
+    experts, k = c["num_local_experts"], c["num_experts_per_tok"] if c["num_local_experts"] else 0
+    expert, shared = 3 * h * c["intermediate_size"], 3 * h * c.get("shared_intermediate_size", 0)
+    total = attention + experts * (expert + h) + shared
+    active = attention + k * expert + experts * h + shared
+    return c["num_hidden_layers"] * total, c["num_hidden_layers"] * active
+
+
+@pytest.mark.parametrize("name", GRANITE_CONFIGS)
+def test_granite_moe_and_granite4_configs_size_a_simulated_run(tmp_path, name):
+    """pcpflow's model of each config has transformers' own parameter count; a simulated run counts
+    the linear layers' parameters as derived by hand from config.json (all, and those a token meets:
+    top-k experts, the router and the shared MLP), its embedding once when tied."""
+    from pcpflow.simulate.sizes import model_sizes
+
+    config = GRANITE_CONFIGS[name]
+    _, ours, _ = _sized_as_transformers(tmp_path, config)
+    cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=4", "pcp=2",
+                   "workload=explicit", "workload.prompt_lens=[8192]", "workload.output_lens=[2]"])
+    sizes = model_sizes(cfg.model)
+    total, active = _granite_counts(config)
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    embedding = config["vocab_size"] * h * (1 if config["tie_word_embeddings"] else 2)
+    assert (sizes.total_weight_params(), sizes.active_params_per_row(), sizes.embedding_params) == (total, active, embedding)
+    norms = (2 * layers + 1) * h
+    assert sum(p.numel() for p in ours.parameters()) == total + embedding + norms
+    experts = config["num_local_experts"]
+    assert (sizes.num_experts, sizes.num_dense_layers) == (experts, 0 if experts else layers)
+
+
+def _granite4(tmp_path: Path, name: str, **changes) -> Path:
+    """A tiny Granite 4.0 hybrid checkpoint (attention layers only) with ``changes`` to its config.json."""
+    src = tmp_path / "granite4"
+    if not src.exists():
+        script.build_checkpoint(src, "granite4")
+    return _copy(src, tmp_path / name, **changes)
+
+
+@pytest.mark.parametrize("mode", ["execute", "simulate"])
+def test_granite4_mamba_layers_are_refused_naming_them(tmp_path, mode):
+    """A hybrid config.json whose layer_types name Mamba2 layers (either spelling), or none (transformers
+    then makes every layer Mamba), is one problem on model.path that names the field, the layers and why,
+    in an executed and a simulated run alike."""
+    extra = ["mode=simulate", "hardware=h200_sxm"] if mode == "simulate" else ["pcp=1"]
+
+    def problem(path: Path) -> str:
+        with pytest.raises(ConfigError) as exc:
+            compose(["model=hf", f"model.path={path}", *extra])
+        (p,) = exc.value.problems
+        assert p.field == "model.path"
+        return p.allowed
+
+    for name, kinds in (("legacy", ["mamba", "attention"]), ("v5", ["linear_attention", "full_attention"])):
+        says = problem(_granite4(tmp_path, name, layer_types=kinds))
+        assert "layer_types names 1 of 2 layers mamba (layers 0): Mamba2 state-space layers" in says, says
+        assert "supported: every layer attention" in says
+    says = problem(_granite4(tmp_path, "absent", layer_types=_DELETE))
+    assert "layer_types is required: without it transformers' GraniteMoeHybridConfig makes all 2 layers Mamba2" in says
+    says = problem(_granite4(tmp_path, "unknown", layer_types=["attention", "sliding_attention"]))
+    assert "layer_types: unknown layer type(s) ['sliding_attention']" in says
+    assert "layer_types has 3 entries; num_hidden_layers is 2" in problem(
+        _granite4(tmp_path, "long", layer_types=["attention"] * 3))
+
+
+def test_granite_configs_are_read_as_transformers_reads_them(tmp_path):
+    """``layers_block_type`` is ``layer_types`` (GraniteMoeHybridConfig's attribute_map); the hybrid ropes
+    only with ``position_embedding_type: rope`` (``nope`` or absent: no rotary embedding, as
+    transformers builds it), GraniteMoe always; a shared MLP that is not a whole number of experts,
+    GraniteMoe without experts and an unknown position embedding are refused, naming the field."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    alias = _granite4(tmp_path, "alias", layer_types=_DELETE, layers_block_type=["attention", "attention"])
+    assert read_checkpoint_config(alias).layer_types == ["attention", "attention"]
+    for kind, ropes in (("rope", True), ("nope", False), (_DELETE, False)):
+        path = _granite4(tmp_path, f"pe-{kind if isinstance(kind, str) else 'absent'}", position_embedding_type=kind)
+        theirs = transformers.GraniteMoeHybridForCausalLM(transformers.AutoConfig.from_pretrained(path))
+        assert (theirs.model.rotary_emb is not None) == ropes
+        assert read_checkpoint_config(path).rope_layers == [ropes, ropes]
+        assert all((layer.self_attn.rotary is not None) == ropes for layer in HFModel(read_checkpoint_config(path)).layers)
+    assert "position_embedding_type: Input should be 'rope' or 'nope'" in _problem(
+        _granite4(tmp_path, "alibi", position_embedding_type="alibi"))
+    assert ("shared_intermediate_size=48 is not supported; supported: a multiple of intermediate_size (32), or 0 "
+            "(none)") in _problem(_granite4(tmp_path, "shared48", shared_intermediate_size=48))
+    plain = _granite4(tmp_path, "plain", architectures=["GraniteMoeForCausalLM"], model_type="granitemoe",
+                      num_local_experts=0)
+    assert "num_local_experts must be a positive integer (every GraniteMoeForCausalLM layer is MoE); got 0" in _problem(plain)
+    ignored = _granite4(tmp_path, "moe-nope", architectures=["GraniteMoeForCausalLM"], model_type="granitemoe",
+                        position_embedding_type="nope", shared_intermediate_size=0)
+    assert read_checkpoint_config(ignored).rope_layers == [True, True]  # NOTE: GraniteMoe ignores the field

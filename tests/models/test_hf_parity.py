@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
 Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too), Hunyuan (dense and MoE) and DeepSeek-V2/V3 checkpoints are
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE and Granite 4.0 checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -126,6 +126,13 @@ CHECKPOINTS = {
         arch="deepseek_v3", q_lora_rank=48, rope_scaling="yarn", rope_interleave=False
     ),
     "dsv2_no_q_lora": dict(arch="deepseek_v2", q_lora_rank=None, rope_scaling="yarn"),
+    # Granite 3.x MoE: Granite's multipliers, every layer MoE (top-2 logits softmaxed, fused expert tensors), tied
+    # as released; GraniteMoeShared: a shared MLP beside the experts; Granite 4.0's hybrid class with attention
+    # layers only: experts and a shared MLP, or (dense, as granite-4.0-micro) the shared MLP alone, here NoPE
+    "granitemoe_tied": dict(arch="granitemoe", tie_word_embeddings=True),
+    "granitemoeshared": dict(arch="granitemoeshared"),
+    "granite4": dict(arch="granite4"),
+    "granite4_dense_nope": dict(arch="granite4_dense", tie_word_embeddings=True),
 }
 
 # (checkpoint, dtype, pcp, dcp, decode, extra overrides): both main families see pcp 1/2/4,
@@ -238,6 +245,17 @@ MATRIX = [
     ("llama4_mm", "float64", 2, 2, "sharded", []),
     # Llama 4's temperature and L2 norms are per head: cut with the heads
     ("llama4", "float64", 2, 2, "replicated", ["tp=2"]),
+    # Granite MoE / 4.0 (the MoE blocks whole on each TP rank; the dense hybrid's MLP split)
+    ("granitemoe_tied", "float64", 1, 1, "replicated", []),
+    ("granitemoe_tied", "float32", 4, 4, "sharded", []),
+    ("granitemoeshared", "float64", 2, 2, "sharded", []),
+    ("granitemoeshared", "float32", 2, 1, "replicated", ["tp=2"]),
+    ("granite4", "float64", 4, 4, "replicated", []),
+    ("granite4", "float32", 2, 2, "sharded", []),
+    ("granite4", "float64", 2, 2, "replicated", ["tp=2"]),
+    ("granite4_dense_nope", "float64", 2, 2, "sharded", []),
+    ("granite4_dense_nope", "float32", 4, 1, "replicated", []),
+    ("granite4_dense_nope", "float64", 2, 2, "replicated", ["tp=2"]),
 ]
 
 # Llama 4 with chunks of WINDOW keys: chunk boundaries inside prefill chunks, DCP shards and decodes.
@@ -314,14 +332,17 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------- the reference
+EAGER_EXPERTS = {"GptOssForCausalLM", "HunYuanMoEV1ForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM"}
+
+
 def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     """``from_pretrained`` in ``dtype``. With ``promote`` (float64 only), the rotary
     embedding — whose frequencies transformers computes in float32 at construction — is
     built again under ``PromoteFloat32``; forwards must then run under it too."""
     # NOTE: by config.json's architecture: a multimodal one has no AutoModelForCausalLM class
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    # NOTE: gpt-oss's and Hunyuan's experts through transformers' eager loop (its grouped GEMM takes no float64)
-    extra = {"experts_implementation": "eager"} if arch in ("GptOssForCausalLM", "HunYuanMoEV1ForCausalLM") else {}
+    # NOTE: fused experts through transformers' eager loop (its grouped GEMM takes no float64)
+    extra = {"experts_implementation": "eager"} if arch in EAGER_EXPERTS else {}
     model = getattr(transformers, arch).from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     model.eval()
     if promote and dtype == "float64":
@@ -330,8 +351,9 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
         # NOTE: a multimodal model's text model; Llama 4's holds a whole Llama4ForCausalLM
         inner = model.model if hasattr(model, "model") else model.language_model.model
         base = getattr(inner, "language_model", inner)
-        with float64_compute():
-            base.rotary_emb = type(base.rotary_emb)(config=base.config)
+        if base.rotary_emb is not None:  # NOTE: a NoPE Granite 4.0 hybrid has none
+            with float64_compute():
+                base.rotary_emb = type(base.rotary_emb)(config=base.config)
         promote_parameters(model)
     return model
 

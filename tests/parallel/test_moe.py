@@ -432,12 +432,20 @@ HF_SLOW_CASES = [
     ("hunyuan_moe", "float32", 4, 4, "replicated", "all_to_all"),
     ("hunyuan_moe", "float64", 4, 1, "sharded", "local"),
     ("hunyuan_moe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
+    # Granite: the top-2 logits softmaxed, fused expert tensors; a shared MLP beside the experts (GraniteMoeShared,
+    # Granite 4.0's attention-only hybrid)
+    ("granitemoe", "float64", 2, 2, "sharded", "gather"),
+    ("granitemoe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("granitemoeshared", "float64", 4, 1, "replicated", "all_to_all"),
+    ("granite4", "float64", 2, 2, "sharded", "gather", "tp=2"),
+    ("granite4", "float32", 2, 2, "replicated", "all_to_all", "tp=2"),
+    ("granite4", "float64", 4, 4, "sharded", "local"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's and Hunyuan's are not;
-# Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's, Hunyuan's
+# and Granite's are not; Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
 HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2,
-                 "llama4": 2, "hunyuan_moe": 2}
+                 "llama4": 2, "hunyuan_moe": 2, "granitemoe": 2, "granitemoeshared": 2, "granite4": 2}
 # Experts per token of each tiny checkpoint: 2, but Llama 4's 1 (its released models' num_experts_per_tok).
 HF_TOP_K = {"llama4": 1}
 
@@ -455,6 +463,9 @@ class _Checkpoints(dict):
         "gpt_oss": ("gpt_oss", dict(bias=True)),
         "llama4": ("llama4", {}),  # NOTE: transformers' chunk of 8192 keys: longer than any request here
         "hunyuan_moe": ("hunyuan_moe", dict(bias=True)),
+        "granitemoe": ("granitemoe", {}),
+        "granitemoeshared": ("granitemoeshared", {}),
+        "granite4": ("granite4", {}),
     }
 
     def __init__(self, root: Path) -> None:
