@@ -20,6 +20,7 @@ interrupted (Ctrl-C, SIGTERM; a later run resumes its partial files).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -58,11 +59,20 @@ def resolve_checkpoint(path: str, *, weights: bool) -> str:
     from huggingface_hub import constants
 
     offline = bool(constants.HF_HUB_OFFLINE)
-    answer = (fetch if offline else _fetch_in_child)(match["repo"], match["revision"], weights=weights)
-    if "error" in answer:
+    try:
+        return _snapshot(match["repo"], match["revision"], weights, offline)
+    except LookupError as exc:
         where = "the Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "the Hugging Face Hub or its cache"
-        raise ValueError(f"no checkpoint directory at {local}, and {path} could not be read from {where}: "
-                         f"{answer['error']}")
+        raise ValueError(f"no checkpoint directory at {local}, and {path} could not be read from {where}: {exc}") from None
+
+
+@functools.cache
+def _snapshot(repo: str, revision: str | None, weights: bool, offline: bool) -> str:
+    """``fetch``'s snapshot, once a process (a search validates every layout, a sweep every job,
+    with one model.path); LookupError with what the Hub or the cache answered (not kept)."""
+    answer = (fetch if offline else _fetch_in_child)(repo, revision, weights=weights)
+    if "error" in answer:
+        raise LookupError(answer["error"])
     return answer["snapshot"]
 
 
