@@ -47,7 +47,6 @@ import torch
 from pydantic import Field, field_validator
 
 from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
-from pcpflow.hub import resolve_checkpoint
 from pcpflow.models.common import DecoderLM, build_uninitialized
 from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_cohere import Cohere2Checkpoint
@@ -67,6 +66,7 @@ from pcpflow.models.hf_weights import (
     plan_names,
     read_safetensors_header,
 )
+from pcpflow.models.hub import resolve_checkpoint
 from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
@@ -247,7 +247,7 @@ class HFModel(DecoderLM):
                     "+ *.safetensors; scripts/make_tiny_hf_checkpoint.py builds a tiny one)"
                 )
             # NOTE: resolved once, in the driver, so that ranks started elsewhere read the
-            # same directory (a Hub id's snapshot, downloaded here: pcpflow.hub).
+            # same directory (a Hub id's snapshot, downloaded here: pcpflow.models.hub).
             path = resolve_checkpoint(str(path), weights=True)
             read_checkpoint(path)
             return path

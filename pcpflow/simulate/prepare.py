@@ -22,8 +22,8 @@ from pcpflow.config.choices import allowed_choices
 from pcpflow.config.hardware import EXPERT_DTYPES, PEAK_OF_DTYPE, HardwareConfig, SimulateConfig
 from pcpflow.config.run import draft_slot
 from pcpflow.errors import MISSING, ConfigError, Problem
-from pcpflow.hub import resolve_checkpoint
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
+from pcpflow.models.hub import resolve_checkpoint
 from pcpflow.simulate.sizes import (
     DTYPE_BYTES,
     ModelSizes,

@@ -1,5 +1,5 @@
 """``model.path=owner/name``: a checkpoint named by its Hugging Face Hub id is its snapshot in the
-Hugging Face cache, with what a run reads fetched when missing (``pcpflow.hub``).
+Hugging Face cache, with what a run reads fetched when missing (``pcpflow.models.hub``).
 
 No Hub is reachable where these tests run: the cache is laid out here as ``huggingface_hub``
 keeps it (``models--owner--name/refs/main`` naming a snapshot), read offline; what a run fetches
@@ -22,8 +22,8 @@ huggingface_hub = pytest.importorskip("huggingface_hub")
 
 from repo_scripts import load_script  # noqa: E402
 
-from pcpflow import hub  # noqa: E402
 from pcpflow.errors import ConfigError  # noqa: E402
+from pcpflow.models import hub  # noqa: E402
 from pcpflow.testing import compose  # noqa: E402
 
 script = load_script("make_tiny_hf_checkpoint")
@@ -144,7 +144,7 @@ def test_a_run_fetches_only_what_it_reads(tiny, cache, monkeypatch):
 
 
 def test_the_download_child_answers_as_the_driver_would(tiny, cache, monkeypatch):
-    """Online the driver fetches in a child Python (``python -m pcpflow.hub``: killed at once
+    """Online the driver fetches in a child Python (``python -m pcpflow.models.hub``: killed at once
     when the driver is interrupted); its answer is ``fetch``'s, here from the cache it is handed
     through the environment (offline: no Hub is reachable)."""
     snapshot = _cached(cache, "acme/tiny-llama", tiny)

@@ -12,8 +12,8 @@ It runs once, in the driver, when the config is validated: the ranks are handed 
 directory. A name that is neither gives one configuration error on ``model.path`` (exit 2)
 saying both: no such directory, and what the Hub or the cache answered.
 
-Online, the download runs in a child Python (``python -m pcpflow.hub``, torch-free) whose
-progress bars show on stderr: ``huggingface_hub`` fetches with threads that would hold the
+Online, the download runs in a child Python (``python -m pcpflow.models.hub``) whose progress
+bars show on stderr: ``huggingface_hub`` fetches with threads that would hold the
 driver's exit until their files are done, while a child is killed the moment the driver is
 interrupted (Ctrl-C, SIGTERM; a later run resumes its partial files).
 """
@@ -91,7 +91,7 @@ def fetch(repo: str, revision: str | None, *, weights: bool) -> dict[str, str]:
 def _fetch_in_child(repo: str, revision: str | None, *, weights: bool) -> dict[str, str]:
     """``fetch`` in a child Python (its stderr, the progress bars, passed through): killed
     at once if this one is interrupted (``subprocess.run`` kills it on any exception)."""
-    argv = [sys.executable, "-m", "pcpflow.hub", repo, revision or "", "weights" if weights else "config"]
+    argv = [sys.executable, "-m", "pcpflow.models.hub", repo, revision or "", "weights" if weights else "config"]
     done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
     lines = done.stdout.strip().splitlines()
     try:
@@ -119,6 +119,6 @@ def _weight_files(snapshot: Path) -> list[str]:
         raise ValueError(f"{index} is not a safetensors index ({exc})") from None
 
 
-if __name__ == "__main__":  # the child of _fetch_in_child: python -m pcpflow.hub REPO REVISION weights|config
+if __name__ == "__main__":  # the child of _fetch_in_child: python -m pcpflow.models.hub REPO REVISION weights|config
     _repo, _revision, _what = sys.argv[1:4]
     print(json.dumps(fetch(_repo, _revision or None, weights=_what == "weights")), flush=True)
