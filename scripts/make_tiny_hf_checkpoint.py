@@ -65,6 +65,13 @@ and its odd ones full without position embedding.
 ``olmo2`` and ``olmo3`` are post-norm layers with q and k normed over the whole projection
 (OLMo 3: its even layers sliding, YaRN on the odd, full ones).
 
+``olmoe`` (``OlmoeForCausalLM``) is pre-norm with q and k normed over the whole projection,
+``clip_qkv=1.5`` (q, k and v clamped: about one entry in seven), every layer
+mixture-of-experts: 8 experts 32 wide, top-2 of the softmax over all 8, not renormalised (as the
+released ``norm_topk_prob: false``), stored one tensor per expert (``save_pretrained``)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch olmoe --out /tmp/tiny-olmoe
+
 ``gemma2`` is ``gemma3``'s sizes without q/k norms, one RoPE (base 1e4), the even layers
 sliding, attention scores soft-capped at 4 and logits at 5 (so that both caps bite).
 
@@ -147,7 +154,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -168,6 +175,7 @@ GQA_ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
@@ -240,6 +248,7 @@ DEFAULT_ROPE_SCALING = {
     "gemma2": "none",
     "olmo2": "none",
     "olmo3": "yarn",
+    "olmoe": "none",
     "cohere2": "none",
     "seed_oss": "none",
     "ernie4_5": "none",
@@ -337,6 +346,9 @@ def tiny_config(
             # NOTE: layers 0 and 1 slide, the others are full (YaRN on them alone); 4 layers
             olmo3=dict(sliding_window=sliding_window or 4096,
                        layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
+            # NOTE: every layer MoE (8 experts 32 wide, top-2 of a softmax over all 8, not renormalised); a clip
+            # of q, k and v that bites on entries of about unit scale
+            olmoe=dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=1.5),
             # NOTE: even layers slide (interleaved RoPE), odd ones are full (NoPE); a logit scale that
             # keeps the logits decisive (the released 0.0625-0.25 would flatten random ones)
             # NOTE: q/k/v biases (attention_bias, its default) and o's own (attention_out_bias, set here)
@@ -372,7 +384,7 @@ def tiny_config(
             common.update(hidden_size=80, rope_theta=1_000_000.0)
         if arch == "gemma2":
             common.update(hidden_size=80)
-        if arch in ("gpt_oss", "granitemoe", "granitemoeshared", "granite4"):  # NOTE: the experts' width
+        if arch in ("gpt_oss", "granitemoe", "granitemoeshared", "granite4", "olmoe"):  # NOTE: the experts' width
             common.update(intermediate_size=32)
         if arch == "hunyuan_moe":  # NOTE: the routed and shared experts' width
             common.update(intermediate_size=32)

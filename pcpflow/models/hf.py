@@ -12,7 +12,8 @@ table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimod
 Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
-projection); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers);
+projection); AllenAI's OLMoE ``OlmoeForCausalLM`` (``hf_olmoe``: pre-norm layers, q/k normed over the
+whole projection, ``clip_qkv``, MoE with softmax top-k weights not renormalised); Cohere 2 (``hf_cohere``: parallel blocks, centered norms, NoPE full layers);
 EXAONE 4.0 (``hf_exaone``: post-norm, per-head q/k norms, NoPE full layers); OpenAI's gpt-oss
 ``GptOssForCausalLM`` (``hf_gptoss``: attention sinks, alternating sliding layers, MoE with biased
 experts, its MXFP4 experts dequantized at load); Meta's Llama 4 ``Llama4ForCausalLM`` and the
@@ -25,7 +26,7 @@ with a shared expert); ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, de
 ``GraniteMoeHybridForCausalLM`` with attention layers only (``hf_granite``: Granite's multipliers, top-k
 experts weighted by a softmax over the k, a shared MLP; a hybrid's Mamba2 layers are refused, naming
 them). The config is checked when the run config is validated — an unsupported
-architecture (other MoE families such as OLMoE are named as such, Gemma 1 with a
+architecture (other MoE families such as Phi-3.5-MoE are named as such, Gemma 1 with a
 reason), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
@@ -59,6 +60,7 @@ from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoi
 from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
 from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
+from pcpflow.models.hf_olmoe import OlmoeCheckpoint
 from pcpflow.models.hf_weights import (
     Rename,
     checkpoint_files,
@@ -81,6 +83,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Gemma2ForCausalLM": Gemma2Checkpoint,
     "Olmo2ForCausalLM": Olmo2Checkpoint,
     "Olmo3ForCausalLM": Olmo3Checkpoint,
+    "OlmoeForCausalLM": OlmoeCheckpoint,
     "Cohere2ForCausalLM": Cohere2Checkpoint,
     "Exaone4ForCausalLM": Exaone4Checkpoint,
     "GptOssForCausalLM": GptOssCheckpoint,
@@ -121,6 +124,7 @@ _MODEL_TYPES = {
     "gemma": "GemmaForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -165,7 +169,7 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
     raw = read_config_json(path)
     arch = architecture_of(raw)
     if arch not in ARCHITECTURES and _is_moe(raw, arch):
-        moe_families = ("Mixtral", "Deepseek", "GptOss", "Llama4", "HunYuanMoE")
+        moe_families = ("Mixtral", "Deepseek", "GptOss", "Llama4", "HunYuanMoE", "Olmoe")
         supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(moe_families)]
         raise ValueError(
             f"unsupported architecture {arch}: a mixture-of-experts variant pcpflow does not route; "
@@ -219,7 +223,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
-    OLMo 2/3, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan, DeepSeek or Granite MoE / 4.0 model with the weights of
+    OLMo 2/3, OLMoE, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan, DeepSeek or Granite MoE / 4.0 model with the weights of
     a Hugging Face checkpoint."""
 
     class Config(Settings):

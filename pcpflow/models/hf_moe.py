@@ -1,5 +1,5 @@
 """The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4,
-Hunyuan-A13B and Granite checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
+Hunyuan-A13B, Granite and OLMoE checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
 routing; unsupported variants named), and where the router, routed and shared experts' tensors go."""
 
 from __future__ import annotations
@@ -224,6 +224,41 @@ def hunyuan_moe_settings(raw: dict[str, Any]) -> dict[str, Any]:
     return _checked(dict(num_experts=experts, top_k=top_k, num_shared_experts=1, scoring_func="softmax",
                          norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1,
                          router_dtype="float32"))
+
+
+OLMOE_MOE_RENAMES = (
+    _mlp("gate.weight", "gate.weight"),
+    *(r for r in MOE_RENAMES if ".experts.{j}." in r.hf),
+    _fused_experts("gate_up_proj", "gate_up_proj.weight"),
+    _fused_experts("down_proj", "down_proj.weight"),
+)
+"""OLMoE: the router ``gate`` and the routed experts one tensor per expert and projection (as the
+released checkpoints and transformers' ``save_pretrained`` store them), or every expert of a layer
+in one tensor per projection (transformers 5's ``OlmoeExperts``, which its loader also reads):
+``gate_up_proj [E, 2I, hidden]`` (``nn.Linear``'s layout, gate the first half of 2I, as pcpflow's)
+and ``down_proj [E, hidden, I]``."""
+
+OLMOE_MOE_DEFAULTS = dict(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False)
+"""``OlmoeConfig``'s defaults of the MoE fields a config.json may omit."""
+
+
+def olmoe_moe_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """``MoEConfig`` fields of an OLMoE config.json dict (``OlmoeTopKRouter``): every layer MoE, the
+    softmax (float32) of ``num_experts`` router logits computed in the model's dtype, the top
+    ``num_experts_per_tok`` of it, renormalised only when ``norm_topk_prob``, rounded to the model's
+    dtype before they scale the experts (``weights_dtype=model``); experts ``intermediate_size`` wide,
+    no shared expert."""
+    # NOTE: num_local_experts is OlmoeConfig's alias of num_experts (its attribute_map)
+    given = {k: v for k, v in raw.items() if v is not None}
+    given.setdefault("num_experts", given.get("num_local_experts", OLMOE_MOE_DEFAULTS["num_experts"]))
+    get = {**OLMOE_MOE_DEFAULTS, **given}.get
+    for field, kind in (("num_experts", int), ("num_experts_per_tok", int), ("norm_topk_prob", bool)):
+        if type(get(field)) is not kind:  # NOTE: strictly, as every config.json field (a "8" is refused)
+            raise ValueError(f"{field} must be {'an integer' if kind is int else 'true or false'}; got {get(field)!r}")
+    return _checked(dict(num_experts=get("num_experts"), top_k=get("num_experts_per_tok"),
+                         intermediate_size=get("intermediate_size"), norm_topk_prob=get("norm_topk_prob"),
+                         scoring_func="softmax", router_dtype="model", weights_dtype="model", num_shared_experts=0,
+                         n_group=1, topk_group=1, routed_scaling_factor=1.0))
 
 
 GQA_MOE_DEFAULTS = {

@@ -78,7 +78,10 @@ class GQAAttention(nn.Module):
     of q and of k (one weight shared by the heads) before RoPE, as Qwen3 (``unit_offset``:
     Gemma's, ``RMSNorm``); None: none; ``qk_norm_width="full"`` (OLMo 2): one RMSNorm over the
     whole projection of q (all heads) and one over k's, scaled before rounding, as
-    ``Olmo2RMSNorm`` (under TP its mean square is the TP group's: ``ShardedRMSNorm``). A
+    ``Olmo2RMSNorm`` (``full_norm_scale_first=False``: rounded, then scaled, as OLMoE's
+    ``OlmoeRMSNorm``; under TP its mean square is the TP group's: ``ShardedRMSNorm``).
+    ``clip_qkv`` (OLMoE): q and k (after their norms) and v clamped to ``[-clip_qkv, clip_qkv]``
+    before RoPE, as ``OlmoeAttention``. A
     ``rotary`` narrower than the head rotates its first dims and passes the rest (GLM-4.5's
     partial rotary); None: no position embedding (a NoPE layer). ``sinks``: one learned softmax
     logit per query head that reads no value (gpt-oss's attention sinks, ``self.sinks [H]``),
@@ -105,7 +108,9 @@ class GQAAttention(nn.Module):
         qk_norm_eps: float | None = None,
         unit_offset: bool = False,
         qk_norm_width: Literal["head", "full"] = "head",
+        full_norm_scale_first: bool = True,
         qk_norm_after_rope: bool = False,
+        clip_qkv: float | None = None,
         sinks: bool = False,
         rope_l2_eps: float | None = None,
         temperature_tuning: tuple[float, float] | None = None,
@@ -117,13 +122,14 @@ class GQAAttention(nn.Module):
         self.full_qk_norm = qk_norm_eps is not None and qk_norm_width == "full"
         assert not (qk_norm_after_rope and self.full_qk_norm), "a norm over the whole projection comes before RoPE"
         self.qk_norm_after_rope = qk_norm_after_rope
+        self.clip_qkv = clip_qkv
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
         if self.full_qk_norm:
-            self.q_norm = RMSNorm(num_heads * head_dim, qk_norm_eps, scale_first=True)
-            self.k_norm = RMSNorm(num_kv_heads * head_dim, qk_norm_eps, scale_first=True)
+            self.q_norm = RMSNorm(num_heads * head_dim, qk_norm_eps, scale_first=full_norm_scale_first)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, qk_norm_eps, scale_first=full_norm_scale_first)
         else:
             norm = (lambda: RMSNorm(head_dim, qk_norm_eps, unit_offset=unit_offset)) if qk_norm_eps is not None else nn.Identity
             self.q_norm, self.k_norm = norm(), norm()
@@ -147,6 +153,10 @@ class GQAAttention(nn.Module):
             k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
             if not self.qk_norm_after_rope:
                 q, k = self.q_norm(q), self.k_norm(k)
+        v = self.v_proj(h)
+        if self.clip_qkv is not None:  # NOTE: OLMoE's: elementwise, so each TP rank clamps its own heads
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         if self.rotary is not None:  # NOTE: None: a NoPE layer (SmolLM3's every fourth)
             cos, sin = self.rotary.cos_sin(positions, h.dtype)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
@@ -156,7 +166,7 @@ class GQAAttention(nn.Module):
             q, k = self.rope_l2_norm(q), self.rope_l2_norm(k)
         if self.temperature_tuning is not None:
             q = self._tuned(q, positions)
-        out = attn(layer, q, torch.cat([k.flatten(1), self.v_proj(h)], dim=-1), sinks=self.sinks)
+        out = attn(layer, q, torch.cat([k.flatten(1), v], dim=-1), sinks=self.sinks)
         return self.o_proj(out.flatten(1))
 
     def _tuned(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP layers (DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4,
-Granite), routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
+Granite, OLMoE), routed exactly as transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV2TopkRouter`` /
 ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter`` / ``GptOssTopKRouter`` /
-``Llama4Router`` / ``GraniteMoeTopKRouter`` do.
+``Llama4Router`` / ``GraniteMoeTopKRouter`` / ``OlmoeTopKRouter`` do.
 
 V3 (``scoring_func=sigmoid``): scores ``sigmoid(x W^T)``; experts are *selected* on
 ``scores + e_score_correction_bias``, within the ``topk_group`` groups (of ``n_group``)
@@ -10,8 +10,9 @@ chosen experts, normalised to sum 1 when ``norm_topk_prob``, times
 ``routed_scaling_factor``. V2 (``softmax``): softmax scores, groups ranked by their best
 score, the top-k scores are the weights (normalised when ``norm_topk_prob``; transformers'
 V2 never normalises, so its checkpoints load with it off), times the scaling factor.
-Qwen2-MoE, Qwen3-MoE, Mixtral and Hunyuan-A13B are the softmax path with one group and no scaling
-(Mixtral and Hunyuan always normalise; Hunyuan's router logits in float32). gpt-oss (``topk_softmax``): the router's logits carry a bias
+Qwen2-MoE, Qwen3-MoE, Mixtral, Hunyuan-A13B and OLMoE are the softmax path with one group and no scaling
+(Mixtral and Hunyuan always normalise; Hunyuan's router logits in float32; OLMoE's weights rounded to the
+model's dtype, ``weights_dtype=model``). gpt-oss (``topk_softmax``): the router's logits carry a bias
 (``router_bias``); the top-k raw logits are chosen and weighted by their softmax, taken over
 those k alone; its experts have biases (``expert_bias``) and a clamped SwiGLU
 (``activation=swiglu_clamped``). Granite routes as gpt-oss without the bias, in float32, its

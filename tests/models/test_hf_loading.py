@@ -98,8 +98,8 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     assert all(a in msg for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"))
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
-    olmoe = _copy(ckpts["llama"], tmp_path / "olmoe", architectures=["OlmoeForCausalLM"], num_experts=64)
-    assert "unsupported architecture OlmoeForCausalLM: a mixture-of-experts variant" in _problem(olmoe)
+    phimoe = _copy(ckpts["llama"], tmp_path / "phimoe", architectures=["PhimoeForCausalLM"], num_local_experts=16)
+    assert "unsupported architecture PhimoeForCausalLM: a mixture-of-experts variant" in _problem(phimoe)
     freq = _copy(ckpts["dsv3"], tmp_path / "freq", first_k_dense_replace=1, moe_layer_freq=2)
     assert "moe_layer_freq=2 is not supported" in _problem(freq)
     dense = _copy(ckpts["dsv3"], tmp_path / "dense", n_routed_experts=None, first_k_dense_replace=0)
@@ -158,12 +158,13 @@ def test_a_broken_config_json_is_one_problem_in_both_kinds_of_run(ckpts, tmp_pat
 
 
 def test_cli_rejects_an_moe_checkpoint_with_exit_2_and_starts_nothing(ckpts, tmp_path):
-    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["OlmoeForCausalLM"])
+    moe = _copy(ckpts["llama"], tmp_path / "moe", architectures=["PhimoeForCausalLM"])
     run_dir = tmp_path / "run"
     r = cli("model=hf", f"model.path={moe}", f"hydra.run.dir={run_dir}")
     assert r.returncode == 2, r.stderr
-    assert "model.path" in r.stderr and "OlmoeForCausalLM: a mixture-of-experts" in r.stderr
+    assert "model.path" in r.stderr and "PhimoeForCausalLM: a mixture-of-experts" in r.stderr
     assert "Qwen3MoeForCausalLM, MixtralForCausalLM" in r.stderr  # the MoE families it does route
+    assert "OlmoeForCausalLM" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert not run_dir.exists()
     assert not run_dir.exists(), "nothing may start for an invalid config"
@@ -516,7 +517,8 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-                 "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense"):
+                 "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense",
+                 "olmoe"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -1786,3 +1788,77 @@ def test_granite_configs_are_read_as_transformers_reads_them(tmp_path):
     ignored = _granite4(tmp_path, "moe-nope", architectures=["GraniteMoeForCausalLM"], model_type="granitemoe",
                         position_embedding_type="nope", shared_intermediate_size=0)
     assert read_checkpoint_config(ignored).rope_layers == [True, True]  # NOTE: GraniteMoe ignores the field
+
+
+# ------------------------------------------------------------------ OLMoE
+# The size fields of OLMoE-1B-7B-0924's config.json (and -0125's, and their -Instruct's: the same
+# architecture); AllenAI's card and paper: 6.9B parameters in all, 1.3B active per token (embedding and
+# head included; "1B" without them).
+OLMOE_1B_7B = dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", hidden_size=2048, intermediate_size=1024,
+                   num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, vocab_size=50304,
+                   num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, clip_qkv=None, attention_bias=False,
+                   rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096,
+                   tie_word_embeddings=False)
+
+
+def test_olmoe_1b_7b_config_sizes_as_counted_by_hand(tmp_path):
+    """Counted from config.json alone: per layer q/k/v/o 4 x 2048^2, the router 64 x 2048 and 64 experts
+    of 3 x 2048 x 1024 (8 of them a token's); q/k norms 2 x 2048 and two layer norms; the embedding and
+    an untied head 50304 x 2048 each. pcpflow's model and transformers' both hold that many parameters,
+    a simulated run counts the linear ones (all, and those a token meets), which come to the published
+    6.9B / 1.3B; at tp=8 it issues and prices the full-width q/k norms' all-reduces (two a layer)."""
+    from pcpflow.driver.cli import compose_raw
+    from pcpflow.driver.job import prepare_job
+    from pcpflow.simulate.engine import simulate_run
+    from pcpflow.simulate.sizes import model_sizes
+
+    h, i, layers, experts, k, vocab = 2048, 1024, 16, 64, 8, 50304
+    attention, router, expert = 4 * h * h, experts * h, 3 * h * i
+    total, active = layers * (attention + router + experts * expert), layers * (attention + router + k * expert)
+    embedding, norms = 2 * vocab * h, layers * 4 * h + h
+    c, ours, _ = _sized_as_transformers(tmp_path, OLMOE_1B_7B)
+    assert sum(p.numel() for p in ours.parameters()) == total + embedding + norms == 6_919_161_856
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size, c.moe.norm_topk_prob) == (64, 8, 1024, False)
+    sim = ["mode=simulate", "hardware=h100_sxm", "model=hf", f"model.path={tmp_path}", "tp=8", "pcp=1",
+           "workload=explicit", "workload.prompt_lens=[2048]", "workload.output_lens=[2]", "output.plots=false",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    sizes = model_sizes(compose(sim).model)
+    assert (sizes.total_weight_params(), sizes.active_params_per_row(), sizes.embedding_params) == (
+        total, active, embedding)
+    assert (sizes.num_experts, sizes.top_k, sizes.num_shared_experts, sizes.num_dense_layers) == (64, 8, 0, 0)
+    # NOTE: the published figures are rounded to the tenth of a billion
+    assert (total + embedding) / 1e9 == pytest.approx(6.9, abs=0.05)
+    assert (active + embedding) / 1e9 == pytest.approx(1.3, abs=0.05) and active / 1e9 == pytest.approx(1.0, abs=0.1)
+    m = simulate_run(prepare_job(compose_raw(sim)))["metrics"]
+    assert m["collective_calls"]["tp_qk_norm"] == 2 * layers * m["num_steps"]
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(head_dim=8), "head_dim=8 is not supported; supported: hidden_size / num_attention_heads (16)"),
+    (dict(clip_qkv=0), "clip_qkv: Input should be greater than 0"),
+    (dict(num_experts=8, num_experts_per_tok=9), "moe.top_k=9: must be <= num_experts (8)"),
+    (dict(num_experts="8"), "num_experts must be an integer; got '8'"),
+], ids=["head-dim", "clip-zero", "top-k", "experts-string"])
+def test_olmoe_configs_pcpflow_does_not_run_are_named(tmp_path, changes, says):
+    path = script.build_checkpoint(tmp_path / "olmoe", "olmoe")
+    assert says in _problem(_copy(path, tmp_path / "changed", **changes))
+
+
+def test_olmoe_configs_are_read_as_transformers_reads_them(tmp_path):
+    """``num_local_experts`` is ``num_experts`` (OlmoeConfig's attribute_map); omitted, the MoE fields are
+    OlmoeConfig's (64 experts, top-8, not renormalised); ``clip_qkv`` reaches every layer's attention;
+    ``head_dim`` equal to hidden / heads is accepted; ``model_type`` alone names the architecture."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    src = script.build_checkpoint(tmp_path / "olmoe", "olmoe")
+    alias = _copy(src, tmp_path / "alias", num_experts=_DELETE, num_local_experts=4)
+    assert read_checkpoint_config(alias).moe.num_experts == transformers.AutoConfig.from_pretrained(alias).num_experts == 4
+    omitted = _copy(src, tmp_path / "omitted", num_experts=_DELETE, num_experts_per_tok=_DELETE,
+                    norm_topk_prob=_DELETE)
+    theirs = transformers.AutoConfig.from_pretrained(omitted)
+    moe = read_checkpoint_config(omitted).moe
+    assert (moe.num_experts, moe.top_k, moe.norm_topk_prob) == (
+        theirs.num_experts, theirs.num_experts_per_tok, theirs.norm_topk_prob) == (64, 8, False)
+    c = read_checkpoint_config(_copy(src, tmp_path / "typed", architectures=_DELETE, head_dim=16))
+    assert (c.architecture, c.clip_qkv, c.dim) == ("OlmoeForCausalLM", 1.5, 16)
+    assert all(layer.self_attn.clip_qkv == 1.5 for layer in HFModel(c).layers)

@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
 Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE and Granite 4.0 checkpoints are
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0 and OLMoE checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -133,6 +133,9 @@ CHECKPOINTS = {
     "granitemoeshared": dict(arch="granitemoeshared"),
     "granite4": dict(arch="granite4"),
     "granite4_dense_nope": dict(arch="granite4_dense", tie_word_embeddings=True),
+    # OLMoE: pre-norm layers, q and k normed over the whole projection (rounded, then scaled), clip_qkv that
+    # bites; every layer MoE, the top-2 of a softmax over 8 experts, not renormalised
+    "olmoe": dict(arch="olmoe"),
 }
 
 # (checkpoint, dtype, pcp, dcp, decode, extra overrides): both main families see pcp 1/2/4,
@@ -282,6 +285,17 @@ HUNYUAN_CASES = [
 ]
 MATRIX += HUNYUAN_CASES
 
+OLMOE_CASES = [
+    ("olmoe", "float64", 1, 1, "replicated", []),
+    ("olmoe", "float32", 2, 2, "sharded", []),
+    ("olmoe", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("olmoe", "float32", 4, 1, "sharded", []),
+    # the full-width q/k norms split over TP: the sums of squares all-reduced; the clip per rank's heads
+    ("olmoe", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("olmoe", "float32", 2, 1, "replicated", ["tp=2"]),
+]
+MATRIX += OLMOE_CASES
+
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,
 # both dtypes, tp; the default set's budget keeps the newer families' cases, gpt-oss's and Llama 4's
@@ -332,7 +346,8 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------- the reference
-EAGER_EXPERTS = {"GptOssForCausalLM", "HunYuanMoEV1ForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM"}
+EAGER_EXPERTS = {"GptOssForCausalLM", "HunYuanMoEV1ForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                 "GraniteMoeHybridForCausalLM", "OlmoeForCausalLM"}
 
 
 def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):

@@ -440,12 +440,17 @@ HF_SLOW_CASES = [
     ("granite4", "float64", 2, 2, "sharded", "gather", "tp=2"),
     ("granite4", "float32", 2, 2, "replicated", "all_to_all", "tp=2"),
     ("granite4", "float64", 4, 4, "sharded", "local"),
+    # OLMoE: the top-2 of a softmax over all 8 experts, not renormalised, weights rounded to the model's dtype;
+    # full-width q/k norms (all-reduced over TP) and clip_qkv in its attention
+    ("olmoe", "float64", 2, 2, "sharded", "gather"),
+    ("olmoe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("olmoe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's, Hunyuan's
-# and Granite's are not; Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's, Hunyuan's,
+# Granite's and OLMoE's are not; Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
 HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2,
-                 "llama4": 2, "hunyuan_moe": 2, "granitemoe": 2, "granitemoeshared": 2, "granite4": 2}
+                 "llama4": 2, "hunyuan_moe": 2, "granitemoe": 2, "granitemoeshared": 2, "granite4": 2, "olmoe": 2}
 # Experts per token of each tiny checkpoint: 2, but Llama 4's 1 (its released models' num_experts_per_tok).
 HF_TOP_K = {"llama4": 1}
 
@@ -466,6 +471,7 @@ class _Checkpoints(dict):
         "granitemoe": ("granitemoe", {}),
         "granitemoeshared": ("granitemoeshared", {}),
         "granite4": ("granite4", {}),
+        "olmoe": ("olmoe", dict(bias=True)),
     }
 
     def __init__(self, root: Path) -> None:
@@ -628,11 +634,12 @@ def _edit(src: Path, dst: Path, **changes) -> Path:
 
 def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     v3 = moe_checkpoints["dsv3_moe"]
-    olmoe = _edit(v3, tmp_path / "olmoe", architectures=["OlmoeForCausalLM"])
-    says = _checkpoint_problem(olmoe)
-    assert "unsupported architecture OlmoeForCausalLM: a mixture-of-experts variant" in says
+    phimoe = _edit(v3, tmp_path / "phimoe", architectures=["PhimoeForCausalLM"])
+    says = _checkpoint_problem(phimoe)
+    assert "unsupported architecture PhimoeForCausalLM: a mixture-of-experts variant" in says
     assert ("supported MoE checkpoints: Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
             "Glm4MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in says
+    assert "OlmoeForCausalLM" in says
     shared = _edit(v3, tmp_path / "shared", architectures=["Qwen2MoeForCausalLM"], num_experts=8,
                    moe_intermediate_size=32, shared_expert_intermediate_size=48)
     assert "shared_expert_intermediate_size=48 is not supported; supported: a multiple of moe_intermediate_size (32)" \
