@@ -52,6 +52,14 @@ sections 2/3/3, a one-block vision tower beside it).
 ``mistral3`` is ``mistral``'s language model inside ``Mistral3ForConditionalGeneration`` (a
 one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 
+``ministral3`` (``Ministral3ForCausalLM``) is Ministral 3's: Mistral's layers, YaRN x4 over an original
+length of 32 with ``mscale != mscale_all_dim`` (a fractional ramp, cos/sin x1.025) and, after RoPE, each
+query scaled by ``1 + 0.5 * ln(1 + floor(p / 32))`` (``llama_4_scaling_beta=0.5``, so that the scale
+changes at positions 32 and 64 of the test prompts). ``ministral3_mm`` is that language model inside
+``Mistral3ForConditionalGeneration`` (a one-layer Pixtral beside it), as Ministral 3 3B/8B/14B are stored::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch ministral3_mm --tie-word-embeddings --out /tmp/tiny-ministral3
+
 ``cohere2`` has parallel blocks (attention and MLP on one centered norm), its even layers sliding
 with interleaved RoPE and its odd ones full without position embedding, logits times 0.75.
 
@@ -154,12 +162,13 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
@@ -214,6 +223,18 @@ ROPE_SCALINGS = {
         "beta_slow": 1,
         "truncate": False,
     },
+    # NOTE: Ministral 3's (YaRN with DeepSeek's mscale pair; its query scaling's beta beside them, over the
+    # original length): a ramp 0, 0.5, 1 over the 8 frequencies of a 16-dim head
+    "ministral3": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+        "llama_4_scaling_beta": 0.5,
+    },
     # NOTE: Hunyuan's, as its released configs write it: a fixed NTK alpha (theta x 50^(d / (d - 2)))
     "ntk_alpha": {"type": "dynamic", "alpha": 50.0, "factor": 1.0},
     # NOTE: Phi-3's: 6 frequencies (head 16, RoPE on 3/4 of it); short factors used up to the
@@ -244,6 +265,8 @@ DEFAULT_ROPE_SCALING = {
     "gemma3": "linear",
     "gemma3_mm": "linear",
     "mistral3": "none",
+    "ministral3": "ministral3",
+    "ministral3_mm": "ministral3",
     "qwen2_5_vl": "none",
     "gemma2": "none",
     "olmo2": "none",
@@ -309,6 +332,7 @@ def tiny_config(
             qwen3=dict(head_dim=24, use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                        max_window_layers=0),
             mistral=dict(head_dim=16, sliding_window=sliding_window),
+            ministral3=dict(head_dim=16, sliding_window=sliding_window),
             # NOTE: q/k/v in one qkv_proj, gate/up in one gate_up_proj; RoPE on 12 of 16 dims
             phi3=dict(sliding_window=sliding_window, partial_rotary_factor=0.75, original_max_position_embeddings=128),
             # NOTE: layer 1 of 2 without RoPE (no_rope_layer_interval=2)
@@ -376,8 +400,13 @@ def tiny_config(
             hunyuan=dict(head_dim=24),
             hunyuan_moe=dict(head_dim=24, num_experts=8, moe_topk=[2] * num_layers),
         )[arch]
-        if arch in ("qwen2", "mistral", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
+        if arch in ("qwen2", "mistral", "ministral3", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
+        if arch == "ministral3":  # NOTE: transformers needs the query scaling's numbers whatever the rope type;
+            # YaRN's factor 4 times its original length 32 is the model's (transformers warns of any other)
+            common["rope_scaling"] = {"rope_type": "default", "original_max_position_embeddings": 32,
+                                      "llama_4_scaling_beta": 0.5, **(common["rope_scaling"] or {})}
+            common.update(max_position_embeddings=128)
         if arch == "seed_oss" and not bias:  # NOTE: absent: Seed-OSS's default, q/k/v biases
             common.pop("attention_bias")
         if arch == "gemma3":  # NOTE: hidden 80: its sqrt (the embedding scale) is not a float32 number
@@ -436,9 +465,9 @@ def tiny_config(
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab_size - 1,
                                              video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
                                              tie_word_embeddings=tie_word_embeddings)
-    if arch == "mistral3":
-        text = tiny_config("mistral", rope_scaling=rope_scaling, vocab_size=vocab_size, num_layers=num_layers,
-                           sliding_window=sliding_window)
+    if arch in ("mistral3", "ministral3_mm"):
+        text = tiny_config("mistral" if arch == "mistral3" else "ministral3", rope_scaling=rope_scaling,
+                           vocab_size=vocab_size, num_layers=num_layers, sliding_window=sliding_window)
         # NOTE: the smallest Pixtral; the image token an ordinary id of the vocabulary, as released
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
                       image_size=28, patch_size=14)
@@ -571,6 +600,7 @@ def build_checkpoint(
         "deepseek_v2": transformers.DeepseekV2ForCausalLM,
         "gemma3_mm": transformers.Gemma3ForConditionalGeneration,
         "mistral3": transformers.Mistral3ForConditionalGeneration,
+        "ministral3_mm": transformers.Mistral3ForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "llama4_mm": transformers.Llama4ForConditionalGeneration,
     }[arch]

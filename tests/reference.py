@@ -43,6 +43,25 @@ def causal_attention(q, k, v, scale, window=None, sinks=None, window_kind="slidi
     return torch.einsum("hqk,khd->qhd", p, v)
 
 
+def dense_attention(spec):
+    """The attention backend of one sequence over its own entries, no cache: ``causal_attention`` with
+    a model's ``AttentionSpec`` (each KV head shared by its group of query heads)."""
+
+    def attn(layer, q, kv, sinks=None):
+        group = spec.num_heads // spec.num_kv_heads
+        k, v = (t.repeat_interleave(group, dim=1) for t in (spec.keys(kv), spec.values(kv)))
+        return causal_attention(q, k, v, spec.scale)
+
+    return attn
+
+
+def dense_logits(model, ids):
+    """A pcpflow decoder's logits of the one sequence ``ids`` through ``dense_attention``."""
+    with torch.no_grad():
+        hidden, _ = model(ids, torch.arange(len(ids)), dense_attention(model.attn_spec))
+        return model.compute_logits(hidden)
+
+
 def reference_forward(model, ids):
     """Dense, single-sequence forward written from the weights (MLA not absorbed).
     Returns logits and the residual stream after each layer."""

@@ -3,13 +3,15 @@
 ``DIR`` is a checkpoint directory as ``save_pretrained`` writes it: ``config.json`` plus
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``, ``GraniteForCausalLM`` and
+``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``, ``GraniteForCausalLM``,
+``Ministral3ForCausalLM`` (YaRN and each query scaled by its position: ``Ministral3Checkpoint``) and
 the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``
 and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
 norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields — in a
 table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimodal
 ``Gemma3ForConditionalGeneration`` (text only: ``hf_checkpoint.LanguageModelOf``, as Mistral
-Small 3.1's ``Mistral3ForConditionalGeneration``) and Gemma 2's ``Gemma2ForCausalLM``
+Small 3.1's ``Mistral3ForConditionalGeneration``, and Ministral 3's: a ``ministral3`` text_config) and
+Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
 projection); AllenAI's OLMoE ``OlmoeForCausalLM`` (``hf_olmoe``: pre-norm layers, q/k normed over the
@@ -57,7 +59,13 @@ from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3Mu
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
-from pcpflow.models.hf_llama import FAMILIES, LlamaCheckpoint, Mistral3Checkpoint, Qwen2VLCheckpoint
+from pcpflow.models.hf_llama import (
+    FAMILIES,
+    LlamaCheckpoint,
+    Ministral3Checkpoint,
+    Mistral3Checkpoint,
+    Qwen2VLCheckpoint,
+)
 from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
 from pcpflow.models.hf_olmoe import OlmoeCheckpoint
@@ -73,6 +81,7 @@ from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape
 
 ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     **dict.fromkeys(FAMILIES, LlamaCheckpoint),
+    "Ministral3ForCausalLM": Ministral3Checkpoint,  # FAMILIES' layers, its own rope settings and defaults
     "DeepseekV2ForCausalLM": DeepseekCheckpoint,
     "DeepseekV3ForCausalLM": DeepseekCheckpoint,
     "Gemma3ForCausalLM": Gemma3Checkpoint,
@@ -118,6 +127,7 @@ _MODEL_TYPES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "mistral3": "Mistral3ForConditionalGeneration",
+    "ministral3": "Ministral3ForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "gemma2": "Gemma2ForCausalLM",
@@ -222,7 +232,7 @@ def _is_moe(raw: dict, arch: str) -> bool:
 
 
 class HFModel(DecoderLM):
-    """A Llama-style (Llama, Mistral, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
+    """A Llama-style (Llama, Mistral, Ministral 3, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
     OLMo 2/3, OLMoE, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan, DeepSeek or Granite MoE / 4.0 model with the weights of
     a Hugging Face checkpoint."""
 

@@ -1,6 +1,6 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
-``GraniteForCausalLM``, ``SeedOssForCausalLM``, ``Ernie4_5ForCausalLM`` and the mixture-of-experts
+``GraniteForCausalLM``, ``SeedOssForCausalLM``, ``Ernie4_5ForCausalLM``, ``Ministral3ForCausalLM`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
@@ -45,6 +45,10 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 - Mixtral: Mistral's attention, its sliding window off unless ``sliding_window`` is set;
   every layer MoE (``num_local_experts``, top-``num_experts_per_tok``, always renormalised;
   ``block_sparse_moe`` tensors, experts ``w1``/``w3``/``w2``).
+- Ministral 3 (``Ministral3ForCausalLM``; Ministral 3 3B/8B/14B and Devstral Small 2 as the language model of
+  ``Mistral3ForConditionalGeneration``): Mistral's layers, its window off unless ``sliding_window`` is set, YaRN
+  with mscale / mscale_all_dim, and each query scaled by its position (``llama_4_scaling_beta``:
+  ``Ministral3Checkpoint``).
 - GLM-4.5 (``Glm4MoeForCausalLM``): q/k/v biases when ``attention_bias`` (never on o), q/k
   norms when ``use_qk_norm``, RoPE on the first ``partial_rotary_factor`` of each head (0.5
   unless set), MoE past ``first_k_dense_replace`` routed as DeepSeek-V3 (its field names), its
@@ -67,7 +71,7 @@ from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf
 from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, QWEN2_MOE_RENAMES, gqa_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
-from pcpflow.models.layers import gqa_layers, gqa_spec
+from pcpflow.models.layers import QueryScaling, gqa_layers, gqa_spec
 from pcpflow.models.moe_config import MoEConfig
 
 
@@ -105,6 +109,8 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": GQAFamily(mlp_bias=False, qk_norm=True, sliding="use_sliding_window_every_layer"),
     "MixtralForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
                                     default_window=None),
+    "Ministral3ForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
+                                       default_window=None),
     "Glm4MoeForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, qk_norm=None, rotary_factor=0.5),
     "Phi3ForCausalLM": GQAFamily(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer",
                                  default_window=None),
@@ -259,6 +265,11 @@ class LlamaCheckpoint(CheckpointConfig):
             return [bool(x) for x in self.no_rope_layers]
         return [(i + 1) % self.no_rope_layer_interval != 0 for i in range(n)]
 
+    @property
+    def query_scaling(self) -> QueryScaling | None:
+        """Every query scaled by its position (Ministral 3's: ``Ministral3Checkpoint``); None: none."""
+        return None
+
     def attn_spec(self) -> AttentionSpec:
         scale = self.attention_multiplier if self.family.multipliers else None  # NOTE: Granite's softmax scale
         spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=scale)
@@ -287,7 +298,7 @@ class LlamaCheckpoint(CheckpointConfig):
             bias=qkv, o_bias=out, mlp_bias=mlp, qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
             rotary_dim=self.rope_dims, rope_layers=self.rope_layers,
             residual_multiplier=self.residual_multiplier if f.multipliers else None,
-            interleaved_rope=f.interleaved_rope,
+            interleaved_rope=f.interleaved_rope, query_scaling=self.query_scaling,
         )
 
 
@@ -301,11 +312,93 @@ class Mistral3Checkpoint(LanguageModelOf, LlamaCheckpoint):
     """The language model of a multimodal Mistral 3 checkpoint (``Mistral3ForConditionalGeneration``,
     config.json ``model_type: mistral3``: Mistral Small 3.1 / 3.2), run on text alone
     (``LanguageModelOf``): a Mistral model from ``text_config``; without an image transformers'
-    forward is exactly its text model's."""
+    forward is exactly its text model's. A ``ministral3`` text_config (Ministral 3, Devstral Small 2)
+    is ``Ministral3MultimodalCheckpoint``'s."""
 
     text_architecture: ClassVar[str] = "MistralForCausalLM"
-    text_model_types: ClassVar[tuple[str, ...]] = ("mistral",)
+    # NOTE: ministral3 for the message only: ``parse`` hands such a config.json on
+    text_model_types: ClassVar[tuple[str, ...]] = ("mistral", "ministral3")
     text_defaults: ClassVar[dict[str, Any]] = MISTRAL_TEXT_DEFAULTS
+    renames: ClassVar[tuple[Rename, ...]] = LanguageModelOf.prefixed(LlamaCheckpoint.renames)
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], architecture: str, *, allow_quantized: bool = False):
+        text = raw.get("text_config")
+        if isinstance(text, dict) and text.get("model_type") == "ministral3":
+            return Ministral3MultimodalCheckpoint.parse(raw, architecture, allow_quantized=allow_quantized)
+        return super().parse(raw, architecture, allow_quantized=allow_quantized)
+
+
+MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1_000_000.0, factor=16.0, original_max_position_embeddings=16384,
+                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
+"""``Ministral3Config``'s rope settings where config.json gives none (a ``rope_theta`` beside them unread,
+as transformers leaves it)."""
+
+
+class Ministral3Checkpoint(LlamaCheckpoint):
+    """Ministral 3 (``Ministral3ForCausalLM``, config.json ``model_type: ministral3``), as transformers'
+    ``modeling_ministral3.py`` computes it: Mistral's layers (``FAMILIES``) with, after RoPE, the query
+    of the row at position ``p`` scaled by ``1 + beta * ln(1 + floor(p / original_max_position_embeddings))``
+    (``QueryScaling``): ``llama_4_scaling_beta`` and the original length are read from the rope settings,
+    where transformers keeps them (the released ones: YaRN x16 over 16384 tokens, beta 0.1).
+    ``Ministral3Config``'s defaults where config.json is silent."""
+
+    vocab_size: int = Field(131072, gt=0)
+    hidden_size: int = Field(4096, gt=0)
+    intermediate_size: int = Field(14336, gt=0)
+    num_hidden_layers: int = Field(34, gt=0)
+    num_attention_heads: int = Field(32, gt=0)
+    num_key_value_heads: int | None = Field(8, gt=0)
+    head_dim: int | None = Field(128, gt=0)
+    max_position_embeddings: int = Field(262144, gt=0)
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    llama_4_scaling_beta: float | None = None  # the rope settings'
+    llama_4_scaling_length: int | None = Field(None, gt=0)  # the rope settings' original_max_position_embeddings
+
+    @classmethod
+    def _rope_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """``MINISTRAL3_ROPE`` where config.json gives no rope settings; the query scaling's two numbers
+        taken from them before they are read as RoPE's (an original length that yarn, llama3 and longrope
+        leave out is the model's, as transformers fills it in; other types have none)."""
+        if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+            raw["rope_parameters"] = dict(MINISTRAL3_ROPE)
+        params = raw.get("rope_parameters") or raw.get("rope_scaling")
+        raw.setdefault("max_position_embeddings", cls.model_fields["max_position_embeddings"].default)
+        raw = super()._rope_fields(raw)
+        if isinstance(params, dict):
+            length = params.get("original_max_position_embeddings")
+            if length is None and raw.get("rope_scaling") is not None:
+                length = raw["rope_scaling"].original_max_position_embeddings
+            raw.update(llama_4_scaling_beta=params.get("llama_4_scaling_beta"), llama_4_scaling_length=length)
+        return raw
+
+    @model_validator(mode="after")
+    def _query_scaling_given(self) -> Ministral3Checkpoint:
+        # NOTE: transformers' forward fails without either (None in its arithmetic)
+        if self.llama_4_scaling_beta is None:
+            raise ValueError("rope_parameters has no llama_4_scaling_beta, by which Ministral 3 scales every query "
+                             "(0: none)")
+        if self.llama_4_scaling_length is None:
+            raise ValueError("rope_parameters has no original_max_position_embeddings, the period of Ministral 3's "
+                             "query scaling (transformers fills it in for yarn, llama3 and longrope only)")
+        return self
+
+    @property
+    def query_scaling(self) -> QueryScaling | None:
+        if not self.llama_4_scaling_beta:
+            return None  # NOTE: beta 0 scales by exactly 1
+        return QueryScaling(self.llama_4_scaling_length, self.llama_4_scaling_beta, "ministral3")
+
+
+class Ministral3MultimodalCheckpoint(LanguageModelOf, Ministral3Checkpoint):
+    """The language model of a multimodal Ministral 3 checkpoint (``Mistral3ForConditionalGeneration``
+    with a ``ministral3`` text_config: Ministral 3 3B / 8B / 14B, Devstral Small 2), run on text alone
+    (``LanguageModelOf``): a ``Ministral3ForCausalLM`` from ``text_config`` (``Ministral3Config``'s
+    defaults where it is silent), its tensors under ``language_model.``, the Pixtral tower unread;
+    ``tie_word_embeddings`` from the top level (``Mistral3Config``'s default, true)."""
+
+    text_architecture: ClassVar[str] = "Ministral3ForCausalLM"
+    text_model_types: ClassVar[tuple[str, ...]] = ("ministral3",)
     renames: ClassVar[tuple[Rename, ...]] = LanguageModelOf.prefixed(LlamaCheckpoint.renames)
 
 

@@ -35,7 +35,7 @@ from pcpflow.models.common import DecoderLayer, RotaryEmbedding
 from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf, head_problems
 from pcpflow.models.hf_moe import LLAMA4_MOE_RENAMES, llama4_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
-from pcpflow.models.layers import GQAAttention, gqa_spec
+from pcpflow.models.layers import GQAAttention, QueryScaling, gqa_spec
 from pcpflow.models.moe import build_mlp
 from pcpflow.models.moe_config import MoEConfig
 
@@ -160,7 +160,7 @@ class Llama4Checkpoint(CheckpointConfig):
 
     def build_layers(self) -> list[DecoderLayer]:
         h, eps = self.hidden_size, self.rms_norm_eps
-        tuning = (self.floor_scale, self.attn_scale) if self.attn_temperature_tuning else None
+        tuning = QueryScaling(self.floor_scale, self.attn_scale, "llama4") if self.attn_temperature_tuning else None
         expert_width = self.moe.intermediate_size if self.moe is not None else self.intermediate_size
         return [
             DecoderLayer(
@@ -171,7 +171,7 @@ class Llama4Checkpoint(CheckpointConfig):
                     bias=self.attention_bias,
                     # NOTE: Llama4TextAttention: the q/k norm on RoPE layers only, the temperature on NoPE ones only
                     rope_l2_eps=eps if rope and self.use_qk_norm else None,
-                    temperature_tuning=None if rope else tuning,
+                    query_scaling=None if rope else tuning,
                 ),
                 h, self.intermediate_size, eps,
                 mlp=build_mlp(self.moe, i, h, expert_width),

@@ -14,6 +14,7 @@ transformers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -72,6 +73,35 @@ class WeightlessRMSNorm(nn.Module):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class QueryScaling:
+    """q of the row at position ``p`` times ``1 + beta * ln(1 + floor((p + offset) / period))``, in
+    float32 at least, as transformers computes it for one of two models:
+
+    - ``llama4``: Llama 4's attention temperature on its NoPE layers (``Llama4TextAttention``:
+      ``period`` its ``floor_scale``, ``beta`` its ``attn_scale``): offset 1, ``log1p``, the product
+      rounded to q's dtype;
+    - ``ministral3``: Ministral 3's ``llama_4_scaling_beta`` over the original length
+      (``get_llama_4_attn_scale``): offset 0, ``log(1 + ...)``, the scale rounded to q's dtype
+      before the product.
+
+    NOTE: the forms differ only where transformers' do, down to the rounding: ``log1p(n)`` and
+    ``log(1 + n)`` of a float32 integer differ in the last bit for some ``n`` (6, 46, ...)."""
+
+    period: float
+    beta: float
+    form: Literal["llama4", "ministral3"]
+
+    def __call__(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # NOTE: positions straight to float32 (bf16 would round them), as transformers' positions.float()
+        t = positions.to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype)
+        if self.form == "llama4":
+            scales = torch.log1p(torch.floor((t + 1.0) / self.period)) * self.beta + 1.0
+            return (q * scales[:, None, None]).to(q.dtype)
+        scales = 1 + self.beta * torch.log(1 + torch.floor(t / self.period))
+        return q * scales.to(q.dtype)[:, None, None]
+
+
 class GQAAttention(nn.Module):
     """Grouped-query attention. ``bias``: biases on q/k/v, and on o unless ``o_bias`` says
     otherwise (Qwen2: q/k/v only). ``qk_norm_eps``: an RMSNorm over each head's ``head_dim``
@@ -91,9 +121,9 @@ class GQAAttention(nn.Module):
     that each weight meets a rotated dim.
 
     Llama 4's: ``rope_l2_eps``, on a layer that rotates, q and k are normed per head *after* RoPE
-    by a weightless RMSNorm (``Llama4TextL2Norm``); ``temperature_tuning=(floor_scale, attn_scale)``,
-    q of the row at position ``p`` scaled by ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``
-    (its NoPE layers' attention temperature tuning)."""
+    by a weightless RMSNorm (``Llama4TextL2Norm``). ``query_scaling``: q of each row scaled by its
+    position, after RoPE (Llama 4's attention temperature, Ministral 3's ``llama_4_scaling_beta``:
+    ``QueryScaling``)."""
 
     def __init__(
         self,
@@ -113,12 +143,12 @@ class GQAAttention(nn.Module):
         clip_qkv: float | None = None,
         sinks: bool = False,
         rope_l2_eps: float | None = None,
-        temperature_tuning: tuple[float, float] | None = None,
+        query_scaling: QueryScaling | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_l2_norm = WeightlessRMSNorm(rope_l2_eps) if rope_l2_eps is not None else None
-        self.temperature_tuning = temperature_tuning
+        self.query_scaling = query_scaling
         self.full_qk_norm = qk_norm_eps is not None and qk_norm_width == "full"
         assert not (qk_norm_after_rope and self.full_qk_norm), "a norm over the whole projection comes before RoPE"
         self.qk_norm_after_rope = qk_norm_after_rope
@@ -164,19 +194,10 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_l2_norm is not None:  # NOTE: Llama 4's: after RoPE (a norm per head ignores its pair order)
             q, k = self.rope_l2_norm(q), self.rope_l2_norm(k)
-        if self.temperature_tuning is not None:
-            q = self._tuned(q, positions)
+        if self.query_scaling is not None:
+            q = self.query_scaling(q, positions)
         out = attn(layer, q, torch.cat([k.flatten(1), v], dim=-1), sinks=self.sinks)
         return self.o_proj(out.flatten(1))
-
-    def _tuned(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``q`` of rows at ``positions`` scaled by Llama 4's attention temperature, computed in
-        float32 at least and the product rounded to q's dtype, as ``Llama4TextAttention``."""
-        floor_scale, attn_scale = self.temperature_tuning
-        # NOTE: positions straight to float32 (bf16 would round them), as transformers' positions.float()
-        t = positions.to(torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype)
-        scales = torch.log1p(torch.floor((t + 1.0) / floor_scale)) * attn_scale + 1.0
-        return (q * scales[:, None, None]).to(q.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary.dim
@@ -265,6 +286,7 @@ def gqa_layers(
     residual_multiplier: float | None = None,
     interleaved_rope: bool = False,
     sinks: bool = False,
+    query_scaling: QueryScaling | None = None,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
     ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps`` (``"full"``:
@@ -273,7 +295,7 @@ def gqa_layers(
     the dims RoPE rotates (None: all of ``head_dim``); ``rope_layers``: which layers rotate (None:
     all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``);
     ``interleaved_rope``: RoPE on pairs of adjacent dims (ERNIE 4.5's); ``sinks``: attention sinks
-    (gpt-oss's, ``GQAAttention``)."""
+    (gpt-oss's, ``GQAAttention``); ``query_scaling``: every layer's q scaled by position (Ministral 3's)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -289,6 +311,7 @@ def gqa_layers(
                 qk_norm_eps=eps if qk_norm else None,
                 qk_norm_width="full" if qk_norm == "full" else "head",
                 sinks=sinks,
+                query_scaling=query_scaling,
             ),
             hidden_size,
             intermediate_size,

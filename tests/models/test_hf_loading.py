@@ -1129,7 +1129,7 @@ def test_multimodal_mistral3_runs_its_language_model(tmp_path):
     assert (type(c).__name__, c.architecture, c.window) == ("Mistral3Checkpoint", "MistralForCausalLM", 7)
     assert compose(["model=hf", f"model.path={path}", "pcp=2"]).model.path == str(path)
     other = _text_config(_copy(path, tmp_path / "other"), model_type="qwen2")
-    assert "text_config.model_type must be mistral; got 'qwen2'" in _problem(other)
+    assert "text_config.model_type must be mistral or ministral3; got 'qwen2'" in _problem(other)
 
     (tmp_path / "small").mkdir()
     (tmp_path / "small" / "config.json").write_text(json.dumps(MISTRAL_SMALL_31))
@@ -1140,6 +1140,126 @@ def test_multimodal_mistral3_runs_its_language_model(tmp_path):
     count = sum(p.numel() for p in ours.parameters())
     want = sum(p.numel() for p in theirs.model.language_model.parameters()) + theirs.lm_head.weight.numel()
     assert count == want and count / 1e9 == pytest.approx(23.57, abs=0.01) and c.window is None
+
+
+# ------------------------------------------------------------------ Ministral 3
+def test_ministral3_is_read_as_transformers_reads_it(tmp_path):
+    """Ministral3ForCausalLM and, as Ministral 3 is released, its language model inside
+    Mistral3ForConditionalGeneration (text_config model_type ministral3; the head tied as the top level
+    says): Mistral's layers with YaRN (mscale 1, mscale_all_dim 0.8) and the query scaling's beta and
+    period read from the rope settings; where config.json is silent, Ministral3Config's defaults (its
+    rope settings whatever rope_theta says, eps, head_dim, KV heads, no window), as transformers builds them
+    (tests/models/test_ministral3.py holds the numbers to transformers', test_hf_parity.py the tokens)."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    causal = script.build_checkpoint(tmp_path / "causal", "ministral3")
+    mm = script.build_checkpoint(tmp_path / "mm", "ministral3_mm", tie_word_embeddings=True)
+    for path, kind, tied in ((causal, "Ministral3Checkpoint", False), (mm, "Ministral3MultimodalCheckpoint", True)):
+        c = read_checkpoint_config(path)
+        s = c.rope_scaling
+        assert (type(c).__name__, c.architecture, c.tie_word_embeddings, c.window) == (
+            kind, "Ministral3ForCausalLM", tied, None)
+        assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.mscale, s.mscale_all_dim) == (
+            "yarn", 4.0, 32, 1.0, 0.8)
+        assert (c.llama_4_scaling_beta, c.llama_4_scaling_length, c.query_scaling.period) == (0.5, 32, 32)
+        assert compose(["model=hf", f"model.path={path}", "pcp=2"]).model.path == str(path)
+
+    bare = dict(architectures=["Ministral3ForCausalLM"], model_type="ministral3", vocab_size=64, hidden_size=64,
+                intermediate_size=32, num_hidden_layers=1, num_attention_heads=8, rope_theta=5e5)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(bare))
+    c = read_checkpoint_config(tmp_path / "bare")
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path / "bare")
+    rope = theirs.rope_parameters
+    s = c.rope_scaling
+    assert (c.rope_theta, s.rope_type, s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow,
+            s.mscale, s.mscale_all_dim, c.llama_4_scaling_beta) == (
+        rope["rope_theta"], rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"],
+        rope["beta_fast"], rope["beta_slow"], rope["mscale"], rope["mscale_all_dim"], rope["llama_4_scaling_beta"])
+    assert (c.rms_norm_eps, c.dim, c.kv_heads, c.window, c.tie_word_embeddings, c.max_position_embeddings) == (
+        theirs.rms_norm_eps, theirs.head_dim, theirs.num_key_value_heads, theirs.sliding_window,
+        theirs.tie_word_embeddings, theirs.max_position_embeddings)
+    plain = _copy(tmp_path / "bare", tmp_path / "plain", rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.0, "original_max_position_embeddings": 8})
+    c = read_checkpoint_config(plain)
+    assert (c.rope_scaling, c.llama_4_scaling_beta, c.query_scaling) == (None, 0.0, None)  # NOTE: a scale of 1
+
+
+@pytest.mark.parametrize("rope, says", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "no llama_4_scaling_beta"),
+    ({"rope_type": "default", "llama_4_scaling_beta": 0.1}, "no original_max_position_embeddings"),
+    ({"rope_type": "linear", "factor": 2.0, "llama_4_scaling_beta": 0.1}, "no original_max_position_embeddings"),
+], ids=["no beta", "default without a length", "linear without a length"])
+def test_ministral3_rope_settings_transformers_cannot_run_are_refused(tmp_path, rope, says):
+    """A query scaling without its beta or its period is one problem on model.path, naming the missing
+    setting; transformers builds such a model and fails in its first forward."""
+    config = dict(architectures=["Ministral3ForCausalLM"], model_type="ministral3", vocab_size=64, hidden_size=64,
+                  intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, rope_parameters={"rope_theta": 1e4, **rope}, pad_token_id=None)
+    path = script.build_checkpoint(tmp_path / "tiny", "ministral3", num_layers=1)
+    bad = _copy(path, tmp_path / "bad", rope_parameters=config["rope_parameters"])
+    assert says in _problem(bad)
+    model = transformers.Ministral3ForCausalLM(transformers.Ministral3Config(**config))
+    with pytest.raises(TypeError):
+        model(torch.tensor([[1, 2, 3]]))
+
+
+# The text_config sizes of Ministral-3-3B, -8B and -14B-2512 (Base, Instruct and Reasoning share a language
+# model; the 3B ties its head) with their rope settings, and Instruct-2512's FP8 quantization_config (the
+# Pixtral tower's config abridged as Mistral Small 3.1's)
+MINISTRAL3_TEXT = dict(model_type="ministral3", head_dim=128, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=131072, max_position_embeddings=262144, rms_norm_eps=1e-05, sliding_window=None,
+                       rope_parameters=dict(beta_fast=32.0, beta_slow=1.0, factor=16.0, llama_4_scaling_beta=0.1,
+                                            mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=16384,
+                                            rope_theta=1000000.0, rope_type="yarn", type="yarn"))
+REAL_MINISTRAL3 = {  # (text_config sizes, tied, the model card's language model in billions)
+    "ministral-3-3b": (dict(hidden_size=3072, intermediate_size=9216, num_hidden_layers=26), True, 3.4),
+    "ministral-3-8b": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=34), False, 8.4),
+    "ministral-3-14b": (dict(hidden_size=5120, intermediate_size=16384, num_hidden_layers=40), False, 13.5),
+}
+
+
+@pytest.mark.parametrize("name", REAL_MINISTRAL3)
+def test_real_ministral3_configs_size_a_simulated_run_by_hand(tmp_path, name):
+    """Per layer q and o (hidden x 32 heads x 128), k and v (hidden x 8 x 128), the MLP's three
+    hidden x intermediate and two norms; the embedding (and an untied head) and the final norm: pcpflow's
+    model of the config.json, transformers' language model and head, and a simulated run (its linear
+    layers and embeddings) all hold that many, the model cards' 3.4B / 8.4B / 13.5B to within 1.2%.
+    Instruct-2512's FP8 weights: priced as fp8 in a simulated run, refused in an executed one."""
+    from pcpflow.models.card import card_from_hf_config
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.simulate.sizes import model_sizes
+
+    text, tied, card_b = REAL_MINISTRAL3[name]
+    h, inner, n = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    linear = n * (2 * h * 32 * 128 + 2 * h * 8 * 128 + 3 * h * inner)
+    embeddings = 131072 * h * (1 if tied else 2)
+    raw = dict(architectures=["Mistral3ForConditionalGeneration"], model_type="mistral3", image_token_index=10,
+               spatial_merge_size=2, text_config={**MINISTRAL3_TEXT, **text}, tie_word_embeddings=tied,
+               vision_config=MISTRAL_SMALL_31["vision_config"])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    c = read_checkpoint_config(tmp_path)
+    ours = build_uninitialized(lambda: HFModel(c), "meta")
+    with torch.device("meta"):
+        theirs = transformers.Mistral3ForConditionalGeneration(transformers.AutoConfig.from_pretrained(tmp_path))
+    count = linear + embeddings + (2 * n + 1) * h
+    assert sum(p.numel() for p in ours.parameters()) == count
+    head = 0 if tied else theirs.lm_head.weight.numel()
+    assert sum(p.numel() for p in theirs.model.language_model.parameters()) + head == count
+    assert count / 1e9 == pytest.approx(card_b, rel=0.012)
+    sim = ["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "pcp=2",
+           "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"]
+    sizes = model_sizes(compose(sim).model)
+    assert (sizes.total_weight_params(), sizes.embedding_params) == (linear, embeddings)
+    assert (c.kv_heads, c.dim, c.window, c.llama_4_scaling_length) == (8, 128, None, 16384)
+
+    (tmp_path / "fp8").mkdir()
+    fp8 = dict(raw, quantization_config={"activation_scheme": "static", "quant_method": "fp8"})
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(fp8))
+    assert card_from_hf_config(tmp_path / "fp8")["weights_dtype"] == "fp8"
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(fp8\) are not supported"):
+        read_checkpoint_config(tmp_path / "fp8")
 
 
 # config.json of gemma-2-2b-it and gemma-2-9b-it as published (transformers 4.42), with their

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints run token for token with transformers.
 
-Tiny random Llama, Qwen2, Qwen3, Mistral, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3
-Mistral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
+Tiny random Llama, Qwen2, Qwen3, Mistral, Ministral 3, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3,
+Mistral 3, Ministral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
 Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0 and OLMoE checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
@@ -89,6 +89,11 @@ CHECKPOINTS = {
     "qwen2_5_vl": dict(arch="qwen2_5_vl"),
     # Mistral Small 3.1 / 3.2: Mistral's language model inside Mistral3ForConditionalGeneration
     "mistral3": dict(arch="mistral3", sliding_window=WINDOW),
+    # Ministral 3: Mistral's layers, YaRN with mscale != mscale_all_dim, each query scaled by its position
+    # (1 + 0.5 ln(1 + floor(p / 32)): changing at 32 and 64); as released, inside
+    # Mistral3ForConditionalGeneration (tied, as the 3B)
+    "ministral3": dict(arch="ministral3"),
+    "ministral3_mm_tied": dict(arch="ministral3_mm", tie_word_embeddings=True),
     # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
     # its even layer sliding over WINDOW keys
     "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
@@ -295,6 +300,18 @@ OLMOE_CASES = [
     ("olmoe", "float32", 2, 1, "replicated", ["tp=2"]),
 ]
 MATRIX += OLMOE_CASES
+# Ministral 3 (the query scaling per row: with the prompt's rows wherever a layout puts them, cut with the heads)
+MINISTRAL3_CASES = [
+    ("ministral3", "float64", 1, 1, "replicated", []),
+    ("ministral3", "float32", 2, 2, "sharded", []),
+    ("ministral3", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("ministral3", "float32", 4, 1, "sharded", []),
+    ("ministral3", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("ministral3_mm_tied", "float64", 2, 2, "sharded", []),
+    ("ministral3_mm_tied", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("ministral3_mm_tied", "float32", 2, 1, "replicated", ["tp=2"]),
+]
+MATRIX += MINISTRAL3_CASES
 
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,

@@ -20,7 +20,7 @@ transformers = pytest.importorskip(
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from float64_compute import float64_compute, promote_parameters  # noqa: E402
-from reference import causal_attention  # noqa: E402
+from reference import dense_logits  # noqa: E402
 from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import (  # noqa: E402
     HunYuanDenseV1RotaryEmbedding,
 )
@@ -70,17 +70,6 @@ def _randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _dense_attention(spec):
-    """Causal attention of one sequence over its own entries (no cache)."""
-
-    def attn(layer, q, kv, sinks=None):
-        group = spec.num_heads // spec.num_kv_heads
-        k, v = (t.repeat_interleave(group, dim=1) for t in (spec.keys(kv), spec.values(kv)))
-        return causal_attention(q, k, v, spec.scale)
-
-    return attn
-
-
 def _both(tmp_path, arch: str, **changes) -> tuple[torch.Tensor, HFModel, torch.Tensor]:
     """transformers' logits of a one-layer ``arch`` model (random float64 weights, saved with
     ``save_pretrained``), pcpflow's model of the saved checkpoint, and the token ids."""
@@ -97,22 +86,16 @@ def _both(tmp_path, arch: str, **changes) -> tuple[torch.Tensor, HFModel, torch.
     return want, ours, ids
 
 
-def _logits(model: HFModel, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        hidden, _ = model(ids, torch.arange(len(ids)), _dense_attention(model.attn_spec))
-        return model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("arch, changes", [
     ("HunYuanDenseV1ForCausalLM", dict(attention_bias=True, intermediate_size=80)),
     ("HunYuanMoEV1ForCausalLM", dict(num_experts=8, moe_topk=[2], tie_word_embeddings=True)),
 ], ids=["dense", "moe"])
 def test_one_layer_matches_transformers_in_float64(tmp_path, arch, changes):
     want, ours, ids = _both(tmp_path, arch, **changes)
-    assert float((_logits(ours, ids) - want).abs().max()) < 1e-12
+    assert float((dense_logits(ours, ids) - want).abs().max()) < 1e-12
     attn = ours.layers[0].self_attn
     attn.qk_norm_after_rope = False  # NOTE: Qwen3's order: norms before RoPE, which does not commute with them
-    assert float((_logits(ours, ids) - want).abs().max()) > 1e-3
+    assert float((dense_logits(ours, ids) - want).abs().max()) > 1e-3
 
 
 def _moe_pair(tmp_path, dtype: torch.dtype) -> tuple[HunYuanMoEV1Moe, MoEMLP, torch.Tensor]:
