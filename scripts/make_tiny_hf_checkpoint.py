@@ -49,6 +49,18 @@ granite-4.0-micro) and no position embedding (``position_embedding_type: nope``)
 ``qwen2_5_vl`` is ``qwen2``'s language model inside ``Qwen2_5_VLForConditionalGeneration`` (M-RoPE
 sections 2/3/3, a one-block vision tower beside it).
 
+``qwen3_vl`` is a Qwen3 language model inside ``Qwen3VLForConditionalGeneration`` (q/k norms,
+``head_dim=24`` != hidden/heads, interleaved M-RoPE sections 4/4/4 of its 12 frequencies, a
+one-block vision tower with a DeepStack merger beside it, the text tensors under
+``model.language_model.``; tied with ``--tie-word-embeddings``, as the 2B and 4B are).
+``qwen3_vl_moe`` is ``Qwen3VLMoeForConditionalGeneration``: every layer mixture-of-experts, 8
+experts 24 wide (so that no fused tensor is square), top-2 of a softmax router, always
+renormalised; the fused experts written transposed, ``[E, hidden, 2I]`` and ``[E, I, hidden]``,
+as the released checkpoints store them (transformers 5's ``save_pretrained`` writes
+``[E, 2I, hidden]``; it reads both)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch qwen3_vl_moe --out /tmp/tiny-qwen3-vl-moe
+
 ``mistral3`` is ``mistral``'s language model inside ``Mistral3ForConditionalGeneration`` (a
 one-layer Pixtral beside it), as Mistral Small 3.1 / 3.2 are stored.
 
@@ -162,7 +174,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -268,6 +280,8 @@ DEFAULT_ROPE_SCALING = {
     "ministral3": "ministral3",
     "ministral3_mm": "ministral3",
     "qwen2_5_vl": "none",
+    "qwen3_vl": "none",
+    "qwen3_vl_moe": "none",
     "gemma2": "none",
     "olmo2": "none",
     "olmo3": "yarn",
@@ -465,6 +479,23 @@ def tiny_config(
         return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab_size - 1,
                                              video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
                                              tie_word_embeddings=tie_word_embeddings)
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+        text = tiny_config("qwen3", rope_scaling="none", vocab_size=vocab_size, num_layers=num_layers,
+                           bias=bias).to_dict()
+        for key in ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"):
+            text.pop(key, None)
+        # NOTE: head 24: 12 frequencies, interleaved T/H/W over all of them
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4],
+                                   "mrope_interleaved": True}
+        if arch == "qwen3_vl_moe":  # NOTE: every layer MoE; experts 24 wide: no fused tensor square (hidden 64)
+            text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1)
+        # NOTE: the smallest vision tower; the special ids ordinary ids of the vocabulary
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0])
+        cls = transformers.Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else transformers.Qwen3VLConfig
+        return cls(text_config=text, vision_config=vision, image_token_id=vocab_size - 1,
+                   video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
+                   vision_end_token_id=vocab_size - 4, tie_word_embeddings=tie_word_embeddings)
     if arch in ("mistral3", "ministral3_mm"):
         text = tiny_config("mistral" if arch == "mistral3" else "ministral3", rope_scaling=rope_scaling,
                            vocab_size=vocab_size, num_layers=num_layers, sliding_window=sliding_window)
@@ -602,6 +633,8 @@ def build_checkpoint(
         "mistral3": transformers.Mistral3ForConditionalGeneration,
         "ministral3_mm": transformers.Mistral3ForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
         "llama4_mm": transformers.Llama4ForConditionalGeneration,
     }[arch]
     model = cls(config)
@@ -613,12 +646,31 @@ def build_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
+    if arch == "qwen3_vl_moe":
+        transpose_fused_experts(out)
     if tok is not None:
         tok.save_pretrained(out)
         if eos_token_id is None:
             eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
         write_generation_config(out, eos_token_id, tok.bos_token_id)
     return out
+
+
+def transpose_fused_experts(out: Path) -> None:
+    """Rewrite the fused expert tensors (``*.mlp.experts.gate_up_proj`` / ``down_proj``) of the
+    checkpoint at ``out`` transposed, ``[E, in, out]``: Qwen3-VL-MoE's released layout."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        fused = [k for k in tensors if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]
+        for k in fused:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        if fused:
+            save_file(tensors, str(file), metadata=metadata)
 
 
 def main(argv: list[str] | None = None) -> None:

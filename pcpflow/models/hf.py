@@ -10,8 +10,10 @@ and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences â
 norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields â€” in a
 table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimodal
 ``Gemma3ForConditionalGeneration`` (text only: ``hf_checkpoint.LanguageModelOf``, as Mistral
-Small 3.1's ``Mistral3ForConditionalGeneration``, and Ministral 3's: a ``ministral3`` text_config) and
-Gemma 2's ``Gemma2ForCausalLM``
+Small 3.1's ``Mistral3ForConditionalGeneration``, and Ministral 3's: a ``ministral3`` text_config; Qwen2-VL's
+and Qwen2.5-VL's, and Qwen3-VL's ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLMoeForConditionalGeneration``:
+Qwen3 / Qwen3-MoE layers under ``model.language_model.``, interleaved M-RoPE plain on text, the MoE's fused
+experts read in either stored layout) and Gemma 2's ``Gemma2ForCausalLM``
 (``hf_gemma``: the same GQA layers with Gemma's norms, embedding scale, GELU, RoPE per layer
 type and soft-capping); OLMo 2 / 3 (``hf_olmo``: post-norm layers, q/k normed over the whole
 projection); AllenAI's OLMoE ``OlmoeForCausalLM`` (``hf_olmoe``: pre-norm layers, q/k normed over the
@@ -65,6 +67,8 @@ from pcpflow.models.hf_llama import (
     Ministral3Checkpoint,
     Mistral3Checkpoint,
     Qwen2VLCheckpoint,
+    Qwen3VLCheckpoint,
+    Qwen3VLMoeCheckpoint,
 )
 from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
 from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
@@ -89,6 +93,8 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Mistral3ForConditionalGeneration": Mistral3Checkpoint,  # the same
     "Qwen2VLForConditionalGeneration": Qwen2VLCheckpoint,  # the same
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLCheckpoint,
+    "Qwen3VLForConditionalGeneration": Qwen3VLCheckpoint,  # its language model, tensors under model.language_model.
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeCheckpoint,
     "Gemma2ForCausalLM": Gemma2Checkpoint,
     "Olmo2ForCausalLM": Olmo2Checkpoint,
     "Olmo3ForCausalLM": Olmo3Checkpoint,
@@ -130,6 +136,8 @@ _MODEL_TYPES = {
     "ministral3": "Ministral3ForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "gemma2": "Gemma2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -382,7 +390,7 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
                       num_layers=checkpoint.num_hidden_layers, skip=checkpoint.skip)
     problems = []
     if plan.unfilled:
-        stored = {int(m.group(1)) for n in names if (m := re.search(r"(?:^|\.)model\.layers\.(\d+)\.", n))}
+        stored = {int(m.group(1)) for n in names if (m := re.search(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.", n))}
         hint = ""
         if len(stored) < checkpoint.num_hidden_layers:
             hint = f" (config.json says num_hidden_layers={checkpoint.num_hidden_layers}; the weights hold {len(stored)} layer(s))"
@@ -402,8 +410,10 @@ def _tensor_problems(path: Path, shapes: dict[str, tuple[int, ...]], names: list
             shapes[base] = mxfp4_dense_shape(shapes[blocks])
     for hf_name, targets in plan.targets.items():
         shapes_of = [params.get(name) for name, _ in targets]
-        want = None if None in shapes_of else plan.rules[hf_name].checkpoint_shape(shapes_of)
         shape = shapes.get(hf_name)
-        if want is not None and shape is not None and tuple(shape) != want:
+        if None in shapes_of or shape is None:
+            continue
+        want = plan.rules[hf_name].read_as(tuple(shape), shapes_of).checkpoint_shape(shapes_of)
+        if tuple(shape) != want:
             problems.append(Problem("model.path", str(path), f"tensor {hf_name} has shape {list(shape)}; config.json implies {list(want)}"))
     return problems[:10]

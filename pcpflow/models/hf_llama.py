@@ -179,10 +179,15 @@ class LlamaCheckpoint(CheckpointConfig):
             if family is not None and family.bias_default:
                 raw.setdefault("attention_bias", True)
             try:
-                raw["moe"] = gqa_moe_settings(raw, raw.get("architecture"))
+                raw["moe"] = cls.moe_settings(raw)
             except TypeError:  # a field of the wrong type: the field's own validation names it
                 raw["moe"] = None
         return raw
+
+    @classmethod
+    def moe_settings(cls, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """``MoEConfig`` fields of the config.json dict ``raw`` (None: dense)."""
+        return gqa_moe_settings(raw, raw.get("architecture"))
 
     @model_validator(mode="after")
     def _heads(self) -> LlamaCheckpoint:
@@ -438,3 +443,78 @@ class Qwen2VLCheckpoint(LanguageModelOf, LlamaCheckpoint):
             raise ValueError(f"{key}.mrope_section must split a head's {dim // 2} rotated frequencies; got {sections!r}")
         plain = {k: v for k, v in rope.items() if k not in ("mrope_section", "type", "rope_type", "mrope_interleaved")}
         return {**text, key: {**plain, "rope_type": "default"}}
+
+
+def _in_language_model(renames: tuple[Rename, ...]) -> tuple[Rename, ...]:
+    """A text model's renames as Qwen3-VL stores them: ``model.*`` under ``model.language_model.*``
+    (transformers 5's own module path), ``lm_head`` at the top."""
+    return tuple(dataclasses.replace(r, hf="model.language_model." + r.hf.removeprefix("model."))
+                 if r.hf.startswith("model.") else r for r in renames)
+
+
+QWEN3_VL_MOE_EXPERTS = tuple(
+    Rename(f"model.layers.{{i}}.mlp.experts.{hf}", f"layers.{{i}}.mlp.experts.{{j}}.{hf}.weight", experts=True,
+           transposed=True, either_layout=True) for hf in ("gate_up_proj", "down_proj"))
+"""Qwen3-VL-MoE's experts, every expert of a layer in one tensor per projection: as the released
+checkpoints store them, ``x @ W`` (``gate_up_proj [E, hidden, 2I]``, gate the first half of 2I;
+``down_proj [E, I, hidden]``), or as transformers 5's ``save_pretrained`` writes them
+(``[E, 2I, hidden]``, ``[E, hidden, I]``); transformers reads both, by shape."""
+
+QWEN3_VL_TEXT_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=128000,
+                              rope_theta=500000.0)
+"""transformers' ``Qwen3VLTextConfig`` defaults that ``LlamaCheckpoint``'s differ from (its
+``head_dim`` 128 is Qwen3's own)."""
+QWEN3_VL_MOE_TEXT_DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=128000,
+                                  rope_theta=500000.0, num_experts=60, num_experts_per_tok=4,
+                                  moe_intermediate_size=1408, decoder_sparse_step=1)
+"""transformers' ``Qwen3VLMoeTextConfig`` defaults that ``LlamaCheckpoint``'s and Qwen3-MoE's differ from."""
+
+
+class Qwen3VLCheckpoint(LanguageModelOf, LlamaCheckpoint):
+    """The language model of Qwen3-VL (``Qwen3VLForConditionalGeneration``: Qwen3-VL-2B ... 32B),
+    run on text alone (``LanguageModelOf``): Qwen3's layers (per-head q/k norms, ``head_dim`` 128
+    unless given) from ``text_config``, tensors under ``model.language_model.``, the
+    ``model.visual.*`` tower unread. Its interleaved multimodal RoPE (``mrope_section``,
+    ``mrope_interleaved``) takes the frequencies of a head from three position ids, which text
+    alone makes one and the same: plain RoPE with the same frequencies. DeepStack adds visual
+    features to the first layers' hidden states at image positions only: nothing on text."""
+
+    text_architecture: ClassVar[str] = "Qwen3ForCausalLM"
+    text_model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl_text",)
+    text_defaults: ClassVar[dict[str, Any]] = QWEN3_VL_TEXT_DEFAULTS
+    tie_default: ClassVar[bool] = False
+    skip: ClassVar[tuple[str, ...]] = (r"model\.visual\..*",)
+    renames: ClassVar[tuple[Rename, ...]] = _in_language_model(LlamaCheckpoint.renames)
+
+    @classmethod
+    def text_fields(cls, text: dict[str, Any]) -> dict[str, Any]:
+        """M-RoPE's keys left out (its rope type read as any family's); no sliding window, which
+        transformers' Qwen3-VL attention never applies whatever the text config says."""
+        key = "rope_parameters" if text.get("rope_parameters") is not None else "rope_scaling"
+        rope = text.get(key)
+        text = {k: v for k, v in text.items() if k not in ("use_sliding_window", "sliding_window", "layer_types")}
+        if isinstance(rope, dict):
+            text[key] = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+        return text
+
+
+class Qwen3VLMoeCheckpoint(Qwen3VLCheckpoint):
+    """The language model of Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``: Qwen3-VL-30B-A3B,
+    235B-A22B), on text as ``Qwen3VLCheckpoint``: Qwen3-MoE's layers, its experts fused
+    (``QWEN3_VL_MOE_EXPERTS``)."""
+
+    text_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+    text_model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl_moe_text",)
+    text_defaults: ClassVar[dict[str, Any]] = QWEN3_VL_MOE_TEXT_DEFAULTS
+    renames: ClassVar[tuple[Rename, ...]] = _in_language_model(
+        (*(r for r in LlamaCheckpoint.renames if ".experts.{j}." not in r.hf), *QWEN3_VL_MOE_EXPERTS))
+
+    @classmethod
+    def moe_settings(cls, raw: dict[str, Any]) -> dict[str, Any] | None:
+        """Qwen3-MoE's, routed as transformers' ``Qwen3VLMoeTextTopKRouter``: the top-k always
+        renormalised (it reads no ``norm_topk_prob``), then rounded to the model's dtype before they
+        scale the experts' outputs."""
+        moe = super().moe_settings(raw)
+        return None if moe is None else {**moe, "norm_topk_prob": True, "weights_dtype": "model"}

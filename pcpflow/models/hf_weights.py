@@ -13,6 +13,7 @@ exactly once; anything the table does not know is an error rather than silently 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -44,7 +45,9 @@ class Rename:
     as the checkpoint stores it: ``transposed``, ``[in, out]`` (``x @ W``), where pcpflow
     keeps ``nn.Linear``'s ``[out, in]``; ``interleaved``, a fused gate/up whose gate and up
     rows alternate (gate = rows ``0::2``), where pcpflow keeps ``[gate; up]``. ``mxfp4``:
-    the checkpoint may store it as ``<hf>_blocks`` + ``<hf>_scales`` (``pcpflow.models.mxfp4``)."""
+    the checkpoint may store it as ``<hf>_blocks`` + ``<hf>_scales`` (``pcpflow.models.mxfp4``).
+    ``either_layout``: a ``transposed`` tensor may also be stored in pcpflow's layout, told apart
+    by its shape (``read_as``)."""
 
     hf: str
     ours: str
@@ -54,6 +57,7 @@ class Rename:
     transposed: bool = False
     interleaved: bool = False
     mxfp4: bool = False
+    either_layout: bool = False
 
     def pattern(self) -> re.Pattern[str]:
         return _compile(self.hf)
@@ -69,6 +73,14 @@ class Rename:
             # NOTE: de-interleaved here, once, so every expert path slices [gate; up] as the dense MLP's
             tensor = torch.cat([tensor[0::2], tensor[1::2]])
         return tensor
+
+    def read_as(self, shape: tuple[int, ...], shapes: list[tuple[int, ...]]) -> Rename:
+        """The rename a stored tensor of ``shape`` filling parameters of ``shapes`` is read by:
+        this one; with ``either_layout``, the untransposed one when ``shape`` is the parameters'
+        own, as transformers' ``Transpose(check_dims=True)`` reads it (a square tensor is never
+        transposed)."""
+        plain = dataclasses.replace(self, transposed=False, either_layout=False)
+        return plain if self.either_layout and tuple(shape) == plain.checkpoint_shape(shapes) else self
 
     def checkpoint_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
         """The shape the checkpoint tensor must have to fill parameters of ``shapes`` (its
@@ -272,6 +284,7 @@ def _load(params: dict[str, nn.Parameter], path: Path, where: dict[str, Any], pl
             tensor = dequantize_mxfp4(where[blocks].get_tensor(blocks), where[scales].get_tensor(scales), dtype)
         else:
             tensor = where[hf_name].get_tensor(hf_name)
+        rule = rule.read_as(tuple(tensor.shape), [tuple(params[name].shape) for name, _ in targets])
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # --- faults
             nonfinite.append(f"{hf_name} ({int((~torch.isfinite(tensor)).sum())} of {tensor.numel()} values)")
         if rule.experts:

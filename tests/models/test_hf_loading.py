@@ -1102,6 +1102,214 @@ def test_qwen25_vl_reads_its_language_model_from_the_top_level(tmp_path):
         read_checkpoint_config(tmp_path)
 
 
+# ------------------------------------------------------------------ Qwen3-VL
+# config.json of Qwen3-VL-2B, -4B, -8B-Instruct and Qwen3-VL-30B-A3B-Instruct as published (transformers 4.57:
+# the language model in text_config, M-RoPE as rope_scaling; the vision tower's config left out: transformers'
+# defaults stand in for it, pcpflow never reads it)
+QWEN3_VL_TEXT = dict(attention_bias=False, head_dim=128, hidden_act="silu", max_position_embeddings=262144,
+                     num_key_value_heads=8, rms_norm_eps=1e-06, rope_theta=5000000, vocab_size=151936,
+                     rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"})
+
+
+def _qwen3_vl(tied: bool, **text) -> dict:
+    return dict(architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl", tie_word_embeddings=tied,
+                text_config=dict(QWEN3_VL_TEXT, model_type="qwen3_vl_text", tie_word_embeddings=tied, **text))
+
+
+REAL_QWEN3_VL_CONFIGS = {
+    "Qwen3-VL-2B": _qwen3_vl(True, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
+    "Qwen3-VL-4B": _qwen3_vl(True, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32),
+    "Qwen3-VL-8B": _qwen3_vl(False, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                             num_attention_heads=32),
+    "Qwen3-VL-30B-A3B": dict(
+        architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe", tie_word_embeddings=False,
+        text_config=dict(QWEN3_VL_TEXT, model_type="qwen3_vl_moe_text", hidden_size=2048, intermediate_size=6144,
+                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, decoder_sparse_step=1,
+                         mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True, num_experts=128,
+                         num_experts_per_tok=8)),
+}
+
+
+@pytest.mark.parametrize("name", REAL_QWEN3_VL_CONFIGS)
+def test_real_qwen3_vl_configs_build_transformers_language_model(tmp_path, name):
+    """Qwen3-VL's config.json: Qwen3's attention (head_dim 128, GQA, q/k norms), RoPE plain at its theta (the
+    M-RoPE keys read as the three equal ids text gives), no window; transformers' own parameter count of the
+    language model and head, the head tied to the embedding exactly when the top-level
+    ``tie_word_embeddings`` says (2B, 4B); the MoE's routing as ``Qwen3VLMoeTextConfig`` builds it."""
+    from pcpflow.models.common import build_uninitialized
+    from pcpflow.models.hf import read_checkpoint_config
+
+    config = REAL_QWEN3_VL_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    c = read_checkpoint_config(tmp_path)
+    text = config["text_config"]
+    assert (c.kv_heads, c.dim, c.rope_theta, c.rope_scaling, c.window) == (text["num_key_value_heads"], 128, 5e6,
+                                                                           None, None)
+    ours = build_uninitialized(lambda: HFModel(c), "meta")
+    with torch.device("meta"):
+        theirs = getattr(transformers, config["architectures"][0])(transformers.AutoConfig.from_pretrained(tmp_path))
+    lm = theirs.model.language_model
+    tied = theirs.lm_head.weight is lm.embed_tokens.weight
+    assert tied == c.tie_word_embeddings == config["tie_word_embeddings"]
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in lm.parameters()) + (0 if tied else theirs.lm_head.weight.numel())
+    assert ours.layers[0].self_attn.q_norm is not None
+    if c.moe is not None:
+        m = lm.layers[0].mlp
+        assert (c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size, c.moe.norm_topk_prob) == (
+            m.gate.num_experts, m.gate.top_k, m.experts.intermediate_dim, True)
+        assert (c.moe.first_k_dense_replace, c.moe.moe_layer_freq, c.moe.num_shared_experts) == (0, 1, 0)
+
+
+def test_qwen3_vl_configs_size_a_simulated_run_by_hand(tmp_path):
+    """Linear-layer parameters of Qwen3-VL-8B's and -30B-A3B's language models counted by hand from their
+    config.json (the vision tower is not priced): attention 4096x4096 (q), 2 x 4096x1024 (k, v), 4096x4096 (o)
+    and an MLP 3 x 4096x12288 on each of 8B's 36 layers, untied (8.19B with the embedding and head, Qwen3-8B's
+    size); 30B-A3B's 48 layers of attention 2048x4096, 2 x 2048x512, 4096x2048, a router 2048x128 and 128
+    experts 3 x 2048x768, of which 8 a token (30.5B, 3.35B active: Qwen3-30B-A3B's 30.5B / 3.3B)."""
+    from pcpflow.simulate.sizes import model_sizes
+
+    def attention(h, heads, kv, d=128):
+        return 2 * h * heads * d + 2 * h * kv * d
+
+    embedding = 2 * 151936
+    dense = (36 * (attention(4096, 32, 8) + 3 * 4096 * 12288), 36 * (attention(4096, 32, 8) + 3 * 4096 * 12288),
+             embedding * 4096)
+    expert = 3 * 2048 * 768
+    moe = (48 * (attention(2048, 32, 4) + 2048 * 128 + 128 * expert), 48 * (attention(2048, 32, 4) + 2048 * 128
+                                                                              + 8 * expert), embedding * 2048)
+    for name, (total, active, embed), (total_b, active_b) in (("Qwen3-VL-8B", dense, (8.19, 8.19)),
+                                                              ("Qwen3-VL-30B-A3B", moe, (30.53, 3.35))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(REAL_QWEN3_VL_CONFIGS[name]))
+        cfg = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path / name}", "tp=4",
+                       "pcp=2", "workload=explicit", "workload.prompt_lens=[32768]", "workload.output_lens=[2]"])
+        sizes = model_sizes(cfg.model)
+        assert (cfg.model.num_kv_heads, cfg.model.head_dim) == (REAL_QWEN3_VL_CONFIGS[name]["text_config"][
+            "num_key_value_heads"], 128)
+        assert (sizes.total_weight_params(), sizes.active_params_per_row(), sizes.embedding_params) == (
+            total, active, embed), name
+        assert (total + embed) / 1e9 == pytest.approx(total_b, abs=0.01)
+        assert (active + embed) / 1e9 == pytest.approx(active_b, abs=0.01)
+
+
+def test_qwen3_vl_runs_its_language_model_on_text(tmp_path):
+    """Qwen3VLForConditionalGeneration and Qwen3VLMoeForConditionalGeneration: every tensor of the language
+    model has its place (``model.language_model.*``, ``lm_head``), the ``model.visual.*`` tower (its DeepStack
+    mergers too: visual features only) is left in the file; the MoE's fused experts load as transformers loads
+    them whether stored as released (``[E, hidden, 2I]``, ``[E, I, hidden]``) or as transformers 5's
+    ``save_pretrained`` writes them (``[E, 2I, hidden]``, ``[E, hidden, I]``); a square one is read as it is
+    stored, as transformers reads it. Tokens are held to transformers' in tests/models/test_hf_parity.py."""
+    from pcpflow.models.hf import checkpoint_problems, read_checkpoint_config
+    from pcpflow.models.hf_llama import QWEN3_VL_MOE_EXPERTS
+
+    dense = script.build_checkpoint(tmp_path / "dense", "qwen3_vl", tie_word_embeddings=True)
+    c = read_checkpoint_config(dense)
+    assert (type(c).__name__, c.architecture, c.dim, c.tie_word_embeddings) == (
+        "Qwen3VLCheckpoint", "Qwen3ForCausalLM", 24, True)
+    assert any(n.startswith("model.visual.deepstack_merger_list.") for n in _stored(dense))
+    released = script.build_checkpoint(tmp_path / "released", "qwen3_vl_moe")
+    assert _hf_tensors(released)["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 48)
+    saved = shutil.copytree(released, tmp_path / "saved")
+    script.transpose_fused_experts(saved)  # NOTE: back to the layout save_pretrained wrote
+    assert _hf_tensors(saved)["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 48, 64)
+    theirs = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(released, dtype=torch.float64)
+    experts = theirs.model.language_model.layers[1].mlp.experts
+    for path in (dense, released, saved):
+        cfg = compose(["model=hf", f"model.path={path}", "pcp=1"])
+        assert checkpoint_problems(cfg.model) == [], path
+        if path != dense:
+            ours = build_model(cfg.model, dtype=torch.float64, seed=0).layers[1].mlp.experts
+            assert all(torch.equal(e.gate_up_proj.weight, experts.gate_up_proj[j]) and
+                       torch.equal(e.down_proj.weight, experts.down_proj[j]) for j, e in enumerate(ours))
+    gate_up = QWEN3_VL_MOE_EXPERTS[0]  # NOTE: 8 experts' gate_up_proj [2I, hidden] each
+    assert gate_up.read_as((8, 64, 48), [(48, 64)] * 8) is gate_up
+    assert not gate_up.read_as((8, 48, 64), [(48, 64)] * 8).transposed
+    assert not gate_up.read_as((8, 64, 64), [(64, 64)] * 8).transposed
+
+
+def test_qwen3_vl_configs_are_read_as_transformers_reads_them(tmp_path):
+    """The top level's ``tie_word_embeddings`` ties the head (transformers' default false where absent; the
+    text_config's is not read); the MoE always renormalises its top-k (``norm_topk_prob: false`` too);
+    ``use_sliding_window`` is no window (Qwen3-VL's attention has none); RoPE scaling (YaRN) read beside the
+    M-RoPE keys. Refused by name: another text_config model type, ``mlp_only_layers``, an ``mrope`` rope type
+    (transformers has no such RoPE to build either)."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    dense = script.build_checkpoint(tmp_path / "dense", "qwen3_vl")
+    moe = script.build_checkpoint(tmp_path / "moe", "qwen3_vl_moe")
+    for name, top, text in (("top-absent", _DELETE, True), ("top", True, False)):
+        path = _text_config(_copy(dense, tmp_path / name, tie_word_embeddings=top), tie_word_embeddings=text)
+        with torch.device("meta"):
+            theirs = transformers.Qwen3VLForConditionalGeneration(transformers.AutoConfig.from_pretrained(path))
+        tied = theirs.lm_head.weight is theirs.model.language_model.embed_tokens.weight
+        assert read_checkpoint_config(path).tie_word_embeddings == tied == (top is True), name
+    unnormed = _text_config(_copy(moe, tmp_path / "unnormed"), norm_topk_prob=False)
+    assert read_checkpoint_config(unnormed).moe.norm_topk_prob
+    window = _text_config(_copy(dense, tmp_path / "window"), use_sliding_window=True, sliding_window=4)
+    assert read_checkpoint_config(window).window is None
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0,
+            "mrope_section": [4, 4, 4], "mrope_interleaved": True}
+    scaling = read_checkpoint_config(_text_config(_copy(dense, tmp_path / "yarn"), rope_parameters=yarn)).rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("yarn", 2.0, 128)
+    other = _text_config(_copy(dense, tmp_path / "other"), model_type="qwen3")
+    assert "text_config.model_type must be qwen3_vl_text; got 'qwen3'" in _problem(other)
+    only = _text_config(_copy(moe, tmp_path / "only"), mlp_only_layers=[0])
+    assert "mlp_only_layers=[0] is not supported; supported: []" in _problem(only)
+    mrope = _text_config(_copy(dense, tmp_path / "mrope"), rope_parameters={"type": "mrope", "mrope_section": [4, 4, 4]})
+    assert "rope type 'mrope' is not supported" in _problem(mrope)
+
+
+def test_qwen3_vl_moe_block_is_transformers_bit_for_bit_in_bfloat16(tmp_path):
+    """Qwen3-VL-MoE's MoE block in bfloat16, loaded from the same checkpoint: transformers' own outputs bit for
+    bit (``Qwen3VLMoeTextTopKRouter``'s renormalised top-k rounded to bfloat16 before they scale the experts:
+    ``weights_dtype: model``; scaling by the float32 weights would round a quarter of the outputs otherwise)."""
+    path = script.build_checkpoint(tmp_path / "moe", "qwen3_vl_moe")
+    theirs = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16,
+                                                                              experts_implementation="eager")
+    mlp = build_model(compose(["model=hf", f"model.path={path}", "pcp=1"]).model, dtype=torch.bfloat16,
+                      seed=0).layers[1].mlp
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = theirs.model.language_model.layers[1].mlp(x[None])[0]
+        assert mlp.moe.weights_dtype == "model" and torch.equal(mlp(x), want)
+        mlp.moe = mlp.gate.moe = mlp.moe.model_copy(update={"weights_dtype": "scores"})
+        assert (mlp(x) != want).float().mean() > 0.1
+
+
+@pytest.mark.parametrize("sections, dim", [([24, 20, 20], 128), ([4, 4, 4], 24), ([2, 1, 1], 16)])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_interleaved_mrope_on_text_is_plain_rope(family, sections, dim):
+    """transformers' Qwen3-VL text rotary embedding, run in float64 (``PromoteFloat32``), given the three
+    equal position ids a text has: cos and sin are exactly plain RoPE of its inverse frequencies (the
+    interleaving takes every frequency from the same ids), and pcpflow's plain RoPE to float64 rounding
+    (released sections over head 128, the tiny checkpoints', sections short of the head). Given ids that
+    differ, as an image's, the frequencies the sections give H and W (every third from the second, and from
+    the third) would differ: what text never sees."""
+    from pcpflow.models.common import RotaryEmbedding
+
+    module = getattr(transformers.models, family)
+    prefix = "Qwen3VLMoe" if family.endswith("moe") else "Qwen3VL"
+    config = getattr(transformers, f"{prefix}TextConfig")(
+        hidden_size=4 * dim, num_attention_heads=4, head_dim=dim,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": sections, "mrope_interleaved": True})
+    positions = torch.cat([torch.arange(300), torch.tensor([4095, 65535, 262143])])
+    x = torch.zeros(1, dtype=torch.float64)
+    with float64_compute(), torch.no_grad():
+        rotary = getattr(getattr(module, f"modeling_{family}"), f"{prefix}TextRotaryEmbedding")(config)
+        cos, sin = rotary(x, positions[None, None].expand(3, 1, -1))
+        angles = positions.double()[:, None] * rotary.inv_freq
+        image_cos, _ = rotary(x, torch.stack([positions, positions + 7, positions + 13])[:, None])
+    assert cos.dtype == torch.float64 and cos.shape == (1, len(positions), dim)
+    assert torch.equal(cos[0], torch.cat([angles.cos()] * 2, -1)) and torch.equal(sin[0], torch.cat([angles.sin()] * 2, -1))
+    our_cos, our_sin = RotaryEmbedding(dim, 5e6).cos_sin(positions, torch.float64)
+    torch.testing.assert_close(cos[0, :, : dim // 2], our_cos[:, 0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(sin[0, :, : dim // 2], our_sin[:, 0], rtol=0, atol=1e-10)
+    j = torch.arange(dim // 2)
+    by_image = ((j % 3 == 1) & (j < 3 * sections[1])) | ((j % 3 == 2) & (j < 3 * sections[2]))
+    assert torch.equal((image_cos[0, :, : dim // 2] != cos[0, :, : dim // 2]).any(0), by_image)
+
+
 # config.json of Mistral-Small-3.1-24B-Instruct-2503 as published (its text_config; the Pixtral
 # vision tower's config abridged): "24B" parameters, 0.4B of them the vision tower's
 MISTRAL_SMALL_31 = dict(

@@ -2,7 +2,8 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Ministral 3, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3,
 Mistral 3, Ministral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0 and OLMoE checkpoints are
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE and Qwen3-VL
+(dense and MoE: their language models) checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
 them with ``model=hf`` and runs several explicit prompts — lengths not multiples of 2*pcp,
@@ -141,6 +142,11 @@ CHECKPOINTS = {
     # OLMoE: pre-norm layers, q and k normed over the whole projection (rounded, then scaled), clip_qkv that
     # bites; every layer MoE, the top-2 of a softmax over 8 experts, not renormalised
     "olmoe": dict(arch="olmoe"),
+    # Qwen3-VL's language model beside a vision tower it never runs (tensors under model.language_model.):
+    # Qwen3's q/k norms and head_dim 24, interleaved M-RoPE (plain on text), tied as the 2B and 4B; its
+    # MoE every layer routed (top-2 of 8, always renormalised), fused experts stored transposed as released
+    "qwen3_vl_tied": dict(arch="qwen3_vl", tie_word_embeddings=True),
+    "qwen3_vl_moe": dict(arch="qwen3_vl_moe"),
 }
 
 # (checkpoint, dtype, pcp, dcp, decode, extra overrides): both main families see pcp 1/2/4,
@@ -312,6 +318,18 @@ MINISTRAL3_CASES = [
     ("ministral3_mm_tied", "float32", 2, 1, "replicated", ["tp=2"]),
 ]
 MATRIX += MINISTRAL3_CASES
+QWEN3_VL_CASES = [
+    ("qwen3_vl_tied", "float64", 1, 1, "replicated", []),
+    ("qwen3_vl_tied", "float32", 2, 2, "sharded", []),
+    ("qwen3_vl_tied", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("qwen3_vl_tied", "float32", 4, 1, "sharded", []),
+    # the q/k norms' weights replicated over TP, applied to each rank's heads
+    ("qwen3_vl_tied", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("qwen3_vl_moe", "float64", 2, 2, "sharded", []),
+    ("qwen3_vl_moe", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("qwen3_vl_moe", "float64", 2, 1, "replicated", ["tp=2"]),
+]
+MATRIX += QWEN3_VL_CASES
 
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,
@@ -364,7 +382,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 # ----------------------------------------------------------------- the reference
 EAGER_EXPERTS = {"GptOssForCausalLM", "HunYuanMoEV1ForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                 "GraniteMoeHybridForCausalLM", "OlmoeForCausalLM"}
+                 "GraniteMoeHybridForCausalLM", "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"}
 
 
 def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):

@@ -112,9 +112,10 @@ def test_routing_matches_a_per_token_reference(moe):
             assert abs(got[x] - w) < 1e-12
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "qwen3_moe_normed", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "qwen3_moe_normed", "mixtral", "qwen3_vl_moe"])
 def test_softmax_routers_choose_as_transformers_in_bfloat16(family):
-    """Qwen2-MoE, Qwen3-MoE and Mixtral routers (``router_dtype=model``): bf16 rows, bf16 router weights;
+    """Qwen2-MoE, Qwen3-MoE, Mixtral and Qwen3-VL-MoE routers (``router_dtype=model``; Qwen3-VL-MoE's
+    always renormalised): bf16 rows, bf16 router weights;
     the same experts as transformers' own router module on every row, the same weights to bf16
     rounding. Their logits are bf16 products, so ties and near-ties fall as transformers'."""
     from pcpflow.models.moe import TopKRouter
@@ -128,6 +129,10 @@ def test_softmax_routers_choose_as_transformers_in_bfloat16(family):
         theirs = transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter(
             transformers.Qwen2MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k))
         norm = False
+    elif family == "qwen3_vl_moe":
+        theirs = transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextTopKRouter(
+            transformers.Qwen3VLMoeTextConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k))
+        norm = True
     else:
         norm = family.endswith("normed")
         theirs = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(
@@ -445,12 +450,18 @@ HF_SLOW_CASES = [
     ("olmoe", "float64", 2, 2, "sharded", "gather"),
     ("olmoe", "float32", 4, 4, "replicated", "all_to_all"),
     ("olmoe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
+    # Qwen3-VL-MoE's language model: softmax top-2 always renormalised, fused experts stored transposed
+    ("qwen3_vl_moe", "float64", 2, 2, "sharded", "gather"),
+    ("qwen3_vl_moe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("qwen3_vl_moe", "float64", 4, 1, "sharded", "local"),
+    ("qwen3_vl_moe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
 # layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's, Hunyuan's,
 # Granite's and OLMoE's are not; Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
 HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2,
-                 "llama4": 2, "hunyuan_moe": 2, "granitemoe": 2, "granitemoeshared": 2, "granite4": 2, "olmoe": 2}
+                 "llama4": 2, "hunyuan_moe": 2, "granitemoe": 2, "granitemoeshared": 2, "granite4": 2, "olmoe": 2,
+                 "qwen3_vl_moe": 2}
 # Experts per token of each tiny checkpoint: 2, but Llama 4's 1 (its released models' num_experts_per_tok).
 HF_TOP_K = {"llama4": 1}
 
@@ -472,6 +483,7 @@ class _Checkpoints(dict):
         "granitemoeshared": ("granitemoeshared", {}),
         "granite4": ("granite4", {}),
         "olmoe": ("olmoe", dict(bias=True)),
+        "qwen3_vl_moe": ("qwen3_vl_moe", {}),
     }
 
     def __init__(self, root: Path) -> None:
@@ -502,13 +514,16 @@ def transformers_greedy(path: Path, prompts, dtype: str):
     eager experts (its grouped GEMM takes no float64) under ``PromoteFloat32``."""
     from float64_compute import float64_compute, promote_parameters
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    # NOTE: by config.json's architecture: a multimodal one (Qwen3-VL-MoE) has no AutoModelForCausalLM class
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(
         path, dtype=getattr(torch, dtype), experts_implementation="eager"
     ).eval()
     promote = dtype == "float64"
     if promote:
+        base = getattr(model.model, "language_model", model.model)
         with float64_compute():
-            model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+            base.rotary_emb = type(base.rotary_emb)(config=base.config)
         promote_parameters(model)
     out = []
     with float64_compute() if promote else torch.no_grad(), torch.no_grad():
