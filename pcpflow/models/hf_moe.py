@@ -285,7 +285,8 @@ V3_ROUTING = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     """``MoEConfig`` fields of a Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss or GLM-4.5 config.json dict:
     the Qwens and Mixtral route by softmax (one group, router logits in the model's dtype, as
-    transformers' ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``; Qwen2-MoE
+    transformers' ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` / ``MixtralTopKRouter``; the Qwens'
+    weights rounded to the model's dtype, Mixtral's kept in float32; Qwen2-MoE
     with a gated shared expert ``shared_expert_intermediate_size`` wide), gpt-oss by
     ``topk_softmax`` (``GptOssTopKRouter``: a biased router in the model's dtype; every layer MoE,
     biased experts with the clamped SwiGLU), GLM-4.5 as DeepSeek-V3 (``Glm4MoeTopkRouter``, its
@@ -326,9 +327,10 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
         if not isinstance(step, int) or step < 1:
             raise ValueError(f"decoder_sparse_step must be a positive integer; got {step!r}")
         # NOTE: transformers makes layer i MoE when (i + 1) % step == 0: layers step-1, 2*step-1, ...
+        # NOTE: Qwen2MoeTopKRouter / Qwen3MoeTopKRouter round the top-k weights to the logits' (model's) dtype
         moe = dict(num_experts=experts, top_k=get("num_experts_per_tok"),
                    intermediate_size=get("moe_intermediate_size"), norm_topk_prob=bool(get("norm_topk_prob")),
-                   first_k_dense_replace=step - 1, moe_layer_freq=step, **common)
+                   first_k_dense_replace=step - 1, moe_layer_freq=step, weights_dtype="model", **common)
         if arch == "Qwen2MoeForCausalLM":
             moe.update(_gated_shared_expert(get("shared_expert_intermediate_size"), get("moe_intermediate_size")))
     return _checked(moe)
