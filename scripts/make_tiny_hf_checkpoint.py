@@ -131,6 +131,13 @@ softmax router, renormalised, plus a shared expert 32 wide::
 
     python scripts/make_tiny_hf_checkpoint.py --arch hunyuan --out /tmp/tiny-hunyuan
 
+``glm`` (``GlmForCausalLM``) has q/k/v biases (its default), gate and up in one ``gate_up_proj`` and RoPE on
+adjacent pairs of the first 12 of 16 dims (``partial_rotary_factor=0.75``); ``glm4`` (``Glm4ForCausalLM``) has
+GLM's with ``head_dim=24`` != hidden/heads, RoPE on its first 12 (the default factor 0.5) and each block's
+output normed before it is added (``post_self_attn_layernorm``, ``post_mlp_layernorm``)::
+
+    python scripts/make_tiny_hf_checkpoint.py --arch glm4 --out /tmp/tiny-glm4
+
 ``--moe`` (DeepSeek only): layer 0 dense, the others mixture-of-experts — 8 routed experts
 in 4 groups, 2 groups and 2 experts per token, one shared expert; V3 with sigmoid scores,
 a random ``e_score_correction_bias`` (``N(0, 0.1^2)``, so that it changes which experts
@@ -174,7 +181,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -200,6 +207,8 @@ GQA_ARCHS = {
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
+    "glm": ("GlmConfig", "GlmForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
@@ -297,6 +306,8 @@ DEFAULT_ROPE_SCALING = {
     "hunyuan_moe": "ntk_alpha",
     "deepseek_v3": "yarn",
     "deepseek_v2": "yarn",
+    "glm": "none",
+    "glm4": "none",
 }
 
 
@@ -393,6 +404,10 @@ def tiny_config(
             seed_oss=dict(head_dim=24, attention_out_bias=True, mlp_bias=bias),
             # NOTE: every bias (use_bias), RoPE on adjacent pairs; tied as its released 0.3B
             ernie4_5=dict(head_dim=24, use_bias=True),
+            # NOTE: RoPE on adjacent pairs of the first 12 of 16 dims; q/k/v biases (attention_bias, its default)
+            glm=dict(head_dim=16, partial_rotary_factor=0.75),
+            # NOTE: GLM's, head_dim 24 != hidden/heads, RoPE on 12 of them (the default 0.5), sandwich norms
+            glm4=dict(head_dim=24),
             # NOTE: the even layers slide and rotate, the odd ones are full and NoPE (its "LLLG", in two)
             exaone4=dict(sliding_window=sliding_window or 4096, sliding_window_pattern="LG",
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
@@ -421,7 +436,7 @@ def tiny_config(
             common["rope_scaling"] = {"rope_type": "default", "original_max_position_embeddings": 32,
                                       "llama_4_scaling_beta": 0.5, **(common["rope_scaling"] or {})}
             common.update(max_position_embeddings=128)
-        if arch == "seed_oss" and not bias:  # NOTE: absent: Seed-OSS's default, q/k/v biases
+        if arch in ("seed_oss", "glm", "glm4") and not bias:  # NOTE: absent: their default, q/k/v biases
             common.pop("attention_bias")
         if arch == "gemma3":  # NOTE: hidden 80: its sqrt (the embedding scale) is not a float32 number
             common.update(hidden_size=80, rope_theta=1_000_000.0)

@@ -4,7 +4,8 @@
 safetensors weights (one file, or shards with ``model.safetensors.index.json``).
 Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
 ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``, ``GraniteForCausalLM``,
-``Ministral3ForCausalLM`` (YaRN and each query scaled by its position: ``Ministral3Checkpoint``) and
+``Ministral3ForCausalLM`` (YaRN and each query scaled by its position: ``Ministral3Checkpoint``), Zhipu's
+``GlmForCausalLM`` and ``Glm4ForCausalLM`` (GLM-4-0414, GLM-Z1: sandwich norms) and
 the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``
 and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
 norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields — in a
@@ -123,6 +124,8 @@ _MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",

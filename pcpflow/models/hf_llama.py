@@ -1,6 +1,6 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
-``GraniteForCausalLM``, ``SeedOssForCausalLM``, ``Ernie4_5ForCausalLM``, ``Ministral3ForCausalLM`` and the mixture-of-experts
+``GraniteForCausalLM``, ``SeedOssForCausalLM``, ``Ernie4_5ForCausalLM``, ``Ministral3ForCausalLM``, ``GlmForCausalLM``, ``Glm4ForCausalLM`` and the mixture-of-experts
 ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
 ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
@@ -53,6 +53,11 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
   norms when ``use_qk_norm``, RoPE on the first ``partial_rotary_factor`` of each head (0.5
   unless set), MoE past ``first_k_dense_replace`` routed as DeepSeek-V3 (its field names), its
   MTP layer (past ``num_hidden_layers``) left out as DeepSeek-V3's is.
+- GLM (``GlmForCausalLM``: GLM-4-9B-chat-hf): q/k/v biases unless ``attention_bias: false`` (never on
+  o or the MLP), gate and up as one ``gate_up_proj``, ``head_dim`` 128 unless given, RoPE on pairs of
+  adjacent dims of the first ``partial_rotary_factor`` of each head (0.5 unless set).
+- GLM-4 (``Glm4ForCausalLM``: GLM-4-0414, GLM-Z1): GLM's, with each block's output normed before it is
+  added (``post_self_attn_layernorm``, ``post_mlp_layernorm``: ``DecoderLayer``'s sandwich).
 
 A sliding window (``LlamaCheckpoint.window`` on ``sliding_layers``) is the attention spec's
 (``AttentionSpec.window``): those layers attend to the last ``window`` keys, as transformers masks them.
@@ -70,7 +75,7 @@ from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf
 from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, QWEN2_MOE_RENAMES, gqa_moe_settings
-from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
+from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename, layer_norm_rename
 from pcpflow.models.layers import QueryScaling, gqa_layers, gqa_spec
 from pcpflow.models.moe_config import MoEConfig
 
@@ -96,7 +101,8 @@ class GQAFamily:
     bias_default: bool = False  # attention_bias where config.json gives none (Seed-OSS: true)
     out_bias_field: bool = False  # o's bias from attention_out_bias, not attention_bias (Seed-OSS)
     use_bias: bool = False  # every bias (q/k/v/o, MLP) from config.json's use_bias (ERNIE 4.5)
-    interleaved_rope: bool = False  # RoPE on pairs of adjacent dims (ERNIE 4.5)
+    interleaved_rope: bool = False  # RoPE on pairs of adjacent dims (ERNIE 4.5, GLM)
+    sandwich: bool = False  # each block's output normed before it is added (GLM-4)
 
 
 FAMILIES = {
@@ -119,6 +125,10 @@ FAMILIES = {
     "GraniteForCausalLM": GQAFamily(multipliers=True),
     "SeedOssForCausalLM": GQAFamily(head_dim=128, bias_default=True, out_bias_field=True),
     "Ernie4_5ForCausalLM": GQAFamily(head_dim=128, tied_default=True, use_bias=True, interleaved_rope=True),
+    "GlmForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, head_dim=128, rotary_factor=0.5, bias_default=True,
+                                interleaved_rope=True),
+    "Glm4ForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, head_dim=128, rotary_factor=0.5, bias_default=True,
+                                 interleaved_rope=True, sandwich=True),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -160,6 +170,9 @@ class LlamaCheckpoint(CheckpointConfig):
         Rename("model.layers.{i}.self_attn.qkv_proj.weight", "layers.{i}.self_attn.q_proj.weight",
                stacked=("layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight")),
         Rename("model.layers.{i}.mlp.gate_up_proj.weight", "layers.{i}.mlp.gate_up_proj.weight"),
+        # GLM-4's sandwich norms, on the attention's and the MLP's outputs
+        layer_norm_rename("post_self_attn_layernorm", "attn_out_norm"),
+        layer_norm_rename("post_mlp_layernorm", "mlp_out_norm"),
         *MOE_RENAMES,
         *QWEN2_MOE_RENAMES,
         *MIXTRAL_RENAMES,
@@ -303,7 +316,7 @@ class LlamaCheckpoint(CheckpointConfig):
             bias=qkv, o_bias=out, mlp_bias=mlp, qk_norm=given(f.qk_norm, self.use_qk_norm), moe=self.moe,
             rotary_dim=self.rope_dims, rope_layers=self.rope_layers,
             residual_multiplier=self.residual_multiplier if f.multipliers else None,
-            interleaved_rope=f.interleaved_rope, query_scaling=self.query_scaling,
+            interleaved_rope=f.interleaved_rope, query_scaling=self.query_scaling, sandwich=f.sandwich,
         )
 
 

@@ -287,6 +287,7 @@ def gqa_layers(
     interleaved_rope: bool = False,
     sinks: bool = False,
     query_scaling: QueryScaling | None = None,
+    sandwich: bool = False,
 ) -> list[DecoderLayer]:
     """``num_layers`` pre-norm decoder layers with GQA attention (Llama and its kin, see
     ``GQAAttention``; the tiny GQA model). ``qk_norm``: Qwen3's q/k norms, with ``eps`` (``"full"``:
@@ -295,7 +296,8 @@ def gqa_layers(
     the dims RoPE rotates (None: all of ``head_dim``); ``rope_layers``: which layers rotate (None:
     all; SmolLM3's NoPE layers do not); ``residual_multiplier``: Granite's (``DecoderLayer``);
     ``interleaved_rope``: RoPE on pairs of adjacent dims (ERNIE 4.5's); ``sinks``: attention sinks
-    (gpt-oss's, ``GQAAttention``); ``query_scaling``: every layer's q scaled by position (Ministral 3's)."""
+    (gpt-oss's, ``GQAAttention``); ``query_scaling``: every layer's q scaled by position (Ministral 3's);
+    ``sandwich``: each block's output normed too (GLM-4's, ``DecoderLayer``)."""
     return [
         DecoderLayer(
             GQAAttention(
@@ -319,6 +321,7 @@ def gqa_layers(
             mlp_bias=mlp_bias,
             mlp=build_mlp(moe, i, hidden_size, intermediate_size),
             residual_multiplier=residual_multiplier,
+            sandwich=sandwich,
         )
         for i in range(num_layers)
     ]

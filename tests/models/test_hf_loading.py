@@ -1763,6 +1763,30 @@ def test_real_seed_oss_and_exaone4_configs_size_as_published(tmp_path, config, t
     assert (c.window, attn.rotary, ours.layers[0].self_attn.rotary is not None) == (4096, None, True)
 
 
+# config.json of GLM-4-9B-0414 (Glm4ForCausalLM) and GLM-4-9B-chat-hf (GlmForCausalLM), without the fields
+# whose transformers defaults pcpflow must know: head_dim (128), partial_rotary_factor (0.5), attention_bias (true)
+GLM_9B = dict(hidden_size=4096, intermediate_size=13696, num_attention_heads=32, num_key_value_heads=2,
+              num_hidden_layers=40, vocab_size=151552, rms_norm_eps=1e-05, rope_theta=10000.0,
+              max_position_embeddings=32768, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("arch, model_type", [("Glm4ForCausalLM", "glm4"), ("GlmForCausalLM", "glm")])
+def test_glm_configs_read_transformers_defaults_and_size_as_transformers(tmp_path, arch, model_type):
+    """GLM's defaults as transformers': q/k/v biases and none on o, RoPE on adjacent pairs of the first 64 of
+    128 dims; GLM-4's two more norms a layer (sandwich). Counted by hand: 40 layers of q/k/v/o (32 query and
+    2 kv heads of 128, q/k/v biases), a gate/up/down MLP 13696 wide and 2 norms (GLM-4: 4), a final norm, and
+    untied embedding and head (9.40B for GLM-4-9B-0414) -- and held to transformers' own count."""
+    c, ours, _ = _sized_as_transformers(tmp_path, dict(GLM_9B, architectures=[arch], model_type=model_type))
+    sandwich = arch == "Glm4ForCausalLM"
+    h, q, kv = 4096, 32 * 128, 2 * 2 * 128
+    layer = h * (q + kv) + (q + kv) + q * h + 3 * h * 13696 + (4 if sandwich else 2) * h
+    assert sum(p.numel() for p in ours.parameters()) == 40 * layer + h + 2 * 151552 * h
+    attn = ours.layers[0].self_attn
+    assert (c.dim, c.rope_dims, attn.rotary.dim, attn.rotary.interleaved) == (128, 64, 64, True)
+    assert (attn.q_proj.bias is not None, attn.o_proj.bias, ours.layers[0].mlp.gate_up_proj.bias) == (True, None, None)
+    assert isinstance(ours.layers[0].attn_out_norm, torch.nn.Identity) is not sandwich
+
+
 def _gpt_oss_config(layers: int, experts: int) -> dict:
     """config.json of openai/gpt-oss-120b (36 layers, 128 experts) and gpt-oss-20b (24, 32), as released."""
     return dict(

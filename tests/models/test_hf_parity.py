@@ -107,6 +107,11 @@ CHECKPOINTS = {
     # EXAONE 4.0: post-norm layers, per-head q/k norms, a sliding layer with RoPE, a full one NoPE
     "exaone4_window": dict(arch="exaone4", sliding_window=WINDOW),
     "olmo2": dict(arch="olmo2"),
+    # GLM-4-0414 / GLM-Z1: q/k/v biases, RoPE on adjacent pairs of half a head (head_dim 24), gate/up
+    # in one gate_up_proj, each block's output normed (sandwich); GLM-4-9B-chat-hf's GLM: no sandwich,
+    # RoPE on 3/4 of a head, tied embeddings
+    "glm4": dict(arch="glm4"),
+    "glm_tied": dict(arch="glm", tie_word_embeddings=True),
     "olmo3_window": dict(arch="olmo3", sliding_window=WINDOW),
     # Cohere 2 (Command R7B, Command A): parallel blocks on one centered norm, a sliding layer with
     # interleaved RoPE and a full one without position embedding, scaled logits; tied embeddings
@@ -330,6 +335,18 @@ QWEN3_VL_CASES = [
     ("qwen3_vl_moe", "float64", 2, 1, "replicated", ["tp=2"]),
 ]
 MATRIX += QWEN3_VL_CASES
+GLM_CASES = [
+    ("glm4", "float64", 1, 1, "replicated", []),
+    ("glm4", "float32", 2, 1, "sharded", []),
+    ("glm4", "float64", 2, 2, "sharded", []),
+    ("glm4", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("glm4", "float64", 4, 1, "replicated", []),
+    # the sandwich norms' weights replicated over TP, q/k/v biases split with their heads
+    ("glm4", "float64", 2, 2, "sharded", ["tp=2"]),
+    ("glm_tied", "float64", 2, 2, "sharded", []),
+    ("glm_tied", "float32", 4, 4, "replicated", []),
+]
+MATRIX += GLM_CASES
 
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,
