@@ -264,13 +264,10 @@ def olmoe_moe_settings(raw: dict[str, Any]) -> dict[str, Any]:
 ERNIE_MOE_RENAMES = (
     Rename("model.layers.{i}.mlp.moe_statics.e_score_correction_bias", "layers.{i}.mlp.gate.e_score_correction_bias",
            squeezed=True),
-    _fused_experts("gate_up_proj", "gate_up_proj.weight"),
-    _fused_experts("down_proj", "down_proj.weight"),
 )
 """ERNIE 4.5 MoE beyond ``MOE_RENAMES`` (router ``gate``, experts one tensor per expert and projection,
 ``shared_experts``, as the released checkpoints and ``save_pretrained`` store them): the selection bias
-``moe_statics.e_score_correction_bias [1, E]`` (float32), and the experts fused one tensor per projection
-(transformers 5's ``Ernie4_5_MoeExperts``: ``gate_up_proj [E, 2I, hidden]``, ``down_proj [E, hidden, I]``)."""
+``moe_statics.e_score_correction_bias [1, E]`` (float32)."""
 
 ERNIE_MOE_DEFAULTS = dict(moe_num_experts=64, moe_k=6, moe_intermediate_size=1536, moe_num_shared_experts=2,
                           moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=1, moe_norm_min=1e-12,

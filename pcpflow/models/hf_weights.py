@@ -69,7 +69,7 @@ class Rename:
 
     def as_ours(self, tensor: torch.Tensor) -> torch.Tensor:
         """One parameter's slice of the checkpoint tensor, in pcpflow's layout."""
-        if self.squeezed and tensor.dim() > 0 and tensor.shape[0] == 1:
+        if self.squeezed:
             tensor = tensor[0]
         if self.transposed:
             tensor = tensor.transpose(-1, -2)
@@ -96,6 +96,8 @@ class Rename:
             first = (first[0] // self.part[1], *first[1:])
         if self.transposed:
             first = (*first[:-2], first[-1], first[-2])
+        if self.squeezed:
+            return (1, *first)
         return (len(shapes), *first) if self.experts else first
 
 
