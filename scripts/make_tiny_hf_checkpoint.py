@@ -77,6 +77,10 @@ with interleaved RoPE and its odd ones full without position embedding, logits t
 
 ``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
 
+``ernie4_5_moe`` (``Ernie4_5_MoeForCausalLM``) is ERNIE 4.5's layers without biases, layer 0 dense and the
+others MoE: top-2 of 8 experts chosen on the softmax plus a nonzero selection bias (``moe_statics``),
+renormalised by ``max(sum, moe_norm_min=0.3)`` (the clamp bites), two shared experts.
+
 ``seed_oss`` has q/k/v biases (its default) and an o bias (``attention_out_bias``), head 24.
 
 ``exaone4`` is post-norm with per-head q/k norms, its even layers sliding (RoPE, llama3 scaling)
@@ -181,7 +185,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -209,6 +213,7 @@ GQA_ARCHS = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "glm": ("GlmConfig", "GlmForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM"),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
@@ -298,6 +303,7 @@ DEFAULT_ROPE_SCALING = {
     "cohere2": "none",
     "seed_oss": "none",
     "ernie4_5": "none",
+    "ernie4_5_moe": "none",
     "exaone4": "llama3",
     "gpt_oss": "yarn_untruncated",
     "llama4": "llama3",
@@ -408,6 +414,11 @@ def tiny_config(
             glm=dict(head_dim=16, partial_rotary_factor=0.75),
             # NOTE: GLM's, head_dim 24 != hidden/heads, RoPE on 12 of them (the default 0.5), sandwich norms
             glm4=dict(head_dim=24),
+            # NOTE: layer 0 dense, the others MoE (8 experts 32 wide, top-2 chosen on the softmax plus a selection
+            # bias N(0, 0.1^2) that changes the choice, two shared experts); moe_norm_min 0.3 so that the clamp of
+            # the renormalisation bites on rows whose two weights sum below it (released: 1e-12)
+            ernie4_5_moe=dict(head_dim=24, use_bias=False, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                              moe_num_shared_experts=2, moe_layer_start_index=1, moe_norm_min=0.3),
             # NOTE: the even layers slide and rotate, the odd ones are full and NoPE (its "LLLG", in two)
             exaone4=dict(sliding_window=sliding_window or 4096, sliding_window_pattern="LG",
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),

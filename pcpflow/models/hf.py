@@ -6,8 +6,8 @@ Supported: the GQA decoders ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen
 ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``, ``GraniteForCausalLM``,
 ``Ministral3ForCausalLM`` (YaRN and each query scaled by its position: ``Ministral3Checkpoint``), Zhipu's
 ``GlmForCausalLM`` and ``Glm4ForCausalLM`` (GLM-4-0414, GLM-Z1: sandwich norms) and
-the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``
-and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
+the mixture-of-experts ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``,
+``Ernie4_5_MoeForCausalLM`` and ``Glm4MoeForCausalLM`` (``hf_llama``: one model, the families' differences — biases, q/k
 norms, head_dim, partial RoPE, NoPE layers, multipliers, fused tensors, the MoE fields — in a
 table); Gemma 3's text ``Gemma3ForCausalLM``, the language model of its multimodal
 ``Gemma3ForConditionalGeneration`` (text only: ``hf_checkpoint.LanguageModelOf``, as Mistral
@@ -131,6 +131,7 @@ _MODEL_TYPES = {
     "granite": "GraniteForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",

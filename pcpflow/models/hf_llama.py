@@ -1,7 +1,7 @@
 """Llama-style checkpoints: ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``, ``SmolLM3ForCausalLM``,
 ``GraniteForCausalLM``, ``SeedOssForCausalLM``, ``Ernie4_5ForCausalLM``, ``Ministral3ForCausalLM``, ``GlmForCausalLM``, ``Glm4ForCausalLM`` and the mixture-of-experts
-``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and
+``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``, ``Ernie4_5_MoeForCausalLM`` and
 ``Glm4MoeForCausalLM`` — grouped-query attention with RoPE.
 
 The cache holds roped K of every kv head, then V, as in ``tiny_gqa``. They read the
@@ -39,6 +39,10 @@ same config.json fields and differ only where ``FAMILIES`` says (transformers'
 - ERNIE 4.5 (dense: ERNIE-4.5-0.3B, 128K context): Llama's, every bias (q/k/v/o and the MLP's) as
   ``use_bias`` says, RoPE on pairs of adjacent dims, ``head_dim`` 128 unless given, embeddings
   tied unless config.json says otherwise.
+- ERNIE 4.5 MoE (``Ernie4_5_MoeForCausalLM``: ERNIE-4.5-21B-A3B, -300B-A47B): the dense one's layers (``use_bias``
+  must be false), MoE on the layers ``moe_layer_start_index`` / ``_interval`` pick (``hf_moe.ernie_moe_settings``:
+  float32 softmax, top-k chosen with the ``moe_statics`` selection bias, renormalised by ``max(sum,
+  moe_norm_min)``, rounded to the model's dtype; ``moe_num_shared_experts`` shared experts).
 - Granite (Granite 3.x): Llama's, with ``embedding_multiplier`` on the embedding,
   ``residual_multiplier`` on each block's output, ``attention_multiplier`` as the softmax scale
   and the logits divided by ``logits_scaling``.
@@ -74,7 +78,13 @@ from pydantic import Field, model_validator
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
 from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf
-from pcpflow.models.hf_moe import MIXTRAL_RENAMES, MOE_RENAMES, QWEN2_MOE_RENAMES, gqa_moe_settings
+from pcpflow.models.hf_moe import (
+    ERNIE_MOE_RENAMES,
+    MIXTRAL_RENAMES,
+    MOE_RENAMES,
+    QWEN2_MOE_RENAMES,
+    gqa_moe_settings,
+)
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename, layer_norm_rename
 from pcpflow.models.layers import QueryScaling, gqa_layers, gqa_spec
 from pcpflow.models.moe_config import MoEConfig
@@ -129,6 +139,7 @@ FAMILIES = {
                                 interleaved_rope=True),
     "Glm4ForCausalLM": GQAFamily(o_bias=False, mlp_bias=False, head_dim=128, rotary_factor=0.5, bias_default=True,
                                  interleaved_rope=True, sandwich=True),
+    "Ernie4_5_MoeForCausalLM": GQAFamily(head_dim=128, tied_default=True, use_bias=True, interleaved_rope=True),
 }
 
 DEFAULT_MAX_WINDOW_LAYERS = 28
@@ -176,6 +187,7 @@ class LlamaCheckpoint(CheckpointConfig):
         *MOE_RENAMES,
         *QWEN2_MOE_RENAMES,
         *MIXTRAL_RENAMES,
+        *ERNIE_MOE_RENAMES,
     )
 
     @model_validator(mode="before")

@@ -1,5 +1,5 @@
 """The mixture-of-experts part of DeepSeek-V2/V3, GLM-4.5, Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Llama 4,
-Hunyuan-A13B, Granite and OLMoE checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
+Hunyuan-A13B, Granite, OLMoE and ERNIE 4.5 checkpoints: which config.json fields make which ``MoEConfig`` (transformers'
 routing; unsupported variants named), and where the router, routed and shared experts' tensors go."""
 
 from __future__ import annotations
@@ -261,6 +261,69 @@ def olmoe_moe_settings(raw: dict[str, Any]) -> dict[str, Any]:
                          n_group=1, topk_group=1, routed_scaling_factor=1.0))
 
 
+ERNIE_MOE_RENAMES = (
+    Rename("model.layers.{i}.mlp.moe_statics.e_score_correction_bias", "layers.{i}.mlp.gate.e_score_correction_bias",
+           squeezed=True),
+)
+"""ERNIE 4.5 MoE beyond ``MOE_RENAMES`` (router ``gate``, experts one tensor per expert and projection,
+``shared_experts``, as the released checkpoints and ``save_pretrained`` store them): the selection bias
+``moe_statics.e_score_correction_bias [1, E]`` (float32)."""
+
+ERNIE_MOE_DEFAULTS = dict(moe_num_experts=64, moe_k=6, moe_intermediate_size=1536, moe_num_shared_experts=2,
+                          moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=1, moe_norm_min=1e-12,
+                          use_bias=False)
+"""``Ernie4_5_MoeConfig``'s defaults of the MoE fields a config.json may omit."""
+
+
+def ernie_moe_settings(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``MoEConfig`` fields of an ERNIE 4.5 MoE config.json dict (``Ernie4_5_MoeSparseMoeBlock``): the
+    softmax of float32 router logits, the top ``moe_k`` chosen on it plus ``e_score_correction_bias``
+    (``selection_bias``) and weighted by the unbiased softmax, renormalised by ``max(sum, moe_norm_min)``
+    and rounded to the model's dtype; ``moe_num_shared_experts`` shared experts as one MLP, experts
+    ``moe_intermediate_size`` wide; layer i MoE when ``(i + 1) % moe_layer_interval == 0`` and
+    ``moe_layer_start_index <= i <= moe_layer_end_index`` (-1: the last). None when no layer is MoE;
+    ValueError naming what pcpflow cannot reproduce (``use_bias``: biased shared experts and lm_head; an
+    end index that stops the MoE layers early)."""
+    # NOTE: moe_num_experts / moe_k have transformers' aliases num_experts / num_experts_per_tok (attribute_map)
+    given = {k: v for k, v in raw.items() if v is not None}
+    for name, alias in (("moe_num_experts", "num_experts"), ("moe_k", "num_experts_per_tok")):
+        if alias in given:
+            given.setdefault(name, given[alias])
+    get = {**ERNIE_MOE_DEFAULTS, **given}.get
+    layers = raw.get("num_hidden_layers")
+    names = ("moe_num_experts", "moe_k", "moe_intermediate_size", "moe_num_shared_experts", "moe_layer_start_index",
+             "moe_layer_end_index", "moe_layer_interval")
+    for name in names:
+        if type(get(name)) is not int:
+            raise ValueError(f"{name} must be an integer; got {get(name)!r}")
+    if get("use_bias") is True:
+        raise ValueError("use_bias=True is not supported for Ernie4_5_MoeForCausalLM; supported: false (as every "
+                         "released ERNIE 4.5 MoE checkpoint; pcpflow's shared experts and lm_head carry no bias)")
+    if type(layers) is not int or get("moe_num_experts") < 1:
+        return None  # NOTE: the config's own validation names num_hidden_layers
+    start, end, step = get("moe_layer_start_index"), get("moe_layer_end_index"), get("moe_layer_interval")
+    end = layers - 1 if end == -1 else end  # NOTE: Ernie4_5_MoeConfig.__post_init__
+    if step < 1:
+        raise ValueError(f"moe_layer_interval must be a positive integer; got {step}")
+    wanted = [i for i in range(layers) if (i + 1) % step == 0 and start <= i <= end]
+    if not wanted:
+        return None
+    first = wanted[0]
+    if wanted != list(range(first, layers, step)):
+        raise ValueError(f"moe_layer_end_index={get('moe_layer_end_index')} is not supported; supported: -1 or one "
+                         f"at or past the last MoE layer ({list(range(first, layers, step))[-1]}): pcpflow's MoE "
+                         "layers run to the last layer")
+    norm_min = get("moe_norm_min")
+    if not (isinstance(norm_min, (int, float)) and not isinstance(norm_min, bool) and norm_min > 0):
+        raise ValueError(f"moe_norm_min must be a positive number; got {norm_min!r}")
+    return _checked(dict(
+        num_experts=get("moe_num_experts"), top_k=get("moe_k"), intermediate_size=get("moe_intermediate_size"),
+        num_shared_experts=get("moe_num_shared_experts"), scoring_func="softmax", selection_bias=True,
+        norm_topk_prob=True, norm_min=float(norm_min), router_dtype="float32", weights_dtype="model",
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=first, moe_layer_freq=step,
+    ))
+
+
 GQA_MOE_DEFAULTS = {
     "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
                                 shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1),
@@ -291,13 +354,15 @@ def gqa_moe_settings(raw: dict[str, Any], arch: str) -> dict[str, Any] | None:
     ``topk_softmax`` (``GptOssTopKRouter``: a biased router in the model's dtype; every layer MoE,
     biased experts with the clamped SwiGLU), GLM-4.5 as DeepSeek-V3 (``Glm4MoeTopkRouter``, its
     DeepSeek field names), Granite by ``granite_moe_settings``; None for a dense architecture or no
-    experts; ValueError naming an unsupported variant."""
+    experts; ERNIE 4.5 by ``ernie_moe_settings``; ValueError naming an unsupported variant."""
     if arch == "Glm4MoeForCausalLM":
         glm = {k: v for k, v in raw.items() if v is not None}
         # NOTE: transformers 5 writes num_local_experts (its attribute_map), 4 n_routed_experts
         glm.setdefault("n_routed_experts", glm.get("num_local_experts", MOE_DEFAULTS[arch]["n_routed_experts"]))
         glm.setdefault("first_k_dense_replace", 1)
         return moe_settings({**glm, "architecture": arch})
+    if arch == "Ernie4_5_MoeForCausalLM":
+        return ernie_moe_settings(raw)
     if arch not in GQA_MOE_DEFAULTS:
         return None
     if arch.startswith("GraniteMoe"):

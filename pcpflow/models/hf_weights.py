@@ -47,7 +47,8 @@ class Rename:
     rows alternate (gate = rows ``0::2``), where pcpflow keeps ``[gate; up]``. ``mxfp4``:
     the checkpoint may store it as ``<hf>_blocks`` + ``<hf>_scales`` (``pcpflow.models.mxfp4``).
     ``either_layout``: a ``transposed`` tensor may also be stored in pcpflow's layout, told apart
-    by its shape (``read_as``)."""
+    by its shape (``read_as``). ``squeezed``: the tensor has a leading dim of 1 that the parameter
+    lacks (ERNIE 4.5's ``[1, E]`` selection bias)."""
 
     hf: str
     ours: str
@@ -58,6 +59,7 @@ class Rename:
     interleaved: bool = False
     mxfp4: bool = False
     either_layout: bool = False
+    squeezed: bool = False
 
     def pattern(self) -> re.Pattern[str]:
         return _compile(self.hf)
@@ -67,6 +69,8 @@ class Rename:
 
     def as_ours(self, tensor: torch.Tensor) -> torch.Tensor:
         """One parameter's slice of the checkpoint tensor, in pcpflow's layout."""
+        if self.squeezed:
+            tensor = tensor[0]
         if self.transposed:
             tensor = tensor.transpose(-1, -2)
         if self.interleaved:
@@ -92,6 +96,8 @@ class Rename:
             first = (first[0] // self.part[1], *first[1:])
         if self.transposed:
             first = (*first[:-2], first[-1], first[-2])
+        if self.squeezed:
+            return (1, *first)
         return (len(shapes), *first) if self.experts else first
 
 

@@ -12,7 +12,9 @@ score, the top-k scores are the weights (normalised when ``norm_topk_prob``; tra
 V2 never normalises, so its checkpoints load with it off), times the scaling factor.
 Qwen2-MoE, Qwen3-MoE, Mixtral, Hunyuan-A13B and OLMoE are the softmax path with one group and no scaling
 (Mixtral and Hunyuan always normalise; Hunyuan's router logits in float32; OLMoE's weights rounded to the
-model's dtype, ``weights_dtype=model``). gpt-oss (``topk_softmax``): the router's logits carry a bias
+model's dtype, ``weights_dtype=model``). ERNIE 4.5 is the softmax path with the selection bias
+(``selection_bias``: chosen on softmax + ``e_score_correction_bias``, weighted by the unbiased softmax),
+logits in float32, renormalised by ``max(sum, norm_min)``, weights rounded to the model's dtype. gpt-oss (``topk_softmax``): the router's logits carry a bias
 (``router_bias``); the top-k raw logits are chosen and weighted by their softmax, taken over
 those k alone; its experts have biases (``expert_bias``) and a clamped SwiGLU
 (``activation=swiglu_clamped``). Granite routes as gpt-oss without the bias, in float32, its
@@ -61,6 +63,10 @@ def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Proble
         # NOTE: V3 ranks a group by the sum of its two best scores
         allowed = f"sigmoid groups need >= 2 experts each (num_experts {e})"
         out.append(Problem(f"{field}.n_group", g, allowed))
+    elif moe.selection_bias and (moe.scoring_func != "softmax" or g > 1):
+        # NOTE: ERNIE 4.5's router is the one that biases a softmax: over all experts, no groups
+        allowed = f"selection_bias biases softmax scores over all experts: scoring_func softmax, n_group 1 (got {g})"
+        out.append(Problem(f"{field}.scoring_func", moe.scoring_func, allowed))
     elif g > 1 and moe.scoring_func in ("topk_softmax", "topk_sigmoid"):
         # NOTE: gpt-oss's and Llama 4's routers have no groups; a group rule for raw logits would be pcpflow's invention
         allowed = f"{moe.scoring_func} routes over all experts: n_group must be 1"
@@ -81,14 +87,14 @@ def moe_layers(moe: MoEConfig | None, num_layers: int) -> list[int]:
 
 class TopKRouter(nn.Module):
     """The gate: ``weight [E, hidden]``, the logits' ``bias [E]`` with ``router_bias`` and, for
-    sigmoid scoring, the selection bias."""
+    sigmoid scoring or ``selection_bias``, the selection bias."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None
-        if moe.scoring_func == "sigmoid":
+        if moe.scoring_func == "sigmoid" or moe.selection_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
         else:
             self.e_score_correction_bias = None
@@ -146,7 +152,7 @@ def route(
     logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits ``[N, E]`` -> (weights, expert ids), both ``[N, top_k]``; ``bias``: the
-    sigmoid routers' selection bias."""
+    selection bias (sigmoid routers', ERNIE 4.5's softmax one)."""
     n, e, g = logits.shape[0], moe.num_experts, moe.n_group
     scores = _scores(logits, moe)
     if moe.scoring_func == "sigmoid":
@@ -156,6 +162,9 @@ def route(
             keep = _group_mask(group_scores, moe.topk_group, e // g)
             choice = choice.masked_fill(~keep, float("-inf"))
         ids = choice.topk(moe.top_k, dim=-1).indices
+        chosen = scores.gather(1, ids)
+    elif bias is not None:  # NOTE: ERNIE 4.5 (moe_statics): chosen on biased scores, weighted by unbiased ones
+        ids = (scores + bias).topk(moe.top_k, dim=-1).indices
         chosen = scores.gather(1, ids)
     else:
         if g > 1:
@@ -175,14 +184,16 @@ def _scores(logits: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
 
 def _weights(chosen: torch.Tensor, moe: MoEConfig) -> torch.Tensor:
     """The chosen experts' scores ``[N, top_k]`` -> their weights: normalised when
-    ``norm_topk_prob``, times ``routed_scaling_factor``; topk_softmax's chosen logits: their
+    ``norm_topk_prob`` (by ``max(sum, norm_min)`` where set), times ``routed_scaling_factor``; topk_softmax's chosen logits: their
     softmax (which sums to 1: ``norm_topk_prob`` does not apply), times the factor; topk_sigmoid's:
     each one's sigmoid (``Llama4Router``: of the logit widened to float32 at least)."""
     if moe.scoring_func == "topk_softmax":
         return chosen.softmax(dim=-1) * moe.routed_scaling_factor
     if moe.scoring_func == "topk_sigmoid":
         return narrow_to_float32(chosen).sigmoid() * moe.routed_scaling_factor
-    if moe.norm_topk_prob:
+    if moe.norm_topk_prob and moe.norm_min is not None:  # NOTE: Ernie4_5_MoeTopKRouter's clamp
+        chosen = chosen / chosen.sum(dim=-1, keepdim=True).clamp(min=moe.norm_min)
+    elif moe.norm_topk_prob:
         chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
     return chosen * moe.routed_scaling_factor
 

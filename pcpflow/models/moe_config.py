@@ -1,6 +1,6 @@
 """The mixture-of-experts settings of a model (``model.moe``), with DeepSeek-V3's names as
 transformers' ``DeepseekV3Config`` spells them (in brackets where they differ); Qwen2-MoE,
-Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss, Llama 4 and Granite checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
+Qwen3-MoE, Mixtral, GLM-4.5, gpt-oss, Llama 4, Granite and ERNIE 4.5 checkpoints map onto the same fields (``pcpflow.models.hf_moe``).
 
 Shared by the executed MoE layers (``pcpflow.models.moe``), the Hugging Face loader and
 the simulator's model cards; ``model.moe: null`` is a dense model.
@@ -27,6 +27,10 @@ class MoEConfig(Settings):
     n_group: int = Field(1, ge=1, description="expert groups for group-limited routing")
     topk_group: int = Field(1, ge=1, description="groups each token may route into")
     norm_topk_prob: bool = Field(True, description="renormalise the top-k weights to sum to 1")
+    norm_min: float | None = Field(None, gt=0, description="renormalise by max(sum, norm_min) (ERNIE 4.5's "
+                                   "moe_norm_min); None: by sum + 1e-20 (DeepSeek, Qwen)")
+    selection_bias: bool = Field(False, description="softmax scoring selects on scores + e_score_correction_bias "
+                                 "and weights the unbiased scores (ERNIE 4.5's moe_statics); sigmoid always has it")
     routed_scaling_factor: float = Field(1.0, gt=0, description="scale of the routed experts' sum")
     scoring_func: Literal["sigmoid", "softmax", "topk_softmax", "topk_sigmoid"] = Field(
         "sigmoid", description="sigmoid + e_score_correction_bias (V3), softmax (V2), topk_softmax (gpt-oss: "

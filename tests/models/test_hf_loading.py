@@ -2214,3 +2214,59 @@ def test_olmoe_configs_are_read_as_transformers_reads_them(tmp_path):
     c = read_checkpoint_config(_copy(src, tmp_path / "typed", architectures=_DELETE, head_dim=16))
     assert (c.architecture, c.clip_qkv, c.dim) == ("OlmoeForCausalLM", 1.5, 16)
     assert all(layer.self_attn.clip_qkv == 1.5 for layer in HFModel(c).layers)
+
+
+ERNIE45_MOE = dict(architectures=["Ernie4_5_MoeForCausalLM"], model_type="ernie4_5_moe")
+
+
+def _ernie_defaults() -> dict:
+    """The config.json ``save_pretrained`` writes of ``Ernie4_5_MoeConfig()`` (transformers documents its
+    defaults as ERNIE-4.5-21B-A3B's: 28 layers, 64 experts, top-6, two shared experts, tied)."""
+    return {**transformers.Ernie4_5_MoeConfig().to_dict(), **ERNIE45_MOE}
+
+
+@pytest.mark.slow
+def test_ernie4_5_moe_defaults_size_as_transformers_and_21b(tmp_path):
+    """transformers' defaults: its parameter count (about 21B), its MoE layers (1 to 27, the
+    ``Ernie4_5_MoeSparseMoeBlock`` ones), top-6 of 64 chosen with the selection bias, two shared experts."""
+    c, ours, theirs_config = _sized_as_transformers(tmp_path, _ernie_defaults())
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(theirs_config)
+    sparse = [i for i, layer in enumerate(theirs.model.layers) if hasattr(layer.mlp, "gate")]
+    assert [i for i, layer in enumerate(ours.layers) if hasattr(layer.mlp, "gate")] == sparse == list(range(1, 28))
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.num_shared_experts, moe.intermediate_size) == (64, 6, 2, 1536)
+    assert (moe.scoring_func, moe.selection_bias, moe.norm_min, moe.weights_dtype) == ("softmax", True, 1e-12, "model")
+    assert (c.tie_word_embeddings, ours.layers[1].self_attn.rotary.interleaved) == (True, True)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(21.8, rel=0.02)
+
+
+@pytest.mark.parametrize("start, end, interval", [(2, -1, 2), (0, 5, 3), (7, -1, 1)])
+def test_ernie4_5_moe_layers_are_transformers(tmp_path, start, end, interval):
+    """The MoE layers ``moe_layer_start_index`` / ``_end_index`` / ``_interval`` give: transformers' (layer
+    i sparse when ``(i + 1) % interval == 0`` and ``start <= i <= end``); none at all: a dense model."""
+    from pcpflow.models.hf import read_checkpoint_config
+
+    raw = dict(ERNIE45_MOE, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=96, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+               moe_layer_start_index=start, moe_layer_end_index=end, moe_layer_interval=interval)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    want = [i for i in range(6) if (i + 1) % interval == 0 and theirs.moe_layer_start_index <= i <= theirs.moe_layer_end_index]
+    from pcpflow.models.moe import moe_layers
+
+    assert moe_layers(read_checkpoint_config(tmp_path).moe, 6) == want
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(use_bias=True), "use_bias=True is not supported for Ernie4_5_MoeForCausalLM; supported: false"),
+    (dict(moe_layer_end_index=3), "moe_layer_end_index=3 is not supported; supported: -1 or one at or past the last "
+                                  "MoE layer (5)"),
+    (dict(moe_k=9), "moe.top_k=9: must be <= num_experts (8)"),
+], ids=["use-bias", "end-early", "top-k"])
+def test_ernie4_5_moe_configs_pcpflow_does_not_run_are_named(tmp_path, changes, says):
+    raw = {**ERNIE45_MOE, **dict(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=96, moe_num_experts=8, moe_k=2,
+                                 moe_intermediate_size=32), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert says in _problem(tmp_path)

@@ -104,6 +104,10 @@ CHECKPOINTS = {
     "seed_oss": dict(arch="seed_oss"),
     # ERNIE 4.5: every bias, RoPE on adjacent pairs (interleaved), tied embeddings
     "ernie4_5": dict(arch="ernie4_5", tie_word_embeddings=True),
+    # ERNIE 4.5 MoE: its layers without biases, layer 0 dense, MoE after (top-2 of 8 chosen on the float32
+    # softmax plus the selection bias, renormalised by max(sum, moe_norm_min) with a clamp that bites, two
+    # shared experts)
+    "ernie4_5_moe": dict(arch="ernie4_5_moe"),
     # EXAONE 4.0: post-norm layers, per-head q/k norms, a sliding layer with RoPE, a full one NoPE
     "exaone4_window": dict(arch="exaone4", sliding_window=WINDOW),
     "olmo2": dict(arch="olmo2"),
@@ -347,6 +351,14 @@ GLM_CASES = [
     ("glm_tied", "float32", 4, 4, "replicated", []),
 ]
 MATRIX += GLM_CASES
+ERNIE_MOE_CASES = [
+    ("ernie4_5_moe", "float64", 1, 1, "replicated", []),
+    ("ernie4_5_moe", "float32", 2, 2, "sharded", []),
+    ("ernie4_5_moe", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("ernie4_5_moe", "float32", 4, 1, "sharded", []),
+    ("ernie4_5_moe", "float64", 2, 2, "sharded", ["tp=2"]),
+]
+MATRIX += ERNIE_MOE_CASES
 
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,
@@ -399,7 +411,8 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
 # ----------------------------------------------------------------- the reference
 EAGER_EXPERTS = {"GptOssForCausalLM", "HunYuanMoEV1ForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                 "GraniteMoeHybridForCausalLM", "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"}
+                 "GraniteMoeHybridForCausalLM", "OlmoeForCausalLM", "Qwen3VLMoeForConditionalGeneration",
+                 "Ernie4_5_MoeForCausalLM"}
 
 
 def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):

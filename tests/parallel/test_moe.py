@@ -461,13 +461,18 @@ HF_SLOW_CASES = [
     ("qwen3_vl_moe", "float32", 4, 4, "replicated", "all_to_all"),
     ("qwen3_vl_moe", "float64", 4, 1, "sharded", "local"),
     ("qwen3_vl_moe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
+    # ERNIE 4.5 MoE: top-2 chosen on the float32 softmax plus the selection bias, renormalised by max(sum,
+    # moe_norm_min) (a clamp that bites), two shared experts; layer 0 dense
+    ("ernie4_5_moe", "float64", 2, 2, "sharded", "gather"),
+    ("ernie4_5_moe", "float32", 4, 4, "replicated", "all_to_all"),
+    ("ernie4_5_moe", "float64", 2, 2, "replicated", "all_to_all", "tp=2"),
 ]
 # MoE layers of each tiny checkpoint (make_tiny_hf_checkpoint.tiny_config, 2 layers): DeepSeek's
-# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's and GLM-4.5's too, Mixtral's, gpt-oss's, Hunyuan's,
+# layer 0 is dense (first_k_dense_replace=1), Qwen2/3-MoE's, GLM-4.5's and ERNIE 4.5's too, Mixtral's, gpt-oss's, Hunyuan's,
 # Granite's and OLMoE's are not; Llama 4's 4 layers alternate dense and MoE (interleave_moe_layer_step=2).
 HF_MOE_LAYERS = {"dsv3_moe": 1, "dsv2_moe": 1, "qwen2_moe": 1, "qwen3_moe": 1, "mixtral": 2, "glm4_moe": 1, "gpt_oss": 2,
                  "llama4": 2, "hunyuan_moe": 2, "granitemoe": 2, "granitemoeshared": 2, "granite4": 2, "olmoe": 2,
-                 "qwen3_vl_moe": 2}
+                 "qwen3_vl_moe": 2, "ernie4_5_moe": 1}
 # Experts per token of each tiny checkpoint: 2, but Llama 4's 1 (its released models' num_experts_per_tok).
 HF_TOP_K = {"llama4": 1}
 
@@ -490,6 +495,7 @@ class _Checkpoints(dict):
         "granite4": ("granite4", {}),
         "olmoe": ("olmoe", dict(bias=True)),
         "qwen3_vl_moe": ("qwen3_vl_moe", {}),
+        "ernie4_5_moe": ("ernie4_5_moe", {}),
     }
 
     def __init__(self, root: Path) -> None:
