@@ -664,8 +664,11 @@ def test_unsupported_moe_checkpoints_are_named(moe_checkpoints, tmp_path):
     phimoe = _edit(v3, tmp_path / "phimoe", architectures=["PhimoeForCausalLM"])
     says = _checkpoint_problem(phimoe)
     assert "unsupported architecture PhimoeForCausalLM: a mixture-of-experts variant" in says
-    assert ("supported MoE checkpoints: Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
-            "Glm4MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM") in says
+    listed = says.split("supported MoE checkpoints: ")[1]
+    for name in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM",
+                 "Ernie4_5_MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM",
+                 "Llama4ForCausalLM", "HunYuanMoEV1ForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM"):
+        assert name in listed, name
     assert "OlmoeForCausalLM" in says
     shared = _edit(v3, tmp_path / "shared", architectures=["Qwen2MoeForCausalLM"], num_experts=8,
                    moe_intermediate_size=32, shared_expert_intermediate_size=48)
