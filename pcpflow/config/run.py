@@ -61,6 +61,13 @@ class KVConfig(Settings):
         description="automatic prefix caching: full blocks found again by the chained hash of their "
         "tokens (vLLM's); false in executed runs, true in simulated ones unless set",
     )
+    hybrid: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="blocks a windowed layer no longer reads go back to the pool (vLLM's hybrid KV cache "
+        "manager: layers in groups of one kind sharing the pool, a table each): auto (on for a model with "
+        "windowed layers, unless drafting, disagg=pd or CUDA graphs keep every block) | on (refused with "
+        "those) | off (every layer keeps every block)",
+    )
 
 
 class ServingConfig(Settings):
