@@ -17,12 +17,21 @@ choose_ring_variant``). Decode rows always take pass-Q. The variant a step ran i
 ``auto`` (fused on CUDA). Steps the plan dispatched as ``full`` CUDA-graph steps run
 through ``pcpflow.rank.cudagraph.DecodeGraphs`` at world size 1 with the fused kernel
 (captured and replayed on CUDA, the same static forward eagerly elsewhere).
+
+A hybrid KV cache (``RankContext.kv_groups``) runs one backend per KV group, over its group's
+metadata (``StepState.attn_groups``), and the model calls them through ``GroupedAttention``,
+which sends each layer to its group's. The step's choices are made once for all groups: the
+ring variant (and its plan), and the DCP rest path (it depends on the layout, the lengths and
+the layer shape, never on a block table: every group takes it). Captured graphs keep one
+table (``kv_groups.hybrid_blockers``): a hybrid run never dispatches a graph step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -32,6 +41,7 @@ from pcpflow.attention.ring import RingAttention
 from pcpflow.errors import Problem
 from pcpflow.layouts.accounting import choose_ring_variant
 from pcpflow.layouts.ring import CP_ATTENTION, plan_ring, rank_ring
+from pcpflow.models.base import AttentionBackend
 from pcpflow.parallel.moe_dispatch import moe_forward
 from pcpflow.pipeline.stage import Stage, StageConfig, register
 from pcpflow.pipeline.state import StepState
@@ -83,9 +93,10 @@ class ModelForward(Stage):
         self.graphs = None
         fused = resolve_attention(config.attention, ctx.device) == "fused"
         # NOTE: the reference run stays eager: verification compares graphs with it. MoE
-        # routing sizes its expert batches from the data (nonzero), which no graph holds.
+        # routing sizes its expert batches from the data (nonzero), which no graph holds; a
+        # graph holds one block table, not a hybrid cache's one per KV group.
         has_moe = any("MoE" in type(m).__name__ for m in ctx.model.modules())
-        eligible = fused and ctx.world.size == 1 and not ctx.is_reference and not has_moe
+        eligible = fused and ctx.world.size == 1 and not ctx.is_reference and not has_moe and ctx.kv_groups is None
         if eligible and ctx.config.cudagraph_mode != "none":
             from pcpflow.rank.cudagraph import DecodeGraphs
 
@@ -113,26 +124,33 @@ class ModelForward(Stage):
             )
         return state
 
-    def _allgather(self, state: StepState) -> CPAttention:
+    def _allgather(self, state: StepState) -> AttentionBackend:
         ctx = self.ctx
-        backend = CPAttention(
-            layout=state.layout,
-            meta=state.attn,
-            caches=ctx.kv_caches,
-            spec=ctx.model.attn_spec,
-            block_size=ctx.block_size,
-            pcp=ctx.pcp,
-            dcp=ctx.dcp,
-            dcp_rest=self.config.dcp_rest,
-            dcp_comm_backend=ctx.config.dcp_comm_backend,
-            kernel=self.kernel,
-            dcp_heads=ctx.dcp_heads,
-        )
-        state.attn.dcp_rest = backend.dcp_rest.mode
-        state.attn.cp_attention = "allgather"
-        return backend
+        metas = state.attn_groups or (state.attn,)
+        backends = [
+            CPAttention(
+                layout=state.layout,
+                meta=meta,
+                caches=ctx.kv_caches,
+                spec=ctx.model.attn_spec,
+                block_size=ctx.block_size,
+                pcp=ctx.pcp,
+                dcp=ctx.dcp,
+                dcp_rest=self.config.dcp_rest,
+                dcp_comm_backend=ctx.config.dcp_comm_backend,
+                kernel=self.kernel,
+                dcp_heads=ctx.dcp_heads,
+            )
+            for meta in metas
+        ]
+        modes = [backend.dcp_rest.mode for backend in backends]
+        # NOTE: the path is priced on the layout, lengths and shape alone: one for every group
+        assert len(set(modes)) == 1, f"KV groups took different DCP rest paths: {modes}"
+        for meta in metas:
+            meta.dcp_rest, meta.cp_attention = modes[0], "allgather"
+        return self._grouped(backends)
 
-    def _ring(self, state: StepState) -> RingAttention:
+    def _ring(self, state: StepState) -> AttentionBackend:
         ctx, b, layout = self.ctx, state.batch, state.layout
         # NOTE: dcp = pcp (check_run): the DCP group is the PCP group, ranks in the same order.
         assert ctx.dcp.rank == ctx.pcp_rank and ctx.dcp.size == ctx.pcp_size
@@ -141,16 +159,42 @@ class ModelForward(Stage):
             self.config.cp_attention, layout, b.positions, shape=layer_shape(spec, ctx.kv_caches)
         )
         plan = plan_ring(layout, b.positions, variant=variant, interleave=ctx.config.kv.interleave)
-        state.attn.cp_attention = f"ring_{variant}"
-        return RingAttention(
-            ring=rank_ring(plan, ctx.pcp_rank, b.block_tables, ctx.block_size, window=spec.windowed()),
-            caches=ctx.kv_caches,
-            spec=spec,
-            block_size=ctx.block_size,
-            block_tables=state.attn.block_tables,
-            dcp=ctx.dcp,
-            kernel=self.kernel,
-        )
+        metas = state.attn_groups or (state.attn,)
+        tables = b.block_tables[None] if state.attn_groups is None else b.group_block_tables
+        backends = []
+        for meta, table in zip(metas, tables, strict=True):
+            meta.cp_attention = f"ring_{variant}"
+            backends.append(RingAttention(
+                ring=rank_ring(plan, ctx.pcp_rank, table, ctx.block_size, window=spec.windowed()),
+                caches=ctx.kv_caches,
+                spec=spec,
+                block_size=ctx.block_size,
+                block_tables=meta.block_tables,
+                dcp=ctx.dcp,
+                kernel=self.kernel,
+            ))
+        return self._grouped(backends)
+
+    def _grouped(self, backends: list[AttentionBackend]) -> AttentionBackend:
+        """One group's backend as it is; with KV groups, the router over theirs."""
+        if len(backends) == 1:
+            return backends[0]
+        return GroupedAttention(backends, self.ctx.kv_groups.layer_group)
+
+
+class GroupedAttention:
+    """The ``AttentionBackend`` of a hybrid KV cache: layer ``l`` writes and attends through
+    its KV group's backend (``KVGroups.layer_group[l]``), i.e. through that group's block tables
+    into its cache tensor (``RankContext.kv_caches[l]``, shared with the same place of the other
+    groups)."""
+
+    def __init__(self, backends: Sequence[AttentionBackend], layer_group: np.ndarray) -> None:
+        self.backends = list(backends)
+        self.layer_group = [int(g) for g in layer_group]
+        assert max(self.layer_group) < len(self.backends), "a layer's group has no backend"
+
+    def __call__(self, layer: int, q, kv, sinks=None):
+        return self.backends[self.layer_group[layer]](layer, q, kv, sinks)
 
 
 def is_uniform_decode_only(state: StepState) -> bool:

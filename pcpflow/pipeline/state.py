@@ -58,7 +58,10 @@ class StepState:
     layout: BatchLayout | None = None
     dispatch: BatchDescriptor | None = None  # the step's CUDA-graph mode and size (plan)
     local: LocalBatch | None = None
-    attn: AttentionMetadata | None = None
+    attn: AttentionMetadata | None = None  # group 0's with KV groups (``attn_groups``)
+    # a hybrid KV cache's metadata, one per KV group (``RankContext.kv_groups``; ``attn`` is
+    # the first): each group's layers write and read through its own block tables; None: one group
+    attn_groups: tuple[AttentionMetadata, ...] | None = None
     hidden: torch.Tensor | None = None  # [num_padded_tokens, hidden]: local final hidden
     aux_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> local
     restored_hidden: torch.Tensor | None = None  # [T, hidden]: the global batch (all_rows)

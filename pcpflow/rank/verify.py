@@ -18,6 +18,11 @@ Each step:
   expected, untouched (NaN) everywhere else. The slots come from the rule the ``slots``
   stage uses (``pcpflow.attention.metadata.rank_slot_mapping``); a drafter's cache is on
   the target's block tables and slot rule, so one rule serves both.
+- **KV groups** (a hybrid cache, ``RankContext.kv_groups``): the run's layers share cache
+  tensors (``KVGroups.layer_slot``), and so do the expected ones; each layer's entries go to
+  the slots of its group's block table (``GlobalBatch.group_block_tables``), none where that
+  table points at the null block (the keys a window left); each tensor is compared once. The
+  reference keeps one group: it computes the same attention.
 - **MoE routing** (rank 0): the reference takes the run's experts where a router nearly
   ties, and lists it (``pcpflow.rank.routing``).
 
@@ -78,6 +83,7 @@ from pcpflow.rank.routing import (
 )
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.kv_groups import KVGroups
 from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
 from pcpflow.tokens.sampling import decision_gap
 
@@ -110,6 +116,16 @@ def _mismatch(run: torch.Tensor, expected: torch.Tensor, atol: float):
     return ((nan_c != nan_e) | (d > atol)).any(dim=1), d, nan_c, nan_e
 
 
+def aliased_like(run: list[torch.Tensor]) -> list[torch.Tensor]:
+    """NaN tensors shaped as ``run``'s, one per distinct tensor, aliased as ``run``'s layers are
+    (a hybrid cache's: ``allocate_kv_caches``)."""
+    made: dict[int, torch.Tensor] = {}
+    for c in run:
+        if id(c) not in made:
+            made[id(c)] = torch.full_like(c, float("nan"))
+    return [made[id(c)] for c in run]
+
+
 @dataclass
 class CheckedCache:
     """One paged KV cache of this rank under check: the run's (per layer), its expected copy,
@@ -128,12 +144,25 @@ class CheckedCache:
     bad_slots: int = 0  # mismatched slots, per layer, counted at each step they differ
     max_diff: float = 0.0
     step_entries: int = 0  # this rank's, since the last comparison
+    groups: KVGroups | None = None  # a hybrid cache's KV groups (layers share tensors); None: one
 
     @classmethod
     def of(cls, name: str, spec: AttentionSpec, run: list[torch.Tensor], ctx: RankContext, *,
-           committed_only: bool) -> CheckedCache:
-        return cls(name, run, [torch.full_like(c, float("nan")) for c in run], spec.entry_dim,
-                   entry_columns(spec, ctx.tp.rank, ctx.tp.size).to(ctx.device), committed_only)
+           committed_only: bool, groups: KVGroups | None = None) -> CheckedCache:
+        return cls(name, run, aliased_like(run), spec.entry_dim,
+                   entry_columns(spec, ctx.tp.rank, ctx.tp.size).to(ctx.device), committed_only, groups=groups)
+
+    @property
+    def tensors(self) -> list[int]:
+        """The first layer of each distinct cache tensor (every layer without KV groups)."""
+        first: dict[int, int] = {}
+        for layer, c in enumerate(self.run):
+            first.setdefault(id(c), layer)
+        return sorted(first.values())
+
+    def layer_group(self) -> np.ndarray:
+        """int64 [layers]: the table (KV group) each layer's entries go by; 0 without groups."""
+        return np.zeros(len(self.run), dtype=np.int64) if self.groups is None else self.groups.layer_group
 
 
 def reference_blocks(pools: list[RunConfig], lengths: np.ndarray, num_speculative_tokens: int = 0) -> int:
@@ -178,7 +207,8 @@ class Verifier:
         self.routing_report = RoutingReport()
         # Under TP a rank's model and cache hold its heads only; the reference is whole.
         full_spec = getattr(ctx.model, "full_attn_spec", ctx.model.attn_spec)
-        self.caches = [CheckedCache.of(TARGET_CACHE, full_spec, ctx.kv_caches, ctx, committed_only=False)]
+        self.caches = [CheckedCache.of(TARGET_CACHE, full_spec, ctx.kv_caches, ctx, committed_only=False,
+                                       groups=ctx.kv_groups)]
         # the stages that keep a cache of their own (a drafter's), by slot (RankContext.own_kv)
         kinds = {s.name: s.cls.kind for s in specs}
         for name, own in ctx.own_kv.items():
@@ -188,6 +218,9 @@ class Verifier:
         num_slots = ctx.kv_caches[0].shape[0] if ctx.kv_caches else 0
         self.slot_req = np.full(num_slots, -1, dtype=np.int64)
         self.slot_pos = np.full(num_slots, -1, dtype=np.int64)
+        self.slot_group = np.full(num_slots, -1, dtype=np.int64)  # the KV group whose entry that was
+        # NOTE: a hybrid cache's slots from here on are the null block's: nothing is ever expected there
+        self.pool_slots = num_slots if ctx.kv_groups is None else cfg.kv.num_blocks * cfg.kv.block_size
         if self.is_root:
             self.ref_model = ctx.model
             if ctx.tp.size > 1:
@@ -402,28 +435,37 @@ class Verifier:
         committed = None if committed_end is None else np.concatenate(
             [np.ones(len(catch_pos), dtype=bool), batch.positions < committed_end[batch.req_indices]])
         self.expect_at(np.concatenate([catch_pos, batch.positions]), rows, batch.block_tables, entries,
-                       req_ids=batch.req_ids[rows], committed=committed)
+                       req_ids=batch.req_ids[rows], committed=committed, group_tables=batch.group_block_tables)
 
     def expect_at(self, positions: np.ndarray, req_indices: np.ndarray, block_tables: np.ndarray,
-                  entries: list[torch.Tensor], *, req_ids: np.ndarray, committed: np.ndarray | None = None) -> None:
+                  entries: list[torch.Tensor], *, req_ids: np.ndarray, committed: np.ndarray | None = None,
+                  group_tables: np.ndarray | None = None) -> None:
         """Full reference entries ``[layers, len(positions), entry]`` of these positions
         (rows ``req_indices`` of ``block_tables``; requests ``req_ids``), one tensor per
         checked cache, into the expected caches where this rank holds them: its DCP shard's
         positions, its TP slice's columns. ``committed``: the positions a drafter's cache is
-        checked at (None: all)."""
+        checked at (None: all). ``group_tables`` ``[G, R, W]``: a hybrid cache's tables, by KV
+        group (``GlobalBatch.group_block_tables``; group 0's are ``block_tables``): a layer's
+        entries go by its group's table, and nowhere its table points at the null block."""
         ctx = self.ctx
-        slots = rank_slot_mapping(positions, req_indices, block_tables, self.cfg.kv, dcp_size=ctx.dcp_size,
-                                  dcp_rank=ctx.dcp_rank)
-        owned = slots >= 0
-        self.slot_req[slots[owned]] = req_ids[owned]
-        self.slot_pos[slots[owned]] = positions[owned]
+        tables = [block_tables] if group_tables is None or ctx.kv_groups is None else list(group_tables)
+        slots = np.stack([rank_slot_mapping(positions, req_indices, t, self.cfg.kv, dcp_size=ctx.dcp_size,
+                                            dcp_rank=ctx.dcp_rank) for t in tables])  # [G, T]
+        owned = (slots >= 0) & (slots < self.pool_slots)
+        for g, (at, mine) in enumerate(zip(slots, owned)):
+            self.slot_req[at[mine]] = req_ids[mine]
+            self.slot_pos[at[mine]] = positions[mine]
+            self.slot_group[at[mine]] = g
         for cache, ref_entries in zip(self.caches, entries):
-            keep = owned & committed if cache.committed_only and committed is not None else owned
-            idx = torch.from_numpy(np.flatnonzero(keep)).to(ctx.device)
-            at = torch.from_numpy(slots[keep]).to(ctx.device)
-            cache.step_entries += len(idx)
-            for layer, expected in enumerate(cache.expected):
-                expected.index_copy_(0, at, ref_entries[layer].index_select(0, idx).index_select(1, cache.columns))
+            # NOTE: a cache without groups (a drafter's) goes by the target's first table, block_tables
+            keep = owned if cache.groups is not None else owned[:1]
+            if cache.committed_only and committed is not None:
+                keep = keep & committed
+            idx = [torch.from_numpy(np.flatnonzero(k)).to(ctx.device) for k in keep]
+            at = [torch.from_numpy(s[k]).to(ctx.device) for s, k in zip(slots, keep)]
+            cache.step_entries += int(keep.any(axis=0).sum())
+            for layer, (expected, g) in enumerate(zip(cache.expected, cache.layer_group().tolist())):
+                expected.index_copy_(0, at[g], ref_entries[layer].index_select(0, idx[g]).index_select(1, cache.columns))
 
     def _take_over_scratch(self, batch: GlobalBatch, committed_end: np.ndarray) -> None:
         """A drafter's scratch of this step: the ``num_speculative_tokens`` positions from the
@@ -442,9 +484,10 @@ class Verifier:
         """This rank's whole caches against the expected ones; every rank's worst difference,
         mismatched slots and entries checked summed on rank 0, the first mismatches named."""
         ctx, n = self.ctx, len(self.caches)
-        layers = [(i, layer) for i, cache in enumerate(self.caches if mine else ()) for layer in range(len(cache.run))]
-        # NOTE: one layer's differences at a time; its count and worst stay on the device until
-        # one read for every layer (a mismatch named computes its layer's again)
+        # NOTE: each cache tensor once (layers of KV groups share them), by its first layer
+        layers = [(i, layer) for i, cache in enumerate(self.caches if mine else ()) for layer in cache.tensors]
+        # NOTE: one tensor's differences at a time; its count and worst stay on the device until
+        # one read for every tensor (a mismatch named computes its tensor's again)
         stats, bad_slots = [], []
         none = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for i, layer in layers:
@@ -480,17 +523,26 @@ class Verifier:
         self.num_named += named
 
     def _describe(self, cache: CheckedCache, step: int, layer: int, slots: list[int]) -> list[dict]:
-        """The mismatched ``slots`` of one layer of ``cache`` on this rank, named."""
+        """The mismatched ``slots`` of one layer's tensor of ``cache`` on this rank, named."""
         _, d, nan_c, nan_e = _mismatch(cache.run[layer], cache.expected[layer], self.atol)
         out = []
         for s in slots:
             what = written_apart(nan_c[s], nan_e[s])
             out.append({
-                "cache": cache.name, "rank": self.world.rank, "step": step, "layer": layer,
+                "cache": cache.name, "rank": self.world.rank, "step": step, "layer": self._layer_at(cache, layer, s),
                 "req_id": int(self.slot_req[s]), "position": int(self.slot_pos[s]), "slot": s,
                 "abs_diff": None if what else float(d[s].max()), "what": what or "differs",
             })
         return out
+
+    def _layer_at(self, cache: CheckedCache, layer: int, slot: int) -> int:
+        """The layer a mismatch at ``slot`` of ``layer``'s tensor is named by: with KV groups, the
+        tensor's layer in the group whose entry was last expected there (else ``layer``)."""
+        group = int(self.slot_group[slot]) if cache.groups is not None else -1
+        if group < 0:
+            return layer
+        members, place = cache.groups.layers[group], int(cache.groups.layer_slot[layer])
+        return members[place] if place < len(members) else layer
 
     def _gather_mismatches(self, mine: list[dict]) -> None:
         """Every rank's named mismatches of this step onto rank 0's list (a collective: every
@@ -531,13 +583,14 @@ class Verifier:
             slots = (np.asarray(freed_blocks, dtype=np.int64)[:, None] * b + np.arange(b)).ravel()
             self.slot_req[slots] = -1
             self.slot_pos[slots] = -1
+            self.slot_group[slots] = -1
             self._take_over_slots(slots, self.caches)
 
     def _take_over_slots(self, slots: np.ndarray, caches: list[CheckedCache]) -> None:
         idx = torch.from_numpy(slots).to(self.ctx.device)
         for cache in caches:
-            for run, expected in zip(cache.run, cache.expected):
-                expected.index_copy_(0, idx, run.index_select(0, idx))
+            for layer in cache.tensors:
+                cache.expected[layer].index_copy_(0, idx, cache.run[layer].index_select(0, idx))
 
     # ------------------------------------------------------------------ summary
     def summary(self) -> dict:

@@ -62,6 +62,7 @@ def warm_up(cfg: RunConfig, ctx: RankContext, specs: list[StageSpec]) -> float |
     warm_ctx = dataclasses.replace(
         ctx, config=warm_cfg, requests=[request], extras={}, aux_layers=set(), own_kv={},
         kv_caches=allocate_kv_caches(ctx.model, num_blocks, cfg.kv.block_size, ctx.dtype, ctx.device),
+        kv_groups=None,  # NOTE: one group: its manager keeps every block, the forward is the same
     )
     pipeline = Pipeline([spec for spec in specs if spec.name != "draft"], warm_ctx, on_stage=mark_stage)
     scheduler = Scheduler([request], max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
