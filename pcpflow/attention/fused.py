@@ -172,9 +172,13 @@ def _attend_dense(q, blocked, spec, tables, rows, row_ctx, kernel, row_start=Non
     mask = j[None, None, :] < row_ctx[:, :, None]  # [t, g, width]
     if row_start is not None:  # NOTE: a sliding window masks the keys before each row's start
         mask &= j[None, None, :] >= row_start[:, :, None]
-    # NOTE: slots past every row's context may hold NaN (never written) or another
-    # request's stale KV; a masked score still multiplies its value, so zero them.
+    # NOTE: slots past every row's context, or before every row's start, may hold NaN (never
+    # written; a hybrid cache's null block) or another request's stale KV; a masked score
+    # still multiplies its value, so zero them.
     written = j[None, :] < row_ctx.amax(1)[:, None]
+    if row_start is not None:
+        first = torch.where(rows >= 0, row_start, row_ctx.amax(1)[:, None]).amin(1)
+        written &= j[None, :] >= first[:, None]
     entries = torch.where(written[:, :, None], entries, entries.new_zeros(()))
     keys = spec.keys(entries).transpose(1, 2)  # [t, kvh, width, qk]
     values = spec.values(entries).transpose(1, 2)  # [t, kvh, width, v]

@@ -88,6 +88,30 @@ def test_fused_sliding_window_matches_reference(kernel, window):
     torch.testing.assert_close(got_l, want_l[rows], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["flex", "sdpa"])
+def test_fused_window_never_reads_the_null_block(kernel):
+    """A hybrid KV cache's window group points the entries before a request's window at the
+    null block (never written: NaN): the rows read nothing of it, on either fused path."""
+    spec, rng = SPECS["gqa"], np.random.default_rng(3)
+    q, cache, tables, req, ctx = paged_case(rng, spec, [37, 9, 1, 14])
+    starts = torch.clamp(ctx - 6, min=0)
+    want_o, want_l = paged_attention(q, cache, spec, tables, req, ctx, BLOCK, starts)
+    null = cache.shape[0] // BLOCK - 1  # a spare block of paged_case: never written
+    assert torch.isnan(cache[null * BLOCK:]).all()
+    live = ctx > 0
+    first = torch.full((tables.shape[0],), 1 << 30).scatter_reduce(0, req[live], starts[live], "amin") // BLOCK
+    entry = torch.arange(tables.shape[1])
+    nulled = torch.where(entry[None, :] < first[:, None], null, tables)
+    assert (nulled == null).sum() >= 2
+    got_o, got_l = fused_paged_attention(q, cache, spec, nulled, req, ctx, BLOCK, starts, kernel=kernel)
+    torch.testing.assert_close(got_o, want_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_l, want_l, rtol=0, atol=1e-12)
+    rows = slice(-5, None)
+    got_o, _ = fused_decode_attention(q[rows], cache, spec, nulled[req[rows]], ctx[rows], BLOCK, starts[rows],
+                                      kernel=kernel)
+    torch.testing.assert_close(got_o, want_o[rows], rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("model", ["gqa", "mla"])
 def test_fused_partials_merge_exact_under_dcp(model):
     """Two DCP shards (position p on rank p % 2): each rank's fused partial + lse over its

@@ -55,19 +55,24 @@ class _Fault(Stage):
 
 @register
 class MisplacedKVWrite(_Fault):
-    """After ``slots``: one token this rank writes lands one slot further on."""
+    """After ``slots``: one token this rank writes lands one slot further on (with KV groups,
+    in the layers of group ``group``)."""
 
     kind = "test_misplaced_kv_write"
 
     class Config(_FaultConfig):
         kind: Literal["test_misplaced_kv_write"] = "test_misplaced_kv_write"
+        group: int = Field(0, ge=0, description="the KV group whose write moves (StepState.attn_groups)")
+
+    def _meta(self, state: StepState):
+        return state.attn if state.attn_groups is None else state.attn_groups[self.config.group]
 
     def _due(self, state: StepState) -> bool:
-        return bool((state.attn.gathered_slot_mapping >= 0).any()) and super()._due(state)
+        return bool((self._meta(state).gathered_slot_mapping >= 0).any()) and super()._due(state)
 
     def __call__(self, state: StepState) -> StepState:
         if self._due(state):
-            sm = state.attn.gathered_slot_mapping
+            sm = self._meta(state).gathered_slot_mapping
             i = int(torch.nonzero(sm >= 0)[0])
             sm[i] += 1
         return state
