@@ -65,8 +65,9 @@ def _hybrid_tables(groups: KVGroups, rng) -> tuple[np.ndarray, np.ndarray]:
     ["model.window=8", "model.window_layers=[0,2,3]", "model.window_kind=chunked"],  # (1,), (0,), (2,), (3,)
 ])
 def test_a_hybrid_cache_attends_exactly_as_one_table(window):
+    # NOTE: the batches are made here, the groups too: the composed run's own stay classic
     classic = context(["pcp=1", "dtype=float64", "model=tiny_gqa", "model.num_layers=4", f"kv.block_size={BLOCK}",
-                       f"kv.num_blocks={NUM_BLOCKS}", *window])
+                       f"kv.num_blocks={NUM_BLOCKS}", "kv.hybrid=off", *window])
     spec = classic.model.attn_spec
     groups = KVGroups.of(4, spec.window_layers, spec.windowed())
     assert groups.num_windowed >= 1 and groups.num_full >= 1
