@@ -141,7 +141,7 @@ class CheckedCache:
     ref: list[torch.Tensor] | None = None
     # over every rank and step (summed alike on every rank)
     entries_checked: int = 0  # reference entries expected: a position on a rank, all layers
-    bad_slots: int = 0  # mismatched slots, per cache tensor (a layer, or a KV group place), counted at each step they differ
+    bad_slots: int = 0  # mismatched slots, per cache tensor, counted at each step they differ
     max_diff: float = 0.0
     step_entries: int = 0  # this rank's, since the last comparison
     groups: KVGroups | None = None  # a hybrid cache's KV groups (layers share tensors); None: one
