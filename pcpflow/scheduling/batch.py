@@ -42,6 +42,9 @@ class GlobalBatch:
     # (a prompt's, or a readmitted request's output), -1 elsewhere; None: not known (a batch
     # built without token ids)
     chunk_next_ids: np.ndarray | None = None
+    # int64 [G, R, max_blocks]: every KV group's block tables (``pcpflow.scheduling.kv_groups``;
+    # group 0's are ``block_tables``); None when no group gives back blocks (one table of all)
+    group_block_tables: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         q = np.asarray(self.num_scheduled_tokens, dtype=np.int64)
@@ -87,7 +90,7 @@ class GlobalBatch:
         return self.query_start_loc.searchsorted(self.logits_indices, side="right") - 1
 
     def with_block_tables(self, block_tables: np.ndarray) -> GlobalBatch:
-        """The same batch over another KV layout (the single-rank reference's blocks)."""
+        """The same batch over another KV layout (the single-rank reference's blocks, one group)."""
         return GlobalBatch(
             step=self.step,
             req_ids=self.req_ids,

@@ -145,7 +145,7 @@ def test_settings_only_an_executed_run_reads_are_refused_in_a_simulated_one():
 def test_an_unknown_key_inside_a_known_section_lists_the_section_s_settings():
     found = problems_of(["kv.foo=1", "mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "disagg=pd",
                          "disagg.decode_pool.foo=1"])
-    assert found["kv.foo"] == "not a setting of kv; its settings: block_size, interleave, num_blocks, prefix_caching"
+    assert found["kv.foo"] == "not a setting of kv; its settings: block_size, hybrid, interleave, num_blocks, prefix_caching"
     assert found["disagg.decode_pool.foo"].startswith("not a setting of disagg.decode_pool; its settings: cp_attention, dcp, ")
     assert " tp" in found["disagg.decode_pool.foo"]
 
