@@ -166,3 +166,13 @@ def test_version_is_pcpflow_s_own(capsys):
 def test_a_profile_of_no_dtype_is_refused():
     assert problems_of(["mode=profile", "profile.dtypes=[]"]) == {
         "profile.dtypes": "List should have at least 1 item after validation, not 0"}
+
+
+def test_hybrid_kv_on_is_refused_beside_what_keeps_every_block():
+    window = ["model=tiny_gqa", "model.window=8", "model.window_layers=[1]", "kv.hybrid=on"]
+    found = problems_of(window + ["draft=mtp", "cudagraph_mode=piecewise"])
+    assert found["kv.hybrid"].startswith("windowed layers give back blocks through a table per KV group; drafting "
+                                         "and cudagraph_mode=piecewise need(s) one table")
+    assert "kv.hybrid=auto" in found["kv.hybrid"]
+    validate_overrides(window)  # alone it runs
+    validate_overrides(["model=tiny_gqa", "model.window=8", "model.window_layers=[1]", "draft=mtp"])  # auto: one group
