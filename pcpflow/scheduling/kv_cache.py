@@ -54,12 +54,15 @@ SHOWN_PROBLEMS = 5
 _GROUP_SALT = 0x9E3779B97F4A7C15
 
 
-def group_keys(hashes: np.ndarray, group: int) -> np.ndarray:
-    """uint64: the cache keys of blocks with chained ``hashes`` in KV group ``group``."""
-    if not group:
+def group_keys(hashes: np.ndarray, group) -> np.ndarray:
+    """uint64: the cache keys of blocks with chained ``hashes`` in KV group ``group`` (an int;
+    or int64 ``[G]`` groups: ``[G, n]`` keys)."""
+    if np.ndim(group) == 0 and not group:
         return hashes
-    keys = hashes ^ np.uint64(_GROUP_SALT * group % 2**64)
-    return np.where(keys == 0, np.uint64(1), keys)  # NOTE: 0 means "not cached"
+    salt = (np.asarray(group, dtype=np.uint64) * np.uint64(_GROUP_SALT & (2**63 - 1))) << np.uint64(1)
+    keys = hashes ^ (salt[..., None] if np.ndim(group) else salt)
+    keys[keys == 0] = 1  # NOTE: 0 means "not cached"
+    return keys
 
 
 def fit_problems(
@@ -380,14 +383,12 @@ class KVCacheManager:
         rows = self._row_of[np.asarray(req_ids, dtype=np.int64)]
         if self.groups is None:
             return self.cache_block_ids(self._table[0, rows, entries], hashes, private)
-        hashes = np.asarray(hashes, dtype=np.uint64)
-        total = 0
-        for g in range(self.num_groups):
-            blocks = self._table[g, rows, entries]
-            live = blocks != self.null_block
-            total += self.cache_block_ids(blocks[live], group_keys(hashes[live], g),
-                                          None if private is None else private[live])
-        return total
+        # NOTE: every group's blocks in one call (their keys differ by group)
+        blocks = self._table[:, rows, entries]
+        keys = group_keys(np.asarray(hashes, dtype=np.uint64), np.arange(self.num_groups))
+        live = blocks != self.null_block
+        return self.cache_block_ids(blocks[live], keys[live],
+                                    None if private is None else np.broadcast_to(private, blocks.shape)[live])
 
     def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray, private: np.ndarray | None = None) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
