@@ -57,13 +57,16 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     if not checkpoint:  # NOTE: a bad stage or seed must not hide a workload that cannot fit
         lengths = _request_lengths(cfg, problems)
         if lengths is not None:
+            groups = run_groups(cfg)
             for pool in POOLS if cfg.disagg.enabled else ("prefill",):
                 c = pool_config(cfg, pool)
                 # NOTE: a prefill pool holds prompts only; the decode pool, prompts and every output
                 outputs = lengths[1] * 0 if cfg.disagg.enabled and pool == "prefill" else lengths[1]
                 problems += pool_problems(cfg, fit_problems(lengths[0], outputs, num_speculative_tokens=cfg.num_speculative_tokens,
                                                             block_size=c.kv.block_size, dcp_size=c.dcp,
-                                                            num_blocks=c.kv.num_blocks), pool)
+                                                            num_blocks=c.kv.num_blocks, groups=groups,
+                                                            max_num_batched_tokens=c.scheduler.max_num_batched_tokens),
+                                                pool)
             if kind == "execute":
                 problems += host_memory_problems(cfg, *lengths, specs=None if imported else _resolved(cfg))
             if len(lengths[0]):  # NOTE: simulated too: it prices the whole-sequence attention pcpflow runs
@@ -72,6 +75,28 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def run_groups(cfg: Any):
+    """The KV groups the run's cache will have (``pcpflow.scheduling.kv_groups``), counted from
+    the model's config (a checkpoint's config.json: its windowed layers as the loader reads
+    them); None with one group, or where the model's config does not read (its problems are
+    named elsewhere)."""
+    from pcpflow.models.card import ModelCard, card_from_hf_config
+    from pcpflow.scheduling.kv_groups import hybrid_blockers
+    from pcpflow.simulate.prepare import sizes_kv_groups
+    from pcpflow.simulate.sizes import model_sizes
+
+    if cfg.kv.hybrid == "off" or hybrid_blockers(cfg):
+        return None
+    model = cfg.model
+    try:
+        if getattr(model, "name", None) == "hf":
+            model = ModelCard(**card_from_hf_config(model.path))
+        sizes = model_sizes(model)
+    except (ValueError, TypeError, OSError):
+        return None
+    return sizes_kv_groups(cfg.kv.hybrid, [], sizes)
 
 
 def _resolved(cfg: Any) -> list | None:
@@ -130,6 +155,7 @@ def feature_problems(cfg: Any) -> list[Problem]:
     p = [] if cfg.grid.problems() else pool_problems(cfg, run_tp_problems(cfg), "prefill")
     p += device_problems(cfg) + cudagraph_problems(cfg) + pool_problems(cfg, moe_problems(cfg), "prefill")
     p += profile_problems(cfg)
+    p += hybrid_problems(cfg)
     if cfg.disagg.enabled and not cfg.disagg.decode_grid.problems():  # heads the decode pool's tp splits, its experts
         decode = pool_config(cfg, "decode")
         p += pool_problems(cfg, run_tp_problems(decode) + moe_problems(decode), "decode")
@@ -138,6 +164,18 @@ def feature_problems(cfg: Any) -> list[Problem]:
 
         p += simulate_problems(cfg)
     return p
+
+
+def hybrid_problems(cfg: Any) -> list[Problem]:
+    """``kv.hybrid=on`` with what keeps every block (``pcpflow.scheduling.kv_groups``)."""
+    from pcpflow.scheduling.kv_groups import hybrid_blockers
+
+    blockers = hybrid_blockers(cfg)
+    if cfg.kv.hybrid != "on" or not blockers:
+        return []
+    return [Problem("kv.hybrid", "on", f"windowed layers give back blocks through a table per KV group; "
+                    f"{' and '.join(blockers)} need(s) one table of every block: use kv.hybrid=auto (falls back "
+                    f"to one group) or off")]
 
 
 def check_run_dir(run_dir: Path, *, create: bool = True, field: str = "hydra.run.dir") -> None:

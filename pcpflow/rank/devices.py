@@ -217,6 +217,7 @@ def _model_bytes(cfg: Any, specs: list) -> tuple[Callable[[int], int], int, int,
     from pcpflow.models import build_model
     from pcpflow.parallel.tensor_parallel import local_spec
     from pcpflow.pipeline.context import DTYPES
+    from pcpflow.scheduling.kv_groups import run_kv_groups
 
     dtype = DTYPES[cfg.dtype]
     size = torch.empty((), dtype=dtype).element_size()
@@ -228,11 +229,15 @@ def _model_bytes(cfg: Any, specs: list) -> tuple[Callable[[int], int], int, int,
     drafter = draft.cache_entry_width(model) if hasattr(draft, "cache_entry_width") else 0
     weights = sum(p.numel() for p in model.parameters()) * size
 
+    spec = model.attn_spec
+    # NOTE: with KV groups a block holds one group's layers (pcpflow.scheduling.kv_groups)
+    groups = run_kv_groups(cfg, model.num_layers, spec.window_layers, spec.windowed())
+    layers = model.num_layers if groups is None else groups.size
+
     def entry(tp: int) -> int:
-        spec = model.attn_spec
         # NOTE: a tp that does not split the KV heads is refused by the TP checks: count it whole
         splits = spec.v_offset == 0 or spec.num_kv_heads % tp == 0 or tp % spec.num_kv_heads == 0
-        return model.num_layers * (local_spec(spec, 0, tp) if splits else spec).entry_dim * size
+        return layers * (local_spec(spec, 0, tp) if splits else spec).entry_dim * size
 
     return entry, drafter * size, model.hidden_size * size, weights
 

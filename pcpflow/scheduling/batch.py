@@ -43,7 +43,7 @@ class GlobalBatch:
     # built without token ids)
     chunk_next_ids: np.ndarray | None = None
     # int64 [G, R, max_blocks]: every KV group's block tables (``pcpflow.scheduling.kv_groups``;
-    # group 0's are ``block_tables``); None when the KV cache has one group
+    # group 0's are ``block_tables``); None when no group gives back blocks (one table of all)
     group_block_tables: np.ndarray | None = None
 
     def __post_init__(self) -> None:

@@ -18,6 +18,16 @@ The pool (vLLM's ``BlockPool``):
   prefix has that hash takes it back out of the queue (a *hit*), until allocation reaches
   it at the front of the queue and evicts it (the hash is forgotten).
 
+With KV groups (``pcpflow.scheduling.kv_groups``: a model with windowed layers) a request has
+a table per group, all over this one pool: a table entry takes a block in every group, and
+``release`` hands back a window group's blocks that no future query reads (their entries
+point at the null block, ``num_blocks``, from then on). Entry counts (``blocks_needed``,
+``num_blocks_of``) are per table; block counts (``num_free_blocks``, a step's growth) are the
+pool's: a new entry costs ``num_groups`` blocks. Group 0's table is ``block_tables``'; a
+group's blocks are cached under its own keys (the chained hash mixed with the group), and a
+hit is vLLM's for full + windowed groups: the longest prefix cached in every full group whose
+last window (the keys its first query reads) is cached in every window group.
+
 The queue is an array with lazy deletion (a hit leaves its stale entry behind; an entry is
 live while its sequence number is the block's), so taking k blocks and freeing a request
 are array operations. The hash -> block dict holds exactly the cached blocks (an evicted
@@ -35,8 +45,24 @@ import heapq
 import numpy as np
 
 from pcpflow.errors import Problem
+from pcpflow.scheduling.kv_groups import KVGroups
 
 SHOWN_PROBLEMS = 5
+
+# NOTE: a group's cache keys: the chained hash mixed with the group (group 0 keeps its own, so
+# that one group caches exactly as before); vLLM keys its cache by (hash, group) alike.
+_GROUP_SALT = 0x9E3779B97F4A7C15
+
+
+def group_keys(hashes: np.ndarray, group) -> np.ndarray:
+    """uint64: the cache keys of blocks with chained ``hashes`` in KV group ``group`` (an int;
+    or int64 ``[G]`` groups: ``[G, n]`` keys)."""
+    if np.ndim(group) == 0 and not group:
+        return hashes
+    salt = (np.asarray(group, dtype=np.uint64) * np.uint64(_GROUP_SALT & (2**63 - 1))) << np.uint64(1)
+    keys = hashes ^ (salt[..., None] if np.ndim(group) else salt)
+    keys[keys == 0] = 1  # NOTE: 0 means "not cached"
+    return keys
 
 
 def fit_problems(
@@ -48,25 +74,41 @@ def fit_problems(
     dcp_size: int,
     num_blocks: int,
     max_blocks_per_req: int | None = None,
+    groups: KVGroups | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> list[Problem]:
     """The one rule for "can this request ever fit": its prompt, every output token and the
     speculative lookahead, alone in the cache (``num_blocks``, or ``max_blocks_per_req`` when
     smaller). A request that cannot would wait forever; one that can always runs, since
     the scheduler preempts every later request for it. Problems (``kv.num_blocks``) name the
-    first few such requests and count the rest; arrays of lengths in, no cache built."""
+    first few such requests and count the rest; arrays of lengths in, no cache built.
+
+    With KV groups a request holds a block per entry in each full group and, in each window
+    group, at most ``KVGroups.peak_window_entries`` at once (steps of at most
+    ``max_num_batched_tokens`` tokens): the most it ever holds, an upper bound."""
     tokens_per_block = block_size * dcp_size
-    limit = num_blocks if max_blocks_per_req is None else min(num_blocks, max_blocks_per_req)
     prompt = np.asarray(prompt_lens, dtype=np.int64)
     output = np.asarray(output_lens, dtype=np.int64)
-    need = -(-(prompt + output + num_speculative_tokens) // tokens_per_block)
-    bad = np.flatnonzero(need > limit)
+    tokens = prompt + output + num_speculative_tokens
+    entries = -(-tokens // tokens_per_block)
+    need = entries
+    if groups is not None and groups.hybrid:
+        if max_num_batched_tokens is None:
+            raise ValueError("KV groups with windows fit by their step size: pass max_num_batched_tokens")
+        window = groups.peak_window_entries(tokens, tokens_per_block, max_num_batched_tokens, num_speculative_tokens)
+        need = groups.num_full * entries + groups.num_windowed * window
+    too_many = need > num_blocks
+    if max_blocks_per_req is not None:
+        too_many |= entries > max_blocks_per_req
+    bad = np.flatnonzero(too_many)
     problems = []
     for i in bad[:SHOWN_PROBLEMS].tolist():
         extra = (f" (and max_blocks_per_req, {max_blocks_per_req}, too)"
-                 if max_blocks_per_req is not None and need[i] > max_blocks_per_req else "")
+                 if max_blocks_per_req is not None and entries[i] > max_blocks_per_req else "")
+        grouped = (f" in {groups.num_groups} KV groups" if groups is not None and groups.num_groups > 1 else "")
         problems.append(Problem(
             "kv.num_blocks", num_blocks,
-            f"workload request {i} needs {need[i]} blocks ({prompt[i]} prompt + {output[i]} output + "
+            f"workload request {i} needs {need[i]} blocks{grouped} ({prompt[i]} prompt + {output[i]} output + "
             f"{num_speculative_tokens} speculative tokens at {tokens_per_block} tokens per block); "
             f"kv.num_blocks must be >= {need[i]}{extra}",
         ))
@@ -78,9 +120,9 @@ def fit_problems(
 
 class KVCacheManager:
     """Block pool over ``num_blocks`` blocks (ids ``0..num_blocks-1``) and the requests'
-    block tables.
+    block tables (one per KV group: ``groups``, module docstring).
 
-    Block tables live in one persistent ``[rows, width]`` array; each request holding
+    Block tables live in one persistent ``[groups, rows, width]`` array; each request holding
     blocks owns a row (rows are recycled), so ``block_tables`` is a single gather.
     Request ids must be non-negative ints (workload request indices).
     """
@@ -93,6 +135,7 @@ class KVCacheManager:
         max_blocks_per_req: int | None = None,
         *,
         prefix_caching: bool = False,
+        groups: KVGroups | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1 or dcp_size < 1:
             raise ValueError(
@@ -106,8 +149,19 @@ class KVCacheManager:
         self.dcp_size = int(dcp_size)
         self.tokens_per_block = self.block_size * self.dcp_size
         self.prefix_caching = bool(prefix_caching)
+        # NOTE: one group (no window frees blocks) is the classic cache: every path as before
+        self.groups = groups if groups is not None and groups.hybrid else None
+        self.num_groups = 1 if self.groups is None else self.groups.num_groups
+        self._window_groups = (np.zeros(0, np.int64) if self.groups is None
+                               else np.flatnonzero(self.groups.windowed))
+        self._full_groups = (np.zeros(1, np.int64) if self.groups is None
+                             else np.flatnonzero(~np.asarray(self.groups.windowed)))
+        self.null_block = self.num_blocks  # NOTE: past the pool: the entries a window left
+        # NOTE: a window group's table runs past the blocks it holds: unbounded by the pool then
+        self._max_given = max_blocks_per_req
         self.max_blocks_per_req = (
-            self.num_blocks if max_blocks_per_req is None else int(max_blocks_per_req)
+            int(max_blocks_per_req) if max_blocks_per_req is not None
+            else self.num_blocks if self.groups is None else 2**62
         )
         n = self.num_blocks
         self._ref = np.zeros(n, dtype=np.int64)  # requests holding each block
@@ -128,15 +182,17 @@ class KVCacheManager:
         self.num_evicted = 0
         # NOTE: the table grows by doubling (rows and width) so that memory follows the
         # live requests, not num_blocks x every request id ever seen.
-        self._table = np.zeros((4, 4), dtype=np.int64)
-        self._row_num_blocks = np.zeros(4, dtype=np.int64)
+        self._table = np.zeros((self.num_groups, 4, 4), dtype=np.int64)
+        self._row_num_blocks = np.zeros(4, dtype=np.int64)  # table entries of each row
+        self._row_released = np.zeros(4, dtype=np.int64)  # entries a window group gave back
         self._free_rows: list[int] = [0, 1, 2, 3]  # a heap: popped lowest first
         self._row_of = np.full(16, -1, dtype=np.int64)  # req_id -> row, -1 = none
 
     # -- queries ---------------------------------------------------------------------------
 
     def blocks_needed(self, num_tokens):
-        """Blocks (table entries) that hold ``num_tokens`` positions; int or int64 array."""
+        """Table entries that hold ``num_tokens`` positions (a block each in every group
+        that keeps them); int or int64 array."""
         n = np.asarray(num_tokens, dtype=np.int64)
         blocks = -(-n // self.tokens_per_block)
         return int(blocks) if blocks.ndim == 0 else blocks
@@ -156,7 +212,7 @@ class KVCacheManager:
         return self._num_cached
 
     def num_blocks_of(self, req_id: int) -> int:
-        """Blocks currently held by ``req_id`` (0 if it holds none)."""
+        """Table entries of ``req_id`` (0 if it holds none): its blocks, with one group."""
         row = self._row(req_id)
         return 0 if row < 0 else int(self._row_num_blocks[row])
 
@@ -170,10 +226,11 @@ class KVCacheManager:
         scheduler's running requests, without the checks for ids holding none."""
         return self._row_num_blocks[self._row_of[req_ids]]
 
-    def blocks_of(self, req_id: int) -> np.ndarray:
-        """The blocks ``req_id`` holds, in table order (a copy)."""
+    def blocks_of(self, req_id: int, group: int = 0) -> np.ndarray:
+        """The blocks of ``req_id``'s table in ``group``, in table order (a copy; a window
+        group's entries it gave back are the null block)."""
         row = self._row(req_id)
-        return np.zeros(0, np.int64) if row < 0 else self._table[row, : self._row_num_blocks[row]].copy()
+        return np.zeros(0, np.int64) if row < 0 else self._table[group, row, : self._row_num_blocks[row]].copy()
 
     def ref_counts(self) -> np.ndarray:
         return self._ref.copy()
@@ -187,66 +244,151 @@ class KVCacheManager:
         h = int(self._hash[block])
         return h or None
 
-    def fit_problems(self, prompt_lens, output_lens, num_speculative_tokens: int = 0) -> list[Problem]:
+    def fit_problems(self, prompt_lens, output_lens, num_speculative_tokens: int = 0,
+                     max_num_batched_tokens: int | None = None) -> list[Problem]:
         """``fit_problems`` of this cache (the module's one rule)."""
         return fit_problems(prompt_lens, output_lens, num_speculative_tokens=num_speculative_tokens,
                             block_size=self.block_size, dcp_size=self.dcp_size, num_blocks=self.num_blocks,
-                            max_blocks_per_req=self.max_blocks_per_req)
+                            max_blocks_per_req=self._max_given, groups=self.groups,
+                            max_num_batched_tokens=max_num_batched_tokens)
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a request holding no blocks yet could get room for ``num_tokens``."""
         need = self.blocks_needed(num_tokens)
-        return need <= self._num_free and need <= self.max_blocks_per_req
+        return need * self.num_groups <= self._num_free and need <= self.max_blocks_per_req
 
     # -- prefix cache ----------------------------------------------------------------------
 
     def find_cached(self, hashes, max_blocks: int) -> np.ndarray:
         """The blocks of the longest cached prefix of a request whose full blocks have the
         chained ``hashes`` (at most ``max_blocks``): one dict lookup per block, up to the
-        first miss. Changes nothing (``allocate(..., cached=...)`` takes them)."""
+        first miss. Changes nothing (``allocate(..., cached=...)`` takes them). One group's
+        (group 0's keys); ``find_hit`` is every group's."""
         if not self.prefix_caching or not self._num_cached or max_blocks <= 0:
             return np.zeros(0, dtype=np.int64)
-        hashes = np.asarray(hashes, dtype=np.uint64)
-        found: list[np.ndarray] = []
-        start, size = 0, 16
-        while start < max_blocks:  # NOTE: in growing chunks, so that a miss stops the lookups early
-            keys = hashes[start:min(start + size, max_blocks)]
-            chunk = list(map(self._cached.get, keys.tolist()))
-            end = chunk.index(None) if None in chunk else len(chunk)
-            found.append(np.asarray(chunk[:end], dtype=np.int64))
-            if end < len(keys):
-                break
-            start, size = start + size, 2 * size
-        return found[0] if len(found) == 1 else np.concatenate(found)
+        return self._find(np.asarray(hashes, dtype=np.uint64), max_blocks)
 
     def finds_again(self, hashes, max_blocks: int, blocks: np.ndarray) -> bool:
         """Whether ``find_cached(hashes, max_blocks)`` still answers ``blocks``, an earlier
         answer: each still holds its hash (so the cache still maps it there) and the first
-        miss after them is still one."""
+        miss after them is still one. ``find_hit``'s answer too (with several groups it is
+        looked up again: a window's hit is found from the right)."""
+        if blocks.ndim == 2:
+            if self.groups is not None:
+                return False
+            blocks = blocks[0]
         n = len(blocks)
         if n and not (self._hash[blocks] == hashes[:n]).all():
             return False
         return n >= min(max_blocks, len(hashes)) or not self._holds(hashes[n].item())
+
+    def find_hit(self, hashes, max_blocks: int) -> np.ndarray:
+        """int64 ``[num_groups, n]``: every group's blocks of the longest cached prefix of ``n``
+        blocks (``find_cached`` with one group). With KV groups, vLLM's hit for full + windowed
+        groups: the longest prefix cached in every full group (left to right, up to the first
+        miss), cut to the longest one whose last window, the entries from the one holding its
+        first query's first key (``KVGroups.first_kept``), is cached in every window group
+        (right to left, up to the first fit); a window group's entries before it are the null
+        block. Changes nothing (``allocate(..., cached=...)`` takes them)."""
+        if self.groups is None:
+            return self.find_cached(hashes, max_blocks)[None]
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        n = max(0, min(max_blocks, len(hashes))) if self.prefix_caching and self._num_cached else 0
+        found = []
+        for g in self._full_groups.tolist():
+            found.append(self._find(group_keys(hashes, g), n))
+            n = min(n, len(found[-1]))
+        n = self._window_hit(hashes, n)
+        out = np.full((self.num_groups, n), self.null_block, dtype=np.int64)
+        for g, blocks in zip(self._full_groups.tolist(), found):
+            out[g] = blocks[:n]
+        first = int(self.groups.first_kept(n * self.tokens_per_block, self.tokens_per_block))
+        for g in self._window_groups.tolist():
+            keys = group_keys(hashes[first:n], g).tolist()
+            out[g, first:] = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(keys))
+        return out
+
+    def _find(self, keys: np.ndarray, n: int) -> np.ndarray:
+        """The blocks of the longest prefix of ``keys[:n]`` the cache maps (up to the first miss)."""
+        found: list[np.ndarray] = []
+        start, size = 0, 16
+        while start < n:  # NOTE: in growing chunks, so that a miss stops the lookups early
+            chunk = list(map(self._cached.get, keys[start:min(start + size, n)].tolist()))
+            end = chunk.index(None) if None in chunk else len(chunk)
+            found.append(np.asarray(chunk[:end], dtype=np.int64))
+            if end < len(chunk):
+                break
+            start, size = start + size, 2 * size
+        if not found:
+            return np.zeros(0, dtype=np.int64)
+        return found[0] if len(found) == 1 else np.concatenate(found)
+
+    def _window_hit(self, hashes: np.ndarray, n: int) -> int:
+        """The longest ``m <= n`` whose entries ``first_kept(m) .. m - 1`` are cached in every
+        window group (0 always fits: nothing to read). Entries are looked up from ``n - 1``
+        leftwards in growing chunks, and a prefix is judged once the lookups cover its window."""
+        if n <= 0:
+            return 0
+        U, cached = self.tokens_per_block, self._cached
+        lo, size = n, 16
+        known = np.zeros(0, dtype=bool)  # entries [lo, n): cached in every window group
+        while True:
+            start = max(0, lo - size)
+            part = np.ones(lo - start, dtype=bool)
+            for g in self._window_groups.tolist():
+                part &= np.fromiter(map(cached.__contains__, group_keys(hashes[start:lo], g).tolist()),
+                                    dtype=bool, count=lo - start)
+            known, lo, size = np.concatenate([part, known]), start, 2 * size
+            m = np.arange(lo + 1, n + 1, dtype=np.int64)
+            first = self.groups.first_kept(m * U, U)
+            judged = first >= lo
+            misses = np.concatenate([[0], np.cumsum(~known)])  # misses[k]: among entries [lo, lo + k)
+            fits = judged & (misses[m - lo] == misses[np.maximum(first, lo) - lo])
+            if fits.any():
+                return int(m[fits][-1])
+            if lo == 0:
+                return 0
 
     def _holds(self, h: int) -> bool:
         """Whether an indexed block holds hash ``h``."""
         return h in self._cached
 
     def evictable(self, blocks: np.ndarray) -> int:
-        """How many of ``blocks`` (cached ones found by ``find_cached``) are free: taking them
-        uses up free capacity as new blocks would."""
+        """How many of ``blocks`` (cached ones found by ``find_cached`` or ``find_hit``; the
+        null block is none) are free: taking them uses up free capacity as new blocks would."""
+        blocks = self._real(blocks)
         return int(np.count_nonzero(self._ref[blocks] == 0)) if len(blocks) else 0
+
+    def _real(self, blocks: np.ndarray) -> np.ndarray:
+        """``blocks`` (any shape) flat, without the null block."""
+        blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
+        return blocks if self.groups is None else blocks[blocks != self.null_block]
 
     def cache_blocks(self, req_id: int, first: int, hashes: np.ndarray) -> int:
         """Register ``req_id``'s full blocks ``first, first+1, ...`` under ``hashes`` (their
         chained hashes); a block already cached, or a hash another block holds, is left as
         it is. Returns the number of blocks newly cached."""
         n = len(hashes)
-        return self.cache_block_ids(self.block_ids(np.full(n, req_id), np.arange(first, first + n)), hashes)
+        return self.cache_entries(np.full(n, req_id), np.arange(first, first + n), hashes)
 
-    def block_ids(self, req_ids: np.ndarray, entries: np.ndarray) -> np.ndarray:
-        """The block at table entry ``entries[k]`` of request ``req_ids[k]``."""
-        return self._table[self._row_of[np.asarray(req_ids, dtype=np.int64)], entries]
+    def block_ids(self, req_ids: np.ndarray, entries: np.ndarray, group: int = 0) -> np.ndarray:
+        """The block at table entry ``entries[k]`` of request ``req_ids[k]`` in ``group``."""
+        return self._table[group, self._row_of[np.asarray(req_ids, dtype=np.int64)], entries]
+
+    def cache_entries(self, req_ids: np.ndarray, entries: np.ndarray, hashes: np.ndarray,
+                      private: np.ndarray | None = None) -> int:
+        """Full blocks at table entries ``entries[k]`` of requests ``req_ids[k]`` (chained
+        ``hashes``) cached in every group, each under its group's keys (``cache_block_ids``);
+        a window group's entries it gave back are skipped. Returns blocks newly cached."""
+        rows = self._row_of[np.asarray(req_ids, dtype=np.int64)]
+        if self.groups is None:
+            return self.cache_block_ids(self._table[0, rows, entries], hashes, private)
+        # NOTE: every group's blocks in one call (their keys differ by group)
+        blocks = self._table[:, rows, entries]
+        keys = group_keys(np.asarray(hashes, dtype=np.uint64), np.arange(self.num_groups))
+        live = blocks != self.null_block
+        return self.cache_block_ids(blocks[live], keys[live],
+                                    None if private is None else np.broadcast_to(private, blocks.shape)[live])
 
     def cache_block_ids(self, blocks: np.ndarray, hashes: np.ndarray, private: np.ndarray | None = None) -> int:
         """``cache_blocks`` by block id. A block holds a hash exactly while the cache maps
@@ -295,7 +437,7 @@ class KVCacheManager:
         row = self._row(req_id)
         if row < 0:
             return
-        blocks = self._table[row, :self._row_num_blocks[row]]
+        blocks = self._real(self._table[:, row, :self._row_num_blocks[row]])
         blocks = blocks[self._unindexed[blocks]]
         if len(blocks):
             self._cached.update(zip(self._hash[blocks].tolist(), blocks.tolist()))
@@ -305,8 +447,9 @@ class KVCacheManager:
 
     def allocate(self, req_id: int, num_tokens: int, cached: np.ndarray | None = None) -> None:
         """Grow ``req_id``'s table to hold ``num_tokens`` positions (no-op if it already does).
-        ``cached``: blocks found by ``find_cached`` for a request holding none yet; they
-        become its first table entries (shared, their reference counts raised)."""
+        ``cached``: blocks found by ``find_cached`` (or ``find_hit``: ``[num_groups, n]``) for
+        a request holding none yet; they become its first table entries (shared, their
+        reference counts raised; a window group's null entries stay null)."""
         req_id = int(req_id)
         if req_id < 0:
             raise ValueError(f"req_id must be >= 0, got {req_id}")
@@ -318,11 +461,15 @@ class KVCacheManager:
             )
         row = self._row(req_id)
         have = 0 if row < 0 else int(self._row_num_blocks[row])
-        hits = np.zeros(0, np.int64) if cached is None else np.asarray(cached, dtype=np.int64)
-        if len(hits) and (have or len(hits) > need):
+        hits = np.zeros((self.num_groups, 0), np.int64) if cached is None else np.asarray(cached, dtype=np.int64)
+        hits = hits.reshape(self.num_groups, -1)
+        n_hit = hits.shape[1]
+        if n_hit and (have or n_hit > need):
             raise ValueError(f"cached blocks go first into an empty table of {need} blocks; "
-                             f"request {req_id} holds {have}, {len(hits)} cached given")
-        extra = need - have - len(hits)
+                             f"request {req_id} holds {have}, {n_hit} cached given")
+        # NOTE: an entry costs a block in every group (a window group's entries before its
+        # first kept one are among the hit's, as null ones)
+        extra = (need - have - n_hit) * self.num_groups
         if extra + self.evictable(hits) > self._num_free:
             raise RuntimeError(
                 f"request {req_id} needs {extra + self.evictable(hits)} more blocks for {num_tokens} "
@@ -333,11 +480,14 @@ class KVCacheManager:
         if need <= have:
             return
         self._ensure_width(need)
-        if len(hits):
-            self._touch(hits)
-            self._table[row, :len(hits)] = hits
+        if n_hit:
+            self._touch(self._real(hits))
+            self._table[:, row, :n_hit] = hits
+            if self.groups is not None:
+                self._row_released[row] = int(self.groups.first_kept(n_hit * self.tokens_per_block,
+                                                                     self.tokens_per_block))
         new_blocks = self._take(extra)
-        self._table[row, have + len(hits):need] = new_blocks
+        self._table[:, row, have + n_hit:need] = new_blocks.reshape(self.num_groups, -1)
         self._row_num_blocks[row] = need
 
     def allocate_many(self, req_ids, num_tokens) -> None:
@@ -364,7 +514,7 @@ class KVCacheManager:
             )
         have = np.where(rows >= 0, self._row_num_blocks[rows], 0)
         extra = np.maximum(need - have, 0)
-        total = int(extra.sum())
+        total = int(extra.sum()) * self.num_groups
         if total > self._num_free:
             raise RuntimeError(
                 f"requests {ids.tolist()} need {total} more blocks, only {self._num_free} of "
@@ -378,12 +528,13 @@ class KVCacheManager:
 
     def grow(self, req_ids: np.ndarray, extra: np.ndarray) -> None:
         """Running requests' step: each of ``req_ids`` (distinct, holding blocks) gets
-        ``extra[k] >= 1`` more blocks, from the front of the free queue in request order (what
-        ``allocate`` in a loop does): ``allocate_many`` without its checks of arguments the
-        scheduler derived itself."""
+        ``extra[k] >= 1`` more table entries (a block each in every group), from the front of
+        the free queue in request order (what ``allocate`` in a loop does; group by group):
+        ``allocate_many`` without its checks of arguments the scheduler derived itself."""
         rows = self._row_of[req_ids]
         have = self._row_num_blocks[rows]
-        total = int(extra.sum())
+        entries = int(extra.sum())
+        total = entries * self.num_groups
         if total > self._num_free:
             raise RuntimeError(f"{total} more blocks wanted, only {self._num_free} of {self.num_blocks} are free")
         need = have + extra
@@ -391,35 +542,76 @@ class KVCacheManager:
         if width > self.max_blocks_per_req:
             raise RuntimeError(f"a request needs {width} blocks, more than max_blocks_per_req ({self.max_blocks_per_req})")
         self._ensure_width(width)
-        new_blocks = self._take(total)
-        if total == len(rows):  # NOTE: the usual step: one block each
-            self._table[rows, have] = new_blocks
+        new_blocks = self._take(total).reshape(self.num_groups, entries)
+        if entries == len(rows):  # NOTE: the usual step: one entry each
+            self._table[:, rows, have] = new_blocks
         else:
             owner = np.repeat(np.arange(len(rows)), extra)
-            self._table[rows[owner], np.arange(total) - (extra.cumsum() - extra)[owner] + have[owner]] = new_blocks
+            self._table[:, rows[owner], np.arange(entries) - (extra.cumsum() - extra)[owner] + have[owner]] = new_blocks
         self._row_num_blocks[rows] = need
+
+    def release(self, req_ids: np.ndarray, num_computed: np.ndarray) -> np.ndarray:
+        """Window groups give back the blocks of requests ``req_ids`` (holding blocks; int64)
+        that no future query reads: the entries before ``KVGroups.first_kept`` of each one's
+        ``num_computed`` tokens become the null block, and blocks no other request holds go
+        to the back of the free queue (entry order, group by group), cached ones keeping their
+        hash. Returns the blocks that became free (none without windows)."""
+        if self.groups is None or not len(req_ids):
+            return np.zeros(0, dtype=np.int64)
+        rows = self._row_of[req_ids]
+        lo = self._row_released[rows]
+        hi = np.minimum(self.groups.first_kept(num_computed, self.tokens_per_block), self._row_num_blocks[rows])
+        count = np.maximum(hi - lo, 0)
+        n = int(count.sum())
+        if not n:
+            return np.zeros(0, dtype=np.int64)
+        r = np.repeat(rows, count)
+        e = np.arange(n, dtype=np.int64) - np.repeat(count.cumsum() - count - lo, count)
+        wg = self._window_groups[:, None]
+        blocks = self._table[wg, r, e]
+        self._table[wg, r, e] = self.null_block
+        self._row_released[rows] = np.maximum(lo, hi)
+        return self._drop(blocks.reshape(-1), distinct=False)
+
+    def _drop(self, blocks: np.ndarray, *, distinct: bool = True) -> np.ndarray:
+        """One holder fewer per appearance in ``blocks`` (``distinct``: each appears once, as
+        in one request's tables; a hit's block two requests give back at once appears twice):
+        those held by none go to the back of the free queue in this order. Returns them."""
+        if distinct:
+            self._ref[blocks] -= 1
+        else:
+            np.subtract.at(self._ref, blocks, 1)
+        freed = blocks[self._ref[blocks] == 0]
+        if not distinct and len(freed) > 1:
+            _, first = np.unique(freed, return_index=True)
+            freed = freed[np.sort(first)]
+        self._push(freed)
+        return freed
 
     def free(self, req_id: int) -> np.ndarray:
         """Release every block of ``req_id``: blocks no other request holds go to the back of
-        the free queue, last table entry first (cached ones keep their hash). Returns the
-        blocks that became free, in that order."""
+        the free queue, last table entry first, group by group (cached ones keep their hash).
+        Returns the blocks that became free, in that order."""
         row = self._row(req_id)
         if row < 0:
             raise KeyError(f"request {req_id} holds no KV blocks")
         n = int(self._row_num_blocks[row])
-        blocks = self._table[row, :n][::-1].copy()
-        self._ref[blocks] -= 1
-        freed = blocks[self._ref[blocks] == 0]
-        self._push(freed)
-        self._table[row, :n] = 0
+        freed = self._drop(self._real(self._table[:, row, :n][:, ::-1]))
+        self._table[:, row, :n] = 0
         self._row_num_blocks[row] = 0
+        self._row_released[row] = 0
         self._row_of[req_id] = -1
         heapq.heappush(self._free_rows, row)
         return freed
 
     def block_tables(self, req_ids: np.ndarray) -> np.ndarray:
-        """int64 ``[R, W]`` block tables of ``req_ids``; W = most blocks among them (>= 1),
-        unused entries 0."""
+        """int64 ``[R, W]`` block tables of ``req_ids`` (group 0's); W = most entries among
+        them (>= 1), unused entries 0."""
+        return self.group_block_tables(req_ids)[0]
+
+    def group_block_tables(self, req_ids: np.ndarray) -> np.ndarray:
+        """int64 ``[num_groups, R, W]``: every group's block tables of ``req_ids``
+        (``block_tables``; a window group's entries it gave back are the null block)."""
         ids = np.asarray(req_ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self._row_of)):
             raise KeyError(f"unknown request ids in {ids.tolist()}")
@@ -427,7 +619,7 @@ class KVCacheManager:
         if (rows < 0).any():
             raise KeyError(f"requests {ids[rows < 0].tolist()} hold no KV blocks")
         width = max(1, int(self._row_num_blocks[rows].max(initial=0)))
-        return self._table[rows, :width].copy()
+        return self._table[:, rows, :width].copy()
 
     # -- the pool --------------------------------------------------------------------------
 
@@ -519,21 +711,22 @@ class KVCacheManager:
             grown[: len(self._row_of)] = self._row_of
             self._row_of = grown
         if not self._free_rows:
-            rows, width = self._table.shape
+            groups, rows, width = self._table.shape
             # NOTE: np.zeros maps its pages lazily: only the rows copied (and later used) are touched
-            grown = np.zeros((2 * rows, width), dtype=np.int64)
-            grown[:rows] = self._table
+            grown = np.zeros((groups, 2 * rows, width), dtype=np.int64)
+            grown[:, :rows] = self._table
             self._table = grown
             self._row_num_blocks = np.concatenate([self._row_num_blocks, np.zeros(rows, np.int64)])
+            self._row_released = np.concatenate([self._row_released, np.zeros(rows, np.int64)])
             self._free_rows = list(range(rows, 2 * rows))
         row = heapq.heappop(self._free_rows)
         self._row_of[req_id] = row
         return row
 
     def _ensure_width(self, width: int) -> None:
-        rows, have = self._table.shape
+        groups, rows, have = self._table.shape
         if width > have:
             new_width = min(max(2 * have, width), self.max_blocks_per_req)
-            grown = np.zeros((rows, new_width), dtype=np.int64)
-            grown[:, :have] = self._table
+            grown = np.zeros((groups, rows, new_width), dtype=np.int64)
+            grown[:, :, :have] = self._table
             self._table = grown

@@ -127,22 +127,33 @@ class KVGroups:
 
 def hybrid_blockers(cfg) -> list[str]:
     """What keeps every block of a run (``kv.hybrid=auto`` falls back to one group;
-    ``kv.hybrid=on`` is refused with them): a drafter's cache (its entries follow the
-    target's table), two pools (a transfer moves one table), captured graphs (one table)."""
+    ``kv.hybrid=on`` is refused with them): ``blockers_of`` a RunConfig."""
+    return blockers_of(drafting=cfg.draft_enabled, disagg=cfg.disagg.kind, cudagraph_mode=cfg.cudagraph_mode)
+
+
+def blockers_of(*, drafting: bool, disagg: str, cudagraph_mode: str) -> list[str]:
+    """A drafter's cache (its entries follow the target's one table), two pools (a transfer
+    moves one table), captured graphs (their metadata holds one table)."""
     out = []
-    if cfg.draft_enabled:
-        out.append("drafting (num_speculative_tokens > 0)")
-    if cfg.disagg.kind != "none":
-        out.append(f"disagg={cfg.disagg.kind}")
-    if cfg.cudagraph_mode != "none":
-        out.append(f"cudagraph_mode={cfg.cudagraph_mode}")
+    if drafting:
+        out.append("drafting")
+    if disagg != "none":
+        out.append(f"disagg={disagg}")
+    if cudagraph_mode != "none":
+        out.append(f"cudagraph_mode={cudagraph_mode}")
     return out
 
 
 def run_kv_groups(cfg, num_layers: int, window_layers=(), window: Window | None = None) -> KVGroups | None:
     """The groups a run's KV cache uses (``kv.hybrid``), None where it keeps every block of
     every layer: ``off``, a blocker (``hybrid_blockers``), or no windowed layer."""
-    if cfg.kv.hybrid == "off" or hybrid_blockers(cfg):
+    return kv_groups_for(cfg.kv.hybrid, hybrid_blockers(cfg), num_layers, window_layers, window)
+
+
+def kv_groups_for(hybrid: str, blockers: list[str], num_layers: int, window_layers=(),
+                  window: Window | None = None) -> KVGroups | None:
+    """``run_kv_groups`` from the setting and the blockers themselves (a config not yet validated)."""
+    if hybrid == "off" or blockers:
         return None
     groups = KVGroups.of(num_layers, window_layers, window)
     return groups if groups.hybrid else None

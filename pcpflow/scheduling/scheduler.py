@@ -240,7 +240,7 @@ class Scheduler:
                 raise ValueError(f"requests {bad} need a prompt of >= 1 token and max_output_tokens >= 1")
             # NOTE: a prefill pool holds prompts only (the first token's entry is written where it decodes)
             outputs = np.zeros_like(table.output_lens) if prefill_only else table.output_lens
-            problems = kv.fit_problems(table.prompt_lens, outputs, num_speculative_tokens)
+            problems = kv.fit_problems(table.prompt_lens, outputs, num_speculative_tokens, self.max_num_batched_tokens)
             if problems:
                 raise ConfigError(problems, header="requests that can never fit the KV cache")
         self.columns = _Columns(table, self.num_speculative_tokens) if share is None else share.columns
@@ -337,14 +337,16 @@ class Scheduler:
         self._updated_batch = None
         self._preempted, self._freed = [], []
         run = self._running
-        la, U = self.num_speculative_tokens, self.kv.tokens_per_block
+        la, U, G = self.num_speculative_tokens, self.kv.tokens_per_block, self.kv.num_groups
+        if self.kv.groups is not None:  # NOTE: the blocks a window left go back before anyone grows
+            self._freed.append(self.kv.release(run, self._num_computed[run]))
         while True:
             q, written = self._running_tokens(run)
             written += q
             if la:
                 written += la * (q > 0)
             grow = -(-written // U) - self.kv.num_blocks_held(run)  # NOTE: blocks_needed, less its checks
-            if int(np.maximum(grow, 0).sum()) <= self.kv.num_free_blocks or not len(run):
+            if int(np.maximum(grow, 0).sum()) * G <= self.kv.num_free_blocks or not len(run):
                 break
             # FCFS: the last admitted gives its blocks back, and recomputes later.
             self._preempt(int(run[-1]))
@@ -399,7 +401,7 @@ class Scheduler:
         while self._waiting and len(run) + len(admitted) < self.max_num_seqs and budget > 0:
             i = self._waiting[0]
             total = int(self._prefill_end[i])  # its prompt, or prompt + outputs when preempted
-            hit_blocks = np.zeros(0, dtype=np.int64)
+            hit_blocks = np.zeros((kv.num_groups, 0), dtype=np.int64)
             if kv.prefix_caching:
                 # NOTE: at most total - 1 tokens: the last one is computed for its logits.
                 longest = (total - 1) // U
@@ -410,23 +412,25 @@ class Scheduler:
                 if last is not None and last[0] is keys and last[1] == longest and kv.finds_again(keys, longest, last[2]):
                     hit_blocks = last[2]
                 else:
-                    hit_blocks = kv.find_cached(keys, longest)
+                    hit_blocks = kv.find_hit(keys, longest)
                 self._last_find = (keys, longest, hit_blocks)
-                if self._next_key is not None:
-                    hit_blocks = self._drafter_hit(keys, hit_blocks)
-            hit = len(hit_blocks) * U
+                if self._next_key is not None:  # NOTE: a drafter keeps one group (kv_groups.hybrid_blockers)
+                    hit_blocks = self._drafter_hit(keys, hit_blocks[0])[None]
+            n_hit = hit_blocks.shape[-1]
+            hit = n_hit * U
             cached = int(self._cached[i])
             take = min((cached if hit < cached else total) - hit, budget)
             written = hit + take + self.num_speculative_tokens
-            new = -(-written // U) - len(hit_blocks) + kv.evictable(hit_blocks)  # NOTE: blocks_needed, on ints
+            # NOTE: blocks_needed, on ints: a block per new entry in every group
+            new = (-(-written // U) - n_hit) * kv.num_groups + kv.evictable(hit_blocks)
             if new > kv.num_free_blocks:
                 break  # FCFS: the head waits for blocks, and so does everyone behind it
             kv.allocate(i, written, cached=hit_blocks)
             self._waiting.popleft()
             if kv.prefix_caching:
-                self._chain_last[i] = chain[len(hit_blocks) - 1] if len(hit_blocks) else prefix.ROOT
+                self._chain_last[i] = chain[n_hit - 1] if n_hit else prefix.ROOT
             self._num_computed[i] = hit
-            self._hashed[i] = len(hit_blocks)
+            self._hashed[i] = n_hit
             if 0 < cached <= hit and self._ready_step[i] < 0:
                 # NOTE: a hit holds its cached_lens prefix: nothing to wait for, its clock ran
                 # from its entry (a readmission must not start it again)
@@ -536,6 +540,8 @@ class Scheduler:
             cut = np.flatnonzero(is_prefilling & (num_sched > 0) & (ends < prefill_end))
             chunk_next = np.full(R, -1, dtype=np.int64)
             chunk_next[cut] = self._sequence(run[cut], ends[cut])
+        grouped = self.kv.groups is not None
+        tables = self.kv.group_block_tables(run) if grouped else self.kv.block_tables(run)
         return GlobalBatch(
             step=step,
             req_ids=run.copy(),
@@ -544,7 +550,8 @@ class Scheduler:
             is_prefilling=is_prefilling,
             prompt_lens=prefill_end,
             input_ids=input_ids,
-            block_tables=self.kv.block_tables(run),
+            block_tables=tables[0] if grouped else tables,
+            group_block_tables=tables if grouped else None,
             logits_indices=logits_indices,
             num_draft_tokens=drafts,
             sampled_history=history,
@@ -734,7 +741,7 @@ class Scheduler:
             r, j = rows[fast], have[fast]
             values = self._chain_last[r] * prefix.R + self._contents_of_one(r, j)  # NOTE: arrays wrap silently
             keys = prefix.keys(values)
-            self.kv.cache_block_ids(self.kv.block_ids(r, j), keys, self._private(r, j))
+            self.kv.cache_entries(r, j, keys, self._private(r, j))
             if self._next_key is not None:
                 self._note_next_keys(r, j, keys)
             self._chain_last[r] = values
@@ -758,7 +765,7 @@ class Scheduler:
         r = np.repeat(rows, count)
         j = np.arange(len(r)) + np.repeat(have - (count.cumsum() - count), count)
         keys = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self.kv.cache_block_ids(self.kv.block_ids(r, j), keys, self._private(r, j))
+        self.kv.cache_entries(r, j, keys, self._private(r, j))
         if self._next_key is not None:
             self._note_next_keys(r, j, keys)
         self._hashed[rows] = full

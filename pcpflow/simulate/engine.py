@@ -49,13 +49,14 @@ from pcpflow.pipeline.assemble import resolve_pipeline
 from pcpflow.pipeline.state import StepState
 from pcpflow.scheduling.arrivals import Arrivals
 from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.kv_groups import hybrid_blockers
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.simulate import flash
 from pcpflow.simulate.collectives import NCCL_VERSION
 from pcpflow.simulate.drafting import SimulatedDrafting, with_phases
 from pcpflow.simulate.host import Host, kernels_per_layer, moe_ops
-from pcpflow.simulate.prepare import requests_of
+from pcpflow.simulate.prepare import requests_of, sizes_kv_groups
 from pcpflow.simulate.price import ROUTED_PURPOSES, Pricer, StepPrice, step_counts
 from pcpflow.simulate.serving import Router, run_replicas
 from pcpflow.simulate.sizes import DTYPE_BYTES, model_sizes
@@ -77,6 +78,9 @@ class _TablelessKV(KVCacheManager):
 
     def block_tables(self, req_ids: np.ndarray) -> np.ndarray:
         return np.zeros((len(req_ids), 1), dtype=np.int64)
+
+    def group_block_tables(self, req_ids: np.ndarray) -> np.ndarray:
+        return np.zeros((self.num_groups, len(req_ids), 1), dtype=np.int64)
 
 
 class SimulatedRun:
@@ -111,6 +115,7 @@ class SimulatedRun:
             work = specs["draft"].config.work(self.sizes.num_layers)
             self.drafting = SimulatedDrafting(cfg, work, self.sizes, self.pricer, len(self.requests))
         self.draft_kv_reads_next_token = draft_kv_reads_next_token(specs.values())
+        self.kv_groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), self.sizes)
         self._build_replicas()
         self.recorder = MetricsRecorder(
             run_dir / "metrics.jsonl" if run_dir is not None else None,
@@ -141,7 +146,8 @@ class SimulatedRun:
                 self.requests,
                 max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
                 max_num_seqs=cfg.scheduler.max_num_seqs,
-                kv=_TablelessKV(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
+                kv=_TablelessKV(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching,
+                                groups=self.kv_groups),
                 num_speculative_tokens=cfg.num_speculative_tokens,
                 draft_kv_reads_next_token=self.draft_kv_reads_next_token,
                 sampled_outputs=not cfg.sampling.greedy,
@@ -184,6 +190,7 @@ class SimulatedRun:
                    "ttft_slo_s": cfg.slo.ttft_s, "tpot_slo_s": cfg.slo.tpot_s}
         metrics = self.recorder.summary(cols, wall_s, simulated=True, serving=serving)
         metrics["simulate"] = self._summary()
+        metrics["kv_groups"] = None if self.kv_groups is None else self.kv_groups.describe()
         metrics["serving"] = self._serving_summary(cols)
         if self.watch is not None:
             self.watch.report(metrics)

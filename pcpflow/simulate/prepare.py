@@ -24,6 +24,7 @@ from pcpflow.config.run import draft_slot
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
 from pcpflow.models.hub import resolve_checkpoint
+from pcpflow.scheduling.kv_groups import KVGroups, blockers_of, hybrid_blockers, kv_groups_for
 from pcpflow.simulate.sizes import (
     DTYPE_BYTES,
     ModelSizes,
@@ -117,7 +118,9 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         draft_w, draft_kv = drafter_memory(draft_slot(raw.get("draft"), raw.get("pipeline")), model, sizes, sim,
                                            tp=tp, weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype,
                                            plugins=raw.get("plugins") or (), expert_dtype=sim.expert_weights_dtype)
-        per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype) + block_size * draft_kv
+        groups = sizes_kv_groups((raw.get("kv") or {}).get("hybrid", "auto"), _raw_blockers(raw), sizes)
+        per_block = (block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype, groups=groups)
+                     + block_size * draft_kv)
         free = kv_budget_bytes(sizes, hw, sim, tp=tp) - draft_w
         if free < per_block:  # NOTE: simulate_problems names what does not fit (weights, or one block)
             raise ValueError("no block fits")
@@ -135,10 +138,19 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         # A prompt prefilled unchunked, beside a decode on every other seat.
         sched["max_num_batched_tokens"] = int(requests.prompt_lens.max()) + seqs
     if kv.get("num_blocks") is None:
-        need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
+        need = int(blocks_for(requests.prompt_lens + requests.output_lens, tokens_per_block=block_size * dcp,
+                              groups=groups, max_num_batched_tokens=int(sched["max_num_batched_tokens"])).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
     _derive_decode_pool_blocks(raw, sizes, hw, sim, requests, block_size)
     return raw, frozenset()
+
+
+def _raw_blockers(raw: dict[str, Any]) -> list[str]:
+    """``hybrid_blockers`` of a composed config not yet validated (a value it cannot read
+    blocks nothing: validation names it)."""
+    drafting = (draft_slot(raw.get("draft"), raw.get("pipeline")).get("kind") or "none") != "none"
+    return blockers_of(drafting=drafting, disagg=str((raw.get("disagg") or {}).get("kind", "none")),
+                       cudagraph_mode=str(raw.get("cudagraph_mode", "none")))
 
 
 @functools.cache
@@ -211,9 +223,29 @@ def kv_budget_bytes(sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig, 
                                                                           sim.expert_weights_dtype)
 
 
-def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str) -> float:
-    """One KV block of one rank, every layer, in ``simulate.kv_dtype``."""
-    return block_size * sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[kv_dtype]
+def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str, groups: KVGroups | None = None) -> float:
+    """One KV block of one rank, in ``simulate.kv_dtype``: every layer's, or with KV groups
+    (``pcpflow.scheduling.kv_groups``) the layers of one group."""
+    layers = sizes.num_layers if groups is None else groups.size
+    return block_size * sizes.entry_dim_per_rank(tp) * layers * DTYPE_BYTES[kv_dtype]
+
+
+def sizes_kv_groups(hybrid: str, blockers: list[str], sizes: ModelSizes) -> KVGroups | None:
+    """The KV groups of a simulated run (``kv_groups_for``) of a model known by its sizes:
+    its windowed layers counted (which ones changes no count)."""
+    n, w = sizes.num_layers, sizes.sliding_layers
+    return kv_groups_for(hybrid, blockers, n, range(n - w, n), sizes.window)
+
+
+def blocks_for(lengths: np.ndarray, *, tokens_per_block: int, groups: KVGroups | None,
+               max_num_batched_tokens: int, lookahead: int = 0) -> np.ndarray:
+    """int64: the blocks each request of ``lengths`` tokens holds at most (``fit_problems``'
+    count: a block per entry, or per group with KV groups)."""
+    entries = -(-np.asarray(lengths, dtype=np.int64) // tokens_per_block)
+    if groups is None:
+        return entries
+    window = groups.peak_window_entries(lengths, tokens_per_block, max_num_batched_tokens, lookahead)
+    return groups.num_full * entries + groups.num_windowed * window
 
 
 def drafter_memory(draft: dict[str, Any] | None, model, sizes: ModelSizes, sim, *, tp: int, weights_dtype: str | None,
@@ -469,7 +501,9 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
         narrower = " or use simulate.weights_dtype=fp8" if sim.weights_dtype in ("bf16", "fp32", "fp64") else ""
         return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp{narrower}")]
     free = usable - weights
-    per_token = sizes.entry_dim_per_rank(tp) * sizes.num_layers * DTYPE_BYTES[sim.kv_dtype] + draft_kv
+    groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), sizes)
+    per_token = (sizes.entry_dim_per_rank(tp) * (sizes.num_layers if groups is None else groups.size)
+                 * DTYPE_BYTES[sim.kv_dtype] + draft_kv)
     per_block = cfg.kv.block_size * per_token
     if per_block > free:
         return [Problem("kv.block_size", cfg.kv.block_size,
@@ -478,14 +512,21 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
     requests = requests_of(cfg.workload, sizes.vocab_size, cfg.seed)
     tokens = requests.prompt_lens + requests.output_lens + cfg.num_speculative_tokens
     i = int(np.argmax(tokens))
-    tokens = tokens.tolist()
-    need = -(-tokens[i] // dcp) * per_token
     out = []
+    if groups is None:
+        tokens = tokens.tolist()
+        need = -(-tokens[i] // dcp) * per_token
+        held = f"{-(-tokens[i] // dcp)} tokens per DCP shard x {per_token} B"
+    else:  # NOTE: its window groups hold their windows only
+        blocks = int(blocks_for(tokens[i:i + 1], tokens_per_block=cfg.kv.block_size * dcp, groups=groups,
+                                max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens)[0])
+        need = blocks * per_block
+        tokens = tokens.tolist()
+        held = f"{blocks} blocks in {groups.num_groups} KV groups x {per_block} B"
     if need > free:
         out.append(Problem("workload", f"request {i}: {tokens[i]} tokens",
-                           f"its KV cache needs {need / GIB:.1f} GiB per GPU ({-(-tokens[i] // dcp)} tokens per DCP shard "
-                           f"x {per_token} B), {free / GIB:.1f} GiB are left ({where}); shard it over more ranks "
-                           f"(dcp), raise tp, or shorten the request"))
+                           f"its KV cache needs {need / GIB:.1f} GiB per GPU ({held}), {free / GIB:.1f} GiB are "
+                           f"left ({where}); shard it over more ranks (dcp), raise tp, or shorten the request"))
     blocks = cfg.kv.num_blocks * per_block
     if blocks > free and not out:
         out.append(Problem("kv.num_blocks", cfg.kv.num_blocks,

@@ -70,7 +70,7 @@ class Router:
         if not s.kv.prefix_caching:
             return 0
         longest = (int(s._prefill_end[i]) - 1) // s.kv.tokens_per_block
-        return len(s.kv.find_cached(prefix.keys(s.chain_values(i, longest)), longest)) * s.kv.tokens_per_block
+        return s.kv.find_hit(prefix.keys(s.chain_values(i, longest)), longest).shape[1] * s.kv.tokens_per_block
 
 
 def run_replicas(loops: list[StepLoop], arrivals: Arrivals, router: Router,

@@ -145,7 +145,7 @@ def test_settings_only_an_executed_run_reads_are_refused_in_a_simulated_one():
 def test_an_unknown_key_inside_a_known_section_lists_the_section_s_settings():
     found = problems_of(["kv.foo=1", "mode=simulate", "model=llama3_8b", "hardware=h100_sxm", "disagg=pd",
                          "disagg.decode_pool.foo=1"])
-    assert found["kv.foo"] == "not a setting of kv; its settings: block_size, interleave, num_blocks, prefix_caching"
+    assert found["kv.foo"] == "not a setting of kv; its settings: block_size, hybrid, interleave, num_blocks, prefix_caching"
     assert found["disagg.decode_pool.foo"].startswith("not a setting of disagg.decode_pool; its settings: cp_attention, dcp, ")
     assert " tp" in found["disagg.decode_pool.foo"]
 
@@ -166,3 +166,13 @@ def test_version_is_pcpflow_s_own(capsys):
 def test_a_profile_of_no_dtype_is_refused():
     assert problems_of(["mode=profile", "profile.dtypes=[]"]) == {
         "profile.dtypes": "List should have at least 1 item after validation, not 0"}
+
+
+def test_hybrid_kv_on_is_refused_beside_what_keeps_every_block():
+    window = ["model=tiny_gqa", "model.window=8", "model.window_layers=[1]", "kv.hybrid=on"]
+    found = problems_of(window + ["draft=mtp", "cudagraph_mode=piecewise"])
+    assert found["kv.hybrid"].startswith("windowed layers give back blocks through a table per KV group; drafting "
+                                         "and cudagraph_mode=piecewise need(s) one table")
+    assert "kv.hybrid=auto" in found["kv.hybrid"]
+    validate_overrides(window)  # alone it runs
+    validate_overrides(["model=tiny_gqa", "model.window=8", "model.window_layers=[1]", "draft=mtp"])  # auto: one group

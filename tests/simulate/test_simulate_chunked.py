@@ -39,8 +39,11 @@ def _without(d: dict, *keys) -> dict:
     return {k: v for k, v in d.items() if k not in keys}
 
 
-def _chunks(size: int, layers: int = 16) -> list[str]:
-    return [f"model.sliding_window={size}", f"model.sliding_layers={layers}", "model.window_kind=chunked"]
+def _chunks(size: int, layers: int = 16, hybrid: str = "off") -> list[str]:
+    """Chunked layers; their blocks kept (``kv.hybrid=off``: every figure but attention's the
+    same as without chunks; ``test_simulate_hybrid_kv`` prices what giving blocks back changes)."""
+    return [f"model.sliding_window={size}", f"model.sliding_layers={layers}", "model.window_kind=chunked",
+            f"kv.hybrid={hybrid}"]
 
 
 @pytest.mark.parametrize("layout", NAMES)

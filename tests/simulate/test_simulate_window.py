@@ -46,9 +46,11 @@ def _without(d: dict, *keys) -> dict:
 @pytest.mark.parametrize("layout", NAMES)
 def test_a_window_wider_than_every_context_is_no_window(layout):
     """Half the layers sliding through 30000 keys, no request reaching 24580: the same run,
-    every step's record and price alike; the sliding layer's pairs are the full layer's."""
+    every step's record and price alike; the sliding layer's pairs are the full layer's. Their
+    blocks kept (``kv.hybrid=off``): in groups, a block would hold half the layers."""
     plain, plain_steps = _run(LLAMA + LAYOUTS[layout] + LONG)
-    wide, wide_steps = _run(LLAMA + LAYOUTS[layout] + LONG + ["model.sliding_window=30000", "model.sliding_layers=16"])
+    wide, wide_steps = _run(LLAMA + LAYOUTS[layout] + LONG + ["model.sliding_window=30000", "model.sliding_layers=16",
+                                                             "kv.hybrid=off"])
     window = "per_rank_window_attention_work"
     assert _without(wide["metrics"], window, "wall_s", "clocks") == _without(plain["metrics"], "wall_s", "clocks")
     assert wide["metrics"][window] == plain["metrics"]["per_rank_attention_work"]
