@@ -81,9 +81,6 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
     model = build_model(cfg.model, dtype=dtype, seed=cfg.seed, device=device)
     # NOTE: the whole model's layers and window (a TP rank's spec splits heads only)
     groups = run_kv_groups(cfg, model.num_layers, model.attn_spec.window_layers, model.attn_spec.windowed())
-    # TODO(hybrid_exec): KVCacheManager takes groups= with the lead's manager; until main has it
-    # merged the run keeps one group (then remove this line and pass groups= below)
-    groups = None
     shard_model(model, tp, tp.rank, tp.size)  # tensor parallel: keep this rank's slice
     requests = build_requests(cfg.workload, vocab_size=model.vocab_size, seed=cfg.seed)
     table = RequestTable.from_requests(requests)
@@ -92,7 +89,8 @@ def _run_rank(cfg: RunConfig, run_dir: Path | None) -> dict[str, Any] | None:
         table,
         max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
         max_num_seqs=cfg.scheduler.max_num_seqs,
-        kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching),
+        kv=KVCacheManager(cfg.kv.num_blocks, cfg.kv.block_size, cfg.dcp, prefix_caching=cfg.kv.prefix_caching,
+                          groups=groups),
         num_speculative_tokens=cfg.num_speculative_tokens,
         draft_kv_reads_next_token=draft_kv_reads_next_token(specs),
         stop_token_ids=stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True)),
