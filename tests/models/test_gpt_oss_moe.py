@@ -135,8 +135,15 @@ def test_router_keeps_bfloat16_as_transformers():
     assert torch.equal(our_ids, ids) and torch.equal(weights, scores)
 
 
-def test_moe_layer_is_transformers_bit_for_bit_in_bfloat16(tmp_path):
-    """bf16 throughout: routing in the model dtype, biases added to the rounded products."""
+def test_moe_layer_is_transformers_in_bfloat16_up_to_gemm_blocking(tmp_path):
+    """bf16 throughout: routing in the model dtype, biases added to the rounded products.
+
+    pcpflow keeps an expert's gate and up rows as two halves where transformers interleaves
+    them: a CPU GEMM kernel may tile those output columns differently and round a column's fp32
+    sum the other way (on an AVX2-only machine, 19 of these 6400 outputs differ, by at most
+    0.03 at a row scale of ~10; bit-for-bit where the kernels tile alike). Rounding in another order,
+    the bias added before the product is rounded, moves ~64% of them: the bound below holds
+    the order."""
     config = tiny_config(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=4)
     gen = torch.Generator().manual_seed(5)
     hf = GptOssMLP(config)
@@ -149,7 +156,12 @@ def test_moe_layer_is_transformers_bit_for_bit_in_bfloat16(tmp_path):
     load_checkpoint(OneLayer(ours), path, GPT_OSS_MOE_RENAMES, num_layers=1)
     x = torch.randn(100, config.hidden_size, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(ours(x), hf(x[None])[0][0])
+        got, want = ours(x).float(), hf(x[None])[0][0].float()
+    differs = got != want
+    assert differs.float().mean() < 0.02, f"{int(differs.sum())} of {differs.numel()} outputs differ"
+    # NOTE: a step of an intermediate moves an output by the weights after it: bounded by bf16's
+    # epsilon at the row's scale, not at the element's (an output near 0 cancels)
+    assert ((got - want).abs() <= 2.0**-7 * want.abs().amax(dim=-1, keepdim=True)).all()
 
 
 def test_fused_expert_shapes_as_the_checkpoint_stores_them():
