@@ -82,21 +82,28 @@ def run_groups(cfg: Any):
     the model's config (a checkpoint's config.json: its windowed layers as the loader reads
     them); None with one group, or where the model's config does not read (its problems are
     named elsewhere)."""
-    from pcpflow.models.card import ModelCard, card_from_hf_config
     from pcpflow.scheduling.kv_groups import hybrid_blockers
     from pcpflow.simulate.prepare import sizes_kv_groups
-    from pcpflow.simulate.sizes import model_sizes
 
     if cfg.kv.hybrid == "off" or hybrid_blockers(cfg):
         return None
+    sizes = _sizes(cfg)
+    return None if sizes is None else sizes_kv_groups(cfg.kv.hybrid, [], sizes, drafting=cfg.draft_enabled)
+
+
+def _sizes(cfg: Any):
+    """The model's sizes (``pcpflow.simulate.sizes``; a checkpoint's from its config.json), or
+    None where its config does not read."""
+    from pcpflow.models.card import ModelCard, card_from_hf_config
+    from pcpflow.simulate.sizes import model_sizes
+
     model = cfg.model
     try:
         if getattr(model, "name", None) == "hf":
             model = ModelCard(**card_from_hf_config(model.path))
-        sizes = model_sizes(model)
+        return model_sizes(model)
     except (ValueError, TypeError, OSError):
         return None
-    return sizes_kv_groups(cfg.kv.hybrid, [], sizes)
 
 
 def _resolved(cfg: Any) -> list | None:
@@ -170,12 +177,18 @@ def hybrid_problems(cfg: Any) -> list[Problem]:
     """``kv.hybrid=on`` with what keeps every block (``pcpflow.scheduling.kv_groups``)."""
     from pcpflow.scheduling.kv_groups import hybrid_blockers
 
-    blockers = hybrid_blockers(cfg)
-    if cfg.kv.hybrid != "on" or not blockers:
+    if cfg.kv.hybrid != "on":
         return []
-    return [Problem("kv.hybrid", "on", f"windowed layers give back blocks through a table per KV group; "
-                    f"{' and '.join(blockers)} need(s) one table of every block: use kv.hybrid=auto (falls back "
-                    f"to one group) or off")]
+    blockers = hybrid_blockers(cfg)
+    if blockers:
+        return [Problem("kv.hybrid", "on", f"windowed layers give back blocks through a table per KV group; "
+                        f"{' and '.join(blockers)} need(s) one table of every block: use kv.hybrid=auto (falls "
+                        f"back to one group) or off")]
+    sizes = _sizes(cfg) if cfg.draft_enabled else None
+    if sizes is not None and sizes.window is not None and sizes.sliding_layers == sizes.num_layers:
+        return [Problem("kv.hybrid", "on", "a drafter's caches go by a full layer's table, and every layer of this "
+                        "model is windowed: use kv.hybrid=auto (falls back to one group) or off")]
+    return []
 
 
 def check_run_dir(run_dir: Path, *, create: bool = True, field: str = "hydra.run.dir") -> None:

@@ -169,6 +169,8 @@ class KVCacheManager:
         # NOTE: hash -> the block holding it, for every cached block but the private ones
         # below; an evicted block's entry goes with it (``_take``).
         self._cached: dict[int, int] = {}
+        self._epoch = 0  # NOTE: bumped whenever _cached changes: a lookup's answer holds while it stays
+        self._last_hit: tuple | None = None  # find_hit's latest: (hashes, max_blocks, epoch, answer)
         self._num_cached = 0
         # NOTE: cached blocks whose hash only their own request can ask for (``cache_block_ids``'
         # ``private``) stay out of the dict until that request is preempted (``index``).
@@ -274,7 +276,7 @@ class KVCacheManager:
         miss after them is still one. ``find_hit``'s answer too (with several groups it is
         looked up again: a window's hit is found from the right)."""
         if blocks.ndim == 2:
-            if self.groups is not None:
+            if self.groups is not None:  # NOTE: find_hit keeps its latest answer while it holds
                 return False
             blocks = blocks[0]
         n = len(blocks)
@@ -292,6 +294,12 @@ class KVCacheManager:
         block. Changes nothing (``allocate(..., cached=...)`` takes them)."""
         if self.groups is None:
             return self.find_cached(hashes, max_blocks)[None]
+        memo = self._last_hit
+        # NOTE: a head waiting for blocks asks again each step: while the cache maps what it
+        # mapped (no block cached, indexed or evicted since), the answer is the same
+        if memo is not None and memo[0] is hashes and memo[1] == max_blocks and memo[2] == self._epoch:
+            return memo[3]
+        given = hashes
         hashes = np.asarray(hashes, dtype=np.uint64)
         n = max(0, min(max_blocks, len(hashes))) if self.prefix_caching and self._num_cached else 0
         found = []
@@ -306,6 +314,7 @@ class KVCacheManager:
         for g in self._window_groups.tolist():
             keys = group_keys(hashes[first:n], g).tolist()
             out[g, first:] = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(keys))
+        self._last_hit = (given, max_blocks, self._epoch, out)
         return out
 
     def _find(self, keys: np.ndarray, n: int) -> np.ndarray:
@@ -424,6 +433,7 @@ class KVCacheManager:
         # NOTE: setdefault leaves a hash another block holds where it is, and keeps the first
         # block of a hash computed twice in one call: one dict operation per block
         collections.deque(map(cached.setdefault, keys, blocks.tolist()), maxlen=0)
+        self._epoch += 1
         if len(cached) - before < len(keys):  # rare: the blocks setdefault passed over stay uncached
             won = np.fromiter(map(cached.__getitem__, keys), dtype=np.int64, count=len(keys)) == blocks
             blocks, hashes = blocks[won], hashes[won]
@@ -441,6 +451,7 @@ class KVCacheManager:
         blocks = blocks[self._unindexed[blocks]]
         if len(blocks):
             self._cached.update(zip(self._hash[blocks].tolist(), blocks.tolist()))
+            self._epoch += 1
             self._unindexed[blocks] = False
 
     # -- mutation --------------------------------------------------------------------------
@@ -655,6 +666,7 @@ class KVCacheManager:
                 cached = self._cached
                 for h in self._hash[indexed].tolist():  # NOTE: a loop beats map(cached.__delitem__, ...)
                     del cached[h]
+                self._epoch += len(indexed) > 0
                 self._unindexed[hashed] = False
                 self._hash[hashed] = 0  # evicted: forgotten
                 self.num_evicted += len(hashed)

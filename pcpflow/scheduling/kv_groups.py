@@ -128,15 +128,14 @@ class KVGroups:
 def hybrid_blockers(cfg) -> list[str]:
     """What keeps every block of a run (``kv.hybrid=auto`` falls back to one group;
     ``kv.hybrid=on`` is refused with them): ``blockers_of`` a RunConfig."""
-    return blockers_of(drafting=cfg.draft_enabled, disagg=cfg.disagg.kind, cudagraph_mode=cfg.cudagraph_mode)
+    return blockers_of(disagg=cfg.disagg.kind, cudagraph_mode=cfg.cudagraph_mode)
 
 
-def blockers_of(*, drafting: bool, disagg: str, cudagraph_mode: str) -> list[str]:
-    """A drafter's cache (its entries follow the target's one table), two pools (a transfer
-    moves one table), captured graphs (their metadata holds one table)."""
+def blockers_of(*, disagg: str, cudagraph_mode: str) -> list[str]:
+    """Two pools (a transfer moves one table), captured graphs (their metadata holds one
+    table). A drafter is none: its own caches go by the first full group's table, which holds
+    every entry (``kv_groups_for``: a model without a full layer keeps one group to draft)."""
     out = []
-    if drafting:
-        out.append("drafting")
     if disagg != "none":
         out.append(f"disagg={disagg}")
     if cudagraph_mode != "none":
@@ -146,14 +145,18 @@ def blockers_of(*, drafting: bool, disagg: str, cudagraph_mode: str) -> list[str
 
 def run_kv_groups(cfg, num_layers: int, window_layers=(), window: Window | None = None) -> KVGroups | None:
     """The groups a run's KV cache uses (``kv.hybrid``), None where it keeps every block of
-    every layer: ``off``, a blocker (``hybrid_blockers``), or no windowed layer."""
-    return kv_groups_for(cfg.kv.hybrid, hybrid_blockers(cfg), num_layers, window_layers, window)
+    every layer: ``off``, a blocker (``hybrid_blockers``), no windowed layer, or a drafter
+    beside windowed layers only."""
+    return kv_groups_for(cfg.kv.hybrid, hybrid_blockers(cfg), num_layers, window_layers, window,
+                         drafting=cfg.draft_enabled)
 
 
 def kv_groups_for(hybrid: str, blockers: list[str], num_layers: int, window_layers=(),
-                  window: Window | None = None) -> KVGroups | None:
+                  window: Window | None = None, *, drafting: bool = False) -> KVGroups | None:
     """``run_kv_groups`` from the setting and the blockers themselves (a config not yet validated)."""
     if hybrid == "off" or blockers:
         return None
     groups = KVGroups.of(num_layers, window_layers, window)
-    return groups if groups.hybrid else None
+    if not groups.hybrid or (drafting and not groups.num_full):
+        return None
+    return groups

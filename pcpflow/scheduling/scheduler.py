@@ -200,6 +200,9 @@ class Scheduler:
                 f"need max_num_batched_tokens >= 1 ({max_num_batched_tokens}), max_num_seqs >= 1 "
                 f"({max_num_seqs}), num_speculative_tokens >= 0 ({num_speculative_tokens})"
             )
+        if (num_speculative_tokens or draft_kv_reads_next_token) and kv.groups is not None and not kv.groups.num_full:
+            raise ValueError("a drafter's caches go by the first KV group's table, which must hold every entry: "
+                             "a model whose every layer is windowed drafts with one group (kv.hybrid=auto)")
         table = requests if isinstance(requests, RequestTable) else _table_of(requests)
         self.table = table
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -414,8 +417,8 @@ class Scheduler:
                 else:
                     hit_blocks = kv.find_hit(keys, longest)
                 self._last_find = (keys, longest, hit_blocks)
-                if self._next_key is not None:  # NOTE: a drafter keeps one group (kv_groups.hybrid_blockers)
-                    hit_blocks = self._drafter_hit(keys, hit_blocks[0])[None]
+                if self._next_key is not None:
+                    hit_blocks = self._drafter_hit_of(keys, hit_blocks)
             n_hit = hit_blocks.shape[-1]
             hit = n_hit * U
             cached = int(self._cached[i])
@@ -713,6 +716,16 @@ class Scheduler:
         # that filled the same block in one step)
         follows = self._next_key[found[:-1]] == keys[1:n]
         return found[:int(np.cumprod(follows).sum())]
+
+    def _drafter_hit_of(self, keys: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """``find_hit``'s ``found`` (``[groups, n]``) cut to what the drafter may reuse: the
+        first group's blocks by ``_drafter_hit`` (a drafter's caches go by that table, a full
+        group's), then, with windows, the longest hit within that cut (a shorter prefix of a
+        drafter's hit is one too)."""
+        m = len(self._drafter_hit(keys, found[0]))
+        if m == found.shape[1]:
+            return found
+        return found[:, :m] if self.kv.groups is None else self.kv.find_hit(keys, m)
 
     def _note_next_keys(self, r: np.ndarray, j: np.ndarray, keys: np.ndarray) -> None:
         """Block ``j[k]`` of request ``r[k]``, full, is cached under ``keys[k]``: it has no

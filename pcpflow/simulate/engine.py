@@ -115,7 +115,7 @@ class SimulatedRun:
             work = specs["draft"].config.work(self.sizes.num_layers)
             self.drafting = SimulatedDrafting(cfg, work, self.sizes, self.pricer, len(self.requests))
         self.draft_kv_reads_next_token = draft_kv_reads_next_token(specs.values())
-        self.kv_groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), self.sizes)
+        self.kv_groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), self.sizes, drafting=cfg.draft_enabled)
         self._build_replicas()
         self.recorder = MetricsRecorder(
             run_dir / "metrics.jsonl" if run_dir is not None else None,

@@ -118,7 +118,9 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
         draft_w, draft_kv = drafter_memory(draft_slot(raw.get("draft"), raw.get("pipeline")), model, sizes, sim,
                                            tp=tp, weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype,
                                            plugins=raw.get("plugins") or (), expert_dtype=sim.expert_weights_dtype)
-        groups = sizes_kv_groups((raw.get("kv") or {}).get("hybrid", "auto"), _raw_blockers(raw), sizes)
+        drafting = (draft_slot(raw.get("draft"), raw.get("pipeline")).get("kind") or "none") != "none"
+        groups = sizes_kv_groups((raw.get("kv") or {}).get("hybrid", "auto"), _raw_blockers(raw), sizes,
+                                 drafting=drafting)
         per_block = (block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype, groups=groups)
                      + block_size * draft_kv)
         free = kv_budget_bytes(sizes, hw, sim, tp=tp) - draft_w
@@ -148,8 +150,7 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
 def _raw_blockers(raw: dict[str, Any]) -> list[str]:
     """``hybrid_blockers`` of a composed config not yet validated (a value it cannot read
     blocks nothing: validation names it)."""
-    drafting = (draft_slot(raw.get("draft"), raw.get("pipeline")).get("kind") or "none") != "none"
-    return blockers_of(drafting=drafting, disagg=str((raw.get("disagg") or {}).get("kind", "none")),
+    return blockers_of(disagg=str((raw.get("disagg") or {}).get("kind", "none")),
                        cudagraph_mode=str(raw.get("cudagraph_mode", "none")))
 
 
@@ -230,11 +231,11 @@ def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str, g
     return block_size * sizes.entry_dim_per_rank(tp) * layers * DTYPE_BYTES[kv_dtype]
 
 
-def sizes_kv_groups(hybrid: str, blockers: list[str], sizes: ModelSizes) -> KVGroups | None:
+def sizes_kv_groups(hybrid: str, blockers: list[str], sizes: ModelSizes, *, drafting: bool = False) -> KVGroups | None:
     """The KV groups of a simulated run (``kv_groups_for``) of a model known by its sizes:
     its windowed layers counted (which ones changes no count)."""
     n, w = sizes.num_layers, sizes.sliding_layers
-    return kv_groups_for(hybrid, blockers, n, range(n - w, n), sizes.window)
+    return kv_groups_for(hybrid, blockers, n, range(n - w, n), sizes.window, drafting=drafting)
 
 
 def blocks_for(lengths: np.ndarray, *, tokens_per_block: int, groups: KVGroups | None,
@@ -501,7 +502,7 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
         narrower = " or use simulate.weights_dtype=fp8" if sim.weights_dtype in ("bf16", "fp32", "fp64") else ""
         return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp{narrower}")]
     free = usable - weights
-    groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), sizes)
+    groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), sizes, drafting=cfg.draft_enabled)
     per_token = (sizes.entry_dim_per_rank(tp) * (sizes.num_layers if groups is None else groups.size)
                  * DTYPE_BYTES[sim.kv_dtype] + draft_kv)
     per_block = cfg.kv.block_size * per_token

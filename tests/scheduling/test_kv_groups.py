@@ -5,9 +5,9 @@ holds the request's own token, and every block comes back."""
 
 import numpy as np
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-from test_scheduler import _prompts, fake_model, reference
+from test_scheduler import V, _prompts, fake_model, reference
 
 from pcpflow.layouts.slots import Window
 from pcpflow.scheduling.kv_cache import KVCacheManager
@@ -139,25 +139,34 @@ def test_window_hit_is_the_longest_prefix_whose_window_is_cached(mask, window, c
     layers=st.sampled_from([(2, [1]), (3, [1, 2]), (2, [0, 1])]),
     extra_blocks=st.integers(0, 6),
     prefix_caching=st.booleans(),
+    k=st.sampled_from([0, 0, 2]),
+    reads_next=st.booleans(),
+    draft_seed=st.integers(0, 2**16),
 )
 def test_windows_hold_every_key_their_queries_read(spec, budget, seqs, block_size, dcp, window, chunked, layers,
-                                                   extra_blocks, prefix_caching):
+                                                   extra_blocks, prefix_caching, k, reads_next, draft_seed):
     """Each step, in every group's table: a full group holds every position before the row, a
     window group every key from the row's window start (``Window.starts``) on, each the
     request's own token (a hit's blocks included); entries before ``first_kept`` are the null
     block; a block being written belongs to its writer alone; the outputs are the unbatched
-    reference's and every block comes back."""
+    reference's and every block comes back. Drafting (``k``; a drafter reading the next token
+    cuts prefix hits, ``reads_next``): its lookahead is allocated in every group."""
     num_layers, window_layers = layers
     w = Window(window, "chunked" if chunked else "sliding")
     groups = KVGroups.of(num_layers, window_layers, w)
+    assume(groups.num_full or not (k or reads_next))  # NOTE: a drafter goes by a full group's table
     U = block_size * dcp
     prompts = _prompts([(p, s) for p, _, _, s in spec], shared=prefix_caching)
     reqs = [Request(i, prompts[i], o, a) for i, (_, o, a, _) in enumerate(spec)]
     lengths = np.array([len(r.prompt_token_ids) + r.max_output_tokens for r in reqs])
     entries = -(-lengths // U)
-    need = int((groups.num_full * entries + groups.num_windowed * groups.peak_window_entries(lengths, U, budget)).max())
+    entries = -(-(lengths + k) // U)
+    window = groups.peak_window_entries(lengths + k, U, budget, k)
+    need = int((groups.num_full * entries + groups.num_windowed * window).max())
     kv = KVCacheManager(need + extra_blocks, block_size, dcp, groups=groups, prefix_caching=prefix_caching)
-    s = Scheduler(reqs, max_num_batched_tokens=budget, max_num_seqs=seqs, kv=kv)
+    s = Scheduler(reqs, max_num_batched_tokens=budget, max_num_seqs=seqs, kv=kv, num_speculative_tokens=k,
+                  draft_kv_reads_next_token=reads_next)
+    rng = np.random.default_rng(draft_seed)
     ref = {r.req_id: reference(r) for r in reqs}
     slot = {}  # (block, position in the virtual block) -> token written there
     for _ in range(3000):
@@ -189,12 +198,21 @@ def test_windows_hold_every_key_their_queries_read(spec, budget, seqs, block_siz
                 for j, t in enumerate(toks):
                     slot[(int(tables[g, i, (c + j) // U]), (c + j) % U)] = t
         sampled = []
-        for t in b.logits_indices.tolist():
+        for t in b.logits_indices.tolist():  # NOTE: a row reads what came before it: its drafts too
             row = int(b.req_indices[t])
-            rid = int(b.req_ids[row])
-            pos = int(b.positions[t])
-            sampled.append(fake_model((reqs[rid].prompt_token_ids.tolist() + outs[rid])[:pos] + [int(b.input_ids[t])]))
+            rid, c = int(b.req_ids[row]), int(b.num_computed_tokens[row])
+            history = reqs[rid].prompt_token_ids.tolist() + outs[rid]
+            sampled.append(fake_model(history[:c] + b.input_ids[b.query_start_loc[row]:t + 1].tolist()))
         s.update(b, np.array(sampled, dtype=np.int64))
+        if k:  # NOTE: proposals right w.p. 0.6 each, sometimes fewer (-1)
+            outs = s.outputs()
+            drafts = np.full((b.num_reqs, k), -1, dtype=np.int64)
+            for i, rid in enumerate(b.req_ids.tolist()):
+                truth = ref[rid][len(outs[rid]):len(outs[rid]) + k]
+                n = k if rng.random() < 0.7 else rng.integers(0, k + 1)
+                drafts[i, :min(n, len(truth))] = [t if rng.random() > 0.4 else int(rng.integers(0, V))
+                                                  for t in truth[:n]]
+            s.set_draft_tokens(b, drafts)
     assert s.done
     cols = s.timing_columns()
     event(f"preempted: {bool(cols['num_preemptions'].any())}, prefix hit: {bool(cols['prefix_hit_tokens'].any())}")
