@@ -22,8 +22,8 @@ A hybrid KV cache (``RankContext.kv_groups``) runs one backend per KV group, ove
 metadata (``StepState.attn_groups``), and the model calls them through ``GroupedAttention``,
 which sends each layer to its group's. The step's choices are made once for all groups: the
 ring variant (and its plan), and the DCP rest path (it depends on the layout, the lengths and
-the layer shape, never on a block table: every group takes it). Captured graphs keep one
-table (``kv_groups.hybrid_blockers``): a hybrid run never dispatches a graph step.
+the layer shape, never on a block table: every group takes it). A decode graph holds a slot
+mapping and a table per group the same way (``DecodeGraphs``).
 """
 
 from __future__ import annotations
@@ -93,10 +93,9 @@ class ModelForward(Stage):
         self.graphs = None
         fused = resolve_attention(config.attention, ctx.device) == "fused"
         # NOTE: the reference run stays eager: verification compares graphs with it. MoE
-        # routing sizes its expert batches from the data (nonzero), which no graph holds; a
-        # graph holds one block table, not a hybrid cache's one per KV group.
+        # routing sizes its expert batches from the data (nonzero), which no graph holds.
         has_moe = any("MoE" in type(m).__name__ for m in ctx.model.modules())
-        eligible = fused and ctx.world.size == 1 and not ctx.is_reference and not has_moe and ctx.kv_groups is None
+        eligible = fused and ctx.world.size == 1 and not ctx.is_reference and not has_moe
         if eligible and ctx.config.cudagraph_mode != "none":
             from pcpflow.rank.cudagraph import DecodeGraphs
 

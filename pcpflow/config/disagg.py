@@ -95,6 +95,13 @@ def pool_config(cfg: RunConfig, pool: str) -> RunConfig:
                                   "pipeline": pipeline})
 
 
+def keep_align(cfg: RunConfig) -> int | None:
+    """The positions a decode-pool table entry holds (``kv.block_size`` x its dcp): what the
+    prefill pool's windowed KV groups keep whole, so that a handover finds every entry the
+    decode pool keeps (``KVCacheManager.keep_align``); None without pools."""
+    return cfg.kv.block_size * cfg.disagg.decode_pool.dcp if cfg.disagg.enabled else None
+
+
 def pool_field(pool: str, field: str) -> str:
     """Where pool ``pool``'s setting ``field`` (a top-level name: tp, dcp, kv.num_blocks) lives."""
     if pool == "prefill":

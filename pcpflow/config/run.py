@@ -65,8 +65,8 @@ class KVConfig(Settings):
         "auto",
         description="blocks a windowed layer no longer reads go back to the pool (vLLM's hybrid KV cache "
         "manager: layers in groups of one kind sharing the pool, a table each): auto (on for a model with "
-        "windowed layers, unless disagg=pd, CUDA graphs, or a drafter beside windowed layers only keep every "
-        "block) | on (refused with those) | off (every layer keeps every block)",
+        "windowed layers, unless a drafter beside windowed layers only keeps every block) | on "
+        "(refused with that) | off (every layer keeps every block)",
     )
 
 

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pcpflow.config.disagg import POOLS, pool_config, pool_problems
+from pcpflow.config.disagg import POOLS, keep_align, pool_config, pool_problems
 from pcpflow.errors import ConfigError, Problem
 
 
@@ -62,10 +62,13 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
                 c = pool_config(cfg, pool)
                 # NOTE: a prefill pool holds prompts only; the decode pool, prompts and every output
                 outputs = lengths[1] * 0 if cfg.disagg.enabled and pool == "prefill" else lengths[1]
+                # NOTE: a prefill pool's window groups keep the decode pool's whole entries (pool_schedulers)
+                align = keep_align(cfg) if pool == "prefill" else None
                 problems += pool_problems(cfg, fit_problems(lengths[0], outputs, num_speculative_tokens=cfg.num_speculative_tokens,
                                                             block_size=c.kv.block_size, dcp_size=c.dcp,
                                                             num_blocks=c.kv.num_blocks, groups=groups,
-                                                            max_num_batched_tokens=c.scheduler.max_num_batched_tokens),
+                                                            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                                                            keep_align=align),
                                                 pool)
             if kind == "execute":
                 problems += host_memory_problems(cfg, *lengths, specs=None if imported else _resolved(cfg))
@@ -82,13 +85,12 @@ def run_groups(cfg: Any):
     the model's config (a checkpoint's config.json: its windowed layers as the loader reads
     them); None with one group, or where the model's config does not read (its problems are
     named elsewhere)."""
-    from pcpflow.scheduling.kv_groups import hybrid_blockers
     from pcpflow.simulate.prepare import sizes_kv_groups
 
-    if cfg.kv.hybrid == "off" or hybrid_blockers(cfg):
+    if cfg.kv.hybrid == "off":
         return None
     sizes = _sizes(cfg)
-    return None if sizes is None else sizes_kv_groups(cfg.kv.hybrid, [], sizes, drafting=cfg.draft_enabled)
+    return None if sizes is None else sizes_kv_groups(cfg.kv.hybrid, sizes, drafting=cfg.draft_enabled)
 
 
 def _sizes(cfg: Any):
@@ -174,16 +176,10 @@ def feature_problems(cfg: Any) -> list[Problem]:
 
 
 def hybrid_problems(cfg: Any) -> list[Problem]:
-    """``kv.hybrid=on`` with what keeps every block (``pcpflow.scheduling.kv_groups``)."""
-    from pcpflow.scheduling.kv_groups import hybrid_blockers
-
+    """``kv.hybrid=on`` with what keeps every block (``pcpflow.scheduling.kv_groups``): a
+    drafter beside windowed layers only."""
     if cfg.kv.hybrid != "on":
         return []
-    blockers = hybrid_blockers(cfg)
-    if blockers:
-        return [Problem("kv.hybrid", "on", f"windowed layers give back blocks through a table per KV group; "
-                        f"{' and '.join(blockers)} need(s) one table of every block: use kv.hybrid=auto (falls "
-                        f"back to one group) or off")]
     sizes = _sizes(cfg) if cfg.draft_enabled else None
     if sizes is not None and sizes.window is not None and sizes.sliding_layers == sizes.num_layers:
         return [Problem("kv.hybrid", "on", "a drafter's caches go by a full layer's table, and every layer of this "

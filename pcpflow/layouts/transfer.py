@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pcpflow.layouts.slots import Window
+
 TRANSFERS = ("layerwise", "after_prefill")
 KV_TRANSFER = "kv_transfer"
 """The purpose of the handover's point-to-point messages (``collective_calls`` / ``bytes``)."""
@@ -79,16 +81,15 @@ class Route:
         return len(self.positions) * len(self.heads)
 
 
-def transfer_routes(num_tokens: int, src: PoolKV, dst: PoolKV) -> list[Route]:
-    """The routes that move positions ``[0, num_tokens)`` of one request from pool ``src``
+def transfer_routes(num_tokens: int, src: PoolKV, dst: PoolKV, start: int = 0) -> list[Route]:
+    """The routes that move positions ``[start, num_tokens)`` of one request from pool ``src``
     to pool ``dst`` (see the module's rule), ordered by decode rank, then prefill rank;
     routes without entries are left out."""
-    positions = np.arange(int(num_tokens), dtype=np.int64)
-    src_owner = (positions // src.interleave) % src.dcp
+    positions = np.arange(int(start), int(num_tokens), dtype=np.int64)
     routes = []
     for s, d, heads, k in _route_plan(src, dst):
         mine = dst.owned(positions, d)
-        sent = mine[src_owner[mine] == k]
+        sent = mine[(mine // src.interleave) % src.dcp == k]
         if len(sent):
             _check_holders(heads, k)
             routes.append(Route(s, d, heads, sent))
@@ -113,15 +114,18 @@ class RouteSizes:
         return cls(ints([r.src for r in routes]), ints([r.dst for r in routes]), ints([r.num_entries for r in routes]))
 
 
-def route_sizes(num_tokens: int, src: PoolKV, dst: PoolKV) -> RouteSizes:
+def route_sizes(num_tokens: int, src: PoolKV, dst: PoolKV, start: int = 0) -> RouteSizes:
     """``transfer_routes`` without the positions: each route's entries counted from one
-    period of the two pools' position rules (``(n // P) x per period + the first n % P``),
-    so the cost does not grow with the request's length."""
+    period of the two pools' position rules (``(n // P) x per period + the first n % P``, less
+    the same of ``start``), so the cost does not grow with the request's length."""
     plan = _route_plan(src, dst)
     table = _period_counts(src.interleave, src.dcp, dst.interleave, dst.dcp)
-    n = int(num_tokens)
     period = table.shape[2] - 1
-    counts = table[:, :, period] * (n // period) + table[:, :, n % period]  # [dst DCP rank, src DCP rank]
+
+    def below(n: int) -> np.ndarray:  # [dst DCP rank, src DCP rank]: pairs' positions of [0, n)
+        return table[:, :, period] * (n // period) + table[:, :, n % period]
+
+    counts = below(int(num_tokens)) - below(int(start)) if start else below(int(num_tokens))
     s = np.array([r[0] for r in plan], dtype=np.int64)
     d = np.array([r[1] for r in plan], dtype=np.int64)
     groups = np.array([len(r[2]) for r in plan], dtype=np.int64)
@@ -194,18 +198,44 @@ def transfer_counts(routes: list[Route] | RouteSizes, *, group_bytes: int, num_l
 @dataclass(frozen=True)
 class MovedKV:
     """One paged KV cache a handover moves (the target's, a drafter's own): where each pool
-    keeps its entries, its layers, and the bytes of one head group of one position and layer."""
+    keeps its entries, its layers, and the bytes of one head group of one position and layer.
+
+    A hybrid cache's windowed layers (``pcpflow.scheduling.kv_groups``) move as a cache of
+    their own with a ``window``: only the positions of the entries the decode pool keeps, from
+    the one holding the first key the request's next query reads (``start``; its entries
+    hold ``entry_tokens`` positions); the earlier ones no query reads again."""
 
     src: PoolKV
     dst: PoolKV
     num_layers: int
     group_bytes: int
+    window: Window | None = None
+    entry_tokens: int = 1  # the decode pool's positions an entry (block_size x dcp)
+
+    def start(self, num_tokens: int) -> int:
+        """The first position moved of a request with ``num_tokens`` computed."""
+        if self.window is None:
+            return 0
+        first = int(self.window.starts(np.int64(num_tokens)))
+        return first // self.entry_tokens * self.entry_tokens
 
     def routes(self, num_tokens: int) -> list[Route]:
-        return transfer_routes(num_tokens, self.src, self.dst)
+        return transfer_routes(num_tokens, self.src, self.dst, self.start(num_tokens))
 
     def sizes(self, num_tokens: int) -> RouteSizes:
-        return route_sizes(num_tokens, self.src, self.dst)
+        return route_sizes(num_tokens, self.src, self.dst, self.start(num_tokens))
+
+
+def target_kv(src: PoolKV, dst: PoolKV, num_layers: int, group_bytes: int, *, windowed_layers: int = 0,
+              window: Window | None = None, entry_tokens: int = 1) -> list[MovedKV]:
+    """The target cache's part of a handover: one ``MovedKV`` of its ``num_layers`` layers, or,
+    where ``windowed_layers`` of them give back what their ``window`` left (a hybrid cache),
+    two: its full layers, then its windowed ones (``MovedKV.window``)."""
+    if window is None or not windowed_layers:
+        return [MovedKV(src, dst, num_layers, group_bytes)]
+    windowed = MovedKV(src, dst, windowed_layers, group_bytes, window, entry_tokens)
+    full = num_layers - windowed_layers
+    return [MovedKV(src, dst, full, group_bytes), windowed] if full else [windowed]
 
 
 def handover_counts(num_tokens: int, moved: list[MovedKV], *, transfer: str) -> tuple[int, int]:

@@ -10,7 +10,9 @@ them at its own (``compute_slot_mapping`` with the decode pool's dcp and interle
 columns of the head groups the route carries. ``layerwise`` sends a message per route and
 layer, ``after_prefill`` one per route with every layer stacked. A drafter's own cache of the
 prompt (``Stage.own_kv``) moves the same way as a cache of its own (its head groups, its
-routes, its layers), in messages of its own. Each rank counts what it sends
+routes, its layers), in messages of its own, and so do a hybrid cache's windowed layers
+(``pcpflow.scheduling.kv_groups``): each layer read and written through its KV group's table,
+the windowed ones only from the first entry the decode pool keeps (``MovedKV.window``). Each rank counts what it sends
 (``CommStats.add_sent``, purpose ``kv_transfer``, the drafter's entries included); the engine
 gathers the counts.
 """
@@ -18,15 +20,19 @@ gathers the counts.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from pcpflow.layouts.slots import compute_slot_mapping
-from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, PoolKV, Route
+from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, PoolKV, Route, target_kv
 from pcpflow.parallel.grid import Axis, RankGrid
 from pcpflow.parallel.tensor_parallel import entry_columns, kv_heads_of
+
+if TYPE_CHECKING:
+    from pcpflow.scheduling.kv_groups import KVGroups
 
 
 def head_groups(tp_rank: int, tp: int, num_kv_heads: int | None) -> tuple[int, ...]:
@@ -76,21 +82,33 @@ class KVTransfer:
     ``rank``: this process's global rank; the prefill pool is global ranks ``0 .. Wp-1``,
     the decode pool ``Wp ..``. ``caches``: this rank's paged caches of its pool, each as
     ``(the whole cache's spec, its per-layer tensors)``: the target's first, then a
-    drafter's own (``Stage.own_kv``)."""
+    drafter's own (``Stage.own_kv``). ``groups``: the target's KV groups (a hybrid cache: its
+    windowed layers move as a cache of their own, ``target_kv``); a drafter's cache goes by
+    the first group's table (a full one)."""
 
     def __init__(self, *, rank: int, prefill: RankGrid, decode: RankGrid, prefill_interleave: int,
                  decode_interleave: int, caches: list[tuple[object, list[torch.Tensor]]], block_size: int,
-                 transfer: str, stats=None) -> None:
+                 transfer: str, stats=None, groups: KVGroups | None = None) -> None:
         self.rank, self.offset = rank, prefill.world_size
         self.prefill, self.decode = prefill, decode
         self.block_size = block_size
         self.layerwise = transfer == "layerwise"
         self.stats = stats
-        self.caches = [
-            _Cache(spec, layers, moved_kv(spec, len(layers), prefill=prefill, decode=decode,
-                                          prefill_interleave=prefill_interleave, decode_interleave=decode_interleave,
-                                          elem_bytes=layers[0].element_size()))
-            for spec, layers in caches]
+        self.caches = []
+        for k, (spec, layers) in enumerate(caches):
+            moved = moved_kv(spec, len(layers), prefill=prefill, decode=decode, prefill_interleave=prefill_interleave,
+                             decode_interleave=decode_interleave, elem_bytes=layers[0].element_size())
+            if k or groups is None or not groups.hybrid:
+                self.caches.append(_Cache(spec, layers, moved, [0] * len(layers)))
+                continue
+            group_of = groups.layer_group.tolist()
+            windowed = [groups.windowed[g] for g in group_of]
+            sets = [[i for i in range(len(layers)) if not windowed[i]], [i for i in range(len(layers)) if windowed[i]]]
+            parts = target_kv(moved.src, moved.dst, len(layers), moved.group_bytes,
+                              windowed_layers=groups.num_windowed_layers,
+                              window=groups.window, entry_tokens=block_size * decode.dcp)
+            for part, chosen in zip(parts, [c for c in sets if c]):
+                self.caches.append(_Cache(spec, [layers[i] for i in chosen], part, [group_of[i] for i in chosen]))
         first = 0
         for c in self.caches:  # NOTE: distinct tags per message between one pair of ranks
             c.first_tag, first = first, first + len(c.layers)
@@ -109,9 +127,10 @@ class KVTransfer:
         return self.caches[0].moved.routes(num_tokens)
 
     def move(self, num_tokens: int, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> float:
-        """Move one request's positions ``[0, num_tokens)`` of every cache: from its
-        prefill-pool blocks ``src_blocks`` to its decode-pool blocks ``dst_blocks`` (block-table
-        rows). Returns the seconds this rank spent (0 when no route touches it)."""
+        """Move one request's positions ``[0, num_tokens)`` of every cache (a windowed part's
+        from its ``MovedKV.start``): from its prefill-pool blocks ``src_blocks`` to its
+        decode-pool blocks ``dst_blocks`` (block tables ``[num_groups, entries]``, a row per KV
+        group). Returns the seconds this rank spent (0 when no route touches it)."""
         t0 = time.perf_counter()
         ops, landing = [], []
         for cache in self.caches:
@@ -126,24 +145,28 @@ class KVTransfer:
             return 0.0
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        for layers, slots, cols, bufs in landing:
-            for layer, buf in zip(layers, bufs if self.layerwise else bufs[0]):
-                layer[slots[:, None], cols[None, :]] = buf
+        for cache, slots, cols, bufs in landing:
+            for layer, g, buf in zip(cache.layers, cache.groups, bufs if self.layerwise else bufs[0]):
+                layer[slots[g][:, None], cols[None, :]] = buf
         return time.perf_counter() - t0
 
     # -- one side of a route ------------------------------------------------------------------
-    def _slots(self, positions: np.ndarray, blocks: np.ndarray, pool: PoolKV, pool_rank: int,
-               device: torch.device) -> torch.Tensor:
-        slots = compute_slot_mapping(positions, np.zeros(len(positions), np.int64), np.asarray(blocks)[None, :],
-                                     self.block_size, dcp_size=pool.dcp, dcp_rank=pool.dcp_ranks[pool_rank],
-                                     interleave=pool.interleave)
-        return torch.from_numpy(slots).to(device)
+    def _slots(self, positions: np.ndarray, tables: np.ndarray, groups: set[int], pool: PoolKV, pool_rank: int,
+               device: torch.device) -> dict[int, torch.Tensor]:
+        """The slots of ``positions`` in each KV group of ``groups`` (its row of ``tables``)."""
+        out = {}
+        for g in groups:
+            slots = compute_slot_mapping(positions, np.zeros(len(positions), np.int64), np.asarray(tables[g])[None, :],
+                                         self.block_size, dcp_size=pool.dcp, dcp_rank=pool.dcp_ranks[pool_rank],
+                                         interleave=pool.interleave)
+            out[g] = torch.from_numpy(slots).to(device)
+        return out
 
-    def _sends(self, cache: _Cache, route: Route, blocks: np.ndarray) -> list:
+    def _sends(self, cache: _Cache, route: Route, tables: np.ndarray) -> list:
         device = cache.layers[0].device
-        slots = self._slots(route.positions, blocks, cache.moved.src, route.src, device)
+        slots = self._slots(route.positions, tables, set(cache.groups), cache.moved.src, route.src, device)
         cols = cache.columns(self.prefill, route.src, route.heads, True)
-        parts = [c[slots][:, cols].contiguous() for c in cache.layers]
+        parts = [c[slots[g]][:, cols].contiguous() for c, g in zip(cache.layers, cache.groups)]
         msgs = parts if self.layerwise else [torch.stack(parts)]
         dst = self.offset + route.dst
         for m in msgs:
@@ -151,9 +174,9 @@ class KVTransfer:
                 self.stats.add_sent("send", KV_TRANSFER, m.numel() * m.element_size(), tuple(m.shape))
         return [dist.P2POp(dist.isend, m, dst, tag=cache.first_tag + j) for j, m in enumerate(msgs)]
 
-    def _recvs(self, cache: _Cache, route: Route, blocks: np.ndarray):
+    def _recvs(self, cache: _Cache, route: Route, tables: np.ndarray):
         first = cache.layers[0]
-        slots = self._slots(route.positions, blocks, cache.moved.dst, route.dst, first.device)
+        slots = self._slots(route.positions, tables, set(cache.groups), cache.moved.dst, route.dst, first.device)
         cols = cache.columns(self.decode, route.dst, route.heads, False)
         shape = (len(route.positions), len(cols))
         if self.layerwise:
@@ -161,15 +184,15 @@ class KVTransfer:
         else:
             bufs = [first.new_empty((len(cache.layers), *shape))]
         ops = [dist.P2POp(dist.irecv, b, route.src, tag=cache.first_tag + j) for j, b in enumerate(bufs)]
-        return ops, (cache.layers, slots, cols, bufs)
+        return ops, (cache, slots, cols, bufs)
 
 
 class _Cache:
-    """One paged cache of this rank that handovers move: its layers, where each pool keeps
-    its entries, the columns of each head-group set."""
+    """One paged cache of this rank that handovers move: its layers and the KV group each goes
+    by, where each pool keeps its entries, the columns of each head-group set."""
 
-    def __init__(self, spec, layers: list[torch.Tensor], moved: MovedKV) -> None:
-        self.spec, self.layers, self.moved = spec, layers, moved
+    def __init__(self, spec, layers: list[torch.Tensor], moved: MovedKV, groups: list[int]) -> None:
+        self.spec, self.layers, self.moved, self.groups = spec, layers, moved, groups
         self.first_tag = 0
         self._columns: dict[tuple[bool, tuple[int, ...]], torch.Tensor] = {}
 

@@ -117,8 +117,9 @@ class DecodeGraphs:
     """Full graphs of decode steps on one rank (world size 1), one per padded size.
 
     The graph reads only persistent storage: the buffers stage's ``input_ids`` /
-    ``positions`` and this object's slot mapping, row contexts and row block tables
-    (``width`` blocks per row), refreshed before each replay. Writes of padded rows go to
+    ``positions`` and this object's slot mappings, row contexts and row block tables
+    (``width`` blocks per row; one mapping and table per KV group of a hybrid cache, a
+    layer reading its group's), refreshed before each replay. Writes of padded rows go to
     one spare slot past the cache's last (``pcpflow.pipeline.context.with_pad_slot``). A size is
     captured on the first real step that runs at it: warm-up and capture batches are
     real batches, so they are partitioned exactly like the steps they replay for.
@@ -134,12 +135,19 @@ class DecodeGraphs:
         lens = [len(r.prompt_token_ids) + r.max_output_tokens for r in ctx.requests]
         longest = max(lens, default=1)
         longest += cfg.num_speculative_tokens + 1
-        self.width = min(-(-longest // block), cfg.kv.num_blocks)
+        self.width = -(-longest // block)
+        if ctx.kv_groups is None:  # NOTE: a hybrid table's window entries may outnumber the blocks (null ones)
+            self.width = min(self.width, cfg.kv.num_blocks)
         rows = cfg.scheduler.max_num_batched_tokens
-        self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        # NOTE: one slot mapping and one table per KV group (a hybrid cache: windowed layers'
+        # groups hold their own blocks); a layer reads its group's (``layer_group``).
+        groups = ctx.kv_groups
+        num_groups = 1 if groups is None else groups.num_groups
+        self.layer_group = [0] * ctx.model.num_layers if groups is None else groups.layer_group.tolist()
+        self.slots = torch.full((num_groups, rows), -1, dtype=torch.int64, device=dev)
         self.row_ctx = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.row_start = torch.zeros(rows, dtype=torch.int64, device=dev)  # a window's first keys (sliding or chunked)
-        self.row_tables = torch.zeros(rows, self.width, dtype=torch.int64, device=dev)
+        self.row_tables = torch.zeros(num_groups, rows, self.width, dtype=torch.int64, device=dev)
         self.caches = [with_pad_slot(c) for c in ctx.kv_caches]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
         self.pool = None
@@ -150,9 +158,10 @@ class DecodeGraphs:
         local, attn = state.local, state.attn
         assert local is not None and attn is not None
         n = local.num_padded_tokens
-        tables = attn.block_tables[attn.local_row_req_indices, : self.width]
-        self.row_tables[:n, : tables.shape[1]].copy_(tables)
-        self.slots[:n].copy_(attn.gathered_slot_mapping[:n])
+        for g, meta in enumerate(state.attn_groups or (attn,)):
+            tables = meta.block_tables[meta.local_row_req_indices, : self.width]
+            self.row_tables[g, :n, : tables.shape[1]].copy_(tables)
+            self.slots[g, :n].copy_(meta.gathered_slot_mapping[:n])
         self.row_ctx[:n].copy_(attn.local_row_context_lens)
         if attn.local_row_starts is not None:
             self.row_start[:n].copy_(attn.local_row_starts)
@@ -201,9 +210,10 @@ class _StaticDecodeAttention:
         from pcpflow.attention.paged import with_sinks
 
         g, n = self.g, self.n
+        group = g.layer_group[layer]
         base = g.caches[layer]
         pad = base.shape[0] - 1
-        slots = g.slots[:n]
+        slots = g.slots[group, :n]
         base.index_copy_(0, torch.where(slots >= 0, slots, pad), kv.to(base.dtype))
         ctx = g.ctx
         spec = ctx.model.attn_spec
@@ -211,7 +221,7 @@ class _StaticDecodeAttention:
             q,
             base[:pad],
             spec,
-            g.row_tables[:n],
+            g.row_tables[group, :n],
             g.row_ctx[:n],
             ctx.config.kv.block_size,
             g.row_start[:n] if spec.slides(layer) else None,

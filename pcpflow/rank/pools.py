@@ -51,6 +51,7 @@ from pcpflow.rank.engine import add_ring_totals, batch_record, run_on_cores, run
 from pcpflow.rank.progress import mark_stage, mark_step, mark_transfer, startup_done
 from pcpflow.rank.verify import Verifier, reference_blocks
 from pcpflow.rank.warmup import warm_up
+from pcpflow.scheduling.kv_groups import run_kv_groups
 from pcpflow.scheduling.loop import request_columns, request_rows
 from pcpflow.scheduling.pools import PoolLoop, PoolStep, pool_schedulers
 from pcpflow.scheduling.workload import RequestTable, build_requests
@@ -83,6 +84,8 @@ class _PoolRank:
         device, dtype = pick_device(cfg.device), DTYPES[cfg.dtype]
         model = build_model(cfg.model, dtype=dtype, seed=cfg.seed, device=device)
         full_spec = model.attn_spec
+        # NOTE: both pools run one model: the same KV groups (each pool's own blocks and tables)
+        self.groups = groups = run_kv_groups(cfg, model.num_layers, full_spec.window_layers, full_spec.windowed())
         shard_model(model, comms["tp"], comms["tp"].rank, comms["tp"].size)
         self.requests = build_requests(cfg.workload, vocab_size=model.vocab_size, seed=cfg.seed)
         table = RequestTable.from_requests(self.requests)
@@ -91,11 +94,13 @@ class _PoolRank:
         stops = stop_token_ids(cfg.model, ignore_eos=getattr(cfg.workload, "ignore_eos", True))
         self.prefill, self.decode = pool_schedulers(table, self.pools["prefill"], self.pools["decode"], stop_token_ids=stops,
                                                     history=cfg.repetition_penalty != 1,
-                                                    draft_kv_reads_next_token=draft_kv_reads_next_token(specs))
+                                                    draft_kv_reads_next_token=draft_kv_reads_next_token(specs),
+                                                    groups=groups)
         self.ctx = RankContext(
             config=mine, pcp=comms["pcp"], dcp=comms["dcp"], world=comms["world"], device=device, dtype=dtype,
-            model=model, kv_caches=allocate_kv_caches(model, mine.kv.num_blocks, mine.kv.block_size, dtype, device),
-            stats=self.stats, requests=self.requests, tp=comms["tp"], dcp_heads=comms["dcp_heads"],
+            model=model, kv_caches=allocate_kv_caches(model, mine.kv.num_blocks, mine.kv.block_size, dtype, device,
+                                                      groups=groups),
+            stats=self.stats, requests=self.requests, tp=comms["tp"], dcp_heads=comms["dcp_heads"], kv_groups=groups,
         )
         self.pipeline = Pipeline(specs, self.ctx, on_stage=mark_stage)
         self.specs = specs
@@ -104,7 +109,7 @@ class _PoolRank:
         self.transfer = KVTransfer(
             rank=self.rank, prefill=prefill_grid, decode=decode_grid, prefill_interleave=self.pools["prefill"].kv.interleave,
             decode_interleave=self.pools["decode"].kv.interleave, caches=[(full_spec, self.ctx.kv_caches), *own],
-            block_size=cfg.kv.block_size, transfer=cfg.disagg.transfer, stats=self.stats,
+            block_size=cfg.kv.block_size, transfer=cfg.disagg.transfer, stats=self.stats, groups=groups,
         )
         self.verifier = _PoolVerifier(self, specs) if cfg.verify else None
         self.is_root = self.rank == 0
@@ -243,6 +248,7 @@ class _PoolRank:
         outputs = self.prefill.outputs() or {}
         metrics = self.recorder.summary(cols, wall_s, serving=serving)
         metrics["warmup_s"] = self.warmup_s  # rank 0's: the prefill pool's
+        metrics["kv_groups"] = None if self.groups is None else self.groups.describe()
         if self.moe_run is not None:
             metrics.update(moe_metrics(self.moe_run))
         metrics.update(self.recorder.pool_metrics(loop.clock, {n: self.pools[n].world_size for n in POOLS},
@@ -316,7 +322,7 @@ class _PoolVerifier(Verifier):
         if self.is_root:
             at = 0
             for i, n, _, _ in ps.handed:
-                tables = self.ref_kv.block_tables(np.array([i]))
+                tables = self.ref_kv.block_tables(np.array([i]))  # NOTE: the reference keeps one group
                 slots = rank_slot_mapping(np.arange(n), np.zeros(n, np.int64), tables, self.cfg.kv)
                 self._read_reference(slots, [e[:, at:at + n] for e in entries])
                 at += n
@@ -324,11 +330,12 @@ class _PoolVerifier(Verifier):
         if self.in_prefill:
             self.take_over(freed)
             return
-        width = max(len(dst) for _, _, _, dst in ps.handed)
-        tables = np.zeros((len(ps.handed), width), dtype=np.int64)
+        width = max(dst.shape[1] for _, _, _, dst in ps.handed)
+        tables = np.zeros((ps.handed[0][3].shape[0], len(ps.handed), width), dtype=np.int64)  # [G, R, W]
         for k, (_, _, _, dst) in enumerate(ps.handed):
-            tables[k, :len(dst)] = dst
+            tables[:, k, :dst.shape[1]] = dst
         positions = np.concatenate([np.arange(n) for n in lens])
         rows = np.repeat(np.arange(len(lens)), lens)
         req_ids = np.array([i for i, _, _, _ in ps.handed], dtype=np.int64)
-        self.expect_at(positions, rows, tables, entries, req_ids=req_ids[rows])
+        # NOTE: a window group's entries before the first the decode pool keeps are null: not expected
+        self.expect_at(positions, rows, tables[0], entries, req_ids=req_ids[rows], group_tables=tables)

@@ -76,6 +76,7 @@ def fit_problems(
     max_blocks_per_req: int | None = None,
     groups: KVGroups | None = None,
     max_num_batched_tokens: int | None = None,
+    keep_align: int | None = None,
 ) -> list[Problem]:
     """The one rule for "can this request ever fit": its prompt, every output token and the
     speculative lookahead, alone in the cache (``num_blocks``, or ``max_blocks_per_req`` when
@@ -85,7 +86,8 @@ def fit_problems(
 
     With KV groups a request holds a block per entry in each full group and, in each window
     group, at most ``KVGroups.peak_window_entries`` at once (steps of at most
-    ``max_num_batched_tokens`` tokens): the most it ever holds, an upper bound."""
+    ``max_num_batched_tokens`` tokens; ``keep_align``: ``KVCacheManager``'s): the most it ever
+    holds, an upper bound."""
     tokens_per_block = block_size * dcp_size
     prompt = np.asarray(prompt_lens, dtype=np.int64)
     output = np.asarray(output_lens, dtype=np.int64)
@@ -95,7 +97,8 @@ def fit_problems(
     if groups is not None and groups.hybrid:
         if max_num_batched_tokens is None:
             raise ValueError("KV groups with windows fit by their step size: pass max_num_batched_tokens")
-        window = groups.peak_window_entries(tokens, tokens_per_block, max_num_batched_tokens, num_speculative_tokens)
+        window = groups.peak_window_entries(tokens, tokens_per_block, max_num_batched_tokens, num_speculative_tokens,
+                                            align=keep_align)
         need = groups.num_full * entries + groups.num_windowed * window
     too_many = need > num_blocks
     if max_blocks_per_req is not None:
@@ -136,6 +139,7 @@ class KVCacheManager:
         *,
         prefix_caching: bool = False,
         groups: KVGroups | None = None,
+        keep_align: int | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1 or dcp_size < 1:
             raise ValueError(
@@ -157,6 +161,9 @@ class KVCacheManager:
         self._full_groups = (np.zeros(1, np.int64) if self.groups is None
                              else np.flatnonzero(~np.asarray(self.groups.windowed)))
         self.null_block = self.num_blocks  # NOTE: past the pool: the entries a window left
+        # NOTE: a window group keeps from its first key rounded down to ``keep_align`` positions
+        # (a prefill pool keeps what the decode pool's entries hold: ``KVGroups.first_kept``)
+        self.keep_align = keep_align
         # NOTE: a window group's table runs past the blocks it holds: unbounded by the pool then
         self._max_given = max_blocks_per_req
         self.max_blocks_per_req = (
@@ -234,6 +241,11 @@ class KVCacheManager:
         row = self._row(req_id)
         return np.zeros(0, np.int64) if row < 0 else self._table[group, row, : self._row_num_blocks[row]].copy()
 
+    def tables_of(self, req_id: int) -> np.ndarray:
+        """``blocks_of`` every group: ``[num_groups, entries]``."""
+        row = self._row(req_id)
+        return self._table[:, max(row, 0), : 0 if row < 0 else self._row_num_blocks[row]].copy()
+
     def ref_counts(self) -> np.ndarray:
         return self._ref.copy()
 
@@ -252,7 +264,7 @@ class KVCacheManager:
         return fit_problems(prompt_lens, output_lens, num_speculative_tokens=num_speculative_tokens,
                             block_size=self.block_size, dcp_size=self.dcp_size, num_blocks=self.num_blocks,
                             max_blocks_per_req=self._max_given, groups=self.groups,
-                            max_num_batched_tokens=max_num_batched_tokens)
+                            max_num_batched_tokens=max_num_batched_tokens, keep_align=self.keep_align)
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a request holding no blocks yet could get room for ``num_tokens``."""
@@ -310,7 +322,7 @@ class KVCacheManager:
         out = np.full((self.num_groups, n), self.null_block, dtype=np.int64)
         for g, blocks in zip(self._full_groups.tolist(), found):
             out[g] = blocks[:n]
-        first = int(self.groups.first_kept(n * self.tokens_per_block, self.tokens_per_block))
+        first = int(self._first_kept(n * self.tokens_per_block))
         for g in self._window_groups.tolist():
             keys = group_keys(hashes[first:n], g).tolist()
             out[g, first:] = np.fromiter(map(self._cached.__getitem__, keys), dtype=np.int64, count=len(keys))
@@ -349,7 +361,7 @@ class KVCacheManager:
                                     dtype=bool, count=lo - start)
             known, lo, size = np.concatenate([part, known]), start, 2 * size
             m = np.arange(lo + 1, n + 1, dtype=np.int64)
-            first = self.groups.first_kept(m * U, U)
+            first = self._first_kept(m * U)
             judged = first >= lo
             misses = np.concatenate([[0], np.cumsum(~known)])  # misses[k]: among entries [lo, lo + k)
             fits = judged & (misses[m - lo] == misses[np.maximum(first, lo) - lo])
@@ -357,6 +369,11 @@ class KVCacheManager:
                 return int(m[fits][-1])
             if lo == 0:
                 return 0
+
+    def _first_kept(self, num_computed) -> np.ndarray:
+        """``KVGroups.first_kept`` of this pool (its entries, its ``keep_align``)."""
+        assert self.groups is not None
+        return self.groups.first_kept(num_computed, self.tokens_per_block, self.keep_align)
 
     def _holds(self, h: int) -> bool:
         """Whether an indexed block holds hash ``h``."""
@@ -495,11 +512,47 @@ class KVCacheManager:
             self._touch(self._real(hits))
             self._table[:, row, :n_hit] = hits
             if self.groups is not None:
-                self._row_released[row] = int(self.groups.first_kept(n_hit * self.tokens_per_block,
-                                                                     self.tokens_per_block))
+                self._row_released[row] = int(self._first_kept(n_hit * self.tokens_per_block))
         new_blocks = self._take(extra)
         self._table[:, row, have + n_hit:need] = new_blocks.reshape(self.num_groups, -1)
         self._row_num_blocks[row] = need
+
+    def adopted_blocks(self, num_tokens: int) -> int:
+        """Blocks ``adopt`` takes for ``num_tokens`` positions: an entry's block in every full
+        group and, in every window group, from its first kept entry on."""
+        need = self.blocks_needed(num_tokens)
+        if self.groups is None:
+            return need
+        kept = need - min(int(self._first_kept(num_tokens)), need)
+        return need * len(self._full_groups) + kept * len(self._window_groups)
+
+    def adopt(self, req_id: int, num_tokens: int) -> np.ndarray:
+        """A request handed over from another pool with ``num_tokens`` positions computed there
+        (``disagg=pd``; it holds no blocks here): fresh blocks for them, which the transfer
+        fills; a window group's entries before its first kept one are the null block (no
+        future query reads them, nothing is moved there). Returns its tables ``[num_groups,
+        entries]``."""
+        req_id = int(req_id)
+        if self._row(req_id) >= 0:
+            raise ValueError(f"request {req_id} already holds blocks in this pool")
+        if self.groups is None:
+            self.allocate(req_id, num_tokens)
+            return self.blocks_of(req_id)[None]
+        need, total = self.blocks_needed(num_tokens), self.adopted_blocks(num_tokens)
+        if need > self.max_blocks_per_req or total > self._num_free:
+            raise RuntimeError(f"request {req_id} needs {total} blocks for {num_tokens} tokens, only "
+                               f"{self._num_free} of {self.num_blocks} are free")
+        first = min(int(self._first_kept(num_tokens)), need)
+        row = self._claim_row(req_id)
+        self._ensure_width(need)
+        blocks = self._take(total)
+        full = len(self._full_groups) * need
+        self._table[self._full_groups, row, :need] = blocks[:full].reshape(len(self._full_groups), need)
+        self._table[self._window_groups, row, :first] = self.null_block
+        self._table[self._window_groups, row, first:need] = blocks[full:].reshape(len(self._window_groups), need - first)
+        self._row_num_blocks[row] = need
+        self._row_released[row] = first
+        return self._table[:, row, :need].copy()
 
     def allocate_many(self, req_ids, num_tokens) -> None:
         """``allocate(req_ids[i], num_tokens[i])`` for every i, in order, as array operations
@@ -571,7 +624,7 @@ class KVCacheManager:
             return np.zeros(0, dtype=np.int64)
         rows = self._row_of[req_ids]
         lo = self._row_released[rows]
-        hi = np.minimum(self.groups.first_kept(num_computed, self.tokens_per_block), self._row_num_blocks[rows])
+        hi = np.minimum(self._first_kept(num_computed), self._row_num_blocks[rows])
         count = np.maximum(hi - lo, 0)
         n = int(count.sum())
         if not n:

@@ -72,6 +72,11 @@ class KVGroups:
         return self.windowed.count(True)
 
     @property
+    def num_windowed_layers(self) -> int:
+        """Layers of the windowed groups."""
+        return sum(len(g) for g, w in zip(self.layers, self.windowed) if w)
+
+    @property
     def hybrid(self) -> bool:
         """Whether any group frees the blocks its window has left."""
         return self.window is not None
@@ -92,26 +97,41 @@ class KVGroups:
             out[list(layers)] = np.arange(len(layers))
         return out
 
-    def first_kept(self, num_computed, tokens_per_block: int) -> np.ndarray:
+    def first_kept(self, num_computed, tokens_per_block: int, align: int | None = None) -> np.ndarray:
         """int64: the first table entry a window group still needs for a request with
         ``num_computed`` tokens in the cache: the entry of the first key its next query
-        (at position ``num_computed``) reads; later queries start no earlier."""
+        (at position ``num_computed``) reads; later queries start no earlier. ``align``: keep
+        from that key rounded down to a multiple of ``align`` positions (a prefill pool keeps
+        the decode pool's whole entries, ``disagg=pd``: its entries hold ``align`` positions)."""
         c = np.asarray(num_computed, dtype=np.int64)
         if self.window is None:
             return np.zeros_like(c)
-        return self.window.starts(c) // tokens_per_block
+        first = self.window.starts(c)
+        if align is not None and align != tokens_per_block:
+            first = first // align * align
+        return first // tokens_per_block
+
+    def first_moved(self, num_tokens, tokens_per_block: int) -> np.ndarray:
+        """int64: the first position of a window group's entries that a handover moves to a
+        pool of ``tokens_per_block`` positions an entry (``disagg=pd``): the start of the
+        first entry that pool keeps for a request of ``num_tokens`` computed tokens; 0
+        without a window."""
+        return self.first_kept(num_tokens, tokens_per_block) * tokens_per_block
 
     def peak_window_entries(self, num_tokens, tokens_per_block: int, max_num_batched_tokens: int,
-                            lookahead: int = 0) -> np.ndarray:
+                            lookahead: int = 0, align: int | None = None) -> np.ndarray:
         """int64: most entries a window group holds at once for a request of ``num_tokens``
         positions: the entries from its first kept one to its last written one in a step of
         at most ``max_num_batched_tokens`` tokens plus ``lookahead`` (a window of ``W`` keys:
         ``W - 1`` before the step's first query, ``ceil`` of the span, and one entry that the
-        span may straddle), never more than the request's own."""
+        span may straddle; ``align`` not dividing an entry (``first_kept``): ``align - 1``
+        more positions), never more than the request's own."""
         n = -(-np.asarray(num_tokens, dtype=np.int64) // tokens_per_block)
         if self.window is None:
             return n
         span = self.window.size - 1 + max_num_batched_tokens + lookahead
+        if align is not None and tokens_per_block % align:
+            span += align - 1
         return np.minimum(n, -(-span // tokens_per_block) + 1)
 
     def describe(self) -> dict:
@@ -125,36 +145,17 @@ class KVGroups:
         }
 
 
-def hybrid_blockers(cfg) -> list[str]:
-    """What keeps every block of a run (``kv.hybrid=auto`` falls back to one group;
-    ``kv.hybrid=on`` is refused with them): ``blockers_of`` a RunConfig."""
-    return blockers_of(disagg=cfg.disagg.kind, cudagraph_mode=cfg.cudagraph_mode)
-
-
-def blockers_of(*, disagg: str, cudagraph_mode: str) -> list[str]:
-    """Two pools (a transfer moves one table), captured graphs (their metadata holds one
-    table). A drafter is none: its own caches go by the first full group's table, which holds
-    every entry (``kv_groups_for``: a model without a full layer keeps one group to draft)."""
-    out = []
-    if disagg != "none":
-        out.append(f"disagg={disagg}")
-    if cudagraph_mode != "none":
-        out.append(f"cudagraph_mode={cudagraph_mode}")
-    return out
-
-
 def run_kv_groups(cfg, num_layers: int, window_layers=(), window: Window | None = None) -> KVGroups | None:
     """The groups a run's KV cache uses (``kv.hybrid``), None where it keeps every block of
-    every layer: ``off``, a blocker (``hybrid_blockers``), no windowed layer, or a drafter
-    beside windowed layers only."""
-    return kv_groups_for(cfg.kv.hybrid, hybrid_blockers(cfg), num_layers, window_layers, window,
-                         drafting=cfg.draft_enabled)
+    every layer: ``off``, no windowed layer, or a drafter beside windowed layers only (its
+    caches go by a full group's table, which holds every entry)."""
+    return kv_groups_for(cfg.kv.hybrid, num_layers, window_layers, window, drafting=cfg.draft_enabled)
 
 
-def kv_groups_for(hybrid: str, blockers: list[str], num_layers: int, window_layers=(),
-                  window: Window | None = None, *, drafting: bool = False) -> KVGroups | None:
-    """``run_kv_groups`` from the setting and the blockers themselves (a config not yet validated)."""
-    if hybrid == "off" or blockers:
+def kv_groups_for(hybrid: str, num_layers: int, window_layers=(), window: Window | None = None, *,
+                  drafting: bool = False) -> KVGroups | None:
+    """``run_kv_groups`` from the setting itself (a config not yet validated)."""
+    if hybrid == "off":
         return None
     groups = KVGroups.of(num_layers, window_layers, window)
     if not groups.hybrid or (drafting and not groups.num_full):

@@ -32,12 +32,13 @@ import numpy as np
 
 from pcpflow.scheduling.batch import GlobalBatch
 from pcpflow.scheduling.kv_cache import KVCacheManager
+from pcpflow.scheduling.kv_groups import KVGroups
 from pcpflow.scheduling.scheduler import Scheduler, StepOutcome
 
 
 def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCacheManager,
                     history: bool = False, draft_kv_reads_next_token: bool = False,
-                    sampled_outputs: bool = False) -> tuple[Scheduler, Scheduler]:
+                    sampled_outputs: bool = False, groups: KVGroups | None = None) -> tuple[Scheduler, Scheduler]:
     """The prefill pool's scheduler (``prefill_only``, fed the arrivals) and the decode pool's
     (sharing its per-request columns: a request's drafts, proposed as its prefill ended, go
     over with it as its first token does), each with its own KV blocks and budget. ``prefill``
@@ -45,17 +46,21 @@ def pool_schedulers(table, prefill, decode, *, stop_token_ids=(), kv_cls=KVCache
     ``scheduler``, ``kv`` and ``dcp`` read). ``history``: batches list what their sampled rows
     have seen (a repetition penalty). ``draft_kv_reads_next_token``: the drafter's entries read
     the next token (``Scheduler``: a prefix hit gives up blocks to compute again).
-    ``sampled_outputs``: a simulated run of a config that samples (``Scheduler``)."""
+    ``sampled_outputs``: a simulated run of a config that samples (``Scheduler``). ``groups``:
+    both pools' KV groups (a hybrid cache: ``pcpflow.scheduling.kv_groups``); the prefill pool's
+    window groups keep the decode pool's whole entries (``keep_align``), which the handover
+    moves from the first one the decode pool keeps (``KVGroups.first_moved``)."""
 
-    def scheduler(c, **kw) -> Scheduler:
+    def scheduler(c, keep_align=None, **kw) -> Scheduler:
         return Scheduler(table, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
                          max_num_seqs=c.scheduler.max_num_seqs,
-                         kv=kv_cls(c.kv.num_blocks, c.kv.block_size, c.dcp, prefix_caching=c.kv.prefix_caching),
+                         kv=kv_cls(c.kv.num_blocks, c.kv.block_size, c.dcp, prefix_caching=c.kv.prefix_caching,
+                                   groups=groups, keep_align=keep_align),
                          num_speculative_tokens=c.num_speculative_tokens,
                          draft_kv_reads_next_token=draft_kv_reads_next_token, stop_token_ids=stop_token_ids,
                          sampled_outputs=sampled_outputs, history=history, **kw)
 
-    first = scheduler(prefill, prefill_only=True)
+    first = scheduler(prefill, prefill_only=True, keep_align=decode.kv.block_size * decode.dcp)
     return first, scheduler(decode, feed=False, share=first)
 
 
@@ -94,8 +99,8 @@ class Handover:
 
     def admit(self, step: int, now: float | None = None, *, join: bool = True) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """Hand over the head of the queue while the decode pool can adopt it (and, timed,
-        its prefill has ended by ``now``): ``(req, num_tokens, prefill blocks, decode blocks)``
-        per request, in order. Its prefill-pool blocks stay held until ``release``; without
+        its prefill has ended by ``now``): ``(req, num_tokens, prefill tables, decode tables)``
+        per request, in order (tables ``[num_groups, entries]``: one row per KV group). Its prefill-pool blocks stay held until ``release``; without
         ``join`` it runs on the decode pool once its entries arrived (``Scheduler.join``)."""
         self._tries += 1
         out = []
@@ -106,7 +111,7 @@ class Handover:
             if not self.decode.can_adopt(i):
                 break  # FCFS: the head waits for room, and so does everyone behind it
             self.queue.popleft()
-            src = self.prefill.kv.blocks_of(i)
+            src = self.prefill.kv.tables_of(i)
             dst = self.decode.adopt(i, join=join)
             self.step[i] = step
             self.waited[i] = self._tries > self._pushed_at[i] + 1

@@ -664,22 +664,24 @@ class Scheduler:
         """Whether request i, handed over with its prompt computed, can join this pool now:
         a seat, blocks for its prompt's positions, and no request of this pool waiting
         (preempted ones go first)."""
-        need = self.kv.blocks_needed(int(self._num_computed[i]))
+        n = int(self._num_computed[i])
         return (not self._waiting and len(self._running) + self._joining < self.max_num_seqs
-                and need <= self.kv.num_free_blocks and need <= self.kv.max_blocks_per_req)
+                and self.kv.adopted_blocks(n) <= self.kv.num_free_blocks
+                and self.kv.blocks_needed(n) <= self.kv.max_blocks_per_req)
 
     def adopt(self, i: int, *, join: bool = True) -> np.ndarray:
         """Request i comes over from another pool (its prompt computed there, its first token
-        sampled): blocks for its prompt's positions, which the transfer fills, and (``join``)
-        a place among the running requests as a decode; without ``join`` it takes that place
-        when its entries have arrived (``join``). Returns its block-table row."""
+        sampled): blocks for its prompt's positions, which the transfer fills
+        (``KVCacheManager.adopt``), and (``join``) a place among the running requests as a
+        decode; without ``join`` it takes that place when its entries have arrived (``join``).
+        Returns its block tables ``[num_groups, entries]``."""
         if self._last_batch is not None:
             raise RuntimeError("adopt() goes between steps")
-        self.kv.allocate(int(i), int(self._num_computed[i]))
+        tables = self.kv.adopt(int(i), int(self._num_computed[i]))
         self._joining += 1
         if join:
             self.join(i)
-        return self.kv.blocks_of(int(i))
+        return tables
 
     def join(self, i: int) -> None:
         """An adopted request whose entries arrived runs from the next step."""

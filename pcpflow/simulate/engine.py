@@ -49,7 +49,6 @@ from pcpflow.pipeline.assemble import resolve_pipeline
 from pcpflow.pipeline.state import StepState
 from pcpflow.scheduling.arrivals import Arrivals
 from pcpflow.scheduling.kv_cache import KVCacheManager
-from pcpflow.scheduling.kv_groups import hybrid_blockers
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows
 from pcpflow.scheduling.scheduler import Scheduler
 from pcpflow.simulate import flash
@@ -115,7 +114,7 @@ class SimulatedRun:
             work = specs["draft"].config.work(self.sizes.num_layers)
             self.drafting = SimulatedDrafting(cfg, work, self.sizes, self.pricer, len(self.requests))
         self.draft_kv_reads_next_token = draft_kv_reads_next_token(specs.values())
-        self.kv_groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), self.sizes, drafting=cfg.draft_enabled)
+        self.kv_groups = sizes_kv_groups(cfg.kv.hybrid, self.sizes, drafting=cfg.draft_enabled)
         self._build_replicas()
         self.recorder = MetricsRecorder(
             run_dir / "metrics.jsonl" if run_dir is not None else None,

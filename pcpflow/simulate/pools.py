@@ -31,10 +31,11 @@ import numpy as np
 
 from pcpflow.config.disagg import POOLS, pool_config
 from pcpflow.config.run import RunConfig
-from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, handover_counts
+from pcpflow.layouts.transfer import KV_TRANSFER, MovedKV, handover_counts, target_kv
 from pcpflow.output.metrics import STEP_COUNTS, MetricsRecorder, pool_step_record, step_record
 from pcpflow.parallel.transfer import pool_kv
 from pcpflow.pipeline.state import StepState
+from pcpflow.scheduling.kv_groups import KVGroups
 from pcpflow.scheduling.loop import StepLoop, request_columns, request_rows, steps_between
 from pcpflow.scheduling.pools import PoolLoop, pool_schedulers
 from pcpflow.simulate.engine import (
@@ -51,26 +52,32 @@ from pcpflow.simulate.transfer import exposed_seconds, transfer_seconds
 from pcpflow.speculative.drafting import MLALayerConfig
 
 
-def handover_kv(cfg: RunConfig) -> list[MovedKV]:
+def handover_kv(cfg: RunConfig, groups: KVGroups | None = None) -> list[MovedKV]:
     """What one handover moves, cache by cache, at ``simulate.kv_dtype``: the target's cache
-    (the model card's geometry), then a shipped drafter's own cache of the prompt: ``self``
-    a copy of the target's, ``mtp`` one MLA layer of ``draft.layer``, ``dspark``
-    ``draft.num_layers`` of them (``Stage.own_kv`` of the executed stages). Priced runs do
-    not draft yet (``draft`` is refused with mode=simulate), so only the counts use the
-    drafter's part: executed drafting runs are checked against them."""
+    (the model card's geometry; with KV ``groups``, its full layers, then its windowed ones:
+    ``target_kv``), then a shipped drafter's own cache of the prompt: ``self`` a copy of the
+    target's, ``mtp`` one MLA layer of ``draft.layer``, ``dspark`` ``draft.num_layers`` of them
+    (``Stage.own_kv`` of the executed stages). Priced runs do not draft yet (``draft`` is
+    refused with mode=simulate), so only the counts use the drafter's part: executed drafting
+    runs are checked against them."""
     sizes = model_sizes(cfg.model)
     mla = sizes.attention == "mla"
     elem = DTYPE_BYTES[kv_key(cfg)]  # NOTE: a tiny model priced on a measured profile keeps the run's dtype
     kv_heads = None if mla else sizes.num_kv_heads
     src = pool_kv(cfg.grid, cfg.kv.interleave, kv_heads)
     dst = pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, kv_heads)
-    target = MovedKV(src, dst, sizes.num_layers, sizes.entry_dim // (1 if mla else sizes.num_kv_heads) * elem)
+    group_bytes = sizes.entry_dim // (1 if mla else sizes.num_kv_heads) * elem
+    hybrid = groups is not None and groups.hybrid
+    target = target_kv(src, dst, sizes.num_layers, group_bytes,
+                       windowed_layers=groups.num_windowed_layers if hybrid else 0,
+                       window=groups.window if hybrid else None,
+                       entry_tokens=cfg.kv.block_size * cfg.disagg.decode_grid.dcp)
     if not cfg.draft_enabled:
-        return [target]
+        return target
     draft = cfg.draft_stage_config()
     kind = draft.get("kind")
-    if kind == "self":
-        return [target, target]
+    if kind == "self":  # NOTE: the drafter's own copy goes by the first group's table: every layer, every entry
+        return [*target, MovedKV(src, dst, sizes.num_layers, group_bytes)]
     if kind not in ("mtp", "dspark"):
         raise ValueError(f"draft={kind}: its own cache is not known to the simulator (shipped drafters: self, mtp, "
                          "dspark)")
@@ -79,7 +86,7 @@ def handover_kv(cfg: RunConfig) -> list[MovedKV]:
     latent = MovedKV(pool_kv(cfg.grid, cfg.kv.interleave, None),
                      pool_kv(cfg.disagg.decode_grid, cfg.disagg.decode_pool.interleave, None), layers,
                      layer.cache_entry_dim() * elem)
-    return [target, latent]
+    return [*target, latent]
 
 
 class _PoolPricing(SimulatedRun):
@@ -117,10 +124,12 @@ class PooledRun:
         self.configs = {n: pool_config(cfg, n) for n in POOLS}
         self.pools = {n: _PoolPricing(self.configs[n], None, keep_records=False) for n in POOLS}
         self.requests = self.pools["prefill"].requests
+        self.kv_groups = groups = self.pools["prefill"].kv_groups  # NOTE: one model: both pools' groups
         self.prefill, self.decode = pool_schedulers(self.requests, self.configs["prefill"], self.configs["decode"],
-                                                    kv_cls=_TablelessKV, sampled_outputs=not cfg.sampling.greedy)
-        self.moved = handover_kv(cfg)
-        self.num_layers = self.moved[0].num_layers  # the target's: what a layerwise transfer hides behind
+                                                    kv_cls=_TablelessKV, sampled_outputs=not cfg.sampling.greedy,
+                                                    groups=groups)
+        self.moved = handover_kv(cfg, groups)
+        self.num_layers = self.pools["prefill"].sizes.num_layers  # the target's: what a layerwise transfer hides behind
         self.layerwise = cfg.disagg.transfer == "layerwise"
         gpn, wp, wd = cfg.hardware.gpus_per_node, cfg.grid.world_size, cfg.disagg.decode_grid.world_size
         self.offset = wp if wp + wd <= gpn else -(-wp // gpn) * gpn  # the decode pool's first GPU
@@ -327,6 +336,7 @@ class PooledRun:
         metrics.update(self.recorder.pool_metrics(self._clock, {n: self.configs[n].world_size for n in POOLS},
                                                   cfg.disagg.transfer))
         metrics["transfer"]["hidden_s"] = self.transfer_hidden_s
+        metrics["kv_groups"] = None if self.kv_groups is None else self.kv_groups.describe()
         metrics["simulate"] = self._summary()
         if self.watch is not None:
             self.watch.report(metrics)

@@ -24,7 +24,7 @@ from pcpflow.config.run import draft_slot
 from pcpflow.errors import MISSING, ConfigError, Problem
 from pcpflow.models.card import CARD_NAMES, ModelCard, card_from_hf_config
 from pcpflow.models.hub import resolve_checkpoint
-from pcpflow.scheduling.kv_groups import KVGroups, blockers_of, hybrid_blockers, kv_groups_for
+from pcpflow.scheduling.kv_groups import KVGroups, kv_groups_for
 from pcpflow.simulate.sizes import (
     DTYPE_BYTES,
     ModelSizes,
@@ -119,8 +119,7 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
                                            tp=tp, weights_dtype=sim.weights_dtype, kv_dtype=sim.kv_dtype,
                                            plugins=raw.get("plugins") or (), expert_dtype=sim.expert_weights_dtype)
         drafting = (draft_slot(raw.get("draft"), raw.get("pipeline")).get("kind") or "none") != "none"
-        groups = sizes_kv_groups((raw.get("kv") or {}).get("hybrid", "auto"), _raw_blockers(raw), sizes,
-                                 drafting=drafting)
+        groups = sizes_kv_groups((raw.get("kv") or {}).get("hybrid", "auto"), sizes, drafting=drafting)
         per_block = (block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype, groups=groups)
                      + block_size * draft_kv)
         free = kv_budget_bytes(sizes, hw, sim, tp=tp) - draft_w
@@ -139,19 +138,17 @@ def prepare_raw(raw: dict[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     if sched.get("max_num_batched_tokens") is None:
         # A prompt prefilled unchunked, beside a decode on every other seat.
         sched["max_num_batched_tokens"] = int(requests.prompt_lens.max()) + seqs
+    disagg = raw.get("disagg") or {}
+    pools = disagg.get("kind") == "pd"
     if kv.get("num_blocks") is None:
+        # NOTE: a prefill pool's window groups keep the decode pool's whole entries (config.disagg.keep_align)
+        align = block_size * _positive((disagg.get("decode_pool") or {}).get("dcp", 1)) if pools else None
         need = int(blocks_for(requests.prompt_lens + requests.output_lens, tokens_per_block=block_size * dcp,
-                              groups=groups, max_num_batched_tokens=int(sched["max_num_batched_tokens"])).sum())
+                              groups=groups, max_num_batched_tokens=int(sched["max_num_batched_tokens"]),
+                              keep_align=align).sum())
         kv["num_blocks"] = max(1, min(int(free // per_block), need + 1))
-    _derive_decode_pool_blocks(raw, sizes, hw, sim, requests, block_size)
+    _derive_decode_pool_blocks(raw, sizes, hw, sim, requests, block_size, groups)
     return raw, frozenset()
-
-
-def _raw_blockers(raw: dict[str, Any]) -> list[str]:
-    """``hybrid_blockers`` of a composed config not yet validated (a value it cannot read
-    blocks nothing: validation names it)."""
-    return blockers_of(disagg=str((raw.get("disagg") or {}).get("kind", "none")),
-                       cudagraph_mode=str(raw.get("cudagraph_mode", "none")))
 
 
 @functools.cache
@@ -161,22 +158,24 @@ def _adapter(annotation: Any) -> TypeAdapter:
 
 
 def _derive_decode_pool_blocks(raw: dict[str, Any], sizes: ModelSizes, hw: HardwareConfig, sim: SimulateConfig,
-                               requests, block_size: int) -> None:
+                               requests, block_size: int, groups: KVGroups | None) -> None:
     """``disagg=pd``: a decode pool without ``num_blocks`` gets the HBM left on one of its GPUs
-    (its own tp), as the prefill pool's ``kv.num_blocks``; a value the settings cannot give is
-    left to validation (the pool's own problems)."""
+    (its own tp; a block of a KV group's layers), as the prefill pool's ``kv.num_blocks``; a
+    value the settings cannot give is left to validation (the pool's own problems)."""
     disagg = raw.get("disagg") or {}
     pool = disagg.get("decode_pool") or {}
     if disagg.get("kind") != "pd" or pool.get("num_blocks") is not None:
         return
     try:
         tp, dcp = _positive(pool.get("tp", 1)), _positive(pool.get("dcp", 1))
-    except (ValueError, TypeError):
+        budget = _positive(pool.get("max_num_batched_tokens") or (raw.get("scheduler") or {})["max_num_batched_tokens"])
+    except (ValueError, TypeError, KeyError):
         return
-    per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype)
+    per_block = block_bytes(sizes, tp=tp, block_size=block_size, kv_dtype=sim.kv_dtype, groups=groups)
     free = kv_budget_bytes(sizes, hw, sim, tp=tp)
     if free >= per_block:
-        need = int((-(-(requests.prompt_lens + requests.output_lens) // (block_size * dcp))).sum())
+        need = int(blocks_for(requests.prompt_lens + requests.output_lens, tokens_per_block=block_size * dcp,
+                              groups=groups, max_num_batched_tokens=budget).sum())
         pool["num_blocks"] = max(1, min(int(free // per_block), need + 1))
 
 
@@ -231,21 +230,22 @@ def block_bytes(sizes: ModelSizes, *, tp: int, block_size: int, kv_dtype: str, g
     return block_size * sizes.entry_dim_per_rank(tp) * layers * DTYPE_BYTES[kv_dtype]
 
 
-def sizes_kv_groups(hybrid: str, blockers: list[str], sizes: ModelSizes, *, drafting: bool = False) -> KVGroups | None:
+def sizes_kv_groups(hybrid: str, sizes: ModelSizes, *, drafting: bool = False) -> KVGroups | None:
     """The KV groups of a simulated run (``kv_groups_for``) of a model known by its sizes:
     its windowed layers counted (which ones changes no count)."""
     n, w = sizes.num_layers, sizes.sliding_layers
-    return kv_groups_for(hybrid, blockers, n, range(n - w, n), sizes.window, drafting=drafting)
+    return kv_groups_for(hybrid, n, range(n - w, n), sizes.window, drafting=drafting)
 
 
 def blocks_for(lengths: np.ndarray, *, tokens_per_block: int, groups: KVGroups | None,
-               max_num_batched_tokens: int, lookahead: int = 0) -> np.ndarray:
+               max_num_batched_tokens: int, lookahead: int = 0, keep_align: int | None = None) -> np.ndarray:
     """int64: the blocks each request of ``lengths`` tokens holds at most (``fit_problems``'
     count: a block per entry, or per group with KV groups)."""
     entries = -(-np.asarray(lengths, dtype=np.int64) // tokens_per_block)
     if groups is None:
         return entries
-    window = groups.peak_window_entries(lengths, tokens_per_block, max_num_batched_tokens, lookahead)
+    window = groups.peak_window_entries(lengths, tokens_per_block, max_num_batched_tokens, lookahead,
+                                        align=keep_align)
     return groups.num_full * entries + groups.num_windowed * window
 
 
@@ -502,7 +502,7 @@ def _hbm_problems(cfg, sizes: ModelSizes) -> list[Problem]:
         narrower = " or use simulate.weights_dtype=fp8" if sim.weights_dtype in ("bf16", "fp32", "fp64") else ""
         return [Problem("tp", tp, f"the weights do not fit: {where}; raise tp{narrower}")]
     free = usable - weights
-    groups = sizes_kv_groups(cfg.kv.hybrid, hybrid_blockers(cfg), sizes, drafting=cfg.draft_enabled)
+    groups = sizes_kv_groups(cfg.kv.hybrid, sizes, drafting=cfg.draft_enabled)
     per_token = (sizes.entry_dim_per_rank(tp) * (sizes.num_layers if groups is None else groups.size)
                  * DTYPE_BYTES[sim.kv_dtype] + draft_kv)
     per_block = cfg.kv.block_size * per_token

@@ -170,11 +170,9 @@ def test_a_profile_of_no_dtype_is_refused():
 
 def test_hybrid_kv_on_is_refused_beside_what_keeps_every_block():
     window = ["model=tiny_gqa", "model.window=8", "model.window_layers=[1]", "kv.hybrid=on"]
-    found = problems_of(window + ["cudagraph_mode=piecewise"])
-    assert found["kv.hybrid"].startswith("windowed layers give back blocks through a table per KV group; "
-                                         "cudagraph_mode=piecewise need(s) one table")
-    assert "kv.hybrid=auto" in found["kv.hybrid"]
     validate_overrides(window)  # alone it runs
+    validate_overrides(window + ["cudagraph_mode=full_and_piecewise"])  # a decode graph holds a table per group
+    validate_overrides(window + ["disagg=pd"])  # a handover moves each group's entries
     validate_overrides(window + ["draft=mtp"])  # a drafter goes by the full group's table
     # every layer windowed: no full group's table for a drafter (auto keeps one group)
     found = problems_of(["model=tiny_gqa", "model.window=8", "kv.hybrid=on", "draft=mtp"])

@@ -136,6 +136,15 @@ def test_each_decode_rank_receives_exactly_what_it_owns_from_ranks_that_hold_it(
     sizes = route_sizes(n, pool_kv(sg, si, kv_heads), pool_kv(dg, di, kv_heads))
     assert list(zip(sizes.src.tolist(), sizes.dst.tolist(), sizes.entries.tolist())) == [
         (r.src, r.dst, r.num_entries) for r in routes]
+    # from a start (a hybrid cache's windowed layers): the same, less the positions before it
+    start = (7 * n) // 11
+    routes = transfer_routes(n, pool_kv(sg, si, kv_heads), pool_kv(dg, di, kv_heads), start)
+    for d in range(dg.world_size):
+        got = {(int(p), h) for r in routes if r.dst == d for p in r.positions for h in r.heads}
+        assert got == {(p, h) for p, h in _holds(dg, di, kv_heads, d, n) if p >= start}
+    sizes = route_sizes(n, pool_kv(sg, si, kv_heads), pool_kv(dg, di, kv_heads), start)
+    assert list(zip(sizes.src.tolist(), sizes.dst.tolist(), sizes.entries.tolist())) == [
+        (r.src, r.dst, r.num_entries) for r in routes]
 
 
 @pytest.mark.parametrize("n", [1, 5, 4096, 131_071])

@@ -384,7 +384,8 @@ class TransferFault(_Fault):
             if hit and cfg.corrupt and not tr.in_prefill:
                 r = mine[0]
                 target = tr.caches[0]
-                slot = tr._slots(r.positions[:1], dst, target.moved.dst, r.dst, target.layers[0].device)
+                g = target.groups[0]
+                slot = tr._slots(r.positions[:1], dst, {g}, target.moved.dst, r.dst, target.layers[0].device)[g]
                 col = target.columns(tr.decode, r.dst, r.heads, False)[:1]
                 target.layers[0][slot, col] += 1.0
             return seconds

@@ -2,7 +2,9 @@
 window left back to the pool, ``pcpflow.scheduling.kv_groups``): every rank's caches, aliased
 by KV group place, must hold what the single-rank reference (one group) writes, at the slots of
 each layer's group's table, and the tokens must be the reference's, at pcp 1 and 2, with DCP
-(both decode modes, the context path), a ring and tp=2, for sliding and chunked windows.
+(both decode modes, the context path), a ring and tp=2, drafters, CUDA-graph modes, and two
+pools (``disagg=pd``: the bytes each handover moved checked against the layout rules, windowed
+layers' positions only from the decode pool's first kept entry), for sliding and chunked windows.
 
 The workloads make the windows free blocks and the pool hand them out again: prompts of 13-60
 tokens in chunks of at most 32, windows of 8 and 12 keys, blocks of 4, and a pool small enough
@@ -19,9 +21,14 @@ import json
 import numpy as np
 import pytest
 import shared_ranks
+import torch
 from exactness import dense_reference_agrees
 
-from pcpflow.layouts.slots import Window
+from pcpflow.config.disagg import pool_config
+from pcpflow.layouts.slots import Window, dcp_local_seq_lens
+from pcpflow.models import build_model
+from pcpflow.parallel.grid import Axis
+from pcpflow.parallel.tensor_parallel import local_spec
 from pcpflow.scheduling.kv_cache import KVCacheManager
 from pcpflow.scheduling.kv_groups import KVGroups
 from pcpflow.scheduling.loop import StepLoop
@@ -60,7 +67,25 @@ CASES = {
     "pcp2_dcp2_mtp_prefix_hits": ["pcp=2", "dcp=2", "draft=mtp", *STEMS, *SLIDING, "kv.num_blocks=40"],
     "pcp1_self_draft_chunked": ["pcp=1", "draft=self", "draft.num_speculative_tokens=2", *LENGTHS, *CHUNKED,
                                 "kv.num_blocks=60"],
+    # CUDA-graph modes: decode steps through the graph body (a slot mapping and a table per
+    # group; eager on CPU), and every step padded to a capture size (padded rows never written)
+    "pcp1_decode_graphs_sliding": ["pcp=1", "cudagraph_mode=full_decode_only", "pipeline.forward.attention=fused",
+                                   *LENGTHS, *SLIDING, "kv.num_blocks=40"],
+    "pcp2_dcp2_piecewise_chunked": ["pcp=2", "dcp=2", "decode=sharded", "cudagraph_mode=full_and_piecewise",
+                                    *LENGTHS, *CHUNKED, "kv.num_blocks=32"],
+    # two pools (disagg=pd): the handover moves a window group's entries from the first one the
+    # decode pool keeps (its entries of block_size x dcp positions; the prefill pool keeps them
+    # whole, also where its own entries are smaller), through each layer's group's table
+    "disagg_pcp2_dcp2_to_tp2_dcp2_sliding_prefix_hits": ["pcp=2", "dcp=2", "disagg=pd", "disagg.decode_pool.tp=2",
+                                                         "disagg.decode_pool.dcp=2", "model.num_kv_heads=1", *STEMS,
+                                                         *SLIDING,
+                                                         "kv.num_blocks=40", "disagg.decode_pool.num_blocks=40"],
+    "disagg_pcp1_to_pcp2_dcp2_i2_chunked_after_prefill": ["pcp=1", "disagg=pd", "disagg.decode_pool.pcp=2",
+                                                          "disagg.decode_pool.dcp=2", "disagg.decode_pool.interleave=2",
+                                                          "disagg.transfer=after_prefill", *LENGTHS, *CHUNKED,
+                                                          "kv.num_blocks=56", "disagg.decode_pool.num_blocks=48"],
 }
+GRAPHS = "pcp1_decode_graphs_sliding"
 DRAFTING = {"pcp2_dcp2_mtp_prefix_hits", "pcp1_self_draft_chunked"}
 # a write of the window group (1) one slot off, on rank 1 at step 4
 FAULT = ["pcp=2", "dcp=2", *LENGTHS, *SLIDING, "kv.num_blocks=24", f"plugins=[{FAULTS}]",
@@ -106,6 +131,27 @@ def given_back_and_reused(cfg) -> tuple[int, int]:
     return nulled, reused
 
 
+def handover_bytes(cfg, n: int) -> tuple[int, int]:
+    """(bytes a handover of a prompt of ``n`` tokens moves, bytes it would move keeping every
+    block), from the layout rules: each decode rank's DCP shard of the positions x its TP
+    slice's entry x layers, a windowed layer's positions only from the decode pool's entry
+    holding the first key the next query (at n) reads."""
+    d = pool_config(cfg, "decode")
+    window = Window(cfg.model.window, cfg.model.window_kind)
+    per_entry = cfg.kv.block_size * d.dcp
+    start = int(window.starts(np.int64(n))) // per_entry * per_entry
+    windowed = len(cfg.model.window_layers)
+    spec = build_model(cfg.model, dtype=torch.float64, seed=0, device="meta").attn_spec
+    moved = everything = 0
+    for r in range(d.grid.world_size):
+        dcp_rank = d.grid.coords(r)[Axis.DCP]
+        owned = lambda k: int(dcp_local_seq_lens([k], d.dcp, dcp_rank, d.kv.interleave)[0])  # noqa: E731
+        width = local_spec(spec, r % d.tp, d.tp).entry_dim * 8  # float64
+        moved += width * (owned(n) * (cfg.model.num_layers - windowed) + (owned(n) - owned(start)) * windowed)
+        everything += width * owned(n) * cfg.model.num_layers
+    return moved, everything
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.matrix("hybrid_kv/slow")
@@ -121,6 +167,12 @@ def test_a_hybrid_kv_cache_is_exact_on_every_path(shared_runs):
         assert dense_reference_agrees(cfg, result), f"{name}: tokens differ from the dense reference"
         if name in DRAFTING:  # NOTE: its steps follow the drafts accepted: no replay; drafts were checked
             assert m["draft_proposed"] > 0 and v["draft_kv_match"] and v["draft_kv_entries_checked"] > 0, (name, v)
+        elif name.startswith("disagg"):  # NOTE: two schedulers: the bytes moved instead
+            handed = [r for r in result["requests"] if r["handover_step"] is not None]
+            assert handed, name
+            for r in handed:
+                want, everything = handover_bytes(cfg, r["prompt_len"])
+                assert r["transfer_bytes"] == want < everything, (name, r, want, everything)
         else:
             nulled, reused = given_back_and_reused(cfg)
             assert nulled > 0 and reused > 0, (name, nulled, reused)
@@ -130,6 +182,11 @@ def test_a_hybrid_kv_cache_is_exact_on_every_path(shared_runs):
             assert m["prefix_cache"]["hit_tokens"] > 0 and v["positions_recomputed"] >= m["prefix_cache"]["hit_tokens"]
         if "ring" in name:
             assert set(m["cp_attention_steps"]) == {"ring_pass_kv"}, m["cp_attention_steps"]
+        if name == GRAPHS:
+            g = m["cudagraph"]
+            assert g["graph_forward_steps"] == g["steps"]["full"] > 0, g
+        if "piecewise" in name:  # NOTE: steps past the largest capture size (6 here) run eagerly ("none")
+            assert m["cudagraph"]["steps"]["full"] > 0 and m["cudagraph"]["steps"]["piecewise"] > 0, m["cudagraph"]
 
 
 @pytest.mark.slow

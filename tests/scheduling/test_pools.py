@@ -120,3 +120,68 @@ def test_flow_control_with_both_pools_full():
     assert loop.prefill.outputs() == {i: [7] * o for i, o in enumerate(outs)}
     assert all(saw.values()), saw
     assert int(loop.decode.columns.num_preempted.sum()) >= 1
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 8), st.integers(0, 6)), min_size=1, max_size=8),
+       st.sampled_from(["sliding", "chunked"]), st.integers(2, 20), st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 4),
+                                                                                    (3, 2)]),
+       st.integers(4, 24), st.booleans())
+def test_hybrid_pools_hand_over_every_key_a_window_still_reads(reqs, kind, size, dcps, budget, share_stem):
+    """KV groups in both pools (a hybrid cache, ``disagg=pd``): at each handover the decode
+    pool's window groups point at the null block exactly before the entry holding the first
+    key the request's next query reads (its own entries: block_size x its dcp), hold a block
+    from there on, and the prefill pool still holds every position of those entries (its
+    window groups keep the decode pool's whole entries, whatever either dcp), with prefix
+    hits on the prefill pool; every block goes back, and everything finishes."""
+    from types import SimpleNamespace
+
+    from pcpflow.layouts.slots import Window
+    from pcpflow.scheduling.kv_groups import KVGroups
+    from pcpflow.scheduling.pools import pool_schedulers
+    from pcpflow.scheduling.workload import RequestTable
+
+    prompts, outs, arrivals = (list(x) for x in zip(*reqs))
+    block, (p_dcp, d_dcp) = 2, dcps
+    groups = KVGroups.of(3, [1, 2], Window(size, kind))  # one full group, two windowed (one layer each)
+    stem = list(range(1, 25))
+    reqs = [Request(i, np.array((stem if share_stem else [])[:p] + [100 + i] * max(0, p - 24 * share_stem),
+                                dtype=np.int64)[:p], o, a)
+            for i, (p, o, a) in enumerate(zip(prompts, outs, sorted(arrivals)))]
+
+    def pool(dcp, prefix):
+        entries = -(-(max(prompts) + max(outs)) // (block * dcp))
+        return SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=3),
+                               kv=SimpleNamespace(num_blocks=3 * entries + 4, block_size=block, prefix_caching=prefix),
+                               dcp=dcp, num_speculative_tokens=0)
+
+    prefill, decode = pool_schedulers(RequestTable.from_requests(reqs), pool(p_dcp, True), pool(d_dcp, False),
+                                      groups=groups)
+    loop = PoolLoop(prefill, decode)
+    Up, Ud, null_p, null_d = block * p_dcp, block * d_dcp, prefill.kv.null_block, decode.kv.null_block
+    handed = 0
+
+    def check(ps, lp):
+        nonlocal handed
+        for i, n, src, dst in ps.handed:
+            handed += 1
+            first = int(Window(size, kind).starts(np.int64(n)))  # the first key of the query at n
+            keep = first // Ud  # the decode pool's first kept entry
+            assert dst.shape == (3, -(-n // Ud)) and src.shape == (3, -(-n // Up))
+            assert (dst[0] != null_d).all() and (src[0] != null_p).all()
+            for g in (1, 2):
+                assert (dst[g, :keep] == null_d).all() and (dst[g, keep:] != null_d).all(), (g, keep, dst[g])
+                moved = np.arange(keep * Ud, n)
+                assert (src[g, moved // Up] != null_p).all(), (g, n, keep * Ud, src[g])
+        lp.handover.release([h[0] for h in ps.handed])
+
+    for ps in loop.steps():
+        check(ps, loop)
+        tokens = [None if b is None else np.full(len(b.logits_indices), 7, np.int64) for b in (ps.prefill, ps.decode)]
+        loop.update(ps, *tokens)
+        loop.advance(ps, 1.0)
+        assert loop.executed < 10_000, "the pools did not finish"
+    assert prefill.outputs() == {i: [7] * o for i, o in enumerate(outs)}
+    assert handed == sum(o > 1 for o in outs)
+    for s in (prefill, decode):
+        assert (s.kv.ref_counts() == 0).all() and s.kv.num_free_blocks == s.kv.num_blocks

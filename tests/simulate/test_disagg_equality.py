@@ -54,6 +54,12 @@ SLOW = {
     "mla_pcp2_dcp2_i2_to_tp2_dcp2_layerwise": ["pcp=2", "dcp=2", "kv.interleave=2", "disagg.decode_pool.tp=2",
                                                "disagg.decode_pool.dcp=2"],
     "mla_pcp2_to_tp2_replicated_latent": ["pcp=2", "disagg.decode_pool.tp=2", "disagg.decode_pool.num_blocks=10"],
+    # a hybrid cache in both pools: the windowed layer's blocks given back in each, its handover
+    # from the decode pool's first kept entry (8 positions there, 4 on the prefill pool)
+    "gqa_hybrid_sliding_to_pcp2_dcp2_i2": ["model=tiny_gqa", "model.window=6", "model.window_layers=[1]",
+                                           "kv.hybrid=on", "pcp=1", "disagg.decode_pool.pcp=2",
+                                           "disagg.decode_pool.dcp=2", "disagg.decode_pool.interleave=2",
+                                           "kv.num_blocks=20", "disagg.decode_pool.num_blocks=14"],
 }
 RING_SENT = ("per_rank_collective_calls", "per_rank_collective_bytes")
 COUNTED = ("per_rank_tokens", "padded_num_tokens", "collective_calls", "collective_bytes", "num_preempted",
@@ -126,6 +132,7 @@ def _compare(name: str, extra: list[str], executed: dict) -> None:
     for pool in ("prefill", "decode"):
         assert simulated["metrics"]["pools"][pool]["tokens"] == executed["metrics"]["pools"][pool]["tokens"]
     assert simulated["metrics"]["cp_attention_steps"] == executed["metrics"]["cp_attention_steps"]
+    assert simulated["metrics"]["kv_groups"] == executed["metrics"]["kv_groups"]
 
 
 @pytest.mark.dist

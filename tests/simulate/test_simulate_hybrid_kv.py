@@ -12,6 +12,7 @@ block peaks at 1537 blocks of 32.
 from __future__ import annotations
 
 from pcpflow.simulate.engine import SimulatedRun
+from pcpflow.simulate.pools import PooledRun
 from pcpflow.testing import compose
 
 RUN = ["mode=simulate", "hardware=h100_sxm", "model=llama3_8b", "workload=explicit",
@@ -44,3 +45,16 @@ def test_the_derived_pool_is_what_the_request_can_hold():
     2048, in blocks of 16, and one that the span may straddle: 256 + 1."""
     assert compose(RUN + ["kv.hybrid=off"]).kv.num_blocks == 1537 + 1
     assert compose(RUN).kv.num_blocks == 1537 + 257 + 1
+
+
+def test_a_handover_moves_a_chunked_layer_from_its_chunk():
+    """Two pools (``disagg=pd``, one rank each): a 24,000-token prompt's next query (at 24,000)
+    reads its chunk from 24,000 - 24,000 % 2048 = 22,528, a decode-pool entry's start (16
+    positions): the chunked layers move 1,472 positions, the full ones 24,000, each position
+    and layer 8 KV heads x (128 + 128) bf16 = 4,096 B."""
+    pools = ["workload.prompt_lens=[24000]", "disagg=pd", "kv.num_blocks=4000", "disagg.decode_pool.num_blocks=4000"]
+    moved = PooledRun(compose(RUN + pools)).run()["metrics"]
+    assert moved["transfer"]["bytes"] == 4096 * 16 * (24000 + 1472)
+    assert moved["kv_groups"]["groups"] == 2
+    kept = PooledRun(compose(RUN + pools + ["kv.hybrid=off"])).run()["metrics"]
+    assert kept["transfer"]["bytes"] == 4096 * 32 * 24000 and kept["kv_groups"] is None

@@ -60,24 +60,30 @@ def _hybrid_tables(groups: KVGroups, rng) -> tuple[np.ndarray, np.ndarray]:
     return first, second
 
 
-@pytest.mark.parametrize("window", [
-    ["model.window=8", "model.window_layers=[1,2]"],  # full (0, 3), windowed (1, 2): one group of two each
-    ["model.window=8", "model.window_layers=[0,2,3]", "model.window_kind=chunked"],  # (1,), (0,), (2,), (3,)
-])
-def test_a_hybrid_cache_attends_exactly_as_one_table(window):
+def _setup(window: list[str], seed: int):
+    """A classic context (one table), the same model with a hybrid cache, its groups, token
+    ids, the classic table and both steps' hybrid tables (``_hybrid_tables``)."""
     # NOTE: the batches are made here, the groups too: the composed run's own stay classic
     classic = context(["pcp=1", "dtype=float64", "model=tiny_gqa", "model.num_layers=4", f"kv.block_size={BLOCK}",
                        f"kv.num_blocks={NUM_BLOCKS}", "kv.hybrid=off", *window])
     spec = classic.model.attn_spec
     groups = KVGroups.of(4, spec.window_layers, spec.windowed())
-    assert groups.num_windowed >= 1 and groups.num_full >= 1
     hybrid = dataclasses.replace(classic, kv_groups=groups, kv_caches=allocate_kv_caches(
         classic.model, NUM_BLOCKS, BLOCK, classic.dtype, classic.device, groups=groups))
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     ids = rng.integers(0, classic.model.vocab_size, size=64)
     one_table = np.zeros((2, WIDTH), dtype=np.int64)
     one_table[0], one_table[1, :7] = np.arange(12), 12 + np.arange(7)
-    first, second = _hybrid_tables(groups, rng)
+    return classic, hybrid, groups, ids, one_table, _hybrid_tables(groups, rng)
+
+
+@pytest.mark.parametrize("window", [
+    ["model.window=8", "model.window_layers=[1,2]"],  # full (0, 3), windowed (1, 2): one group of two each
+    ["model.window=8", "model.window_layers=[0,2,3]", "model.window_kind=chunked"],  # (1,), (0,), (2,), (3,)
+])
+def test_a_hybrid_cache_attends_exactly_as_one_table(window):
+    classic, hybrid, groups, ids, one_table, (first, second) = _setup(window, seed=0)
+    assert groups.num_windowed >= 1 and groups.num_full >= 1
     assert (second == NUM_BLOCKS).any(axis=-1)[np.flatnonzero(groups.windowed)].all()  # a window left blocks
 
     for step, tables in enumerate((first, second)):
@@ -104,3 +110,22 @@ def test_a_hybrid_cache_attends_exactly_as_one_table(window):
             assert torch.equal(hybrid.kv_caches[layer][at], classic.kv_caches[layer][was]), (layer, r)
         null = hybrid.kv_caches[layer][NUM_BLOCKS * BLOCK:]
         assert null.shape[0] == BLOCK and torch.isnan(null).all()
+
+
+def test_a_decode_graph_reads_each_layer_through_its_groups_table():
+    """``DecodeGraphs`` (the static forward a full CUDA graph replays; eager here) holds one slot
+    mapping and one table per KV group: over the hybrid tables of the second step (null entries
+    before each window, blocks handed out again) it computes what it computes over one table."""
+    from pcpflow.rank.cudagraph import DecodeGraphs
+
+    classic, hybrid, groups, ids, one_table, (first, second) = _setup(["model.window=8", "model.window_layers=[1,2]"],
+                                                                      seed=1)
+    run_slots(StepState(_batch(0, one_table, None, ids)), classic, *TARGET, ("forward", "model"))
+    run_slots(StepState(_batch(0, first[0], first, ids)), hybrid, *TARGET, ("forward", "model"))
+    want = run_slots(StepState(_batch(1, one_table, None, ids)), classic, *TARGET)
+    got = run_slots(StepState(_batch(1, second[0], second, ids)), hybrid, *TARGET)
+    n = int(_batch(1, one_table, None, ids).num_tokens)
+    one = DecodeGraphs(classic, None, capture=False)(want)[:n]
+    per_group = DecodeGraphs(hybrid, None, capture=False)(got)[:n]
+    assert torch.isfinite(per_group).all()
+    assert torch.equal(per_group, one)
