@@ -12,9 +12,9 @@ layer, ``after_prefill`` one per route with every layer stacked. A drafter's own
 prompt (``Stage.own_kv``) moves the same way as a cache of its own (its head groups, its
 routes, its layers), in messages of its own, and so do a hybrid cache's windowed layers
 (``pcpflow.scheduling.kv_groups``): each layer read and written through its KV group's table,
-the windowed ones only from the first entry the decode pool keeps (``MovedKV.window``). Each rank counts what it sends
-(``CommStats.add_sent``, purpose ``kv_transfer``, the drafter's entries included); the engine
-gathers the counts.
+the windowed ones only from the first entry the decode pool keeps (``MovedKV.window``). Each
+rank counts what it sends (``CommStats.add_sent``, purpose ``kv_transfer``, the drafter's
+entries included); the engine gathers the counts.
 """
 
 from __future__ import annotations
@@ -101,13 +101,13 @@ class KVTransfer:
             if k or groups is None or not groups.hybrid:
                 self.caches.append(_Cache(spec, layers, moved, [0] * len(layers)))
                 continue
+            # NOTE: its full layers, then its windowed ones (target_kv's order)
             group_of = groups.layer_group.tolist()
-            windowed = [groups.windowed[g] for g in group_of]
-            sets = [[i for i in range(len(layers)) if not windowed[i]], [i for i in range(len(layers)) if windowed[i]]]
+            kinds = [[i for i, g in enumerate(group_of) if groups.windowed[g] == w] for w in (False, True)]
             parts = target_kv(moved.src, moved.dst, len(layers), moved.group_bytes,
                               windowed_layers=groups.num_windowed_layers,
                               window=groups.window, entry_tokens=block_size * decode.dcp)
-            for part, chosen in zip(parts, [c for c in sets if c]):
+            for part, chosen in zip(parts, [k for k in kinds if k]):
                 self.caches.append(_Cache(spec, [layers[i] for i in chosen], part, [group_of[i] for i in chosen]))
         first = 0
         for c in self.caches:  # NOTE: distinct tags per message between one pair of ranks
