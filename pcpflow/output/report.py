@@ -222,11 +222,13 @@ def serving_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("served", f"{t['requests_s']:.2f} req/s · {t['output_tok_s']:,.0f} output tok/s "
                        f"({t['output_tok_s_per_gpu']:,.0f} per GPU) · {t['total_tok_s']:,.0f} total tok/s over "
                        f"{t['span_s']:.2f} s (first arrival to last finish)")]
-    queue = m.get("queue_s")
+    queue, groups = m.get("queue_s"), m.get("kv_groups")
     rows.append(("KV cache", f"usage mean {m['kv_usage']['mean']:.1%} · max {m['kv_usage']['max']:.1%} · "
                              f"prefix hits {m['prefix_cache']['hit_rate']:.1%} of prompt tokens · "
                              f"{m['preemptions']} preemption(s)"
-                 + (f" · queued {queue * 1e3:.1f} ms on average" if queue is not None else "")))
+                 + (f" · queued {queue * 1e3:.1f} ms on average" if queue is not None else "")
+                 + (f" · {groups['groups']} KV groups ({groups['windowed']} windowed, {groups['layers_per_block']} "
+                    f"layer(s) a block)" if groups else "")))
     g = m.get("goodput") or {}
     if g.get("req_s") is not None:
         slo = " and ".join(f"{k.split('_')[0].upper()} <= {v * 1e3:.0f} ms" for k, v in g["slo"].items() if v is not None)

@@ -134,3 +134,16 @@ def test_the_summary_of_a_run_cut_short_before_any_request_finished(capsys, monk
                        "verification": "off"})
         text = " ".join(capsys.readouterr().out.split())
         assert "0.00 req/s · no request finished" in text, extra
+
+
+def test_the_kv_cache_line_names_a_hybrid_caches_groups():
+    from pcpflow.output.report import serving_rows
+
+    m = {"throughput": {"requests_s": 1.0, "output_tok_s": 2.0, "output_tok_s_per_gpu": 1.0, "total_tok_s": 3.0,
+                        "span_s": 1.0},
+         "kv_usage": {"mean": 0.1, "max": 0.2}, "prefix_cache": {"hit_rate": 0.0}, "preemptions": 0}
+    line = dict(serving_rows({**m, "kv_groups": None}))["KV cache"]
+    assert "KV groups" not in line
+    groups = {"groups": 7, "full": 1, "windowed": 6, "layers_per_block": 10, "window": {"size": 1024, "kind": "sliding"}}
+    line = dict(serving_rows({**m, "kv_groups": groups}))["KV cache"]
+    assert line.endswith(" · 7 KV groups (6 windowed, 10 layer(s) a block)")
