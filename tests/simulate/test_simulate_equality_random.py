@@ -1,7 +1,8 @@
 """The twin property over layouts nobody chose by hand: seeded random configs (tiny models,
 tp 1-2, pcp 1-4, each dcp, both decode modes, both DCP paths and backends, rings, restores,
 interleaves, experts, prefix caching in small caches, cached prefixes, staggered arrivals,
-small budgets, sliding windows and OLMo's whole-projection q/k norms) run executed on CPU ranks, verified against one rank, and simulated; every
+small budgets, sliding and chunked windows, OLMo's whole-projection q/k norms, attention sinks,
+CUDA-graph modes) run executed on CPU ranks, verified against one rank, and simulated; every
 step counts the same (``step_counts.mismatches``: tokens, pairs, collective calls and bytes
 by purpose, prefix hits, preemptions, blocks in use). The hand-picked matrix is ``test_simulate_equality.py``; this
 one draws its cases from a fixed seed, so a failure names a config to rerun. A second draw
@@ -80,6 +81,21 @@ def gqa_extras(rng: random.Random, ov: list[str]) -> list[str]:
     return out
 
 
+def later_extras(rng: random.Random, ov: list[str]) -> list[str]:
+    """Axes added after the draws above (a generator of their own, so those stay as they
+    were): a window of chunks (Llama 4's) instead of a sliding one, gpt-oss's attention sinks,
+    and a CUDA-graph mode (on CPU the same dispatch: decode-only steps padded to a capture
+    size, counted with their padding)."""
+    out = []
+    if any(o.startswith("model.window=") for o in ov) and rng.random() < 0.5:
+        out.append("model.window_kind=chunked")
+    if "model=tiny_gqa" in ov and rng.random() < 0.3:
+        out.append("model.sinks=true")
+    if rng.random() < 0.4:
+        out.append(f"cudagraph_mode={rng.choice(['piecewise', 'full_decode_only', 'full_and_piecewise'])}")
+    return out
+
+
 def valid(ov: list[str]) -> bool:
     try:
         compose(ov), compose(ov + ["verify=false"] + SIMULATED)
@@ -93,6 +109,7 @@ def cases() -> list[list[str]]:
     while len(out) < CASES:
         ov = draw(rng)
         ov += gqa_extras(random.Random(f"{SEED}:{len(out)}"), ov)
+        ov += later_extras(random.Random(f"{SEED}:later:{len(out)}"), ov)
         if valid(ov):
             out.append(ov)
     return out
@@ -138,6 +155,9 @@ def test_random_layouts_count_what_their_executed_runs_count(tmp_path, which):
     windowed = [ov for ov in drawn if any(o.startswith("model.window=") for o in ov)]
     assert any(rings[drawn.index(ov)] for ov in windowed) and any(_value(ov, "dcp") > 1 for ov in windowed)
     assert any("model.qk_norm=full" in ov and _value(ov, "tp") == 2 for ov in drawn)
+    assert any("model.window_kind=chunked" in ov for ov in drawn) and any("model.sinks=true" in ov for ov in drawn)
+    graphs = [ov for ov in drawn if any(o.startswith("cudagraph_mode=") for o in ov)]
+    assert any(_value(ov, "pcp") > 1 for ov in graphs) and any(rings[drawn.index(ov)] for ov in graphs)
     _same_counts(tmp_path, drawn, rings)
 
 
