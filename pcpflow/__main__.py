@@ -16,10 +16,12 @@ def main() -> None:
     with interruptible():
         try:
             from pcpflow.driver.cli import entry
-        except Interrupted as exc:
+        except BaseException as exc:  # NOTE: or a library's error that replaced it (Interrupted.of)
+            if (interrupted := Interrupted.of(exc)) is None:
+                raise
             from pcpflow.driver.interrupted import interrupted_early
 
-            sys.exit(interrupted_early(exc, sys.argv[1:]))
+            sys.exit(interrupted_early(interrupted, sys.argv[1:]))
     entry()
 
 

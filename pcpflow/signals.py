@@ -54,8 +54,25 @@ class Interrupted(BaseException):
         sigval = getattr(exc, "sigval", None)
         if sigval is not None and int(sigval) in (int(s) for s in HANDLED):
             return cls(int(sigval))
-        fired = next((h.fired for h in handlers().values() if isinstance(h, _RaiseOnce) and h.fired), None)
+        fired = _fired()
         return cls(fired) if fired else None
+
+
+def _fired() -> int | None:
+    """The signal the handler in place raised Interrupted for (None: none, or it is leaving)."""
+    return next((h.fired for h in handlers().values() if isinstance(h, _RaiseOnce) and h.fired), None)
+
+
+def raise_if_swallowed() -> None:
+    """Raise Interrupted again for a signal whose Interrupted did not come out (called where
+    the driver goes on to start the job: had it come out, the driver would not be there).
+
+    NOTE: the handler raises into whatever runs when the signal lands; some frames drop it
+    (one landing while importlib compiles a module, seen on a loaded 2-core machine: the run
+    went on and ended "ok", and, the handler raising once, no later signal could stop it)."""
+    fired = _fired()
+    if fired:
+        raise Interrupted(fired)
 
 
 class _RaiseOnce:
@@ -149,6 +166,9 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, handler)
     sys.unraisablehook = _redeliver_swallowed(saved_hook)
     try:
+        # NOTE: a rank forked by the fork server starts with them blocked (``held``): what
+        # arrived meanwhile is raised here, inside
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
         yield
     except Exception as exc:
         interrupted = Interrupted.of(exc)  # NOTE: our Interrupted, replaced by a library's cleanup error
@@ -171,3 +191,23 @@ def ignored(*signals: int) -> Iterator[None]:
         yield
     finally:
         restore(saved)
+
+
+@contextmanager
+def held(*signals: int) -> Iterator[None]:
+    """``signals`` ignored while inside, as ``ignored``, and what arrives meanwhile held back:
+    delivered on the way out, to the handler then in place (a Ctrl-C while the fork server
+    starts is not lost). A child process started inside inherits them ignored and blocked:
+    ``interruptible`` unblocks them where a rank installs its handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # NOTE: Linux keeps a blocked signal pending even while it is ignored (kernel/signal.c,
+    # sig_ignored: "blocked signals are never ignored"); restoring the handler before the mask
+    # delivers it there.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        with ignored(*signals):
+            yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)

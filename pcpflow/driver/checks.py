@@ -19,6 +19,7 @@ where and how the ranks will run.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,11 @@ def check_run_dir(run_dir: Path, *, create: bool = True, field: str = "hydra.run
             problem = f"a directory pcpflow can create; {parent} is a file"
         elif not os.access(parent, os.W_OK | os.X_OK):
             problem = f"a directory pcpflow can create; {parent} is not writable"
+        else:  # NOTE: root passes os.access everywhere, also in /proc and /sys: try, leaving nothing
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".pcpflow-probe-", dir=parent))
+            except OSError as exc:
+                problem = f"a directory pcpflow can create; {parent}: {exc.strerror or exc}"
     else:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)

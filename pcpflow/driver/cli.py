@@ -23,6 +23,7 @@ from typing import Any
 
 from pcpflow.driver.compose import (
     compose_raw,
+    hydra_group_problems,
     uses_measured,
     validate_overrides,
     with_measured_overrides,
@@ -32,7 +33,7 @@ from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
 from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early, named_run_dir
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
 from pcpflow.paths import conf_dir
-from pcpflow.signals import HANDLED, Interrupted, interruptible
+from pcpflow.signals import HANDLED, Interrupted, interruptible, raise_if_swallowed
 
 _FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp",
                      "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
@@ -58,15 +59,21 @@ def main(argv: list[str] | None = None) -> int:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             try:
                 return torchrun_main(argv)
-            except Interrupted as exc:  # importing torch and the engine, before the rank's own handling
-                return interrupted_early(exc, argv)
+            except BaseException as exc:  # importing torch and the engine, before the rank's own handling
+                if (interrupted := Interrupted.of(exc)) is None:
+                    raise
+                return interrupted_early(interrupted, argv)
         run_dir: list[Path] = []
         try:
             return _main(argv, run_dir)
-        except Interrupted as exc:
-            # NOTE: before Hydra resolved the run dir (its import takes a while), the one the
-            # command names outright is the run's
-            return interrupted_before_the_job(exc, run_dir[0] if run_dir else named_run_dir(argv))
+        except BaseException as exc:
+            # NOTE: also a library's error that replaced our Interrupted on its way out (numpy's
+            # half-done import, Hydra's or OmegaConf's cleanup): ``Interrupted.of``. Before Hydra
+            # resolved the run dir (its import takes a while), the one the command names
+            # outright is the run's.
+            if (interrupted := Interrupted.of(exc)) is None:
+                raise
+            return interrupted_before_the_job(interrupted, run_dir[0] if run_dir else named_run_dir(argv))
 
 
 def _main(argv: list[str], run_dir: list[Path]) -> int:
@@ -97,6 +104,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
                     argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir[0]}"]
             precheck(overrides, multirun)
             _check_output_dir(overrides, multirun)
+            raise_if_swallowed()
         except ConfigError as exc:
             print(exc.report(), file=sys.stderr)
             if run_dir and run_dir[0].is_dir():
@@ -139,6 +147,8 @@ def _check_output_dir(overrides: list[str], multirun: bool) -> None:
     given = [o.split("=", 1)[1] for o in overrides if o.startswith(key + "=")]
     if not given or "${" in given[-1]:
         return
+    if not given[-1].strip():  # NOTE: Hydra would take it as the current dir and write the run there
+        raise ConfigError([Problem(key, given[-1], "a directory's path (empty: none given)")])
     path = Path(given[-1])
     check_run_dir(path, create=False, field=key)
     owner = None if multirun else live_lock_owner(path)
@@ -147,8 +157,9 @@ def _check_output_dir(overrides: list[str], multirun: bool) -> None:
 
 
 def _named_run_dir(overrides: list[str]) -> str | None:
+    """``hydra.run.dir`` as given (None: not given, or empty: refused, no dir of the run's)."""
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
-    return given[-1] if given else None
+    return given[-1] if given and given[-1].strip() else None
 
 
 def _record_refusal(run_dir: Path, exc: ConfigError, overrides: list[str]) -> None:
@@ -227,6 +238,7 @@ def precheck(overrides: list[str], multirun: bool) -> None:
                 problems.append(p)
             else:
                 problems.append(Problem(f"[{label}] {p.field}" if len(jobs) > 1 else p.field, p.given, p.allowed))
+    problems += hydra_group_problems([o for o in overrides if _is_hydra_override(o)])
     if problems:
         raise ConfigError(_dedupe(problems))
 

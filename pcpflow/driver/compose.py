@@ -192,6 +192,27 @@ def options_having(key: str) -> list[str]:
     return own or owners
 
 
+def hydra_group_problems(overrides: list[str]) -> list[Problem]:
+    """The options of Hydra's own groups (``hydra/launcher=joblib``) on the command line that
+    Hydra has not, as problems (Hydra would refuse them once started, with its own words)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import MissingConfigException
+
+    problems = []
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        if not key.startswith("hydra/"):
+            continue
+        try:
+            with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+                compose(config_name="config", overrides=[o], return_hydra_config=True)
+        except MissingConfigException as exc:
+            problems.append(Problem(key, value, allowed_choices(value, exc.options or [])))
+        except Exception as exc:  # Hydra raises many types; all mean this override
+            problems.append(Problem(key, value, str(exc).strip().splitlines()[0]))
+    return problems
+
+
 def _check_groups(overrides: list[str]) -> tuple[list[Problem], list[str]]:
     groups, problems, kept = config_groups(), [], []
     for o in overrides:

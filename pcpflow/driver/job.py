@@ -30,7 +30,7 @@ from pcpflow.output.rundir import (
     write_result,
 )
 from pcpflow.rank.progress import in_flight
-from pcpflow.signals import Interrupted, interruptible
+from pcpflow.signals import Interrupted, interruptible, raise_if_swallowed
 from pcpflow.tokens.text import tokenize_workload
 
 
@@ -142,8 +142,29 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
         with contextlib.suppress(OSError):
             write_result(run_dir, failed_result(f"the run dir cannot be written: {exc}", raw, EXIT_FAILED))
         return EXIT_FAILED
+    except Exception as exc:  # NOTE: the driver's own fault (a launcher's limit, a bug): still one line and result.json
+        return _driver_failed(exc, raw, run_dir)
     finally:
         release_lock(run_dir)
+
+
+def _driver_failed(exc: Exception, raw: dict[str, Any], run_dir: Path) -> int:
+    """An error no stage or rank reported, raised in this process: one line naming it, its
+    traceback in ``logs/driver_error.txt``, result.json ``failed`` with it, exit 1."""
+    import traceback
+
+    error = f"the driver failed: {type(exc).__name__}: {exc}"
+    trace = run_dir / "logs" / "driver_error.txt"
+    try:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text(traceback.format_exc())
+        where = f"; traceback: {trace}"
+    except OSError:
+        where = ""
+    print_err(f"pcpflow: {error}{where}; result.json: {run_dir / 'result.json'}")
+    with contextlib.suppress(OSError):
+        write_result(run_dir, failed_result(error, raw, EXIT_FAILED, run_dir=str(run_dir)))
+    return EXIT_FAILED
 
 
 def _interrupted(exc: Interrupted, raw: dict[str, Any], run_dir: Path, *, announce: bool, note: str = "",
@@ -167,6 +188,7 @@ def _run_job(raw: dict[str, Any], run_dir: Path, *, console: bool, in_sweep: boo
     started = time.time()
     try:
         cfg = prepare_job(raw)
+        raise_if_swallowed()
     except ConfigError as exc:
         print_err(exc.report())
         # NOTE: an older run's result.json is kept aside, so that its "ok" never looks current

@@ -27,16 +27,23 @@ def dumps(obj: Any) -> str:
     return json.dumps(_strict(obj), indent=2, allow_nan=False, default=_jsonable)
 
 
-def _strict(obj: Any) -> Any:
-    import numpy as np
+def _numpy_types() -> tuple[type, ...]:
+    """numpy's array and scalar types where numpy is loaded (a value of numpy's exists only
+    then). NOTE: not imported here: a signal that interrupted numpy's own import leaves it
+    unloadable in this process ("cannot load module more than once"), and result.json must
+    still be written."""
+    np = sys.modules.get("numpy")
+    return (np.ndarray, np.generic) if hasattr(np, "ndarray") and hasattr(np, "generic") else ()
 
+
+def _strict(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else str(obj)
     if isinstance(obj, dict):
         return {k: _strict(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [_strict(v) for v in obj]
-    if isinstance(obj, np.ndarray | np.generic):
+    if isinstance(obj, _numpy_types()):
         return _strict(obj.tolist())
     return obj
 
@@ -91,12 +98,8 @@ def failed_result(error: str, config: dict[str, Any], exit_code: int, **extra: A
 
 
 def _jsonable(obj: Any) -> Any:
-    import numpy as np
-
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
+    if isinstance(obj, _numpy_types()):
+        return obj.tolist()  # NOTE: a numpy scalar's is its Python value
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 

@@ -74,8 +74,9 @@ def rank_start_method(*, log: Path | None = None) -> str:
     # closed terminal would kill the tracker, and the driver's relaunch of it floods the console
     # with tracebacks. The driver handles SIGHUP and stops the ranks. SIGQUIT (Ctrl-\ reaches the
     # whole group) would dump the server's and the tracker's core: the driver handles it as well.
+    # Held, not only ignored: one sent to the driver meanwhile reaches its handler after.
     multiprocessing.set_forkserver_preload([*RANK_PRELOAD, *BUILTIN_STAGES])
-    with signals.ignored(signal.SIGINT, signal.SIGHUP, signal.SIGQUIT), _stdio_to(log):
+    with signals.held(signal.SIGINT, signal.SIGHUP, signal.SIGQUIT), _stdio_to(log):
         forkserver.ensure_running()
     return "forkserver"
 

@@ -289,6 +289,45 @@ def test_run_dir_problems_end_the_job_with_exit_2(tmp_path, capsys):
     assert not (live / LOCK_FILE).exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+def test_a_run_dir_where_no_directory_can_be_made_is_refused_even_for_root(tmp_path, monkeypatch):
+    # root passes os.access everywhere, in /proc too; mkdir there fails all the same
+    for args, field in [(["--cfg", "job", "hydra.run.dir=/proc/pcpflow-nope"], "hydra.run.dir"),
+                        (["-m", "pcp=1,2", "hydra.sweep.dir=/proc/pcpflow-nope"], "hydra.sweep.dir")]:
+        r = cli(*args)
+        assert r.returncode == 2 and f"- {field}: got '/proc/pcpflow-nope'" in r.stderr and "Traceback" not in r.stderr
+    monkeypatch.chdir(tmp_path)
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):  # empty: Hydra would write into the current dir
+        r = cli(*(["-m", "pcp=1,2"] if "sweep" in key else []), f"{key}=")
+        assert r.returncode == 2 and f"- {key}: got ''; a directory's path" in r.stderr
+    # a dir that can be made is not made by the check (nothing appears for a refused command)
+    r = cli("pcp=3", "dcp=5", f"hydra.run.dir={tmp_path / 'new' / 'run'}")
+    assert r.returncode == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_an_option_of_hydras_own_groups_hydra_has_not_is_a_problem_named():
+    r = cli("-m", "pcp=1,2", "hydra/launcher=jobllib")
+    assert r.returncode == 2 and "- hydra/launcher: got 'jobllib'; allowed: basic, joblib (did you mean 'joblib'?)" in r.stderr
+
+
+def test_a_fault_of_the_driver_itself_is_one_line_and_a_failed_result(tmp_path, monkeypatch, capsys):
+    # a launcher's own limit (multiprocessing's fork server: "too many fds" past ~250 ranks) or a bug
+    import pcpflow.driver.job as job
+
+    def launch(cfg, run_dir):
+        raise ValueError("too many fds")
+
+    monkeypatch.setattr(job, "launch_ranks", launch)
+    run_dir = tmp_path / "run"
+    assert run_job(compose_raw(["pcp=2"]), run_dir, console=False) == 1
+    err = capsys.readouterr().err
+    assert "pcpflow: the driver failed: ValueError: too many fds" in err and "Traceback" not in err
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["status"], result["exit_code"], result["error"]) == ("failed", 1, "the driver failed: ValueError: too many fds")
+    assert "raise ValueError" in (run_dir / "logs" / "driver_error.txt").read_text()
+    assert not (run_dir / LOCK_FILE).exists()
+
+
 def test_more_ranks_than_cores_warns():
     cores = len(os.sched_getaffinity(0))
     cfg = compose(["pcp=1"]).model_copy(update={"pcp": 4 * cores + 1, "device": "cpu"})
