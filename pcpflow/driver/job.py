@@ -143,6 +143,9 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
             write_result(run_dir, failed_result(f"the run dir cannot be written: {exc}", raw, EXIT_FAILED))
         return EXIT_FAILED
     except Exception as exc:  # NOTE: the driver's own fault (a launcher's limit, a bug): still one line and result.json
+        interrupted = Interrupted.of(exc)  # NOTE: or a library's error that replaced our Interrupted (nested: not converted)
+        if interrupted is not None:
+            return _interrupted(interrupted, raw, run_dir, announce=not in_sweep)
         return _driver_failed(exc, raw, run_dir)
     finally:
         release_lock(run_dir)
