@@ -141,3 +141,22 @@ def test_the_public_faces_keep_their_names():
     assert {"PAD_SLOT_ID", "compute_slot_mapping", "dcp_local_seq_lens"} <= set(vars(pcpflow.slots))
     assert pcpflow.slots.PAD_SLOT_ID == -1
     assert {"MLALayerConfig", "draft_start", "scatter_proposals", "prefill_attention"} <= set(vars(pcpflow.spec))
+
+
+def test_the_run_config_and_help_need_no_torch():
+    """``python -m pcpflow --help`` answers in a fraction of a second: the run config (the
+    ``model:`` configs in ``pcpflow.models.config``, ``moe:``, ``sampling:``) is torch-free, and
+    the driver imports torch where ranks start (``pcpflow.driver.launch``)."""
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\n"
+            "import pcpflow.config.run, pcpflow.driver.job\n"
+            "from pcpflow.driver.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    assert main(['--help']) == 0\n"
+            "assert 'pcp' in out.getvalue()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -22,9 +22,9 @@ from pcpflow.config.profile import ProfileConfig
 from pcpflow.errors import ConfigError, Problem, Settings
 from pcpflow.models import ModelConfig
 from pcpflow.parallel.grid import RankGrid
-from pcpflow.parallel.moe_dispatch import MoERunConfig
+from pcpflow.parallel.moe_config import MoERunConfig
 from pcpflow.scheduling.workload import WorkloadConfig
-from pcpflow.tokens.sampling import SamplingConfig
+from pcpflow.tokens.sampling_config import SamplingConfig
 from pcpflow.tokens.text import repetition_penalty_of
 
 BF16_LOGITS_ATOL = 0.25

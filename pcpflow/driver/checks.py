@@ -156,7 +156,7 @@ def feature_problems(cfg: Any) -> list[Problem]:
     graphs, experts, what a simulation can price, what a profile can measure), beside the
     config's cross-field rules."""
     from pcpflow.models import ModelCard
-    from pcpflow.parallel.moe_dispatch import moe_problems
+    from pcpflow.parallel.moe_config import moe_problems
     from pcpflow.parallel.tensor_parallel import run_tp_problems
     from pcpflow.profile.checks import profile_problems
     from pcpflow.rank.cudagraph import cudagraph_problems

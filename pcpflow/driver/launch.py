@@ -17,16 +17,14 @@ import re
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable
-
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from typing import TYPE_CHECKING, Any, Callable
 
 from pcpflow.config.run import RunConfig
-from pcpflow.rank.bootstrap import RankError, RankSession, elastic_rank, rank_start_method
 from pcpflow.rank.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 SHUTDOWN_GRACE_S = 3
 
@@ -34,6 +32,14 @@ SHUTDOWN_GRACE_S = 3
 def launch_ranks(cfg: RunConfig, run_dir: Path, *, work: Callable[[Any, Path | None], Any] | None = None) -> dict[str, Any]:
     """Run the job's ranks; returns rank 0's result sections. Raises RankFailure. ``work``:
     a module-level function the ranks run instead of the engine (``mode=profile``)."""
+    # NOTE: torch is imported here, where ranks start: the driver validates a command, answers
+    # --help and prices a simulated run without it (tests/test_structure.py)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from pcpflow.rank.bootstrap import RankError, RankSession, elastic_rank, rank_start_method
+
     if cfg.world_size == 1:
         # One rank needs no process group: run it in this process (same bootstrap code).
         try:

@@ -86,11 +86,6 @@ class CausalLM(nn.Module):
         come from ``seed`` alone, so every dtype and device gets the same model."""
         raise NotImplementedError
 
-    @classmethod
-    def vocab_size_of(cls, config) -> int:
-        """The vocabulary size of ``config``, without building the model."""
-        return int(config.vocab_size)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
 
-from pcpflow.errors import Settings
 from pcpflow.models.base import AttentionBackend, AttentionSpec, CausalLM
 
 
@@ -302,26 +301,6 @@ class DecoderLayer(nn.Module):
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         # NOTE: Granite's residual_multiplier, a Python float times the block's output, as transformers
         return h if self.residual_multiplier is None else h * self.residual_multiplier
-
-
-class TinyModelConfig(Settings):
-    """What every tiny model with seeded random weights has (``tiny_gqa``, ``tiny_mla``)."""
-
-    vocab_size: int = Field(256, gt=0, description="vocabulary size")
-    hidden_size: int = Field(64, gt=0, description="residual stream width")
-    num_layers: int = Field(2, gt=0, description="decoder layers")
-    num_heads: int = Field(4, gt=0, description="query heads")
-    intermediate_size: int = Field(128, gt=0, description="MLP inner width")
-    rope_theta: float = Field(10000.0, gt=0, description="rotary base")
-    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
-    tie_word_embeddings: bool = Field(False, description="LM head shares the embedding")
-    init_gain: float = Field(1.0, gt=0, description="linear weights are N(0, init_gain^2 / fan_in)")
-    logit_gain: float = Field(4.0, gt=0, description="untied LM head is N(0, logit_gain^2 / hidden_size)")
-
-    def lm_dims(self) -> dict[str, Any]:
-        """``DecoderLM``'s keyword arguments besides the layers and the cache spec."""
-        return {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "eps": self.rms_norm_eps,
-                "tie_word_embeddings": self.tie_word_embeddings}
 
 
 class DecoderLM(CausalLM):

@@ -44,36 +44,17 @@ attention.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, field_validator
 
-from pcpflow.errors import ConfigError, Problem, Settings, missing_extra
+from pcpflow.errors import Problem, missing_extra
 from pcpflow.models.common import DecoderLM, build_uninitialized
+from pcpflow.models.config import HFConfig
 from pcpflow.models.hf_checkpoint import CheckpointConfig
-from pcpflow.models.hf_cohere import Cohere2Checkpoint
-from pcpflow.models.hf_deepseek import DeepseekCheckpoint
-from pcpflow.models.hf_exaone import Exaone4Checkpoint
-from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
-from pcpflow.models.hf_gptoss import GptOssCheckpoint
-from pcpflow.models.hf_granite import GraniteMoeCheckpoint
-from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
-from pcpflow.models.hf_llama import (
-    FAMILIES,
-    LlamaCheckpoint,
-    Ministral3Checkpoint,
-    Mistral3Checkpoint,
-    Qwen2VLCheckpoint,
-    Qwen3VLCheckpoint,
-    Qwen3VLMoeCheckpoint,
-)
-from pcpflow.models.hf_llama4 import Llama4Checkpoint, Llama4MultimodalCheckpoint
-from pcpflow.models.hf_olmo import Olmo2Checkpoint, Olmo3Checkpoint
-from pcpflow.models.hf_olmoe import OlmoeCheckpoint
+from pcpflow.models.hf_registry import read_checkpoint, read_checkpoint_config
 from pcpflow.models.hf_weights import (
     Rename,
     checkpoint_files,
@@ -81,139 +62,7 @@ from pcpflow.models.hf_weights import (
     plan_names,
     read_safetensors_header,
 )
-from pcpflow.models.hub import resolve_checkpoint
 from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape
-
-ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
-    **dict.fromkeys(FAMILIES, LlamaCheckpoint),
-    "Ministral3ForCausalLM": Ministral3Checkpoint,  # FAMILIES' layers, its own rope settings and defaults
-    "DeepseekV2ForCausalLM": DeepseekCheckpoint,
-    "DeepseekV3ForCausalLM": DeepseekCheckpoint,
-    "Gemma3ForCausalLM": Gemma3Checkpoint,
-    "Gemma3ForConditionalGeneration": Gemma3MultimodalCheckpoint,  # its language model: text in, text out
-    "Mistral3ForConditionalGeneration": Mistral3Checkpoint,  # the same
-    "Qwen2VLForConditionalGeneration": Qwen2VLCheckpoint,  # the same
-    "Qwen2_5_VLForConditionalGeneration": Qwen2VLCheckpoint,
-    "Qwen3VLForConditionalGeneration": Qwen3VLCheckpoint,  # its language model, tensors under model.language_model.
-    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeCheckpoint,
-    "Gemma2ForCausalLM": Gemma2Checkpoint,
-    "Olmo2ForCausalLM": Olmo2Checkpoint,
-    "Olmo3ForCausalLM": Olmo3Checkpoint,
-    "OlmoeForCausalLM": OlmoeCheckpoint,
-    "Cohere2ForCausalLM": Cohere2Checkpoint,
-    "Exaone4ForCausalLM": Exaone4Checkpoint,
-    "GptOssForCausalLM": GptOssCheckpoint,
-    "Llama4ForCausalLM": Llama4Checkpoint,
-    "Llama4ForConditionalGeneration": Llama4MultimodalCheckpoint,  # its language model, as Gemma 3's
-    "HunYuanDenseV1ForCausalLM": HunyuanDenseCheckpoint,
-    "HunYuanMoEV1ForCausalLM": HunyuanMoECheckpoint,
-    "GraniteMoeForCausalLM": GraniteMoeCheckpoint,
-    "GraniteMoeSharedForCausalLM": GraniteMoeCheckpoint,
-    "GraniteMoeHybridForCausalLM": GraniteMoeCheckpoint,  # attention layers only
-}
-UNSUPPORTED = {
-    "GemmaForCausalLM": "Gemma (1) is not supported",
-}
-"""Architectures refused with a reason of their own (others: a plain "unsupported")."""
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "glm": "GlmForCausalLM",
-    "glm4": "Glm4ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "seed_oss": "SeedOssForCausalLM",
-    "ernie4_5": "Ernie4_5ForCausalLM",
-    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration",
-    "mistral3": "Mistral3ForConditionalGeneration",
-    "ministral3": "Ministral3ForCausalLM",
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "olmo3": "Olmo3ForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "cohere2": "Cohere2ForCausalLM",
-    "exaone4": "Exaone4ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "llama4_text": "Llama4ForCausalLM",
-    "llama4": "Llama4ForConditionalGeneration",
-    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
-    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
-    "granitemoe": "GraniteMoeForCausalLM",
-    "granitemoeshared": "GraniteMoeSharedForCausalLM",
-    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
-}
-
-
-def read_config_json(path: str | Path) -> dict:
-    """A checkpoint directory's config.json as a dict; ValueError saying what is wrong."""
-    config_file = Path(path) / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{config_file} is missing (not a Hugging Face checkpoint?)") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config_file} is not readable JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} is not a JSON object")
-    return raw
-
-
-def architecture_of(raw: dict) -> str:
-    """The architecture a config.json names (``architectures[0]``, else its ``model_type``)."""
-    archs = raw.get("architectures")
-    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise ValueError(f"architectures must be a list of class names; got {archs!r}")
-    if archs:
-        return archs[0]
-    model_type = raw.get("model_type")
-    return _MODEL_TYPES.get(model_type, f"model_type={model_type!r}") if isinstance(model_type, str) else f"model_type={model_type!r}"
-
-
-def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> CheckpointConfig:
-    """The checkpoint config of ``path``'s config.json alone (strictly validated); ValueError
-    saying what is wrong. ``sizes_only`` (a simulated run): quantized checkpoints are read too."""
-    raw = read_config_json(path)
-    arch = architecture_of(raw)
-    if arch not in ARCHITECTURES and _is_moe(raw, arch):
-        moe_families = ("Mixtral", "Deepseek", "GptOss", "Llama4", "HunYuanMoE", "Olmoe")
-        supported = [a for a in ARCHITECTURES if "Moe" in a or a.startswith(moe_families)]
-        raise ValueError(
-            f"unsupported architecture {arch}: a mixture-of-experts variant pcpflow does not route; "
-            f"supported MoE checkpoints: {', '.join(supported)}"
-        )
-    if arch not in ARCHITECTURES:
-        why = f": {UNSUPPORTED[arch]}" if arch in UNSUPPORTED else ""
-        raise ValueError(f"unsupported architecture {arch}{why}; supported: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[arch].parse(raw, arch, allow_quantized=sizes_only)
-
-
-def read_checkpoint(path: str | Path) -> CheckpointConfig:
-    """The checkpoint config of the directory ``path``; ValueError saying what is wrong
-    (no directory, no/invalid config.json, unsupported architecture or feature, no
-    safetensors weights)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"no checkpoint directory at {path}")
-    checkpoint = read_checkpoint_config(path)
-    checkpoint_files(path)  # raises if there are no weights
-    return checkpoint
-
 
 EMBEDDING, HEAD = "embed_tokens.weight", "lm_head.weight"  # pcpflow's names of the two
 
@@ -238,45 +87,12 @@ def tying(checkpoint: CheckpointConfig, names: list[str]) -> tuple[bool, tuple[R
     return True, renames
 
 
-def _is_moe(raw: dict, arch: str) -> bool:
-    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-    return "moe" in arch.lower() or "mixtral" in arch.lower() or any(raw.get(k) for k in keys)
-
-
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Ministral 3, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma 2/3,
     OLMo 2/3, OLMoE, Cohere 2, EXAONE 4, gpt-oss, Llama 4, Hunyuan, DeepSeek or Granite MoE / 4.0 model with the weights of
     a Hugging Face checkpoint."""
 
-    class Config(Settings):
-        """A Hugging Face checkpoint directory (config.json + safetensors)."""
-
-        name: Literal["hf"] = "hf"
-        path: str | None = Field(
-            None,
-            validate_default=True,
-            description=(
-                "the checkpoint (required): a directory with config.json + *.safetensors (a "
-                "`save_pretrained` or `hf download` one; a relative path resolves against the "
-                "working directory when the config is validated), or a Hugging Face Hub id "
-                "owner/name[@revision], read from the Hugging Face cache and downloaded into it "
-                "when missing (not with HF_HUB_OFFLINE=1)"
-            ),
-        )
-
-        @field_validator("path")
-        @classmethod
-        def _readable_checkpoint(cls, path: str | None) -> str:
-            if path is None or not str(path).strip():
-                raise ValueError(
-                    "the checkpoint directory is required: give model.path=<dir> (config.json "
-                    "+ *.safetensors; scripts/make_tiny_hf_checkpoint.py builds a tiny one)"
-                )
-            # NOTE: resolved once, in the driver, so that ranks started elsewhere read the
-            # same directory (a Hub id's snapshot, downloaded here: pcpflow.models.hub).
-            path = resolve_checkpoint(str(path), weights=True)
-            read_checkpoint(path)
-            return path
+    Config = HFConfig
 
     def __init__(self, checkpoint: CheckpointConfig, *, tied: bool | None = None):
         c = checkpoint
@@ -305,13 +121,6 @@ class HFModel(DecoderLM):
             load_checkpoint(model, Path(config.path), renames, num_layers=checkpoint.num_hidden_layers,
                             skip=checkpoint.skip)
         return model
-
-    @classmethod
-    def vocab_size_of(cls, config: HFModel.Config) -> int:
-        try:
-            return read_checkpoint(config.path or "").vocab_size
-        except ValueError as exc:
-            raise ConfigError([Problem("model.path", config.path, str(exc))]) from None
 
 
 # ------------------------------------------------------------------------------ before a run

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pcpflow.models.hf_weights import Rename
-from pcpflow.models.moe import moe_config_problems
-from pcpflow.models.moe_config import MoEConfig
+from pcpflow.models.moe_config import MoEConfig, moe_config_problems
 
 # transformers' defaults of the MoE fields a config.json may omit
 MOE_DEFAULTS = {

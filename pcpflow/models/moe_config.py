@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pcpflow.errors import Settings
+from pcpflow.errors import Problem, Settings
 
 
 class MoEConfig(Settings):
@@ -63,3 +63,47 @@ class MoEConfig(Settings):
     )
     swiglu_alpha: float = Field(1.702, gt=0, description="swiglu_clamped's sigmoid gain")
     swiglu_limit: float = Field(7.0, gt=0, description="swiglu_clamped's clamp of gate (above) and up (both sides)")
+
+
+def dense_sentinel(value):
+    """``model.moe`` with ``num_experts: 0`` is a dense model (None): a YAML needs the
+    whole ``moe:`` block for ``model.moe.num_experts=8`` to be a valid override. Any other
+    MoE setting changed there without experts is an error rather than silently dense."""
+    if not isinstance(value, dict) or value.get("num_experts", 1) != 0:
+        return value
+    defaults = {k: f.default for k, f in MoEConfig.model_fields.items()}
+    changed = sorted(k for k, v in value.items() if k != "num_experts" and v != defaults.get(k, v))
+    if changed:
+        raise ValueError(
+            f"num_experts is 0 (a dense model), so {', '.join(changed)} would have no effect; "
+            "set model.moe.num_experts >= 1 to add experts"
+        )
+    return None
+
+
+def moe_config_problems(moe: MoEConfig, field: str = "model.moe") -> list[Problem]:
+    """What makes ``moe`` unroutable, each naming the field and the numbers."""
+    e, g = moe.num_experts, moe.n_group
+    out = []
+    if moe.top_k > e:
+        out.append(Problem(f"{field}.top_k", moe.top_k, f"must be <= num_experts ({e})"))
+    elif e % g:
+        out.append(Problem(f"{field}.n_group", g, f"must divide num_experts ({e})"))
+    elif moe.topk_group > g:
+        out.append(Problem(f"{field}.topk_group", moe.topk_group, f"must be <= n_group ({g})"))
+    elif moe.top_k > moe.topk_group * (e // g):
+        allowed = f"must be <= topk_group * num_experts / n_group ({moe.topk_group * (e // g)})"
+        out.append(Problem(f"{field}.top_k", moe.top_k, allowed))
+    elif g > 1 and moe.scoring_func == "sigmoid" and e // g < 2:
+        # NOTE: V3 ranks a group by the sum of its two best scores
+        allowed = f"sigmoid groups need >= 2 experts each (num_experts {e})"
+        out.append(Problem(f"{field}.n_group", g, allowed))
+    elif moe.selection_bias and (moe.scoring_func != "softmax" or g > 1):
+        # NOTE: ERNIE 4.5's router is the one that biases a softmax: over all experts, no groups
+        allowed = f"selection_bias biases softmax scores over all experts: scoring_func softmax, n_group 1 (got {g})"
+        out.append(Problem(f"{field}.scoring_func", moe.scoring_func, allowed))
+    elif g > 1 and moe.scoring_func in ("topk_softmax", "topk_sigmoid"):
+        # NOTE: gpt-oss's and Llama 4's routers have no groups; a group rule for raw logits would be pcpflow's invention
+        allowed = f"{moe.scoring_func} routes over all experts: n_group must be 1"
+        out.append(Problem(f"{field}.n_group", g, allowed))
+    return out

@@ -8,59 +8,14 @@ The cache holds one entry per token: roped K of every kv head, then V
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
-from pydantic import Field, model_validator
-
-from pcpflow.models.common import DecoderLM, TinyModelConfig
+from pcpflow.models.common import DecoderLM
+from pcpflow.models.config import TinyGQAConfig
 from pcpflow.models.layers import gqa_layers, gqa_spec
 
 
 class TinyGQA(DecoderLM):
-    class Config(TinyModelConfig):
-        """A tiny Llama-style GQA model with seeded random weights."""
-
-        name: Literal["tiny_gqa"] = "tiny_gqa"
-        num_kv_heads: int = Field(2, gt=0, description="key/value heads (divides num_heads)")
-        head_dim: int = Field(16, gt=0, multiple_of=2, description="per-head dim (all rotated)")
-        window: int | None = Field(
-            None, gt=0, description="a sliding window: the layers window_layers names attend to the last "
-            "`window` keys of each row (itself included), as Mistral's and Gemma's sliding layers; null: none")
-        window_layers: list[int] | None = Field(
-            None, description="the layers the window applies to (0-based); null: every layer")
-        window_kind: Literal["sliding", "chunked"] = Field(
-            "sliding", description="how the window reads: sliding (the last `window` keys of each row) | chunked "
-            "(Llama 4's chunked attention: a row at position p sees keys p - p % window .. p, its own chunk of "
-            "`window` positions up to itself)")
-        qk_norm: Literal["none", "head", "full"] = Field(
-            "none", description="q and k RMS-normed before RoPE: none | head (each head, as Qwen3) | full (the "
-            "whole projection, all heads at once, as OLMo 2: under TP an all-reduce of each row's sum of squares)")
-        sinks: bool = Field(
-            False, description="attention sinks: one learned softmax logit per query head that reads no value "
-            "(gpt-oss's), joined once to each row's whole softmax on every path (DCP and the rings after their merge)")
-
-        @model_validator(mode="after")
-        def _window_layers_exist(self) -> TinyGQA.Config:
-            bad = [i for i in self.window_layers or () if not 0 <= i < self.num_layers]
-            if bad:
-                raise ValueError(f"window_layers {bad} are not layers of a {self.num_layers}-layer model "
-                                 f"(0 .. {self.num_layers - 1})")
-            return self
-
-        def sliding_layers(self) -> tuple[int, ...]:
-            """The layers the window applies to (none without a window)."""
-            if self.window is None:
-                return ()
-            return tuple(sorted(set(range(self.num_layers) if self.window_layers is None else self.window_layers)))
-
-        @model_validator(mode="after")
-        def _heads_divide(self) -> TinyGQA.Config:
-            if self.num_heads % self.num_kv_heads:
-                raise ValueError(
-                    f"num_heads ({self.num_heads}) must be a multiple of "
-                    f"num_kv_heads ({self.num_kv_heads})"
-                )
-            return self
+    Config = TinyGQAConfig
 
     def __init__(self, config: TinyGQA.Config):
         c = config

@@ -267,7 +267,7 @@ def largest_gqa_dcp(grid, num_kv_heads: int) -> int:
 def model_shape(model_cfg) -> tuple[int, int | None, int]:
     """(query heads, GQA KV heads or None for MLA, MLP width) of a model config."""
     if model_cfg.name == "hf":
-        from pcpflow.models.hf import read_checkpoint
+        from pcpflow.models.hf_registry import read_checkpoint
 
         c = read_checkpoint(model_cfg.path or "")
         kv = getattr(c, "kv_heads", None)

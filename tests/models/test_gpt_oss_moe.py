@@ -24,8 +24,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP, GptOssTopKRo
 from pcpflow.models.common import GatedMLP, swiglu_clamped  # noqa: E402
 from pcpflow.models.hf_moe import GPT_OSS_MOE_RENAMES, gqa_moe_settings  # noqa: E402
 from pcpflow.models.hf_weights import load_checkpoint, plan_names  # noqa: E402
-from pcpflow.models.moe import MoEMLP, expert_slice, moe_config_problems, sliced_mlp  # noqa: E402
-from pcpflow.models.moe_config import MoEConfig  # noqa: E402
+from pcpflow.models.moe import MoEMLP, expert_slice, sliced_mlp  # noqa: E402
+from pcpflow.models.moe_config import (
+    MoEConfig,  # noqa: E402
+    moe_config_problems,  # noqa: E402
+)
 from pcpflow.models.mxfp4 import dense_shape as mxfp4_dense_shape  # noqa: E402
 from pcpflow.models.mxfp4 import dequantize_mxfp4  # noqa: E402
 

@@ -29,8 +29,9 @@ from released_configs import LLAMA4_MAVERICK, LLAMA4_SCOUT, llama4_config  # noq
 from repo_scripts import load_script  # noqa: E402
 
 from pcpflow.errors import ConfigError  # noqa: E402
-from pcpflow.models import MODEL_CLASSES, HFModel, build_model, vocab_size_of  # noqa: E402
+from pcpflow.models import build_model, model_classes, vocab_size_of  # noqa: E402
 from pcpflow.models.common import RopeScaling, scaled_rope  # noqa: E402
+from pcpflow.models.hf import HFModel  # noqa: E402
 from pcpflow.testing import cli, compose  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,7 +175,7 @@ def test_shipped_yaml_and_config(ckpts, tmp_path, monkeypatch):
     raw = yaml.safe_load((REPO / "conf" / "model" / "hf.yaml").read_text())
     assert raw == {"name": "hf", "path": None}
     assert set(raw) == set(HFModel.Config.model_fields)
-    assert MODEL_CLASSES["hf"] is HFModel
+    assert model_classes()["hf"] is HFModel
     for name, field in HFModel.Config.model_fields.items():
         assert field.description or name == "name", name
     # a relative path is resolved once, where the config is validated
@@ -446,7 +447,7 @@ def test_longrope_is_read_as_phi3_config_reads_it(tmp_path):
     float32 there); a factor list of the wrong length is refused, naming it."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     short, long = [1.0, 1.1, 1.3, 2.0, 2.5, 4.0], [2.0, 3.0, 4.0, 6.0, 9.0, 12.0]
     base = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=64, intermediate_size=128,
@@ -478,7 +479,7 @@ def test_which_layers_slide_is_read_as_transformers_reads_it(ckpts, tmp_path):
     Qwen2/3: only with use_sliding_window, on the layers from max_window_layers (or those
     layer_types names); Qwen2-MoE as its config class says. Llama has no window whatever
     config.json says."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     def window(arch, **fields):
         path = _copy(ckpts["llama"], tmp_path / f"w{len(list(tmp_path.iterdir()))}", architectures=[arch], **fields)
@@ -513,7 +514,7 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
     q/k norms and (``attention_bias``) q/k/v/o biases; Granite's fused experts, shared MLP and
     q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP)."""
-    from pcpflow.models.hf import read_checkpoint
+    from pcpflow.models.hf_registry import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
@@ -540,7 +541,7 @@ def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
     published numbers): a simulated run sizes Qwen3's explicit head_dim (128, not
     hidden/heads = 64), GQA KV heads and tied embeddings; none has a window in effect."""
     from pcpflow.models.card import card_from_hf_config
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     configs = {
         "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
@@ -595,7 +596,7 @@ def test_real_smollm3_and_granite_configs_size_a_simulated_run(tmp_path, name):
     embeddings counted once: SmolLM3 ties them unless config.json says otherwise, as
     ``SmolLM3Config``); every fourth SmolLM3 layer has no RoPE, as transformers' own config
     class lists them; Granite's softmax scale is its attention_multiplier."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     config, total_b = REAL_LLAMA_STYLE_CONFIGS[name]
@@ -618,7 +619,7 @@ def test_smollm3_nope_layers_and_windows_are_read_as_smollm3_config_reads_them(t
     """``no_rope_layers`` as given (1: RoPE), else every ``no_rope_layer_interval``-th layer
     without; a window (``use_sliding_window``) on the NoPE layers only, as ``SmolLM3Config``
     lays them out; a list of the wrong length or values is refused, naming the field."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     base = dict(architectures=["SmolLM3ForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, num_hidden_layers=6, vocab_size=384)
@@ -660,7 +661,7 @@ def test_real_phi3_checkpoint_configs_size_a_simulated_run(tmp_path, name):
     """A simulated run of a Phi-3 family config.json counts the parameters its model card
     publishes (3.8B, to its rounding); its window (Phi-3-mini-4k's 2047, every layer) is read
     into the card, which prices requests longer than it too."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     config, total_b = REAL_PHI3_CONFIGS[name]
@@ -738,7 +739,7 @@ def test_real_moe_checkpoint_configs_size_a_simulated_run(tmp_path, name):
     """A simulated run of a Qwen2-MoE, Qwen3-MoE, Mixtral or GLM-4.5 config.json counts the parameters their model
     cards publish (total, and active per token: attention, the router, top-k experts; plus
     embedding and head), within the published figures' rounding."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     config, (total_b, active_b) = REAL_MOE_CONFIGS[name]
@@ -841,7 +842,7 @@ def test_multimodal_gemma3_runs_its_language_model(tmp_path):
     the file (tests/models/test_hf_parity.py holds the tokens to transformers'). Refused by name:
     a text_config of another model, and a logit soft-cap transformers' multimodal class ignores;
     a tensor the language model lacks is still named."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     path = script.build_checkpoint(tmp_path / "mm", "gemma3_mm", tie_word_embeddings=True, sliding_window=7)
     assert any(n.startswith("vision_tower.") for n in _stored(path))  # what is skipped is there
@@ -870,7 +871,7 @@ def test_gemma3_layer_types_and_rope_are_read_as_transformers_reads_them(ckpts, 
     layer full (hand-worked below); RoPE as transformers 5 writes it (keyed by layer type) and as
     transformers 4 did (``rope_theta`` + ``rope_scaling`` for full layers, ``rope_local_base_freq``
     for sliding ones)."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     S, F = "sliding_attention", "full_attention"
     v4_rope = dict(rope_parameters=_DELETE, rope_theta=500000.0, rope_local_base_freq=20000.0,
@@ -976,7 +977,7 @@ def test_real_gemma3_configs_size_a_simulated_run(tmp_path, name):
     window on its sliding layers in the card of a simulated run past it."""
     from pcpflow.models.card import card_from_hf_config
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     (tmp_path / "config.json").write_text(json.dumps(REAL_GEMMA3_CONFIGS[name]))
@@ -1025,7 +1026,7 @@ def test_real_multimodal_gemma3_configs_size_their_language_model(tmp_path, name
     count to the million, read from text_config with Gemma3TextConfig's defaults (8 heads, 4 KV
     heads, head_dim 256, vocabulary 262,208); its 1024-key window on 5 layers of 6."""
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     text, non_embedding = REAL_GEMMA3_MM_CONFIGS[name]
@@ -1084,7 +1085,7 @@ def test_qwen25_vl_reads_its_language_model_from_the_top_level(tmp_path):
     theta (its sections cover a head's 64 frequencies; ones that do not are refused by name), and
     transformers' own parameter count of the language model and head: 7.62B of the published 8.29B."""
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_VL_7B))
     c = read_checkpoint_config(tmp_path)
@@ -1137,7 +1138,7 @@ def test_real_qwen3_vl_configs_build_transformers_language_model(tmp_path, name)
     language model and head, the head tied to the embedding exactly when the top-level
     ``tie_word_embeddings`` says (2B, 4B); the MoE's routing as ``Qwen3VLMoeTextConfig`` builds it."""
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     config = REAL_QWEN3_VL_CONFIGS[name]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -1200,8 +1201,9 @@ def test_qwen3_vl_runs_its_language_model_on_text(tmp_path):
     them whether stored as released (``[E, hidden, 2I]``, ``[E, I, hidden]``) or as transformers 5's
     ``save_pretrained`` writes them (``[E, 2I, hidden]``, ``[E, hidden, I]``); a square one is read as it is
     stored, as transformers reads it. Tokens are held to transformers' in tests/models/test_hf_parity.py."""
-    from pcpflow.models.hf import checkpoint_problems, read_checkpoint_config
+    from pcpflow.models.hf import checkpoint_problems
     from pcpflow.models.hf_llama import QWEN3_VL_MOE_EXPERTS
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     dense = script.build_checkpoint(tmp_path / "dense", "qwen3_vl", tie_word_embeddings=True)
     c = read_checkpoint_config(dense)
@@ -1234,7 +1236,7 @@ def test_qwen3_vl_configs_are_read_as_transformers_reads_them(tmp_path):
     ``use_sliding_window`` is no window (Qwen3-VL's attention has none); RoPE scaling (YaRN) read beside the
     M-RoPE keys. Refused by name: another text_config model type, ``mlp_only_layers``, an ``mrope`` rope type
     (transformers has no such RoPE to build either)."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     dense = script.build_checkpoint(tmp_path / "dense", "qwen3_vl")
     moe = script.build_checkpoint(tmp_path / "moe", "qwen3_vl_moe")
@@ -1330,7 +1332,7 @@ def test_multimodal_mistral3_runs_its_language_model(tmp_path):
     count of its language model and head (untied: both stored), 23.6B of the published 24B, no
     window (sliding_window null)."""
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     path = script.build_checkpoint(tmp_path / "tiny", "mistral3", sliding_window=7)
     c = read_checkpoint_config(path)
@@ -1358,7 +1360,7 @@ def test_ministral3_is_read_as_transformers_reads_it(tmp_path):
     period read from the rope settings; where config.json is silent, Ministral3Config's defaults (its
     rope settings whatever rope_theta says, eps, head_dim, KV heads, no window), as transformers builds them
     (tests/models/test_ministral3.py holds the numbers to transformers', test_hf_parity.py the tokens)."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     causal = script.build_checkpoint(tmp_path / "causal", "ministral3")
     mm = script.build_checkpoint(tmp_path / "mm", "ministral3_mm", tie_word_embeddings=True)
@@ -1436,7 +1438,7 @@ def test_real_ministral3_configs_size_a_simulated_run_by_hand(tmp_path, name):
     Instruct-2512's FP8 weights: priced as fp8 in a simulated run, refused in an executed one."""
     from pcpflow.models.card import card_from_hf_config
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     text, tied, card_b = REAL_MINISTRAL3[name]
@@ -1490,7 +1492,7 @@ def test_real_gemma2_configs_size_a_simulated_run_and_read_as_transformers(tmp_p
     rounding (tied embedding counted once), its even layers sliding as ``Gemma2Config`` lays
     them out (4096 keys, in the card of a simulated run past them), both soft-caps read, no q/k norms."""
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     config, total_b = REAL_GEMMA2_CONFIGS[name]
@@ -1646,7 +1648,7 @@ def _sized_as_transformers(path: Path, config: dict):
     """Write ``config`` to ``path``/config.json: (pcpflow's checkpoint config, its model on meta,
     transformers' config) of it, the model's parameters counted and held to transformers' own."""
     from pcpflow.models.common import build_uninitialized
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     (path / "config.json").write_text(json.dumps(config))
     c = read_checkpoint_config(path)
@@ -1815,7 +1817,7 @@ def test_real_gpt_oss_configs_read_and_size_a_simulated_run(tmp_path, name):
     transformers' GptOssConfig does: YaRN untruncated, every even layer sliding over 128 keys, 4 of
     its experts per token routed on biased logits with the clamped SwiGLU; and a simulated run counts
     the parameters OpenAI's model card publishes."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     (layers, experts), total_b, active_b = REAL_GPT_OSS[name]
@@ -1842,7 +1844,7 @@ def test_real_gpt_oss_configs_read_and_size_a_simulated_run(tmp_path, name):
 
 def test_gpt_oss_quantized_other_than_mxfp4_is_refused(tmp_path):
     """gpt-oss's MXFP4 experts are dequantized at load; any other quantization is refused by name."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     raw = _gpt_oss_config(24, 32)
     raw["quantization_config"] = {"quant_method": "fp8"}
@@ -1866,7 +1868,7 @@ def test_real_llama4_configs_read_and_size_a_simulated_run(tmp_path, name):
     layer NoPE, the others chunked over 8192 keys; Scout's llama3 RoPE scaling; MoE on every layer
     (Scout) or every other one (Maverick), top-1 with a shared expert, the dense layers'
     intermediate_size_mlp), and a simulated run counts the parameters Meta's model cards publish."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
     from pcpflow.simulate.sizes import model_sizes
 
     options, total_b, active_b = REAL_LLAMA4[name]
@@ -1909,7 +1911,7 @@ def test_llama4_layers_are_read_as_transformers_lays_them_out(llama4_ckpt, tmp_p
     """The tiny Llama 4 checkpoint's config.json as transformers wrote it: layer 3 NoPE and full,
     layers 0-2 chunked with RoPE; MoE on 1 and 3; the same model when config.json leaves
     ``no_rope_layers``, ``layer_types`` and ``moe_layers`` to their defaults."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     c = read_checkpoint_config(llama4_ckpt)
     assert (c.rope_layers, c.chunked_layers, c.window) == ([True, True, True, False], [0, 1, 2], 16)
@@ -1952,7 +1954,7 @@ def _hunyuan_config(path: Path, **changes) -> Path:
 def test_hunyuan_rope_is_read_as_transformers_reads_it(tmp_path):
     """A ``dynamic`` rope with an alpha (or ``ntk_alpha``) is a fixed NTK stretch of the base, whatever
     else it says, in either spelling of the settings; another scaling reads as every family's."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     c = read_checkpoint_config(_hunyuan_config(tmp_path / "alpha"))
     assert (c.rope_alpha, c.rope_scaling, c.rope_base) == (50.0, None, 10000.0 * 50.0 ** (24 / 22))
@@ -2120,7 +2122,7 @@ def test_granite_configs_are_read_as_transformers_reads_them(tmp_path):
     only with ``position_embedding_type: rope`` (``nope`` or absent: no rotary embedding, as
     transformers builds it), GraniteMoe always; a shared MLP that is not a whole number of experts,
     GraniteMoe without experts and an unknown position embedding are refused, naming the field."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     alias = _granite4(tmp_path, "alias", layer_types=_DELETE, layers_block_type=["attention", "attention"])
     assert read_checkpoint_config(alias).layer_types == ["attention", "attention"]
@@ -2200,7 +2202,7 @@ def test_olmoe_configs_are_read_as_transformers_reads_them(tmp_path):
     """``num_local_experts`` is ``num_experts`` (OlmoeConfig's attribute_map); omitted, the MoE fields are
     OlmoeConfig's (64 experts, top-8, not renormalised); ``clip_qkv`` reaches every layer's attention;
     ``head_dim`` equal to hidden / heads is accepted; ``model_type`` alone names the architecture."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     src = script.build_checkpoint(tmp_path / "olmoe", "olmoe")
     alias = _copy(src, tmp_path / "alias", num_experts=_DELETE, num_local_experts=4)
@@ -2245,7 +2247,7 @@ def test_ernie4_5_moe_defaults_size_as_transformers_and_21b(tmp_path):
 def test_ernie4_5_moe_layers_are_transformers(tmp_path, start, end, interval):
     """The MoE layers ``moe_layer_start_index`` / ``_end_index`` / ``_interval`` give: transformers' (layer
     i sparse when ``(i + 1) % interval == 0`` and ``start <= i <= end``); none at all: a dense model."""
-    from pcpflow.models.hf import read_checkpoint_config
+    from pcpflow.models.hf_registry import read_checkpoint_config
 
     raw = dict(ERNIE45_MOE, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=96, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,

@@ -24,8 +24,11 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextMoe  # noqa: E4
 
 from pcpflow.models.hf_moe import LLAMA4_MOE_RENAMES, llama4_moe_settings  # noqa: E402
 from pcpflow.models.hf_weights import load_checkpoint  # noqa: E402
-from pcpflow.models.moe import MoEMLP, moe_config_problems  # noqa: E402
-from pcpflow.models.moe_config import MoEConfig  # noqa: E402
+from pcpflow.models.moe import MoEMLP  # noqa: E402
+from pcpflow.models.moe_config import (
+    MoEConfig,  # noqa: E402
+    moe_config_problems,  # noqa: E402
+)
 
 
 def tiny_config(**changes) -> Llama4TextConfig:

@@ -30,7 +30,8 @@ from transformers.models.ministral3.modeling_ministral3 import (  # noqa: E402
 )
 
 from pcpflow.models.common import scaled_rope  # noqa: E402
-from pcpflow.models.hf import HFModel, read_checkpoint_config  # noqa: E402
+from pcpflow.models.hf import HFModel  # noqa: E402
+from pcpflow.models.hf_registry import read_checkpoint_config  # noqa: E402
 from pcpflow.models.layers import QueryScaling  # noqa: E402
 
 script = load_script("make_tiny_hf_checkpoint")

@@ -15,7 +15,9 @@ from pydantic import TypeAdapter, ValidationError
 from reference import reference_forward
 
 from pcpflow.attention.paged import paged_attention
-from pcpflow.models import MODEL_CLASSES, ModelConfig, TinyGQA, TinyMLA, build_model
+from pcpflow.models import ModelConfig, build_model, model_classes
+from pcpflow.models.tiny_gqa import TinyGQA
+from pcpflow.models.tiny_mla import TinyMLA
 
 torch.set_num_threads(2)
 
@@ -193,9 +195,9 @@ def test_greedy_decoding_does_not_collapse(name):
 def test_shipped_yaml_is_the_default_config(name):
     raw = yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text())
     config = TypeAdapter(ModelConfig).validate_python(raw)
-    assert type(config) is MODEL_CLASSES[name].Config
-    assert config == MODEL_CLASSES[name].Config()
-    assert set(raw) == set(MODEL_CLASSES[name].Config.model_fields)
+    assert type(config) is model_classes()[name].Config
+    assert config == model_classes()[name].Config()
+    assert set(raw) == set(model_classes()[name].Config.model_fields)
 
 
 def test_config_validation():

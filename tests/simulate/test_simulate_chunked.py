@@ -126,7 +126,7 @@ def test_a_checkpoint_config_with_chunked_layers_gives_a_chunked_card(tmp_path, 
     family's), else the window slides; the card validates either way."""
     import json
 
-    import pcpflow.models.hf as hf
+    import pcpflow.models.hf_registry as hf
     from pcpflow.models.card import ModelCard, card_from_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(dict(
