@@ -210,7 +210,27 @@ def layer_kinds(layer_types: list[str] | None, num_layers: int, pattern: int) ->
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
-class HeadsOfHidden(CheckpointConfig):
+class GQACheckpoint(CheckpointConfig):
+    """A checkpoint of grouped-query attention (every family but DeepSeek's MLA): its KV heads and
+    head width as transformers defaults them."""
+
+    @property
+    def kv_heads(self) -> int:
+        """GQA's key/value heads: ``num_key_value_heads``, all heads where a family leaves it out."""
+        return getattr(self, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def dim(self) -> int:
+        """A GQA head's width: ``head_dim``, else ``hidden_size / num_attention_heads`` (transformers')."""
+        return getattr(self, "head_dim", None) or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dims(self) -> int:
+        """The dims of a head RoPE rotates: all of them, unless a family rotates a part."""
+        return self.dim
+
+
+class HeadsOfHidden(GQACheckpoint):
     """A GQA checkpoint whose ``head_dim`` is hidden / heads and whose layers may slide (OLMo 2/3,
     Cohere 2): its KV heads (all heads unless given), the layer kinds (``kinds``, every layer full
     unless a family says otherwise) and the window of the sliding ones."""
@@ -229,16 +249,8 @@ class HeadsOfHidden(CheckpointConfig):
         return self
 
     @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
     def dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rope_dims(self) -> int:
-        return self.dim
 
     @property
     def kinds(self) -> list[str]:

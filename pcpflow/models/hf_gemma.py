@@ -40,7 +40,7 @@ from pydantic import Field, model_validator
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, GatedMLP, RopeScaling, RotaryEmbedding
 from pcpflow.models.hf_checkpoint import (
-    CheckpointConfig,
+    GQACheckpoint,
     LanguageModelOf,
     head_problems,
     layer_kinds,
@@ -52,7 +52,7 @@ from pcpflow.models.layers import GQAAttention, gqa_spec
 LayerType = Literal["sliding_attention", "full_attention"]
 
 
-class Gemma3Checkpoint(CheckpointConfig):
+class Gemma3Checkpoint(GQACheckpoint):
     """The config.json fields of a Gemma 3 text checkpoint that pcpflow uses (transformers'
     ``Gemma3TextConfig`` defaults)."""
 
@@ -129,18 +129,6 @@ class Gemma3Checkpoint(CheckpointConfig):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def rope_dims(self) -> int:
-        return self.head_dim
 
     @property
     def kinds(self) -> list[LayerType]:

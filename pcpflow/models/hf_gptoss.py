@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, head_problems, layer_kinds
+from pcpflow.models.hf_checkpoint import GQACheckpoint, head_problems, layer_kinds
 from pcpflow.models.hf_moe import GPT_OSS_MOE_RENAMES, gqa_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import GQAAttention, gqa_spec
@@ -44,7 +44,7 @@ YARN_DEFAULT = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 """``GptOssConfig``'s RoPE when config.json gives none."""
 
 
-class GptOssCheckpoint(CheckpointConfig):
+class GptOssCheckpoint(GQACheckpoint):
     """The config.json fields of a gpt-oss checkpoint that pcpflow uses (transformers'
     ``GptOssConfig`` defaults)."""
 
@@ -89,18 +89,6 @@ class GptOssCheckpoint(CheckpointConfig):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim
-
-    @property
-    def rope_dims(self) -> int:
-        return self.head_dim
 
     @property
     def kinds(self) -> list[str]:

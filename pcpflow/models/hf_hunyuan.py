@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, head_problems
+from pcpflow.models.hf_checkpoint import GQACheckpoint, head_problems
 from pcpflow.models.hf_moe import HUNYUAN_MOE_RENAMES, hunyuan_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import GQAAttention, gqa_spec
@@ -43,7 +43,7 @@ ATTENTION_RENAMES = (
 )
 
 
-class HunyuanCheckpoint(CheckpointConfig):
+class HunyuanCheckpoint(GQACheckpoint):
     """The config.json fields both Hunyuan architectures share (``HunYuanDenseV1Config`` /
     ``HunYuanMoEV1Config`` defaults)."""
 
@@ -82,18 +82,6 @@ class HunyuanCheckpoint(CheckpointConfig):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def rope_dims(self) -> int:
-        return self.dim
 
     @property
     def rope_base(self) -> float:

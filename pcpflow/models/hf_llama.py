@@ -77,7 +77,7 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer
-from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf
+from pcpflow.models.hf_checkpoint import GQACheckpoint, LanguageModelOf
 from pcpflow.models.hf_moe import (
     ERNIE_MOE_RENAMES,
     MIXTRAL_RENAMES,
@@ -146,7 +146,7 @@ DEFAULT_MAX_WINDOW_LAYERS = 28
 """transformers' Qwen ``max_window_layers`` (layers from it on slide)."""
 
 
-class LlamaCheckpoint(CheckpointConfig):
+class LlamaCheckpoint(GQACheckpoint):
     """The config.json fields of a Llama-style checkpoint that pcpflow uses."""
 
     num_key_value_heads: int | None = Field(None, gt=0)
@@ -235,10 +235,6 @@ class LlamaCheckpoint(CheckpointConfig):
     @property
     def family(self) -> GQAFamily:
         return FAMILIES[self.architecture]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
 
     @property
     def dim(self) -> int:

@@ -32,7 +32,11 @@ from pydantic import Field, model_validator
 
 from pcpflow.models.base import AttentionSpec
 from pcpflow.models.common import DecoderLayer, RotaryEmbedding
-from pcpflow.models.hf_checkpoint import CheckpointConfig, LanguageModelOf, head_problems
+from pcpflow.models.hf_checkpoint import (
+    GQACheckpoint,
+    LanguageModelOf,
+    head_problems,
+)
 from pcpflow.models.hf_moe import LLAMA4_MOE_RENAMES, llama4_moe_settings
 from pcpflow.models.hf_weights import DECODER_RENAMES, Rename, attention_rename
 from pcpflow.models.layers import GQAAttention, QueryScaling, gqa_spec
@@ -47,7 +51,7 @@ LLAMA4_TEXT_DEFAULTS = dict(vocab_size=202048, hidden_size=5120, intermediate_si
 ``text_config`` may leave them out)."""
 
 
-class Llama4Checkpoint(CheckpointConfig):
+class Llama4Checkpoint(GQACheckpoint):
     """The config.json fields of a Llama 4 text model that pcpflow uses (transformers'
     ``Llama4TextConfig`` defaults)."""
 
@@ -105,18 +109,6 @@ class Llama4Checkpoint(CheckpointConfig):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def rope_dims(self) -> int:
-        return self.dim
 
     @property
     def rope_layers(self) -> list[bool]:
