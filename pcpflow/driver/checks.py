@@ -30,6 +30,7 @@ from pcpflow.errors import ConfigError, Problem
 def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None = None) -> Any:
     """Every pre-run check; returns ``cfg`` with the fields derived from its stages
     (``num_speculative_tokens``), raises ConfigError listing every problem."""
+    from pcpflow.driver.launch import launch_problems
     from pcpflow.models.hf import checkpoint_problems, length_problems
     from pcpflow.pipeline.assemble import load_builtin_stages, stage_problems
     from pcpflow.pipeline.stage import plugin_problems
@@ -53,6 +54,8 @@ def check_job(cfg: Any, raw: dict[str, Any] | None = None, *, kind: str | None =
             more, _ = stage_problems(pool_config(cfg, "decode"), raw or {})
             problems += pool_problems(cfg, [p for p in more if p not in found and not _about_refused(p.field, refused)],
                                       "decode")
+    if kind == "execute":
+        problems += launch_problems(cfg)
     checkpoint = checkpoint_problems(cfg.model)
     problems += checkpoint
     if not checkpoint:  # NOTE: a bad stage or seed must not hide a workload that cannot fit

@@ -9,6 +9,8 @@ exit code 2.
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,8 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
     except Interrupted as exc:
         return _interrupted(exc, raw, run_dir, announce=not in_sweep)
     except OSError as exc:  # the run dir went away, filled up or turned read-only mid-run
+        if not _run_dir_fault(exc, run_dir):
+            return _driver_failed(exc, raw, run_dir)
         where = exc.filename2 or exc.filename or run_dir  # os.replace names its target second
         print_err(f"pcpflow: the run dir {run_dir} cannot be written: {exc.strerror or exc} ({where}); the run stopped")
         with contextlib.suppress(OSError):
@@ -149,6 +153,20 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
         return _driver_failed(exc, raw, run_dir)
     finally:
         release_lock(run_dir)
+
+
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+def _run_dir_fault(exc: OSError, run_dir: Path) -> bool:
+    """Whether ``exc`` is the run dir's (a file of it gone, full, read-only), not the driver's own
+    (a launcher's limit, a pipe): a file it names lies in the run dir, or, naming none (a write's
+    flush), it is a storage error."""
+    names = [os.path.abspath(os.fsdecode(n)) for n in (exc.filename, exc.filename2) if n is not None]
+    if not names:
+        return exc.errno in _STORAGE_ERRNOS
+    top = os.path.abspath(run_dir)
+    return any(os.path.commonpath([n, top]) == top for n in names)
 
 
 def _driver_failed(exc: Exception, raw: dict[str, Any], run_dir: Path) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pcpflow.config.run import RunConfig
+from pcpflow.errors import Problem
 from pcpflow.rank.progress import CONSEQUENCE as _CONSEQUENCE
 from pcpflow.signals import Interrupted
 
@@ -27,6 +28,28 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 SHUTDOWN_GRACE_S = 3
+# NOTE: torch's elastic launcher hands every rank the result queue of every rank (a pipe: two
+# descriptors each), and a fork server receives a new process's descriptors in one message,
+# with 4 of multiprocessing's own: Linux passes at most 253 at once (SCM_MAX_FD)
+MAX_FORKED_RANKS = (253 - 4) // 2
+
+
+def launch_problems(cfg: RunConfig) -> list[Problem]:
+    """More ranks than pcpflow's own launch can start on one host (its fork server's limit: 124).
+    None under torchrun, which has started them."""
+    if cfg.world_size <= MAX_FORKED_RANKS or "RANK" in os.environ:
+        return []
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return []
+    field, given = ("pcp", cfg.pcp) if cfg.pcp > 1 or cfg.tp == 1 else ("tp", cfg.tp)
+    ranks = f"tp*pcp = {cfg.world_size} ranks"
+    if cfg.disagg.enabled:
+        ranks = f"{cfg.world_size} ranks ({cfg.grid.world_size} prefill + {cfg.world_size - cfg.grid.world_size} decode)"
+    return [Problem(field, given, f"{ranks}: pcpflow's own launch starts at most {MAX_FORKED_RANKS} on one host (its "
+                    "fork server passes each rank two descriptors of every rank, and Linux at most 253 at once); "
+                    f"a world of <= {MAX_FORKED_RANKS} ranks, or start them with torchrun")]
 
 
 def launch_ranks(cfg: RunConfig, run_dir: Path, *, work: Callable[[Any, Path | None], Any] | None = None) -> dict[str, Any]:

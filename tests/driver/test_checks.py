@@ -4,6 +4,7 @@ or allocating), or a driver outcome of ``run_job`` (exit 2, what result.json say
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -310,22 +311,84 @@ def test_an_option_of_hydras_own_groups_hydra_has_not_is_a_problem_named():
     assert r.returncode == 2 and "- hydra/launcher: got 'jobllib'; allowed: basic, joblib (did you mean 'joblib'?)" in r.stderr
 
 
-def test_a_fault_of_the_driver_itself_is_one_line_and_a_failed_result(tmp_path, monkeypatch, capsys):
-    # a launcher's own limit (multiprocessing's fork server: "too many fds" past ~250 ranks) or a bug
+@pytest.mark.parametrize("error, said", [
+    (ValueError("too many fds"), "ValueError: too many fds"),  # multiprocessing's fork server's own limit
+    # an OS error that is not the run dir's: sendmsg's EINVAL past Linux's 253 descriptors, a file elsewhere
+    (OSError(errno.EINVAL, "Invalid argument"), "OSError: [Errno 22] Invalid argument"),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/dev/shm/gone"),
+     "FileNotFoundError: [Errno 2] No such file or directory: '/dev/shm/gone'"),
+])
+def test_a_fault_of_the_driver_itself_is_one_line_and_a_failed_result(error, said, tmp_path, monkeypatch, capsys):
     import pcpflow.driver.job as job
 
     def launch(cfg, run_dir):
-        raise ValueError("too many fds")
+        raise error
 
     monkeypatch.setattr(job, "launch_ranks", launch)
     run_dir = tmp_path / "run"
     assert run_job(compose_raw(["pcp=2"]), run_dir, console=False) == 1
     err = capsys.readouterr().err
-    assert "pcpflow: the driver failed: ValueError: too many fds" in err and "Traceback" not in err
+    assert f"pcpflow: the driver failed: {said}" in err and "Traceback" not in err and "run dir" not in err
     result = json.loads((run_dir / "result.json").read_text())
-    assert (result["status"], result["exit_code"], result["error"]) == ("failed", 1, "the driver failed: ValueError: too many fds")
-    assert "raise ValueError" in (run_dir / "logs" / "driver_error.txt").read_text()
+    assert (result["status"], result["exit_code"], result["error"]) == ("failed", 1, f"the driver failed: {said}")
+    assert "raise error" in (run_dir / "logs" / "driver_error.txt").read_text()
     assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_storage_error_of_the_run_dir_mid_run_is_said_as_the_run_dirs(tmp_path, monkeypatch, capsys):
+    import pcpflow.driver.job as job
+
+    run_dir = tmp_path / "run"
+
+    def launch(cfg, run_dir_):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(job, "launch_ranks", launch)
+    assert run_job(compose_raw(["pcp=2"]), run_dir, console=False) == 1
+    err = capsys.readouterr().err
+    assert f"the run dir {run_dir} cannot be written: No space left on device ({run_dir / 'metrics.jsonl'})" in err
+    assert not (run_dir / "logs" / "driver_error.txt").exists()
+
+
+def test_more_ranks_than_the_fork_server_can_start_are_refused_naming_the_setting():
+    # Linux passes at most 253 descriptors in one message (SCM_MAX_FD), multiprocessing's fork
+    # server 4 of its own, and torch's elastic launcher hands each rank both ends of every rank's
+    # result queue: 124 ranks start (measured: pcp=124 ran, pcp=125 failed with EINVAL, 126+ with
+    # "too many fds"); the probe below finds the same bound with the queues alone
+    done = cli("pcp=125", "workload.num_requests=1")
+    assert done.returncode == 2
+    assert "pcp: got 125; tp*pcp = 125 ranks: pcpflow's own launch starts at most 124 on one host" in done.stderr
+    done = cli("tp=2", "pcp=63", "workload.num_requests=1")
+    assert done.returncode == 2 and "pcp: got 63; tp*pcp = 126 ranks" in done.stderr
+    done = cli("pcp=124", "workload.num_requests=1", "--cfg", "job")
+    assert done.returncode == 0 and "starts at most" not in done.stderr
+
+
+_PROBE = """
+import errno, multiprocessing, sys
+
+def start(n):
+    ctx = multiprocessing.get_context("forkserver")
+    queues = {i: ctx.SimpleQueue() for i in range(n)}  # kept: the child opens their locks by name
+    proc = ctx.Process(target=len, args=(queues,))
+    proc.start()
+    proc.join(30)
+    return proc.exitcode
+
+assert start(124) == 0
+try:
+    start(125)
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(), reason="no fork server")
+def test_the_fork_server_passes_a_process_the_queues_of_124_ranks_and_not_125():
+    # NOTE: in a Python of its own: a refused start takes its fork server down, and this one's serves the ranks
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["EINVAL"]
 
 
 def test_a_library_error_that_replaced_the_signal_in_a_job_is_the_signal_not_a_driver_fault(tmp_path, monkeypatch, capsys):
