@@ -1,9 +1,11 @@
-"""The ``model:`` configs, without torch: the driver validates a run, answers ``--help`` and
-bad input and prices a simulated run without importing it (``tests/test_structure.py``).
-Each model class in ``pcpflow.models`` builds its own (``TinyGQA.Config is TinyGQAConfig``).
+"""The ``model:`` configs, without torch: the run config imports them, and ``python -m pcpflow
+--help`` answers without importing torch (``tests/test_structure.py``; a run's validation
+imports it with the stages). Each model class builds its own (``TinyGQA.Config is
+TinyGQAConfig``); a Hugging Face checkpoint is read (``pcpflow.models.hf_registry``, torch's
+import) only where ``model=hf`` is validated.
 
 To add a model: its config here, with a ``name`` literal, joined to ``ModelConfig``; its class
-(``from_config(config, *, dtype, seed, device)``) in ``pcpflow.models.MODEL_CLASSES``.
+(``from_config(config, *, dtype, seed, device)``) in ``pcpflow.models.model_classes``.
 """
 
 from __future__ import annotations

@@ -703,7 +703,7 @@ class Pricer:
         attention of the package it holds (``flash.ring_blocks``) beside its hop (its send to
         the next rank, its receive from the one before: point to point, both purposes in one
         batch), the longer of the two; after the loop the rows every rank holds, then pass-Q's
-        all-to-all, exposed. Each kind of layer (``_layer_kinds``) runs its loops beside the
+        all-to-all, exposed, as long on a rank as the larger of what it sends and receives. Each kind of layer (``_layer_kinds``) runs its loops beside the
         same hops."""
         grid, s, place, plan = self.grid, self.sizes, self.place, counts.ring_plan
         P, L = grid.pcp, s.num_layers
@@ -724,7 +724,12 @@ class Pricer:
         a2a = np.asarray(counts.per_rank_bytes.get("ring_all2all", [0] * grid.world_size), dtype=np.float64)[:: grid.tp]
         if a2a.any():
             n = grid.dcp
-            per_layer = a2a / L * n / (n - 1)  # the buffer NCCL splits over the ring (its own share stays)
+            # NOTE: a rank's call lasts until its receives are in as well: each of the n - 1 others sends
+            # it the partials of its own rows (travelling and held by all), a share of all that is sent
+            # by its rows' share; uneven where few rows travel (a decode's: its owner receives them all)
+            rows = (plan.num_travel + plan.num_replicated).astype(np.float64)
+            recv = a2a.sum() * rows / rows.sum()
+            per_layer = np.maximum(a2a, recv) / L * n / (n - 1)  # the buffer NCCL splits over the ring (its own share stays)
             sec = np.array([place.seconds("all_to_all", "dcp", float(b))[0] for b in per_layer])
             _add(terms, "ring_all2all", L * sec, np.zeros(P))
             comm = comm + L * sec

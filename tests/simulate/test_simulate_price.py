@@ -355,6 +355,13 @@ def test_decode_ring_pass_q_counts_what_the_executed_ring_sends():
     per_rank = last["per_rank_collective_bytes"]["ring_send_q"]  # global rank = pcp_rank * 8 + tp_rank
     assert sorted([per_rank[0], per_rank[8]]) == [0, 80 * 8 * 128 * 2] and len(set(per_rank[:8])) == 1
     assert "priced_only" not in m_ring["simulate"] and "priced_only" not in m_engine["simulate"]
+    # The all-to-all ends on each rank once its sends and its receives are done: the holder sends
+    # nothing and receives the partial (2,080 bytes a TP rank), as long as rank 1's send of it, on
+    # whichever rank the step reports. Hand-priced as the hop above: NET latency 14 us, then 4
+    # channels x 14 GB/s x p2p_efficiency (at most the NIC's 50 GB/s).
+    a2a = 80 * (14e-6 + 2_080 / min(50e9, 4 * 14e9 * 0.4646))
+    for record in ring.records[1:]:
+        assert record["purpose_s"]["ring_all2all"] == pytest.approx(a2a, rel=1e-9)
 
 
 def test_kv_dtype_sizes_the_kv_that_moves_and_is_read():
