@@ -43,7 +43,18 @@ _NO_RUN_FLAGS = {"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", 
 
 def entry() -> None:
     """The process entry point (``python -m pcpflow``, the ``pcpflow`` script)."""
-    code = main()
+    import logging
+
+    # NOTE: a log line (Hydra's, to stdout) that cannot be written is dropped, not a traceback on
+    # stderr: a closed pipe (``| head``) is what it meets
+    logging.raiseExceptions = False
+    try:
+        code = main()
+    except BrokenPipeError:  # NOTE: stdout's (or stderr's) reader left, ``| head``: cut off as SIGPIPE would
+        from pcpflow.output.report import quiet_console
+
+        quiet_console()
+        code = 128 + signal.SIGPIPE
     # NOTE: the job is over and result.json written: a signal in the last moments of the
     # interpreter's teardown must not turn a finished run's exit code into 130.
     for s in HANDLED:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from pcpflow.config.run import RunConfig, validate_run_config
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
 from pcpflow.output.rundir import (
+    RESULT_FILE,
     discard_result,
     failed_result,
     live_lock_owner,
@@ -138,6 +140,16 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
             return _run_job(raw, run_dir, console=console, in_sweep=in_sweep, overrides=overrides)
     except Interrupted as exc:
         return _interrupted(exc, raw, run_dir, announce=not in_sweep)
+    except BrokenPipeError:  # NOTE: the console's reader left (``| head``): the rest is quiet; a finished run's result stands
+        from pcpflow.output.report import quiet_console
+
+        quiet_console()
+        with contextlib.suppress(OSError, ValueError):
+            return int(json.loads((run_dir / RESULT_FILE).read_text())["exit_code"])
+        with contextlib.suppress(OSError):
+            write_result(run_dir, failed_result("the console was closed (a broken pipe) before the run ended", raw,
+                                                EXIT_FAILED))
+        return EXIT_FAILED
     except OSError as exc:  # the run dir went away, filled up or turned read-only mid-run
         if not _run_dir_fault(exc, run_dir):
             return _driver_failed(exc, raw, run_dir)

@@ -6,7 +6,11 @@ line per step), so rank processes never draw on the console.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as _RichProgress
 from rich.table import Table
 
-_console = Console(stderr=True)
+
+def quiet_console() -> None:
+    """The console's reader has left (``| head``: a broken pipe): what is left to print, Python's
+    own flush at exit included, goes nowhere."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, stream.fileno())
+
+
+class _Console(Console):
+    """Rich's console, whose broken pipe is Python's error (rich's own ends the process with
+    SystemExit(1)): the driver keeps a run's result and goes on quietly (``run_job``)."""
+
+    def on_broken_pipe(self) -> None:
+        quiet_console()
+        raise BrokenPipeError(errno.EPIPE, "the console's reader has left")
+
+
+_console = _Console(stderr=True)
 
 
 class Progress:
@@ -128,7 +151,7 @@ def _requests(m: dict[str, Any], rows: list[dict[str, Any]] | None) -> str:
 
 def print_summary(result: dict[str, Any]) -> None:
     cfg, m = result["config"], result.get("metrics", {})
-    console = Console()
+    console = _Console()
     title = f"pcpflow  {config_title(cfg)}"
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("metric", style="bold")

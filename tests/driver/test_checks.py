@@ -335,6 +335,31 @@ def test_a_fault_of_the_driver_itself_is_one_line_and_a_failed_result(error, sai
     assert not (run_dir / LOCK_FILE).exists()
 
 
+@pytest.mark.parametrize("where", ["summary", "run"])
+def test_a_console_closed_while_a_job_prints_keeps_an_honest_result(where, tmp_path, monkeypatch):
+    # ``| head``: the reader leaves; a finished run's result stands (its exit code too), one not
+    # finished is failed, saying why (the real pipe: test_cli.py's closed console, slow)
+    import pcpflow.driver.job as job
+    import pcpflow.output.report as report
+
+    quiet = []
+    monkeypatch.setattr(report, "quiet_console", lambda: quiet.append(True))  # NOTE: not this process's fds
+
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(*((report, "print_summary", closed) if where == "summary" else (job, "launch_ranks", closed)))
+    run_dir = tmp_path / "run"
+    code = run_job(compose_raw(["pcp=1", "workload.num_requests=1", "output.plots=false"]), run_dir)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert quiet == [True] and not (run_dir / LOCK_FILE).exists()
+    if where == "summary":
+        assert (code, result["status"], result["exit_code"]) == (0, "ok", 0)
+    else:
+        assert (code, result["status"], result["exit_code"]) == (1, "failed", 1)
+        assert result["error"] == "the console was closed (a broken pipe) before the run ended"
+
+
 def test_a_storage_error_of_the_run_dir_mid_run_is_said_as_the_run_dirs(tmp_path, monkeypatch, capsys):
     import pcpflow.driver.job as job
 

@@ -311,6 +311,27 @@ def test_a_run_dir_that_cannot_take_its_result_mid_run_ends_with_a_message_and_n
     assert not (run_dir / LOCK_FILE).exists()
 
 
+@pytest.mark.slow
+def test_a_console_that_closes_mid_sweep_ends_nothing_and_prints_no_error(tmp_path):
+    """``python -m pcpflow -m ... | head -1``: once the reader has gone, every later write (Hydra's
+    log lines, each job's summary, the sweep's table) meets a closed pipe. The sweep still runs
+    every job, writes its report and exits with its jobs' code; no traceback, no "Logging error"."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, "-m", "pcpflow", "-m", "mode=simulate", "hardware=h200_sxm", "pcp=1,2",
+            "output.plots=false", f"hydra.sweep.dir={sweep}"]
+    with subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert "Launching 2 jobs" in proc.stdout.readline()
+        proc.stdout.close()  # what `head -1` does after its line
+        err = proc.stderr.read()
+        code = proc.wait(timeout=240)
+    assert code == 0, err
+    assert "Traceback" not in err and "Logging error" not in err and "Broken pipe" not in err, err
+    assert (sweep / "sweep.md").exists()
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "result.json").read_text())["status"] == "ok"
+
+
 def test_a_sweep_dir_that_cannot_be_made_is_named_as_the_sweep_dir(tmp_path):
     (tmp_path / "a_file").write_text("")
     code, err = cli("-m", "pcp=1,2", f"hydra.sweep.dir={tmp_path / 'a_file' / 'sweep'}")
