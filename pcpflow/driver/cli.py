@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -32,6 +33,7 @@ from pcpflow.driver.compose import (
 from pcpflow.driver.compose import is_hydra_override as _is_hydra_override
 from pcpflow.driver.interrupted import interrupted_before_the_job, interrupted_early, named_run_dir
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, EXIT_OK, ConfigError, Problem
+from pcpflow.output.console import ConsoleGone, guard_console
 from pcpflow.paths import conf_dir
 from pcpflow.signals import HANDLED, Interrupted, interruptible, raise_if_swallowed
 
@@ -48,13 +50,11 @@ def entry() -> None:
     # NOTE: a log line (Hydra's, to stdout) that cannot be written is dropped, not a traceback on
     # stderr: a closed pipe (``| head``) is what it meets
     logging.raiseExceptions = False
+    guard_console()
     try:
         code = main()
-    except BrokenPipeError:  # NOTE: stdout's (or stderr's) reader left, ``| head``: cut off as SIGPIPE would
-        from pcpflow.output.report import quiet_console
-
-        quiet_console()
-        code = 128 + signal.SIGPIPE
+    except ConsoleGone as exc:  # NOTE: stdout took no more (``| head``, ``> /dev/full``) of what a command prints
+        code = 128 + signal.SIGPIPE if exc.errno == errno.EPIPE else EXIT_FAILED  # NOTE: as SIGPIPE would end it
     # NOTE: the job is over and result.json written: a signal in the last moments of the
     # interpreter's teardown must not turn a finished run's exit code into 130.
     for s in HANDLED:

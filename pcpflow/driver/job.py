@@ -20,6 +20,7 @@ from pcpflow import __version__
 from pcpflow.config.run import RunConfig, validate_run_config
 from pcpflow.driver.launch import RankFailure, launch_ranks, print_err
 from pcpflow.errors import EXIT_FAILED, EXIT_INVALID_CONFIG, ConfigError, Problem
+from pcpflow.output.console import ConsoleGone
 from pcpflow.output.rundir import (
     RESULT_FILE,
     discard_result,
@@ -140,15 +141,12 @@ def run_job(raw: dict[str, Any], run_dir: Path, *, console: bool = True, in_swee
             return _run_job(raw, run_dir, console=console, in_sweep=in_sweep, overrides=overrides)
     except Interrupted as exc:
         return _interrupted(exc, raw, run_dir, announce=not in_sweep)
-    except BrokenPipeError:  # NOTE: the console's reader left (``| head``): the rest is quiet; a finished run's result stands
-        from pcpflow.output.report import quiet_console
-
-        quiet_console()
+    except ConsoleGone as exc:  # NOTE: stdout took no more (``| head``, ``> /dev/full``): a finished run's result stands
         with contextlib.suppress(OSError, ValueError):
             return int(json.loads((run_dir / RESULT_FILE).read_text())["exit_code"])
         with contextlib.suppress(OSError):
-            write_result(run_dir, failed_result("the console was closed (a broken pipe) before the run ended", raw,
-                                                EXIT_FAILED))
+            write_result(run_dir, failed_result(f"the console could not be written ({exc.strerror or exc}) before the "
+                                                "run ended", raw, EXIT_FAILED))
         return EXIT_FAILED
     except OSError as exc:  # the run dir went away, filled up or turned read-only mid-run
         if not _run_dir_fault(exc, run_dir):

@@ -6,11 +6,7 @@ line per step), so rank processes never draw on the console.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
-import os
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,22 +17,12 @@ from rich.progress import Progress as _RichProgress
 from rich.table import Table
 
 
-def quiet_console() -> None:
-    """The console's reader has left (``| head``: a broken pipe): what is left to print, Python's
-    own flush at exit included, goes nowhere."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(devnull, stream.fileno())
-
-
 class _Console(Console):
-    """Rich's console, whose broken pipe is Python's error (rich's own ends the process with
+    """Rich's console, whose broken pipe stays Python's error (rich's own ends the process with
     SystemExit(1)): the driver keeps a run's result and goes on quietly (``run_job``)."""
 
     def on_broken_pipe(self) -> None:
-        quiet_console()
-        raise BrokenPipeError(errno.EPIPE, "the console's reader has left")
+        raise  # NOTE: the BrokenPipeError rich is handling (the guarded stdout's ConsoleGone, errno kept)
 
 
 _console = _Console(stderr=True)
