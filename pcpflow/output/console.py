@@ -54,7 +54,8 @@ class _Guarded:
 def guard_console() -> None:
     """This process's ``sys.stdout`` and ``sys.stderr``, guarded (the ``python -m pcpflow``
     process: an OS error while printing is the console's, never the run dir's)."""
-    if not isinstance(sys.stdout, _Guarded):
+    # NOTE: None where the process started with the descriptor closed (``>&-``): print() skips it
+    if sys.stdout is not None and not isinstance(sys.stdout, _Guarded):
         sys.stdout = _Guarded(sys.stdout, raises=True)
-    if not isinstance(sys.stderr, _Guarded):
+    if sys.stderr is not None and not isinstance(sys.stderr, _Guarded):
         sys.stderr = _Guarded(sys.stderr, raises=False)

@@ -49,3 +49,13 @@ def test_a_failed_console_write_goes_quiet(raises, tmp_path):
         assert guarded.encoding == "utf-8"  # the rest is the stream's
     finally:
         os.close(fd)
+
+
+def test_a_command_started_without_a_stdout_runs_as_with_one():
+    # ``python -m pcpflow --help >&-``: Python's sys.stdout is None, which print() skips
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pcpflow", "--help"], preexec_fn=lambda: os.close(1),
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
