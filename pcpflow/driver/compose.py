@@ -315,17 +315,28 @@ def _without_drafting_in_profile(p: Problem, raw: dict[str, Any]) -> Problem:
     return Problem(p.field, p.given, NO_DRAFTING)
 
 
+def _given(key: str, overrides: list[str]) -> Any:
+    """The value the command line gives ``key``, as Hydra reads it (``tp=2``: 2, not '2')."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    o = next((o for o in overrides if _key(o) == key and "=" in o), None)
+    if o is None:
+        return None
+    try:
+        return OverridesParser.create().parse_override(o).value()
+    except Exception:  # NOTE: a value Hydra cannot parse is shown as typed
+        return o.split("=", 1)[1]
+
+
 def _compose_problem(exc: Exception, overrides: list[str]) -> tuple[Problem, str | None]:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if m:
         key = m.group(1)
-        given = next((o.split("=", 1)[1] for o in overrides if _key(o) == key and "=" in o), None)
-        return unknown_key_problem(key, given), key
+        return unknown_key_problem(key, _given(key, overrides)), key
     m = re.search(r"An item is already at '([^']+)'", text)
     if m:
         key = m.group(1)
-        given = next((o.split("=", 1)[1] for o in overrides if _key(o) == key and "=" in o), None)
-        return Problem("+" + key, given, f"{key} is already set by the config: drop the '+'"), key
+        return Problem("+" + key, _given(key, overrides), f"{key} is already set by the config: drop the '+'"), key
     return Problem("<command line>", " ".join(overrides), first), None

@@ -139,7 +139,7 @@ def test_unknown_group_option_and_key_and_sweep_without_multirun():
     code, err = cli("decode=shardd")
     assert code == 2 and "decode: got 'shardd'; allowed: replicated, sharded (did you mean 'sharded'?)" in err
     code, err = cli("typo_key=1")
-    assert code == 2 and "typo_key: got '1'; not a pcpflow setting; top-level settings: pcp, dcp," in err
+    assert code == 2 and "typo_key: got 1; not a pcpflow setting; top-level settings: pcp, dcp," in err
     code, err = cli("pcp=1,2")
     assert code == 2 and "pcp: got '1,2'; a sweep of values needs -m / --multirun" in err
 

@@ -52,7 +52,7 @@ def test_heads_the_decode_pools_tp_does_not_split():
 
 def test_decode_pool_settings_without_pd():
     got = problems("disagg.decode_pool.tp=2", "disagg.transfer=after_prefill")
-    assert got == ["disagg.decode_pool.tp: got '2'; disagg.decode_pool.tp is a setting of disagg=pd; add disagg=pd to the "
+    assert got == ["disagg.decode_pool.tp: got 2; disagg.decode_pool.tp is a setting of disagg=pd; add disagg=pd to the "
                    "command line",
                    "disagg.transfer: got 'after_prefill'; disagg.transfer is a setting of disagg=pd; add disagg=pd to the "
                    "command line"]
