@@ -25,6 +25,7 @@ from typing import Any
 from pcpflow.driver.compose import (
     compose_raw,
     hydra_group_problems,
+    syntax_problems,
     uses_measured,
     validate_overrides,
     with_measured_overrides,
@@ -212,12 +213,11 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
+    ours = [o for o in overrides if not _is_hydra_override(o)]
     try:
-        parsed = OverridesParser.create().parse_overrides(
-            [o for o in overrides if not _is_hydra_override(o)]
-        )
-    except OverrideParseException as exc:
-        raise ConfigError([Problem("<command line>", " ".join(overrides), str(exc).strip())]) from None
+        parsed = OverridesParser.create().parse_overrides(ours)
+    except OverrideParseException:
+        raise ConfigError(list(syntax_problems(ours).values())) from None
     choices: list[list[str]] = []
     swept: list[bool] = []
     for o in parsed:

@@ -92,6 +92,30 @@ def _search_group_problems(overrides: list[str]) -> list[Problem]:
     return out
 
 
+_GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
+
+
+def syntax_problems(overrides: list[str]) -> dict[str, Problem]:
+    """Each override Hydra's grammar refuses, and its problem: named by its key, with Hydra's
+    reason on one line (Hydra names the whole command line, over two or three lines)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser, problems = OverridesParser.create(), {}
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except OverrideParseException as exc:
+            reason = "; ".join(
+                line.strip() for line in str(exc).splitlines()
+                if line.strip("^ ") and not line.startswith(("See ", "Error parsing override"))
+            )
+            key, sep, value = o.partition("=")
+            problems[o] = Problem(key.lstrip("+~") or "<command line>", value if sep else o,
+                                  f"{'a value' if sep else 'key=value'} in Hydra's override grammar ({reason}; {_GRAMMAR})")
+    return problems
+
+
 def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[dict[str, Any] | None, list[Problem]]:
     """The composed dict (None if nothing could be composed) and the overrides that could
     not be placed, as problems; those overrides are left out of the dict."""
@@ -99,6 +123,9 @@ def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[
     from omegaconf import OmegaConf
 
     problems, kept = _check_groups(with_measured_overrides(overrides))
+    refused = syntax_problems(kept)
+    problems += refused.values()
+    kept = [o for o in kept if o not in refused]
     for _ in range(len(kept) + 1):
         try:
             with initialize_config_dir(config_dir=conf_dir(), version_base=None):

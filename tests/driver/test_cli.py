@@ -18,6 +18,7 @@ import pytest
 
 from pcpflow.driver.cli import compose_raw
 from pcpflow.driver.compose import config_groups as _config_groups
+from pcpflow.driver.compose import validate_overrides
 from pcpflow.driver.job import prepare_job
 from pcpflow.errors import ConfigError
 from pcpflow.models.card import CARD_NAMES
@@ -142,6 +143,27 @@ def test_unknown_group_option_and_key_and_sweep_without_multirun():
     assert code == 2 and "typo_key: got 1; not a pcpflow setting; top-level settings: pcp, dcp," in err
     code, err = cli("pcp=1,2")
     assert code == 2 and "pcp: got '1,2'; a sweep of values needs -m / --multirun" in err
+
+
+def test_override_syntax_names_each_key_on_one_line():
+    """Hydra's grammar refuses an override: the problem names its key and what it got, Hydra's
+    reason on the same line (it reported the whole command line, over two or three lines)."""
+    code, err = cli("workload=explicit", "workload.prompt_lens=[1,2", "tp=2", "pcp", "dcp=1)")
+    grammar = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
+    assert code == 2 and err.splitlines() == [
+        "pcpflow: invalid configuration (3 problem(s)):",
+        "  - workload.prompt_lens: got '[1,2'; a value in Hydra's override grammar (no viable alternative at "
+        f"input '[1,2'; {grammar})",
+        f"  - pcp: got 'pcp'; key=value in Hydra's override grammar (missing EQUAL at '<EOF>'; {grammar})",
+        f"  - dcp: got '1)'; a value in Hydra's override grammar (extraneous input ')' expecting <EOF>; {grammar})",
+    ], err
+    # composed where no command line was prechecked (torchrun's rank 0): listed beside the other problems
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides(["pcp=[1,2", "tp=x"])
+    assert [str(p) for p in exc.value.problems] == [
+        f"pcp: got '[1,2'; a value in Hydra's override grammar (no viable alternative at input '[1,2'; {grammar})",
+        "tp: got 'x'; Input should be a valid integer, unable to parse string as an integer",
+    ]
 
 
 def test_multirun_validates_every_job_before_starting_any(tmp_path):
