@@ -105,6 +105,9 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
         print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
               f"python {sys.version.split()[0]})")
         return EXIT_OK
+    if problem := _shell_completion_problem(argv):
+        print(ConfigError([problem]).report(), file=sys.stderr)
+        return EXIT_INVALID_CONFIG
     argv = with_searched_groups(argv)
     overrides, multirun, no_run = split_args(argv)
     # NOTE: `--cfg job` shows what a run would run: it is validated like one.
@@ -126,6 +129,23 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
     if no_run and _shows_job(argv) and uses_measured(overrides):
         return _print_job(overrides)
     return run_hydra(argv)
+
+
+_SHELLS = ("bash", "fish", "zsh")
+
+
+def _shell_completion_problem(argv: list[str]) -> Problem | None:
+    """Hydra's shell completion takes one of install= / uninstall= / query= with a shell (it
+    raises a traceback otherwise). It completes the ``pcpflow`` script's command lines: bash's
+    and zsh's completion reads ``python -m pcpflow`` as a script named ``-m`` and gives nothing."""
+    if not any(a in ("--shell-completion", "-sc") for a in argv):
+        return None
+    given = [a for a in argv if a.partition("=")[0] in ("install", "uninstall", "query")]
+    if len(given) == 1 and given[0].partition("=")[2] in _SHELLS:
+        return None
+    return Problem("--shell-completion", " ".join(given) or None,
+                   f"one of install=SHELL, uninstall=SHELL, query=SHELL; SHELL: {', '.join(_SHELLS)} "
+                   "(e.g. eval \"$(pcpflow --shell-completion install=bash)\")")
 
 
 def _shows_job(argv: list[str]) -> bool:

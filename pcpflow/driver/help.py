@@ -41,7 +41,8 @@ commands people run:
 _TAIL = """\
 exit codes:
   0 ok   1 failed (a rank failed, or verification found a mismatch)
-  2 invalid configuration (every problem listed, no rank started)   130/143/129 interrupted
+  2 invalid configuration (every problem listed, no rank started)
+  130/143/129/131 interrupted (SIGINT/SIGTERM/SIGHUP/SIGQUIT; result.json says so)
 
 results (a run):   outputs/<date>/<time>/ or hydra.run.dir=DIR: result.json (status, verify,
                    metrics, outputs), metrics.jsonl (one line per step), config.json (the
@@ -52,7 +53,8 @@ results (a sweep): multirun/<date>/<time>/ or hydra.sweep.dir=DIR: sweep.csv, sw
 results (a search): search.csv (a row per priced layout), pruned.csv, search.md, search.png
 
 more: README.md; every setting with its default: docs/configuration.md; Hydra's own
-flags: --hydra-help
+flags: --hydra-help; tab completion of the pcpflow script's settings and options:
+eval "$(pcpflow --shell-completion install=bash)" (or zsh, fish)
 """
 
 

@@ -145,6 +145,26 @@ def test_unknown_group_option_and_key_and_sweep_without_multirun():
     assert code == 2 and "pcp: got '1,2'; a sweep of values needs -m / --multirun" in err
 
 
+def test_shell_completion_of_the_pcpflow_script():
+    """--help's line, as a user's bash runs it: the pcpflow script completes a group's options;
+    --shell-completion without what to do is one problem, exit 2 (Hydra raised a traceback)."""
+    code, err = cli("--shell-completion")
+    assert code == 2 and "  - --shell-completion: got None; one of install=SHELL, uninstall=SHELL, query=SHELL;" in err
+    code, err = cli("-sc", "query=decode=")
+    assert code == 2 and "--shell-completion: got 'query=decode='" in err
+    bin_dir = Path(sys.executable).parent
+    assert (bin_dir / "pcpflow").exists(), "the package's console script"
+    line = 'eval "$(pcpflow --shell-completion install=bash)"'
+    assert line in in_process("--help").stdout.replace("\n", " ")
+    r = subprocess.run(
+        ["bash", "-c", line + '; COMP_LINE="pcpflow pcp=2 decode="; COMP_POINT=${#COMP_LINE}; COMP_CWORD=2; '
+         'hydra_bash_completion; printf "%s\\n" "${COMPREPLY[@]}"'],
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.split() == [f"decode={o}" for o in sorted(_config_groups()["decode"])], r
+
+
 def test_override_syntax_names_each_key_on_one_line():
     """Hydra's grammar refuses an override: the problem names its key and what it got, Hydra's
     reason on the same line (it reported the whole command line, over two or three lines)."""
