@@ -366,4 +366,8 @@ def _compose_problem(exc: Exception, overrides: list[str]) -> tuple[Problem, str
     if m:
         key = m.group(1)
         return Problem("+" + key, _given(key, overrides), f"{key} is already set by the config: drop the '+'"), key
+    m = re.search(r"full_key: (\S+)", text)  # NOTE: OmegaConf's (an interpolation that names no key)
+    if m:
+        key = m.group(1)
+        return Problem(key, _given(key, overrides), first), key
     return Problem("<command line>", " ".join(overrides), first), None

@@ -165,7 +165,7 @@ def test_shell_completion_of_the_pcpflow_script():
     assert r.returncode == 0 and r.stdout.split() == [f"decode={o}" for o in sorted(_config_groups()["decode"])], r
 
 
-def test_override_syntax_names_each_key_on_one_line():
+def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
     """Hydra's grammar refuses an override: the problem names its key and what it got, Hydra's
     reason on the same line (it reported the whole command line, over two or three lines)."""
     code, err = cli("workload=explicit", "workload.prompt_lens=[1,2", "tp=2", "pcp", "dcp=1)")
@@ -182,6 +182,13 @@ def test_override_syntax_names_each_key_on_one_line():
         validate_overrides(["pcp=[1,2", "tp=x"])
     assert [str(p) for p in exc.value.problems] == [
         f"pcp: got '[1,2'; a value in Hydra's override grammar (no viable alternative at input '[1,2'; {grammar})",
+        "tp: got 'x'; Input should be a valid integer, unable to parse string as an integer",
+    ]
+    # an interpolation that names no key: the key that holds it, and the rest still checked
+    with pytest.raises(ConfigError) as exc:
+        validate_overrides(["pcp=${oops}", "tp=x"])
+    assert [str(p) for p in exc.value.problems] == [
+        "pcp: got '${oops}'; Interpolation key 'oops' not found",
         "tp: got 'x'; Input should be a valid integer, unable to parse string as an integer",
     ]
 
