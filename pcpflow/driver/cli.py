@@ -105,7 +105,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
         print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
               f"python {sys.version.split()[0]})")
         return EXIT_OK
-    if problem := _shell_completion_problem(argv):
+    if problem := _one_command_problem(argv) or _shell_completion_problem(argv):
         print(ConfigError([problem]).report(), file=sys.stderr)
         return EXIT_INVALID_CONFIG
     argv = with_searched_groups(argv)
@@ -118,6 +118,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
                 if "${" in (_named_run_dir(overrides) or "${"):  # Hydra would resolve it again, later
                     argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir[0]}"]
             precheck(overrides, multirun)
+            _check_package(argv, overrides)
             _check_output_dir(overrides, multirun)
             raise_if_swallowed()
         except ConfigError as exc:
@@ -129,6 +130,42 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
     if no_run and _shows_job(argv) and uses_measured(overrides):
         return _print_job(overrides)
     return run_hydra(argv)
+
+
+def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The last value given to a flag (``-p kv`` or ``--package=kv``)."""
+    value = None
+    for i, a in enumerate(argv):
+        name, eq, v = a.partition("=")
+        if name in names:
+            value = v if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return value
+
+
+def _check_package(argv: list[str], overrides: list[str]) -> None:
+    """``--cfg job -p PACKAGE`` shows a part of the config that exists (Hydra: exit 1)."""
+    package = _flag_value(argv, ("--package", "-p"))
+    if package is None or _flag_value(argv, ("--cfg", "-c")) != "job":
+        return
+    node: Any = compose_raw([o for o in overrides if not _is_hydra_override(o)])
+    for part in [p for p in package.split(".") if p and p != "_global_"]:
+        if not isinstance(node, dict) or part not in node:
+            inside = ", ".join(sorted(node)) if isinstance(node, dict) else "none (a value)"
+            raise ConfigError([Problem("--package", package, f"a key of the job's config; at {part!r} its keys "
+                                       f"are: {inside}")])
+        node = node[part]
+
+
+_COMMANDS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}
+
+
+def _one_command_problem(argv: list[str]) -> Problem | None:
+    """Hydra does one of a run, a sweep, --cfg, --info and shell completion (it raises a
+    traceback for two)."""
+    given = [long for long, short in _COMMANDS.items() if any(a.partition("=")[0] in (long, short) for a in argv)]
+    if len(given) < 2:
+        return None
+    return Problem(given[0], " ".join(given), f"one of {', '.join(_COMMANDS)} at a time (Hydra does one of them)")
 
 
 _SHELLS = ("bash", "fish", "zsh")

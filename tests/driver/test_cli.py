@@ -165,6 +165,20 @@ def test_shell_completion_of_the_pcpflow_script():
     assert r.returncode == 0 and r.stdout.split() == [f"decode={o}" for o in sorted(_config_groups()["decode"])], r
 
 
+def test_cfg_package_and_hydra_commands_refused_as_bad_input():
+    """--cfg job -p PACKAGE shows that part, or names the keys where the path leaves the config
+    (Hydra: 'package not found', exit 1); two of Hydra's commands at once are one problem, exit 2
+    (Hydra: a ValueError's traceback, exit 1)."""
+    r = in_process("--cfg", "job", "-p", "kv.block_size", "kv.block_size=8")
+    assert r.returncode == 0 and r.stdout.strip() == "8", r
+    code, err = cli("--cfg", "job", "--package=kv.nope")
+    assert code == 2 and ("  - --package: got 'kv.nope'; a key of the job's config; at 'nope' its keys are: block_size, "
+                          "hybrid, interleave, num_blocks, prefix_caching") in err, err
+    code, err = cli("-m", "--cfg", "job", "pcp=1,2")
+    assert code == 2 and ("  - --multirun: got '--multirun --cfg'; one of --run, --multirun, --cfg, --info, "
+                          "--shell-completion at a time") in err, err
+
+
 def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
     """Hydra's grammar refuses an override: the problem names its key and what it got, Hydra's
     reason on the same line (it reported the whole command line, over two or three lines)."""
