@@ -105,8 +105,8 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
         print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
               f"python {sys.version.split()[0]})")
         return EXIT_OK
-    if problem := _one_command_problem(argv) or _shell_completion_problem(argv):
-        print(ConfigError([problem]).report(), file=sys.stderr)
+    if problems := _hydra_flag_problems(argv):
+        print(ConfigError(problems).report(), file=sys.stderr)
         return EXIT_INVALID_CONFIG
     argv = with_searched_groups(argv)
     overrides, multirun, no_run = split_args(argv)
@@ -154,6 +154,27 @@ def _check_package(argv: list[str], overrides: list[str]) -> None:
             raise ConfigError([Problem("--package", package, f"a key of the job's config; at {part!r} its keys "
                                        f"are: {inside}")])
         node = node[part]
+
+
+_OWN_CONFIG = {
+    "--config-dir": "-cd", "--config-path": "-cp", "--config-name": "-cn", "--experimental-rerun": None,
+}
+_OWN_CONFIG_INSTEAD = (
+    "not taken: pcpflow validates every run against its own conf/ (its groups, its options, their "
+    "settings); your own model: model=hf model.path=DIR, hardware: hardware=measured hardware.path=FILE, "
+    "stages: plugins=[module] (docs/writing-stages.md), any setting: key=value"
+)
+
+
+def _hydra_flag_problems(argv: list[str]) -> list[Problem]:
+    """Hydra's flags used as pcpflow cannot take them: a problem each (Hydra would raise a
+    traceback, exit 1, or compose a config pcpflow never validated)."""
+    flags = {a.partition("=")[0] for a in argv if a.startswith("-")}
+    problems = [Problem(long, _flag_value(argv, (long, short) if short else (long,)), _OWN_CONFIG_INSTEAD)
+                for long, short in _OWN_CONFIG.items() if flags & {long, short}]
+    if "--resolve" in flags and not flags & {"--cfg", "-c", "--help", "-h"}:
+        problems.append(Problem("--resolve", True, "only with --cfg (it resolves the config --cfg shows)"))
+    return [p for p in (*problems, _one_command_problem(argv), _shell_completion_problem(argv)) if p]
 
 
 _COMMANDS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}

@@ -167,8 +167,8 @@ def test_shell_completion_of_the_pcpflow_script():
 
 def test_cfg_package_and_hydra_commands_refused_as_bad_input():
     """--cfg job -p PACKAGE shows that part, or names the keys where the path leaves the config
-    (Hydra: 'package not found', exit 1); two of Hydra's commands at once are one problem, exit 2
-    (Hydra: a ValueError's traceback, exit 1)."""
+    (Hydra: 'package not found', exit 1); two of Hydra's commands at once, a config dir of one's
+    own, --resolve without --cfg: a problem each, exit 2 (Hydra: a traceback, exit 1)."""
     r = in_process("--cfg", "job", "-p", "kv.block_size", "kv.block_size=8")
     assert r.returncode == 0 and r.stdout.strip() == "8", r
     code, err = cli("--cfg", "job", "--package=kv.nope")
@@ -177,6 +177,15 @@ def test_cfg_package_and_hydra_commands_refused_as_bad_input():
     code, err = cli("-m", "--cfg", "job", "pcp=1,2")
     assert code == 2 and ("  - --multirun: got '--multirun --cfg'; one of --run, --multirun, --cfg, --info, "
                           "--shell-completion at a time") in err, err
+    # a config dir of one's own: Hydra would compose options pcpflow never validated (its check
+    # then refused `model=my` as an unknown option); --resolve without --cfg: Hydra's traceback
+    code, err = cli("--config-dir", "mycfg", "model=my", "--resolve")
+    assert code == 2 and err.splitlines()[1:] == [
+        "  - --config-dir: got 'mycfg'; not taken: pcpflow validates every run against its own conf/ (its groups, "
+        "its options, their settings); your own model: model=hf model.path=DIR, hardware: hardware=measured "
+        "hardware.path=FILE, stages: plugins=[module] (docs/writing-stages.md), any setting: key=value",
+        "  - --resolve: got True; only with --cfg (it resolves the config --cfg shows)",
+    ], err
 
 
 def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
