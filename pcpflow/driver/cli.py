@@ -24,7 +24,7 @@ from typing import Any
 
 from pcpflow.driver.compose import (
     compose_raw,
-    hydra_group_problems,
+    hydra_problems,
     syntax_problems,
     uses_measured,
     validate_overrides,
@@ -327,7 +327,7 @@ def precheck(overrides: list[str], multirun: bool) -> None:
                 problems.append(p)
             else:
                 problems.append(Problem(f"[{label}] {p.field}" if len(jobs) > 1 else p.field, p.given, p.allowed))
-    problems += hydra_group_problems([o for o in overrides if _is_hydra_override(o)])
+    problems += hydra_problems([o for o in overrides if _is_hydra_override(o)])
     if problems:
         raise ConfigError(_dedupe(problems))
 

@@ -219,24 +219,27 @@ def options_having(key: str) -> list[str]:
     return own or owners
 
 
-def hydra_group_problems(overrides: list[str]) -> list[Problem]:
-    """The options of Hydra's own groups (``hydra/launcher=joblib``) on the command line that
-    Hydra has not, as problems (Hydra would refuse them once started, with its own words)."""
+def hydra_problems(overrides: list[str]) -> list[Problem]:
+    """Hydra's own settings and groups on the command line (``hydra/launcher=joblib``,
+    ``hydra.job.chdir=...``) that Hydra would refuse once started (exit 1, its own words), or
+    that pcpflow does not take, as problems."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import MissingConfigException
 
     problems = []
     for o in overrides:
         key, _, value = o.lstrip("+~").partition("=")
-        if not key.startswith("hydra/"):
-            continue
         try:
             with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-                compose(config_name="config", overrides=[o], return_hydra_config=True)
+                cfg = compose(config_name="config", overrides=[o], return_hydra_config=True)
         except MissingConfigException as exc:
             problems.append(Problem(key, value, allowed_choices(value, exc.options or [])))
         except Exception as exc:  # Hydra raises many types; all mean this override
-            problems.append(Problem(key, value, str(exc).strip().splitlines()[0]))
+            problems.append(Problem(key, _given(key, [o]), str(exc.__cause__ or exc).strip().splitlines()[0]))
+        else:
+            if key == "hydra.job.chdir" and cfg.hydra.job.chdir:
+                problems.append(Problem(key, True, "false: pcpflow runs where it is started (the paths a command "
+                                        "gives are read from there) and writes into the run dir either way"))
     return problems
 
 

@@ -312,6 +312,23 @@ def test_an_option_of_hydras_own_groups_hydra_has_not_is_a_problem_named():
     assert r.returncode == 2 and "- hydra/launcher: got 'jobllib'; allowed: basic, joblib (did you mean 'joblib'?)" in r.stderr
 
 
+def test_hydras_own_settings_it_would_refuse_or_pcpflow_does_not_take_are_problems_named(tmp_path, monkeypatch):
+    """Hydra refused them once started (exit 1, a message over several lines); hydra.job.chdir=true
+    ran the job in the run dir, where the command's relative paths do not lead (the trace below
+    was looked for under the run dir)."""
+    r = cli("hydra.nope=1", "hydra.job.chdir=maybe", f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and r.stderr.splitlines()[1:] == [
+        "  - hydra.nope: got 1; Key 'nope' not in 'HydraConf'",
+        "  - hydra.job.chdir: got 'maybe'; Value 'maybe' is not a valid bool (type str)",
+    ], r.stderr
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the repository, where the trace's path leads
+    r = cli("hydra.job.chdir=true", "workload=trace", "workload.path=scripts/data/mooncake_conversation_head.jsonl",
+            f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and r.stderr.splitlines()[1:] == [
+        "  - hydra.job.chdir: got True; false: pcpflow runs where it is started (the paths a command gives are read "
+        "from there) and writes into the run dir either way"], r.stderr
+
+
 @pytest.mark.parametrize("error, said", [
     (ValueError("too many fds"), "ValueError: too many fds"),  # multiprocessing's fork server's own limit
     # an OS error that is not the run dir's: sendmsg's EINVAL past Linux's 253 descriptors, a file elsewhere
