@@ -395,7 +395,7 @@ NO_DRAFTING = "a setting of mode=execute: mode=profile measures the shipped engi
     # the drafter's settings are the same problem, said once
     (["draft=dspark", "draft.num_speculative_tokens=5", "draft.block_attention=sideways"], "draft", "'dspark'"),
     # a drafter's key without one: not "add draft=dspark", which would be refused in turn
-    (["draft.num_speculative_tokens=3"], "draft.num_speculative_tokens", "'3'"),
+    (["draft.num_speculative_tokens=3"], "draft.num_speculative_tokens", "3"),
     (["pipeline.draft.kind=self"], "pipeline.draft.kind", "'self'"),
     # a plugin's drafter: the plugins refused, and the drafter (not as a stage that is not pcpflow's own)
     (["plugins=[pcpflow_test_plugins.toy_drafter]", "pipeline.draft.kind=toy_repeat"], "pipeline.draft.kind", "'toy_repeat'"),
