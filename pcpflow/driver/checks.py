@@ -265,6 +265,10 @@ def capacity_warnings(cfg: Any) -> list[str]:
     ranks = f"tp*pcp = {cfg.world_size} ranks"
     if cfg.disagg.enabled:
         ranks = f"{cfg.world_size} ranks ({cfg.grid.world_size} prefill + {cfg.world_size - cfg.grid.world_size} decode)"
+    unbound = []
+    if cfg.cpu_bind == "cores" and want > cores:  # NOTE: the ranks start unbound (rank_cores), whatever the device
+        unbound = [f"cpu_bind=cores: {ranks} x threads_per_rank={cfg.threads_per_rank} need {want} cores of their own, "
+                   f"this job may use {cores}: the OS places the threads (metrics.cpu_cores: null)"]
     device = getattr(cfg, "device", "auto")
     if device != "cpu":
         try:
@@ -272,12 +276,12 @@ def capacity_warnings(cfg: Any) -> list[str]:
 
             if torch.cuda.is_available():
                 gpus = torch.cuda.device_count()
-                return [] if cfg.world_size <= gpus else [f"{ranks} on {gpus} GPU(s): ranks share devices"]
+                return unbound + ([] if cfg.world_size <= gpus else [f"{ranks} on {gpus} GPU(s): ranks share devices"])
         except Exception:
             pass
     if want > 4 * cores:
-        return [
+        return unbound + [
             f"{ranks} x threads_per_rank={cfg.threads_per_rank} on {cores} CPU core(s): "
             f"the run will be slow (each rank gets {cores / want:.2f} core); step times do not measure the layout"
         ]
-    return []
+    return unbound

@@ -468,6 +468,12 @@ def test_more_ranks_than_cores_warns():
     pools = compose(["disagg=pd", f"pcp={4 * cores}", "disagg.decode_pool.tp=2", "disagg.decode_pool.pcp=2"])
     (warning,) = capacity_warnings(pools.model_copy(update={"device": "cpu"}))
     assert f"{4 * cores + 4} ranks ({4 * cores} prefill + 4 decode)" in warning and "tp*pcp" not in warning
+    # cpu_bind=cores asks for cores of their own: where the ranks do not fit, they run unbound, and it says so
+    assert capacity_warnings(compose(["pcp=1", "cpu_bind=cores"]).model_copy(update={"device": "cpu"})) == []
+    over = compose(["pcp=1", "cpu_bind=cores"]).model_copy(update={"pcp": cores + 1, "device": "cpu"})
+    assert capacity_warnings(over) == [f"cpu_bind=cores: tp*pcp = {cores + 1} ranks x threads_per_rank=1 need "
+                                       f"{cores + 1} cores of their own, this job may use {cores}: the OS places the "
+                                       "threads (metrics.cpu_cores: null)"]
 
 
 def test_sweep_report_flags_a_truncated_result_and_reports_the_rest(tmp_path):
