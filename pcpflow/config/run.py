@@ -182,8 +182,8 @@ class RunConfig(Settings):
     startup_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="start-up (model load, reference build) may take this long on any rank "
-        "before the job fails naming the rank that did not finish it",
+        description="ranks that finished start-up (model load, reference build) wait this long for "
+        "the others; a rank not done by then is named and the job fails",
     )
     dcp_comm_backend: Literal["ag_rs", "a2a"] = Field(
         "ag_rs",
