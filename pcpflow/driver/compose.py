@@ -226,12 +226,14 @@ def hydra_problems(overrides: list[str]) -> list[Problem]:
     from hydra import compose, initialize_config_dir
     from hydra.errors import MissingConfigException
 
-    problems = []
-    for o in overrides:
+    problems: list[Problem] = []
+    groups = [o for o in overrides if _key(o).startswith("hydra/")]
+    for o in [*groups, *(o for o in overrides if o not in groups)]:  # NOTE: a setting with the groups that hold it
         key, _, value = o.lstrip("+~").partition("=")
+        given = [o] if o in groups else [g for g in groups if not any(p.field == _key(g) for p in problems)] + [o]
         try:
             with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-                cfg = compose(config_name="config", overrides=[o], return_hydra_config=True)
+                cfg = compose(config_name="config", overrides=given, return_hydra_config=True)
         except MissingConfigException as exc:
             problems.append(Problem(key, value, allowed_choices(value, exc.options or [])))
         except Exception as exc:  # Hydra raises many types; all mean this override

@@ -321,6 +321,13 @@ def test_hydras_own_settings_it_would_refuse_or_pcpflow_does_not_take_are_proble
         "  - hydra.nope: got 1; Key 'nope' not in 'HydraConf'",
         "  - hydra.job.chdir: got 'maybe'; Value 'maybe' is not a valid bool (type str)",
     ], r.stderr
+    # a launcher's setting is checked against the launcher the command picks
+    r = cli("-m", "pcp=1,2", "hydra/launcher=joblib", "hydra.launcher.n_jobs=abc", "hydra.launcher.nope=1",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 2 and r.stderr.splitlines()[1:] == [
+        "  - hydra.launcher.n_jobs: got 'abc'; Value 'abc' of type 'str' could not be converted to Integer",
+        "  - hydra.launcher.nope: got 1; Key 'nope' not in 'JobLibLauncherConf'",
+    ], r.stderr
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the repository, where the trace's path leads
     r = cli("hydra.job.chdir=true", "workload=trace", "workload.path=scripts/data/mooncake_conversation_head.jsonl",
             f"hydra.run.dir={tmp_path / 'run'}")
