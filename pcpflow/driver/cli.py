@@ -128,7 +128,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
             return EXIT_INVALID_CONFIG
     argv = with_measured_overrides(argv)
     if no_run and _shows_job(argv) and uses_measured(overrides):
-        return _print_job(overrides)
+        return _print_job(overrides, _flag_value(argv, ("--package", "-p")))
     return run_hydra(argv)
 
 
@@ -145,15 +145,29 @@ def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
 def _check_package(argv: list[str], overrides: list[str]) -> None:
     """``--cfg job -p PACKAGE`` shows a part of the config that exists (Hydra: exit 1)."""
     package = _flag_value(argv, ("--package", "-p"))
-    if package is None or _flag_value(argv, ("--cfg", "-c")) != "job":
-        return
-    node: Any = compose_raw([o for o in overrides if not _is_hydra_override(o)])
+    if package is not None and _flag_value(argv, ("--cfg", "-c")) == "job":
+        _package_of(_job_config(overrides), package)
+
+
+def _job_config(overrides: list[str]) -> dict[str, Any]:
+    """What ``--cfg job`` shows: the composed job, a measured profile's values under ``hardware``."""
+    raw = compose_raw([o for o in overrides if not _is_hydra_override(o)])
+    if not uses_measured(overrides):
+        return raw
+    from pcpflow.driver.job import load_measured_hardware
+
+    return load_measured_hardware(raw)
+
+
+def _package_of(node: Any, package: str) -> Any:
+    """The part of ``node`` at the dotted ``package`` (``_global_``: all of it), or a problem naming it."""
     for part in [p for p in package.split(".") if p and p != "_global_"]:
         if not isinstance(node, dict) or part not in node:
             inside = ", ".join(sorted(node)) if isinstance(node, dict) else "none (a value)"
             raise ConfigError([Problem("--package", package, f"a key of the job's config; at {part!r} its keys "
                                        f"are: {inside}")])
         node = node[part]
+    return node
 
 
 _OWN_CONFIG = {
@@ -215,15 +229,13 @@ def _shows_job(argv: list[str]) -> bool:
     return False
 
 
-def _print_job(overrides: list[str]) -> int:
-    """``--cfg job`` with ``hardware=measured``: the job's config with the profile's values
-    loaded under ``hardware`` (Hydra itself composes only the file's path)."""
+def _print_job(overrides: list[str], package: str | None) -> int:
+    """``--cfg job [-p PACKAGE]`` with ``hardware=measured``: the job's config with the profile's
+    values loaded under ``hardware`` (Hydra itself composes only the file's path)."""
     from omegaconf import OmegaConf
 
-    from pcpflow.driver.job import load_measured_hardware
-
-    raw = load_measured_hardware(compose_raw([o for o in overrides if not _is_hydra_override(o)]))
-    print(OmegaConf.to_yaml(OmegaConf.create(raw)), end="")
+    node = _package_of(_job_config(overrides), package or "")
+    print(OmegaConf.to_yaml(OmegaConf.create(node)) if isinstance(node, dict) else node, end="" if isinstance(node, dict) else "\n")
     return EXIT_OK
 
 

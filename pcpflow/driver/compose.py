@@ -152,7 +152,7 @@ def with_measured_overrides(args: list[str]) -> list[str]:
     of it (``++``) instead of overriding keys ``conf/hardware/measured.yaml`` does not have."""
     if not uses_measured(args):
         return args
-    return [f"++{a}" if a[:1] not in "+~-" and _key(a).startswith("hardware.") and _key(a) != "hardware.path"
+    return [f"++{a}" if a[:1] not in "+~-" and "=" in a and _key(a).startswith("hardware.") and _key(a) != "hardware.path"
             else a for a in args]
 
 

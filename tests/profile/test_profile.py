@@ -49,6 +49,13 @@ def test_cfg_job_shows_the_loaded_values(profile_path):
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
     assert shown["hardware"]["path"] == str(profile_path) and shown["hardware"]["tables"]["host"]["fixed_us"] == 1000
+    # a part of it (-p), from the loaded profile too; a key the loaded config lacks is bad input
+    r = cli("--cfg", "job", "-p", "hardware.tables.host", *SIM, f"hardware.path={profile_path}")
+    assert r.returncode == 0 and yaml.safe_load(r.stdout) == shown["hardware"]["tables"]["host"], r
+    r = cli("--cfg", "job", "-p", "hardware.tables.host.fixed_us", *SIM, f"hardware.path={profile_path}")
+    assert r.returncode == 0 and float(r.stdout) == 1000, r
+    r = cli("--cfg", "job", "-p", "hardware.tables.nope", *SIM, f"hardware.path={profile_path}")
+    assert r.returncode == 2 and "- --package: got 'hardware.tables.nope'; a key of the job's config; at 'nope'" in r.stderr
 
 
 @pytest.mark.parametrize("args, field, says", [
