@@ -145,7 +145,7 @@ def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
 def _check_package(argv: list[str], overrides: list[str]) -> None:
     """``--cfg job -p PACKAGE`` shows a part of the config that exists (Hydra: exit 1)."""
     package = _flag_value(argv, ("--package", "-p"))
-    if package is not None and _flag_value(argv, ("--cfg", "-c")) == "job":
+    if package is not None and _shows_job(argv):
         _package_of(_job_config(overrides), package)
 
 
@@ -222,11 +222,7 @@ def _shell_completion_problem(argv: list[str]) -> Problem | None:
 
 def _shows_job(argv: list[str]) -> bool:
     """``--cfg job`` (or ``-c job``), as Hydra reads it."""
-    for i, a in enumerate(argv):
-        flag, _, value = a.partition("=")
-        if flag in ("--cfg", "-c"):
-            return (value or (argv[i + 1] if i + 1 < len(argv) else "")) == "job"
-    return False
+    return _flag_value(argv, ("--cfg", "-c")) == "job"
 
 
 def _print_job(overrides: list[str], package: str | None) -> int:
