@@ -237,7 +237,10 @@ def hydra_problems(overrides: list[str]) -> list[Problem]:
         except MissingConfigException as exc:
             problems.append(Problem(key, value, allowed_choices(value, exc.options or [])))
         except Exception as exc:  # Hydra raises many types; all mean this override
-            problems.append(Problem(key, _given(key, [o]), str(exc.__cause__ or exc).strip().splitlines()[0]))
+            reason = str(exc.__cause__ or exc).strip().splitlines()[0]
+            if key.split(".")[:3] == ["hydra", "sweeper", "params"]:  # None in Hydra's config: no override reaches it
+                reason = f"the sweep itself, after -m: -m pcp=1,2 dcp=1,2 (Hydra cannot set {key} from the command line)"
+            problems.append(Problem(key, _given(key, [o]), reason))
         else:
             if key == "hydra.job.chdir" and cfg.hydra.job.chdir:
                 problems.append(Problem(key, True, "false: pcpflow runs where it is started (the paths a command "

@@ -328,6 +328,11 @@ def test_hydras_own_settings_it_would_refuse_or_pcpflow_does_not_take_are_proble
         "  - hydra.launcher.n_jobs: got 'abc'; Value 'abc' of type 'str' could not be converted to Integer",
         "  - hydra.launcher.nope: got 1; Key 'nope' not in 'JobLibLauncherConf'",
     ], r.stderr
+    # Hydra itself cannot set its sweeper's params from the command line ('NoneType' object has no attribute 'get')
+    r = cli("-m", 'hydra.sweeper.params={pcp:"1,2"}', f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 2 and r.stderr.splitlines()[1:] == [
+        "  - hydra.sweeper.params: got {'pcp': '1,2'}; the sweep itself, after -m: -m pcp=1,2 dcp=1,2 (Hydra cannot "
+        "set hydra.sweeper.params from the command line)"], r.stderr
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the repository, where the trace's path leads
     r = cli("hydra.job.chdir=true", "workload=trace", "workload.path=scripts/data/mooncake_conversation_head.jsonl",
             f"hydra.run.dir={tmp_path / 'run'}")
