@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pcpflow.driver.compose import (
+    SWEEP_NEEDS_MULTIRUN,
     compose_raw,
     hydra_problems,
     syntax_problems,
@@ -91,19 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], run_dir: list[Path]) -> int:
     """``run_dir`` receives the run dir a single run will use, as soon as it is known."""
     _PLANNED_JOBS.clear()
-    if "--help" in argv or "-h" in argv:
-        from pcpflow.driver.help import help_text
-
-        print(help_text())
-        return EXIT_OK
-    if "--version" in argv:  # NOTE: pcpflow's, and what it runs on (Hydra would print its own)
-        import hydra
-        import torch
-
-        from pcpflow import __version__
-
-        print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
-              f"python {sys.version.split()[0]})")
+    if _help_or_version(argv):
         return EXIT_OK
     if problems := _hydra_flag_problems(argv):
         print(ConfigError(problems).report(), file=sys.stderr)
@@ -130,6 +119,25 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
     if no_run and _shows_job(argv) and uses_measured(overrides):
         return _print_job(overrides, _flag_value(argv, ("--package", "-p")))
     return run_hydra(argv)
+
+
+def _help_or_version(argv: list[str]) -> bool:
+    """``--help`` / ``--version``: pcpflow's own (Hydra's would describe its app), printed."""
+    if "--help" in argv or "-h" in argv:
+        from pcpflow.driver.help import help_text
+
+        print(help_text())
+        return True
+    if "--version" in argv:  # NOTE: pcpflow's, and what it runs on (Hydra would print its own)
+        import hydra
+        import torch
+
+        from pcpflow import __version__
+
+        print(f"pcpflow {__version__} (torch {torch.__version__}, hydra {hydra.__version__}, "
+              f"python {sys.version.split()[0]})")
+        return True
+    return False
 
 
 def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
@@ -306,13 +314,12 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         raise ConfigError(list(syntax_problems(ours).values())) from None
     choices: list[list[str]] = []
     swept: list[bool] = []
+    problems: list[Problem] = []
     for o in parsed:
+        if o.is_sweep_override() and not multirun:  # NOTE: said, and each job it would sweep still checked
+            problems.append(Problem(o.get_key_element(), o.input_line.split("=", 1)[-1], SWEEP_NEEDS_MULTIRUN))
         swept.append(o.is_sweep_override())
         if o.is_sweep_override():
-            if not multirun:
-                raise ConfigError(
-                    [Problem(o.get_key_element(), o.input_line.split("=", 1)[-1], "a sweep of values needs -m / --multirun")]
-                )
             choices.append([_override_line(o, v) for v in o.sweep_string_iterator()])
         else:
             choices.append([o.input_line])
@@ -327,7 +334,6 @@ def precheck(overrides: list[str], multirun: bool) -> None:
             found.append(exc.problems)
     # A problem every job has is said once; the others name their job by its swept values.
     everywhere = set.intersection(*(set(map(str, f)) for f in found)) if len(jobs) > 1 else set()
-    problems: list[Problem] = []
     for job, job_problems in zip(jobs, found):
         label = " ".join(o for o, is_swept in zip(job, swept) if is_swept)
         for p in job_problems:
@@ -456,12 +462,16 @@ def torchrun_main(argv: list[str]) -> int:
     rank 0 composes and checks the config, every rank runs the engine."""
     from pcpflow.rank.bootstrap import torchrun_rank
 
+    if {"--help", "-h", "--version"} & set(argv):  # NOTE: said once, by rank 0; no rank starts a job
+        if os.environ["RANK"] == "0":
+            _help_or_version(argv)
+        return EXIT_OK
     overrides, multirun, _ = split_args(argv)
     world = int(os.environ["WORLD_SIZE"])
     job: dict[str, Any] = {}  # rank 0's: the job it prepared
 
     def prepare() -> dict[str, Any]:
-        job.update(_torchrun_job(overrides, multirun, world))
+        job.update(_torchrun_job(argv, overrides, multirun, world))
         return job
 
     code = torchrun_rank(prepare)
@@ -495,7 +505,26 @@ def _torchrun_plots(job: dict[str, Any], code: int) -> int:
     return code
 
 
-def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
+def _torchrun_flag_problems(argv: list[str], multirun: bool) -> list[Problem]:
+    """Hydra's flags, where Hydra does not run (torchrun starts the ranks of one run): each a
+    problem, with the command that does it."""
+    problems = [Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")
+                ] if multirun else []
+    hydra_flags = _FLAGS_WITH_VALUE | _NO_RUN_FLAGS | set(_COMMANDS) | set(_COMMANDS.values())
+    for a in argv:
+        flag = a.partition("=")[0]
+        if not a.startswith("-") or flag in ("-m", "--multirun", "-r", "--run"):  # NOTE: --run: what a rank does
+            continue
+        if flag in hydra_flags:
+            given = _flag_value(argv, (flag,)) if flag in _FLAGS_WITH_VALUE else True
+            problems.append(Problem(flag, given, f"not available under torchrun (Hydra does not run there): "
+                                    f"python -m pcpflow {flag} ... does it"))
+        else:
+            problems.append(Problem(flag, True, "not a flag of pcpflow: key=value overrides (python -m pcpflow --help)"))
+    return problems
+
+
+def _torchrun_job(argv: list[str], overrides: list[str], multirun: bool, world: int) -> dict[str, Any]:
     from pcpflow.driver.checks import check_run_dir
     from pcpflow.output.rundir import (
         discard_result,
@@ -506,14 +535,19 @@ def _torchrun_job(overrides: list[str], multirun: bool, world: int) -> dict[str,
 
     run_dir = None
     try:
-        if multirun:
-            raise ConfigError([Problem("--multirun", True, "not available under torchrun; run sweeps with python -m pcpflow -m")])
+        problems = _torchrun_flag_problems(argv, multirun)
         run_dir = planned_run_dir(overrides)
         check_run_dir(run_dir)
         mode = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("mode=")), None)
         if mode in ONE_PROCESS:  # NOTE: torchrun's ranks run the engine: an executed run, whatever else the config says
-            raise ConfigError([Problem("mode", mode, f"{ONE_PROCESS[mode]}: python -m pcpflow mode={mode} ...; "
-                                       "torchrun starts the ranks of an executed run (mode=execute)")])
+            raise ConfigError([*problems, Problem("mode", mode, f"{ONE_PROCESS[mode]}: python -m pcpflow mode={mode} ...; "
+                                                  "torchrun starts the ranks of an executed run (mode=execute)")])
+        try:  # NOTE: the driver's own check: the same problems in the same words, Hydra's settings too
+            precheck(overrides, multirun)
+        except ConfigError as exc:
+            problems += exc.problems
+        if problems:
+            raise ConfigError(problems)
         cfg = validate_overrides([o for o in overrides if not _is_hydra_override(o)])
         if cfg.world_size != world:
             ranks = (f"tp*pcp = {cfg.world_size}" if not cfg.disagg.enabled else

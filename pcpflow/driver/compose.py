@@ -116,6 +116,19 @@ def syntax_problems(overrides: list[str]) -> dict[str, Problem]:
     return problems
 
 
+SWEEP_NEEDS_MULTIRUN = "a sweep of values needs -m / --multirun"
+
+
+def _sweep_problems(overrides: list[str]) -> dict[str, Problem]:
+    """Each sweep of values (``pcp=1,2``) where one job is composed (Hydra: "Ambiguous value",
+    naming the whole command line)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    return {o: Problem(parsed.get_key_element(), o.split("=", 1)[-1], SWEEP_NEEDS_MULTIRUN)
+            for o in overrides for parsed in parser.parse_overrides([o]) if parsed.is_sweep_override()}
+
+
 def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[dict[str, Any] | None, list[Problem]]:
     """The composed dict (None if nothing could be composed) and the overrides that could
     not be placed, as problems; those overrides are left out of the dict."""
@@ -124,6 +137,7 @@ def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[
 
     problems, kept = _check_groups(with_measured_overrides(overrides))
     refused = syntax_problems(kept)
+    refused.update(_sweep_problems([o for o in kept if o not in refused]))
     problems += refused.values()
     kept = [o for o in kept if o not in refused]
     for _ in range(len(kept) + 1):

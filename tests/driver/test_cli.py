@@ -346,27 +346,54 @@ def test_a_torchrun_run_dir_holds_the_plots_a_run_dir_holds(tmp_path):
     ["workload.prompt_lens=[5]"],  # a key of another option of its group names that option
     ["draft=mtp", "pipeline.draft.num_speculative_tokens=3"],  # the drafter's own override
     ["workload.prompt_lens=[5]", "pcp=0", "dtype=bf16"],  # a key Hydra cannot place and bad values, together
+    ["pcp=1,2", "dcp=0"],  # a sweep without -m (rank 0 named the whole command line, and said nothing else)
+    ["hydra.nope=1", "hydra.job.chdir=true", "pcp=0"],  # Hydra's own settings (they were dropped unread)
 ])
 def test_torchrun_refuses_a_command_as_python_m_pcpflow_does(tmp_path, monkeypatch, args):
     """Rank 0 of an external launch composes and checks the config as the driver does: the same
     problems, the same words. One rank with torch's variables (as srun starts it), in this process:
     a refused config starts no process group."""
-    import socket
-
     run_dir = tmp_path / "run"
     code, driver = cli(*args, f"hydra.run.dir={run_dir}")
     assert code == 2 and not run_dir.exists(), driver
+    _one_rank_of_torchrun(monkeypatch)
+    code, rank = cli(*args, f"hydra.run.dir={run_dir}")
+    assert code == 2, rank
+    problems = [ln for ln in driver.splitlines() if ln.startswith("  - ")]
+    assert problems and problems == [ln for ln in rank.splitlines() if ln.startswith("  - ")], rank
+    assert json.loads((run_dir / "result.json").read_text())["exit_code"] == 2  # rank 0 records it in the run dir
+
+
+def _one_rank_of_torchrun(monkeypatch) -> None:
+    """This process as rank 0 of a world of one, as torchrun / srun start it."""
+    import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(key, value)
-    code, rank = cli(*args, f"hydra.run.dir={run_dir}")
-    assert code == 2, rank
-    problems = [ln for ln in driver.splitlines() if ln.startswith("  - ")]
-    assert problems and problems == [ln for ln in rank.splitlines() if ln.startswith("  - ")], rank
-    assert json.loads((run_dir / "result.json").read_text())["exit_code"] == 2  # rank 0 records it in the run dir
+
+
+def test_hydras_flags_under_torchrun_are_refused_or_answered_not_dropped(tmp_path, monkeypatch):
+    """Hydra does not run on torchrun's ranks: its flags were dropped and a job ran
+    (``torchrun ... -m pcpflow --cfg job`` ran the default job, ``--help`` too, ``--foo`` was
+    not read). Now each flag is a problem naming the command that does it, beside the
+    config's problems; --help and --version are answered, and no job starts."""
+    _one_rank_of_torchrun(monkeypatch)
+    run_dir = tmp_path / "run"
+    code, err = cli("--cfg", "job", "-p", "kv", "--foo", "pcp=0", f"hydra.run.dir={run_dir}")
+    assert code == 2 and err.splitlines()[1:] == [
+        "  - --cfg: got 'job'; not available under torchrun (Hydra does not run there): python -m pcpflow --cfg ... does it",
+        "  - -p: got 'kv'; not available under torchrun (Hydra does not run there): python -m pcpflow -p ... does it",
+        "  - --foo: got True; not a flag of pcpflow: key=value overrides (python -m pcpflow --help)",
+        "  - pcp: got 0; Input should be greater than or equal to 1",
+    ], err
+    assert json.loads((run_dir / "result.json").read_text())["exit_code"] == 2
+    for flag, says in (("--help", "usage:"), ("--version", "pcpflow ")):
+        r = in_process(flag, f"hydra.run.dir={tmp_path / flag}")
+        assert r.returncode == 0 and says in r.stdout and not (tmp_path / flag).exists(), r.stdout + r.stderr
 
 
 # ------------------------------------------------------------------------------ run dirs
