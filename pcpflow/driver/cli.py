@@ -308,13 +308,15 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     from hydra.errors import OverrideParseException
 
     ours = [o for o in overrides if not _is_hydra_override(o)]
+    problems: list[Problem] = []
     try:
         parsed = OverridesParser.create().parse_overrides(ours)
-    except OverrideParseException:
-        raise ConfigError(list(syntax_problems(ours).values())) from None
+    except OverrideParseException:  # NOTE: each one named; the rest of the command still checked
+        refused = syntax_problems(ours)
+        problems += refused.values()
+        parsed = OverridesParser.create().parse_overrides([o for o in ours if o not in refused])
     choices: list[list[str]] = []
     swept: list[bool] = []
-    problems: list[Problem] = []
     for o in parsed:
         if o.is_sweep_override() and not multirun:  # NOTE: said, and each job it would sweep still checked
             problems.append(Problem(o.get_key_element(), o.input_line.split("=", 1)[-1], SWEEP_NEEDS_MULTIRUN))

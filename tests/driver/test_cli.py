@@ -191,14 +191,15 @@ def test_cfg_package_and_hydra_commands_refused_as_bad_input():
 def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
     """Hydra's grammar refuses an override: the problem names its key and what it got, Hydra's
     reason on the same line (it reported the whole command line, over two or three lines)."""
-    code, err = cli("workload=explicit", "workload.prompt_lens=[1,2", "tp=2", "pcp", "dcp=1)")
+    code, err = cli("workload=explicit", "workload.prompt_lens=[1,2", "tp=2", "pcp", "dcp=1)", "tp=x")
     grammar = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
     assert code == 2 and err.splitlines() == [
-        "pcpflow: invalid configuration (3 problem(s)):",
+        "pcpflow: invalid configuration (4 problem(s)):",
         "  - workload.prompt_lens: got '[1,2'; a value in Hydra's override grammar (no viable alternative at "
         f"input '[1,2'; {grammar})",
         f"  - pcp: got 'pcp'; key=value in Hydra's override grammar (missing EQUAL at '<EOF>'; {grammar})",
         f"  - dcp: got '1)'; a value in Hydra's override grammar (extraneous input ')' expecting <EOF>; {grammar})",
+        "  - tp: got 'x'; Input should be a valid integer, unable to parse string as an integer",  # the rest still checked
     ], err
     # composed where no command line was prechecked (torchrun's rank 0): listed beside the other problems
     with pytest.raises(ConfigError) as exc:
