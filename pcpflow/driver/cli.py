@@ -196,7 +196,18 @@ def _hydra_flag_problems(argv: list[str]) -> list[Problem]:
                 for long, short in _OWN_CONFIG.items() if flags & {long, short}]
     if "--resolve" in flags and not flags & {"--cfg", "-c", "--help", "-h"}:
         problems.append(Problem("--resolve", True, "only with --cfg (it resolves the config --cfg shows)"))
+    for (long, short), (choices, optional) in _CHOICE_FLAGS.items():
+        value = _flag_value(argv, (long, short)) if flags & {long, short} else None
+        if value is not None and value not in choices and not (optional and value[:1] in ("", "-")):
+            problems.append(Problem(long, value, f"one of {', '.join(choices)}: the word after {long} is its value, "
+                                    f"the overrides follow it ({long} {choices[0]} pcp=2)"))
     return [p for p in (*problems, _one_command_problem(argv), _shell_completion_problem(argv)) if p]
+
+
+_CHOICE_FLAGS = {("--cfg", "-c"): (("job", "hydra", "all"), False),
+                 ("--info", "-i"): (("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"), True)}
+"""Hydra's flags with a fixed choice (argparse: an error and its usage over a dozen lines), and
+whether the value may be left out."""
 
 
 _COMMANDS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}

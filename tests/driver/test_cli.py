@@ -186,6 +186,17 @@ def test_cfg_package_and_hydra_commands_refused_as_bad_input():
         "hardware.path=FILE, stages: plugins=[module] (docs/writing-stages.md), any setting: key=value",
         "  - --resolve: got True; only with --cfg (it resolves the config --cfg shows)",
     ], err
+    # a value outside a flag's choices (argparse: its error under a dozen lines of usage); --info's may be left out
+    code, err = cli("--info", "pcp=2")
+    assert code == 2 and err.splitlines()[1:] == [
+        "  - --info: got 'pcp=2'; one of all, config, defaults, defaults-tree, plugins, searchpath: the word after "
+        "--info is its value, the overrides follow it (--info all pcp=2)"], err
+    code, err = cli("--cfg=jobs")
+    assert code == 2 and err.splitlines()[1:] == [
+        "  - --cfg: got 'jobs'; one of job, hydra, all: the word after --cfg is its value, the overrides follow it "
+        "(--cfg job pcp=2)"], err
+    r = in_process("pcp=2", "--info")
+    assert r.returncode == 0 and "mode: execute" in r.stdout, r
 
 
 def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
