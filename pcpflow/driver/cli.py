@@ -141,13 +141,20 @@ def _help_or_version(argv: list[str]) -> bool:
 
 
 def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
-    """The last value given to a flag (``-p kv`` or ``--package=kv``)."""
+    """The last value given to a flag (``-p kv`` or ``--package=kv``; ``''``: none where one is
+    needed; None: not given, or ``--info`` without one)."""
     value = None
     for i, a in enumerate(argv):
         name, eq, v = a.partition("=")
         if name in names:
-            value = v if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            value = v if eq else (following if _takes_next(a, following) else
+                                  None if _optional(name) else "")
     return value
+
+
+def _optional(flag: str) -> bool:
+    return any(flag in pair and opt for pair, (_, opt) in _CHOICE_FLAGS.items())
 
 
 def _check_package(argv: list[str], overrides: list[str]) -> None:
@@ -198,16 +205,27 @@ def _hydra_flag_problems(argv: list[str]) -> list[Problem]:
         problems.append(Problem("--resolve", True, "only with --cfg (it resolves the config --cfg shows)"))
     for (long, short), (choices, optional) in _CHOICE_FLAGS.items():
         value = _flag_value(argv, (long, short)) if flags & {long, short} else None
-        if value is not None and value not in choices and not (optional and value[:1] in ("", "-")):
-            problems.append(Problem(long, value, f"one of {', '.join(choices)}: the word after {long} is its value, "
-                                    f"the overrides follow it ({long} {choices[0]} pcp=2)"))
+        if value is not None and value not in choices:
+            order = "" if optional else f": the word after {long} is its value ({long} {choices[0]} pcp=2)"
+            problems.append(Problem(long, value, f"one of {', '.join(choices)}{order}"))
     return [p for p in (*problems, _one_command_problem(argv), _shell_completion_problem(argv)) if p]
 
 
 _CHOICE_FLAGS = {("--cfg", "-c"): (("job", "hydra", "all"), False),
                  ("--info", "-i"): (("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"), True)}
 """Hydra's flags with a fixed choice (argparse: an error and its usage over a dozen lines), and
-whether the value may be left out."""
+whether the value may be left out (then only one of the choices is taken for it)."""
+
+
+def _takes_next(arg: str, following: str | None) -> bool:
+    """Whether flag ``arg`` takes the word after it as its value: ``--cfg job``, ``-p kv``;
+    ``--info`` only a word of its choices (``pcp=2 --info config``; ``--info pcp=2`` is
+    ``--info`` and an override). ``--cfg=job`` holds its own."""
+    if arg not in _FLAGS_WITH_VALUE or following is None:
+        return False
+    optional = next((choices for (long, short), (choices, opt) in _CHOICE_FLAGS.items()
+                     if arg in (long, short) and opt), None)
+    return optional is None or following in optional
 
 
 _COMMANDS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}
@@ -297,16 +315,15 @@ def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
     """(config overrides, is multirun, is a Hydra info command that runs no job)."""
     overrides, skip = [], False
     multirun = no_run = False
-    for arg in argv:
+    for arg, following in zip(argv, [*argv[1:], None]):
         if skip:
             skip = False
             continue
         if arg in ("-m", "--multirun"):
             multirun = True
         elif arg.startswith("-"):
-            flag = arg.split("=", 1)[0]
-            no_run |= flag in _NO_RUN_FLAGS
-            skip = flag in _FLAGS_WITH_VALUE and "=" not in arg
+            no_run |= arg.split("=", 1)[0] in _NO_RUN_FLAGS
+            skip = _takes_next(arg, following)
         else:
             overrides.append(arg)
     return overrides, multirun, no_run
@@ -379,6 +396,21 @@ def _dedupe(problems: list[Problem]) -> list[Problem]:
 _EXIT_CODES: list[int] = []
 
 
+def _overrides_first(argv: list[str]) -> list[str]:
+    """The overrides, then Hydra's flags with their values: Hydra's argparse reads the
+    overrides as one run of words, so ``pcp=4 -m dcp=1,4`` failed ("unrecognized arguments:
+    dcp=1,4"), and a valueless ``--info`` before an override takes it for its value. The flags'
+    meaning does not depend on where they stand."""
+    flags, overrides, value = [], [], False
+    for arg, following in zip(argv, [*argv[1:], None]):
+        if value or arg.startswith("-"):
+            flags.append(arg)
+            value = not value and _takes_next(arg, following)
+        else:
+            overrides.append(arg)
+    return overrides + flags
+
+
 def run_hydra(argv: list[str]) -> int:
     import hydra
 
@@ -387,7 +419,7 @@ def run_hydra(argv: list[str]) -> int:
     _EXIT_CODES.clear()
     forget_sweep()
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "pcpflow", *argv]
+    sys.argv = [saved[0] if saved else "pcpflow", *_overrides_first(argv)]
     started = time.time()
     try:
         hydra.main(config_path=conf_dir(), config_name="config", version_base=None)(_task)()
@@ -529,7 +561,7 @@ def _torchrun_flag_problems(argv: list[str], multirun: bool) -> list[Problem]:
         if not a.startswith("-") or flag in ("-m", "--multirun", "-r", "--run"):  # NOTE: --run: what a rank does
             continue
         if flag in hydra_flags:
-            given = _flag_value(argv, (flag,)) if flag in _FLAGS_WITH_VALUE else True
+            given = (_flag_value(argv, (flag,)) if flag in _FLAGS_WITH_VALUE else None) or True
             problems.append(Problem(flag, given, f"not available under torchrun (Hydra does not run there): "
                                     f"python -m pcpflow {flag} ... does it"))
         else:

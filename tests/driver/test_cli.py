@@ -186,17 +186,25 @@ def test_cfg_package_and_hydra_commands_refused_as_bad_input():
         "hardware.path=FILE, stages: plugins=[module] (docs/writing-stages.md), any setting: key=value",
         "  - --resolve: got True; only with --cfg (it resolves the config --cfg shows)",
     ], err
-    # a value outside a flag's choices (argparse: its error under a dozen lines of usage); --info's may be left out
-    code, err = cli("--info", "pcp=2")
+    # a value outside a flag's choices (argparse: its error under a dozen lines of usage)
+    code, err = cli("--cfg", "pcp=2")
     assert code == 2 and err.splitlines()[1:] == [
-        "  - --info: got 'pcp=2'; one of all, config, defaults, defaults-tree, plugins, searchpath: the word after "
-        "--info is its value, the overrides follow it (--info all pcp=2)"], err
-    code, err = cli("--cfg=jobs")
+        "  - --cfg: got 'pcp=2'; one of job, hydra, all: the word after --cfg is its value (--cfg job pcp=2)"], err
+    code, err = cli("--info=foo", "pcp=2")
     assert code == 2 and err.splitlines()[1:] == [
-        "  - --cfg: got 'jobs'; one of job, hydra, all: the word after --cfg is its value, the overrides follow it "
-        "(--cfg job pcp=2)"], err
-    r = in_process("pcp=2", "--info")
-    assert r.returncode == 0 and "mode: execute" in r.stdout, r
+        "  - --info: got 'foo'; one of all, config, defaults, defaults-tree, plugins, searchpath"], err
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["pcp=3", "--cfg", "job", "-p", "pcp", "dcp=3"], "3"),  # overrides on both sides of a flag
+    (["--info", "pcp=3"], "pcp: 3"),  # --info takes a word of its choices only
+    (["dcp=1", "--info", "config", "pcp=3"], "pcp: 3"),
+])
+def test_hydras_flags_stand_anywhere_among_the_overrides(args, shown):
+    """Hydra's argparse reads the overrides as one run of words ('unrecognized arguments: dcp=3'),
+    and a valueless --info took the override after it for its value ('invalid choice: pcp=3')."""
+    r = in_process(*args)
+    assert r.returncode == 0 and shown in r.stdout.splitlines(), r
 
 
 def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
