@@ -403,11 +403,15 @@ def _overrides_first(argv: list[str]) -> list[str]:
     meaning does not depend on where they stand."""
     flags, overrides, value = [], [], False
     for arg, following in zip(argv, [*argv[1:], None]):
+        if arg == "--":  # NOTE: argparse's end of its flags: the overrides come first, so it is not needed
+            continue
         if value or arg.startswith("-"):
             flags.append(arg)
             value = not value and _takes_next(arg, following)
         else:
             overrides.append(arg)
+    if "--hydra-help" in flags:  # NOTE: Hydra's help on Hydra: the job's overrides are not its (a traceback)
+        overrides = [o for o in overrides if _is_hydra_override(o)]
     return overrides + flags
 
 
@@ -558,7 +562,7 @@ def _torchrun_flag_problems(argv: list[str], multirun: bool) -> list[Problem]:
     hydra_flags = _FLAGS_WITH_VALUE | _NO_RUN_FLAGS | set(_COMMANDS) | set(_COMMANDS.values())
     for a in argv:
         flag = a.partition("=")[0]
-        if not a.startswith("-") or flag in ("-m", "--multirun", "-r", "--run"):  # NOTE: --run: what a rank does
+        if not a.startswith("-") or flag in ("-m", "--multirun", "-r", "--run", "--"):  # NOTE: --run: what a rank does
             continue
         if flag in hydra_flags:
             given = (_flag_value(argv, (flag,)) if flag in _FLAGS_WITH_VALUE else None) or True

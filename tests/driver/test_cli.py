@@ -199,12 +199,19 @@ def test_cfg_package_and_hydra_commands_refused_as_bad_input():
     (["pcp=3", "--cfg", "job", "-p", "pcp", "dcp=3"], "3"),  # overrides on both sides of a flag
     (["--info", "pcp=3"], "pcp: 3"),  # --info takes a word of its choices only
     (["dcp=1", "--info", "config", "pcp=3"], "pcp: 3"),
+    (["--cfg", "job", "-p", "pcp", "--", "pcp=3"], "3"),  # argparse's end of flags
 ])
 def test_hydras_flags_stand_anywhere_among_the_overrides(args, shown):
     """Hydra's argparse reads the overrides as one run of words ('unrecognized arguments: dcp=3'),
     and a valueless --info took the override after it for its value ('invalid choice: pcp=3')."""
     r = in_process(*args)
     assert r.returncode == 0 and shown in r.stdout.splitlines(), r
+
+
+def test_hydras_help_is_given_beside_a_jobs_overrides():
+    """Hydra's help on Hydra (its flags, its groups) with the job's override beside it: a traceback."""
+    r = pcpflow("--hydra-help", "pcp=3")
+    assert r.returncode == 0 and "== Flags ==" in r.stdout.splitlines(), r.stderr[-2000:]
 
 
 def test_an_override_hydra_refuses_is_named_by_its_key_on_one_line():
