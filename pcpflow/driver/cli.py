@@ -149,12 +149,8 @@ def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
         if name in names:
             following = argv[i + 1] if i + 1 < len(argv) else None
             value = v if eq else (following if _takes_next(a, following) else
-                                  None if _optional(name) else "")
+                                  None if _optional_choices(name) else "")
     return value
-
-
-def _optional(flag: str) -> bool:
-    return any(flag in pair and opt for pair, (_, opt) in _CHOICE_FLAGS.items())
 
 
 def _check_package(argv: list[str], overrides: list[str]) -> None:
@@ -223,9 +219,13 @@ def _takes_next(arg: str, following: str | None) -> bool:
     ``--info`` and an override). ``--cfg=job`` holds its own."""
     if arg not in _FLAGS_WITH_VALUE or following is None:
         return False
-    optional = next((choices for (long, short), (choices, opt) in _CHOICE_FLAGS.items()
-                     if arg in (long, short) and opt), None)
-    return optional is None or following in optional
+    choices = _optional_choices(arg)
+    return choices is None or following in choices
+
+
+def _optional_choices(flag: str) -> tuple[str, ...] | None:
+    """The choices of a flag whose value may be left out (``--info``); None for any other flag."""
+    return next((choices for pair, (choices, optional) in _CHOICE_FLAGS.items() if flag in pair and optional), None)
 
 
 _COMMANDS = {"--run": "-r", "--multirun": "-m", "--cfg": "-c", "--info": "-i", "--shell-completion": "-sc"}
