@@ -95,7 +95,7 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
     if _help_or_version(argv):
         return EXIT_OK
     if problems := _hydra_flag_problems(argv):
-        print(ConfigError(problems).report(), file=sys.stderr)
+        print(ConfigError(problems + _config_problems(argv)).report(), file=sys.stderr)
         return EXIT_INVALID_CONFIG
     argv = with_searched_groups(argv)
     overrides, multirun, no_run = split_args(argv)
@@ -119,6 +119,19 @@ def _main(argv: list[str], run_dir: list[Path]) -> int:
     if no_run and _shows_job(argv) and uses_measured(overrides):
         return _print_job(overrides, _flag_value(argv, ("--package", "-p")))
     return run_hydra(argv)
+
+
+def _config_problems(argv: list[str]) -> list[Problem]:
+    """The config's problems, listed beside the flags' (none where a config of one's own is named:
+    its overrides are not pcpflow's to check)."""
+    if any(a.partition("=")[0] in _OWN_CONFIG or a.partition("=")[0] in _OWN_CONFIG.values() for a in argv):
+        return []
+    overrides, multirun, _ = split_args(with_searched_groups(argv))
+    try:
+        precheck(overrides, multirun)
+    except ConfigError as exc:
+        return exc.problems
+    return []
 
 
 def _help_or_version(argv: list[str]) -> bool:
@@ -204,7 +217,34 @@ def _hydra_flag_problems(argv: list[str]) -> list[Problem]:
         if value is not None and value not in choices:
             order = "" if optional else f": the word after {long} is its value ({long} {choices[0]} pcp=2)"
             problems.append(Problem(long, value, f"one of {', '.join(choices)}{order}"))
+    problems += [Problem(flag, True, _NOT_A_FLAG + _near(flag)) for flag in _unknown_flags(argv)]
     return [p for p in (*problems, _one_command_problem(argv), _shell_completion_problem(argv)) if p]
+
+
+_KNOWN_FLAGS = _FLAGS_WITH_VALUE | _NO_RUN_FLAGS | {"--run", "-r", "--multirun", "-m", "--"}
+_NOT_A_FLAG = "not a flag of pcpflow: key=value overrides (python -m pcpflow --help)"
+
+
+def _unknown_flags(argv: list[str]) -> list[str]:
+    """The words that look like flags and are none of Hydra's (argparse printed its usage and
+    "unrecognized arguments"; a shortened ``--multi`` it took for ``--multirun``, unseen by the
+    precheck). A flag's value (``-p kv``) is not one."""
+    unknown, value = [], False
+    for arg, following in zip(argv, [*argv[1:], None]):
+        if not value and arg.startswith("-") and arg.partition("=")[0] not in _KNOWN_FLAGS:
+            unknown.append(arg.partition("=")[0])
+        value = not value and _takes_next(arg, following)
+    return list(dict.fromkeys(unknown))
+
+
+def _near(flag: str) -> str:
+    """``; did you mean --multirun?`` where a flag is close to one of Hydra's."""
+    import difflib
+
+    close = difflib.get_close_matches(flag, sorted(f for f in _KNOWN_FLAGS if f.startswith("--")), n=1, cutoff=0.75)
+    starts = [f for f in sorted(_KNOWN_FLAGS) if f.startswith("--") and len(flag) > 2 and f.startswith(flag)]
+    near = starts[:1] or close
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 _CHOICE_FLAGS = {("--cfg", "-c"): (("job", "hydra", "all"), False),
@@ -569,7 +609,7 @@ def _torchrun_flag_problems(argv: list[str], multirun: bool) -> list[Problem]:
             problems.append(Problem(flag, given, f"not available under torchrun (Hydra does not run there): "
                                     f"python -m pcpflow {flag} ... does it"))
         else:
-            problems.append(Problem(flag, True, "not a flag of pcpflow: key=value overrides (python -m pcpflow --help)"))
+            problems.append(Problem(flag, True, _NOT_A_FLAG + _near(flag)))
     return problems
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pcpflow.driver.cli import compose_raw
+from pcpflow.driver.compose import SWEEP_NEEDS_MULTIRUN, validate_overrides
 from pcpflow.driver.compose import config_groups as _config_groups
-from pcpflow.driver.compose import validate_overrides
 from pcpflow.driver.job import prepare_job
 from pcpflow.errors import ConfigError
 from pcpflow.models.card import CARD_NAMES
@@ -193,6 +193,18 @@ def test_cfg_package_and_hydra_commands_refused_as_bad_input():
     code, err = cli("--info=foo", "pcp=2")
     assert code == 2 and err.splitlines()[1:] == [
         "  - --info: got 'foo'; one of all, config, defaults, defaults-tree, plugins, searchpath"], err
+
+
+def test_an_unknown_flag_is_one_problem_with_the_flag_it_is_near():
+    """A flag that is none of Hydra's: argparse printed its usage and 'unrecognized arguments';
+    a shortened one (--multi) it took for --multirun, which the check before the run never saw
+    (it checked one job where Hydra swept two). A flag's value (-p kv) is not a flag."""
+    code, err = cli("--multi", "pcp=1,2", "-x", "--pakage=kv", "--foo")
+    assert code == 2 and err.splitlines()[1:] == [
+        f"  - {flag}: got True; not a flag of pcpflow: key=value overrides (python -m pcpflow --help){near}"
+        for flag, near in [("--multi", "; did you mean --multirun?"), ("-x", ""),
+                           ("--pakage", "; did you mean --package?"), ("--foo", "")]
+    ] + ["  - pcp: got '1,2'; " + SWEEP_NEEDS_MULTIRUN], err
 
 
 @pytest.mark.parametrize("args, shown", [
