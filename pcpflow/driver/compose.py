@@ -142,9 +142,11 @@ def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[
     kept = [o for o in kept if o not in refused]
     for _ in range(len(kept) + 1):
         try:
-            with initialize_config_dir(config_dir=conf_dir(), version_base=None):
-                cfg = compose(config_name="config", overrides=kept, return_hydra_config=with_hydra)
-                raw = OmegaConf.to_container(cfg, resolve=True)
+            raw = None if with_hydra else _compose_on_cached_defaults(kept)
+            if raw is None:
+                with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+                    cfg = compose(config_name="config", overrides=kept, return_hydra_config=with_hydra)
+                    raw = OmegaConf.to_container(cfg, resolve=True)
         except Exception as exc:  # Hydra/OmegaConf raise many types; all mean a bad override
             problem, key = _compose_problem(exc, kept)
             problems.append(problem)
@@ -158,6 +160,65 @@ def compose_checked(overrides: list[str], *, with_hydra: bool = False) -> tuple[
             raw.pop("hydra", None)
         return raw, problems
     return None, problems
+
+
+def _compose_on_cached_defaults(overrides: list[str]) -> dict[str, Any] | None:
+    """What Hydra's ``compose`` gives for ``overrides`` (without its ``hydra`` node), ~15x faster
+    where a command line chooses the same options as an earlier one; None where Hydra must
+    compose it itself (then its own words name what is wrong).
+
+    Hydra composes in two phases (``ConfigLoaderImpl._load_configuration_impl``): the options
+    the overrides choose are merged into one struct config, then every other override is set on
+    it (``_apply_overrides_to_config``). The first phase reads and merges ~15 YAML files (~70 ms)
+    and depends only on the options chosen: it is kept per choice (and per conf/'s files), the
+    second applied to a copy by Hydra's own function. An override Hydra could read otherwise
+    (Hydra's own settings, a package, a dict for a group) and any error go to Hydra."""
+    import copy
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+        apply = ConfigLoaderImpl._apply_overrides_to_config
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # NOTE: another Hydra than 1.3 (where the function lives): Hydra composes
+        return None
+    groups = set(config_groups())
+    choices, values = [], []
+    for o, line in zip(parsed, overrides):
+        key = o.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or o.package is not None or o.is_sweep_override():
+            return None
+        if key not in groups:
+            values.append(o)
+        elif isinstance(o.value(), dict):  # NOTE: Hydra sets a dict on a group's node as a value
+            return None
+        else:
+            choices.append(line)
+    try:
+        cfg = copy.deepcopy(_defaults_config(tuple(choices), _conf_signature()))
+        apply(values, cfg)
+        raw = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # NOTE: Hydra says what is wrong, composing the whole command line
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _defaults_config(choices: tuple[str, ...], signature: tuple[Any, ...]) -> Any:
+    """The struct config Hydra composes from the options ``choices`` choose, before any other
+    override (``signature``: conf/'s files, so that an edited YAML is read again)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=conf_dir(), version_base=None):
+        return compose(config_name="config", overrides=list(choices))
+
+
+def _conf_signature() -> tuple[Any, ...]:
+    """conf/'s YAML files with their sizes and times (~0.3 ms to read)."""
+    return tuple((str(p), (st := p.stat()).st_mtime_ns, st.st_size) for p in sorted(Path(conf_dir()).rglob("*.yaml")))
 
 
 def with_measured_overrides(args: list[str]) -> list[str]:

@@ -178,3 +178,67 @@ def test_hybrid_kv_on_is_refused_beside_what_keeps_every_block():
     found = problems_of(["model=tiny_gqa", "model.window=8", "kv.hybrid=on", "draft=mtp"])
     assert found["kv.hybrid"].startswith("a drafter's caches go by a full layer's table, and every layer")
     validate_overrides(["model=tiny_gqa", "model.window=8", "draft=mtp"])
+
+
+# Command lines Hydra reads each way: options of every group, values of each type, ``+`` / ``++``
+# / ``~``, lists, interpolations, and each kind of mistake.
+_COMMAND_LINES = [
+    [],
+    ["pcp=4", "dcp=4", "decode=sharded"],
+    ["model=tiny_mla", "model.num_layers=3", "kv.block_size=8", "tp=2"],
+    ["kv.block_size=8", "model=tiny_gqa", "model=tiny_mla"],  # the last choice wins; a value after a choice
+    ["mode=simulate", "model=llama3_70b", "hardware=h200_sxm", "simulate.weights_dtype=fp8"],
+    ["mode=search", "search.gpus=16", "tp=8"],
+    ["disagg=pd", "workload=explicit", "workload.prompt_lens=[5,9]", "workload.output_lens=[2,3]"],
+    ["draft=mtp", "++draft.num_speculative_tokens=2", "~seed"],
+    ["workload.num_requests=${pcp}", "pcp=3"],
+    ["+nope=1", "kv.block_size=8"],
+    ["+pcp=2"],
+    ["nope=1", "pcp=x", "kv.blok_size=3"],
+    ["model=nope", "pcp=2"],
+    ["~model", "pcp=2"],
+    ["pcp=${oops}"],
+    ["model={num_layers: 2}"],
+    ["hydra.job.chdir=false", "pcp=2"],
+]
+
+
+@pytest.mark.parametrize("overrides", _COMMAND_LINES, ids=lambda o: " ".join(o) or "defaults")
+def test_composing_on_kept_options_gives_what_hydra_composes(overrides, monkeypatch):
+    """The options a command line chooses are composed once and kept: every command line
+    gives what Hydra composing the whole of it gives, the same config and the same problems
+    (the reference: the same function with the kept composition turned off)."""
+    import pcpflow.driver.compose as compose
+
+    got = compose.compose_checked(overrides)
+    got = got[0], [str(p) for p in got[1]]
+    again = compose.compose_checked(overrides)  # from what was kept
+    monkeypatch.setattr(compose, "_compose_on_cached_defaults", lambda _: None)
+    ref = compose.compose_checked(overrides)
+    assert got == (ref[0], [str(p) for p in ref[1]]) == (again[0], [str(p) for p in again[1]])
+
+
+def test_an_edited_yaml_is_read_again(tmp_path, monkeypatch):
+    """What is kept belongs to conf/'s files as they were: an edited option is composed anew."""
+    import shutil
+
+    import pcpflow.driver.compose as compose
+
+    conf = tmp_path / "conf"
+    shutil.copytree(compose.conf_dir(), conf)
+    monkeypatch.setattr(compose, "conf_dir", lambda: str(conf))
+    assert compose.compose_raw(["model=tiny_gqa"])["model"]["num_layers"] != 7
+    yaml = conf / "model" / "tiny_gqa.yaml"
+    yaml.write_text(yaml.read_text().replace("num_layers:", "num_layers: 7 #", 1))
+    assert compose.compose_raw(["model=tiny_gqa"])["model"]["num_layers"] == 7
+
+
+def test_bench_compose_runs_each_case_both_ways(capsys):
+    """scripts/bench_compose.py (its --quick set): a row per case, Hydra composing the whole
+    command line beside the kept options, and their ratio."""
+    from repo_scripts import load_script
+
+    assert load_script("bench_compose").main(["--quick"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r[:16].strip() for r in rows] == ["one job", "sweep precheck", "mixed"]
+    assert all(len(r.split()) >= 5 and r.endswith("x") for r in rows), rows
