@@ -98,6 +98,8 @@ released ``norm_topk_prob: false``), stored one tensor per expert (``save_pretra
 
 ``gemma2`` is ``gemma3``'s sizes without q/k norms, one RoPE (base 1e4), the even layers
 sliding, attention scores soft-capped at 4 and logits at 5 (so that both caps bite).
+``gemma`` (Gemma 1) is the same sizes in pre-norm layers, every layer full, nothing capped,
+``hidden_act: gelu`` as released (transformers reads it as the tanh approximation).
 
 ``qwen2_moe``, ``qwen3_moe``, ``mixtral`` and ``glm4_moe`` are mixture-of-experts always, 8 experts,
 2 per token: Qwen2-MoE as Qwen3-MoE's routing below (with Qwen2's attention) plus a shared expert
@@ -185,7 +187,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -205,6 +207,7 @@ GQA_ARCHS = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
@@ -297,6 +300,7 @@ DEFAULT_ROPE_SCALING = {
     "qwen3_vl": "none",
     "qwen3_vl_moe": "none",
     "gemma2": "none",
+    "gemma": "none",
     "olmo2": "none",
     "olmo3": "yarn",
     "olmoe": "none",
@@ -397,6 +401,8 @@ def tiny_config(
             # NOTE: Gemma 2: even layers slide; caps that bite on scores and logits of a few units
             gemma2=dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=sliding_window or 4096,
                         attn_logit_softcapping=4.0, final_logit_softcapping=5.0),
+            # NOTE: Gemma 1: head_dim 24 != hidden/heads (the softmax scale is its own), the released "gelu"
+            gemma=dict(head_dim=24, hidden_act="gelu"),
             olmo2=dict(),
             # NOTE: layers 0 and 1 slide, the others are full (YaRN on them alone); 4 layers
             olmo3=dict(sliding_window=sliding_window or 4096,
@@ -451,7 +457,7 @@ def tiny_config(
             common.pop("attention_bias")
         if arch == "gemma3":  # NOTE: hidden 80: its sqrt (the embedding scale) is not a float32 number
             common.update(hidden_size=80, rope_theta=1_000_000.0)
-        if arch == "gemma2":
+        if arch in ("gemma2", "gemma"):
             common.update(hidden_size=80)
         if arch in ("gpt_oss", "granitemoe", "granitemoeshared", "granite4", "olmoe"):  # NOTE: the experts' width
             common.update(intermediate_size=32)
@@ -599,7 +605,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter from ``torch.Generator(seed)`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
-    offsets = model.config.model_type in ("gemma3_text", "gemma3", "gemma2")  # NOTE: Gemma's norms scale by 1 + weight
+    offsets = model.config.model_type in ("gemma3_text", "gemma3", "gemma2", "gemma")  # NOTE: Gemma's norms scale by 1 + weight
 
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float64)

@@ -28,6 +28,10 @@ Gemma 2 (``Gemma2ForCausalLM``, ``Gemma2Checkpoint``): the same, without q/k nor
 for every layer (``rope_theta``, ``rope_scaling``), the even layers sliding unless
 ``layer_types`` says otherwise, attention scores soft-capped (``attn_logit_softcapping``, 50)
 and logits too (``final_logit_softcapping``, 30).
+
+Gemma 1 (``GemmaForCausalLM``, ``GemmaCheckpoint``: gemma-2b, gemma-7b): Gemma 2's norms,
+embedding scale, MLP and RoPE in Llama's pre-norm layers, every layer full, the softmax scale
+``head_dim ** -0.5``, nothing soft-capped.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class Gemma3Checkpoint(GQACheckpoint):
 
     moe: ClassVar[None] = None  # dense
     qk_norm: ClassVar[bool] = True  # q/k norms before RoPE (Gemma 2: none)
+    sandwich: ClassVar[bool] = True  # each block's output normed too (Gemma 1: Llama's pre-norm layers)
     attn_softcap: ClassVar[bool] = False  # whether transformers' attention applies attn_logit_softcapping
     renames: ClassVar[tuple[Rename, ...]] = (
         *(r for r in DECODER_RENAMES if "layernorm" not in r.hf),
@@ -146,8 +151,12 @@ class Gemma3Checkpoint(GQACheckpoint):
         transformers masks keys at ``kv <= q - sliding_window``); None: no layer slides."""
         return self.sliding_window if self.sliding_layers else None
 
+    @property
+    def softmax_scale(self) -> float:
+        return self.query_pre_attn_scalar**-0.5
+
     def attn_spec(self) -> AttentionSpec:
-        spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.query_pre_attn_scalar**-0.5)
+        spec = gqa_spec(self.num_attention_heads, self.kv_heads, self.dim, scale=self.softmax_scale)
         return dataclasses.replace(spec, softcap=self.attn_logit_softcapping if self.attn_softcap else None,
                                    window=self.window, window_layers=tuple(self.sliding_layers))
 
@@ -168,7 +177,7 @@ class Gemma3Checkpoint(GQACheckpoint):
                 ),
                 h, self.intermediate_size, eps,
                 mlp=GatedMLP(h, self.intermediate_size, activation="gelu_tanh"),
-                sandwich=True, unit_offset=True,
+                sandwich=self.sandwich, unit_offset=True,
             )
             for kind in self.kinds
         ]
@@ -193,6 +202,45 @@ class Gemma2Checkpoint(Gemma3Checkpoint):
         raw = super(Gemma3Checkpoint, cls)._rope_fields(raw)
         raw["local_rope_theta"], raw["local_rope_scaling"] = raw["rope_theta"], raw.get("rope_scaling")
         return raw
+
+
+class GemmaCheckpoint(Gemma2Checkpoint):
+    """The config.json fields of a Gemma (1) checkpoint (``GemmaForCausalLM``: gemma-2b, -7b, their
+    ``-it``; transformers' ``GemmaConfig`` defaults): Gemma 2's norms (``1 + weight``), embedding
+    scale, GELU-tanh MLP and one RoPE in Llama's pre-norm layers (no sandwich), every layer
+    full attention, the softmax scale ``head_dim ** -0.5``, no soft-capping. The MLP's
+    activation is ``hidden_act`` (the released configs' ``"gelu"`` is read by transformers as the
+    tanh approximation, as ``gelu_pytorch_tanh``); ``hidden_activation`` is not read."""
+
+    num_key_value_heads: int = Field(16, gt=0)
+    hidden_act: Literal["gelu", "gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
+    hidden_activation: Any = None
+    attn_logit_softcapping: float | None = Field(None, gt=0)
+    final_logit_softcapping: float | None = Field(None, gt=0)
+
+    sandwich: ClassVar[bool] = False
+    attn_softcap: ClassVar[bool] = False
+    renames: ClassVar[tuple[Rename, ...]] = (
+        *DECODER_RENAMES,
+        *(attention_rename(f"{p}.{{wb}}", f"{p}.{{wb}}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    )
+
+    @model_validator(mode="after")
+    def _no_softcap(self) -> GemmaCheckpoint:
+        if self.final_logit_softcapping is not None:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} is not supported: transformers' "
+                             "GemmaForCausalLM does not soft-cap its logits (Gemma 2 and 3 do); Gemma checkpoints "
+                             "have none")
+        return self
+
+    @property
+    def kinds(self) -> list[LayerType]:
+        """Every layer attends to every earlier key (Gemma 1 has no sliding layers)."""
+        return ["full_attention"] * self.num_hidden_layers
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.dim**-0.5
 
 
 GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,

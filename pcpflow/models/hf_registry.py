@@ -11,7 +11,12 @@ from pcpflow.models.hf_checkpoint import CheckpointConfig
 from pcpflow.models.hf_cohere import Cohere2Checkpoint
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
-from pcpflow.models.hf_gemma import Gemma2Checkpoint, Gemma3Checkpoint, Gemma3MultimodalCheckpoint
+from pcpflow.models.hf_gemma import (
+    Gemma2Checkpoint,
+    Gemma3Checkpoint,
+    Gemma3MultimodalCheckpoint,
+    GemmaCheckpoint,
+)
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
@@ -42,6 +47,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Qwen3VLForConditionalGeneration": Qwen3VLCheckpoint,  # its language model, tensors under model.language_model.
     "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeCheckpoint,
     "Gemma2ForCausalLM": Gemma2Checkpoint,
+    "GemmaForCausalLM": GemmaCheckpoint,
     "Olmo2ForCausalLM": Olmo2Checkpoint,
     "Olmo3ForCausalLM": Olmo3Checkpoint,
     "OlmoeForCausalLM": OlmoeCheckpoint,
@@ -56,9 +62,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeCheckpoint,
     "GraniteMoeHybridForCausalLM": GraniteMoeCheckpoint,  # attention layers only
 }
-UNSUPPORTED = {
-    "GemmaForCausalLM": "Gemma (1) is not supported",
-}
+UNSUPPORTED: dict[str, str] = {}
 """Architectures refused with a reason of their own (others: a plain "unsupported")."""
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",

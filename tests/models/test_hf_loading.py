@@ -808,7 +808,6 @@ GEMMA3_REFUSED = {
     "attention soft-capping": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     "a logit soft-cap of 0": ({"final_logit_softcapping": 0.0}, "final_logit_softcapping: Input should be greater than 0"),
     "bidirectional": ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
-    "Gemma 1": ({"architectures": _DELETE, "model_type": "gemma"}, "unsupported architecture GemmaForCausalLM: Gemma"),
     "another activation": ({"hidden_activation": "gelu"}, "hidden_activation: Input should be 'gelu_pytorch_tanh'"),
     "a layer type per layer": ({"layer_types": ["full_attention"]}, "layer_types has 1 entries; num_hidden_layers is 2"),
     "an unknown layer type": ({"layer_types": ["sliding_attention", "chunked_attention"]},
@@ -822,7 +821,7 @@ GEMMA3_REFUSED = {
 
 @pytest.mark.parametrize("case", GEMMA3_REFUSED)
 def test_gemma3_features_pcpflow_does_not_run_are_refused_by_name(ckpts, tmp_path, case):
-    """Gemma 2's soft-capping, bidirectional attention, Gemma 1 and
+    """Gemma 2's soft-capping, bidirectional attention and
     config.json values transformers' Gemma 3 would not read as pcpflow does: one problem on
     model.path naming the field (exit 2 before any rank starts, as every config problem)."""
     changes, says = GEMMA3_REFUSED[case]
@@ -2271,4 +2270,43 @@ def test_ernie4_5_moe_configs_pcpflow_does_not_run_are_named(tmp_path, changes, 
                                  num_key_value_heads=2, head_dim=16, vocab_size=96, moe_num_experts=8, moe_k=2,
                                  moe_intermediate_size=32), **changes}
     (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert says in _problem(tmp_path)
+
+
+# ------------------------------------------------------------------ Gemma 1
+# config.json of gemma-2b-it and gemma-7b-it as published (their fields that size and shape the
+# model), with the parameter counts of their model cards (billions: 2.51 and 8.54)
+GEMMA_COMMON = dict(architectures=["GemmaForCausalLM"], model_type="gemma", head_dim=256, hidden_act="gelu",
+                    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=256000,
+                    attention_bias=False)
+REAL_GEMMA_CONFIGS = {
+    "gemma-2b-it": (dict(GEMMA_COMMON, hidden_size=2048, intermediate_size=16384, num_attention_heads=8,
+                         num_hidden_layers=18, num_key_value_heads=1), 2.51),
+    "gemma-7b-it": (dict(GEMMA_COMMON, hidden_size=3072, intermediate_size=24576, num_attention_heads=16,
+                         num_hidden_layers=28, num_key_value_heads=16), 8.54),
+}
+
+
+@pytest.mark.parametrize("name", REAL_GEMMA_CONFIGS)
+def test_real_gemma1_configs_read_as_transformers_reads_them(tmp_path, name):
+    """Gemma 1's published config.json: transformers' own parameter count (the cards' 2.51B /
+    8.54B), every layer full attention, the softmax scale head_dim ** -0.5 (256: 1/16, not
+    hidden/heads' 2048/8), tied embeddings, the released "gelu" run as the tanh approximation
+    (transformers' reading: exact GELU would change every logit: tests/models/test_hf_parity.py)."""
+    config, params = REAL_GEMMA_CONFIGS[name]
+    c, ours, theirs = _sized_as_transformers(tmp_path, config)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(params, abs=0.005)
+    assert theirs.hidden_act == "gelu_pytorch_tanh"
+    spec = c.attn_spec()
+    assert (spec.scale, spec.window, spec.softcap) == (1 / 16, None, None)
+    assert c.tie_word_embeddings and len(c.kinds) == config["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"hidden_act": "relu"}, "hidden_act: Input should be 'gelu' or 'gelu_pytorch_tanh'"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+])
+def test_gemma1_values_transformers_reads_otherwise_are_refused(tmp_path, changes, says):
+    (tmp_path / "config.json").write_text(json.dumps(dict(REAL_GEMMA_CONFIGS["gemma-2b-it"][0], **changes)))
     assert says in _problem(tmp_path)

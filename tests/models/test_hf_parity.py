@@ -98,6 +98,9 @@ CHECKPOINTS = {
     # Gemma 2: no q/k norms, one RoPE, attention scores and logits soft-capped (caps that bite),
     # its even layer sliding over WINDOW keys
     "gemma2_softcap": dict(arch="gemma2", sliding_window=WINDOW),
+    # Gemma 1: Gemma 2's (1 + w) norms, embedding scale and GELU (its released hidden_act "gelu", read as
+    # the tanh approximation) in pre-norm layers, every layer full, head_dim 24 != hidden/heads, tied
+    "gemma_tied": dict(arch="gemma", tie_word_embeddings=True),
     # OLMo 2: post-norm layers, q and k normed over the whole projection (under TP: the group's
     # mean square); OLMo 3: the same, its even layer sliding over WINDOW keys, YaRN on the full one
     # Seed-OSS: Llama's with q/k/v biases by default and o's own bias field
@@ -206,6 +209,11 @@ MATRIX = [
     ("mistral3", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gemma2_softcap", "float64", 2, 2, "sharded", []),
     ("gemma2_softcap", "float32", 4, 4, "replicated", []),
+    ("gemma_tied", "float64", 1, 1, "replicated", []),
+    ("gemma_tied", "float32", 4, 4, "sharded", []),
+    ("gemma_tied", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("gemma_tied", "float32", 2, 1, "sharded", []),
+    ("gemma_tied", "float64", 2, 2, "sharded", ["tp=2"]),
     ("seed_oss", "float64", 2, 2, "sharded", []),
     ("seed_oss", "float32", 4, 4, "replicated", []),
     ("ernie4_5", "float64", 2, 2, "sharded", []),
