@@ -73,7 +73,8 @@ changes at positions 32 and 64 of the test prompts). ``ministral3_mm`` is that l
     python scripts/make_tiny_hf_checkpoint.py --arch ministral3_mm --tie-word-embeddings --out /tmp/tiny-ministral3
 
 ``cohere2`` has parallel blocks (attention and MLP on one centered norm), its even layers sliding
-with interleaved RoPE and its odd ones full without position embedding, logits times 0.75.
+with interleaved RoPE and its odd ones full without position embedding, logits times 0.75;
+``cohere`` (Cohere 1) the same blocks, every layer full with interleaved RoPE.
 
 ``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
 
@@ -187,7 +188,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -212,6 +213,7 @@ GQA_ARCHS = {
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM"),
+    "cohere": ("CohereConfig", "CohereForCausalLM"),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
     "glm": ("GlmConfig", "GlmForCausalLM"),
@@ -305,6 +307,7 @@ DEFAULT_ROPE_SCALING = {
     "olmo3": "yarn",
     "olmoe": "none",
     "cohere2": "none",
+    "cohere": "none",
     "seed_oss": "none",
     "ernie4_5": "none",
     "ernie4_5_moe": "none",
@@ -428,6 +431,8 @@ def tiny_config(
             # NOTE: the even layers slide and rotate, the odd ones are full and NoPE (its "LLLG", in two)
             exaone4=dict(sliding_window=sliding_window or 4096, sliding_window_pattern="LG",
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
+            # NOTE: Cohere 1: every layer full and rotated (interleaved pairs); the logit scale as Cohere 2's
+            cohere=dict(logit_scale=0.75, layer_norm_eps=1e-5),
             cohere2=dict(sliding_window=sliding_window or 4096, logit_scale=0.75, layer_norm_eps=1e-5,
                          layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]),
             # NOTE: every layer MoE (8 experts 32 wide, top-2 on the router's biased logits), sinks on

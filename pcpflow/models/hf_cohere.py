@@ -10,6 +10,11 @@
   so their dot products are transformers'); the full layers have no position embedding (NoPE);
 - the logits are multiplied by ``logit_scale``; embeddings tied unless ``tie_word_embeddings:
   false``; ``head_dim`` hidden / heads; biases on q/k/v/o when ``attention_bias``.
+
+Cohere (1) checkpoints (``CohereForCausalLM``: Command R, Aya 23, Aya Expanse): the same parallel
+layers, every one full attention with interleaved RoPE (``rope_theta``, 500,000 where config.json
+gives none, as transformers' ``CohereConfig``); ``use_qk_norm`` (Command R+'s per-head LayerNorms
+of q and k, a weight per head) is refused by name.
 """
 
 from __future__ import annotations
@@ -59,15 +64,20 @@ class Cohere2Checkpoint(HeadsOfHidden):
     def lm_options(self) -> dict[str, Any]:
         return {"centered": True, "logit_scale": self.logit_scale}
 
+    def _rotary(self, kind: str) -> RotaryEmbedding | None:
+        """Only the sliding layers rotate (Cohere2Attention); the full ones are NoPE."""
+        return self._interleaved_rope() if kind == "sliding_attention" else None
+
+    def _interleaved_rope(self) -> RotaryEmbedding:
+        return RotaryEmbedding(self.dim, self.rope_theta, scaling=self.rope_scaling, interleaved=True)
+
     def build_layers(self) -> list[DecoderLayer]:
         h, eps = self.hidden_size, self.rms_norm_eps
         return [
             DecoderLayer(
                 GQAAttention(
                     hidden_size=h, num_heads=self.num_attention_heads, num_kv_heads=self.kv_heads, head_dim=self.dim,
-                    # NOTE: only the sliding layers rotate (Cohere2Attention); the full ones are NoPE
-                    rotary=(RotaryEmbedding(self.dim, self.rope_theta, scaling=self.rope_scaling, interleaved=True)
-                            if kind == "sliding_attention" else None),
+                    rotary=self._rotary(kind),
                     bias=self.attention_bias,
                 ),
                 h, self.intermediate_size, eps,
@@ -75,3 +85,32 @@ class Cohere2Checkpoint(HeadsOfHidden):
             )
             for kind in self.kinds
         ]
+
+
+class CohereCheckpoint(Cohere2Checkpoint):
+    """The config.json fields of a Cohere (1) checkpoint that pcpflow uses (transformers'
+    ``CohereConfig`` defaults): Cohere 2's layers, every one full and rotated."""
+
+    sliding_window: int | None = None
+    use_qk_norm: bool = False
+
+    @classmethod
+    def _rope_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        params = raw.get("rope_parameters")
+        if raw.get("rope_theta") is None and not (isinstance(params, dict) and params.get("rope_theta") is not None):
+            raw["rope_theta"] = 500_000.0  # NOTE: transformers' CohereConfig.default_theta
+        return super()._rope_fields(raw)
+
+    @model_validator(mode="after")
+    def _no_qk_norm(self) -> CohereCheckpoint:
+        if self.use_qk_norm:
+            raise ValueError("use_qk_norm=true is not supported (Command R+'s LayerNorms of q and k, a weight per "
+                             "head); Command R, Aya 23 and Aya Expanse have false")
+        return self
+
+    @property
+    def kinds(self) -> list[str]:
+        return ["full_attention"] * self.num_hidden_layers
+
+    def _rotary(self, kind: str) -> RotaryEmbedding | None:
+        return self._interleaved_rope()  # NOTE: every layer (CohereAttention)

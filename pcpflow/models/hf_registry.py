@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from pcpflow.models.hf_checkpoint import CheckpointConfig
-from pcpflow.models.hf_cohere import Cohere2Checkpoint
+from pcpflow.models.hf_cohere import Cohere2Checkpoint, CohereCheckpoint
 from pcpflow.models.hf_deepseek import DeepseekCheckpoint
 from pcpflow.models.hf_exaone import Exaone4Checkpoint
 from pcpflow.models.hf_gemma import (
@@ -52,6 +52,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Olmo3ForCausalLM": Olmo3Checkpoint,
     "OlmoeForCausalLM": OlmoeCheckpoint,
     "Cohere2ForCausalLM": Cohere2Checkpoint,
+    "CohereForCausalLM": CohereCheckpoint,
     "Exaone4ForCausalLM": Exaone4Checkpoint,
     "GptOssForCausalLM": GptOssCheckpoint,
     "Llama4ForCausalLM": Llama4Checkpoint,
@@ -97,6 +98,7 @@ _MODEL_TYPES = {
     "olmo3": "Olmo3ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "cohere": "CohereForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",

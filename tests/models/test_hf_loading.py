@@ -2310,3 +2310,38 @@ def test_real_gemma1_configs_read_as_transformers_reads_them(tmp_path, name):
 def test_gemma1_values_transformers_reads_otherwise_are_refused(tmp_path, changes, says):
     (tmp_path / "config.json").write_text(json.dumps(dict(REAL_GEMMA_CONFIGS["gemma-2b-it"][0], **changes)))
     assert says in _problem(tmp_path)
+
+
+# ------------------------------------------------------------------ Cohere 1
+# config.json of aya-expanse-8b and c4ai-command-r-v01 as published (the fields that size and shape
+# them), with the parameter counts of their cards (billions: 8.03 and 35)
+COHERE_COMMON = dict(architectures=["CohereForCausalLM"], model_type="cohere", vocab_size=256000, layer_norm_eps=1e-5,
+                     max_position_embeddings=8192, use_qk_norm=False, tie_word_embeddings=True)
+REAL_COHERE_CONFIGS = {
+    "aya-expanse-8b": (dict(COHERE_COMMON, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, logit_scale=0.125, rope_theta=10000), 8.03),
+    "c4ai-command-r-v01": (dict(COHERE_COMMON, hidden_size=8192, intermediate_size=22528, num_hidden_layers=40,
+                                num_attention_heads=64, num_key_value_heads=64, logit_scale=0.0625,
+                                rope_theta=8000000.0), 35.0),
+}
+
+
+@pytest.mark.parametrize("name", REAL_COHERE_CONFIGS)
+def test_real_cohere1_configs_read_as_transformers_reads_them(tmp_path, name):
+    """Cohere 1's published config.json: transformers' own parameter count (the cards' to their
+    rounding), every layer full and rotated, its RoPE base and logit scale read."""
+    config, params = REAL_COHERE_CONFIGS[name]
+    c, ours, theirs = _sized_as_transformers(tmp_path, config)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(params, rel=0.01)
+    assert c.kinds == ["full_attention"] * config["num_hidden_layers"] and c.attn_spec().window is None
+    assert (c.rope_theta, c.logit_scale) == (config["rope_theta"], config["logit_scale"])
+
+
+def test_cohere1_reads_transformers_defaults_and_refuses_qk_norms(tmp_path):
+    """Without a RoPE base transformers' CohereConfig rotates with 500,000 (not Llama's 10,000);
+    Command R+'s per-head q/k LayerNorms (use_qk_norm) are refused by name."""
+    config = {k: v for k, v in REAL_COHERE_CONFIGS["aya-expanse-8b"][0].items() if k != "rope_theta"}
+    c, _, theirs = _sized_as_transformers(tmp_path, config)
+    assert c.rope_theta == theirs.rope_parameters["rope_theta"] == 500_000.0
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, use_qk_norm=True)))
+    assert "use_qk_norm=true is not supported" in _problem(tmp_path)

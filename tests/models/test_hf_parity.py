@@ -123,6 +123,8 @@ CHECKPOINTS = {
     # Cohere 2 (Command R7B, Command A): parallel blocks on one centered norm, a sliding layer with
     # interleaved RoPE and a full one without position embedding, scaled logits; tied embeddings
     "cohere2_window": dict(arch="cohere2", sliding_window=WINDOW, tie_word_embeddings=True),
+    # Cohere 1 (Command R, Aya): the same parallel blocks, every layer full with interleaved RoPE; tied
+    "cohere_tied": dict(arch="cohere", tie_word_embeddings=True),
     # gpt-oss: attention sinks on every head, q/k/v/o biases, its even layer sliding over WINDOW keys,
     # YaRN untruncated; every MLP MoE (biased router and experts, clamped SwiGLU that bites)
     "gpt_oss_window": dict(arch="gpt_oss", sliding_window=WINDOW, bias=True),
@@ -228,6 +230,11 @@ MATRIX = [
     ("cohere2_window", "float64", 2, 2, "sharded", []),
     ("cohere2_window", "float32", 4, 1, "replicated", []),
     ("cohere2_window", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("cohere_tied", "float64", 1, 1, "replicated", []),
+    ("cohere_tied", "float32", 4, 4, "sharded", []),
+    ("cohere_tied", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("cohere_tied", "float32", 2, 1, "sharded", []),
+    ("cohere_tied", "float64", 2, 2, "sharded", ["tp=2"]),
     ("gpt_oss_window", "float64", 2, 2, "sharded", []),
     ("gpt_oss_window", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
     ("gpt_oss_window", "float64", 4, 4, "sharded", ["pipeline.forward.cp_attention=ring_pass_kv"]),
