@@ -124,8 +124,8 @@ class Gemma3Checkpoint(GQACheckpoint):
         problems = []
         if self.attn_logit_softcapping is not None and not self.attn_softcap:
             problems.append(f"attn_logit_softcapping={self.attn_logit_softcapping} is not supported (Gemma 2's "
-                            "soft-capped attention scores, which transformers' Gemma 3 does not apply); Gemma 3 "
-                            "checkpoints have null")
+                            f"soft-capped attention scores, which transformers' {self.architecture} does not "
+                            "apply); its released checkpoints have none")
         if self.use_bidirectional_attention:
             problems.append("use_bidirectional_attention=true is not supported (every token also sees later ones, "
                             "as in an embedding model); pcpflow generates with causal attention")

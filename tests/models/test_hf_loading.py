@@ -2305,6 +2305,7 @@ def test_real_gemma1_configs_read_as_transformers_reads_them(tmp_path, name):
 @pytest.mark.parametrize("changes, says", [
     ({"hidden_act": "relu"}, "hidden_act: Input should be 'gelu' or 'gelu_pytorch_tanh'"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "which transformers' GemmaForCausalLM does not apply"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
 ])
 def test_gemma1_values_transformers_reads_otherwise_are_refused(tmp_path, changes, says):
