@@ -63,8 +63,6 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeCheckpoint,
     "GraniteMoeHybridForCausalLM": GraniteMoeCheckpoint,  # attention layers only
 }
-UNSUPPORTED: dict[str, str] = {}
-"""Architectures refused with a reason of their own (others: a plain "unsupported")."""
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -149,8 +147,7 @@ def read_checkpoint_config(path: str | Path, *, sizes_only: bool = False) -> Che
             f"supported MoE checkpoints: {', '.join(supported)}"
         )
     if arch not in ARCHITECTURES:
-        why = f": {UNSUPPORTED[arch]}" if arch in UNSUPPORTED else ""
-        raise ValueError(f"unsupported architecture {arch}{why}; supported: {', '.join(ARCHITECTURES)}")
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[arch].parse(raw, arch, allow_quantized=sizes_only)
 
 
