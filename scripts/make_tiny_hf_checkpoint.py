@@ -76,6 +76,10 @@ changes at positions 32 and 64 of the test prompts). ``ministral3_mm`` is that l
 with interleaved RoPE and its odd ones full without position embedding, logits times 0.75;
 ``cohere`` (Cohere 1) the same blocks, every layer full with interleaved RoPE.
 
+``starcoder2``, ``phi`` and ``stablelm`` have LayerNorms with biases: StarCoder2 an MLP without a gate
+and every bias (every layer sliding when given ``--sliding-window``), Phi parallel layers, RoPE on 12 of
+16 dims, ``gelu_new`` and an LM head with a bias, StableLM SwiGLU, q/k/v biases and RoPE on 4 of 16 dims.
+
 ``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
 
 ``ernie4_5_moe`` (``Ernie4_5_MoeForCausalLM``) is ERNIE 4.5's layers without biases, layer 0 dense and the
@@ -188,7 +192,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -224,6 +228,9 @@ GQA_ARCHS = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
     "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM"),
     "hunyuan_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "phi": ("PhiConfig", "PhiForCausalLM"),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -321,6 +328,9 @@ DEFAULT_ROPE_SCALING = {
     "deepseek_v2": "yarn",
     "glm": "none",
     "glm4": "none",
+    "starcoder2": "none",
+    "phi": "none",
+    "stablelm": "none",
 }
 
 
@@ -450,6 +460,13 @@ def tiny_config(
             # 32 wide, 2 per token, given per layer as the released list, and a shared expert as wide)
             hunyuan=dict(head_dim=24),
             hunyuan_moe=dict(head_dim=24, num_experts=8, moe_topk=[2] * num_layers),
+            # NOTE: LayerNorms with biases, an MLP without a gate (GELU, tanh-approximated), every bias; every
+            # layer sliding when given a window
+            starcoder2=dict(norm_epsilon=1e-5, use_bias=True, sliding_window=sliding_window),
+            # NOTE: parallel layers on one LayerNorm, RoPE on 12 of 16 dims, gelu_new, an LM head with a bias
+            phi=dict(layer_norm_eps=1e-5, partial_rotary_factor=0.75),
+            # NOTE: LayerNorms with biases, SwiGLU, q/k/v biases, RoPE on 4 of 16 dims (its released 0.25)
+            stablelm=dict(layer_norm_eps=1e-5, use_qkv_bias=True),
         )[arch]
         if arch in ("qwen2", "mistral", "ministral3", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -623,10 +640,10 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("embed_tokens.weight"):
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
                 value = randn(param.shape) * std
+            elif name.endswith("bias"):  # NOTE: gpt-oss's experts' gate_up_proj_bias / down_proj_bias, LayerNorms' too
+                value = 0.1 * randn(param.shape)
             elif name.endswith("norm.weight") or "layernorm" in name:
                 value = (0 if offsets else 1) + 0.2 * randn(param.shape)
-            elif name.endswith("bias"):  # NOTE: gpt-oss's experts' gate_up_proj_bias / down_proj_bias too
-                value = 0.1 * randn(param.shape)
             elif name.endswith(".sinks"):  # gpt-oss: a logit per head, on the scores' scale
                 value = randn(param.shape)
             elif ".feed_forward.experts." in name:  # NOTE: Llama 4's stacked experts, [E, in, out]: fan_in is dim 1

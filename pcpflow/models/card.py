@@ -46,6 +46,10 @@ class ModelCard(Settings):
     window_kind: Literal["sliding", "chunked"] = Field(
         "sliding", description="how those layers read: sliding (the last sliding_window keys) | chunked (Llama 4: a "
         "row at position p sees keys p - p % sliding_window .. p, its own chunk up to itself)")
+    gated_mlp: bool = Field(True, description="the dense MLP has gate and up projections (SwiGLU / GeGLU: three "
+                            "matrices); false: up and down alone (StarCoder2, Phi: two)")
+    layer_norm: bool = Field(False, description="the norms are LayerNorms with a bias (StarCoder2, Phi, StableLM: "
+                             "one kernel each); false: RMSNorms")
     full_qk_norm: bool = Field(False, description="q and k each normed over the whole projection, all heads at "
                                "once (OLMo 2 and 3): under TP, two all-reduces of a number a row per layer")
     weights_dtype: Literal["bf16", "fp8"] = Field("bf16", description="the checkpoint's linear weights (simulate.weights_dtype: null takes it)")
@@ -103,6 +107,8 @@ def card_from_hf_config(path: str | Path) -> dict:
         # NOTE: a family with chunked layers (Llama 4) says so; the others slide
         "window_kind": getattr(c, "window_kind", "sliding"),
         "full_qk_norm": c.full_qk_norm,
+        "gated_mlp": c.gated_mlp,
+        "layer_norm": c.layer_norm,
     }
     if hasattr(c, "kv_lora_rank"):  # DeepSeek: latent attention
         card.update(attention="mla", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,

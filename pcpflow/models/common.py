@@ -200,9 +200,17 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation written out, as transformers' ``NewGELUActivation`` (``gelu_new``,
+    Phi's): the same function as ``gelu(approximate="tanh")``, not the same roundings."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": nn.functional.silu,
     "gelu_tanh": functools.partial(nn.functional.gelu, approximate="tanh"),  # transformers' gelu_pytorch_tanh
+    "gelu": nn.functional.gelu,  # the exact (erf) GELU: transformers' gelu outside Gemma
+    "gelu_new": gelu_new,
 }
 
 
@@ -247,12 +255,36 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.glu(gate, up))
 
 
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))``: an MLP without a gate (StarCoder2's ``c_fc`` / ``c_proj``, Phi's ``fc1`` /
+    ``fc2``), biases on both where ``bias``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "gelu_tanh"):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+def make_norm(dim: int, eps: float, *, bias: bool = False, unit_offset: bool = False, scale_first: bool = False,
+              centered: bool = False) -> nn.Module:
+    """A decoder's norm: ``RMSNorm`` (its options), or with ``bias`` torch's ``LayerNorm`` (a weight
+    and a bias, as StarCoder2, Phi and StableLM use it: the same function in every dtype)."""
+    if bias:
+        return nn.LayerNorm(dim, eps=eps)
+    return RMSNorm(dim, eps, unit_offset=unit_offset, scale_first=scale_first, centered=centered)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
     ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``, and
     without ``pre_norm`` (OLMo 2: ``sandwich`` alone) only the outputs, ``x + norm(attn(x))``;
     ``parallel`` (Cohere): ``x + attn(norm(x)) + mlp(norm(x))``, one norm.
-    ``unit_offset`` / ``scale_first`` / ``centered``: the norms' (``RMSNorm``);
+    ``unit_offset`` / ``scale_first`` / ``centered``: the norms' (``RMSNorm``); ``norm_bias``: the
+    norms are LayerNorms with a bias (``make_norm``);
     ``residual_multiplier`` (Granite): each block's output is scaled by it before it is added.
 
     ``self_attn(h, positions, layer, attn)`` is the model's attention: its projections
@@ -274,12 +306,14 @@ class DecoderLayer(nn.Module):
         scale_first: bool = False,
         centered: bool = False,
         parallel: bool = False,
+        norm_bias: bool = False,
     ):
         super().__init__()
         self.residual_multiplier, self.parallel = residual_multiplier, parallel
 
-        def norm() -> RMSNorm:
-            return RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first, centered=centered)
+        def norm() -> nn.Module:
+            return make_norm(hidden_size, eps, bias=norm_bias, unit_offset=unit_offset, scale_first=scale_first,
+                             centered=centered)
 
         self.input_norm = norm() if pre_norm else nn.Identity()
         self.self_attn = self_attn
@@ -310,7 +344,8 @@ class DecoderLM(CausalLM):
     too (Granite: a Python float); ``logits_scaling`` divides the logits (Granite), ``logit_scale``
     multiplies them (Cohere),
     ``final_logit_softcapping`` caps them, ``cap * tanh(logits / cap)`` (Gemma);
-    ``unit_offset``, ``scale_first``, ``centered``: the final norm's (``RMSNorm``)."""
+    ``unit_offset``, ``scale_first``, ``centered``, ``norm_bias``: the final norm's (``make_norm``);
+    ``lm_head_bias`` (Phi): a bias added to the logits (its own parameter, so a tied head keeps it)."""
 
     def __init__(
         self,
@@ -329,6 +364,8 @@ class DecoderLM(CausalLM):
         scale_first: bool = False,
         centered: bool = False,
         logit_scale: float | None = None,
+        norm_bias: bool = False,
+        lm_head_bias: bool = False,
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -340,10 +377,12 @@ class DecoderLM(CausalLM):
         self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
         self.final_logit_softcapping, self.logit_scale = final_logit_softcapping, logit_scale
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden_size, eps, unit_offset=unit_offset, scale_first=scale_first, centered=centered)
+        self.norm = make_norm(hidden_size, eps, bias=norm_bias, unit_offset=unit_offset, scale_first=scale_first,
+                              centered=centered)
         self.lm_head = (
             None if tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
         )
+        self.lm_head_bias = nn.Parameter(torch.zeros(vocab_size)) if lm_head_bias else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -372,6 +411,8 @@ class DecoderLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = hidden @ weight.T
+        if self.lm_head_bias is not None:  # NOTE: Phi's, as its nn.Linear adds it
+            logits = logits + self.lm_head_bias
         if self.logits_scaling is not None:  # NOTE: Granite's
             logits = logits / self.logits_scaling
         if self.logit_scale is not None:  # NOTE: Cohere's: a Python float times the logits, as transformers
@@ -428,6 +469,9 @@ def build_seeded(
                 module.weight.copy_(_randn(module.weight.shape, gen) * embed_std)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.unit_offset else 1.0)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
             elif hasattr(module, "seeded_init"):  # e.g. an MoE router (weight and bias)
                 module.seeded_init(gen, linear_gain)
             elif any(True for _ in module.parameters(recurse=False)):

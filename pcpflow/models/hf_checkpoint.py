@@ -50,6 +50,8 @@ class CheckpointConfig(BaseModel):
     renames: ClassVar[tuple[Rename, ...]] = ()
     skip: ClassVar[tuple[str, ...]] = ()  # stored tensors pcpflow leaves out (regexes: a vision tower)
     full_qk_norm: ClassVar[bool] = False  # q and k normed over the whole projection (OLMo 2 and 3)
+    gated_mlp: ClassVar[bool] = True  # the dense MLP's gate and up projections (False: up alone, StarCoder2, Phi)
+    layer_norm: ClassVar[bool] = False  # the norms are LayerNorms with a bias (StarCoder2, Phi, StableLM)
     dequantized: ClassVar[tuple[str, ...]] = ()  # quant methods the loader widens to the run's dtype (gpt-oss: mxfp4)
 
     @model_validator(mode="before")

@@ -20,6 +20,7 @@ from pcpflow.models.hf_gemma import (
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
+from pcpflow.models.hf_layernorm import PhiCheckpoint, StableLmCheckpoint, Starcoder2Checkpoint
 from pcpflow.models.hf_llama import (
     FAMILIES,
     LlamaCheckpoint,
@@ -62,6 +63,9 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "GraniteMoeForCausalLM": GraniteMoeCheckpoint,
     "GraniteMoeSharedForCausalLM": GraniteMoeCheckpoint,
     "GraniteMoeHybridForCausalLM": GraniteMoeCheckpoint,  # attention layers only
+    "Starcoder2ForCausalLM": Starcoder2Checkpoint,
+    "PhiForCausalLM": PhiCheckpoint,
+    "StableLmForCausalLM": StableLmCheckpoint,
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -106,6 +110,9 @@ _MODEL_TYPES = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "phi": "PhiForCausalLM",
+    "stablelm": "StableLmForCausalLM",
 }
 
 

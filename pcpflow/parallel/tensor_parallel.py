@@ -9,7 +9,7 @@ model with its matrices partitioned (Megatron's scheme):
   and ``kv_b_proj`` by heads); GQA's KV heads split when ``tp`` divides them, replicated
   (``tp / num_kv_heads`` ranks share one) when ``num_kv_heads`` divides ``tp``; MLA's
   latent (``q_a``, ``kv_a``, their norms) is shared by all heads and stays whole;
-- MLP: ``gate_up_proj`` column-parallel, ``down_proj`` row-parallel;
+- MLP: ``gate_up_proj`` (a plain MLP's ``up_proj``) column-parallel, ``down_proj`` row-parallel;
 - ``o_proj`` and ``down_proj`` become ``RowParallelLinear``: a partial product, one
   all-reduce over TP (``tp_all_reduce``), then the bias once;
 - embedding, norms and LM head replicated (every TP rank computes the logits itself).
@@ -28,7 +28,7 @@ from torch import nn
 
 from pcpflow.errors import Problem
 from pcpflow.models.base import AttentionSpec
-from pcpflow.models.common import DecoderLayer, GatedMLP, RMSNorm, narrow_to_float32
+from pcpflow.models.common import DecoderLayer, GatedMLP, PlainMLP, RMSNorm, narrow_to_float32
 from pcpflow.models.layers import GQAAttention, MLAAttention
 
 TP_ALL_REDUCE = "tp_all_reduce"
@@ -135,12 +135,15 @@ def shard_mlp(mlp: nn.Module, comm, tp_rank: int, tp_size: int) -> nn.Module:
 
     if isinstance(mlp, MoEMLP):
         return mlp
-    if not isinstance(mlp, GatedMLP):
+    if not isinstance(mlp, (GatedMLP, PlainMLP)):
         raise TypeError(f"no tensor-parallel split for {type(mlp).__name__}")
     inner = mlp.down_proj.in_features
     width = inner // tp_size
     cols = torch.arange(tp_rank * width, (tp_rank + 1) * width)
-    _keep_rows(mlp.gate_up_proj, torch.cat([cols, inner + cols]))
+    if isinstance(mlp, PlainMLP):
+        _keep_rows(mlp.up_proj, cols)
+    else:
+        _keep_rows(mlp.gate_up_proj, torch.cat([cols, inner + cols]))
     mlp.down_proj = _row_parallel(mlp.down_proj, cols, comm)
     return mlp
 

@@ -38,7 +38,25 @@ class LayerKernels:
 def kernels_per_layer(sizes: ModelSizes, tp: int) -> LayerKernels:
     """pcpflow's forward of one decoder layer of ``sizes`` at one TP rank's shapes."""
     return _count(sizes.attention, sizes.hidden_size, sizes.num_heads // tp, max(1, sizes.num_kv_heads // tp),
-                  sizes.head_dims, max(1, sizes.dense_intermediate // tp))
+                  sizes.head_dims, max(1, sizes.dense_intermediate // tp), _block_kind(sizes))
+
+
+def _block_kind(sizes: ModelSizes) -> tuple[bool, bool]:
+    """(gated MLP, LayerNorms): what else than its shapes sets a layer's kernels."""
+    return sizes.gated_mlp, sizes.layer_norm
+
+
+def _layer(make_attn, hidden: int, inter: int, kind: tuple[bool, bool], device: str):
+    """One decoder layer of the card on ``device``, with its MLP and norms (``_block_kind``)."""
+    from pcpflow.models.common import DecoderLayer, PlainMLP, build_uninitialized
+
+    gated, layer_norm = kind
+
+    def make():
+        mlp = None if gated else PlainMLP(hidden, inter)
+        return DecoderLayer(make_attn(), hidden, inter, 1e-6, mlp=mlp, norm_bias=layer_norm)
+
+    return build_uninitialized(make, device=device)
 
 
 def _attention_module(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...]):
@@ -66,16 +84,17 @@ def _attention_module(attention: str, hidden: int, heads: int, kv_heads: int, di
 
 
 @lru_cache(maxsize=32)
-def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int) -> LayerKernels:
+def _count(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int,
+           kind: tuple[bool, bool] = (True, False)) -> LayerKernels:
     import torch
 
     from pcpflow.attention.fused import fused_decode_attention
-    from pcpflow.models.common import DecoderLayer, RMSNorm, build_uninitialized
+    from pcpflow.models.common import build_uninitialized, make_norm
 
     make_attn, spec = _attention_module(attention, hidden, heads, kv_heads, dims)
     meta, dt, n, block = "meta", torch.bfloat16, 4, 16
-    layer = build_uninitialized(lambda: DecoderLayer(make_attn(), hidden, inter, 1e-6), device=meta).to(dt)
-    norm = build_uninitialized(lambda: RMSNorm(hidden, 1e-6), device=meta).to(dt)
+    layer = _layer(make_attn, hidden, inter, kind, meta).to(dt)
+    norm = build_uninitialized(lambda: make_norm(hidden, 1e-6, bias=kind[1]), device=meta).to(dt)
 
     class StaticAttention:
         """The backend's static (CUDA-graph) form: paged write, one fused decode kernel."""
@@ -145,7 +164,8 @@ def elementwise_bytes(sizes: ModelSizes, tp: int, dtype: str) -> tuple[float, fl
     counts: ``bytes(n) = fixed + per_row x n``. A CPU runs each of them as a pass over memory."""
     heads, kv_heads = sizes.num_heads // tp, max(1, sizes.num_kv_heads // tp)
     inter = max(1, sizes.dense_intermediate // tp)
-    return _elementwise(sizes.attention, sizes.hidden_size, heads, kv_heads, sizes.head_dims, inter, dtype)
+    return _elementwise(sizes.attention, sizes.hidden_size, heads, kv_heads, sizes.head_dims, inter, dtype,
+                        _block_kind(sizes))
 
 
 def _tensor_bytes(x) -> int:
@@ -176,14 +196,12 @@ counted_bytes.paused = False
 
 @lru_cache(maxsize=32)
 def _elementwise(attention: str, hidden: int, heads: int, kv_heads: int, dims: tuple[int, ...], inter: int,
-                 dtype: str) -> tuple[float, float]:
+                 dtype: str, kind: tuple[bool, bool] = (True, False)) -> tuple[float, float]:
     import torch
-
-    from pcpflow.models.common import DecoderLayer, build_uninitialized
 
     dt = getattr(torch, dtype)
     make_attn, spec = _attention_module(attention, hidden, heads, kv_heads, dims)
-    layer = build_uninitialized(lambda: DecoderLayer(make_attn(), hidden, inter, 1e-6), device="meta").to(dt)
+    layer = _layer(make_attn, hidden, inter, kind, "meta").to(dt)
 
     def attend(_layer, q, _kv, sinks=None):
         counted_bytes.paused = True  # the attention call (KV write, kernel) is priced apart

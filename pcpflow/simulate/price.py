@@ -939,18 +939,19 @@ class Pricer:
     def _row_bytes(self) -> float:
         """Bytes one row moves through a layer's memory-bound ops: two RMSNorms (read, write
         ``h``), two residual adds (read ``2h``, write ``h``), RoPE on its query and key heads'
-        rotary dims (read, write), the MLP's activation (read ``2I``, write ``I``, per TP
-        rank; an MoE layer's on its shared and top-k experts), its KV write."""
+        rotary dims (read, write), the MLP's activation (gated: read ``2I``, write ``I``; plain:
+        read and write ``I``; per TP rank; an MoE layer's on its shared and top-k experts), its KV write."""
         s, tp = self.sizes, self.grid.tp
         h = s.hidden_size
         rope = s.head_dims[0] if s.attention == "gqa" else s.head_dims[3]
         rot = 2 * (s.num_heads // tp + s.kv_heads_per_rank(tp)) * rope
+        dense = (3 if s.gated_mlp else 2) * s.dense_intermediate / tp
         if s.num_experts:
-            inter = (s.num_dense_layers * s.dense_intermediate / tp
-                     + s.num_moe_layers * (s.top_k + s.num_shared_experts) * s.moe_intermediate) / s.num_layers
+            mlp = (s.num_dense_layers * dense
+                   + s.num_moe_layers * (s.top_k + s.num_shared_experts) * 3 * s.moe_intermediate) / s.num_layers
         else:
-            inter = s.dense_intermediate / tp
-        act = self.act_bytes * (4 * h + 6 * h + rot + 3 * inter)
+            mlp = dense
+        act = self.act_bytes * (4 * h + 6 * h + rot + mlp)
         return act + s.entry_dim_per_rank(tp) * self.kv_bytes
 
     def _merge_bytes(self, layout, counts: StepCounts, nd: int, rest: int) -> float:

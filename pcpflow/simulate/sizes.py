@@ -57,6 +57,8 @@ class ModelSizes:
     sliding_layers: int = 0  # how many layers attend through it (the others to every key)
     window_kind: str = "sliding"  # or "chunked": sliding_window is the chunk size (Llama 4), those layers chunked
     full_qk_norm: bool = False  # q and k normed over the whole projection (OLMo 2): TP all-reduces them
+    gated_mlp: bool = True  # the dense MLP's gate and up (False: up alone, StarCoder2 and Phi)
+    layer_norm: bool = False  # the norms are LayerNorms with a bias (StarCoder2, Phi, StableLM), not RMSNorms
 
     @property
     def window(self) -> Window | None:
@@ -139,9 +141,11 @@ class ModelSizes:
                     ("o_proj", h, heads * v)]
 
     def mlp_gemms(self, tp: int) -> list[tuple[str, int, int]]:
-        """A dense layer's MLP on one TP rank (column-parallel gate_up, row-parallel down)."""
+        """A dense layer's MLP on one TP rank (column-parallel gate_up, or up without a gate;
+        row-parallel down)."""
         i = self.dense_intermediate // tp
-        return [("gate_up_proj", 2 * i, self.hidden_size), ("down_proj", self.hidden_size, i)]
+        up = ("gate_up_proj", 2 * i, self.hidden_size) if self.gated_mlp else ("up_proj", i, self.hidden_size)
+        return [up, ("down_proj", self.hidden_size, i)]
 
     def expert_gemms(self) -> list[tuple[str, int, int]]:
         """One expert (routed or shared), never split over TP (``shard_mlp``)."""
@@ -165,13 +169,14 @@ def model_sizes(model) -> ModelSizes:
             hidden_size=c.hidden_size,
             num_layers=c.num_layers,
             num_heads=c.num_heads,
-            dense_mlp_params=3 * c.hidden_size * c.intermediate_size,
+            dense_mlp_params=(3 if getattr(c, "gated_mlp", True) else 2) * c.hidden_size * c.intermediate_size,
             tie_word_embeddings=c.tie_word_embeddings,
             **_moe_sizes(getattr(c, "moe", None), c.num_layers, c.hidden_size, c.intermediate_size),
         )
         if isinstance(model, ModelCard):
             common.update(sliding_window=c.sliding_window, sliding_layers=c.sliding_layers, window_kind=c.window_kind,
-                          full_qk_norm=c.full_qk_norm)
+                          full_qk_norm=c.full_qk_norm, gated_mlp=c.gated_mlp,
+                          layer_norm=c.layer_norm)
         elif name == "tiny_gqa":  # NOTE: its window on the layers it names, as its executed spec has it
             common.update(sliding_window=c.window, sliding_layers=len(c.sliding_layers()), window_kind=c.window_kind,
                           full_qk_norm=c.qk_norm == "full")

@@ -513,13 +513,14 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     ``block_sparse_moe`` experts ``w1``/``w3``/``w2`` on every layer, GLM-4.5's q/k/v biases
     without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
     q/k norms and (``attention_bias``) q/k/v/o biases; Granite's fused experts, shared MLP and
-    q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP)."""
+    q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP);
+    StarCoder2's, Phi's and StableLM's LayerNorm weights and biases, Phi's LM head bias."""
     from pcpflow.models.hf_registry import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
                  "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense",
-                 "olmoe"):
+                 "olmoe", "starcoder2", "phi", "stablelm"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -2346,3 +2347,90 @@ def test_cohere1_reads_transformers_defaults_and_refuses_qk_norms(tmp_path):
     assert c.rope_theta == theirs.rope_parameters["rope_theta"] == 500_000.0
     (tmp_path / "config.json").write_text(json.dumps(dict(config, use_qk_norm=True)))
     assert "use_qk_norm=true is not supported" in _problem(tmp_path)
+
+
+# ------------------------------------------------------------------ LayerNorm families: StarCoder2, Phi, StableLM
+# config.json of starcoder2-3b/7b/15b, phi-1_5, phi-2, stablelm-3b-4e1t and stablelm-2-1_6b as published, with the
+# parameter counts their model cards give (billions)
+STARCODER2_COMMON = dict(architectures=["Starcoder2ForCausalLM"], model_type="starcoder2", hidden_act="gelu_pytorch_tanh",
+                         max_position_embeddings=16384, norm_epsilon=1e-5, sliding_window=4096, use_bias=True,
+                         vocab_size=49152)
+PHI_COMMON = dict(architectures=["PhiForCausalLM"], model_type="phi", hidden_act="gelu_new", layer_norm_eps=1e-5,
+                  max_position_embeddings=2048, num_attention_heads=32, qk_layernorm=False, rope_theta=10000.0,
+                  tie_word_embeddings=False, vocab_size=51200)
+STABLELM_COMMON = dict(architectures=["StableLmForCausalLM"], model_type="stablelm", hidden_act="silu", layer_norm_eps=1e-5,
+                       max_position_embeddings=4096, num_attention_heads=32, num_key_value_heads=32,
+                       partial_rotary_factor=0.25, rope_theta=10000, tie_word_embeddings=False)
+REAL_LAYERNORM_CONFIGS = {
+    "starcoder2-3b": (dict(STARCODER2_COMMON, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
+                           num_attention_heads=24, num_key_value_heads=2, rope_theta=999999.4420358813), 3.03),
+    "starcoder2-7b": (dict(STARCODER2_COMMON, hidden_size=4608, intermediate_size=18432, num_hidden_layers=32,
+                           num_attention_heads=36, num_key_value_heads=4, rope_theta=1000000), 7.17),
+    "starcoder2-15b": (dict(STARCODER2_COMMON, hidden_size=6144, intermediate_size=24576, num_hidden_layers=40,
+                            num_attention_heads=48, num_key_value_heads=4, rope_theta=100000, tie_word_embeddings=False),
+                       15.96),
+    "phi-1_5": (dict(PHI_COMMON, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                     partial_rotary_factor=0.5), 1.42),
+    "phi-2": (dict(PHI_COMMON, hidden_size=2560, intermediate_size=10240, num_hidden_layers=32, num_key_value_heads=32,
+                   partial_rotary_factor=0.4), 2.78),
+    "stablelm-3b-4e1t": (dict(STABLELM_COMMON, hidden_size=2560, intermediate_size=6912, num_hidden_layers=32,
+                              use_qkv_bias=False, vocab_size=50304), 2.80),
+    "stablelm-2-1_6b": (dict(STABLELM_COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                             use_qkv_bias=True, vocab_size=100352), 1.64),
+}
+
+
+@pytest.mark.parametrize("name", REAL_LAYERNORM_CONFIGS)
+def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
+    """StarCoder2's, Phi's and StableLM's published config.json: transformers' own parameter count
+    (the cards' to their rounding), RoPE on transformers' ``rotary_ndims`` of a head, StarCoder2's
+    window on every layer; a simulated run of it counts the matrices transformers' model has (two
+    a plain MLP, three a gated one), its LayerNorms and MLP kind carried on the card."""
+    from pcpflow.simulate.sizes import model_sizes
+
+    config, params = REAL_LAYERNORM_CONFIGS[name]
+    c, ours, theirs_config = _sized_as_transformers(tmp_path, config)
+    assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(params, rel=0.01)
+    head = config["hidden_size"] // config["num_attention_heads"]
+    factor = theirs_config.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert {layer.self_attn.rotary.dim for layer in ours.layers} == {int(head * factor)}
+    starcoder2 = name.startswith("starcoder2")
+    assert c.attn_spec().window == (4096 if starcoder2 else None)
+    assert c.sliding_layers == (list(range(config["num_hidden_layers"])) if starcoder2 else [])
+    card = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=4", "pcp=2",
+                    "workload=explicit", "workload.prompt_lens=[8000]", "workload.output_lens=[4]"]).model
+    assert (card.gated_mlp, card.layer_norm) == (name.startswith("stablelm"), True)
+    sizes = model_sizes(card)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(theirs_config)
+    matrices = sum(p.numel() for p in theirs.parameters() if p.dim() == 2)
+    assert sizes.total_weight_params() + sizes.embedding_params == matrices
+
+
+def test_layernorm_families_refuse_what_they_do_not_compute(tmp_path):
+    """Per-head q/k LayerNorms (Phi's and StableLM 2 12B's ``qk_layernorm``) and an activation
+    pcpflow does not have are each refused by name, the supported ones listed."""
+    cases = [
+        (dict(REAL_LAYERNORM_CONFIGS["phi-2"][0], qk_layernorm=True), "qk_layernorm=true is not supported"),
+        (dict(REAL_LAYERNORM_CONFIGS["stablelm-2-1_6b"][0], qk_layernorm=True), "qk_layernorm=true is not supported"),
+        (dict(REAL_LAYERNORM_CONFIGS["starcoder2-3b"][0], hidden_act="relu"),
+         "hidden_act 'relu' is not supported; supported: gelu_pytorch_tanh, gelu, gelu_new, silu, swish"),
+    ]
+    for config, message in cases:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        (tmp_path / "model.safetensors").write_bytes(b"")
+        assert message in _problem(tmp_path), config
+
+
+def test_layer_kernels_follow_the_mlp_and_norm_kinds():
+    """The host's kernel count of a layer is pcpflow's own forward of it: a plain MLP launches one
+    kernel fewer than a gated one (no multiply of gate and up; its up is one GEMM as gate_up is),
+    and a LayerNorm is one kernel (torch's fused ``native_layer_norm``) where the RMSNorm is several."""
+    from pcpflow.simulate.host import _count
+
+    shapes = ("gqa", 256, 4, 2, (64,), 512)
+    gated, plain = _count(*shapes, (True, False)), _count(*shapes, (False, False))
+    assert gated.total - plain.total == 1 and gated.attention == plain.attention
+    layer_norm = _count(*shapes, (True, True))
+    assert layer_norm.norm == 1 < gated.norm
+    assert gated.total - layer_norm.total == 2 * (gated.norm - 1)  # the layer's two norms

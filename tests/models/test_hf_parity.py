@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Ministral 3, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3,
 Mistral 3, Ministral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE and Qwen3-VL
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE, StarCoder2, Phi, StableLM and Qwen3-VL
 (dense and MoE: their language models) checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
@@ -125,6 +125,12 @@ CHECKPOINTS = {
     "cohere2_window": dict(arch="cohere2", sliding_window=WINDOW, tie_word_embeddings=True),
     # Cohere 1 (Command R, Aya): the same parallel blocks, every layer full with interleaved RoPE; tied
     "cohere_tied": dict(arch="cohere", tie_word_embeddings=True),
+    # LayerNorms with biases: StarCoder2 (an MLP without a gate, every bias, every layer sliding over WINDOW
+    # keys; tied), Phi (parallel layers, RoPE on 12 of 16 dims, gelu_new, an LM head with a bias), StableLM
+    # (SwiGLU, q/k/v biases, RoPE on 4 of 16 dims)
+    "starcoder2_window": dict(arch="starcoder2", sliding_window=WINDOW, tie_word_embeddings=True),
+    "phi": dict(arch="phi"),
+    "stablelm": dict(arch="stablelm"),
     # gpt-oss: attention sinks on every head, q/k/v/o biases, its even layer sliding over WINDOW keys,
     # YaRN untruncated; every MLP MoE (biased router and experts, clamped SwiGLU that bites)
     "gpt_oss_window": dict(arch="gpt_oss", sliding_window=WINDOW, bias=True),
@@ -374,6 +380,21 @@ ERNIE_MOE_CASES = [
     ("ernie4_5_moe", "float64", 2, 2, "sharded", ["tp=2"]),
 ]
 MATRIX += ERNIE_MOE_CASES
+LAYERNORM_CASES = [
+    ("starcoder2_window", "float64", 1, 1, "replicated", []),
+    ("starcoder2_window", "float32", 4, 4, "sharded", []),
+    ("starcoder2_window", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    ("phi", "float64", 2, 2, "sharded", []),
+    ("phi", "float32", 4, 1, "replicated", []),
+    ("phi", "float64", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("stablelm", "float64", 2, 2, "sharded", []),
+    ("stablelm", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
+    # the plain MLP's up_proj (and its bias) split by columns, the LayerNorms and the LM head's bias replicated
+    ("starcoder2_window", "float32", 2, 2, "sharded", ["tp=2"]),
+    ("phi", "float64", 2, 2, "replicated", ["tp=2"]),
+    ("stablelm", "float64", 2, 1, "sharded", ["tp=2"]),
+]
+MATRIX += LAYERNORM_CASES
 
 
 # NOTE: a representative default set (the main families, pcp 2/4, dcp, both decode modes,
