@@ -78,7 +78,8 @@ with interleaved RoPE and its odd ones full without position embedding, logits t
 
 ``starcoder2``, ``phi`` and ``stablelm`` have LayerNorms with biases: StarCoder2 an MLP without a gate
 and every bias (every layer sliding when given ``--sliding-window``), Phi parallel layers, RoPE on 12 of
-16 dims, ``gelu_new`` and an LM head with a bias, StableLM SwiGLU, q/k/v biases and RoPE on 4 of 16 dims.
+16 dims, ``gelu_new`` and an LM head with a bias, StableLM SwiGLU, q/k/v biases and RoPE on 4 of 16 dims;
+``nemotron`` LayerNorm1P (scaled by ``1 + weight``), squared ReLU without a gate, head 24, RoPE on 12 dims.
 
 ``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
 
@@ -192,7 +193,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm", "nemotron")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -231,6 +232,7 @@ GQA_ARCHS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
     "phi": ("PhiConfig", "PhiForCausalLM"),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -331,6 +333,7 @@ DEFAULT_ROPE_SCALING = {
     "starcoder2": "none",
     "phi": "none",
     "stablelm": "none",
+    "nemotron": "none",
 }
 
 
@@ -467,6 +470,8 @@ def tiny_config(
             phi=dict(layer_norm_eps=1e-5, partial_rotary_factor=0.75),
             # NOTE: LayerNorms with biases, SwiGLU, q/k/v biases, RoPE on 4 of 16 dims (its released 0.25)
             stablelm=dict(layer_norm_eps=1e-5, use_qkv_bias=True),
+            # NOTE: LayerNorm1P (1 + weight, a bias), relu2 without a gate, head_dim 24 != hidden/heads, RoPE on 12
+            nemotron=dict(norm_eps=1e-5, head_dim=24, mlp_bias=bias),
         )[arch]
         if arch in ("qwen2", "mistral", "ministral3", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -627,7 +632,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Overwrite every parameter from ``torch.Generator(seed)`` (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
     tied = model.config.tie_word_embeddings
-    offsets = model.config.model_type in ("gemma3_text", "gemma3", "gemma2", "gemma")  # NOTE: Gemma's norms scale by 1 + weight
+    # NOTE: Gemma's and Nemotron's norms scale by 1 + weight
+    offsets = model.config.model_type in ("gemma3_text", "gemma3", "gemma2", "gemma", "nemotron")
 
     def randn(shape):
         return torch.randn(shape, generator=gen, dtype=torch.float64)

@@ -206,11 +206,17 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` (Nemotron's ``relu2``, as transformers' ``ReLUSquaredActivation``)."""
+    return torch.square(nn.functional.relu(x))
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": nn.functional.silu,
     "gelu_tanh": functools.partial(nn.functional.gelu, approximate="tanh"),  # transformers' gelu_pytorch_tanh
     "gelu": nn.functional.gelu,  # the exact (erf) GELU: transformers' gelu outside Gemma
     "gelu_new": gelu_new,
+    "relu2": relu_squared,
 }
 
 
@@ -269,12 +275,21 @@ class PlainMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
+class OffsetLayerNorm(nn.LayerNorm):
+    """A LayerNorm scaled by ``1 + weight`` (the weight stored as its offset from one), as
+    Nemotron's ``LayerNorm1P``: ``weight + 1`` in the weight's dtype, then torch's layer norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
+
+
 def make_norm(dim: int, eps: float, *, bias: bool = False, unit_offset: bool = False, scale_first: bool = False,
               centered: bool = False) -> nn.Module:
     """A decoder's norm: ``RMSNorm`` (its options), or with ``bias`` torch's ``LayerNorm`` (a weight
-    and a bias, as StarCoder2, Phi and StableLM use it: the same function in every dtype)."""
+    and a bias, as StarCoder2, Phi and StableLM use it: the same function in every dtype; with
+    ``unit_offset``, Nemotron's ``OffsetLayerNorm``)."""
     if bias:
-        return nn.LayerNorm(dim, eps=eps)
+        return OffsetLayerNorm(dim, eps=eps) if unit_offset else nn.LayerNorm(dim, eps=eps)
     return RMSNorm(dim, eps, unit_offset=unit_offset, scale_first=scale_first, centered=centered)
 
 
@@ -470,7 +485,7 @@ def build_seeded(
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.unit_offset else 1.0)
             elif isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(0.0 if isinstance(module, OffsetLayerNorm) else 1.0)
                 module.bias.zero_()
             elif hasattr(module, "seeded_init"):  # e.g. an MoE router (weight and bias)
                 module.seeded_init(gen, linear_gain)

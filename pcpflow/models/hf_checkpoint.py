@@ -238,12 +238,13 @@ class HeadsOfHidden(GQACheckpoint):
     unless a family says otherwise) and the window of the sliding ones."""
 
     num_key_value_heads: int | None = Field(None, gt=0)
+    reads_head_dim: ClassVar[bool] = False  # a family whose ``head_dim`` field, when given, is the head's width (Nemotron)
 
     @model_validator(mode="after")
     def _heads(self) -> HeadsOfHidden:
         problems = head_problems(self.num_attention_heads, self.kv_heads, self.dim, getattr(self, "layer_types", None),
                                  self.num_hidden_layers)
-        if self.hidden_size % self.num_attention_heads:
+        if self.hidden_size % self.num_attention_heads and not self._given_head_dim:
             problems.append(f"hidden_size ({self.hidden_size}) must split into num_attention_heads "
                             f"({self.num_attention_heads}) heads (head_dim is hidden_size / heads)")
         if problems:
@@ -251,8 +252,12 @@ class HeadsOfHidden(GQACheckpoint):
         return self
 
     @property
+    def _given_head_dim(self) -> int | None:
+        return getattr(self, "head_dim", None) if self.reads_head_dim else None
+
+    @property
     def dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self._given_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def kinds(self) -> list[str]:

@@ -14,8 +14,13 @@ them:
   pre-norm layers (``use_parallel_residual``: Phi's parallel ones), Llama's gated MLP without biases,
   q/k/v biases where ``use_qkv_bias``, RoPE on the first ``partial_rotary_factor`` (0.25 unless given);
   ``qk_layernorm`` (StableLM 2 12B's LayerNorm per head) is refused by name.
+- **Nemotron** (``NemotronForCausalLM``: Nemotron-Mini-4B, Minitron-4B/8B): pre-norm layers on Nemotron's
+  ``LayerNorm1P`` (a bias, scaled by ``1 + weight``: ``OffsetLayerNorm``, eps ``norm_eps``), an MLP without
+  a gate (``up_proj``, ``relu2``: squared ReLU, ``down_proj``), biases where ``attention_bias`` /
+  ``mlp_bias``, ``head_dim`` as given (else hidden / heads), RoPE on the first ``partial_rotary_factor``
+  (0.5 unless given).
 
-Each family's ``head_dim`` is hidden / heads and its LayerNorm eps its own field; ``hidden_act`` is
+Each family's ``head_dim`` is hidden / heads (Nemotron's may be given) and its LayerNorm eps its own field; ``hidden_act`` is
 read as transformers' ``ACT2FN`` reads it (``gelu``: the exact, erf GELU; ``gelu_new``: the tanh
 approximation written out; ``gelu_pytorch_tanh``: torch's).
 """
@@ -32,7 +37,7 @@ from pcpflow.models.hf_weights import Rename, attention_rename
 from pcpflow.models.layers import GQAAttention
 
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "gelu_new": "gelu_new", "silu": "silu",
-                  "swish": "silu"}
+                  "swish": "silu", "relu2": "relu2"}
 """config.json's ``hidden_act`` -> pcpflow's activation (``pcpflow.models.common.ACTIVATIONS``)."""
 
 
@@ -88,6 +93,7 @@ class LayerNormCheckpoint(HeadsOfHidden):
     # a family's switches
     parallel: ClassVar[bool] = False
     gated_mlp: ClassVar[bool] = False
+    unit_offset: ClassVar[bool] = False  # the norms scale by 1 + weight (Nemotron's LayerNorm1P)
 
     def biases(self) -> tuple[bool, bool, bool]:  # pragma: no cover
         """(q/k/v, o, MLP) biases."""
@@ -97,7 +103,7 @@ class LayerNormCheckpoint(HeadsOfHidden):
         return self.parallel
 
     def lm_options(self) -> dict[str, Any]:
-        return {"norm_bias": True}
+        return {"norm_bias": True, "unit_offset": self.unit_offset}
 
     def build_layers(self) -> list[DecoderLayer]:
         h, qkv, out, mlp_bias = self.hidden_size, *self.biases()
@@ -116,7 +122,7 @@ class LayerNormCheckpoint(HeadsOfHidden):
                     bias=qkv, o_bias=out,
                 ),
                 h, self.intermediate_size, self.rms_norm_eps, mlp=mlp(),
-                parallel=self.is_parallel(), norm_bias=True,
+                parallel=self.is_parallel(), norm_bias=True, unit_offset=self.unit_offset,
             )
             for _ in range(self.num_hidden_layers)
         ]
@@ -173,7 +179,7 @@ class PhiCheckpoint(LayerNormCheckpoint):
         return True, True, True
 
     def lm_options(self) -> dict[str, Any]:
-        return {"norm_bias": True, "lm_head_bias": True}
+        return {**super().lm_options(), "lm_head_bias": True}
 
 
 class StableLmCheckpoint(LayerNormCheckpoint):
@@ -204,3 +210,28 @@ class StableLmCheckpoint(LayerNormCheckpoint):
 
     def biases(self) -> tuple[bool, bool, bool]:
         return self.use_qkv_bias, False, False
+
+
+class NemotronCheckpoint(LayerNormCheckpoint):
+    """The config.json fields of a Nemotron checkpoint that pcpflow uses (transformers'
+    ``NemotronConfig`` defaults)."""
+
+    hidden_act: str = "relu2"
+    partial_rotary_factor: float = Field(0.5, gt=0, le=1)
+    head_dim: int | None = Field(None, gt=0)
+    mlp_bias: bool = False
+    max_position_embeddings: int = Field(4096, gt=0)
+    eps_field: ClassVar[str] = "norm_eps"
+    unit_offset: ClassVar[bool] = True
+    reads_head_dim: ClassVar[bool] = True  # NOTE: Minitron-8B's 128 is not hidden / heads
+
+    renames: ClassVar[tuple[Rename, ...]] = (
+        *LAYERNORM_RENAMES,
+        norm_rename("model.norm", "norm"),
+        norm_rename("model.layers.{i}.post_attention_layernorm", "layers.{i}.post_attention_norm"),
+        Rename("model.layers.{i}.mlp.up_proj.{wb}", "layers.{i}.mlp.up_proj.{wb}"),
+        Rename("model.layers.{i}.mlp.down_proj.{wb}", "layers.{i}.mlp.down_proj.{wb}"),
+    )
+
+    def biases(self) -> tuple[bool, bool, bool]:
+        return self.attention_bias, self.attention_bias, self.mlp_bias

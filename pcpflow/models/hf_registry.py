@@ -20,7 +20,12 @@ from pcpflow.models.hf_gemma import (
 from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
-from pcpflow.models.hf_layernorm import PhiCheckpoint, StableLmCheckpoint, Starcoder2Checkpoint
+from pcpflow.models.hf_layernorm import (
+    NemotronCheckpoint,
+    PhiCheckpoint,
+    StableLmCheckpoint,
+    Starcoder2Checkpoint,
+)
 from pcpflow.models.hf_llama import (
     FAMILIES,
     LlamaCheckpoint,
@@ -66,6 +71,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "Starcoder2ForCausalLM": Starcoder2Checkpoint,
     "PhiForCausalLM": PhiCheckpoint,
     "StableLmForCausalLM": StableLmCheckpoint,
+    "NemotronForCausalLM": NemotronCheckpoint,
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -113,6 +119,7 @@ _MODEL_TYPES = {
     "starcoder2": "Starcoder2ForCausalLM",
     "phi": "PhiForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "nemotron": "NemotronForCausalLM",
 }
 
 

@@ -514,13 +514,13 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
     q/k norms and (``attention_bias``) q/k/v/o biases; Granite's fused experts, shared MLP and
     q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP);
-    StarCoder2's, Phi's and StableLM's LayerNorm weights and biases, Phi's LM head bias."""
+    StarCoder2's, Phi's, StableLM's and Nemotron's LayerNorm weights and biases, Phi's LM head bias."""
     from pcpflow.models.hf_registry import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
                  "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense",
-                 "olmoe", "starcoder2", "phi", "stablelm"):
+                 "olmoe", "starcoder2", "phi", "stablelm", "nemotron"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -2349,9 +2349,9 @@ def test_cohere1_reads_transformers_defaults_and_refuses_qk_norms(tmp_path):
     assert "use_qk_norm=true is not supported" in _problem(tmp_path)
 
 
-# ------------------------------------------------------------------ LayerNorm families: StarCoder2, Phi, StableLM
-# config.json of starcoder2-3b/7b/15b, phi-1_5, phi-2, stablelm-3b-4e1t and stablelm-2-1_6b as published, with the
-# parameter counts their model cards give (billions)
+# ------------------------------------------------------------------ LayerNorm families: StarCoder2, Phi, StableLM, Nemotron
+# config.json of starcoder2-3b/7b/15b, phi-1_5, phi-2, stablelm-3b-4e1t, stablelm-2-1_6b, Nemotron-Mini-4B-Instruct and
+# Minitron-8B-Base as published, with the parameter counts their model cards give (billions)
 STARCODER2_COMMON = dict(architectures=["Starcoder2ForCausalLM"], model_type="starcoder2", hidden_act="gelu_pytorch_tanh",
                          max_position_embeddings=16384, norm_epsilon=1e-5, sliding_window=4096, use_bias=True,
                          vocab_size=49152)
@@ -2361,6 +2361,10 @@ PHI_COMMON = dict(architectures=["PhiForCausalLM"], model_type="phi", hidden_act
 STABLELM_COMMON = dict(architectures=["StableLmForCausalLM"], model_type="stablelm", hidden_act="silu", layer_norm_eps=1e-5,
                        max_position_embeddings=4096, num_attention_heads=32, num_key_value_heads=32,
                        partial_rotary_factor=0.25, rope_theta=10000, tie_word_embeddings=False)
+NEMOTRON_COMMON = dict(architectures=["NemotronForCausalLM"], model_type="nemotron", attention_bias=False, head_dim=128,
+                       hidden_act="relu2", max_position_embeddings=4096, norm_eps=1e-5, num_hidden_layers=32,
+                       num_key_value_heads=8, partial_rotary_factor=0.5, rope_theta=10000, tie_word_embeddings=False,
+                       vocab_size=256000)
 REAL_LAYERNORM_CONFIGS = {
     "starcoder2-3b": (dict(STARCODER2_COMMON, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
                            num_attention_heads=24, num_key_value_heads=2, rope_theta=999999.4420358813), 3.03),
@@ -2377,12 +2381,16 @@ REAL_LAYERNORM_CONFIGS = {
                               use_qkv_bias=False, vocab_size=50304), 2.80),
     "stablelm-2-1_6b": (dict(STABLELM_COMMON, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                              use_qkv_bias=True, vocab_size=100352), 1.64),
+    "Nemotron-Mini-4B-Instruct": (dict(NEMOTRON_COMMON, hidden_size=3072, intermediate_size=9216,
+                                       num_attention_heads=24), 4.19),
+    # NOTE: head_dim 128 where hidden / heads is 85.3
+    "Minitron-8B-Base": (dict(NEMOTRON_COMMON, hidden_size=4096, intermediate_size=16384, num_attention_heads=48), 8.27),
 }
 
 
 @pytest.mark.parametrize("name", REAL_LAYERNORM_CONFIGS)
 def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
-    """StarCoder2's, Phi's and StableLM's published config.json: transformers' own parameter count
+    """StarCoder2's, Phi's, StableLM's and Nemotron's published config.json: transformers' own parameter count
     (the cards' to their rounding), RoPE on transformers' ``rotary_ndims`` of a head, StarCoder2's
     window on every layer; a simulated run of it counts the matrices transformers' model has (two
     a plain MLP, three a gated one), its LayerNorms and MLP kind carried on the card."""
@@ -2391,7 +2399,7 @@ def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
     config, params = REAL_LAYERNORM_CONFIGS[name]
     c, ours, theirs_config = _sized_as_transformers(tmp_path, config)
     assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(params, rel=0.01)
-    head = config["hidden_size"] // config["num_attention_heads"]
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     factor = theirs_config.rope_parameters.get("partial_rotary_factor", 1.0)
     assert {layer.self_attn.rotary.dim for layer in ours.layers} == {int(head * factor)}
     starcoder2 = name.startswith("starcoder2")
@@ -2399,7 +2407,7 @@ def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
     assert c.sliding_layers == (list(range(config["num_hidden_layers"])) if starcoder2 else [])
     card = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=4", "pcp=2",
                     "workload=explicit", "workload.prompt_lens=[8000]", "workload.output_lens=[4]"]).model
-    assert (card.gated_mlp, card.layer_norm) == (name.startswith("stablelm"), True)
+    assert (card.gated_mlp, card.layer_norm, card.head_dim) == (name.startswith("stablelm"), True, head)
     sizes = model_sizes(card)
     with torch.device("meta"):
         theirs = transformers.AutoModelForCausalLM.from_config(theirs_config)
@@ -2434,3 +2442,25 @@ def test_layer_kernels_follow_the_mlp_and_norm_kinds():
     layer_norm = _count(*shapes, (True, True))
     assert layer_norm.norm == 1 < gated.norm
     assert gated.total - layer_norm.total == 2 * (gated.norm - 1)  # the layer's two norms
+
+
+def test_layernorm_families_norms_and_activations_are_transformers_bit_for_bit():
+    """Nemotron's LayerNorm1P (``weight + 1`` rounded in the weight's dtype) and each ``hidden_act`` the
+    LayerNorm families read are transformers' own, bit for bit in bfloat16 and float32."""
+    from transformers.activations import ACT2FN
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    from pcpflow.models.common import ACTIVATIONS, OffsetLayerNorm
+    from pcpflow.models.hf_layernorm import HF_ACTIVATIONS
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (3 * torch.randn(64, 96, generator=gen)).to(dtype)
+        theirs, ours = NemotronLayerNorm1P(96, eps=1e-5).to(dtype), OffsetLayerNorm(96, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            for norm in (theirs, ours):
+                norm.weight.copy_(0.3 * torch.randn(96, generator=torch.Generator().manual_seed(1)))
+                norm.bias.copy_(0.1 * torch.randn(96, generator=torch.Generator().manual_seed(2)))
+            assert torch.equal(ours(x), theirs(x)), dtype
+        for name, act in HF_ACTIVATIONS.items():
+            assert torch.equal(ACTIVATIONS[act](x), ACT2FN[name](x)), (name, dtype)

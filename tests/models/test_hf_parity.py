@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Ministral 3, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3,
 Mistral 3, Ministral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE, StarCoder2, Phi, StableLM and Qwen3-VL
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE, StarCoder2, Phi, StableLM, Nemotron and Qwen3-VL
 (dense and MoE: their language models) checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
@@ -131,6 +131,9 @@ CHECKPOINTS = {
     "starcoder2_window": dict(arch="starcoder2", sliding_window=WINDOW, tie_word_embeddings=True),
     "phi": dict(arch="phi"),
     "stablelm": dict(arch="stablelm"),
+    # Nemotron: LayerNorm1P (scaled by 1 + weight, a bias), squared ReLU without a gate, head_dim 24 != hidden/heads,
+    # RoPE on 12 of its dims; MLP biases
+    "nemotron": dict(arch="nemotron", bias=True),
     # gpt-oss: attention sinks on every head, q/k/v/o biases, its even layer sliding over WINDOW keys,
     # YaRN untruncated; every MLP MoE (biased router and experts, clamped SwiGLU that bites)
     "gpt_oss_window": dict(arch="gpt_oss", sliding_window=WINDOW, bias=True),
@@ -393,6 +396,9 @@ LAYERNORM_CASES = [
     ("starcoder2_window", "float32", 2, 2, "sharded", ["tp=2"]),
     ("phi", "float64", 2, 2, "replicated", ["tp=2"]),
     ("stablelm", "float64", 2, 1, "sharded", ["tp=2"]),
+    ("nemotron", "float64", 2, 2, "sharded", []),
+    ("nemotron", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("nemotron", "float64", 2, 2, "replicated", ["tp=2"]),
 ]
 MATRIX += LAYERNORM_CASES
 
