@@ -79,7 +79,8 @@ with interleaved RoPE and its odd ones full without position embedding, logits t
 ``starcoder2``, ``phi`` and ``stablelm`` have LayerNorms with biases: StarCoder2 an MLP without a gate
 and every bias (every layer sliding when given ``--sliding-window``), Phi parallel layers, RoPE on 12 of
 16 dims, ``gelu_new`` and an LM head with a bias, StableLM SwiGLU, q/k/v biases and RoPE on 4 of 16 dims;
-``nemotron`` LayerNorm1P (scaled by ``1 + weight``), squared ReLU without a gate, head 24, RoPE on 12 dims.
+``nemotron`` LayerNorm1P (scaled by ``1 + weight``), squared ReLU without a gate, head 24, RoPE on 12 dims;
+``gpt_neox`` parallel layers on two LayerNorms, q/k/v fused a head at a time, RoPE on half a head.
 
 ``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
 
@@ -193,7 +194,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm", "nemotron")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm", "nemotron", "gpt_neox")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -233,6 +234,7 @@ GQA_ARCHS = {
     "phi": ("PhiConfig", "PhiForCausalLM"),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -334,6 +336,7 @@ DEFAULT_ROPE_SCALING = {
     "phi": "none",
     "stablelm": "none",
     "nemotron": "none",
+    "gpt_neox": "none",
 }
 
 
@@ -472,6 +475,9 @@ def tiny_config(
             stablelm=dict(layer_norm_eps=1e-5, use_qkv_bias=True),
             # NOTE: LayerNorm1P (1 + weight, a bias), relu2 without a gate, head_dim 24 != hidden/heads, RoPE on 12
             nemotron=dict(norm_eps=1e-5, head_dim=24, mlp_bias=bias),
+            # NOTE: parallel layers, each block on its own LayerNorm; q/k/v fused a head at a time; RoPE on half a head
+            # (its older rotary_pct / rotary_emb_base, as Pythia's config.json); every bias
+            gpt_neox=dict(layer_norm_eps=1e-5, rotary_pct=0.5, rotary_emb_base=10000, use_parallel_residual=True),
         )[arch]
         if arch in ("qwen2", "mistral", "ministral3", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -486,6 +492,8 @@ def tiny_config(
             common.update(hidden_size=80, rope_theta=1_000_000.0)
         if arch in ("gemma2", "gemma"):
             common.update(hidden_size=80)
+        if arch == "gpt_neox":  # NOTE: every bias, as released
+            common.update(attention_bias=True)
         if arch in ("gpt_oss", "granitemoe", "granitemoeshared", "granite4", "olmoe"):  # NOTE: the experts' width
             common.update(intermediate_size=32)
         if arch == "hunyuan_moe":  # NOTE: the routed and shared experts' width
@@ -643,7 +651,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             if any(f".{part}." in f".{name}" for part in ("vision_tower", "vision_model", "multi_modal_projector",
                                                           "visual")):
                 continue  # NOTE: a multimodal model's image side: never run on text (transformers' own init)
-            if name.endswith("embed_tokens.weight"):
+            if name.endswith(("embed_tokens.weight", "embed_in.weight")):
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
                 value = randn(param.shape) * std
             elif name.endswith("bias"):  # NOTE: gpt-oss's experts' gate_up_proj_bias / down_proj_bias, LayerNorms' too
@@ -655,7 +663,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             elif ".feed_forward.experts." in name:  # NOTE: Llama 4's stacked experts, [E, in, out]: fan_in is dim 1
                 value = randn(param.shape) / math.sqrt(param.shape[1])
             elif param.dim() in (2, 3):  # 3: stacked experts [E, out, in] (gpt-oss: [E, in, out])
-                gain = LOGIT_GAIN if name == "lm_head.weight" else 1.0
+                gain = LOGIT_GAIN if name in ("lm_head.weight", "embed_out.weight") else 1.0
                 value = randn(param.shape) * (gain / math.sqrt(param.shape[-1]))
             else:
                 raise TypeError(f"no init rule for {name} {tuple(param.shape)}")

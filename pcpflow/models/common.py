@@ -206,6 +206,12 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation as transformers' ``FastGELUActivation`` writes it (GPT-NeoX-20B's
+    ``gelu_fast``: its constant rounded, its cube factored)."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     """``relu(x) ** 2`` (Nemotron's ``relu2``, as transformers' ``ReLUSquaredActivation``)."""
     return torch.square(nn.functional.relu(x))
@@ -217,6 +223,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": nn.functional.gelu,  # the exact (erf) GELU: transformers' gelu outside Gemma
     "gelu_new": gelu_new,
     "relu2": relu_squared,
+    "gelu_fast": gelu_fast,
 }
 
 
@@ -297,7 +304,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with
     ``sandwich`` (Gemma) each block's output is normed too, ``x + norm(attn(norm(x)))``, and
     without ``pre_norm`` (OLMo 2: ``sandwich`` alone) only the outputs, ``x + norm(attn(x))``;
-    ``parallel`` (Cohere): ``x + attn(norm(x)) + mlp(norm(x))``, one norm.
+    ``parallel`` (Cohere): ``x + attn(norm(x)) + mlp(norm(x))``, one norm; with ``parallel_mlp_norm``
+    (GPT-NeoX) the MLP reads a norm of its own, ``x + attn(norm1(x)) + mlp(norm2(x))``.
     ``unit_offset`` / ``scale_first`` / ``centered``: the norms' (``RMSNorm``); ``norm_bias``: the
     norms are LayerNorms with a bias (``make_norm``);
     ``residual_multiplier`` (Granite): each block's output is scaled by it before it is added.
@@ -322,9 +330,11 @@ class DecoderLayer(nn.Module):
         centered: bool = False,
         parallel: bool = False,
         norm_bias: bool = False,
+        parallel_mlp_norm: bool = False,
     ):
         super().__init__()
         self.residual_multiplier, self.parallel = residual_multiplier, parallel
+        self.parallel_mlp_norm = parallel_mlp_norm
 
         def norm() -> nn.Module:
             return make_norm(hidden_size, eps, bias=norm_bias, unit_offset=unit_offset, scale_first=scale_first,
@@ -333,7 +343,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = norm() if pre_norm else nn.Identity()
         self.self_attn = self_attn
         # NOTE: the MLP's input norm (Gemma's pre_feedforward_layernorm); a parallel block has none of its own
-        self.post_attention_norm = norm() if pre_norm and not parallel else nn.Identity()
+        self.post_attention_norm = norm() if pre_norm and (parallel_mlp_norm or not parallel) else nn.Identity()
         # NOTE: ``mlp`` replaces the dense MLP (a mixture-of-experts block, pcpflow.models.moe)
         self.mlp = mlp if mlp is not None else GatedMLP(hidden_size, intermediate_size, bias=mlp_bias)
         self.attn_out_norm, self.mlp_out_norm = (norm(), norm()) if sandwich else (nn.Identity(), nn.Identity())
@@ -343,7 +353,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if self.parallel:  # NOTE: Cohere's: attention and MLP read one norm of x, both added to it
             h = self.input_norm(x)
-            return x + self.self_attn(h, positions, layer, attn) + self.mlp(h)
+            mlp_in = self.post_attention_norm(x) if self.parallel_mlp_norm else h
+            return x + self.self_attn(h, positions, layer, attn) + self.mlp(mlp_in)
         x = x + self._scaled(self.attn_out_norm(self.self_attn(self.input_norm(x), positions, layer, attn)))
         return x + self._scaled(self.mlp_out_norm(self.mlp(self.post_attention_norm(x))))
 

@@ -19,6 +19,12 @@ them:
   a gate (``up_proj``, ``relu2``: squared ReLU, ``down_proj``), biases where ``attention_bias`` /
   ``mlp_bias``, ``head_dim`` as given (else hidden / heads), RoPE on the first ``partial_rotary_factor``
   (0.5 unless given).
+- **GPT-NeoX** (``GPTNeoXForCausalLM``: Pythia 70M-12B, GPT-NeoX-20B): parallel layers whose attention and
+  MLP each read a LayerNorm of their own, ``x + attn(ln1(x)) + mlp(ln2(x))`` (``use_parallel_residual``;
+  false: pre-norm layers), q, k and v in one ``query_key_value`` a head at a time (split at load), every
+  head its own keys and values, biases on every projection, RoPE on the first ``rotary_pct`` (0.25) of each
+  head with base ``rotary_emb_base``, an MLP without a gate (``dense_h_to_4h``, ``gelu`` / ``gelu_fast``,
+  ``dense_4h_to_h``), untied ``embed_in`` / ``embed_out``.
 
 Each family's ``head_dim`` is hidden / heads (Nemotron's may be given) and its LayerNorm eps its own field; ``hidden_act`` is
 read as transformers' ``ACT2FN`` reads it (``gelu``: the exact, erf GELU; ``gelu_new``: the tanh
@@ -37,7 +43,7 @@ from pcpflow.models.hf_weights import Rename, attention_rename
 from pcpflow.models.layers import GQAAttention
 
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "gelu_new": "gelu_new", "silu": "silu",
-                  "swish": "silu", "relu2": "relu2"}
+                  "swish": "silu", "relu2": "relu2", "gelu_fast": "gelu_fast"}
 """config.json's ``hidden_act`` -> pcpflow's activation (``pcpflow.models.common.ACTIVATIONS``)."""
 
 
@@ -94,6 +100,7 @@ class LayerNormCheckpoint(HeadsOfHidden):
     parallel: ClassVar[bool] = False
     gated_mlp: ClassVar[bool] = False
     unit_offset: ClassVar[bool] = False  # the norms scale by 1 + weight (Nemotron's LayerNorm1P)
+    parallel_mlp_norm: ClassVar[bool] = False  # a parallel layer's MLP reads a norm of its own (GPT-NeoX)
 
     def biases(self) -> tuple[bool, bool, bool]:  # pragma: no cover
         """(q/k/v, o, MLP) biases."""
@@ -123,6 +130,7 @@ class LayerNormCheckpoint(HeadsOfHidden):
                 ),
                 h, self.intermediate_size, self.rms_norm_eps, mlp=mlp(),
                 parallel=self.is_parallel(), norm_bias=True, unit_offset=self.unit_offset,
+                parallel_mlp_norm=self.parallel_mlp_norm,
             )
             for _ in range(self.num_hidden_layers)
         ]
@@ -235,3 +243,53 @@ class NemotronCheckpoint(LayerNormCheckpoint):
 
     def biases(self) -> tuple[bool, bool, bool]:
         return self.attention_bias, self.attention_bias, self.mlp_bias
+
+
+class GPTNeoXCheckpoint(LayerNormCheckpoint):
+    """The config.json fields of a GPT-NeoX checkpoint that pcpflow uses (transformers'
+    ``GPTNeoXConfig`` defaults; its older ``rotary_pct`` and ``rotary_emb_base`` read as
+    ``partial_rotary_factor`` and ``rope_theta``, where ``rope_parameters`` does not give them)."""
+
+    hidden_act: str = "gelu"
+    partial_rotary_factor: float = Field(0.25, gt=0, le=1)
+    attention_bias: bool = True
+    use_parallel_residual: bool = True
+    parallel_mlp_norm: ClassVar[bool] = True
+    skip: ClassVar[tuple[str, ...]] = (r"gpt_neox\.layers\.\d+\.attention\.(masked_)?bias",)  # NOTE: old mask buffers
+
+    @classmethod
+    def _rope_fields(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        if raw.get("rope_theta") is None and raw.get("rotary_emb_base") is not None:
+            raw["rope_theta"] = raw["rotary_emb_base"]
+        raw = super()._rope_fields(raw)
+        if raw.get("rotary_pct") is not None:
+            raw.setdefault("partial_rotary_factor", raw["rotary_pct"])
+        return raw
+
+    @property
+    def kv_heads(self) -> int:
+        """Every head has its own keys and values (``query_key_value`` is three heads wide a head)."""
+        return self.num_attention_heads
+
+    @property
+    def renames(self) -> tuple[Rename, ...]:  # type: ignore[override]
+        """The tensors under ``gpt_neox.``; ``query_key_value`` a head's q, k and v in turn."""
+        layer = "gpt_neox.layers.{i}"
+        return (
+            Rename("gpt_neox.embed_in.weight", "embed_tokens.weight"),
+            Rename("embed_out.weight", "lm_head.weight"),
+            norm_rename("gpt_neox.final_layer_norm", "norm"),
+            norm_rename(f"{layer}.input_layernorm", "layers.{i}.input_norm"),
+            norm_rename(f"{layer}.post_attention_layernorm", "layers.{i}.post_attention_norm"),
+            Rename(f"{layer}.attention.query_key_value.{{wb}}", "layers.{i}.self_attn.q_proj.{wb}",
+                   stacked=("layers.{i}.self_attn.k_proj.{wb}", "layers.{i}.self_attn.v_proj.{wb}"), head_rows=self.dim),
+            Rename(f"{layer}.attention.dense.{{wb}}", "layers.{i}.self_attn.o_proj.{wb}"),
+            Rename(f"{layer}.mlp.dense_h_to_4h.{{wb}}", "layers.{i}.mlp.up_proj.{wb}"),
+            Rename(f"{layer}.mlp.dense_4h_to_h.{{wb}}", "layers.{i}.mlp.down_proj.{wb}"),
+        )
+
+    def is_parallel(self) -> bool:
+        return self.use_parallel_residual
+
+    def biases(self) -> tuple[bool, bool, bool]:
+        return self.attention_bias, self.attention_bias, True

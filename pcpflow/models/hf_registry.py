@@ -21,6 +21,7 @@ from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
 from pcpflow.models.hf_layernorm import (
+    GPTNeoXCheckpoint,
     NemotronCheckpoint,
     PhiCheckpoint,
     StableLmCheckpoint,
@@ -72,6 +73,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "PhiForCausalLM": PhiCheckpoint,
     "StableLmForCausalLM": StableLmCheckpoint,
     "NemotronForCausalLM": NemotronCheckpoint,
+    "GPTNeoXForCausalLM": GPTNeoXCheckpoint,
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -120,6 +122,7 @@ _MODEL_TYPES = {
     "phi": "PhiForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "nemotron": "NemotronForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
 }
 
 

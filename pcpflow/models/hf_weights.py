@@ -46,6 +46,8 @@ class Rename:
     keeps ``nn.Linear``'s ``[out, in]``; ``interleaved``, a fused gate/up whose gate and up
     rows alternate (gate = rows ``0::2``), where pcpflow keeps ``[gate; up]``. ``mxfp4``:
     the checkpoint may store it as ``<hf>_blocks`` + ``<hf>_scales`` (``pcpflow.models.mxfp4``).
+    ``head_rows``: a ``stacked`` tensor whose parameters take turns, ``head_rows`` rows of each per
+    head (GPT-NeoX's ``query_key_value``: a head's q, k and v, then the next head's).
     ``either_layout``: a ``transposed`` tensor may also be stored in pcpflow's layout, told apart
     by its shape (``read_as``). ``squeezed``: the tensor has a leading dim of 1 that the parameter
     lacks (ERNIE 4.5's ``[1, E]`` selection bias)."""
@@ -60,6 +62,7 @@ class Rename:
     mxfp4: bool = False
     either_layout: bool = False
     squeezed: bool = False
+    head_rows: int = 0
 
     def pattern(self) -> re.Pattern[str]:
         return _compile(self.hf)
@@ -304,13 +307,19 @@ def _load(params: dict[str, nn.Parameter], path: Path, where: dict[str, Any], pl
             if tensor.dim() == 0 or tensor.shape[0] != sum(rows):
                 raise ValueError(f"checkpoint tensor {hf_name} is {list(tensor.shape)}, but it stacks "
                                  f"{', '.join(name for name, _ in targets)}: {sum(rows)} rows")
-            pieces = tensor.split(rows)
+            pieces = _per_head(tensor, len(rows), rule.head_rows) if rule.head_rows else tensor.split(rows)
         else:
             pieces = (tensor,)
         for (name, part), piece in zip(targets, pieces):
             _copy(params[name], rule.as_ours(piece), part, hf_name, name)
     if nonfinite:
         raise ValueError(f"{path}: non-finite (NaN or inf) weights in {_some(nonfinite)}")
+
+
+def _per_head(tensor: torch.Tensor, n: int, rows: int) -> list[torch.Tensor]:
+    """The ``n`` parameters of a tensor whose rows go head by head, ``rows`` of each parameter per head."""
+    by_head = tensor.unflatten(0, (-1, n, rows))
+    return [by_head[:, j].flatten(0, 1) for j in range(n)]
 
 
 def _some(names: list[str], limit: int = 8) -> str:

@@ -514,13 +514,14 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
     q/k norms and (``attention_bias``) q/k/v/o biases; Granite's fused experts, shared MLP and
     q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP);
-    StarCoder2's, Phi's, StableLM's and Nemotron's LayerNorm weights and biases, Phi's LM head bias."""
+    StarCoder2's, Phi's, StableLM's, Nemotron's and GPT-NeoX's LayerNorm weights and biases, Phi's LM
+    head bias, GPT-NeoX's fused ``query_key_value``."""
     from pcpflow.models.hf_registry import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
                  "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense",
-                 "olmoe", "starcoder2", "phi", "stablelm", "nemotron"):
+                 "olmoe", "starcoder2", "phi", "stablelm", "nemotron", "gpt_neox"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -535,6 +536,8 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
                 assert theirs[hf] == (sum(params[n][0] for n, _ in targets), *params[targets[0][0]][1:]), (arch, hf)
         if arch == "phi3":  # NOTE: qkv_proj is q (4 heads x 16), then k and v (2 kv heads x 16 each)
             assert theirs["model.layers.0.self_attn.qkv_proj.weight"] == (64 + 32 + 32, 64)
+        if arch == "gpt_neox":  # NOTE: every head its own k and v, whatever num_key_value_heads the config carries
+            assert theirs["gpt_neox.layers.0.attention.query_key_value.weight"] == (3 * 64, 64)
 
 
 def test_real_checkpoint_configs_size_a_simulated_run(tmp_path):
@@ -2365,6 +2368,9 @@ NEMOTRON_COMMON = dict(architectures=["NemotronForCausalLM"], model_type="nemotr
                        hidden_act="relu2", max_position_embeddings=4096, norm_eps=1e-5, num_hidden_layers=32,
                        num_key_value_heads=8, partial_rotary_factor=0.5, rope_theta=10000, tie_word_embeddings=False,
                        vocab_size=256000)
+NEOX_COMMON = dict(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", hidden_act="gelu", layer_norm_eps=1e-5,
+                   max_position_embeddings=2048, rotary_emb_base=10000, rotary_pct=0.25, tie_word_embeddings=False,
+                   use_parallel_residual=True)
 REAL_LAYERNORM_CONFIGS = {
     "starcoder2-3b": (dict(STARCODER2_COMMON, hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
                            num_attention_heads=24, num_key_value_heads=2, rope_theta=999999.4420358813), 3.03),
@@ -2385,12 +2391,19 @@ REAL_LAYERNORM_CONFIGS = {
                                        num_attention_heads=24), 4.19),
     # NOTE: head_dim 128 where hidden / heads is 85.3
     "Minitron-8B-Base": (dict(NEMOTRON_COMMON, hidden_size=4096, intermediate_size=16384, num_attention_heads=48), 8.27),
+    "pythia-1.4b": (dict(NEOX_COMMON, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                         num_hidden_layers=24, vocab_size=50304), 1.41),
+    "pythia-6.9b": (dict(NEOX_COMMON, hidden_size=4096, intermediate_size=16384, num_attention_heads=32,
+                         num_hidden_layers=32, vocab_size=50432), 6.86),
+    "gpt-neox-20b": (dict(NEOX_COMMON, hidden_act="gelu_fast", hidden_size=6144, intermediate_size=24576,
+                          num_attention_heads=64, num_hidden_layers=44, vocab_size=50432), 20.55),
 }
 
 
 @pytest.mark.parametrize("name", REAL_LAYERNORM_CONFIGS)
 def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
-    """StarCoder2's, Phi's, StableLM's and Nemotron's published config.json: transformers' own parameter count
+    """StarCoder2's, Phi's, StableLM's, Nemotron's and GPT-NeoX's published config.json: transformers' own
+    parameter count
     (the cards' to their rounding), RoPE on transformers' ``rotary_ndims`` of a head, StarCoder2's
     window on every layer; a simulated run of it counts the matrices transformers' model has (two
     a plain MLP, three a gated one), its LayerNorms and MLP kind carried on the card."""
@@ -2464,3 +2477,27 @@ def test_layernorm_families_norms_and_activations_are_transformers_bit_for_bit()
             assert torch.equal(ours(x), theirs(x)), dtype
         for name, act in HF_ACTIVATIONS.items():
             assert torch.equal(ACTIVATIONS[act](x), ACT2FN[name](x)), (name, dtype)
+
+
+def test_gpt_neox_reads_its_older_fields_and_skips_its_mask_buffers(tmp_path):
+    """Pythia's config.json spells RoPE as ``rotary_pct`` / ``rotary_emb_base`` (read where
+    ``rope_parameters`` says nothing, as transformers does); its safetensors carry each layer's old
+    causal-mask buffers (``attention.bias``, ``attention.masked_bias``), which are left unread rather
+    than refused."""
+    from pcpflow.models.hf_registry import read_checkpoint_config
+    from pcpflow.models.hf_weights import plan_names
+
+    config = dict(REAL_LAYERNORM_CONFIGS["pythia-1.4b"][0], rotary_pct=0.5, rotary_emb_base=25000)
+    c, ours, theirs = _sized_as_transformers(tmp_path, config)
+    assert (c.rope_theta, c.partial_rotary_factor) == (25000, 0.5) == (
+        theirs.rope_parameters["rope_theta"], theirs.rope_parameters["partial_rotary_factor"])
+    c, _, theirs = _sized_as_transformers(tmp_path, dict(config, rope_parameters={
+        "rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.25}))
+    assert (c.rope_theta, c.partial_rotary_factor) == (5e5, 0.25) == (
+        theirs.rope_parameters["rope_theta"], theirs.rope_parameters["partial_rotary_factor"])
+    names = [n for n, _ in _hf_tensors(script.build_checkpoint(tmp_path / "neox", "gpt_neox")).items()]
+    buffers = ["gpt_neox.layers.0.attention.bias", "gpt_neox.layers.1.attention.masked_bias"]
+    checkpoint = read_checkpoint_config(tmp_path / "neox")
+    params = [n for n, _ in HFModel(checkpoint).named_parameters()]
+    plan = plan_names(names + buffers, params, checkpoint.renames, num_layers=2, skip=checkpoint.skip)
+    assert (plan.unknown, plan.unfilled, plan.twice) == ([], [], [])
