@@ -35,8 +35,8 @@ ReLU; ``GPTNeoXForCausalLM``, parallel layers on two LayerNorms, q/k/v fused a h
 ``GraniteMoeHybridForCausalLM`` with attention layers only (``hf_granite``: Granite's multipliers, top-k
 experts weighted by a softmax over the k, a shared MLP; a hybrid's Mamba2 layers are refused, naming
 them). The config is checked when the run config is validated — an unsupported
-architecture (other MoE families such as Phi-3.5-MoE are named as such, Gemma 1 with a
-reason), a quantized checkpoint, a missing directory or weights are
+architecture (other MoE families such as Phi-3.5-MoE are named as such; a feature a family does not
+compute, such as Phi's ``qk_layernorm``, by its field), a quantized checkpoint, a missing directory or weights are
 configuration errors (exit 2, no rank started; gpt-oss's MXFP4 experts are read, widened to the run's dtype); so is, in an executed run, a request past
 LongRoPE's original length (``length_problems``). A sliding window (Mistral's
 ``sliding_window``, Qwen's ``use_sliding_window``, Gemma's sliding layers) is executed:
