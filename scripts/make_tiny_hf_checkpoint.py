@@ -80,7 +80,8 @@ with interleaved RoPE and its odd ones full without position embedding, logits t
 and every bias (every layer sliding when given ``--sliding-window``), Phi parallel layers, RoPE on 12 of
 16 dims, ``gelu_new`` and an LM head with a bias, StableLM SwiGLU, q/k/v biases and RoPE on 4 of 16 dims;
 ``nemotron`` LayerNorm1P (scaled by ``1 + weight``), squared ReLU without a gate, head 24, RoPE on 12 dims;
-``gpt_neox`` parallel layers on two LayerNorms, q/k/v fused a head at a time, RoPE on half a head.
+``gpt_neox`` parallel layers on two LayerNorms, q/k/v fused a head at a time, RoPE on half a head;
+``gptj`` parallel layers on one LayerNorm, RoPE on adjacent pairs of half a head, an LM head with a bias.
 
 ``ernie4_5`` has every bias (``use_bias``) and RoPE on adjacent pairs, head 24.
 
@@ -194,7 +195,7 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "granite", "granitemoe", "granitemoeshared",
          "granite4", "granite4_dense", "qwen2_moe", "qwen3_moe", "mixtral",
-         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm", "nemotron", "gpt_neox")
+         "glm4_moe", "gemma3", "gemma3_mm", "mistral3", "ministral3", "ministral3_mm", "gemma2", "gemma", "olmo2", "olmo3", "olmoe", "cohere2", "cohere", "seed_oss", "ernie4_5", "ernie4_5_moe", "exaone4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gpt_oss", "llama4", "llama4_mm", "hunyuan", "hunyuan_moe", "deepseek_v3", "deepseek_v2", "glm", "glm4", "starcoder2", "phi", "stablelm", "nemotron", "gpt_neox", "gptj")
 GQA_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -235,6 +236,7 @@ GQA_ARCHS = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
     "nemotron": ("NemotronConfig", "NemotronForCausalLM"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM"),
 }
 
 ROPE_SCALINGS = {
@@ -337,6 +339,7 @@ DEFAULT_ROPE_SCALING = {
     "stablelm": "none",
     "nemotron": "none",
     "gpt_neox": "none",
+    "gptj": "none",
 }
 
 
@@ -478,6 +481,9 @@ def tiny_config(
             # NOTE: parallel layers, each block on its own LayerNorm; q/k/v fused a head at a time; RoPE on half a head
             # (its older rotary_pct / rotary_emb_base, as Pythia's config.json); every bias
             gpt_neox=dict(layer_norm_eps=1e-5, rotary_pct=0.5, rotary_emb_base=10000, use_parallel_residual=True),
+            # NOTE: parallel layers on one LayerNorm, RoPE on adjacent pairs of 8 of 16 dims, n_inner given, an LM
+            # head with a bias
+            gptj=dict(layer_norm_epsilon=1e-5, rotary_dim=8, n_inner=128),
         )[arch]
         if arch in ("qwen2", "mistral", "ministral3", "mixtral", "phi3", "qwen2_moe"):  # NOTE: their attention ignores attention_bias
             common.pop("attention_bias")
@@ -651,12 +657,12 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             if any(f".{part}." in f".{name}" for part in ("vision_tower", "vision_model", "multi_modal_projector",
                                                           "visual")):
                 continue  # NOTE: a multimodal model's image side: never run on text (transformers' own init)
-            if name.endswith(("embed_tokens.weight", "embed_in.weight")):
+            if name.endswith(("embed_tokens.weight", "embed_in.weight", "wte.weight")):
                 std = LOGIT_GAIN / math.sqrt(param.shape[1]) if tied else 1.0
                 value = randn(param.shape) * std
             elif name.endswith("bias"):  # NOTE: gpt-oss's experts' gate_up_proj_bias / down_proj_bias, LayerNorms' too
                 value = 0.1 * randn(param.shape)
-            elif name.endswith("norm.weight") or "layernorm" in name:
+            elif name.endswith("norm.weight") or "layernorm" in name or ".ln_" in name:
                 value = (0 if offsets else 1) + 0.2 * randn(param.shape)
             elif name.endswith(".sinks"):  # gpt-oss: a logit per head, on the scores' scale
                 value = randn(param.shape)

@@ -29,7 +29,7 @@ top-1 experts and a shared expert); Tencent's Hunyuan ``HunYuanDenseV1ForCausalL
 with a shared expert); LayerNorm families (``hf_layernorm``: StarCoder2's ``Starcoder2ForCausalLM``, an MLP
 without a gate and every bias, every layer sliding; Phi's ``PhiForCausalLM``, parallel layers, partial RoPE, an
 LM head with a bias; ``StableLmForCausalLM``; Nemotron's ``NemotronForCausalLM``, LayerNorm1P and squared
-ReLU; ``GPTNeoXForCausalLM``, parallel layers on two LayerNorms, q/k/v fused a head at a time);
+ReLU; ``GPTNeoXForCausalLM``, parallel layers on two LayerNorms, q/k/v fused a head at a time; ``GPTJForCausalLM``);
 ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, dense or with MoE layers
 (``hf_deepseek``); IBM's ``GraniteMoeForCausalLM``, ``GraniteMoeSharedForCausalLM`` and Granite 4.0's
 ``GraniteMoeHybridForCausalLM`` with attention layers only (``hf_granite``: Granite's multipliers, top-k
@@ -94,7 +94,7 @@ def tying(checkpoint: CheckpointConfig, names: list[str]) -> tuple[bool, tuple[R
 class HFModel(DecoderLM):
     """A Llama-style (Llama, Mistral, Ministral 3, Qwen2/3, Phi-3, SmolLM3, Granite, Qwen2/3-MoE, Mixtral, GLM-4.5), Gemma
     1/2/3, OLMo 2/3, OLMoE, Cohere 1/2, EXAONE 4, gpt-oss, Llama 4, Hunyuan, StarCoder2, Phi, StableLM, Nemotron, GPT-NeoX,
-    DeepSeek or Granite MoE / 4.0 model with the weights of a Hugging Face checkpoint."""
+    GPT-J, DeepSeek or Granite MoE / 4.0 model with the weights of a Hugging Face checkpoint."""
 
     Config = HFConfig
 

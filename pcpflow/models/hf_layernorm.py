@@ -25,6 +25,9 @@ them:
   head its own keys and values, biases on every projection, RoPE on the first ``rotary_pct`` (0.25) of each
   head with base ``rotary_emb_base``, an MLP without a gate (``dense_h_to_4h``, ``gelu`` / ``gelu_fast``,
   ``dense_4h_to_h``), untied ``embed_in`` / ``embed_out``.
+- **GPT-J** (``GPTJForCausalLM``: gpt-j-6b and its fine-tunes): Phi's parallel layers on one LayerNorm,
+  q/k/v/o without biases, RoPE on adjacent pairs of the first ``rotary_dim`` (64) dims of each head, an MLP
+  without a gate (``fc_in``, ``gelu_new``, ``fc_out``, biased), an LM head with a bias; GPT-2's field names.
 
 Each family's ``head_dim`` is hidden / heads (Nemotron's may be given) and its LayerNorm eps its own field; ``hidden_act`` is
 read as transformers' ``ACT2FN`` reads it (``gelu``: the exact, erf GELU; ``gelu_new``: the tanh
@@ -92,6 +95,10 @@ class LayerNormCheckpoint(HeadsOfHidden):
         return self
 
     @property
+    def kv_heads(self) -> int:
+        return self.num_attention_heads if self.multi_head else super().kv_heads
+
+    @property
     def rope_dims(self) -> int:
         """transformers' ``int(head_dim * partial_rotary_factor)``: the first dims of a head, rotated."""
         return int(self.dim * self.partial_rotary_factor)
@@ -101,6 +108,8 @@ class LayerNormCheckpoint(HeadsOfHidden):
     gated_mlp: ClassVar[bool] = False
     unit_offset: ClassVar[bool] = False  # the norms scale by 1 + weight (Nemotron's LayerNorm1P)
     parallel_mlp_norm: ClassVar[bool] = False  # a parallel layer's MLP reads a norm of its own (GPT-NeoX)
+    interleaved_rope: ClassVar[bool] = False  # RoPE rotates adjacent pairs (GPT-J's rotate_every_two)
+    multi_head: ClassVar[bool] = False  # every head its own keys and values, num_key_value_heads unread (GPT-NeoX, GPT-J)
 
     def biases(self) -> tuple[bool, bool, bool]:  # pragma: no cover
         """(q/k/v, o, MLP) biases."""
@@ -125,7 +134,8 @@ class LayerNormCheckpoint(HeadsOfHidden):
             DecoderLayer(
                 GQAAttention(
                     hidden_size=h, num_heads=self.num_attention_heads, num_kv_heads=self.kv_heads, head_dim=self.dim,
-                    rotary=RotaryEmbedding(self.rope_dims, self.rope_theta, scaling=self.rope_scaling),
+                    rotary=RotaryEmbedding(self.rope_dims, self.rope_theta, scaling=self.rope_scaling,
+                                           interleaved=self.interleaved_rope),
                     bias=qkv, o_bias=out,
                 ),
                 h, self.intermediate_size, self.rms_norm_eps, mlp=mlp(),
@@ -255,6 +265,7 @@ class GPTNeoXCheckpoint(LayerNormCheckpoint):
     attention_bias: bool = True
     use_parallel_residual: bool = True
     parallel_mlp_norm: ClassVar[bool] = True
+    multi_head: ClassVar[bool] = True
     skip: ClassVar[tuple[str, ...]] = (r"gpt_neox\.layers\.\d+\.attention\.(masked_)?bias",)  # NOTE: old mask buffers
 
     @classmethod
@@ -265,11 +276,6 @@ class GPTNeoXCheckpoint(LayerNormCheckpoint):
         if raw.get("rotary_pct") is not None:
             raw.setdefault("partial_rotary_factor", raw["rotary_pct"])
         return raw
-
-    @property
-    def kv_heads(self) -> int:
-        """Every head has its own keys and values (``query_key_value`` is three heads wide a head)."""
-        return self.num_attention_heads
 
     @property
     def renames(self) -> tuple[Rename, ...]:  # type: ignore[override]
@@ -293,3 +299,51 @@ class GPTNeoXCheckpoint(LayerNormCheckpoint):
 
     def biases(self) -> tuple[bool, bool, bool]:
         return self.attention_bias, self.attention_bias, True
+
+
+class GPTJCheckpoint(LayerNormCheckpoint):
+    """The config.json fields of a GPT-J checkpoint that pcpflow uses (transformers' ``GPTJConfig``
+    defaults; its names ``n_embd``, ``n_head``, ``n_layer``, ``n_positions``, ``n_inner`` (null: four
+    times ``n_embd``), ``activation_function`` and ``layer_norm_epsilon`` read as the other families')."""
+
+    rotary_dim: int | None = Field(64, gt=0)
+    eps_field: ClassVar[str] = "layer_norm_epsilon"
+    parallel: ClassVar[bool] = True
+    interleaved_rope: ClassVar[bool] = True
+    multi_head: ClassVar[bool] = True
+    skip: ClassVar[tuple[str, ...]] = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)  # NOTE: old mask buffers
+
+    renames: ClassVar[tuple[Rename, ...]] = (
+        Rename("transformer.wte.weight", "embed_tokens.weight"),
+        Rename("lm_head.weight", "lm_head.weight"),
+        Rename("lm_head.bias", "lm_head_bias"),
+        norm_rename("transformer.ln_f", "norm"),
+        norm_rename("transformer.h.{i}.ln_1", "layers.{i}.input_norm"),
+        *(Rename(f"transformer.h.{{i}}.attn.{p}_proj.weight", f"layers.{{i}}.self_attn.{p}_proj.weight") for p in "qkv"),
+        Rename("transformer.h.{i}.attn.out_proj.weight", "layers.{i}.self_attn.o_proj.weight"),
+        Rename("transformer.h.{i}.mlp.fc_in.{wb}", "layers.{i}.mlp.up_proj.{wb}"),
+        Rename("transformer.h.{i}.mlp.fc_out.{wb}", "layers.{i}.mlp.down_proj.{wb}"),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpt2_names(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            names = {"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+                     "n_positions": "max_position_embeddings", "activation_function": "hidden_act"}
+            raw = {**raw, **{ours: raw[theirs] for theirs, ours in names.items() if theirs in raw}}
+            raw.setdefault("hidden_act", "gelu_new")
+            hidden = raw.get("hidden_size", 4096)
+            raw["intermediate_size"] = raw.get("n_inner") or (4 * hidden if type(hidden) is int else hidden)
+        return raw
+
+    @property
+    def rope_dims(self) -> int:
+        """``rotary_dim`` dims of a head (null: all of them), in adjacent pairs."""
+        return self.rotary_dim or self.dim
+
+    def lm_options(self) -> dict[str, Any]:
+        return {**super().lm_options(), "lm_head_bias": True}
+
+    def biases(self) -> tuple[bool, bool, bool]:
+        return False, False, True

@@ -21,6 +21,7 @@ from pcpflow.models.hf_gptoss import GptOssCheckpoint
 from pcpflow.models.hf_granite import GraniteMoeCheckpoint
 from pcpflow.models.hf_hunyuan import HunyuanDenseCheckpoint, HunyuanMoECheckpoint
 from pcpflow.models.hf_layernorm import (
+    GPTJCheckpoint,
     GPTNeoXCheckpoint,
     NemotronCheckpoint,
     PhiCheckpoint,
@@ -74,6 +75,7 @@ ARCHITECTURES: dict[str, type[CheckpointConfig]] = {
     "StableLmForCausalLM": StableLmCheckpoint,
     "NemotronForCausalLM": NemotronCheckpoint,
     "GPTNeoXForCausalLM": GPTNeoXCheckpoint,
+    "GPTJForCausalLM": GPTJCheckpoint,
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -123,6 +125,7 @@ _MODEL_TYPES = {
     "stablelm": "StableLmForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "gptj": "GPTJForCausalLM",
 }
 
 

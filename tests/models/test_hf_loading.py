@@ -514,14 +514,14 @@ def test_each_gqa_family_builds_the_parameters_transformers_has(tmp_path):
     without an o bias, q/k norms, router bias and shared expert; Gemma 3's four norms a layer,
     q/k norms and (``attention_bias``) q/k/v/o biases; Granite's fused experts, shared MLP and
     q/k/v/o biases (a Granite 4.0 hybrid without experts: its shared MLP as the layer's MLP);
-    StarCoder2's, Phi's, StableLM's, Nemotron's and GPT-NeoX's LayerNorm weights and biases, Phi's LM
-    head bias, GPT-NeoX's fused ``query_key_value``."""
+    StarCoder2's, Phi's, StableLM's, Nemotron's, GPT-NeoX's and GPT-J's LayerNorm weights and biases,
+    Phi's and GPT-J's LM head bias, GPT-NeoX's fused ``query_key_value``."""
     from pcpflow.models.hf_registry import read_checkpoint
     from pcpflow.models.hf_weights import plan_names
 
     for arch in ("qwen2", "qwen3", "mistral", "llama", "phi3", "smollm3", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
                  "glm4_moe", "gemma3", "gemma2", "granitemoe", "granitemoeshared", "granite4", "granite4_dense",
-                 "olmoe", "starcoder2", "phi", "stablelm", "nemotron", "gpt_neox"):
+                 "olmoe", "starcoder2", "phi", "stablelm", "nemotron", "gpt_neox", "gptj"):
         path = script.build_checkpoint(tmp_path / arch, arch, bias=True)  # Qwen2, Mistral and Phi-3 ignore it
         theirs = {k: tuple(v.shape) for k, v in _hf_tensors(path).items()}
         checkpoint = read_checkpoint(path)
@@ -2397,13 +2397,17 @@ REAL_LAYERNORM_CONFIGS = {
                          num_hidden_layers=32, vocab_size=50432), 6.86),
     "gpt-neox-20b": (dict(NEOX_COMMON, hidden_act="gelu_fast", hidden_size=6144, intermediate_size=24576,
                           num_attention_heads=64, num_hidden_layers=44, vocab_size=50432), 20.55),
+    # NOTE: GPT-2's names; n_inner null: four times n_embd
+    "gpt-j-6b": (dict(architectures=["GPTJForCausalLM"], model_type="gptj", activation_function="gelu_new",
+                      layer_norm_epsilon=1e-5, n_embd=4096, n_head=16, n_inner=None, n_layer=28, n_positions=2048,
+                      rotary_dim=64, tie_word_embeddings=False, vocab_size=50400), 6.05),
 }
 
 
 @pytest.mark.parametrize("name", REAL_LAYERNORM_CONFIGS)
 def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
-    """StarCoder2's, Phi's, StableLM's, Nemotron's and GPT-NeoX's published config.json: transformers' own
-    parameter count
+    """StarCoder2's, Phi's, StableLM's, Nemotron's, GPT-NeoX's and GPT-J's published config.json: transformers'
+    own parameter count
     (the cards' to their rounding), RoPE on transformers' ``rotary_ndims`` of a head, StarCoder2's
     window on every layer; a simulated run of it counts the matrices transformers' model has (two
     a plain MLP, three a gated one), its LayerNorms and MLP kind carried on the card."""
@@ -2412,12 +2416,15 @@ def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
     config, params = REAL_LAYERNORM_CONFIGS[name]
     c, ours, theirs_config = _sized_as_transformers(tmp_path, config)
     assert sum(p.numel() for p in ours.parameters()) / 1e9 == pytest.approx(params, rel=0.01)
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    factor = theirs_config.rope_parameters.get("partial_rotary_factor", 1.0)
-    assert {layer.self_attn.rotary.dim for layer in ours.layers} == {int(head * factor)}
+    head = config.get("head_dim") or theirs_config.hidden_size // theirs_config.num_attention_heads
+    if hasattr(theirs_config, "rotary_dim"):  # NOTE: GPT-J's own field, no rope_parameters
+        rotated = theirs_config.rotary_dim
+    else:
+        rotated = int(head * theirs_config.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert {layer.self_attn.rotary.dim for layer in ours.layers} == {rotated}
     starcoder2 = name.startswith("starcoder2")
     assert c.attn_spec().window == (4096 if starcoder2 else None)
-    assert c.sliding_layers == (list(range(config["num_hidden_layers"])) if starcoder2 else [])
+    assert c.sliding_layers == (list(range(theirs_config.num_hidden_layers)) if starcoder2 else [])
     card = compose(["mode=simulate", "hardware=h200_sxm", "model=hf", f"model.path={tmp_path}", "tp=4", "pcp=2",
                     "workload=explicit", "workload.prompt_lens=[8000]", "workload.output_lens=[4]"]).model
     assert (card.gated_mlp, card.layer_norm, card.head_dim) == (name.startswith("stablelm"), True, head)

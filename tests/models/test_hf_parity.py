@@ -2,7 +2,7 @@
 
 Tiny random Llama, Qwen2, Qwen3, Mistral, Ministral 3, Phi-3, SmolLM3, Granite, Gemma 2/3 (multimodal Gemma 3,
 Mistral 3, Ministral 3 and Qwen2.5-VL too: their language models), OLMo 2/3, Cohere 2, Seed-OSS, ERNIE 4.5, EXAONE 4, gpt-oss,
-Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE, StarCoder2, Phi, StableLM, Nemotron, GPT-NeoX and Qwen3-VL
+Llama 4 (its multimodal one too), Hunyuan (dense and MoE), DeepSeek-V2/V3, Granite MoE, Granite 4.0, OLMoE, StarCoder2, Phi, StableLM, Nemotron, GPT-NeoX, GPT-J and Qwen3-VL
 (dense and MoE: their language models) checkpoints are
 written by transformers itself
 (``scripts/make_tiny_hf_checkpoint.py``: ``save_pretrained``, safetensors). pcpflow loads
@@ -137,6 +137,8 @@ CHECKPOINTS = {
     # GPT-NeoX (Pythia): parallel layers whose attention and MLP read LayerNorms of their own, q/k/v fused a head
     # at a time (split at load), RoPE on half a head, every bias
     "gpt_neox": dict(arch="gpt_neox"),
+    # GPT-J: parallel layers on one LayerNorm, RoPE on adjacent pairs of half a head, an LM head with a bias
+    "gptj": dict(arch="gptj"),
     # gpt-oss: attention sinks on every head, q/k/v/o biases, its even layer sliding over WINDOW keys,
     # YaRN untruncated; every MLP MoE (biased router and experts, clamped SwiGLU that bites)
     "gpt_oss_window": dict(arch="gpt_oss", sliding_window=WINDOW, bias=True),
@@ -405,6 +407,9 @@ LAYERNORM_CASES = [
     ("gpt_neox", "float64", 2, 2, "sharded", []),
     ("gpt_neox", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_kv"]),
     ("gpt_neox", "float64", 2, 1, "replicated", ["tp=2"]),
+    ("gptj", "float64", 2, 2, "sharded", []),
+    ("gptj", "float32", 4, 4, "replicated", ["pipeline.forward.cp_attention=ring_pass_q"]),
+    ("gptj", "float64", 2, 2, "sharded", ["tp=2"]),
 ]
 MATRIX += LAYERNORM_CASES
 
@@ -476,8 +481,9 @@ def load_transformers_model(path: Path, dtype: str, *, promote: bool = True):
     if promote and dtype == "float64":
         # NOTE: only construction and compute run promoted, never weight loading (which
         # may view raw bytes as float32).
-        # NOTE: a multimodal model's text model; Llama 4's holds a whole Llama4ForCausalLM; GPT-NeoX's is gpt_neox
-        inner = model.model if hasattr(model, "model") else getattr(model, "gpt_neox", None) or model.language_model.model
+        # NOTE: a multimodal model's text model; Llama 4's holds a whole Llama4ForCausalLM; GPT-NeoX's is gpt_neox, GPT-J's transformer
+        inner = (model.model if hasattr(model, "model")
+                 else getattr(model, "gpt_neox", None) or getattr(model, "transformer", None) or model.language_model.model)
         base = getattr(inner, "language_model", inner)
         if base.rotary_emb is not None:  # NOTE: a NoPE Granite 4.0 hybrid has none
             with float64_compute():
