@@ -93,9 +93,9 @@ def test_bad_checkpoints_are_one_config_problem_on_model_path(ckpts, tmp_path):
     (bad_json / "config.json").write_text("{not json")
     assert "not readable JSON" in _problem(bad_json)
 
-    neox = _copy(ckpts["llama"], tmp_path / "neox", architectures=["GPTNeoXForCausalLM"])
-    msg = _problem(neox)
-    assert "unsupported architecture GPTNeoXForCausalLM" in msg
+    bloom = _copy(ckpts["llama"], tmp_path / "bloom", architectures=["BloomForCausalLM"])  # NOTE: ALiBi, no RoPE
+    msg = _problem(bloom)
+    assert "unsupported architecture BloomForCausalLM" in msg
     assert all(a in msg for a in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM"))
 
     # MoE checkpoints load (tests/parallel/test_moe.py); other MoE families and variants are named
