@@ -89,9 +89,9 @@ class LayerNormCheckpoint(HeadsOfHidden):
             raise ValueError(f"qk_layernorm=true is not supported ({self.qk_layernorm_refused})")
         if self.hidden_act not in HF_ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(HF_ACTIVATIONS)}")
-        if self.rope_dims % 2 or not self.rope_dims:
-            raise ValueError(f"RoPE's dims (head_dim {self.dim} x partial_rotary_factor {self.partial_rotary_factor}) "
-                             f"must be even and at least 2; got {self.rope_dims}")
+        if self.rope_dims % 2 or not 2 <= self.rope_dims <= self.dim:
+            raise ValueError(f"RoPE's dims ({self.rope_dims} of a head of {self.dim}: partial_rotary_factor, or GPT-J's "
+                             "rotary_dim) must be even, at least 2 and at most the head")
         return self
 
     @property
@@ -306,7 +306,7 @@ class GPTJCheckpoint(LayerNormCheckpoint):
     defaults; its names ``n_embd``, ``n_head``, ``n_layer``, ``n_positions``, ``n_inner`` (null: four
     times ``n_embd``), ``activation_function`` and ``layer_norm_epsilon`` read as the other families')."""
 
-    rotary_dim: int | None = Field(64, gt=0)
+    rotary_dim: int = Field(64, gt=0)  # NOTE: null is refused: transformers' GPT-J then builds tables hidden-wide
     eps_field: ClassVar[str] = "layer_norm_epsilon"
     parallel: ClassVar[bool] = True
     interleaved_rope: ClassVar[bool] = True
@@ -339,8 +339,8 @@ class GPTJCheckpoint(LayerNormCheckpoint):
 
     @property
     def rope_dims(self) -> int:
-        """``rotary_dim`` dims of a head (null: all of them), in adjacent pairs."""
-        return self.rotary_dim or self.dim
+        """The first ``rotary_dim`` dims of a head, in adjacent pairs."""
+        return self.rotary_dim
 
     def lm_options(self) -> dict[str, Any]:
         return {**super().lm_options(), "lm_head_bias": True}

@@ -2436,13 +2436,16 @@ def test_real_layernorm_configs_read_as_transformers_reads_them(tmp_path, name):
 
 
 def test_layernorm_families_refuse_what_they_do_not_compute(tmp_path):
-    """Per-head q/k LayerNorms (Phi's and StableLM 2 12B's ``qk_layernorm``) and an activation
-    pcpflow does not have are each refused by name, the supported ones listed."""
+    """Per-head q/k LayerNorms (Phi's and StableLM 2 12B's ``qk_layernorm``), an activation
+    pcpflow does not have (the supported ones listed) and a GPT-J ``rotary_dim`` that is null or no
+    even part of a head are each refused by name."""
     cases = [
         (dict(REAL_LAYERNORM_CONFIGS["phi-2"][0], qk_layernorm=True), "qk_layernorm=true is not supported"),
         (dict(REAL_LAYERNORM_CONFIGS["stablelm-2-1_6b"][0], qk_layernorm=True), "qk_layernorm=true is not supported"),
         (dict(REAL_LAYERNORM_CONFIGS["starcoder2-3b"][0], hidden_act="relu"),
-         "hidden_act 'relu' is not supported; supported: gelu_pytorch_tanh, gelu, gelu_new, silu, swish"),
+         "hidden_act 'relu' is not supported; supported: gelu_pytorch_tanh, gelu, gelu_new, silu, swish, relu2, gelu_fast"),
+        (dict(REAL_LAYERNORM_CONFIGS["gpt-j-6b"][0], rotary_dim=None), "rotary_dim: Input should be a valid integer"),
+        (dict(REAL_LAYERNORM_CONFIGS["gpt-j-6b"][0], rotary_dim=65), "RoPE's dims (65 of a head of 256"),
     ]
     for config, message in cases:
         (tmp_path / "config.json").write_text(json.dumps(config))
