@@ -500,6 +500,9 @@ def tiny_config(
             common.update(hidden_size=80)
         if arch == "gpt_neox":  # NOTE: every bias, as released
             common.update(attention_bias=True)
+        if arch == "gptj":  # NOTE: its RoPE has no settings but rotary_dim (transformers warns of rope_scaling)
+            common.pop("rope_scaling")
+            common.pop("rope_theta")
         if arch in ("gpt_oss", "granitemoe", "granitemoeshared", "granite4", "olmoe"):  # NOTE: the experts' width
             common.update(intermediate_size=32)
         if arch == "hunyuan_moe":  # NOTE: the routed and shared experts' width

@@ -82,9 +82,9 @@ class ModelCard(Settings):
 
 def card_from_hf_config(path: str | Path) -> dict:
     """The card (as a plain dict) of a Hugging Face checkpoint directory's config.json
-    (every Llama-style GQA family, Gemma 2 and 3 included, or DeepSeek V2/V3 MLA, MoE included), read by the same strict parser an
-    executed run loads it with, its sliding window and how many layers slide as that parser
-    reads them (``window``, ``sliding_layers``); ValueError saying what is wrong."""
+    (every GQA family pcpflow executes, Gemma and the LayerNorm families included, or DeepSeek V2/V3 MLA, MoE
+    included), read by the same strict parser an executed run loads it with, its sliding window and how
+    many layers slide as that parser reads them (``window``, ``sliding_layers``); ValueError saying what is wrong."""
     from pcpflow.models.hf_registry import read_checkpoint_config
 
     path = Path(path).expanduser().resolve()
